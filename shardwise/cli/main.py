@@ -1,0 +1,42 @@
+"""`shardwise <command>`: one entry point, one module per command.
+
+Each command module exposes `add_parser(subparsers)` and `main(args) -> int`; they are
+imported lazily so `shardwise --help` does not pay for torch or transformers.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import sys
+
+COMMANDS = {
+    "train": "shardwise.train.cli",
+    "run": "shardwise.launcher.cli",
+    "estimate": "shardwise.planner.cli",
+    "convert": "shardwise.checkpoint.cli",
+}
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="shardwise", description=__doc__.splitlines()[0])
+    subparsers = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
+    for module_name in COMMANDS.values():
+        try:
+            module = importlib.import_module(module_name)
+        except ModuleNotFoundError as error:
+            if error.name != module_name:
+                raise
+            continue
+        module.add_parser(subparsers)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    return int(args.handler(args) or 0)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

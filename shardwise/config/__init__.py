@@ -1,0 +1,43 @@
+"""shardwise's configuration: DeepSpeed's JSON format, validated and resolved in one pass."""
+
+from shardwise.config.errors import ConfigError
+from shardwise.config.loader import load_config
+from shardwise.config.schema import (
+    ActivationCheckpointingConfig,
+    AioConfig,
+    Bf16Config,
+    Fp16Config,
+    OffloadConfig,
+    OffloadOptimizerConfig,
+    OffloadParamConfig,
+    OptimizerConfig,
+    PipelineParallelConfig,
+    SchedulerConfig,
+    SequenceParallelConfig,
+    ShardwiseConfig,
+    TensorBoardConfig,
+    TensorParallelConfig,
+    ZeroConfig,
+    default_config_table,
+)
+
+__all__ = [
+    "ActivationCheckpointingConfig",
+    "AioConfig",
+    "Bf16Config",
+    "ConfigError",
+    "Fp16Config",
+    "OffloadConfig",
+    "OffloadOptimizerConfig",
+    "OffloadParamConfig",
+    "OptimizerConfig",
+    "PipelineParallelConfig",
+    "SchedulerConfig",
+    "SequenceParallelConfig",
+    "ShardwiseConfig",
+    "TensorBoardConfig",
+    "TensorParallelConfig",
+    "ZeroConfig",
+    "default_config_table",
+    "load_config",
+]

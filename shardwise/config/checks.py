@@ -1,0 +1,58 @@
+"""Checks that need the whole validated config: capabilities shardwise has not built yet,
+and settings that are each valid but contradict one another.
+
+Blocks for later capabilities are part of the schema so that a DeepSpeed config naming
+them with everything switched off loads unchanged; only values that would switch such
+a capability on are refused, each with the key that does it.
+"""
+
+from shardwise.config.schema import OffloadConfig, ShardwiseConfig
+
+
+def find_unsupported(cfg: ShardwiseConfig) -> list[str]:
+    """One line per setting that asks for a capability shardwise does not have yet."""
+    problems = []
+    if cfg.fp16.auto_cast:
+        problems.append("fp16.auto_cast true is not supported yet: the model's own forward chooses dtypes")
+    for name in ("offload_optimizer", "offload_param"):
+        offload: OffloadConfig = getattr(cfg.zero_optimization, name)
+        if offload.device != "none":
+            problems.append(
+                f"zero_optimization.{name}.device '{offload.device}' is not supported yet: offload is a later "
+                "capability, use 'none'"
+            )
+    for key, size in (
+        ("tensor_parallel.size", cfg.tensor_parallel.size),
+        ("sequence_parallel.size", cfg.sequence_parallel.size),
+        ("pipeline_parallel.size", cfg.pipeline_parallel.size),
+    ):
+        if size > 1:
+            problems.append(f"{key} {size} is not supported yet: use 1")
+    for key, value in cfg.activation_checkpointing:
+        if value:
+            shown = "true" if value is True else value
+            problems.append(f"activation_checkpointing.{key} {shown} is not supported yet: leave it off")
+    if cfg.aio is not None:
+        problems.append("aio is not supported yet: it configures NVMe offload, a later capability; remove the block")
+    return problems
+
+
+def find_contradictions(cfg: ShardwiseConfig, batch_known: bool = True) -> list[str]:
+    """One line per pair of settings that cannot both hold, with the values involved.
+    `batch_known` False skips the checks against batch sizes that could not be resolved."""
+    problems = []
+    if cfg.fp16.enabled and cfg.bf16.enabled:
+        problems.append("fp16.enabled and bf16.enabled are both true: choose one training precision")
+    for name in ("offload_optimizer", "offload_param"):
+        offload: OffloadConfig = getattr(cfg.zero_optimization, name)
+        if offload.device == "nvme" and not offload.nvme_path:
+            problems.append(
+                f"zero_optimization.{name}.device is 'nvme' but zero_optimization.{name}.nvme_path is not set"
+            )
+    micro_batches = cfg.pipeline_parallel.micro_batches
+    if batch_known and micro_batches != cfg.gradient_accumulation_steps:
+        problems.append(
+            f"pipeline_parallel.micro_batches {micro_batches} != gradient_accumulation_steps "
+            f"{cfg.gradient_accumulation_steps}: a pipeline step runs one micro-batch per accumulation step"
+        )
+    return problems

@@ -1,0 +1,173 @@
+"""Values the config leaves open: "auto" entries and the three batch sizes.
+
+"auto" comes from Hugging Face's DeepSpeed integration, which fills such keys in
+from its trainer's arguments and the model before DeepSpeed sees the config.
+shardwise has no trainer, so "auto" becomes what can be derived without one: the
+batch sizes from each other, bucket sizes from the model's hidden size (with HF's
+formulas), the scheduler's peak from the optimizer's lr, and DeepSpeed's default
+otherwise. Where nothing sensible can be derived (the learning rate, step counts)
+"auto" is an error asking for a number.
+"""
+
+from collections.abc import Callable
+from typing import Any
+
+from shardwise.config.errors import join_key
+
+AUTO = "auto"
+BATCH_KEYS = ("train_batch_size", "train_micro_batch_size_per_gpu", "gradient_accumulation_steps")
+
+
+_USE_DEFAULT = object()
+"""What a rule returns to drop the key, so that the schema's default applies."""
+
+AutoRule = Callable[[dict[str, Any], int | None], object]
+
+
+def _default(cfg: dict[str, Any], hidden_size: int | None) -> object:
+    return _USE_DEFAULT
+
+
+def _from_hidden_size(formula: Callable[[int], int]) -> AutoRule:
+    return lambda cfg, hidden_size: _USE_DEFAULT if hidden_size is None else formula(hidden_size)
+
+
+def _optimizer_lr(cfg: dict[str, Any], hidden_size: int | None) -> object:
+    """A number when the config's optimizer has one; else None, read by the engine as the lr of
+    whichever optimizer it is given, as DeepSpeed's WarmupLR does with warmup_max_lr unset."""
+    lr = _lookup(cfg, "optimizer.params.lr")
+    return lr if isinstance(lr, (int, float)) and not isinstance(lr, bool) else None
+
+
+_STEPS_UNKNOWN = "it depends on the length of training; set a number of steps"
+
+# A rule is either how to derive the value, or the reason it cannot be derived.
+AUTO_RULES: dict[str, AutoRule | str] = {
+    **{key: _default for key in BATCH_KEYS},
+    "gradient_clipping": _default,
+    "fp16.enabled": _default,
+    "bf16.enabled": _default,
+    "optimizer.params.lr": "there is no trainer to take a learning rate from; set a number",
+    "optimizer.params.betas": _default,
+    "optimizer.params.eps": _default,
+    "optimizer.params.weight_decay": _default,
+    "scheduler.params.warmup_min_lr": _default,
+    "scheduler.params.warmup_max_lr": _optimizer_lr,
+    "scheduler.params.warmup_num_steps": _STEPS_UNKNOWN,
+    "scheduler.params.total_num_steps": _STEPS_UNKNOWN,
+    "zero_optimization.reduce_bucket_size": _from_hidden_size(lambda h: h * h),
+    "zero_optimization.stage3_prefetch_bucket_size": _from_hidden_size(lambda h: int(0.9 * h * h)),
+    "zero_optimization.stage3_param_persistence_threshold": _from_hidden_size(lambda h: 10 * h),
+}
+
+
+def _lookup(cfg: dict[str, Any], dotted: str) -> Any:
+    node: Any = cfg
+    for part in dotted.split("."):
+        if not isinstance(node, dict) or part not in node:
+            return None
+        node = node[part]
+    return node
+
+
+def resolve_auto(cfg: dict[str, Any], hidden_size: int | None, problems: list[str]) -> None:
+    """Replace every "auto" in `cfg` in place, reporting those that cannot be derived."""
+    for dotted, rule in AUTO_RULES.items():
+        parent_key, _, key = dotted.rpartition(".")
+        parent = _lookup(cfg, parent_key) if parent_key else cfg
+        if not isinstance(parent, dict) or parent.get(key) != AUTO:
+            continue
+        if isinstance(rule, str):
+            problems.append(f"{dotted}: 'auto' cannot be derived, {rule}")
+            del parent[key]
+            continue
+        outcome = rule(cfg, hidden_size)
+        if outcome is _USE_DEFAULT:
+            del parent[key]
+        else:
+            parent[key] = outcome
+    _drop_remaining_auto(cfg, "", problems)
+
+
+def _drop_remaining_auto(node: dict[str, Any], path: str, problems: list[str]) -> None:
+    """Report "auto" on keys no rule covers, and drop them so they are not reported twice."""
+    for key in list(node):
+        value = node[key]
+        if value == AUTO:
+            problems.append(f"{join_key(path, key)}: 'auto' cannot be derived for this key; set a value")
+            del node[key]
+        elif isinstance(value, dict):
+            _drop_remaining_auto(value, join_key(path, key), problems)
+
+
+def resolve_batch(cfg: dict[str, Any], world_size: int, problems: list[str]) -> bool:
+    """Set all three batch keys in `cfg` following DeepSpeed's rules, or report why not.
+
+    train = micro x accumulation x world: two of them give the third, train alone means no
+    accumulation, micro alone means no accumulation either. Unlike DeepSpeed, a derivation
+    that does not divide evenly is an error rather than a silently rounded-down batch.
+    """
+    given: dict[str, int] = {}
+    invalid = False
+    for key in BATCH_KEYS:
+        value = cfg.get(key)
+        if value is None:
+            continue
+        count = _positive_int(value)
+        if count is None:
+            problems.append(f"{key}: must be a positive integer (got {value!r})")
+            invalid = True
+        else:
+            given[key] = count
+    if invalid:
+        return False
+    derived = _derive_batch(given.get(BATCH_KEYS[0]), given.get(BATCH_KEYS[1]), given.get(BATCH_KEYS[2]), world_size)
+    if isinstance(derived, str):
+        problems.append(derived)
+        return False
+    cfg.update(zip(BATCH_KEYS, derived))
+    return True
+
+
+def _positive_int(value: Any) -> int | None:
+    """JSON may spell an integer as a float (8.0); booleans are not integers here."""
+    if isinstance(value, float) and value.is_integer():
+        value = int(value)
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        return None
+    return value
+
+
+def _derive_batch(
+    train: int | None, micro: int | None, accumulation: int | None, world: int
+) -> tuple[int, int, int] | str:
+    """(train, micro, accumulation), or the line explaining why they cannot be had."""
+    if train is not None and micro is not None and accumulation is not None:
+        if train != micro * accumulation * world:
+            return (
+                f"train_batch_size {train} != train_micro_batch_size_per_gpu {micro} * "
+                f"gradient_accumulation_steps {accumulation} * world_size {world} = {micro * accumulation * world}"
+            )
+        return train, micro, accumulation
+    if train is not None and micro is not None:
+        if train % (micro * world):
+            return (
+                f"train_batch_size {train} is not divisible by train_micro_batch_size_per_gpu {micro} * "
+                f"world_size {world} = {micro * world}, so gradient_accumulation_steps cannot be derived"
+            )
+        return train, micro, train // (micro * world)
+    if train is not None:
+        accumulation = accumulation or 1
+        if train % (accumulation * world):
+            return (
+                f"train_batch_size {train} is not divisible by gradient_accumulation_steps {accumulation} * "
+                f"world_size {world} = {accumulation * world}, so train_micro_batch_size_per_gpu cannot be derived"
+            )
+        return train, train // (accumulation * world), accumulation
+    if micro is not None:
+        accumulation = accumulation or 1
+        return micro * accumulation * world, micro, accumulation
+    return (
+        "set train_batch_size or train_micro_batch_size_per_gpu (or both): "
+        + ("gradient_accumulation_steps alone does not fix the batch size" if accumulation else "neither is given")
+    )

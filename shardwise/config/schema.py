@@ -1,0 +1,301 @@
+"""The configuration schema: DeepSpeed's JSON keys, resolved, with DeepSpeed's defaults.
+
+Defaults follow DeepSpeed's code, not its documentation where the two disagree:
+deepspeed/runtime/zero/config.py and zero/offload_config.py (ZeRO and offload),
+runtime/precision_config.py and runtime/constants.py (fp16, bf16, batch, clipping),
+runtime/activation_checkpointing/config.py, runtime/swap_tensor/constants.py (aio),
+monitor/config.py (tensorboard) and runtime/lr_schedules.py (schedulers, in params.py).
+`steps_per_print` keeps DeepSpeed's long-standing 10 although its newest code
+defaults to None (never print), because shardwise's progress output needs a period.
+
+These models describe a config that is already resolved: `load_config` turns
+"auto" into values, derives the batch sizes and reports every problem at once,
+so build configs through it rather than by instantiating these classes.
+"""
+
+import types
+from typing import Any, Literal, Union, get_args, get_origin
+
+from pydantic import BaseModel, Field, field_validator, model_validator
+from pydantic.fields import FieldInfo
+
+from shardwise.config.fields import Bool, Float, Int, Section
+from shardwise.config.params import ADAM_SELECTOR_PARAMS, OPTIMIZER_PARAMS, SCHEDULER_PARAMS
+
+
+class Fp16Config(Section):
+    """fp16 mixed precision; `loss_scale` 0 selects dynamic loss scaling."""
+
+    enabled: Bool = False
+    auto_cast: Bool = False
+    loss_scale: Float = Field(0.0, ge=0)
+    initial_scale_power: Int = Field(16, ge=0)
+    loss_scale_window: Int = Field(1000, ge=1)
+    hysteresis: Int = Field(2, ge=1)
+    consecutive_hysteresis: Bool = False
+    min_loss_scale: Float = Field(1.0, gt=0)
+
+
+class Bf16Config(Section):
+    """bf16 mixed precision; needs no loss scaling thanks to fp32's exponent range."""
+
+    enabled: Bool = False
+
+
+class OffloadConfig(Section):
+    """Where a ZeRO partition lives between uses; "none" keeps it on the accelerator."""
+
+    device: Literal["none", "cpu", "nvme"] = "none"
+    nvme_path: str | None = None
+    pin_memory: Bool = False
+
+
+class OffloadOptimizerConfig(OffloadConfig):
+    """Optimizer-state offload; 4 buffers hold Adam's parameter, gradient and two moments."""
+
+    buffer_count: Int = Field(4, ge=0)
+
+
+class OffloadParamConfig(OffloadConfig):
+    """Parameter offload (stage 3), whose NVMe buffer pool DeepSpeed sizes at 5 by default."""
+
+    buffer_count: Int = Field(5, ge=0)
+
+
+class ZeroConfig(Section):
+    """ZeRO stage and its bucket, prefetch and persistence sizes (in elements, not bytes)."""
+
+    stage: Int = 0
+    overlap_comm: Bool | None = Field(None, json_schema_extra={"default_doc": "true for stage 3, else false"})
+    contiguous_gradients: Bool = True
+    reduce_scatter: Bool = True
+    reduce_bucket_size: Int = 500_000_000
+    allgather_partitions: Bool = True
+    allgather_bucket_size: Int = 500_000_000
+    stage3_prefetch_bucket_size: Int = Field(50_000_000, ge=0)
+    stage3_param_persistence_threshold: Int = Field(100_000, ge=0)
+    stage3_max_live_parameters: Int = Field(1_000_000_000, ge=0)
+    stage3_max_reuse_distance: Int = Field(1_000_000_000, ge=0)
+    stage3_gather_16bit_weights_on_model_save: Bool = False
+    sub_group_size: Int = Field(1_000_000_000, ge=0)
+    offload_optimizer: OffloadOptimizerConfig = Field(default_factory=OffloadOptimizerConfig)
+    offload_param: OffloadParamConfig = Field(default_factory=OffloadParamConfig)
+
+    @field_validator("stage")
+    @classmethod
+    def _known_stage(cls, stage: int) -> int:
+        if stage not in (0, 1, 2, 3):
+            raise ValueError(f"{stage} is not a ZeRO stage: use 0, 1, 2 or 3")
+        return stage
+
+    @field_validator("reduce_bucket_size", "allgather_bucket_size")
+    @classmethod
+    def _positive_bucket(cls, size: int) -> int:
+        if size <= 0:
+            raise ValueError(f"bucket size {size} must be a positive number of elements")
+        return size
+
+    @model_validator(mode="after")
+    def _resolve_overlap_comm(self) -> "ZeroConfig":
+        """DeepSpeed leaves overlap_comm unset so that only stage 3 overlaps by default."""
+        if self.overlap_comm is None:
+            self.overlap_comm = self.stage == 3
+        return self
+
+
+class OptimizerConfig(Section):
+    """An optimizer built from the config; `params` holds every accepted key, defaults filled in."""
+
+    type: Literal["Adam", "AdamW", "SGD"]
+    params: dict[str, Any] = Field(default_factory=dict)
+
+    @property
+    def torch_class_name(self) -> str:
+        """The `torch.optim` class to build: DeepSpeed's Adam decouples weight decay unless told not to."""
+        if self.type == "SGD":
+            return "SGD"
+        return "AdamW" if self.params["adam_w_mode"] else "Adam"
+
+    def torch_kwargs(self) -> dict[str, Any]:
+        """`params` minus the keys that select the class rather than configure it."""
+        return {key: value for key, value in self.params.items() if key not in ADAM_SELECTOR_PARAMS}
+
+
+class SchedulerConfig(Section):
+    """A learning-rate schedule stepped once per optimizer step."""
+
+    type: Literal["WarmupLR", "WarmupDecayLR", "WarmupCosineLR"]
+    params: dict[str, Any] = Field(default_factory=dict)
+
+
+class ActivationCheckpointingConfig(Section):
+    """DeepSpeed's activation-checkpointing switches; all off means no recomputation."""
+
+    partition_activations: Bool = False
+    cpu_checkpointing: Bool = False
+    contiguous_memory_optimization: Bool = False
+    number_checkpoints: Int | None = None
+    synchronize_checkpoint_boundary: Bool = False
+    profile: Bool = False
+
+
+class AioConfig(Section):
+    """Asynchronous NVMe I/O for ZeRO-Infinity; absent unless the config has an `aio` block."""
+
+    block_size: Int = Field(1_048_576, ge=1)
+    queue_depth: Int = Field(8, ge=1)
+    thread_count: Int = Field(1, ge=1)
+    single_submit: Bool = False
+    overlap_events: Bool = True
+
+
+class TensorParallelConfig(Section):
+    """shardwise addition: size of the tensor-parallel group."""
+
+    size: Int = Field(1, ge=1)
+
+
+class SequenceParallelConfig(Section):
+    """shardwise addition. `size` matters to Ulysses (Megatron-style SP reuses the TP group),
+    hence Ulysses is the default mode."""
+
+    size: Int = Field(1, ge=1)
+    mode: Literal["megatron", "ulysses"] = "ulysses"
+
+
+class PipelineParallelConfig(Section):
+    """shardwise addition. A pipeline step runs one micro-batch per accumulation step,
+    as in DeepSpeed, so `micro_batches` defaults to gradient_accumulation_steps."""
+
+    size: Int = Field(1, ge=1)
+    schedule: Literal["gpipe", "1f1b"] = "1f1b"
+    micro_batches: Int | None = Field(None, ge=1, json_schema_extra={"default_doc": "gradient_accumulation_steps"})
+
+
+class TensorBoardConfig(Section):
+    """TensorBoard event files, written under output_path/job_name."""
+
+    enabled: Bool = False
+    output_path: str = ""
+    job_name: str = "DeepSpeedJobName"
+
+
+_COMMUNICATION_DTYPES = {
+    "fp32": "fp32", "float32": "fp32",
+    "fp16": "fp16", "float16": "fp16",
+    "bf16": "bf16", "bfloat16": "bf16", "bfp16": "bf16",
+}
+
+
+class ShardwiseConfig(Section):
+    """A whole training config with DeepSpeed's key names, every value resolved."""
+
+    train_batch_size: Int = Field(
+        ge=1,
+        json_schema_extra={
+            "default_doc": "train_micro_batch_size_per_gpu x gradient_accumulation_steps x data-parallel size"
+        },
+    )
+    train_micro_batch_size_per_gpu: Int = Field(
+        ge=1,
+        json_schema_extra={"default_doc": "train_batch_size / (gradient_accumulation_steps x data-parallel size)"},
+    )
+    gradient_accumulation_steps: Int = Field(
+        ge=1,
+        json_schema_extra={
+            "default_doc": "1, or train_batch_size / (train_micro_batch_size_per_gpu x data-parallel size)"
+        },
+    )
+    gradient_clipping: Float = 0.0
+    steps_per_print: Int = Field(10, ge=1)
+    seed: Int | None = Field(None, ge=0)
+    optimizer: OptimizerConfig | None = None
+    scheduler: SchedulerConfig | None = None
+    fp16: Fp16Config = Field(default_factory=Fp16Config)
+    bf16: Bf16Config = Field(default_factory=Bf16Config)
+    communication_data_type: Literal["fp32", "fp16", "bf16"] | None = Field(
+        None, json_schema_extra={"default_doc": "the gradients' dtype"}
+    )
+    zero_optimization: ZeroConfig = Field(default_factory=ZeroConfig)
+    activation_checkpointing: ActivationCheckpointingConfig = Field(default_factory=ActivationCheckpointingConfig)
+    aio: AioConfig | None = None
+    tensor_parallel: TensorParallelConfig = Field(default_factory=TensorParallelConfig)
+    sequence_parallel: SequenceParallelConfig = Field(default_factory=SequenceParallelConfig)
+    pipeline_parallel: PipelineParallelConfig = Field(default_factory=PipelineParallelConfig)
+    tensorboard: TensorBoardConfig = Field(default_factory=TensorBoardConfig)
+
+    @field_validator("gradient_clipping")
+    @classmethod
+    def _non_negative_clipping(cls, max_norm: float) -> float:
+        if max_norm < 0:
+            raise ValueError(f"{max_norm} is negative: give a maximum gradient norm, or 0 to disable clipping")
+        return max_norm
+
+    @field_validator("communication_data_type", mode="before")
+    @classmethod
+    def _normalise_dtype(cls, name: Any) -> Any:
+        if not isinstance(name, str):
+            return name
+        if name.lower() not in _COMMUNICATION_DTYPES:
+            raise ValueError(f"{name!r} is not a communication data type: use fp32, fp16 or bf16")
+        return _COMMUNICATION_DTYPES[name.lower()]
+
+    @model_validator(mode="after")
+    def _resolve_micro_batches(self) -> "ShardwiseConfig":
+        if self.pipeline_parallel.micro_batches is None:
+            self.pipeline_parallel.micro_batches = self.gradient_accumulation_steps
+        return self
+
+
+def section_model(annotation: Any) -> type[BaseModel] | None:
+    """The model class inside a field annotation such as `ZeroConfig` or `AioConfig | None`."""
+    candidates = get_args(annotation) if get_origin(annotation) in (Union, types.UnionType) else (annotation,)
+    for candidate in candidates:
+        if isinstance(candidate, type) and issubclass(candidate, BaseModel):
+            return candidate
+    return None
+
+
+def default_config_table() -> list[tuple[str, object]]:
+    """(dotted key, default) for every supported key, so documentation is generated, not copied.
+
+    Optimizer and scheduler params are listed per type as `optimizer.params[Adam|AdamW].lr`;
+    defaults that depend on other keys are given as a short description.
+    """
+    rows: list[tuple[str, object]] = []
+    _collect_defaults(ShardwiseConfig, "", rows)
+    return rows
+
+
+def _collect_defaults(model: type[BaseModel], prefix: str, rows: list[tuple[str, object]]) -> None:
+    for name, field in model.model_fields.items():
+        key = f"{prefix}{name}"
+        nested = section_model(field.annotation)
+        if nested is not None:
+            if not field.is_required() and field.get_default(call_default_factory=True) is None:
+                rows.append((key, None))
+            _collect_defaults(nested, f"{key}.", rows)
+        elif model is OptimizerConfig and name == "params":
+            _collect_params(OPTIMIZER_PARAMS, prefix, rows)
+        elif model is SchedulerConfig and name == "params":
+            _collect_params(SCHEDULER_PARAMS, prefix, rows)
+        else:
+            rows.append((key, _documented_default(field)))
+
+
+def _collect_params(by_type: dict[str, type[Section]], prefix: str, rows: list[tuple[str, object]]) -> None:
+    type_names_by_model: dict[type[Section], list[str]] = {}
+    for type_name, model in by_type.items():
+        type_names_by_model.setdefault(model, []).append(type_name)
+    for model, type_names in type_names_by_model.items():
+        for name, field in model.model_fields.items():
+            rows.append((f"{prefix}params[{'|'.join(type_names)}].{name}", _documented_default(field)))
+
+
+def _documented_default(field: FieldInfo) -> object:
+    extra = field.json_schema_extra
+    if isinstance(extra, dict) and "default_doc" in extra:
+        return extra["default_doc"]
+    if field.is_required():
+        return "required"
+    return field.get_default(call_default_factory=True)

@@ -1,0 +1,3 @@
+from shardwise.models.gpt import GPT, GPTConfig
+
+__all__ = ["GPT", "GPTConfig"]

@@ -1,0 +1,132 @@
+"""A small GPT (nanoGPT-shaped) used by the main job, the tests and the benchmarks.
+
+It is a plain `nn.Module` with no knowledge of parallelism: shardwise's parallelisms are
+applied to models from the outside, and this model is just a realistic subject for them
+(embedding tied to the output layer, pre-norm blocks, fused attention).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+
+@dataclass(frozen=True)
+class GPTConfig:
+    vocab_size: int = 256
+    block_size: int = 256
+    n_layer: int = 6
+    n_head: int = 6
+    n_embd: int = 384
+    dropout: float = 0.0
+    bias: bool = True
+
+    @staticmethod
+    def preset(name: str) -> "GPTConfig":
+        """Byte-level presets by approximate parameter count."""
+        presets = {
+            "tiny": GPTConfig(vocab_size=64, block_size=32, n_layer=2, n_head=2, n_embd=32),
+            "1m": GPTConfig(block_size=128, n_layer=4, n_head=4, n_embd=128),
+            "10m": GPTConfig(block_size=256, n_layer=6, n_head=6, n_embd=384),
+            "25m": GPTConfig(block_size=256, n_layer=8, n_head=8, n_embd=512),
+            "100m": GPTConfig(block_size=256, n_layer=14, n_head=12, n_embd=768),
+        }
+        if name not in presets:
+            raise ValueError(f"unknown GPT preset {name!r}; choose from {sorted(presets)}")
+        return presets[name]
+
+
+class CausalSelfAttention(nn.Module):
+    def __init__(self, config: GPTConfig):
+        super().__init__()
+        self.n_head = config.n_head
+        self.dropout = config.dropout
+        self.qkv = nn.Linear(config.n_embd, 3 * config.n_embd, bias=config.bias)
+        self.proj = nn.Linear(config.n_embd, config.n_embd, bias=config.bias)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        batch, time, channels = x.shape
+        q, k, v = self.qkv(x).split(channels, dim=2)
+        shape = (batch, time, self.n_head, channels // self.n_head)
+        q, k, v = (t.view(shape).transpose(1, 2) for t in (q, k, v))
+        dropout = self.dropout if self.training else 0.0
+        y = F.scaled_dot_product_attention(q, k, v, dropout_p=dropout, is_causal=True)
+        return self.proj(y.transpose(1, 2).reshape(batch, time, channels))
+
+
+class MLP(nn.Module):
+    def __init__(self, config: GPTConfig):
+        super().__init__()
+        self.fc = nn.Linear(config.n_embd, 4 * config.n_embd, bias=config.bias)
+        self.proj = nn.Linear(4 * config.n_embd, config.n_embd, bias=config.bias)
+        self.dropout = nn.Dropout(config.dropout)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.dropout(self.proj(F.gelu(self.fc(x), approximate="tanh")))
+
+
+class Block(nn.Module):
+    def __init__(self, config: GPTConfig):
+        super().__init__()
+        self.ln_1 = nn.LayerNorm(config.n_embd, bias=config.bias)
+        self.attn = CausalSelfAttention(config)
+        self.ln_2 = nn.LayerNorm(config.n_embd, bias=config.bias)
+        self.mlp = MLP(config)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = x + self.attn(self.ln_1(x))
+        return x + self.mlp(self.ln_2(x))
+
+
+class GPT(nn.Module):
+    def __init__(self, config: GPTConfig):
+        super().__init__()
+        self.config = config
+        self.wte = nn.Embedding(config.vocab_size, config.n_embd)
+        self.wpe = nn.Embedding(config.block_size, config.n_embd)
+        self.drop = nn.Dropout(config.dropout)
+        self.blocks = nn.ModuleList(Block(config) for _ in range(config.n_layer))
+        self.ln_f = nn.LayerNorm(config.n_embd, bias=config.bias)
+        self.lm_head = nn.Linear(config.n_embd, config.vocab_size, bias=False)
+        self.lm_head.weight = self.wte.weight
+        self.apply(self._init_weights)
+        for name, param in self.named_parameters():
+            if name.endswith("proj.weight"):  # GPT-2's scaled init of residual projections
+                nn.init.normal_(param, mean=0.0, std=0.02 / (2 * config.n_layer) ** 0.5)
+
+    @staticmethod
+    def _init_weights(module: nn.Module) -> None:
+        if isinstance(module, nn.Linear):
+            nn.init.normal_(module.weight, mean=0.0, std=0.02)
+            if module.bias is not None:
+                nn.init.zeros_(module.bias)
+        elif isinstance(module, nn.Embedding):
+            nn.init.normal_(module.weight, mean=0.0, std=0.02)
+
+    def forward(self, idx: torch.Tensor, targets: torch.Tensor | None = None) -> torch.Tensor:
+        """Logits, or the mean cross-entropy when `targets` are given."""
+        positions = torch.arange(idx.shape[1], device=idx.device)
+        x = self.drop(self.wte(idx) + self.wpe(positions))
+        for block in self.blocks:
+            x = block(x)
+        logits = self.lm_head(self.ln_f(x))
+        if targets is None:
+            return logits
+        return F.cross_entropy(logits.view(-1, logits.size(-1)).float(), targets.reshape(-1))
+
+    def flops_per_token(self) -> int:
+        """Training FLOPs per token (6N + attention), as in the PaLM appendix."""
+        n_params = sum(p.numel() for p in self.parameters())
+        layers, embd, time = self.config.n_layer, self.config.n_embd, self.config.block_size
+        return 6 * n_params + 12 * layers * embd * time
+
+    @torch.no_grad()
+    def generate(self, idx: torch.Tensor, max_new_tokens: int, temperature: float = 1.0) -> torch.Tensor:
+        for _ in range(max_new_tokens):
+            logits = self(idx[:, -self.config.block_size :])[:, -1, :].float() / temperature
+            next_token = torch.multinomial(F.softmax(logits, dim=-1), num_samples=1)
+            idx = torch.cat((idx, next_token), dim=1)
+        return idx

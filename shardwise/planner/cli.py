@@ -1,0 +1,136 @@
+"""`shardwise estimate`: memory per ZeRO stage and offload option, and what to run.
+
+Imports only the planner (plain arithmetic) and rich, so the command answers instantly.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from typing import Any
+
+from rich.console import Console
+from rich.table import Table
+
+from shardwise.planner.explain import DEVICE_NAMES, format_bytes
+from shardwise.planner.formulas import ELEMENT_BYTES, OPTIMIZER_FP32_STATES
+from shardwise.planner.recommend import DEFAULT_HEADROOM, Estimate, Hardware, OptionEstimate, estimate
+from shardwise.planner.shapes import PRESETS, ModelShape
+
+# Narrower consoles (pipes, CI logs) would squeeze the table into wrapped cells.
+MIN_WIDTH = 120
+
+
+def add_parser(subparsers: Any) -> argparse.ArgumentParser:
+    parser = subparsers.add_parser(
+        "estimate",
+        help="memory per GPU and node for every ZeRO stage and offload option, and a recommendation",
+        description=__doc__.splitlines()[0],
+    )
+    source = parser.add_mutually_exclusive_group(required=True)
+    source.add_argument("--params", type=float, help="parameter count, e.g. 7.5e9")
+    source.add_argument("--hf-config", metavar="PATH", help="Hugging Face config.json (or its directory)")
+    source.add_argument("--preset", choices=list(PRESETS), help="a built-in model shape")
+
+    layout = parser.add_argument_group("layout for --params (enables the activation estimate)")
+    layout.add_argument("--hidden-size", type=int)
+    layout.add_argument("--layers", type=int)
+    layout.add_argument("--heads", type=int)
+    layout.add_argument("--vocab-size", type=int)
+
+    hardware = parser.add_argument_group("hardware")
+    hardware.add_argument("--gpus", type=int, default=1, help="total GPUs = data-parallel size (default 1)")
+    hardware.add_argument("--gpus-per-node", type=int, default=8, help="default 8")
+    hardware.add_argument("--gpu-memory", type=float, default=80.0, metavar="GB", help="per GPU (default 80)")
+    hardware.add_argument("--cpu-memory", type=float, default=512.0, metavar="GB", help="per node (default 512)")
+    hardware.add_argument("--nvme", type=float, default=0.0, metavar="GB", help="per node, 0 = none (default)")
+    hardware.add_argument(
+        "--headroom", type=float, default=DEFAULT_HEADROOM, help=f"fraction held back (default {DEFAULT_HEADROOM})"
+    )
+
+    training = parser.add_argument_group("training")
+    training.add_argument("--micro-batch", type=int, default=1, help="per GPU (default 1)")
+    training.add_argument("--seq-len", type=int, default=2048, help="default 2048")
+    training.add_argument("--dtype", choices=list(ELEMENT_BYTES), default="bf16", help="default bf16")
+    training.add_argument("--optimizer", choices=list(OPTIMIZER_FP32_STATES), default="adam", help="default adam")
+    parser.set_defaults(handler=main)
+    return parser
+
+
+def main(args: argparse.Namespace) -> int:
+    try:
+        result = estimate(
+            _shape(args),
+            Hardware(args.gpus, args.gpus_per_node, args.gpu_memory, args.cpu_memory, args.nvme, args.headroom),
+            micro_batch=args.micro_batch,
+            seq_len=args.seq_len,
+            dtype=args.dtype,
+            optimizer=args.optimizer,
+        )
+    except (ValueError, FileNotFoundError) as error:
+        print(f"shardwise estimate: error: {error}", file=sys.stderr)
+        return 2
+    console = Console(highlight=False)
+    if not console.is_terminal:
+        console.width = max(console.width, MIN_WIDTH)
+    render(result, console)
+    return 0
+
+
+def _shape(args: argparse.Namespace) -> ModelShape:
+    layout = (args.hidden_size, args.layers, args.heads, args.vocab_size)
+    if args.params is None and any(value is not None for value in layout):
+        raise ValueError("--hidden-size/--layers/--heads/--vocab-size go with --params; presets and configs carry their own")
+    if args.preset:
+        return ModelShape.preset(args.preset)
+    if args.hf_config:
+        return ModelShape.from_hf_config(args.hf_config)
+    return ModelShape.from_params(args.params, *layout)
+
+
+def render(result: Estimate, console: Console) -> None:
+    """The first explanation line states the inputs, so it heads the output; the
+    arithmetic follows the tables it justifies."""
+    console.print(result.explanation[0], markup=False)
+    console.print(_options_table(result))
+    if result.activations is not None:
+        console.print(_activations_table(result))
+    for line in result.explanation[1:]:
+        console.print(line, markup=False)
+
+
+def _options_table(result: Estimate) -> Table:
+    chosen = result.recommendation.option if result.recommendation else None
+    table = Table(
+        title="Model states per GPU; host memory and NVMe per node (GB = 1e9 bytes)",
+        caption=("◀ recommended; " if chosen else "") + "gather = stage-3 working set per GPU",
+    )
+    for name in ("stage", "offload", "GPU states", "gather", "CPU/node", "NVMe/node", "fits"):
+        table.add_column(name, justify="left" if name in ("offload", "fits") else "right", no_wrap=True)
+    for option in result.options:
+        table.add_row(
+            str(option.stage),
+            option.offload.label,
+            format_bytes(option.gpu_model_states),
+            format_bytes(option.gather_bytes),
+            format_bytes(option.cpu_per_node),
+            format_bytes(option.nvme_per_node),
+            _fit_text(option) + (" ◀" if option == chosen else ""),
+            style="bold green" if option == chosen else None,
+        )
+    return table
+
+
+def _fit_text(option: OptionEstimate) -> str:
+    if option.shortfall is not None:
+        return f"no ({DEVICE_NAMES[option.shortfall]})"
+    return "yes" if option.fits_with == "none" else f"{option.fits_with} recompute"
+
+
+def _activations_table(result: Estimate) -> Table:
+    table = Table(title="Activations per GPU")
+    table.add_column("recomputation")
+    table.add_column(f"s = {result.seq_len}, b = {result.micro_batch}", justify="right")
+    for mode, value in (result.activations or {}).items():
+        table.add_row(mode, format_bytes(value))
+    return table

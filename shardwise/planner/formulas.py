@@ -1,0 +1,268 @@
+"""Memory formulas: ZeRO model states, their offloaded placement, and activations.
+
+Everything here is integer arithmetic with no torch import, so the engine's measured
+`memory_breakdown()` can be checked against the very numbers `shardwise estimate` prints.
+
+Notation (SPEC §4): Ψ parameters, N data-parallel ranks, K bytes of optimizer state per
+parameter. ZeRO (Rajbhandari et al., 2020) removes the data-parallel redundancy one model
+state at a time: stage 1 partitions the optimizer states (KΨ → KΨ/N), stage 2 also the
+gradients, stage 3 also the 16-bit parameters. A partition is ceil(Ψ/N) elements: the
+engine pads the flat buffer so every rank holds the same length.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from math import ceil
+from typing import Literal
+
+Device = Literal["gpu", "cpu", "nvme"]
+OffloadDevice = Literal["none", "cpu", "nvme"]
+Category = Literal["params", "grads", "optimizer_states"]
+RecomputeMode = Literal["none", "selective", "full"]
+
+GB = 10**9
+
+CATEGORIES: tuple[Category, ...] = ("params", "grads", "optimizer_states")
+STAGES = (0, 1, 2, 3)
+RECOMPUTE_MODES: tuple[RecomputeMode, ...] = ("none", "selective", "full")
+
+ELEMENT_BYTES = {"bf16": 2, "fp16": 2, "fp32": 4}
+MASTER_WEIGHT_BYTES = 4
+# Offloaded gradients are kept in fp32 on the host: the CPU optimizer steps in fp32, so
+# the 16-bit gradient partition is upcast once on arrival instead of at every use.
+HOST_GRADIENT_BYTES = 4
+# fp32 tensors of state each optimizer keeps per parameter (Adam: momentum and variance).
+OPTIMIZER_FP32_STATES = {"adam": 2, "adamw": 2, "lamb": 2, "sgd": 1}
+# Korthikanti et al. assume logits are turned into an fp32 log-softmax that cross-entropy
+# keeps for its backward; layer recomputation does not cover it.
+LOGITS_BYTES = 4
+
+
+def element_bytes(dtype: str) -> int:
+    """Bytes of one parameter or gradient element in the training dtype."""
+    if dtype not in ELEMENT_BYTES:
+        raise ValueError(f"dtype must be one of {sorted(ELEMENT_BYTES)}, got {dtype!r}")
+    return ELEMENT_BYTES[dtype]
+
+
+def optimizer_state_bytes_for(optimizer: str = "adam", dtype: str = "bf16") -> int:
+    """K: with 16-bit training the optimizer owns an fp32 master copy (4 bytes) on top of its
+    own states; with fp32 training it updates the fp32 weights in place, so K is the states
+    alone (Adam: 12 mixed, 8 fp32)."""
+    if optimizer not in OPTIMIZER_FP32_STATES:
+        raise ValueError(f"optimizer must be one of {sorted(OPTIMIZER_FP32_STATES)}, got {optimizer!r}")
+    master = 0 if element_bytes(dtype) == MASTER_WEIGHT_BYTES else MASTER_WEIGHT_BYTES
+    return 4 * OPTIMIZER_FP32_STATES[optimizer] + master
+
+
+@dataclass(frozen=True)
+class Offload:
+    """Where the optimizer (fp32 master, states, fp32 gradients) and the 16-bit parameters
+    live, in the vocabulary of the config's `offload_optimizer.device` / `offload_param.device`."""
+
+    optimizer: OffloadDevice = "none"
+    params: OffloadDevice = "none"
+
+    @property
+    def label(self) -> str:
+        if self.params != "none" and self.params == self.optimizer:
+            return f"optimizer+params→{self.optimizer}"
+        if self.params != "none":
+            return f"optimizer→{self.optimizer}, params→{self.params}"
+        if self.optimizer != "none":
+            return f"optimizer→{self.optimizer}"
+        return "none"
+
+
+NO_OFFLOAD = Offload()
+
+
+@dataclass(frozen=True)
+class StateTerm:
+    """One summand of a model-state formula: `bytes_per_param`·Ψ, or ·Ψ/N when `sharded`.
+    `label` names it in explanations ("fp32 master" is counted under optimizer_states)."""
+
+    label: str
+    category: Category
+    device: Device
+    bytes_per_param: int
+    sharded: bool
+
+
+def validate_placement(stage: int, offload: Offload) -> None:
+    """ZeRO-Offload needs partitioned optimizer states (stage ≥ 1); parameter offload needs
+    partitioned parameters and NVMe swapping the stage-3 partitioned engine (ZeRO-Infinity)."""
+    if stage not in STAGES:
+        raise ValueError(f"stage must be one of {STAGES}, got {stage!r}")
+    for name, device in (("optimizer", offload.optimizer), ("params", offload.params)):
+        if device not in ("none", "cpu", "nvme"):
+            raise ValueError(f"offload {name} device must be none, cpu or nvme, got {device!r}")
+    if stage == 0 and offload != NO_OFFLOAD:
+        raise ValueError("offload needs ZeRO stage 1 or more; stage 0 keeps every state on the GPU")
+    if stage < 3 and offload.params != "none":
+        raise ValueError(f"parameter offload needs stage 3, got stage {stage}")
+    if stage < 3 and offload.optimizer == "nvme":
+        raise ValueError(f"NVMe offload (ZeRO-Infinity) needs stage 3, got stage {stage}")
+    if offload.params != "none" and offload.optimizer == "none":
+        raise ValueError("parameter offload needs the optimizer offloaded too")
+
+
+def model_state_terms(stage: int, offload: Offload, dtype: str, optimizer_state_bytes: int) -> list[StateTerm]:
+    """The per-rank model-state formula as summands, each placed on a device.
+
+    Without offload these are exactly the SPEC §4 rows. With the optimizer offloaded
+    (ZeRO-Offload, Ren et al. 2021) the optimizer partition and an fp32 gradient partition
+    live on the host and the step runs there; stage 1 still accumulates the full 16-bit
+    gradient on the GPU because it reduces only at the boundary, while stages 2-3 stream
+    each reduced gradient bucket straight to the host and keep none. With NVMe
+    (ZeRO-Infinity) the optimizer partition is swapped to files and the gradient partition
+    stays in host memory, where the optimizer consumes it sub-group by sub-group. fp32
+    training has no master copy on the GPU, but an offloaded optimizer needs its own fp32
+    copy of the weight partition to update, so one is added beside it.
+    """
+    validate_placement(stage, offload)
+    p = element_bytes(dtype)
+    gpu: Device = "gpu"
+    param_device: Device = gpu if offload.params == "none" else offload.params
+    terms = [StateTerm("params", "params", param_device, p, sharded=stage == 3)]
+    if offload.optimizer == "none":
+        terms.append(StateTerm("grads", "grads", gpu, p, sharded=stage >= 2))
+        terms.append(StateTerm("optimizer", "optimizer_states", gpu, optimizer_state_bytes, sharded=stage >= 1))
+        return terms
+    if stage == 1:
+        terms.append(StateTerm("grads", "grads", gpu, p, sharded=False))
+    terms.append(StateTerm("fp32 grads", "grads", "cpu", HOST_GRADIENT_BYTES, sharded=True))
+    if p == MASTER_WEIGHT_BYTES:
+        terms.append(StateTerm("fp32 master", "optimizer_states", offload.optimizer, MASTER_WEIGHT_BYTES, sharded=True))
+    terms.append(StateTerm("optimizer", "optimizer_states", offload.optimizer, optimizer_state_bytes, sharded=True))
+    return terms
+
+
+def partition_elements(num_elements: int, world_size: int) -> int:
+    """Elements one rank holds of a flat buffer padded to a multiple of N."""
+    return ceil(num_elements / world_size)
+
+
+def placed_model_state_bytes(
+    num_params: int,
+    world_size: int,
+    stage: int,
+    offload: Offload = NO_OFFLOAD,
+    dtype: str = "bf16",
+    optimizer_state_bytes_per_param: int | None = None,
+    persistent_params: int = 0,
+) -> dict[Device, dict[Category, int]]:
+    """Model-state bytes one rank holds, per device and category.
+
+    Stage-3 persistent parameters (small ones the engine never partitions, so it need not
+    gather them) are held in full by every rank, on the GPU even when the rest is offloaded.
+    """
+    _check_counts(num_params, world_size, persistent_params)
+    k = _resolve_k(dtype, optimizer_state_bytes_per_param)
+    placed: dict[Device, dict[Category, int]] = {d: dict.fromkeys(CATEGORIES, 0) for d in ("gpu", "cpu", "nvme")}
+    for term in model_state_terms(stage, offload, dtype, k):
+        if term.category == "params" and term.sharded:
+            placed[term.device]["params"] += term.bytes_per_param * partition_elements(num_params - persistent_params, world_size)
+            placed["gpu"]["params"] += term.bytes_per_param * persistent_params
+            continue
+        elements = partition_elements(num_params, world_size) if term.sharded else num_params
+        placed[term.device][term.category] += term.bytes_per_param * elements
+    return placed
+
+
+def model_state_bytes(
+    num_params: int,
+    world_size: int,
+    stage: int,
+    dtype: str = "bf16",
+    optimizer_state_bytes_per_param: int | None = None,
+    persistent_params: int = 0,
+) -> dict[str, int]:
+    """Per-rank bytes of {"params", "grads", "optimizer_states"} with no offload: SPEC §4.
+
+    `optimizer_state_bytes_per_param` is K; it defaults to Adam's (12 mixed, 8 fp32).
+    """
+    return dict(placed_model_state_bytes(
+        num_params, world_size, stage, NO_OFFLOAD, dtype, optimizer_state_bytes_per_param, persistent_params
+    )["gpu"])
+
+
+def _resolve_k(dtype: str, explicit: int | None) -> int:
+    """K as given, or Adam's K for the dtype."""
+    if explicit is None:
+        return optimizer_state_bytes_for("adam", dtype)
+    if explicit < 0:
+        raise ValueError(f"optimizer_state_bytes_per_param must be >= 0, got {explicit}")
+    return explicit
+
+
+def _check_counts(num_params: int, world_size: int, persistent_params: int) -> None:
+    if num_params <= 0:
+        raise ValueError(f"num_params must be positive, got {num_params}")
+    if world_size <= 0:
+        raise ValueError(f"world_size must be positive, got {world_size}")
+    if not 0 <= persistent_params <= num_params:
+        raise ValueError(f"persistent_params must be in [0, num_params={num_params}], got {persistent_params}")
+
+
+def stage3_gather_bytes(largest_layer_params: int, dtype: str) -> int:
+    """GPU working set of stage 3, whatever is offloaded: the running layer's parameters
+    gathered in full, the next layer's prefetched beside them, and in backward the layer's
+    full gradient before it is reduce-scattered: (2 + 1) elements per layer parameter."""
+    return 3 * element_bytes(dtype) * largest_layer_params
+
+
+def layer_activation_coefficients(dtype: str) -> tuple[int, int]:
+    """(c_h, c_a) in per-layer activation bytes = c_h·s·b·h + c_a·a·s²·b.
+
+    Korthikanti et al. 2022 ("Reducing Activation Recomputation in Large Transformer
+    Models") count what a GPT block saves for backward with e-byte activations and 1-byte
+    dropout masks: attention 5e·sbh + sbh (mask) plus (2e + 1)·a·s²·b (scores, softmax,
+    its dropout mask); MLP 9e·sbh + sbh; two layer norms 2e·sbh. With e = 2 this is their
+    sbh(34 + 5as/h). A llama block has no dropout and a gated MLP with I ≈ 8h/3 saving
+    three I-wide tensors, within a few percent of the same total.
+    """
+    e = element_bytes(dtype)
+    return 16 * e + 2, 2 * e + 1
+
+
+def layer_activation_bytes(seq_len: int, micro_batch: int, hidden: int, heads: int, dtype: str, attention_core: bool = True) -> int:
+    """Bytes one transformer layer keeps for backward. Selective recomputation (and flash
+    attention) drops the a·s²·b attention-core terms by recomputing them."""
+    c_h, c_a = layer_activation_coefficients(dtype)
+    linear_part = c_h * seq_len * micro_batch * hidden
+    return linear_part + (c_a * heads * seq_len * seq_len * micro_batch if attention_core else 0)
+
+
+def activation_bytes(
+    num_layers: int,
+    hidden: int,
+    heads: int,
+    vocab_size: int | None,
+    seq_len: int,
+    micro_batch: int,
+    dtype: str,
+    recompute: RecomputeMode,
+) -> int:
+    """Activation bytes per GPU at the peak of backward (start of backward).
+
+    none: every layer's full activations. selective: every layer without its attention
+    core. full: each layer keeps only its input (e·s·b·h), and the layer being
+    back-propagated is recomputed in full, so one layer's full activations come back.
+    Plus the fp32 log-softmax of the logits (4·s·b·V) when the vocabulary is known.
+    """
+    if recompute not in RECOMPUTE_MODES:
+        raise ValueError(f"recompute must be one of {RECOMPUTE_MODES}, got {recompute!r}")
+    for name, value in (("num_layers", num_layers), ("hidden", hidden), ("heads", heads), ("seq_len", seq_len), ("micro_batch", micro_batch)):
+        if value <= 0:
+            raise ValueError(f"{name} must be positive, got {value}")
+    full_layer = layer_activation_bytes(seq_len, micro_batch, hidden, heads, dtype)
+    if recompute == "none":
+        layers = num_layers * full_layer
+    elif recompute == "selective":
+        layers = num_layers * layer_activation_bytes(seq_len, micro_batch, hidden, heads, dtype, attention_core=False)
+    else:
+        layers = num_layers * element_bytes(dtype) * seq_len * micro_batch * hidden + full_layer
+    logits = LOGITS_BYTES * seq_len * micro_batch * vocab_size if vocab_size else 0
+    return layers + logits

@@ -1,0 +1,181 @@
+"""Model shapes for the planner: parameter count plus the layout activations depend on.
+
+Counts come from the Hugging Face config alone (a JSON read, no transformers import), with
+the same module structure transformers builds, so they match `model.parameters()` exactly.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Mapping
+
+LLAMA_STYLE = ("llama", "mistral")
+GPT2_STYLE = ("gpt2",)
+
+# Real shapes: GPT-2 as released by OpenAI, llama-* as Llama 2 (70b uses grouped-query
+# attention with 8 key/value heads).
+PRESETS: dict[str, dict[str, Any]] = {
+    "gpt2": {"model_type": "gpt2", "n_embd": 768, "n_layer": 12, "n_head": 12, "vocab_size": 50257, "n_positions": 1024},
+    "gpt2-medium": {"model_type": "gpt2", "n_embd": 1024, "n_layer": 24, "n_head": 16, "vocab_size": 50257, "n_positions": 1024},
+    "gpt2-large": {"model_type": "gpt2", "n_embd": 1280, "n_layer": 36, "n_head": 20, "vocab_size": 50257, "n_positions": 1024},
+    "gpt2-xl": {"model_type": "gpt2", "n_embd": 1600, "n_layer": 48, "n_head": 25, "vocab_size": 50257, "n_positions": 1024},
+    "llama-7b": {"model_type": "llama", "hidden_size": 4096, "intermediate_size": 11008, "num_hidden_layers": 32,
+                 "num_attention_heads": 32, "num_key_value_heads": 32, "vocab_size": 32000},
+    "llama-13b": {"model_type": "llama", "hidden_size": 5120, "intermediate_size": 13824, "num_hidden_layers": 40,
+                  "num_attention_heads": 40, "num_key_value_heads": 40, "vocab_size": 32000},
+    "llama-70b": {"model_type": "llama", "hidden_size": 8192, "intermediate_size": 28672, "num_hidden_layers": 80,
+                  "num_attention_heads": 64, "num_key_value_heads": 8, "vocab_size": 32000},
+}
+
+
+@dataclass(frozen=True)
+class ModelShape:
+    """A model as the memory formulas see it. Layout fields are None when only the
+    parameter count is known; activations and the stage-3 working set then go uncounted.
+
+    `largest_layer_params` is the biggest unit stage 3 gathers at once, taken as a whole
+    transformer block or the embedding/output matrix, whichever is larger: engines that
+    gather module by module need less, so this errs on the safe side.
+    """
+
+    name: str
+    num_params: int
+    hidden_size: int | None = None
+    num_layers: int | None = None
+    num_heads: int | None = None
+    vocab_size: int | None = None
+    intermediate_size: int | None = None
+    largest_layer_params: int | None = None
+
+    def __post_init__(self) -> None:
+        if self.num_params <= 0:
+            raise ValueError(f"num_params must be positive, got {self.num_params}")
+        for field in ("hidden_size", "num_layers", "num_heads", "vocab_size", "intermediate_size", "largest_layer_params"):
+            value = getattr(self, field)
+            if value is not None and value <= 0:
+                raise ValueError(f"{field} must be positive, got {value}")
+
+    @property
+    def has_layout(self) -> bool:
+        """Whether activation memory can be computed (needs h, L and a)."""
+        return None not in (self.hidden_size, self.num_layers, self.num_heads)
+
+    def describe(self) -> str:
+        layout = ""
+        if self.has_layout:
+            layout = f" (h={self.hidden_size}, L={self.num_layers}, a={self.num_heads}"
+            layout += f", V={self.vocab_size})" if self.vocab_size else ")"
+        return f"{self.name}: Ψ = {self.num_params:,} parameters{layout}"
+
+    @classmethod
+    def from_params(
+        cls,
+        num_params: int | float,
+        hidden_size: int | None = None,
+        num_layers: int | None = None,
+        num_heads: int | None = None,
+        vocab_size: int | None = None,
+    ) -> ModelShape:
+        """A bare parameter count, optionally with the layout for activations. The largest
+        gathered unit is then taken as a GPT block, 12h², or the V·h embedding."""
+        if float(num_params) != int(num_params):
+            raise ValueError(f"num_params must be a whole number, got {num_params}")
+        count = int(num_params)
+        largest = None
+        if hidden_size:
+            largest = max(12 * hidden_size * hidden_size, (vocab_size or 0) * hidden_size)
+        return cls("model", count, hidden_size, num_layers, num_heads, vocab_size, None, largest)
+
+    @classmethod
+    def preset(cls, name: str) -> ModelShape:
+        if name not in PRESETS:
+            raise ValueError(f"unknown preset {name!r}; choose from {', '.join(PRESETS)}")
+        return cls.from_hf_config(PRESETS[name], name=name)
+
+    @classmethod
+    def from_hf_config(cls, path_or_dict: str | Path | Mapping[str, Any], name: str | None = None) -> ModelShape:
+        """Shape of a llama/mistral- or gpt2-style Hugging Face model from its config
+        (a dict, a config.json, or a directory holding one). Keys a config may omit take
+        transformers' defaults; the size keys are required."""
+        config, source = _load_config(path_or_dict)
+        model_type = config.get("model_type")
+        if model_type in LLAMA_STYLE:
+            return _llama_style_shape(config, name or source)
+        if model_type in GPT2_STYLE:
+            return _gpt2_style_shape(config, name or source)
+        raise ValueError(
+            f"{source}: model_type {model_type!r} is not supported; "
+            f"supported: {', '.join(LLAMA_STYLE + GPT2_STYLE)} (or pass --params)"
+        )
+
+
+def _load_config(path_or_dict: str | Path | Mapping[str, Any]) -> tuple[dict[str, Any], str]:
+    if isinstance(path_or_dict, Mapping):
+        return dict(path_or_dict), "config"
+    path = Path(path_or_dict)
+    if path.is_dir():
+        path = path / "config.json"
+    if not path.is_file():
+        raise FileNotFoundError(f"no Hugging Face config at {path}")
+    try:
+        config = json.loads(path.read_text())
+    except json.JSONDecodeError as error:
+        raise ValueError(f"{path} is not valid JSON: {error}") from error
+    if not isinstance(config, dict):
+        raise ValueError(f"{path} must hold a JSON object, got {type(config).__name__}")
+    return config, path.parent.name or str(path)
+
+
+def _require(config: Mapping[str, Any], key: str, source: str) -> int:
+    if config.get(key) is None:
+        raise ValueError(f"{source}: config has no {key!r}, needed to count parameters")
+    return int(config[key])
+
+
+def _llama_style_shape(config: Mapping[str, Any], source: str) -> ModelShape:
+    """Embedding V·h; per block q/k/v/o projections (k and v narrowed by grouped-query
+    attention), a gated MLP of three h×I matrices and two RMSNorm weights; a final norm;
+    an untied V·h output head. Mistral never has biases, llama may."""
+    h = _require(config, "hidden_size", source)
+    layers = _require(config, "num_hidden_layers", source)
+    heads = _require(config, "num_attention_heads", source)
+    inner = _require(config, "intermediate_size", source)
+    vocab = _require(config, "vocab_size", source)
+    kv_heads = int(config.get("num_key_value_heads") or heads)
+    head_dim = int(config.get("head_dim") or h // heads)
+    llama = config["model_type"] == "llama"
+    attention_bias = llama and bool(config.get("attention_bias", False))
+    mlp_bias = llama and bool(config.get("mlp_bias", False))
+    tied = bool(config.get("tie_word_embeddings", False))
+
+    q_width, kv_width = heads * head_dim, kv_heads * head_dim
+    attention = h * q_width + 2 * h * kv_width + q_width * h
+    if attention_bias:
+        attention += q_width + 2 * kv_width + h
+    mlp = 3 * h * inner + (2 * inner + h if mlp_bias else 0)
+    block = attention + mlp + 2 * h
+    embedding = vocab * h
+    total = embedding + layers * block + h + (0 if tied else embedding)
+    return ModelShape(source, total, h, layers, heads, vocab, inner, max(block, embedding))
+
+
+def _gpt2_style_shape(config: Mapping[str, Any], source: str) -> ModelShape:
+    """Token and position embeddings; per block two LayerNorms (weight and bias), a fused
+    QKV projection and an output projection, a two-matrix MLP, all with biases; a final
+    LayerNorm; the output head tied to the token embedding unless the config says not."""
+    h = _require(config, "n_embd", source)
+    layers = _require(config, "n_layer", source)
+    heads = _require(config, "n_head", source)
+    vocab = _require(config, "vocab_size", source)
+    positions = _require(config, "n_positions", source)
+    inner = int(config.get("n_inner") or 4 * h)
+    tied = bool(config.get("tie_word_embeddings", True))
+
+    attention = (h * 3 * h + 3 * h) + (h * h + h)
+    mlp = (h * inner + inner) + (inner * h + h)
+    block = attention + mlp + 2 * 2 * h
+    embedding = vocab * h
+    total = embedding + positions * h + layers * block + 2 * h + (0 if tied else embedding)
+    return ModelShape(source, total, h, layers, heads, vocab, inner, max(block, embedding))

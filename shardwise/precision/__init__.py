@@ -1,0 +1,3 @@
+from shardwise.precision.loss_scaler import LossScaler
+
+__all__ = ["LossScaler"]

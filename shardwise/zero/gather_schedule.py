@@ -1,0 +1,214 @@
+"""When stage-3 parameters are gathered, prefetched and released (C4).
+
+Hooks on every module that owns partitioned parameters drive four events:
+
+    pre-forward    gather the module's units (and prefetch the next ones)
+    post-forward   release them, unless they are used again within max_reuse_distance;
+                   hook the outputs' gradients so that, in backward,
+    pre-backward   the units are gathered again before the module's backward runs
+    grads ready    (reported by GradientReducer) the units are freed for good this step
+
+The first step records the sequence of unit uses (forward, then backward) as a *trace*.
+Later steps, as long as they follow the trace, prefetch the units ahead of the current
+position (up to stage3_prefetch_bucket_size elements, never more than
+stage3_max_live_parameters gathered). When a step departs from the trace (data-dependent
+control flow), prefetching stops for the rest of that step and units are fetched on
+demand, so a changed order costs speed, never correctness; the new order becomes the trace.
+
+Ranks must gather the same units in the same order. At the end of every backward the
+ranks compare a checksum of the gathers they issued; if ranks ran different modules
+(rank-dependent branches) this raises an error naming the first module that differs.
+"""
+
+from __future__ import annotations
+
+import math
+import zlib
+from collections import defaultdict
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.utils._pytree import tree_flatten
+
+from shardwise.distributed.collectives import Communicator
+from shardwise.zero.layout import FlatUnit
+from shardwise.zero.sharded_params import ShardedParameters
+
+
+class DivergentExecutionError(RuntimeError):
+    """Ranks gathered different parameters in one step (rank-dependent control flow)."""
+
+
+class GatherSchedule:
+    def __init__(
+        self,
+        root: nn.Module,
+        module_units: dict[nn.Module, list[FlatUnit]],
+        params: ShardedParameters,
+        comm: Communicator,
+        prefetch_bucket_size: int,
+        max_live_parameters: int,
+        max_reuse_distance: int,
+    ):
+        self.root = root
+        self.module_units = module_units
+        self.params = params
+        self.comm = comm
+        self.prefetch_bucket_size = prefetch_bucket_size
+        self.max_live_parameters = max_live_parameters
+        self.max_reuse_distance = max_reuse_distance
+        self.units = {unit.index: unit for units in module_units.values() for unit in units}
+        self.trace: list[int] = []
+        self.next_use_distance: list[float] = []
+        self.record: list[int] = []
+        self.on_trace = False
+        self.gather_log: list[int] = []
+        self.positions: dict[nn.Module, list[list[int]]] = defaultdict(list)
+        self.handles = []
+        for module in module_units:
+            self.handles.append(module.register_forward_pre_hook(self._pre_forward))
+            self.handles.append(module.register_forward_hook(self._post_forward))
+        if root not in module_units:
+            self.handles.append(root.register_forward_pre_hook(self._pre_forward))
+            self.handles.append(root.register_forward_hook(self._post_forward))
+
+    # -- uses, fetches and prefetches ------------------------------------------------------
+    def _use(self, units: list[FlatUnit]) -> list[int]:
+        """Record a use of `units`, make them available, prefetch along the trace."""
+        positions = []
+        for unit in units:
+            position = len(self.record)
+            if self.on_trace and (position >= len(self.trace) or self.trace[position] != unit.index):
+                self.on_trace = False
+            self.record.append(unit.index)
+            positions.append(position)
+            self._fetch(unit)
+        if self.on_trace:
+            self._prefetch(len(self.record))
+        for unit in units:
+            self.params.wait(unit)
+        return positions
+
+    def _fetch(self, unit: FlatUnit) -> None:
+        if not self.params.is_available(unit):
+            self.gather_log.append(unit.index)
+            self.params.fetch(unit)
+
+    def _prefetch(self, start: int) -> None:
+        ahead = 0
+        for index in self.trace[start:]:
+            unit = self.units[index]
+            ahead += unit.numel
+            if ahead > self.prefetch_bucket_size:
+                return
+            if self.params.is_available(unit):
+                continue
+            if self.params.gathered_numel() + unit.padded_numel > self.max_live_parameters:
+                return
+            self._fetch(unit)
+
+    def _reused_soon(self, position: int) -> bool:
+        return (
+            self.on_trace
+            and position < len(self.next_use_distance)
+            and self.next_use_distance[position] <= self.max_reuse_distance
+            and self.params.gathered_numel() <= self.max_live_parameters
+        )
+
+    # -- module hooks -------------------------------------------------------------------------
+    def _pre_forward(self, module: nn.Module, args: tuple) -> None:
+        if module is self.root:
+            self._begin_pass()
+        units = self.module_units.get(module, [])
+        self.positions[module].append(self._use(units))
+        for unit in units:
+            self.params.users[unit.index] = self.params.users.get(unit.index, 0) + 1
+
+    def _post_forward(self, module: nn.Module, args: tuple, output: object) -> None:
+        units = self.module_units.get(module, [])
+        for unit, position in zip(units, self.positions[module].pop()):
+            if self.params.release_use(unit) == 0 and not self._reused_soon(position):
+                self.params.free(unit)
+        if units and torch.is_grad_enabled():
+            tensors = [t for t in tree_flatten(output)[0] if torch.is_tensor(t) and t.requires_grad]
+            if tensors:
+                torch.autograd.graph.register_multi_grad_hook(
+                    tensors, lambda grads: self._use(units), mode="any"
+                )
+        if module is self.root and not torch.is_grad_enabled():
+            self._free_unused()  # no backward will follow this forward
+
+    def _begin_pass(self) -> None:
+        """A new forward starts: forget an unfinished record (e.g. a forward without
+        backward) and free what it left gathered."""
+        self._free_unused()
+        self.record = []
+        self.gather_log = []
+        self.on_trace = bool(self.trace)
+
+    # -- backward --------------------------------------------------------------------------------
+    def on_grads_ready(self, unit: FlatUnit) -> None:
+        """Reducer callback: the unit's gradients are complete, so backward is done with it."""
+        if unit.index in self.units and not self.params.users.get(unit.index):
+            self.params.free(unit)
+
+    def end_backward(self) -> None:
+        """Free everything, keep the step's order as the trace, check ranks agreed."""
+        self._free_unused()
+        if self.record and self.record != self.trace:
+            self._set_trace(self.record)
+        log, self.gather_log, self.record = self.gather_log, [], []
+        self.on_trace = False
+        self._check_ranks_agree(log)
+
+    def _free_unused(self) -> None:
+        for index in list(self.params.gathered):
+            if not self.params.users.get(index):
+                self.params.free(self.units[index])
+
+    def _set_trace(self, trace: list[int]) -> None:
+        """Store the trace and, per position, the elements used before the same unit recurs."""
+        self.trace = list(trace)
+        self.next_use_distance = [math.inf] * len(trace)
+        last_seen: dict[int, int] = {}
+        prefix = [0]
+        for index in trace:
+            prefix.append(prefix[-1] + self.units[index].numel)
+        for position in range(len(trace) - 1, -1, -1):
+            index = trace[position]
+            if index in last_seen:
+                following = last_seen[index]
+                self.next_use_distance[position] = prefix[following] - prefix[position + 1]
+            last_seen[index] = position
+
+    # -- rank agreement ------------------------------------------------------------------------------
+    def _check_ranks_agree(self, log: list[int]) -> None:
+        if self.comm.world_size == 1:
+            return
+        checksum = zlib.crc32(bytes(str(log), "ascii"))
+        both = torch.tensor([checksum, -checksum], dtype=torch.int64, device=self.comm.context.device)
+        self.comm.control_all_reduce(both, "stage-3 gather checksum", op=dist.ReduceOp.MAX)
+        if both[0].item() == -both[1].item():
+            return
+        logs: list[list[int]] = [None] * self.comm.world_size  # type: ignore[list-item]
+        dist.all_gather_object(logs, log, group=self.comm.group)
+        first = next(
+            (i for i in range(max(map(len, logs))) if len({tuple(l[i : i + 1]) for l in logs}) > 1),
+            0,
+        )
+        seen = ", ".join(
+            f"rank {rank}: {self.units[l[first]] if first < len(l) else 'nothing'}"
+            for rank, l in enumerate(logs)
+        )
+        raise DivergentExecutionError(
+            f"rank {self.comm.rank}: ranks gathered different parameters in this step "
+            f"(gather #{first}: {seen}). Stage 3 needs every rank to run the same modules in "
+            "the same order; make the branch depend on data that is equal on all ranks, or "
+            "keep the branch's parameters whole (stage3_param_persistence_threshold)."
+        )
+
+    def remove_hooks(self) -> None:
+        for handle in self.handles:
+            handle.remove()
+        self.handles.clear()

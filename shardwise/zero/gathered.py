@@ -1,0 +1,68 @@
+"""`shardwise.gathered_parameters`: full weights outside forward and backward (C4, C24).
+
+In stage 3 a parameter outside its module's forward is an empty placeholder. Code that
+reads weights elsewhere (exporting, logging norms, a loss term on a weight, custom
+initialisation) wraps that code in this context: the units holding the parameters are
+gathered on entry and released on exit. It is a collective: every rank must enter it
+with the same parameters.
+
+With `modifier_rank=r`, edits made on rank r inside the block are broadcast on exit and
+written into every rank's shard and fp32 master copy, so training continues from them.
+Stages 0-2 keep full weights already; there the context only does that write-back.
+"""
+
+from __future__ import annotations
+
+from contextlib import contextmanager
+from typing import Iterable, Iterator
+
+from torch import nn
+
+
+def _engine_of(param: nn.Parameter):
+    reference = getattr(param, "_shardwise_engine", None)
+    engine = reference() if reference is not None else None
+    if engine is None:
+        raise ValueError("gathered_parameters() got a parameter that no shardwise engine trains")
+    return engine
+
+
+@contextmanager
+def gathered_parameters(
+    params: nn.Parameter | Iterable[nn.Parameter], modifier_rank: int | None = None
+) -> Iterator[None]:
+    params = [params] if isinstance(params, nn.Parameter) else list(params)
+    if not params:
+        yield
+        return
+    engine = _engine_of(params[0])
+    if any(_engine_of(param) is not engine for param in params):
+        raise ValueError("gathered_parameters() got parameters of more than one engine")
+    units = list({id(u): u for u in (engine.unit_of_param[id(p)] for p in params)}.values())
+    units.sort(key=lambda unit: unit.index)  # the same order on every rank
+    sharded = engine.params.sharded if engine.stage == 3 else None
+    partitioned = [u for u in units if sharded is not None and u.index in sharded.shards]
+    for unit in partitioned:
+        sharded.acquire(unit)
+    try:
+        yield
+    finally:
+        if modifier_rank is not None:
+            for unit in units:
+                _write_back(engine, unit, modifier_rank)
+        for unit in partitioned:
+            if sharded.release_use(unit) == 0:
+                sharded.free(unit)
+
+
+def _write_back(engine, unit, modifier_rank: int) -> None:
+    """Broadcast the edited unit and make it the trained value on every rank."""
+    what = f"edited parameters of {unit}"
+    sharded = engine.params.sharded if engine.stage == 3 else None
+    if sharded is not None and unit.index in sharded.shards:
+        engine.comm.broadcast(sharded.gathered[unit.index], modifier_rank, what)
+        sharded.take_shard_from_full(unit)
+    else:
+        replicated = engine.params.replicated if engine.stage == 3 else engine.params
+        engine.comm.broadcast(replicated.unit_flats[unit.index], modifier_rank, what)
+    engine.optimizer.refresh_master(unit)

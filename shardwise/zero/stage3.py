@@ -1,0 +1,145 @@
+"""ZeRO-3 set-up: which parameters are partitioned, how units are formed, how a model too
+large for one rank is built already partitioned (C4).
+
+- Parameters smaller than `stage3_param_persistence_threshold` stay whole on every rank
+  (gathering them would cost more latency than memory saved); they are trained like
+  stage 2: packed into buckets, gradients reduce-scattered, updated chunks all-gathered.
+- Every other parameter belongs to the unit of the first module that owns it; a unit is
+  gathered whenever any module using it runs (tied weights join both modules).
+- Units are numbered in reverse module order, roughly the order in which backward
+  finishes their gradients, so reductions launch in order while backward runs.
+
+Models on the meta device are materialised one module at a time: each module's
+parameters are allocated, initialised (`param_init_fn(module)`, default
+`module.reset_parameters()`) with a seed shared by all ranks, cut to this rank's shard
+and freed, so peak memory is the model's shard plus one module, never the full model.
+"""
+
+from __future__ import annotations
+
+from typing import Callable
+
+import torch
+from torch import nn
+
+from shardwise.accounting import MemoryLedger
+from shardwise.distributed.collectives import Communicator
+from shardwise.zero.gather_schedule import GatherSchedule
+from shardwise.zero.layout import FlatUnit, make_unit, pack_units
+from shardwise.zero.replicated_params import ReplicatedParameters
+from shardwise.zero.sharded_params import ShardedParameters
+
+
+def _default_init(module: nn.Module) -> None:
+    if not hasattr(module, "reset_parameters"):
+        raise ValueError(
+            f"{type(module).__name__} has parameters on the meta device but no "
+            "reset_parameters(); pass param_init_fn to shardwise.initialize"
+        )
+    module.reset_parameters()
+
+
+class Stage3Parameters:
+    def __init__(
+        self,
+        model: nn.Module,
+        named: list[tuple[str, nn.Parameter, int]],
+        dtype: torch.dtype,
+        device: torch.device,
+        comm: Communicator,
+        ledger: MemoryLedger,
+        zero,
+        align: int,
+        param_init_fn: Callable[[nn.Module], None] | None = None,
+    ):
+        world = comm.world_size
+        threshold = zero.stage3_param_persistence_threshold
+        persistent = [(n, p, g) for n, p, g in named if p.numel() < threshold]
+        partitioned = {id(p): (n, p, g) for n, p, g in named if p.numel() >= threshold}
+
+        owners: list[tuple[str, list[tuple[str, nn.Parameter, int]]]] = []
+        claimed: set[int] = set()
+        for module_name, module in model.named_modules():
+            own = [
+                partitioned[id(p)]
+                for p in module.parameters(recurse=False)
+                if id(p) in partitioned and id(p) not in claimed
+            ]
+            claimed.update(id(entry[1]) for entry in own)
+            if own:
+                owners.append((module_name or "<root>", own))
+        self.module_units_list = [
+            make_unit(index, own, world, align, label=name)
+            for index, (name, own) in enumerate(reversed(owners))
+        ]
+        unit_of = {id(slot.param): unit for unit in self.module_units_list for slot in unit.slots}
+        module_units: dict[nn.Module, list[FlatUnit]] = {}
+        for module in model.modules():
+            units = list({id(u): u for p in module.parameters(recurse=False) if (u := unit_of.get(id(p)))}.values())
+            if units:
+                module_units[module] = units
+
+        self.sharded = ShardedParameters(self.module_units_list, dtype, device, comm, ledger)
+        _materialize_and_shard(model, self.sharded, unit_of, comm, device, param_init_fn or _default_init)
+        persistent_units = pack_units(
+            reversed(persistent), zero.reduce_bucket_size, world, align,
+            first_index=len(self.module_units_list),
+        )
+        self.replicated = ReplicatedParameters(
+            persistent_units, dtype, device, comm, ledger, comm.rank, zero.allgather_bucket_size
+        )
+        self.replicated.broadcast_from_rank0()
+        self.units = self.module_units_list + persistent_units
+        self.schedule = GatherSchedule(
+            model, module_units, self.sharded, comm,
+            zero.stage3_prefetch_bucket_size,
+            zero.stage3_max_live_parameters,
+            zero.stage3_max_reuse_distance,
+        )
+
+    def owned_chunk(self, unit: FlatUnit) -> torch.Tensor:
+        if unit.index < len(self.module_units_list):
+            return self.sharded.owned_chunk(unit)
+        return self.replicated.owned_chunk(unit)
+
+    def after_step(self) -> None:
+        self.replicated.after_step()
+
+    def persistent_numel(self) -> int:
+        return sum(unit.numel for unit in self.replicated.units)
+
+
+def _materialize_and_shard(
+    model: nn.Module,
+    sharded: ShardedParameters,
+    unit_of: dict[int, FlatUnit],
+    comm: Communicator,
+    device: torch.device,
+    param_init_fn: Callable[[nn.Module], None],
+) -> None:
+    """Give every partitioned unit its shard; meta modules are built one at a time."""
+    seed = torch.randint(0, 2**62, (1,), dtype=torch.int64)
+    comm.broadcast(seed, 0, "initialisation seed")
+    done: set[int] = set()
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(int(seed.item()))
+        for module in model.modules():
+            direct = list(module.parameters(recurse=False))
+            meta_buffers = [name for name, b in module.named_buffers(recurse=False) if b.is_meta]
+            if meta_buffers or any(p.is_meta for p in direct):
+                for param in direct:
+                    if param.is_meta:
+                        param.data = torch.empty(param.shape, dtype=param.dtype, device=device)
+                for name in meta_buffers:
+                    module._buffers[name] = torch.empty_like(module._buffers[name], device=device)
+                with torch.no_grad():
+                    param_init_fn(module)
+            elif direct:
+                for param in direct:
+                    if id(param) in unit_of and id(param) not in done:
+                        comm.broadcast(param.data, 0, "initial parameters")
+            for param in direct:
+                unit = unit_of.get(id(param))
+                if unit is not None and unit.index not in done:
+                    done.add(unit.index)
+                    sharded.take_shard_from_full(unit)

@@ -1,0 +1,163 @@
+"""Training runs shared by the ZeRO tests: a parallel run (one call per rank) and the
+single-process reference it must match (SPEC §6: same global batch, same losses, same
+final weights).
+
+Both start from the same seeded model and see the same global batches: at step s the
+global batch has world * accumulation * micro rows, and rank r's micro-batch m is rows
+[(m * world + r) * micro, ...). The reference trains on the whole global batch at once.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field
+
+import torch
+
+import shardwise
+from shardwise.models import GPT, GPTConfig
+
+
+@dataclass(frozen=True, eq=False)
+class Case:
+    stage: int = 2
+    dtype: str = "fp32"  # fp32 | bf16 | fp16
+    accumulation: int = 1
+    micro_batch: int = 2
+    steps: int = 3
+    clipping: float = 0.05
+    lr: float = 1e-2
+    model: str = "gpt"  # gpt | llama | gpt2
+    bucket_size: int = 3000  # elements: several buckets even for the tiny model
+    extra_config: dict = field(default_factory=dict)
+
+    def config(self, world_size: int) -> dict:
+        config = {
+            "train_micro_batch_size_per_gpu": self.micro_batch,
+            "gradient_accumulation_steps": self.accumulation,
+            "gradient_clipping": self.clipping,
+            "zero_optimization": {
+                "stage": self.stage,
+                "reduce_bucket_size": self.bucket_size,
+                "allgather_bucket_size": self.bucket_size,
+                "overlap_comm": True,
+            },
+            "bf16": {"enabled": self.dtype == "bf16"},
+            "fp16": {"enabled": self.dtype == "fp16"},
+        }
+        for key, value in self.extra_config.items():
+            if isinstance(value, dict):
+                config.setdefault(key, {}).update(value)
+            else:
+                config[key] = value
+        return config
+
+
+SEQ_LEN = 16
+VOCAB = 64
+
+
+def build_model(kind: str) -> torch.nn.Module:
+    """Seeded, identical on every rank. No attention biases: a key bias gets an exactly
+    zero true gradient, so Adam turns its rounding noise into O(lr) updates that no two
+    summation orders reproduce."""
+    torch.manual_seed(1234)
+    if kind == "gpt":
+        return GPT(dataclasses.replace(GPTConfig.preset("tiny"), bias=False))
+    if kind == "llama":
+        from transformers import LlamaConfig, LlamaForCausalLM
+
+        return LlamaForCausalLM(
+            LlamaConfig(
+                vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=SEQ_LEN,
+                tie_word_embeddings=True,
+            )
+        )
+    raise ValueError(kind)
+
+
+def global_batch(step: int, rows: int) -> tuple[torch.Tensor, torch.Tensor]:
+    generator = torch.Generator().manual_seed(10_000 + step)
+    tokens = torch.randint(0, VOCAB, (rows, SEQ_LEN + 1), generator=generator)
+    return tokens[:, :-1], tokens[:, 1:]
+
+
+def model_loss(model, kind: str, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+    if kind == "gpt":
+        return model(x, y)
+    logits = model(input_ids=x).logits.float()
+    return torch.nn.functional.cross_entropy(logits.reshape(-1, logits.size(-1)), y.reshape(-1))
+
+
+def make_optimizer(model: torch.nn.Module, lr: float) -> torch.optim.Optimizer:
+    """Two param groups (decay / no decay), as real training scripts build them."""
+    decay = [p for n, p in model.named_parameters() if p.dim() >= 2]
+    no_decay = [p for n, p in model.named_parameters() if p.dim() < 2]
+    return torch.optim.AdamW(
+        [{"params": decay, "weight_decay": 0.1}, {"params": no_decay, "weight_decay": 0.0}], lr=lr
+    )
+
+
+def train_parallel(rank: int, world_size: int, case: Case) -> dict:
+    model = build_model(case.model)
+    engine = shardwise.initialize(model, case.config(world_size), optimizer=make_optimizer(model, case.lr))
+    rows = world_size * case.accumulation * case.micro_batch
+    losses = []
+    for step in range(case.steps):
+        x, y = global_batch(step, rows)
+        step_loss = torch.zeros(())
+        for micro in range(case.accumulation):
+            start = (micro * world_size + rank) * case.micro_batch
+            rows_here = slice(start, start + case.micro_batch)
+            loss = model_loss(engine, case.model, x[rows_here], y[rows_here])
+            engine.backward(loss)
+            engine.step()
+            step_loss += loss.detach().float()
+        losses.append(step_loss / case.accumulation)
+    losses = torch.stack(losses)
+    if torch.distributed.is_initialized():
+        torch.distributed.all_reduce(losses)
+    params = {name: p.detach().float().clone() for name, p in model.named_parameters()}
+    return {
+        "losses": (losses / world_size).tolist(),
+        "params": params,
+        "memory": engine.memory_breakdown(),
+        "comm": engine.comm_volume(),
+        "numel": engine.num_parameters(),
+        "padding": engine.padding_elements(),
+        "units": len(engine.units),
+        "largest_unit": max(unit.padded_numel for unit in engine.units),
+    }
+
+
+def train_reference(case: Case, world_size: int) -> dict:
+    """Plain PyTorch, one process, fp32, the whole global batch per step."""
+    model = build_model(case.model)
+    optimizer = make_optimizer(model, case.lr)
+    rows = world_size * case.accumulation * case.micro_batch
+    losses = []
+    for step in range(case.steps):
+        x, y = global_batch(step, rows)
+        loss = model_loss(model, case.model, x, y)
+        loss.backward()
+        if case.clipping > 0:
+            torch.nn.utils.clip_grad_norm_(model.parameters(), case.clipping)
+        optimizer.step()
+        optimizer.zero_grad()
+        losses.append(loss.item())
+    params = {name: p.detach().clone() for name, p in model.named_parameters()}
+    return {"losses": losses, "params": params}
+
+
+def relative_error(actual: torch.Tensor, expected: torch.Tensor) -> float:
+    return ((actual - expected).norm() / expected.norm().clamp_min(1e-12)).item()
+
+
+def assert_matches_reference(result: dict, reference: dict, tolerance: float) -> None:
+    for step, (got, want) in enumerate(zip(result["losses"], reference["losses"])):
+        error = abs(got - want) / abs(want)
+        assert error < tolerance, f"step {step} loss {got} vs reference {want} (rel err {error:.2e})"
+    for name, want in reference["params"].items():
+        error = relative_error(result["params"][name], want)
+        assert error < tolerance, f"{name}: relative error {error:.2e} >= {tolerance}"
