@@ -177,6 +177,20 @@ class Engine:
         self.reducer.zero_grads()
         self.global_steps += 1
 
+    # -- checkpoints (shardwise/checkpoint) ----------------------------------------------
+    def save_checkpoint(self, save_dir: str | os.PathLike, tag: str | None = None,
+                        client_state: dict | None = None) -> str:
+        """Write this rank's shard of everything needed to resume; returns the tag."""
+        from shardwise.checkpoint import save_checkpoint
+
+        return save_checkpoint(self, save_dir, tag, client_state)
+
+    def load_checkpoint(self, load_dir: str | os.PathLike, tag: str | None = None) -> dict:
+        """Resume from a checkpoint (any world size or stage); returns its client_state."""
+        from shardwise.checkpoint import load_checkpoint
+
+        return load_checkpoint(self, load_dir, tag)
+
     # -- accounting ----------------------------------------------------------------------
     def memory_breakdown(self) -> dict[str, int]:
         """Bytes this rank held per category at that category's peak (SPEC §4)."""

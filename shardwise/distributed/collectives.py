@@ -11,8 +11,10 @@
    communication stream and `wait()` only orders the current stream after it; with gloo
    it runs on gloo's threads while the Python thread keeps computing.
 
-Small synchronisation collectives (gradient norm, overflow flag, schedule checks) are
-counted under "control", apart from the data volume the ZeRO formulas describe.
+Small synchronisation collectives (gradient norm, overflow flag, gather-order checks) run
+on a second, CPU-side gloo group and are counted under "control", apart from the data
+volume the ZeRO formulas describe. Their own group means a check never queues behind a
+large in-flight gather, and on GPUs it needs no device synchronisation of its own.
 """
 
 from __future__ import annotations
@@ -46,22 +48,26 @@ class PendingCollective:
     work: dist.Work | None
     op: str
     what: str
-    rank: int
+    communicator: "Communicator"
     started: float = field(default_factory=time.monotonic)
 
     def wait(self) -> None:
         if self.work is None:
             return
         work, self.work = self.work, None
+        blocked_from = time.perf_counter()
         try:
             work.wait()
         except Exception as error:  # gloo/NCCL raise RuntimeError subclasses
             waited = time.monotonic() - self.started
             raise CollectiveError(
-                f"rank {self.rank}: {self.op} of {self.what} failed after {waited:.1f}s: {error}. "
+                f"rank {self.communicator.rank}: {self.op} of {self.what} failed after "
+                f"{waited:.1f}s: {error}. "
                 "If ranks run different modules or a different number of steps "
                 "(data-dependent branches, uneven data), their collectives no longer pair up."
             ) from error
+        finally:
+            self.communicator.wait_seconds += time.perf_counter() - blocked_from
 
 
 class Communicator:
@@ -72,7 +78,11 @@ class Communicator:
         self.rank = context.rank
         self.world_size = context.world_size
         self.group = context.group
+        self.control_group = (
+            dist.new_group(backend="gloo", timeout=context.timeout) if self.world_size > 1 else None
+        )
         self.volume: Counter[str] = Counter()
+        self.wait_seconds = 0.0  # time the training thread spent blocked on collectives
 
     # -- accounting ---------------------------------------------------------------
     def _count(self, op: str, full: torch.Tensor) -> None:
@@ -89,10 +99,10 @@ class Communicator:
     def all_reduce(self, tensor: torch.Tensor, what: str) -> PendingCollective:
         """Sum `tensor` in place over all ranks."""
         if self.world_size == 1:
-            return PendingCollective(None, "all_reduce", what, self.rank)
+            return PendingCollective(None, "all_reduce", what, self)
         self._count("all_reduce", tensor)
         work = dist.all_reduce(tensor, group=self.group, async_op=True)
-        return PendingCollective(work, "all_reduce", what, self.rank)
+        return PendingCollective(work, "all_reduce", what, self)
 
     def reduce_scatter(
         self, output: torch.Tensor, full: torch.Tensor, what: str
@@ -104,20 +114,20 @@ class Communicator:
         if self.world_size == 1:
             if output.data_ptr() != full.data_ptr():
                 output.copy_(full)
-            return PendingCollective(None, "reduce_scatter", what, self.rank)
+            return PendingCollective(None, "reduce_scatter", what, self)
         self._count("reduce_scatter", full)
         work = dist.reduce_scatter_single(output, full, group=self.group, async_op=True)
-        return PendingCollective(work, "reduce_scatter", what, self.rank)
+        return PendingCollective(work, "reduce_scatter", what, self)
 
     def all_gather(self, full: torch.Tensor, shard: torch.Tensor, what: str) -> PendingCollective:
         """Concatenate every rank's `shard` into `full` (`shard` may be `full`'s own chunk)."""
         if self.world_size == 1:
             if shard.data_ptr() != full.data_ptr():
                 full.copy_(shard)
-            return PendingCollective(None, "all_gather", what, self.rank)
+            return PendingCollective(None, "all_gather", what, self)
         self._count("all_gather", full)
         work = dist.all_gather_single(full, shard, group=self.group, async_op=True)
-        return PendingCollective(work, "all_gather", what, self.rank)
+        return PendingCollective(work, "all_gather", what, self)
 
     def all_gather_pieces(
         self, pieces: list[torch.Tensor], shard: torch.Tensor, what: str
@@ -126,33 +136,44 @@ class Communicator:
         if self.world_size == 1:
             if shard.data_ptr() != pieces[0].data_ptr():
                 pieces[0].copy_(shard)
-            return PendingCollective(None, "all_gather", what, self.rank)
+            return PendingCollective(None, "all_gather", what, self)
         self.volume["all_gather"] += ring_bytes(
             "all_gather", sum(p.numel() * p.element_size() for p in pieces), self.world_size
         )
         work = dist.all_gather(pieces, shard, group=self.group, async_op=True)
-        return PendingCollective(work, "all_gather", what, self.rank)
+        return PendingCollective(work, "all_gather", what, self)
 
     def broadcast(self, tensor: torch.Tensor, source: int, what: str) -> None:
         if self.world_size == 1:
             return
         self._count("broadcast", tensor)
         work = dist.broadcast(tensor, src=source, group=self.group, async_op=True)
-        PendingCollective(work, "broadcast", what, self.rank).wait()
+        PendingCollective(work, "broadcast", what, self).wait()
 
     # -- control collectives ----------------------------------------------------------
     def control_all_reduce(
         self, tensor: torch.Tensor, what: str, op: dist.ReduceOp.RedOpType = dist.ReduceOp.SUM
     ) -> torch.Tensor:
-        """Blocking all-reduce of a small tensor, counted under "control"."""
+        """Blocking all-reduce of a small tensor (in place), counted under "control"."""
         if self.world_size == 1:
             return tensor
         self.volume["control"] += ring_bytes(
             "all_reduce", tensor.numel() * tensor.element_size(), self.world_size
         )
-        work = dist.all_reduce(tensor, op=op, group=self.group, async_op=True)
-        PendingCollective(work, "all_reduce", what, self.rank).wait()
+        on_cpu = tensor.cpu()
+        work = dist.all_reduce(on_cpu, op=op, group=self.control_group, async_op=True)
+        PendingCollective(work, "all_reduce", what, self).wait()
+        if on_cpu is not tensor:
+            tensor.copy_(on_cpu)
         return tensor
+
+    def control_all_gather_object(self, value: object) -> list[object]:
+        """Every rank's `value` (pickled): for error reports, never on the hot path."""
+        if self.world_size == 1:
+            return [value]
+        gathered: list[object] = [None] * self.world_size
+        dist.all_gather_object(gathered, value, group=self.control_group)
+        return gathered
 
     def barrier(self, what: str) -> None:
         if self.world_size > 1:

@@ -23,6 +23,7 @@ class GPTConfig:
     n_embd: int = 384
     dropout: float = 0.0
     bias: bool = True
+    tie_embeddings: bool = True
 
     @staticmethod
     def preset(name: str) -> "GPTConfig":
@@ -91,20 +92,27 @@ class GPT(nn.Module):
         self.blocks = nn.ModuleList(Block(config) for _ in range(config.n_layer))
         self.ln_f = nn.LayerNorm(config.n_embd, bias=config.bias)
         self.lm_head = nn.Linear(config.n_embd, config.vocab_size, bias=False)
-        self.lm_head.weight = self.wte.weight
-        self.apply(self._init_weights)
+        if config.tie_embeddings:
+            self.lm_head.weight = self.wte.weight
+        self.apply(self.init_weights)
         for name, param in self.named_parameters():
             if name.endswith("proj.weight"):  # GPT-2's scaled init of residual projections
                 nn.init.normal_(param, mean=0.0, std=0.02 / (2 * config.n_layer) ** 0.5)
 
     @staticmethod
-    def _init_weights(module: nn.Module) -> None:
+    def init_weights(module: nn.Module) -> None:
+        """Initialise one module's own parameters; also usable as `param_init_fn` for a
+        model built on the meta device."""
         if isinstance(module, nn.Linear):
             nn.init.normal_(module.weight, mean=0.0, std=0.02)
             if module.bias is not None:
                 nn.init.zeros_(module.bias)
         elif isinstance(module, nn.Embedding):
             nn.init.normal_(module.weight, mean=0.0, std=0.02)
+        elif isinstance(module, nn.LayerNorm):
+            nn.init.ones_(module.weight)
+            if module.bias is not None:
+                nn.init.zeros_(module.bias)
 
     def forward(self, idx: torch.Tensor, targets: torch.Tensor | None = None) -> torch.Tensor:
         """Logits, or the mean cross-entropy when `targets` are given."""

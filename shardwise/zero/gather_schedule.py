@@ -3,7 +3,8 @@
 Hooks on every module that owns partitioned parameters drive four events:
 
     pre-forward    gather the module's units (and prefetch the next ones)
-    post-forward   release them, unless they are used again within max_reuse_distance;
+    post-forward   release them, unless they are used again before max_reuse_distance
+                   other elements are gathered (0: always release);
                    hook the outputs' gradients so that, in backward,
     pre-backward   the units are gathered again before the module's backward runs
     grads ready    (reported by GradientReducer) the units are freed for good this step
@@ -15,9 +16,14 @@ stage3_max_live_parameters gathered). When a step departs from the trace (data-d
 control flow), prefetching stops for the rest of that step and units are fetched on
 demand, so a changed order costs speed, never correctness; the new order becomes the trace.
 
-Ranks must gather the same units in the same order. At the end of every backward the
-ranks compare a checksum of the gathers they issued; if ranks ran different modules
-(rank-dependent branches) this raises an error naming the first module that differs.
+Ranks must gather the same units in the same order: collectives pair up by position,
+so a rank-dependent branch would otherwise pair one rank's gather of module A with
+another's gather of module B (wrong weights, or gloo aborting on the size mismatch).
+Before issuing any gathers, ranks therefore agree on the plan: a 16-byte all-reduce of its
+checksum on the control group (about 50 us here, once per module use). A disagreement
+raises `DivergentExecutionError` on every rank, naming what each rank was about to gather,
+before any mismatched gather is sent. At the end of backward the same check covers the
+step's whole gather log, catching a rank that gathered more times than another.
 """
 
 from __future__ import annotations
@@ -64,6 +70,7 @@ class GatherSchedule:
         self.record: list[int] = []
         self.on_trace = False
         self.gather_log: list[int] = []
+        self.prefetched = 0  # units gathered ahead of their use, since start
         self.positions: dict[nn.Module, list[list[int]]] = defaultdict(list)
         self.handles = []
         for module in module_units:
@@ -83,36 +90,43 @@ class GatherSchedule:
                 self.on_trace = False
             self.record.append(unit.index)
             positions.append(position)
-            self._fetch(unit)
+        plan = [unit for unit in units if not self.params.is_available(unit)]
         if self.on_trace:
-            self._prefetch(len(self.record))
+            ahead = self._prefetch_plan(len(self.record), plan)
+            self.prefetched += len(ahead)
+            plan += ahead
+        if plan:
+            names = ", ".join(str(unit) for unit in plan)
+            self._agree(str([unit.index for unit in plan]), f"was about to gather {names}")
+            for unit in plan:
+                self.gather_log.append(unit.index)
+                self.params.fetch(unit)
         for unit in units:
             self.params.wait(unit)
         return positions
 
-    def _fetch(self, unit: FlatUnit) -> None:
-        if not self.params.is_available(unit):
-            self.gather_log.append(unit.index)
-            self.params.fetch(unit)
-
-    def _prefetch(self, start: int) -> None:
-        ahead = 0
+    def _prefetch_plan(self, start: int, planned: list[FlatUnit]) -> list[FlatUnit]:
+        """Units ahead on the trace, within the prefetch and live-parameter limits."""
+        ahead, plan = 0, []
+        live = self.params.gathered_numel() + sum(unit.padded_numel for unit in planned)
         for index in self.trace[start:]:
             unit = self.units[index]
             ahead += unit.numel
             if ahead > self.prefetch_bucket_size:
-                return
-            if self.params.is_available(unit):
+                break
+            if self.params.is_available(unit) or unit in planned or unit in plan:
                 continue
-            if self.params.gathered_numel() + unit.padded_numel > self.max_live_parameters:
-                return
-            self._fetch(unit)
+            if live + unit.padded_numel > self.max_live_parameters:
+                break
+            live += unit.padded_numel
+            plan.append(unit)
+        return plan
 
     def _reused_soon(self, position: int) -> bool:
         return (
             self.on_trace
             and position < len(self.next_use_distance)
-            and self.next_use_distance[position] <= self.max_reuse_distance
+            and self.next_use_distance[position] < self.max_reuse_distance
             and self.params.gathered_numel() <= self.max_live_parameters
         )
 
@@ -184,28 +198,25 @@ class GatherSchedule:
 
     # -- rank agreement ------------------------------------------------------------------------------
     def _check_ranks_agree(self, log: list[int]) -> None:
+        last = f", the last of {self.units[log[-1]]}" if log else ""
+        self._agree(f"end {log}", f"finished backward after {len(log)} gathers{last}")
+
+    def _agree(self, signature: str, description: str) -> None:
+        """All ranks must pass the same `signature` here; otherwise raise on every rank."""
         if self.comm.world_size == 1:
             return
-        checksum = zlib.crc32(bytes(str(log), "ascii"))
-        both = torch.tensor([checksum, -checksum], dtype=torch.int64, device=self.comm.context.device)
-        self.comm.control_all_reduce(both, "stage-3 gather checksum", op=dist.ReduceOp.MAX)
+        checksum = zlib.crc32(signature.encode())
+        both = torch.tensor([checksum, -checksum], dtype=torch.int64)
+        self.comm.control_all_reduce(both, "stage-3 gather-order check", op=dist.ReduceOp.MAX)
         if both[0].item() == -both[1].item():
             return
-        logs: list[list[int]] = [None] * self.comm.world_size  # type: ignore[list-item]
-        dist.all_gather_object(logs, log, group=self.comm.group)
-        first = next(
-            (i for i in range(max(map(len, logs))) if len({tuple(l[i : i + 1]) for l in logs}) > 1),
-            0,
-        )
-        seen = ", ".join(
-            f"rank {rank}: {self.units[l[first]] if first < len(l) else 'nothing'}"
-            for rank, l in enumerate(logs)
-        )
+        descriptions = self.comm.control_all_gather_object(description)
+        seen = "; ".join(f"rank {rank} {text}" for rank, text in enumerate(descriptions))
         raise DivergentExecutionError(
-            f"rank {self.comm.rank}: ranks gathered different parameters in this step "
-            f"(gather #{first}: {seen}). Stage 3 needs every rank to run the same modules in "
-            "the same order; make the branch depend on data that is equal on all ranks, or "
-            "keep the branch's parameters whole (stage3_param_persistence_threshold)."
+            f"rank {self.comm.rank}: ranks disagree on which parameters to gather ({seen}). "
+            "Stage 3 needs every rank to run the same modules in the same order; make the "
+            "branch depend on data that is equal on all ranks, or keep the branch's "
+            "parameters whole (raise stage3_param_persistence_threshold above their size)."
         )
 
     def remove_hooks(self) -> None:

@@ -60,7 +60,7 @@ def _write_back(engine, unit, modifier_rank: int) -> None:
     what = f"edited parameters of {unit}"
     sharded = engine.params.sharded if engine.stage == 3 else None
     if sharded is not None and unit.index in sharded.shards:
-        engine.comm.broadcast(sharded.gathered[unit.index], modifier_rank, what)
+        engine.comm.broadcast(sharded.full_buffer(unit), modifier_rank, what)
         sharded.take_shard_from_full(unit)
     else:
         replicated = engine.params.replicated if engine.stage == 3 else engine.params

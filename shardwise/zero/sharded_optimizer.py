@@ -27,6 +27,9 @@ from shardwise.zero.layout import FlatUnit
 
 @dataclass(frozen=True)
 class SegmentState:
+    unit: int  # FlatUnit.index
+    start: int  # [start, stop) inside this rank's chunk of the unit
+    stop: int
     group: int
     master: torch.Tensor  # fp32, trained by the optimizer
     grad: torch.Tensor  # reduced gradient in the gradient dtype (a view, never copied here)
@@ -62,6 +65,9 @@ class ShardedOptimizer:
             for segment in unit.segments(chunk):
                 self.segments.append(
                     SegmentState(
+                        unit.index,
+                        segment.start,
+                        segment.stop,
                         segment.group,
                         master[segment.start : segment.stop],
                         grad[segment.start : segment.stop],

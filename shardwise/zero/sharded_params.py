@@ -1,10 +1,14 @@
 """Parameters in stage 3: each rank stores 1/N of every unit and gathers on use (C4).
 
-A unit's parameters are gathered into a fresh flat buffer by one all-gather, and each
-parameter's `.data` is pointed at its slice; releasing points `.data` at an empty tensor
-so the buffer is freed. Touching a released parameter therefore fails loudly (a shape
-error) instead of reading stale memory. Autograd saves parameters by reference, so a
-parameter gathered again before its module's backward is what backward reads.
+Each unit owns one flat buffer for its gathered parameters, whose *storage* is allocated
+only while the unit is gathered (resized to zero bytes otherwise). Freeing the storage in
+place, rather than dropping the tensor, is what actually returns the memory: autograd
+keeps views of gathered weights for backward (a linear layer saves `weight.t()`), and a
+view holds its storage alive. When backward needs the unit again, it is gathered back
+into the same storage, so those saved views read valid weights again.
+
+Outside a gather each parameter's `.data` is an empty tensor, so user code that touches
+a released parameter fails with a shape error instead of reading freed memory.
 
 Gathers are asynchronous: `fetch` starts one, `wait` finishes it. A reference count per
 unit lets nested users (a module and `gathered_parameters`) share one gather.
@@ -37,9 +41,19 @@ class ShardedParameters:
         self.shard_flat = torch.zeros(sum(sizes), dtype=dtype, device=device)
         ledger.hold("params", tensor_bytes(self.shard_flat))
         self.shards = dict(zip((u.index for u in units), torch.split(self.shard_flat, sizes)))
-        self.gathered: dict[int, torch.Tensor] = {}
+        self.flats: dict[int, torch.Tensor] = {}
+        self.views: dict[int, list[torch.Tensor]] = {}
+        for unit in units:
+            flat = torch.empty(unit.padded_numel, dtype=dtype, device=device)
+            self.views[unit.index] = [
+                flat[slot.offset : slot.offset + slot.numel].view(slot.shape) for slot in unit.slots
+            ]
+            flat.untyped_storage().resize_(0)
+            self.flats[unit.index] = flat
+        self.gathered: set[int] = set()
         self.pending: dict[int, PendingCollective] = {}
         self.users: dict[int, int] = {}
+        self.peak_gathered_numel = 0
         self.empty = torch.empty(0, dtype=dtype, device=device)
 
     # -- building the shards -------------------------------------------------------------
@@ -70,11 +84,13 @@ class ShardedParameters:
         """Start gathering `unit` unless it is already gathered or in flight."""
         if self.is_available(unit):
             return
-        buffer = torch.empty(unit.padded_numel, dtype=self.dtype, device=self.device)
-        self.ledger.hold("buffers", tensor_bytes(buffer))
-        self.gathered[unit.index] = buffer
+        flat = self.flats[unit.index]
+        flat.untyped_storage().resize_(tensor_bytes(flat))
+        self.ledger.hold("buffers", tensor_bytes(flat))
+        self.gathered.add(unit.index)
+        self.peak_gathered_numel = max(self.peak_gathered_numel, self.gathered_numel())
         self.pending[unit.index] = self.comm.all_gather(
-            buffer, self.shards[unit.index], f"parameters of {unit}"
+            flat, self.shards[unit.index], f"parameters of {unit}"
         )
 
     def wait(self, unit: FlatUnit) -> None:
@@ -83,9 +99,8 @@ class ShardedParameters:
         if pending is None:
             return
         pending.wait()
-        buffer = self.gathered[unit.index]
-        for slot in unit.slots:
-            slot.param.data = buffer[slot.offset : slot.offset + slot.numel].view(slot.shape)
+        for slot, view in zip(unit.slots, self.views[unit.index]):
+            slot.param.data = view
 
     def acquire(self, unit: FlatUnit) -> None:
         self.fetch(unit)
@@ -106,11 +121,20 @@ class ShardedParameters:
         if unit.index not in self.gathered:
             return
         self.wait(unit)
-        buffer = self.gathered.pop(unit.index)
+        self.gathered.discard(unit.index)
         self.users.pop(unit.index, None)
         for slot in unit.slots:
             slot.param.data = self.empty
-        self.ledger.release("buffers", tensor_bytes(buffer))
+        flat = self.flats[unit.index]
+        self.ledger.release("buffers", tensor_bytes(flat))
+        flat.untyped_storage().resize_(0)
 
     def gathered_numel(self) -> int:
-        return sum(buffer.numel() for buffer in self.gathered.values())
+        return sum(self.flats[index].numel() for index in self.gathered)
+
+    def full_buffer(self, unit: FlatUnit) -> torch.Tensor:
+        """The gathered flat buffer of `unit` (only valid while it is gathered)."""
+        if unit.index not in self.gathered:
+            raise RuntimeError(f"{unit} is not gathered")
+        self.wait(unit)
+        return self.flats[unit.index]

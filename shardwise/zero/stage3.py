@@ -128,8 +128,9 @@ def _materialize_and_shard(
             meta_buffers = [name for name, b in module.named_buffers(recurse=False) if b.is_meta]
             if meta_buffers or any(p.is_meta for p in direct):
                 for param in direct:
-                    if param.is_meta:
-                        param.data = torch.empty(param.shape, dtype=param.dtype, device=device)
+                    if param.is_meta:  # same Python object, so optimizers and ties still hold it
+                        real = torch.empty(param.shape, dtype=param.dtype, device=device)
+                        torch.utils.swap_tensors(param, nn.Parameter(real, param.requires_grad))
                 for name in meta_buffers:
                     module._buffers[name] = torch.empty_like(module._buffers[name], device=device)
                 with torch.no_grad():

@@ -71,3 +71,54 @@ def test_comm_volume_matches_zero_formula(stage, dtype, accumulation):
         assert comm["all_gather"] == share
         assert comm["all_reduce"] == 0
     assert comm["control"] <= 64  # the gradient-norm scalar, not data
+
+
+def stage3_case(dtype: str, threshold: int, **zero) -> Case:
+    extra = {"zero_optimization": {"stage3_param_persistence_threshold": threshold, **zero}}
+    return Case(stage=3, dtype=dtype, steps=2, model="gpt-untied", extra_config=extra)
+
+
+@pytest.mark.parametrize("threshold", [0, 100])
+@pytest.mark.parametrize("dtype", ["fp32", "bf16"])
+def test_stage3_memory_is_one_nth_plus_persistent_parameters(dtype, threshold):
+    world = 2
+    result = run_distributed(train_parallel, world, stage3_case(dtype, threshold))[0]
+    b, k = BYTES[dtype], K[dtype]
+    partitioned, persistent = result["partitioned_padded"], result["persistent_padded"]
+    assert (persistent > 0) == (threshold > 0)
+    shard = (partitioned + persistent) // world
+    memory = result["memory"]
+    assert memory["params"] == b * (partitioned // world + persistent)
+    assert memory["grads"] == b * shard
+    assert memory["optimizer_states"] == k * shard
+
+
+@pytest.mark.parametrize("threshold", [0, 100])
+def test_stage3_comm_volume_is_three_gathers_less_persistent(threshold):
+    world = 2
+    case = stage3_case("fp32", threshold, stage3_max_reuse_distance=0)
+    result = run_distributed(train_parallel, world, case)[0]
+    partitioned, persistent = result["partitioned_padded"], result["persistent_padded"]
+
+    def share(numel: int) -> int:
+        return numel * 4 * (world - 1) // world
+
+    comm = result["comm"]  # measured over the whole run: 2 steps
+    # partitioned: gathered in forward and again in backward, reduce-scattered once;
+    # persistent: reduce-scattered, and their updated chunks all-gathered after the step
+    assert comm["all_gather"] == 2 * (2 * share(partitioned) + share(persistent))
+    assert comm["reduce_scatter"] == 2 * (share(partitioned) + share(persistent))
+    assert comm["all_reduce"] == 0
+
+
+def test_stage3_gathered_parameters_stay_within_live_limit():
+    world = 2
+    probe = run_distributed(train_parallel, world, stage3_case("fp32", 0))[0]
+    limit = 2 * probe["largest_unit"]
+    case = stage3_case(
+        "fp32", 0, stage3_max_live_parameters=limit, stage3_prefetch_bucket_size=limit,
+        stage3_max_reuse_distance=0,
+    )
+    result = run_distributed(train_parallel, world, case)[0]
+    assert 0 < result["peak_gathered"] <= limit
+    assert probe["peak_gathered"] > limit, "the default limits should gather more at once"

@@ -62,8 +62,9 @@ def build_model(kind: str) -> torch.nn.Module:
     zero true gradient, so Adam turns its rounding noise into O(lr) updates that no two
     summation orders reproduce."""
     torch.manual_seed(1234)
-    if kind == "gpt":
-        return GPT(dataclasses.replace(GPTConfig.preset("tiny"), bias=False))
+    if kind in ("gpt", "gpt-untied"):
+        tie = kind == "gpt"
+        return GPT(dataclasses.replace(GPTConfig.preset("tiny"), bias=False, tie_embeddings=tie))
     if kind == "llama":
         from transformers import LlamaConfig, LlamaForCausalLM
 
@@ -72,6 +73,15 @@ def build_model(kind: str) -> torch.nn.Module:
                 vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
                 num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=SEQ_LEN,
                 tie_word_embeddings=True,
+            )
+        )
+    if kind == "gpt2":
+        from transformers import GPT2Config, GPT2LMHeadModel
+
+        return GPT2LMHeadModel(
+            GPT2Config(
+                vocab_size=VOCAB, n_embd=32, n_layer=2, n_head=4, n_positions=SEQ_LEN,
+                resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0, bos_token_id=0, eos_token_id=0,
             )
         )
     raise ValueError(kind)
@@ -84,7 +94,7 @@ def global_batch(step: int, rows: int) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 def model_loss(model, kind: str, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
-    if kind == "gpt":
+    if kind.startswith("gpt") and kind != "gpt2":
         return model(x, y)
     logits = model(input_ids=x).logits.float()
     return torch.nn.functional.cross_entropy(logits.reshape(-1, logits.size(-1)), y.reshape(-1))
@@ -118,29 +128,64 @@ def train_parallel(rank: int, world_size: int, case: Case) -> dict:
     losses = torch.stack(losses)
     if torch.distributed.is_initialized():
         torch.distributed.all_reduce(losses)
-    params = {name: p.detach().float().clone() for name, p in model.named_parameters()}
+    comm = engine.comm_volume()
+    layout = _stage3_layout(engine) if engine.stage == 3 else {}
+    with shardwise.gathered_parameters(list(model.parameters())):
+        params = {name: p.detach().float().clone() for name, p in model.named_parameters()}
     return {
         "losses": (losses / world_size).tolist(),
         "params": params,
         "memory": engine.memory_breakdown(),
-        "comm": engine.comm_volume(),
+        "comm": comm,
         "numel": engine.num_parameters(),
         "padding": engine.padding_elements(),
+        "tied": _has_tied_embeddings(model),
         "units": len(engine.units),
         "largest_unit": max(unit.padded_numel for unit in engine.units),
+        **layout,
     }
 
 
-def train_reference(case: Case, world_size: int) -> dict:
-    """Plain PyTorch, one process, fp32, the whole global batch per step."""
+def _stage3_layout(engine) -> dict:
+    persistent = engine.params.replicated.units
+    return {
+        "persistent_padded": sum(unit.padded_numel for unit in persistent),
+        "partitioned_padded": sum(unit.padded_numel for unit in engine.params.sharded.units),
+        "peak_gathered": engine.params.sharded.peak_gathered_numel,
+    }
+
+
+def _has_tied_embeddings(model: torch.nn.Module) -> bool:
+    named = list(model.named_parameters(remove_duplicate=False))
+    return len(named) > len({id(p) for _, p in named})
+
+
+def train_reference(case: Case, world_size: int, per_micro_batch: bool = False) -> dict:
+    """Plain PyTorch, one process, fp32, the same global batch per step.
+
+    By default the whole global batch goes through one forward. `per_micro_batch` instead
+    accumulates the micro-batches one by one (rank-major, like the ranks' sum): the same
+    mathematics, with the summation order of data parallelism, for models whose
+    zero-gradient parameters (GPT-2's key bias) turn rounding noise into Adam updates.
+    """
     model = build_model(case.model)
     optimizer = make_optimizer(model, case.lr)
     rows = world_size * case.accumulation * case.micro_batch
     losses = []
     for step in range(case.steps):
         x, y = global_batch(step, rows)
-        loss = model_loss(model, case.model, x, y)
-        loss.backward()
+        if per_micro_batch:
+            loss = torch.zeros(())
+            for rank in range(world_size):
+                for micro in range(case.accumulation):
+                    start = (micro * world_size + rank) * case.micro_batch
+                    rows_here = slice(start, start + case.micro_batch)
+                    part = model_loss(model, case.model, x[rows_here], y[rows_here])
+                    (part / (world_size * case.accumulation)).backward()
+                    loss = loss + part.detach() / (world_size * case.accumulation)
+        else:
+            loss = model_loss(model, case.model, x, y)
+            loss.backward()
         if case.clipping > 0:
             torch.nn.utils.clip_grad_norm_(model.parameters(), case.clipping)
         optimizer.step()
