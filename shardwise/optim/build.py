@@ -25,11 +25,5 @@ def build_optimizer(param_groups: list[dict[str, Any]], config: OptimizerConfig)
 
 
 def build_scheduler(optimizer: torch.optim.Optimizer, config: SchedulerConfig) -> Any:
-    """One of DeepSpeed's warm-up schedules, stepped by the engine after each update.
-
-    A WarmupLR/WarmupDecayLR without `warmup_max_lr` warms up to the optimizer's lr.
-    """
-    params = dict(config.params)
-    if params.get("warmup_max_lr", 0.0) is None:
-        params["warmup_max_lr"] = optimizer.param_groups[0]["lr"]
-    return SCHEDULERS[config.type](optimizer, **params)
+    """One of DeepSpeed's warm-up schedules, stepped by the engine after each update."""
+    return SCHEDULERS[config.type](optimizer, **config.params)

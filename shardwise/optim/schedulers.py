@@ -1,10 +1,9 @@
 """DeepSpeed's warm-up learning-rate schedules, stepped once per optimizer step.
 
 The formulas (log or linear warm-up from a minimum to a maximum, then constant, linear
-decay or cosine decay) and their defaults match DeepSpeed's `lr_schedules.py`, so a
-DeepSpeed config trains with the same learning rates. One deliberate difference: like
-torch's schedulers, construction already applies the rate for step 0, so the first
-optimizer step does not run at the optimizer's unrelated initial `lr`.
+decay or cosine decay), their defaults, and their start (construction sets the rate of
+iteration -1: the minimum, so the first update runs at warmup_min_lr) match DeepSpeed's
+`lr_schedules.py`, so a DeepSpeed config trains with the same learning rates.
 """
 
 from __future__ import annotations
@@ -61,17 +60,20 @@ class WarmupLR(_WarmupSchedule):
         self,
         optimizer: torch.optim.Optimizer,
         warmup_min_lr: float = 0.0,
-        warmup_max_lr: float = 0.001,
+        warmup_max_lr: float | None = None,
         warmup_num_steps: int = 1000,
         warmup_type: str = "log",
         last_batch_iteration: int = -1,
     ):
+        """`warmup_max_lr=None` warms up to the optimizer's (first group's) lr."""
         super().__init__(optimizer, warmup_num_steps, warmup_type)
         self.min_lr = warmup_min_lr
-        self.max_lr = warmup_max_lr
-        self.step(last_batch_iteration + 1)
+        self.max_lr = optimizer.param_groups[0]["lr"] if warmup_max_lr is None else warmup_max_lr
+        self.step(last_batch_iteration)
 
     def _gamma(self) -> float:
+        if self.last_batch_iteration < 0:
+            return 0.0
         if self.last_batch_iteration < self.warmup_num_steps:
             return self._warmup_fraction()
         return 1.0
@@ -89,7 +91,7 @@ class WarmupDecayLR(WarmupLR):
         optimizer: torch.optim.Optimizer,
         total_num_steps: int,
         warmup_min_lr: float = 0.0,
-        warmup_max_lr: float = 0.001,
+        warmup_max_lr: float | None = 0.001,
         warmup_num_steps: int = 1000,
         warmup_type: str = "log",
         last_batch_iteration: int = -1,
@@ -101,6 +103,8 @@ class WarmupDecayLR(WarmupLR):
         )
 
     def _gamma(self) -> float:
+        if self.last_batch_iteration < 0:
+            return 0.0
         if self.last_batch_iteration < self.warmup_num_steps:
             return self._warmup_fraction()
         remaining = self.total_num_steps - self.last_batch_iteration
@@ -126,9 +130,11 @@ class WarmupCosineLR(_WarmupSchedule):
         self.warmup_min_ratio = warmup_min_ratio
         self.cos_min_ratio = cos_min_ratio
         self.base_lrs = [group.setdefault("initial_lr", group["lr"]) for group in optimizer.param_groups]
-        self.step(last_batch_iteration + 1)
+        self.step(last_batch_iteration)
 
     def _ratio(self) -> float:
+        if self.last_batch_iteration < 0:
+            return 0.0
         if self.last_batch_iteration < self.warmup_num_steps:
             return self.warmup_min_ratio + (1.0 - self.warmup_min_ratio) * self._warmup_fraction()
         done = self.last_batch_iteration - self.warmup_num_steps + 1

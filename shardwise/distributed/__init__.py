@@ -1,0 +1,1 @@
+"""Process groups and the counted, error-naming collectives every stage uses."""
