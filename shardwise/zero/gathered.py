@@ -9,6 +9,9 @@ with the same parameters.
 With `modifier_rank=r`, edits made on rank r inside the block are broadcast on exit and
 written into every rank's shard and fp32 master copy, so training continues from them.
 Stages 0-2 keep full weights already; there the context only does that write-back.
+
+The gathered memory is released on exit: keep values beyond the block by copying them
+(`p.detach().clone()`), not through views or `p.detach()`, which share that memory.
 """
 
 from __future__ import annotations

@@ -120,18 +120,17 @@ def train_parallel(rank: int, world_size: int, case: Case) -> dict:
         for micro in range(case.accumulation):
             start = (micro * world_size + rank) * case.micro_batch
             rows_here = slice(start, start + case.micro_batch)
-            loss = model_loss(engine, case.model, x[rows_here], y[rows_here])
+            inputs, targets = x[rows_here].to(engine.device), y[rows_here].to(engine.device)
+            loss = model_loss(engine, case.model, inputs, targets)
             engine.backward(loss)
             engine.step()
-            step_loss += loss.detach().float()
+            step_loss += loss.detach().float().cpu()
         losses.append(step_loss / case.accumulation)
-    losses = torch.stack(losses)
-    if torch.distributed.is_initialized():
-        torch.distributed.all_reduce(losses)
     comm = engine.comm_volume()
     layout = _stage3_layout(engine) if engine.stage == 3 else {}
+    losses = engine.comm.control_all_reduce(torch.stack(losses), "test losses")
     with shardwise.gathered_parameters(list(model.parameters())):
-        params = {name: p.detach().float().clone() for name, p in model.named_parameters()}
+        params = {n: p.detach().to("cpu", torch.float32, copy=True) for n, p in model.named_parameters()}
     return {
         "losses": (losses / world_size).tolist(),
         "params": params,
