@@ -103,7 +103,7 @@ class Engine:
             )
             self.params.broadcast_from_rank0()
         self.units = self.params.units
-        self._place_frozen_parameters(model)
+        self._cast_frozen_state(model)
         comm_dtype = DTYPES[cfg.communication_data_type] if cfg.communication_data_type else self.dtype
         self.reducer = GradientReducer(
             self.units, self.stage, self.comm, self.ledger, self.dtype, comm_dtype, self.device,
@@ -224,11 +224,18 @@ class Engine:
     def loss_scale(self) -> float:
         return self.loss_scaler.scale
 
-    def _place_frozen_parameters(self, model: nn.Module) -> None:
+    def _cast_frozen_state(self, model: nn.Module) -> None:
+        """Frozen parameters and floating-point buffers (e.g. BatchNorm statistics) take
+        the compute dtype, as DeepSpeed casts the whole module; frozen parameters are
+        held whole on every rank and counted as parameters."""
         for param in model.parameters():
             if not param.requires_grad and param.is_floating_point():
                 param.data = param.data.to(self.dtype)
                 self.ledger.hold("params", tensor_bytes(param))
+        for module in model.modules():
+            for name, buffer in module.named_buffers(recurse=False):
+                if buffer.is_floating_point():
+                    module._buffers[name] = buffer.to(self.dtype)
 
     def destroy(self) -> None:
         self.reducer.remove_hooks()

@@ -75,7 +75,7 @@ class ShardedOptimizer:
                 )
         self.optimizer = make_optimizer(self._segments_by_group())
         self.sub_groups = self._split_sub_groups(sub_group_size)
-        self._record_state_bytes()
+        self.record_state_bytes()
 
     def _segments_by_group(self) -> list[list[torch.Tensor]]:
         by_group: dict[int, list[torch.Tensor]] = defaultdict(list)
@@ -122,7 +122,7 @@ class ShardedOptimizer:
         if self.separate_master:
             for param_chunk, master_chunk in zip(self.param_chunks, self.master_chunks):
                 param_chunk.copy_(master_chunk)
-        self._record_state_bytes()
+        self.record_state_bytes()
 
     def refresh_master(self, unit: FlatUnit) -> None:
         """Take the master copy of `unit` from its (edited) parameter chunk."""
@@ -130,7 +130,7 @@ class ShardedOptimizer:
             position = self.units.index(unit)
             self.master_chunks[position].copy_(self.param_chunks[position])
 
-    def _record_state_bytes(self) -> None:
+    def record_state_bytes(self) -> None:
         """Master copy plus per-element optimizer state (scalars such as `step` excluded)."""
         total = tensor_bytes(self.master) if self.master is not None else 0
         for segment in self.segments:

@@ -1,0 +1,184 @@
+"""`engine.load_checkpoint`: resume from a checkpoint written at any world size and stage.
+
+Each rank reads the element ranges it owns *now* (pieces.py), from whichever saved
+pieces hold them (index.py), straight into its fp32 master chunk and into freshly built
+per-element optimizer state, so the optimizer state is re-partitioned rather than lost.
+The torch optimizer's state is then installed through its own `load_state_dict`, which
+applies torch's rules for each state's device and dtype (e.g. where `step` lives for
+fused or capturable Adam). Finally the live parameters are refreshed from the masters:
+the low-precision copy is rewritten and the updated chunks are all-gathered, as after a
+step.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+from itertools import chain
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from shardwise.checkpoint.format import (
+    FORMAT_VERSION,
+    META,
+    VALUE,
+    CheckpointError,
+    rank_json,
+    read_json,
+)
+from shardwise.checkpoint.index import PieceIndex
+from shardwise.checkpoint.manifest import check_file, read_manifest, resolve_tag
+from shardwise.checkpoint.pieces import describe_model, module_extras, owned_ranges
+from shardwise.checkpoint.safetensors_io import DTYPES
+from shardwise.checkpoint.state import decode_value, restore_rng_state
+
+
+def load_checkpoint(engine: Any, load_dir: str | os.PathLike, tag: str | None = None) -> dict:
+    """Restore everything `save_checkpoint` wrote (tag None: the one `latest` names) and
+    return the saved client_state. Collective: every rank calls it.
+
+    Ranks beyond the saved world size keep their own RNG state; the others get theirs back.
+    """
+    directory = resolve_tag(Path(load_dir), tag)
+    verify_checkpoint(engine, directory)
+    meta = read_json(directory / META)
+    if meta.get("format") != FORMAT_VERSION:
+        raise CheckpointError(f"{directory / META} has format {meta.get('format')!r}; "
+                              f"this shardwise reads format {FORMAT_VERSION}")
+    records = [read_json(directory / rank_json(rank)) for rank in range(meta["world_size"])]
+    with PieceIndex(directory, records) as index:
+        check_model(engine, meta, index)
+        _release_gathered(engine)
+        _load_trained(engine, index, meta, records)
+        with torch.no_grad():
+            for name, tensor in module_extras(engine.module):
+                tensor.copy_(index.read(name, VALUE, 0, tensor.numel(), tensor.dtype).view(tensor.shape))
+    _refresh_parameters(engine)
+
+    if engine.lr_scheduler is not None and meta["lr_scheduler"] is not None:
+        engine.lr_scheduler.load_state_dict(decode_value(meta["lr_scheduler"]))
+    if engine.loss_scaler.dynamic and meta["loss_scaler"] is not None:
+        engine.loss_scaler.load_state_dict(meta["loss_scaler"])
+    counters = meta["counters"]
+    engine.global_steps = counters["global_steps"]
+    engine.micro_steps = counters["micro_steps"]
+    engine.skipped_steps = counters["skipped_steps"]
+    if engine.rank < len(records):
+        restore_rng_state(records[engine.rank]["rng"], engine.device)
+    return meta["client_state"]
+
+
+def verify_checkpoint(engine: Any, directory: Path) -> None:
+    """Check every file against the manifest before anything is read. The files are
+    split over the ranks; the first failure (by file order) is reported on every rank."""
+    files = read_manifest(directory)
+    names = sorted(files)
+    first_bad = len(names)
+    for position in range(engine.rank, len(names), engine.world_size):
+        if check_file(directory, names[position], files[names[position]]) is not None:
+            first_bad = position
+            break
+    flag = torch.tensor([first_bad], dtype=torch.int64, device=engine.device)
+    engine.comm.control_all_reduce(flag, "checkpoint verification", op=dist.ReduceOp.MIN)
+    if flag.item() < len(names):
+        name = names[flag.item()]
+        raise CheckpointError(check_file(directory, name, files[name]) or f"checkpoint file "
+                              f"{directory / name} failed verification on another rank")
+
+
+def check_model(engine: Any, meta: dict, index: PieceIndex) -> None:
+    """The checkpoint holds exactly the model's parameters and buffers, with its shapes."""
+    saved = {entry["name"]: entry for entry in meta["parameters"] + meta["buffers"]}
+    current = describe_model(engine)
+    wanted = [("parameter", entry) for entry in current["parameters"]]
+    wanted += [("buffer", entry) for entry in current["buffers"]]
+    for kind, entry in wanted:
+        shape = tuple(entry["shape"])
+        if entry["name"] not in saved:
+            raise CheckpointError(f"the model's {kind} {entry['name']} (shape {shape}) is not in "
+                                  f"checkpoint {index.directory}")
+        saved_shape = tuple(saved[entry["name"]]["shape"])
+        if saved_shape != shape:
+            raise CheckpointError(f"{kind} {entry['name']} has shape {saved_shape} in checkpoint "
+                                  f"{index.directory} but shape {shape} in the model")
+    known = {entry["name"] for _, entry in wanted}
+    unknown = [name for name in saved if name not in known]
+    if unknown:
+        raise CheckpointError(f"checkpoint {index.directory} holds {unknown[0]} (shape "
+                              f"{tuple(saved[unknown[0]]['shape'])}), which the model does not have")
+    for _, entry in wanted:
+        index.check_complete(entry["name"], math.prod(entry["shape"]))
+    saved_class = meta["optimizer"]["class"]
+    optimizer = engine.optimizer.optimizer
+    if saved_class != type(optimizer).__name__:
+        raise CheckpointError(f"checkpoint {index.directory} was trained with {saved_class}, "
+                              f"this engine uses {type(optimizer).__name__}")
+    saved_groups = len(meta["optimizer"]["param_groups"])
+    if saved_groups != len(optimizer.param_groups):
+        raise CheckpointError(f"checkpoint {index.directory} has {saved_groups} optimizer param "
+                              f"groups, this engine's optimizer has {len(optimizer.param_groups)}")
+
+
+def _load_trained(engine: Any, index: PieceIndex, meta: dict, records: list[dict]) -> None:
+    """Fill the owned masters and build the optimizer state of every owned segment."""
+    scalars, elements = _group_states(records)
+    engine.optimizer.optimizer.state.clear()  # loading into a trained engine: not two copies
+    states: dict[int, dict[str, Any]] = {}
+    for segment in engine.optimizer.segments:
+        group = str(segment.group)
+        if group not in scalars:
+            continue
+        state = {key: decode_value(value) for key, value in scalars[group].items()}
+        for key, dtype in elements[group].items():
+            state[key] = torch.zeros(segment.master.numel(), dtype=DTYPES[dtype], device=segment.master.device)
+        states[id(segment)] = state
+    for owned in owned_ranges(engine):
+        index.read_into(owned.name, VALUE, owned.start, owned.master)
+        state = states.get(id(owned.segment), {})
+        for key in elements.get(str(owned.segment.group), {}):
+            index.read_into(owned.name, key, owned.start, owned.state_view(state[key]))
+
+    optimizer = engine.optimizer.optimizer
+    position = {id(p): i for i, p in enumerate(chain.from_iterable(g["params"] for g in optimizer.param_groups))}
+    groups = []
+    for group, saved in zip(optimizer.param_groups, meta["optimizer"]["param_groups"]):
+        hyper = {key: value for key, value in group.items() if key != "params"}
+        hyper.update({key: decode_value(value) for key, value in saved.items()})
+        groups.append({**hyper, "params": [position[id(p)] for p in group["params"]]})
+    optimizer.load_state_dict({
+        "state": {position[id(s.master)]: states[id(s)] for s in engine.optimizer.segments if id(s) in states},
+        "param_groups": groups,
+    })
+    engine.optimizer.record_state_bytes()
+
+
+def _group_states(records: list[dict]) -> tuple[dict[str, dict], dict[str, dict]]:
+    """Per param group: scalar state and per-element state dtypes (from any rank that
+    trained part of the group; they agree)."""
+    scalars: dict[str, dict] = {}
+    elements: dict[str, dict] = {}
+    for record in records:
+        for group, state in record["optimizer_groups"].items():
+            scalars.setdefault(group, state["scalars"])
+            elements.setdefault(group, state["elements"])
+    return scalars, elements
+
+
+def _release_gathered(engine: Any) -> None:
+    """Stage 3: drop gathered copies (made before the load) so forwards gather new values."""
+    if engine.stage == 3:
+        for unit in engine.params.sharded.units:
+            engine.params.sharded.free(unit)
+
+
+def _refresh_parameters(engine: Any) -> None:
+    """Masters -> live parameters, as after an optimizer step."""
+    optimizer = engine.optimizer
+    if optimizer.separate_master:
+        for param_chunk, master_chunk in zip(optimizer.param_chunks, optimizer.master_chunks):
+            param_chunk.copy_(master_chunk)
+    engine.params.after_step()
+    engine.reducer.zero_grads()

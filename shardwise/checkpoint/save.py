@@ -1,0 +1,214 @@
+"""`engine.save_checkpoint`: every rank writes what it owns; rank 0 publishes.
+
+A rank's share is written straight from the buffers it trains with (fp32 master pieces
+and the matching slices of every per-element optimizer state), named by parameter and
+element range, so no rank ever holds more of the model than it already did. In stage 0
+every rank owns everything, so only rank 0 writes model and optimizer data; frozen
+parameters and buffers, whole on every rank, are also written once, by rank 0. Every
+rank writes its own RNG state.
+
+Failures are agreed on: after each phase the ranks all-reduce a success flag, so a full
+disk on one rank makes every rank raise instead of leaving its peers blocked in a
+collective until they time out.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+from pathlib import Path
+from typing import Any, Callable
+
+import torch
+import torch.distributed as dist
+
+from shardwise.checkpoint.format import (
+    FORMAT_VERSION,
+    META,
+    VALUE,
+    CheckpointError,
+    check_tag,
+    piece_key,
+    rank_json,
+    rank_tensors,
+    read_json,
+    staging_dir,
+)
+from shardwise.checkpoint.manifest import file_digest, publish, write_manifest, write_synced
+from shardwise.checkpoint.pieces import describe_model, module_extras, owned_ranges
+from shardwise.checkpoint.safetensors_io import SafetensorsWriter, TensorEntry, dtype_name
+from shardwise.checkpoint.state import capture_rng_state, check_json, encode_value
+
+
+def save_checkpoint(
+    engine: Any, save_dir: str | os.PathLike, tag: str | None = None, client_state: dict | None = None
+) -> str:
+    """Write a checkpoint of `engine` under `save_dir/tag` (default tag: global_step<N>) and
+    point `save_dir/latest` at it. Collective: every rank calls it. Returns the tag.
+
+    `client_state` (rank 0's is kept) must be JSON: str keys; tuples come back as lists.
+    """
+    tag = f"global_step{engine.global_steps}" if tag is None else tag
+    check_tag(tag)
+    client_state = {} if client_state is None else client_state
+    root = Path(save_dir)
+    staging = staging_dir(root, tag)
+
+    def prepare() -> None:
+        check_json(client_state)
+        if engine.rank == 0:
+            root.mkdir(parents=True, exist_ok=True)
+            shutil.rmtree(staging, ignore_errors=True)  # left by a save that was killed
+            staging.mkdir()
+
+    def finish() -> None:
+        if engine.rank == 0:
+            _write_meta(engine, staging, tag, client_state)
+            _write_manifest(engine.world_size, staging)
+            publish(root, tag)
+
+    _together(engine, prepare, "preparing the checkpoint directory")
+    _together(engine, lambda: _write_rank_files(engine, staging), "writing its checkpoint files")
+    _together(engine, finish, "publishing the checkpoint")
+    return tag
+
+
+def _together(engine: Any, step: Callable[[], None], what: str) -> None:
+    """Run `step` on every rank; if any rank fails, every rank raises."""
+    error: BaseException | None = None
+    try:
+        step()
+    except Exception as caught:  # re-raised below, after the peers know
+        error = caught
+    flag = torch.tensor([0 if error is not None else 1], device=engine.device)
+    engine.comm.control_all_reduce(flag, f"checkpoint: {what}", op=dist.ReduceOp.MIN)
+    if error is not None:
+        raise error
+    if flag.item() == 0:
+        raise CheckpointError(f"rank {engine.rank}: another rank failed while {what}; see its error")
+
+
+def _write_rank_files(engine: Any, staging: Path) -> None:
+    """This rank's pieces (safetensors) and its record (JSON): piece list, optimizer
+    scalars per param group, RNG state, and the checksum of its tensor file."""
+    element_states, groups = _optimizer_states(engine) if _writes_model(engine) else ({}, {})
+    pieces: list[dict[str, Any]] = []
+    tensors: list[tuple[str, torch.Tensor]] = []
+
+    def add(name: str, start: int, stop: int, named: dict[str, torch.Tensor]) -> None:
+        pieces.append({"name": name, "start": start, "stop": stop, "tensors": list(named)})
+        tensors.extend((piece_key(name, start, stop, key), tensor) for key, tensor in named.items())
+
+    if _writes_model(engine):
+        for owned in owned_ranges(engine):
+            states = element_states.get(id(owned.segment), {})
+            add(owned.name, owned.start, owned.stop,
+                {VALUE: owned.master, **{key: owned.state_view(state) for key, state in states.items()}})
+    if engine.rank == 0:
+        for name, tensor in module_extras(engine.module):
+            add(name, 0, tensor.numel(), {VALUE: tensor.detach().reshape(-1)})
+
+    files: dict[str, tuple[int, str]] = {}
+    if tensors:
+        path = staging / rank_tensors(engine.rank)
+        entries = [TensorEntry(key, tensor.dtype, (tensor.numel(),)) for key, tensor in tensors]
+        with SafetensorsWriter(path, entries, metadata={"format": "pt"}) as writer:
+            for key, tensor in tensors:
+                writer.write(key, tensor)
+            files[path.name] = writer.close()
+    record = {
+        "rank": engine.rank,
+        "pieces": pieces,
+        "optimizer_groups": groups,
+        "rng": capture_rng_state(engine.device),
+        "files": files,
+    }
+    write_synced(staging / rank_json(engine.rank), json.dumps(record))
+
+
+def _writes_model(engine: Any) -> bool:
+    return engine.stage > 0 or engine.rank == 0
+
+
+def _optimizer_states(engine: Any) -> tuple[dict[int, dict[str, torch.Tensor]], dict[str, dict]]:
+    """Per segment, its per-element state tensors; per param group, its scalar state
+    (e.g. Adam's `step`) and the dtypes of its per-element states.
+
+    Scalars are stored per group, not per segment: segments are an artefact of this
+    rank's layout, and every segment of a group steps together, so they agree.
+    """
+    optimizer = engine.optimizer.optimizer
+    element_states: dict[int, dict[str, torch.Tensor]] = {}
+    groups: dict[str, dict] = {}
+    for segment in engine.optimizer.segments:
+        state = optimizer.state.get(segment.master, {})
+        if not state:
+            continue
+        elements = {key: value for key, value in state.items()
+                    if torch.is_tensor(value) and value.shape == segment.master.shape}
+        scalars = {
+            key: encode_value(value, f"optimizer state {key!r} of param group {segment.group}")
+            for key, value in state.items() if key not in elements
+        }
+        element_states[id(segment)] = elements
+        record = {"scalars": scalars, "elements": {key: dtype_name(v.dtype) for key, v in elements.items()}}
+        seen = groups.setdefault(str(segment.group), record)
+        if seen != record:
+            raise CheckpointError(
+                f"optimizer state differs between parameters of param group {segment.group} "
+                f"({seen} vs {record}); checkpoints keep one scalar state per group"
+            )
+    return element_states, groups
+
+
+def _write_meta(engine: Any, staging: Path, tag: str, client_state: dict) -> None:
+    optimizer = engine.optimizer.optimizer
+    scheduler = engine.lr_scheduler
+    if scheduler is not None and not hasattr(scheduler, "state_dict"):
+        raise TypeError(f"the lr scheduler ({type(scheduler).__name__}) has no state_dict() to checkpoint")
+    meta = {
+        "format": FORMAT_VERSION,
+        "tag": tag,
+        "world_size": engine.world_size,
+        "stage": engine.stage,
+        "dtype": str(engine.dtype).removeprefix("torch."),
+        **describe_model(engine),
+        "optimizer": {
+            "class": type(optimizer).__name__,
+            "param_groups": [
+                {key: encode_value(value, f"param group {index} {key!r}")
+                 for key, value in group.items() if key not in ("params", "param_names")}
+                for index, group in enumerate(optimizer.param_groups)
+            ],
+        },
+        "lr_scheduler": None if scheduler is None else encode_value(scheduler.state_dict(), "lr scheduler state"),
+        "loss_scaler": engine.loss_scaler.state_dict() if engine.loss_scaler.dynamic else None,
+        "counters": {
+            "global_steps": engine.global_steps,
+            "micro_steps": engine.micro_steps,
+            "skipped_steps": engine.skipped_steps,
+        },
+        "client_state": client_state,
+        "hf": _hf_description(engine.module),
+    }
+    write_synced(staging / META, json.dumps(meta, indent=1))
+
+
+def _hf_description(module: torch.nn.Module) -> dict | None:
+    """A `transformers` model's class and full config, so `convert --hf` can write config.json."""
+    config = getattr(module, "config", None)
+    if config is None or not hasattr(config, "to_json_string"):
+        return None
+    return {"class": type(module).__name__, "config": json.loads(config.to_json_string(use_diff=False))}
+
+
+def _write_manifest(world_size: int, staging: Path) -> None:
+    """Tensor files were hashed by their writers as they streamed; JSON files are small."""
+    files: dict[str, tuple[int, str]] = {}
+    for rank in range(world_size):
+        record = read_json(staging / rank_json(rank))
+        files.update({name: tuple(entry) for name, entry in record["files"].items()})
+        files[rank_json(rank)] = file_digest(staging / rank_json(rank))
+    files[META] = file_digest(staging / META)
+    write_manifest(staging, files)
