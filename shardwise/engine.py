@@ -206,6 +206,10 @@ class Engine:
     def num_parameters(self) -> int:
         return sum(unit.numel for unit in self.units)
 
+    def persistent_numel(self) -> int:
+        """Stage 3: elements kept whole on every rank (under the persistence threshold)."""
+        return self.params.persistent_numel() if self.stage == 3 else 0
+
     def padding_elements(self) -> int:
         return sum(unit.padded_numel - unit.numel for unit in self.units)
 

@@ -1,0 +1,56 @@
+"""`shardwise train` refuses bad flags and configs before starting any process."""
+
+import json
+
+import pytest
+
+from shardwise.cli.main import build_parser
+
+
+def run_cli(capsys, *argv: str) -> tuple[int, str]:
+    args = build_parser().parse_args(["train", *argv])
+    status = args.handler(args)
+    return status, capsys.readouterr().err
+
+
+def test_no_arguments_select_the_main_job():
+    args = build_parser().parse_args(["train"])
+    assert (args.model_size, args.stage, args.steps, args.nproc, args.bf16) == ("10m", None, None, None, False)
+    assert args.out_dir == "runs" and not args.compare_stages and not args.profile
+
+
+@pytest.mark.parametrize(
+    "argv,message",
+    [
+        (["--compare-stages", "--stage", "2"], "--compare-stages runs every stage; drop --stage"),
+        (["--compare-stages", "--profile"], "--profile traces a training run"),
+        (["--profile", "--steps", "2"], "--profile needs at least 3 steps"),
+        (["--nproc", "3"], "train_batch_size 8 is not divisible by gradient_accumulation_steps 1 * world_size 3"),
+    ],
+)
+def test_contradictory_flags_are_refused(capsys, tmp_path, argv, message):
+    status, err = run_cli(capsys, *argv, "--out-dir", str(tmp_path))
+    assert status == 2
+    assert message in err
+    assert not any(path.name != ".cache" for path in tmp_path.iterdir())
+
+
+def test_config_errors_name_the_key(capsys, tmp_path):
+    config = tmp_path / "ds.json"
+    config.write_text(json.dumps({"zero_optimization": {"stgae": 2}}))
+    status, err = run_cli(capsys, "--config", str(config), "--out-dir", str(tmp_path / "runs"))
+    assert status == 2
+    assert "stgae" in err and "stage" in err
+    config.write_text("[1, 2]")
+    status, err = run_cli(capsys, "--config", str(config), "--out-dir", str(tmp_path / "runs"))
+    assert status == 2 and "must hold a JSON object" in err
+    status, err = run_cli(capsys, "--config", str(tmp_path / "missing.json"))
+    assert status == 2 and "cannot read --config" in err
+
+
+def test_an_existing_run_is_not_overwritten(capsys, tmp_path):
+    (tmp_path / "taken").mkdir()
+    (tmp_path / "taken" / "metrics.jsonl").write_text("{}\n")
+    status, err = run_cli(capsys, "--out-dir", str(tmp_path), "--name", "taken")
+    assert status == 2
+    assert "already exists and is not empty" in err
