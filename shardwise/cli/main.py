@@ -19,7 +19,9 @@ COMMANDS = {
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="shardwise", description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(
+        prog="shardwise", description="ZeRO-style memory-efficient training for PyTorch."
+    )
     subparsers = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
     for module_name in COMMANDS.values():
         importlib.import_module(module_name).add_parser(subparsers)
