@@ -69,8 +69,8 @@ class Engine:
         self.device = self.context.device
         self.stage = zero.stage
         self.dtype = _compute_dtype(cfg)
-        self.comm = Communicator(self.context)
         self.ledger = MemoryLedger()
+        self.comm = Communicator(self.context, self.ledger)
         self.world_size = self.context.world_size
         self.rank = self.context.rank
         self.gradient_accumulation_steps = cfg.gradient_accumulation_steps
@@ -111,6 +111,7 @@ class Engine:
         )
         if self.stage == 3:
             self.reducer.unit_ready_callbacks.append(self.params.schedule.on_grads_ready)
+            self.params.schedule.backward_use_callbacks.append(self.reducer.prepare_unit)
         self.optimizer = ShardedOptimizer(
             self.units,
             0 if self.stage == 0 else self.rank,

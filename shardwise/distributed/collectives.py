@@ -26,6 +26,8 @@ from dataclasses import dataclass, field
 import torch
 import torch.distributed as dist
 
+from shardwise.accounting import MemoryLedger
+from shardwise.distributed import point_to_point
 from shardwise.distributed.setup import DistributedContext
 
 
@@ -45,7 +47,7 @@ def ring_bytes(op: str, full_bytes: int, world_size: int) -> int:
 class PendingCollective:
     """Handle to an in-flight collective; `wait()` re-raises failures with context."""
 
-    work: dist.Work | None
+    work: dist.Work | point_to_point.PointToPointWork | None
     op: str
     what: str
     communicator: "Communicator"
@@ -73,14 +75,19 @@ class PendingCollective:
 class Communicator:
     """Counted, error-naming collectives over one data-parallel process group."""
 
-    def __init__(self, context: DistributedContext):
+    def __init__(self, context: DistributedContext, ledger: MemoryLedger | None = None):
+        """`ledger` receives the receive buffers of gloo reduce-scatters as "buffers"."""
         self.context = context
+        self.ledger = ledger if ledger is not None else MemoryLedger()
         self.rank = context.rank
         self.world_size = context.world_size
         self.group = context.group
         self.control_group = (
             dist.new_group(backend="gloo", timeout=context.timeout) if self.world_size > 1 else None
         )
+        # gloo's own reduce-scatter / all-gather copy and all-reduce the whole input
+        self.point_to_point = self.world_size > 1 and dist.get_backend(self.group) == "gloo"
+        self._sequence = 0  # tags point-to-point collectives; advances alike on every rank
         self.volume: Counter[str] = Counter()
         self.wait_seconds = 0.0  # time the training thread spent blocked on collectives
 
@@ -116,7 +123,15 @@ class Communicator:
                 output.copy_(full)
             return PendingCollective(None, "reduce_scatter", what, self)
         self._count("reduce_scatter", full)
-        work = dist.reduce_scatter_single(output, full, group=self.group, async_op=True)
+        if self.point_to_point:
+            receive_bytes = full.numel() * full.element_size() * (self.world_size - 1) // self.world_size
+            self.ledger.hold("buffers", receive_bytes)
+            work = point_to_point.reduce_scatter(
+                output, full, self.group, self.rank, self.world_size, self._next_tag(),
+                on_free=lambda nbytes: self.ledger.release("buffers", nbytes),
+            )
+        else:
+            work = dist.reduce_scatter_single(output, full, group=self.group, async_op=True)
         return PendingCollective(work, "reduce_scatter", what, self)
 
     def all_gather(self, full: torch.Tensor, shard: torch.Tensor, what: str) -> PendingCollective:
@@ -125,6 +140,8 @@ class Communicator:
             if shard.data_ptr() != full.data_ptr():
                 full.copy_(shard)
             return PendingCollective(None, "all_gather", what, self)
+        if self.point_to_point:
+            return self.all_gather_pieces(list(full.chunk(self.world_size)), shard, what)
         self._count("all_gather", full)
         work = dist.all_gather_single(full, shard, group=self.group, async_op=True)
         return PendingCollective(work, "all_gather", what, self)
@@ -140,8 +157,17 @@ class Communicator:
         self.volume["all_gather"] += ring_bytes(
             "all_gather", sum(p.numel() * p.element_size() for p in pieces), self.world_size
         )
-        work = dist.all_gather(pieces, shard, group=self.group, async_op=True)
+        if self.point_to_point:
+            work = point_to_point.all_gather(
+                pieces, shard, self.group, self.rank, self.world_size, self._next_tag()
+            )
+        else:
+            work = dist.all_gather(pieces, shard, group=self.group, async_op=True)
         return PendingCollective(work, "all_gather", what, self)
+
+    def _next_tag(self) -> int:
+        self._sequence = (self._sequence + 1) % (2**31 - 1)
+        return self._sequence
 
     def broadcast(self, tensor: torch.Tensor, source: int, what: str) -> None:
         if self.world_size == 1:

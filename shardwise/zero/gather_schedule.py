@@ -71,6 +71,7 @@ class GatherSchedule:
         self.on_trace = False
         self.gather_log: list[int] = []
         self.prefetched = 0  # units gathered ahead of their use, since start
+        self.backward_use_callbacks: list = []  # called with each unit about to run backward
         self.positions: dict[nn.Module, list[list[int]]] = defaultdict(list)
         self.handles = []
         for module in module_units:
@@ -148,10 +149,16 @@ class GatherSchedule:
             tensors = [t for t in tree_flatten(output)[0] if torch.is_tensor(t) and t.requires_grad]
             if tensors:
                 torch.autograd.graph.register_multi_grad_hook(
-                    tensors, lambda grads: self._use(units), mode="any"
+                    tensors, lambda grads: self._pre_backward(units), mode="any"
                 )
         if module is self.root and not torch.is_grad_enabled():
             self._free_unused()  # no backward will follow this forward
+
+    def _pre_backward(self, units: list[FlatUnit]) -> None:
+        self._use(units)
+        for unit in units:
+            for callback in self.backward_use_callbacks:
+                callback(unit)
 
     def _begin_pass(self) -> None:
         """A new forward starts: forget an unfinished record (e.g. a forward without

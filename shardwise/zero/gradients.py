@@ -14,6 +14,10 @@ keeps the sequence of collectives identical on every rank, so a parameter that i
 on one rank but not another (data-dependent control flow) delays a launch instead of
 pairing the wrong collectives. Gradients are averaged over ranks (pre-divided by N).
 
+At most MAX_IN_FLIGHT reductions are outstanding: launching one more first finishes the
+oldest. That double-buffers communication against backward while keeping the transient
+memory (buckets, receive buffers) a constant number of units, whatever the model size.
+
 Stages 0-1 accumulate micro-batches locally and reduce only at the accumulation boundary;
 their `param.grad` is a view into the gradient buffer, so autograd accumulates in place.
 Stages 2-3 must reduce every micro-batch, since they only keep a shard.
@@ -29,6 +33,9 @@ import torch
 from shardwise.accounting import MemoryLedger, tensor_bytes
 from shardwise.distributed.collectives import Communicator, PendingCollective
 from shardwise.zero.layout import FlatUnit, ParamSlot
+
+
+MAX_IN_FLIGHT = 2
 
 
 @dataclass
@@ -84,6 +91,7 @@ class GradientReducer:
                     slot.param.grad = view
 
         self._free_buckets: list[torch.Tensor] = []
+        self._bucket_count = 0
         self._bucket_numel = max(unit.padded_numel for unit in units)
         self._hooks = [
             slot.param.register_post_accumulate_grad_hook(self._make_hook(unit, slot))
@@ -142,10 +150,10 @@ class GradientReducer:
                 view.add_(param.grad)
                 param.grad = view
         else:
-            bucket = self._bucket_for(unit)
-            target = bucket[slot.offset : slot.offset + slot.numel]
-            source = param.grad.reshape(-1)
-            target.add_(source) if id(slot) in seen else target.copy_(source)
+            target = self._bucket_for(unit)[slot.offset : slot.offset + slot.numel]
+            if param.grad.data_ptr() != target.data_ptr():  # not accumulated in place
+                source = param.grad.reshape(-1)
+                target.add_(source) if id(slot) in seen else target.copy_(source)
             param.grad = None
         seen.add(id(slot))
         if self._reducing and len(seen) == len(unit.slots):
@@ -177,22 +185,36 @@ class GradientReducer:
             if id(slot) not in self._seen[unit.index]:
                 bucket[slot.offset : slot.offset + slot.numel].zero_()
 
+    def prepare_unit(self, unit: FlatUnit) -> None:
+        """Stage 3, just before a unit's backward: point its parameters' `.grad` at a
+        zeroed bucket, so autograd accumulates straight into it (no full-size gradient
+        tensor, no copy)."""
+        if self.keeps_full_grads or unit.index in self._buckets or self.comm_dtype != self.grad_dtype:
+            return
+        bucket = self._bucket_for(unit)
+        bucket[: unit.numel].zero_()
+        for slot in unit.slots:
+            if id(slot) not in self._seen[unit.index]:
+                slot.param.grad = bucket[slot.offset : slot.offset + slot.numel].view(slot.shape)
+
     # -- buckets (stages 2-3) ----------------------------------------------------------
     def _bucket_for(self, unit: FlatUnit) -> torch.Tensor:
         """The unit's bucket, taken from the pool on first use in this backward.
 
-        An empty pool first waits for the oldest in-flight reduction to return its buffer;
-        only when nothing is in flight does the pool grow.
+        The pool grows to MAX_IN_FLIGHT + 1 buckets (one filling, the rest in flight);
+        beyond that, an empty pool waits for the oldest reduction to return its bucket.
+        It grows further only when nothing is in flight (units filling out of order).
         """
         if unit.index in self._buckets:
             return self._buckets[unit.index][1]
-        if not self._free_buckets and self._launched:
+        if not self._free_buckets and self._launched and self._bucket_count > MAX_IN_FLIGHT:
             self._complete_oldest()
         if self._free_buckets:
             buffer = self._free_buckets.pop()
         else:
             buffer = torch.empty(self._bucket_numel, dtype=self.comm_dtype, device=self.device)
             self.ledger.hold("buffers", tensor_bytes(buffer))
+            self._bucket_count += 1
         bucket = buffer[: unit.padded_numel]
         bucket[unit.numel :].zero_()
         self._buckets[unit.index] = (buffer, bucket)
@@ -200,6 +222,8 @@ class GradientReducer:
 
     # -- collectives ---------------------------------------------------------------------
     def _launch(self, unit: FlatUnit) -> None:
+        while len(self._launched) >= MAX_IN_FLIGHT:
+            self._complete_oldest()
         world = self.comm.world_size
         what = f"gradients of {unit}"
         if self.keeps_full_grads:
@@ -225,6 +249,8 @@ class GradientReducer:
 
         else:
             buffer, bucket = self._buckets.pop(unit.index)
+            for slot in unit.slots:  # prepared but never reached by a gradient
+                slot.param.grad = None
             bucket.div_(world)
             lo, hi = unit.chunk_bounds(self.chunk)
             pending = self._reduce_to_owner(bucket, lo, hi, what)

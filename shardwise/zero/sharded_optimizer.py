@@ -53,8 +53,11 @@ class ShardedOptimizer:
         self.ledger = ledger
         self.separate_master = param_chunks[0].dtype != torch.float32
         if self.separate_master:
-            self.master = torch.cat([chunk.float() for chunk in param_chunks])
-            master_chunks = list(torch.split(self.master, [c.numel() for c in param_chunks]))
+            sizes = [piece.numel() for piece in param_chunks]
+            self.master = torch.empty(sum(sizes), dtype=torch.float32, device=param_chunks[0].device)
+            master_chunks = list(torch.split(self.master, sizes))
+            for master_piece, param_piece in zip(master_chunks, param_chunks):
+                master_piece.copy_(param_piece)
         else:
             self.master = None
             master_chunks = param_chunks

@@ -7,6 +7,7 @@ the alignment padding (units × N × alignment elements), which is asserted too.
 import pytest
 
 from shardwise.testing import run_distributed
+from shardwise.zero.gradients import MAX_IN_FLIGHT
 from shardwise.zero.layout import align_elements
 from tests.zero.workers import Case, train_parallel
 
@@ -36,11 +37,14 @@ def test_memory_breakdown_matches_zero_formula(stage, dtype, world_size):
     memory = result["memory"]
     for category, value in expected_memory(stage, dtype, padded, world_size).items():
         assert memory[category] == value, (category, memory[category], value)
-    # Transient buffers: at most a few gradient buckets (stage 2) plus, in bf16, the fp32
+    # Transient buffers, a constant number of units (Cb): gradient buckets (stage 2), the
+    # receive buffers of reduce-scatters in flight (stages 1-2), plus, in bf16, the fp32
     # gradient copy of one optimizer sub-group (here the whole shard).
-    buckets = 3 * result["largest_unit"] * BYTES[dtype] if stage == 2 else 0
+    unit_bytes = result["largest_unit"] * BYTES[dtype]
+    buckets = (MAX_IN_FLIGHT + 1) * unit_bytes if stage == 2 else 0
+    receive = MAX_IN_FLIGHT * unit_bytes * (world_size - 1) // world_size if stage > 0 else 0
     fp32_grads = 4 * padded // chunks if dtype == "bf16" else 0
-    assert memory["buffers"] <= buckets + fp32_grads
+    assert memory["buffers"] <= buckets + receive + fp32_grads
     if stage == 2:
         assert memory["buffers"] > fp32_grads  # the buckets are counted
 

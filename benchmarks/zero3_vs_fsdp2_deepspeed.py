@@ -1,0 +1,343 @@
+"""shardwise ZeRO-3 beside torch FSDP2 (`fully_shard`) and DeepSpeed ZeRO-3 (issue 3, C4).
+
+    .venv/bin/python benchmarks/zero3_vs_fsdp2_deepspeed.py     # ≈25M and ≈100M GPTs, 2 ranks
+
+Each model size runs the three frameworks one after the other, each on fresh rank
+processes (peak RSS is a per-process high-water mark), from the same initial weights
+(the same seeded construction), on the same batches, in fp32. All three train with the
+same optimizer object type and settings (torch's fused AdamW, given to each framework as
+an instance) and clip at the same global norm; shardwise and DeepSpeed read the very same
+DeepSpeed config dict.
+
+DeepSpeed runs under its own interpreter (it pins packages of its own), by default the
+virtual env at /tmp/ds-venv, created with:
+
+    python3.11 -m venv /tmp/ds-venv
+    echo torch==2.13.0 > /tmp/ds-constraints.txt
+    /tmp/ds-venv/bin/pip install -c /tmp/ds-constraints.txt torch==2.13.0
+    DS_BUILD_OPS=0 /tmp/ds-venv/bin/pip install -c /tmp/ds-constraints.txt deepspeed
+
+Targets: step time ≤ 1.0× FSDP2 and ≤ 0.7× DeepSpeed; per-rank peak RSS lower than both;
+fp32 losses equal to DeepSpeed's to 1e-5 (relative).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+from pathlib import Path
+from typing import Any
+
+import torch
+
+SCRIPT = Path(__file__).resolve()
+sys.path.insert(0, str(SCRIPT.parent))
+
+from launch import run_rounds  # noqa: E402
+from report import (  # noqa: E402
+    VariantSummary,
+    comm_text,
+    loss_difference,
+    machine_line,
+    markdown_table,
+    mib,
+    verdict,
+)
+
+VARIANTS = ("shardwise", "fsdp2", "deepspeed")
+DEFAULT_DEEPSPEED_PYTHON = "/tmp/ds-venv/bin/python"
+REDUCE_BUCKET_ELEMENTS = 25 * 1024 * 1024 // 4  # 25 MiB of fp32, DDP's default bucket
+LOSS_TOLERANCE = 1e-5
+STATE_KEYS = ("params", "grads", "optimizer_states", "buffers")
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--presets", default="25m,100m", help="GPTConfig presets, comma-separated")
+    parser.add_argument("--world-size", type=int, default=2)
+    parser.add_argument("--micro-batch", type=int, default=1, help="sequences per rank per step")
+    parser.add_argument("--seq-len", type=int, default=256)
+    parser.add_argument("--warmup", type=int, default=2, help="untimed steps first")
+    parser.add_argument("--steps", type=int, default=5, help="timed steps (median reported)")
+    parser.add_argument("--rounds", type=int, default=1,
+                        help="repeat the frameworks in turn; step time is the median round")
+    parser.add_argument("--lr", type=float, default=1e-4)
+    parser.add_argument("--clip", type=float, default=1.0, help="gradient clipping norm, all frameworks")
+    parser.add_argument("--seed", type=int, default=1234)
+    parser.add_argument("--max-reuse-distance", type=int, default=1_000_000_000,
+                        help="stage3_max_reuse_distance for shardwise and DeepSpeed (default: DeepSpeed's "
+                        "1e9, which keeps a small model gathered from forward to backward; 0 re-gathers "
+                        "in backward, as FSDP2's reshard_after_forward does)")
+    parser.add_argument("--variants", default=",".join(VARIANTS), help="comma-separated subset")
+    parser.add_argument("--deepspeed-python", default=os.environ.get("DEEPSPEED_PYTHON", DEFAULT_DEEPSPEED_PYTHON),
+                        help="interpreter with deepspeed installed (default: $DEEPSPEED_PYTHON or %(default)s)")
+    parser.add_argument("--timeout", type=float, default=400, help="seconds per framework run")
+    parser.add_argument("--json", type=Path, help="also write the raw per-rank results here")
+    parser.add_argument("--worker", choices=VARIANTS, help=argparse.SUPPRESS)
+    parser.add_argument("--preset", help=argparse.SUPPRESS)
+    return parser.parse_args(argv)
+
+
+# -- inside a rank -------------------------------------------------------------------------
+def adamw(model: torch.nn.Module, args: argparse.Namespace) -> torch.optim.AdamW:
+    return torch.optim.AdamW(
+        model.parameters(), lr=args.lr, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.1, fused=True
+    )
+
+
+def zero3_config(args: argparse.Namespace, world_size: int) -> dict[str, Any]:
+    """The DeepSpeed config both shardwise and DeepSpeed read; stage-3 sizes are
+    DeepSpeed's defaults except the reduce bucket (25 MiB, as DDP and the ZeRO-1/2 run)."""
+    return {
+        "train_batch_size": args.micro_batch * world_size,
+        "train_micro_batch_size_per_gpu": args.micro_batch,
+        "gradient_accumulation_steps": 1,
+        "gradient_clipping": args.clip,
+        "steps_per_print": 1_000_000,
+        "zero_optimization": {
+            "stage": 3,
+            "overlap_comm": True,
+            "reduce_bucket_size": REDUCE_BUCKET_ELEMENTS,
+            "stage3_prefetch_bucket_size": 50_000_000,
+            "stage3_param_persistence_threshold": 100_000,
+            "stage3_max_live_parameters": 1_000_000_000,
+            "stage3_max_reuse_distance": args.max_reuse_distance,
+        },
+    }
+
+
+def train_shardwise(args: argparse.Namespace, rank: int, world_size: int) -> dict[str, Any]:
+    import shardwise
+
+    from workload import ByteBatches, build_gpt, rss_bytes, timed_steps
+
+    baseline = rss_bytes()
+    model = build_gpt(args.preset, args.seed)
+    engine = shardwise.initialize(model, zero3_config(args, world_size), optimizer=adamw(model, args))
+
+    def train_step(inputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        loss = engine(inputs, targets)
+        engine.backward(loss)
+        engine.step()
+        return loss.detach()
+
+    batches = ByteBatches(args.seed, world_size, args.micro_batch, args.seq_len)
+    record = timed_steps(train_step, batches, rank, args.warmup, args.steps)
+    total_steps = args.warmup + args.steps
+    result = {
+        "model_state": engine.memory_breakdown(),
+        "comm_per_step": {op: v // total_steps for op, v in engine.comm_volume().items() if v},
+        "comm_wait_s_per_step": engine.comm.wait_seconds / total_steps,
+        "record": record,
+        "baseline_rss": baseline,
+    }
+    engine.destroy()
+    return result
+
+
+def train_fsdp2(args: argparse.Namespace, rank: int, world_size: int) -> dict[str, Any]:
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    from workload import ByteBatches, build_gpt, local_bytes, optimizer_state_bytes, rss_bytes, timed_steps
+
+    baseline = rss_bytes()
+    model = build_gpt(args.preset, args.seed)
+    mesh = init_device_mesh("cpu", (world_size,))
+    for block in model.blocks:
+        fully_shard(block, mesh=mesh)
+    fully_shard(model, mesh=mesh)
+    optimizer = adamw(model, args)
+    grad_bytes = 0
+
+    def train_step(inputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        nonlocal grad_bytes
+        loss = model(inputs, targets)
+        loss.backward()
+        if args.clip > 0:
+            torch.nn.utils.clip_grad_norm_(model.parameters(), args.clip)
+        optimizer.step()
+        grad_bytes = max(grad_bytes, local_bytes(p.grad for p in model.parameters() if p.grad is not None))
+        optimizer.zero_grad()
+        return loss.detach()
+
+    batches = ByteBatches(args.seed, world_size, args.micro_batch, args.seq_len)
+    record = timed_steps(train_step, batches, rank, args.warmup, args.steps)
+    return {
+        "model_state": {
+            "params": local_bytes(model.parameters()),
+            "grads": grad_bytes,
+            "optimizer_states": optimizer_state_bytes(optimizer),
+            "buffers": 0,
+        },
+        "comm_per_step": {},
+        "record": record,
+        "baseline_rss": baseline,
+    }
+
+
+def train_deepspeed(args: argparse.Namespace, rank: int, world_size: int) -> dict[str, Any]:
+    import deepspeed
+
+    from workload import ByteBatches, build_gpt, local_bytes, optimizer_state_bytes, rss_bytes, timed_steps
+
+    baseline = rss_bytes()
+    deepspeed.init_distributed(dist_backend="gloo")
+    model = build_gpt(args.preset, args.seed)
+    engine, _, _, _ = deepspeed.initialize(
+        model=model, optimizer=adamw(model, args), config=zero3_config(args, world_size)
+    )
+
+    def train_step(inputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        loss = engine(inputs, targets)
+        engine.backward(loss)
+        engine.step()
+        return loss.detach()
+
+    batches = ByteBatches(args.seed, world_size, args.micro_batch, args.seq_len)
+    record = timed_steps(train_step, batches, rank, args.warmup, args.steps)
+    zero = engine.optimizer
+    persistent = [p for p in model.parameters() if getattr(p, "ds_persist", False)]
+    master_is_param = all(
+        master.data_ptr() == flat.data_ptr()
+        for master, flat in zip(zero.fp32_partitioned_groups_flat, zero.fp16_partitioned_groups_flat)
+    )
+    result = {
+        "model_state": {
+            "params": local_bytes(zero.fp16_partitioned_groups_flat) + local_bytes(p.data for p in persistent),
+            "grads": local_bytes([zero.grad_partitions_flat_buffer]),
+            "optimizer_states": optimizer_state_bytes(zero.optimizer)
+            + (0 if master_is_param else local_bytes(zero.fp32_partitioned_groups_flat)),
+            "buffers": local_bytes(b.buffer for b in zero.ipg_buckets.values() if b.buffer is not None),
+        },
+        "comm_per_step": {},
+        "record": record,
+        "baseline_rss": baseline,
+    }
+    engine.destroy()
+    return result
+
+
+TRAINERS = {"shardwise": train_shardwise, "fsdp2": train_fsdp2, "deepspeed": train_deepspeed}
+
+
+def worker(args: argparse.Namespace) -> None:
+    from workload import init_process_group, rank_result, write_result
+
+    rank, world_size = init_process_group()
+    measured = TRAINERS[args.worker](args, rank, world_size)
+    record, baseline = measured.pop("record"), measured.pop("baseline_rss")
+    write_result(rank, rank_result(args.worker, record, baseline, **measured))
+    torch.distributed.destroy_process_group()
+
+
+# -- the parent ----------------------------------------------------------------------------
+def worker_argv(args: argparse.Namespace, preset: str, variant: str) -> list[str]:
+    argv = ["--worker", variant, "--preset", preset]
+    for key in ("micro_batch", "seq_len", "warmup", "steps", "lr", "clip", "seed", "max_reuse_distance"):
+        argv += [f"--{key.replace('_', '-')}", str(getattr(args, key))]
+    return argv
+
+
+def chosen_variants(args: argparse.Namespace) -> list[str]:
+    variants = args.variants.split(",")
+    if "deepspeed" in variants and not Path(args.deepspeed_python).exists():
+        print(
+            f"DeepSpeed skipped: no interpreter at {args.deepspeed_python} (see this script's "
+            "docstring for the install commands, or pass --deepspeed-python)",
+            flush=True,
+        )
+        variants.remove("deepspeed")
+    return variants
+
+
+def print_report(args: argparse.Namespace, preset: str, results: dict[str, VariantSummary]) -> None:
+    ours = results.get("shardwise")
+    print()
+    print(f"### GPT preset {preset}")
+    print(machine_line())
+    rows = []
+    for name, summary in results.items():
+        state = summary.extra["model_state"]
+        loss = "-"
+        if ours and name != "shardwise":
+            absolute, relative = loss_difference(ours.losses, summary.losses)
+            loss = f"{absolute:.1e} / {relative:.1e}"
+        rows.append([
+            name,
+            f"{summary.step_s:.3f}",
+            f"{ours.step_s / summary.step_s:.3f}" if ours else "-",
+            f"{summary.cpu_s:.3f}",
+            f"{ours.cpu_s / summary.cpu_s:.3f}" if ours else "-",
+            " / ".join(mib(rss) for rss in summary.peak_rss),
+            " / ".join(mib(rss - base) for rss, base in zip(summary.peak_rss, summary.baseline_rss)),
+            " / ".join(mib(state[key]) for key in STATE_KEYS),
+            comm_text(summary.extra["comm_per_step"]),
+            f"{summary.extra['comm_wait_s_per_step']:.3f}" if "comm_wait_s_per_step" in summary.extra else "-",
+            loss,
+            f"{summary.load_at_start:.2f}",
+        ])
+    print(markdown_table(
+        ["framework", "step s (median)", "shardwise / this", "CPU s per step", "shardwise CPU / this",
+         "peak RSS MiB (rank 0 / 1)",
+         "peak RSS - baseline MiB", "model state MiB (params / grads / optim / buffers)",
+         "comm MiB per step", "blocked on comm s per step", "shardwise loss diff (max abs / rel)", "load"],
+        rows,
+    ))
+    if ours:
+        print_targets(ours, results)
+
+
+def print_targets(ours: VariantSummary, results: dict[str, VariantSummary]) -> None:
+    limits = {"fsdp2": 1.0, "deepspeed": 0.7}
+    for name, limit in limits.items():
+        if name not in results:
+            continue
+        other = results[name]
+        ratio = ours.step_s / other.step_s
+        print(f"target step time <= {limit:.1f}x {name}: {ratio:.3f}x -> {verdict(ratio <= limit)}")
+        lower = all(a < b for a, b in zip(ours.peak_rss, other.peak_rss))
+        difference = " / ".join(mib(b - a) for a, b in zip(ours.peak_rss, other.peak_rss))
+        print(f"target peak RSS below {name}'s on every rank: {name} - shardwise = {difference} MiB "
+              f"-> {verdict(lower)}")
+    if "deepspeed" in results:
+        _, relative = loss_difference(ours.losses, results["deepspeed"].losses)
+        print(f"target fp32 losses equal to DeepSpeed's to {LOSS_TOLERANCE:g} (relative): {relative:.1e} "
+              f"-> {verdict(relative <= LOSS_TOLERANCE)}")
+
+
+def main() -> None:
+    args = parse_args()
+    if args.worker:
+        worker(args)
+        return
+    print(machine_line(), flush=True)
+    variants = chosen_variants(args)
+    print(
+        f"settings: {args.world_size} ranks, fp32, seq {args.seq_len}, micro-batch {args.micro_batch} per rank, "
+        f"torch fused AdamW (lr {args.lr}, betas 0.9/0.95, wd 0.1) in every framework, clip {args.clip}; "
+        f"FSDP2: fully_shard per block + root; shardwise and DeepSpeed: one config, overlap_comm true, "
+        f"reduce_bucket_size {REDUCE_BUCKET_ELEMENTS:,}, stage3_max_reuse_distance {args.max_reuse_distance:g}, "
+        f"other stage-3 sizes DeepSpeed's defaults; "
+        f"{args.warmup} warm-up + {args.steps} timed steps x {args.rounds} round(s)",
+        flush=True,
+    )
+    raw: dict[str, Any] = {}
+    for preset in args.presets.split(","):
+        results, raw[preset] = run_rounds(
+            SCRIPT, variants, lambda name: worker_argv(args, preset, name), args.world_size,
+            args.timeout, args.rounds,
+            python_for=lambda name: args.deepspeed_python if name == "deepspeed" else sys.executable,
+            env={"DS_ACCELERATOR": "cpu"},
+            optional=frozenset({"deepspeed"}),
+        )
+        print_report(args, preset, results)
+    print(f"\nload average at the end: {', '.join(f'{v:.2f}' for v in os.getloadavg())}")
+    if args.json:
+        args.json.write_text(json.dumps({"args": vars(args) | {"json": str(args.json)}, "results": raw}, indent=1))
+
+
+if __name__ == "__main__":
+    main()
