@@ -19,11 +19,15 @@ demand, so a changed order costs speed, never correctness; the new order becomes
 Ranks must gather the same units in the same order: collectives pair up by position,
 so a rank-dependent branch would otherwise pair one rank's gather of module A with
 another's gather of module B (wrong weights, or gloo aborting on the size mismatch).
-Before issuing any gathers, ranks therefore agree on the plan: a 16-byte all-reduce of its
-checksum on the control group (about 50 us here, once per module use). A disagreement
-raises `DivergentExecutionError` on every rank, naming what each rank was about to gather,
-before any mismatched gather is sent. At the end of backward the same check covers the
-step's whole gather log, catching a rank that gathered more times than another.
+Whenever a rank fetches off the trace (the first step, or after its order changed), the
+ranks first agree on the plan: a 16-byte all-reduce of its checksum on the control
+group. A disagreement raises `DivergentExecutionError` on every rank, naming what each
+rank was about to gather, before any mismatched gather is sent. At the end of backward
+the same check covers the step's whole record of uses and gathers, so all ranks hold the
+same trace, and fetches along it are identical on every rank without checking each one.
+If one rank leaves the trace while another follows it, the first blocks in its check and
+the second in a gather that is never answered: both fail at the collective timeout with
+an error naming the module, never hang.
 """
 
 from __future__ import annotations
@@ -97,8 +101,9 @@ class GatherSchedule:
             self.prefetched += len(ahead)
             plan += ahead
         if plan:
-            names = ", ".join(str(unit) for unit in plan)
-            self._agree(str([unit.index for unit in plan]), f"was about to gather {names}")
+            if not self.on_trace:
+                names = ", ".join(str(unit) for unit in plan)
+                self._agree(str([unit.index for unit in plan]), f"was about to gather {names}")
             for unit in plan:
                 self.gather_log.append(unit.index)
                 self.params.fetch(unit)
@@ -179,9 +184,10 @@ class GatherSchedule:
         self._free_unused()
         if self.record and self.record != self.trace:
             self._set_trace(self.record)
-        log, self.gather_log, self.record = self.gather_log, [], []
+        log, record = self.gather_log, self.record
+        self.gather_log, self.record = [], []
         self.on_trace = False
-        self._check_ranks_agree(log)
+        self._check_ranks_agree(log, record)
 
     def _free_unused(self) -> None:
         for index in list(self.params.gathered):
@@ -204,9 +210,9 @@ class GatherSchedule:
             last_seen[index] = position
 
     # -- rank agreement ------------------------------------------------------------------------------
-    def _check_ranks_agree(self, log: list[int]) -> None:
+    def _check_ranks_agree(self, log: list[int], record: list[int]) -> None:
         last = f", the last of {self.units[log[-1]]}" if log else ""
-        self._agree(f"end {log}", f"finished backward after {len(log)} gathers{last}")
+        self._agree(f"end {log} {record}", f"finished backward after {len(log)} gathers{last}")
 
     def _agree(self, signature: str, description: str) -> None:
         """All ranks must pass the same `signature` here; otherwise raise on every rank."""
@@ -214,7 +220,9 @@ class GatherSchedule:
             return
         checksum = zlib.crc32(signature.encode())
         both = torch.tensor([checksum, -checksum], dtype=torch.int64)
-        self.comm.control_all_reduce(both, "stage-3 gather-order check", op=dist.ReduceOp.MAX)
+        self.comm.control_all_reduce(
+            both, f"the stage-3 gather-order check (this rank {description})", op=dist.ReduceOp.MAX
+        )
         if both[0].item() == -both[1].item():
             return
         descriptions = self.comm.control_all_gather_object(description)

@@ -150,6 +150,8 @@ class GradientReducer:
                 view.add_(param.grad)
                 param.grad = view
         else:
+            if unit.index not in self._buckets:
+                self.prepare_unit(unit)  # later parameters of the unit accumulate in place
             target = self._bucket_for(unit)[slot.offset : slot.offset + slot.numel]
             if param.grad.data_ptr() != target.data_ptr():  # not accumulated in place
                 source = param.grad.reshape(-1)
@@ -186,15 +188,18 @@ class GradientReducer:
                 bucket[slot.offset : slot.offset + slot.numel].zero_()
 
     def prepare_unit(self, unit: FlatUnit) -> None:
-        """Stage 3, just before a unit's backward: point its parameters' `.grad` at a
-        zeroed bucket, so autograd accumulates straight into it (no full-size gradient
-        tensor, no copy)."""
-        if self.keeps_full_grads or unit.index in self._buckets or self.comm_dtype != self.grad_dtype:
+        """Point the `.grad` of the unit's parameters that have none yet at a zeroed
+        bucket, so autograd accumulates straight into it: no full-size gradient tensor
+        and no copy. Stage 3 calls this just before the unit's backward; stage 2 when the
+        unit's first gradient arrives."""
+        if self.keeps_full_grads or unit.index in self._buckets:
             return
         bucket = self._bucket_for(unit)
+        if self.comm_dtype != self.grad_dtype:
+            return  # .grad must have the parameter's dtype
         bucket[: unit.numel].zero_()
         for slot in unit.slots:
-            if id(slot) not in self._seen[unit.index]:
+            if slot.param.grad is None and id(slot) not in self._seen[unit.index]:
                 slot.param.grad = bucket[slot.offset : slot.offset + slot.numel].view(slot.shape)
 
     # -- buckets (stages 2-3) ----------------------------------------------------------

@@ -259,3 +259,22 @@ def test_changed_module_order_falls_back_to_on_demand_and_stays_exact():
         assert prefetched[0] == 0, "the first step has no trace to prefetch along"
         assert prefetched[1] > prefetched[0], "the second step prefetches along the trace"
         assert prefetched[3] > prefetched[2], "after a change the new order becomes the trace"
+
+
+def _late_branch_worker(rank: int, world_size: int) -> None:
+    """Ranks agree for two steps (a trace is recorded), then branch by rank."""
+    model = BranchNet(wide_b=False)
+    engine = shardwise.initialize(model, config(STAGE3), optimizer=torch.optim.SGD(model.parameters(), lr=0.1))
+    for step in range(4):
+        x, y = global_batch(step, 2)
+        engine.backward(engine(x, y, take_a=step < 2 or rank == 0))
+        engine.step()
+
+
+def test_ranks_leaving_a_recorded_trace_differently_fail_within_the_timeout():
+    started = time.monotonic()
+    with pytest.raises(DistributedTestError) as failure:
+        run_distributed(_late_branch_worker, 2, timeout=60, env={"SHARDWISE_COLLECTIVE_TIMEOUT": "5"})
+    message = str(failure.value)
+    assert time.monotonic() - started < 30
+    assert "rank " in message and "branch_" in message, message
