@@ -6,8 +6,9 @@
     engine.step()               # at accumulation boundaries: unscale, clip, update, gather
 
 Everything stage-specific is delegated to small parts built once in `__init__`:
-`ReplicatedParameters` (stages 0-2 keep all weights), `GradientReducer` (all-reduce or
-reduce-scatter during backward), `ShardedOptimizer` (the update on the owned 1/N).
+`ReplicatedParameters` (stages 0-2 keep all weights) or `Stage3Parameters` (1/N of each,
+gathered by module hooks), `GradientReducer` (all-reduce or reduce-scatter during
+backward), `ShardedOptimizer` (the update on the owned 1/N).
 """
 
 from __future__ import annotations
@@ -89,6 +90,7 @@ class Engine:
             model.to(self.device)
         named = trainable_parameters(model, optimizer)
         align = align_elements(self.dtype)
+        owned_chunk = 0 if self.stage == 0 else self.rank  # stage 0: every rank owns all
         if self.stage == 3:
             self.params = Stage3Parameters(
                 model, named, self.dtype, self.device, self.comm, self.ledger, zero, align,
@@ -98,8 +100,8 @@ class Engine:
             num_chunks = 1 if self.stage == 0 else self.world_size
             units = pack_units(reversed(named), zero.reduce_bucket_size, num_chunks, align)
             self.params = ReplicatedParameters(
-                units, self.dtype, self.device, self.comm, self.ledger,
-                0 if self.stage == 0 else self.rank, zero.allgather_bucket_size,
+                units, self.dtype, self.device, self.comm, self.ledger, owned_chunk,
+                zero.allgather_bucket_size,
             )
             self.params.broadcast_from_rank0()
         self.units = self.params.units
@@ -114,7 +116,7 @@ class Engine:
             self.params.schedule.backward_use_callbacks.append(self.reducer.prepare_unit)
         self.optimizer = ShardedOptimizer(
             self.units,
-            0 if self.stage == 0 else self.rank,
+            owned_chunk,
             [self.params.owned_chunk(unit) for unit in self.units],
             [self.reducer.owned_grad(unit) for unit in self.units],
             self.ledger,

@@ -14,12 +14,17 @@ keeps the sequence of collectives identical on every rank, so a parameter that i
 on one rank but not another (data-dependent control flow) delays a launch instead of
 pairing the wrong collectives. Gradients are averaged over ranks (pre-divided by N).
 
-At most MAX_IN_FLIGHT reductions are outstanding: launching one more first finishes the
-oldest. That double-buffers communication against backward while keeping the transient
-memory (buckets, receive buffers) a constant number of units, whatever the model size.
+Reductions that need transient memory (buckets, reduce-scatter receive buffers: every
+stage but 0) are double-buffered: one unit fills while MAX_IN_FLIGHT (one) reduces, and
+launching another first finishes the oldest. Communication still overlaps backward, and
+the transient memory stays a constant number of units, whatever the model size. Stage 0
+all-reduces in place, so its reductions are not limited.
 
-Stages 0-1 accumulate micro-batches locally and reduce only at the accumulation boundary;
-their `param.grad` is a view into the gradient buffer, so autograd accumulates in place.
+Stages 0-1 accumulate micro-batches locally and reduce only at the accumulation boundary.
+A window starts with `.grad` unset (nothing is zeroed): a parameter's first gradient is
+copied into the buffer and `.grad` becomes a view of it, so autograd accumulates later
+micro-batches in place; parameters that got no gradient in the window are zeroed before
+their unit is reduced.
 Stages 2-3 must reduce every micro-batch, since they only keep a shard.
 """
 
@@ -35,7 +40,7 @@ from shardwise.distributed.collectives import Communicator, PendingCollective
 from shardwise.zero.layout import FlatUnit, ParamSlot
 
 
-MAX_IN_FLIGHT = 2
+MAX_IN_FLIGHT = 1
 
 
 @dataclass
@@ -88,7 +93,10 @@ class GradientReducer:
                 for slot in unit.slots:
                     view = flat[slot.offset : slot.offset + slot.numel].view(slot.shape)
                     self._slot_views[id(slot)] = view
-                    slot.param.grad = view
+        self._written: list[set[int]] = [set() for _ in units]  # stages 0-1, this window
+        for unit in units:
+            for slot in unit.slots:
+                slot.param.grad = None  # a gradient from before initialize() is not ours
 
         self._free_buckets: list[torch.Tensor] = []
         self._bucket_count = 0
@@ -111,11 +119,14 @@ class GradientReducer:
         return grads[lo:hi]
 
     def zero_grads(self) -> None:
-        self.storage.zero_()
-        if self.keeps_full_grads:
-            for unit in self.units:
-                for slot in unit.slots:
-                    slot.param.grad = self._slot_views[id(slot)]
+        """Start a new accumulation window (after the optimizer step)."""
+        if not self.keeps_full_grads:
+            self.storage.zero_()
+            return
+        for unit in self.units:
+            for slot in unit.slots:
+                slot.param.grad = None
+        self._written = [set() for _ in self.units]
 
     # -- backward ----------------------------------------------------------------------
     def _reset_backward_state(self) -> None:
@@ -146,9 +157,13 @@ class GradientReducer:
             )
         if self.keeps_full_grads:
             view = self._slot_views[id(slot)]
-            if param.grad is not view:  # someone reset .grad; fold it back into the buffer
+            written = self._written[unit.index]
+            if id(slot) not in written:
+                view.copy_(param.grad)
+                written.add(id(slot))
+            elif param.grad is not view:  # someone reset .grad; fold it back into the buffer
                 view.add_(param.grad)
-                param.grad = view
+            param.grad = view
         else:
             if unit.index not in self._buckets:
                 self.prepare_unit(unit)  # later parameters of the unit accumulate in place
@@ -181,7 +196,10 @@ class GradientReducer:
 
     def _fill_missing(self, unit: FlatUnit) -> None:
         if self.keeps_full_grads:
-            return  # the full buffer already holds zeros (or earlier micro-batches) there
+            for slot in unit.slots:
+                if id(slot) not in self._written[unit.index]:
+                    self._slot_views[id(slot)].zero_()
+            return
         bucket = self._bucket_for(unit)
         for slot in unit.slots:
             if id(slot) not in self._seen[unit.index]:
@@ -227,7 +245,7 @@ class GradientReducer:
 
     # -- collectives ---------------------------------------------------------------------
     def _launch(self, unit: FlatUnit) -> None:
-        while len(self._launched) >= MAX_IN_FLIGHT:
+        while self.stage > 0 and len(self._launched) >= MAX_IN_FLIGHT:
             self._complete_oldest()
         world = self.comm.world_size
         what = f"gradients of {unit}"
