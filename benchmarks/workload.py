@@ -112,6 +112,39 @@ def timed_steps(
     return record
 
 
+class TorchLoopStep:
+    """One training step the plain-torch way (DDP, FSDP2): backward, clip, step, zero;
+    remembers the most gradient bytes alive at once, for the model-state column."""
+
+    def __init__(self, forward: Callable[..., torch.Tensor], model: torch.nn.Module,
+                 optimizer: torch.optim.Optimizer, clip: float):
+        self.forward, self.model, self.optimizer, self.clip = forward, model, optimizer, clip
+        self.grad_bytes = 0
+
+    def __call__(self, inputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        loss = self.forward(inputs, targets)
+        loss.backward()
+        if self.clip > 0:
+            torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.clip)
+        self.optimizer.step()
+        grads = (p.grad for p in self.model.parameters() if p.grad is not None)
+        self.grad_bytes = max(self.grad_bytes, local_bytes(grads))
+        self.optimizer.zero_grad()
+        return loss.detach()
+
+
+def engine_step(engine: Any) -> Callable[[torch.Tensor, torch.Tensor], torch.Tensor]:
+    """One training step through a DeepSpeed-style engine (shardwise, DeepSpeed)."""
+
+    def train_step(inputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        loss = engine(inputs, targets)
+        engine.backward(loss)
+        engine.step()
+        return loss.detach()
+
+    return train_step
+
+
 def rss_bytes() -> int:
     """Resident set size now."""
     with open("/proc/self/statm") as statm:

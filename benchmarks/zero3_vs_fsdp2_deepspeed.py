@@ -111,20 +111,13 @@ def zero3_config(args: argparse.Namespace, world_size: int) -> dict[str, Any]:
 def train_shardwise(args: argparse.Namespace, rank: int, world_size: int) -> dict[str, Any]:
     import shardwise
 
-    from workload import ByteBatches, build_gpt, rss_bytes, timed_steps
+    from workload import ByteBatches, build_gpt, engine_step, rss_bytes, timed_steps
 
     baseline = rss_bytes()
     model = build_gpt(args.preset, args.seed)
     engine = shardwise.initialize(model, zero3_config(args, world_size), optimizer=adamw(model, args))
-
-    def train_step(inputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-        loss = engine(inputs, targets)
-        engine.backward(loss)
-        engine.step()
-        return loss.detach()
-
     batches = ByteBatches(args.seed, world_size, args.micro_batch, args.seq_len)
-    record = timed_steps(train_step, batches, rank, args.warmup, args.steps)
+    record = timed_steps(engine_step(engine), batches, rank, args.warmup, args.steps)
     total_steps = args.warmup + args.steps
     result = {
         "model_state": engine.memory_breakdown(),
@@ -141,7 +134,7 @@ def train_fsdp2(args: argparse.Namespace, rank: int, world_size: int) -> dict[st
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
 
-    from workload import ByteBatches, build_gpt, local_bytes, optimizer_state_bytes, rss_bytes, timed_steps
+    from workload import ByteBatches, TorchLoopStep, build_gpt, local_bytes, optimizer_state_bytes, rss_bytes, timed_steps
 
     baseline = rss_bytes()
     model = build_gpt(args.preset, args.seed)
@@ -149,27 +142,14 @@ def train_fsdp2(args: argparse.Namespace, rank: int, world_size: int) -> dict[st
     for block in model.blocks:
         fully_shard(block, mesh=mesh)
     fully_shard(model, mesh=mesh)
-    optimizer = adamw(model, args)
-    grad_bytes = 0
-
-    def train_step(inputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-        nonlocal grad_bytes
-        loss = model(inputs, targets)
-        loss.backward()
-        if args.clip > 0:
-            torch.nn.utils.clip_grad_norm_(model.parameters(), args.clip)
-        optimizer.step()
-        grad_bytes = max(grad_bytes, local_bytes(p.grad for p in model.parameters() if p.grad is not None))
-        optimizer.zero_grad()
-        return loss.detach()
-
+    train_step = TorchLoopStep(model, model, adamw(model, args), args.clip)
     batches = ByteBatches(args.seed, world_size, args.micro_batch, args.seq_len)
     record = timed_steps(train_step, batches, rank, args.warmup, args.steps)
     return {
         "model_state": {
             "params": local_bytes(model.parameters()),
-            "grads": grad_bytes,
-            "optimizer_states": optimizer_state_bytes(optimizer),
+            "grads": train_step.grad_bytes,
+            "optimizer_states": optimizer_state_bytes(train_step.optimizer),
             "buffers": 0,
         },
         "comm_per_step": {},
@@ -181,7 +161,7 @@ def train_fsdp2(args: argparse.Namespace, rank: int, world_size: int) -> dict[st
 def train_deepspeed(args: argparse.Namespace, rank: int, world_size: int) -> dict[str, Any]:
     import deepspeed
 
-    from workload import ByteBatches, build_gpt, local_bytes, optimizer_state_bytes, rss_bytes, timed_steps
+    from workload import ByteBatches, build_gpt, engine_step, local_bytes, optimizer_state_bytes, rss_bytes, timed_steps
 
     baseline = rss_bytes()
     deepspeed.init_distributed(dist_backend="gloo")
@@ -189,15 +169,8 @@ def train_deepspeed(args: argparse.Namespace, rank: int, world_size: int) -> dic
     engine, _, _, _ = deepspeed.initialize(
         model=model, optimizer=adamw(model, args), config=zero3_config(args, world_size)
     )
-
-    def train_step(inputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-        loss = engine(inputs, targets)
-        engine.backward(loss)
-        engine.step()
-        return loss.detach()
-
     batches = ByteBatches(args.seed, world_size, args.micro_batch, args.seq_len)
-    record = timed_steps(train_step, batches, rank, args.warmup, args.steps)
+    record = timed_steps(engine_step(engine), batches, rank, args.warmup, args.steps)
     zero = engine.optimizer
     persistent = [p for p in model.parameters() if getattr(p, "ds_persist", False)]
     master_is_param = all(

@@ -91,25 +91,13 @@ def shardwise_config(stage: int, args: argparse.Namespace) -> dict[str, Any]:
 def train_ddp(args: argparse.Namespace, rank: int, world_size: int) -> dict[str, Any]:
     from torch.nn.parallel import DistributedDataParallel
 
-    from workload import ByteBatches, build_gpt, local_bytes, optimizer_state_bytes, rss_bytes, timed_steps
+    from workload import ByteBatches, TorchLoopStep, build_gpt, local_bytes, optimizer_state_bytes, rss_bytes, timed_steps
 
     baseline = rss_bytes()
     model = build_gpt(args.preset, args.seed)
     ddp = DistributedDataParallel(model, bucket_cap_mb=DDP_BUCKET_MIB)
     optimizer = torch.optim.AdamW(model.parameters(), fused=True, **adamw_hyperparameters(args))
-    grad_bytes = 0
-
-    def train_step(inputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-        nonlocal grad_bytes
-        loss = ddp(inputs, targets)
-        loss.backward()
-        if args.clip > 0:
-            torch.nn.utils.clip_grad_norm_(model.parameters(), args.clip)
-        optimizer.step()
-        grad_bytes = max(grad_bytes, local_bytes(p.grad for p in model.parameters() if p.grad is not None))
-        optimizer.zero_grad()
-        return loss.detach()
-
+    train_step = TorchLoopStep(ddp, model, optimizer, args.clip)
     batches = ByteBatches(args.seed, world_size, args.micro_batch, args.seq_len)
     record = timed_steps(train_step, batches, rank, args.warmup, args.steps)
     params = list(model.parameters())
@@ -117,7 +105,7 @@ def train_ddp(args: argparse.Namespace, rank: int, world_size: int) -> dict[str,
     return {
         "model_state": {
             "params": local_bytes(params),
-            "grads": grad_bytes,
+            "grads": train_step.grad_bytes,
             "optimizer_states": optimizer_state_bytes(optimizer),
             "buffers": bucket_bytes,
         },
@@ -131,19 +119,12 @@ def train_ddp(args: argparse.Namespace, rank: int, world_size: int) -> dict[str,
 def train_shardwise(stage: int, args: argparse.Namespace, rank: int, world_size: int) -> dict[str, Any]:
     import shardwise
 
-    from workload import ByteBatches, build_gpt, rss_bytes, timed_steps
+    from workload import ByteBatches, build_gpt, engine_step, rss_bytes, timed_steps
 
     baseline = rss_bytes()
     engine = shardwise.initialize(build_gpt(args.preset, args.seed), shardwise_config(stage, args))
-
-    def train_step(inputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-        loss = engine(inputs, targets)
-        engine.backward(loss)
-        engine.step()
-        return loss.detach()
-
     batches = ByteBatches(args.seed, world_size, args.micro_batch, args.seq_len)
-    record = timed_steps(train_step, batches, rank, args.warmup, args.steps)
+    record = timed_steps(engine_step(engine), batches, rank, args.warmup, args.steps)
     total_steps = args.warmup + args.steps
     comm = {op: volume // total_steps for op, volume in engine.comm_volume().items() if volume}
     result = {
