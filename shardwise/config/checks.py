@@ -37,10 +37,24 @@ def find_unsupported(cfg: ShardwiseConfig) -> list[str]:
     return problems
 
 
-def find_contradictions(cfg: ShardwiseConfig, batch_known: bool = True) -> list[str]:
+def find_contradictions(
+    cfg: ShardwiseConfig, batch_known: bool = True, data_parallel_size: int | None = None
+) -> list[str]:
     """One line per pair of settings that cannot both hold, with the values involved.
-    `batch_known` False skips the checks against batch sizes that could not be resolved."""
+    `batch_known` False skips the checks against batch sizes that could not be resolved;
+    `data_parallel_size` None skips those against the data-parallel size."""
     problems = []
+    shard = cfg.zero_optimization.mics_shard_size
+    if shard != -1 and cfg.zero_optimization.stage == 0:
+        problems.append(
+            f"zero_optimization.mics_shard_size {shard} needs zero_optimization.stage 1, 2 or 3: "
+            "stage 0 shards nothing, so there is no shard group to size"
+        )
+    elif shard != -1 and data_parallel_size is not None and data_parallel_size % shard:
+        problems.append(
+            f"zero_optimization.mics_shard_size {shard} does not divide the data-parallel size "
+            f"{data_parallel_size}: states are replicated over {data_parallel_size} / {shard} groups"
+        )
     if cfg.fp16.enabled and cfg.bf16.enabled:
         problems.append("fp16.enabled and bf16.enabled are both true: choose one training precision")
     for name in ("offload_optimizer", "offload_param"):

@@ -61,7 +61,7 @@ DEEPSPEED_KEYS_NOT_SUPPORTED: dict[str, frozenset[str]] = {
     "zero_optimization": frozenset({
         "cpu_offload", "cpu_offload_param", "cpu_offload_use_pin_memory", "elastic_checkpoint",
         "ignore_unused_parameters", "legacy_stage1", "load_from_fp32_weights", "log_trace_cache_warnings",
-        "memory_efficient_linear", "mics_hierarchical_params_gather", "mics_shard_size",
+        "memory_efficient_linear", "mics_hierarchical_params_gather",
         "override_module_apply", "pipeline_loading_checkpoint", "round_robin_gradients",
         "stage3_model_persistence_threshold", "stage3_module_granularity_threshold",
         "stage3_use_all_reduce_for_fetch_params", "use_multi_rank_bucket_allreduce", "zenflow",

@@ -19,7 +19,7 @@ from shardwise.config.checks import find_contradictions, find_unsupported
 from shardwise.config.errors import ConfigError, describe_validation_error
 from shardwise.config.keys import check_keys
 from shardwise.config.params import resolve_params
-from shardwise.config.resolve import BATCH_KEYS, resolve_auto, resolve_batch
+from shardwise.config.resolve import BATCH_KEYS, resolve_auto, resolve_batch, resolve_data_parallel_size
 from shardwise.config.schema import ShardwiseConfig
 
 
@@ -28,7 +28,9 @@ def load_config(
 ) -> ShardwiseConfig:
     """Validate and resolve a DeepSpeed-format config.
 
-    `world_size` is the data-parallel size the batch arithmetic uses. `hidden_size`, when the
+    `world_size` is the number of processes; the batch arithmetic uses the data-parallel
+    size, world_size / (tensor_parallel.size * sequence_parallel.size * pipeline_parallel.size)
+    (see `data_parallel_size`). `hidden_size`, when the
     model has one, sizes "auto" buckets as Hugging Face's DeepSpeed integration does; without
     it they take DeepSpeed's defaults. Raises `ConfigError` listing every problem found.
     """
@@ -38,7 +40,8 @@ def load_config(
     problems: list[str] = []
     cleaned = check_keys(_read(config), problems)
     resolve_auto(cleaned, hidden_size, problems)
-    batch_resolved = resolve_batch(cleaned, world_size, problems)
+    data_parallel = resolve_data_parallel_size(cleaned, world_size, problems)
+    batch_resolved = data_parallel is not None and resolve_batch(cleaned, data_parallel, problems, world_size)
     for block in ("optimizer", "scheduler"):
         _resolve_block_params(cleaned, block, problems)
     # With the batch unresolved (already reported), stand-in sizes let every other check still run;
@@ -48,7 +51,8 @@ def load_config(
         cfg = ShardwiseConfig.model_validate({**cleaned, **stand_in_batch})
     except ValidationError as error:
         raise ConfigError(problems + describe_validation_error(error)) from None
-    problems += find_unsupported(cfg) + find_contradictions(cfg, batch_known=batch_resolved)
+    problems += find_unsupported(cfg) + find_contradictions(cfg, batch_known=batch_resolved,
+                                                            data_parallel_size=data_parallel)
     if problems:
         raise ConfigError(problems)
     return cfg

@@ -100,8 +100,34 @@ def _drop_remaining_auto(node: dict[str, Any], path: str, problems: list[str]) -
             _drop_remaining_auto(value, join_key(path, key), problems)
 
 
-def resolve_batch(cfg: dict[str, Any], world_size: int, problems: list[str]) -> bool:
+MODEL_PARALLEL_SIZES = ("tensor_parallel.size", "sequence_parallel.size", "pipeline_parallel.size")
+
+
+def resolve_data_parallel_size(cfg: dict[str, Any], world_size: int, problems: list[str]) -> int | None:
+    """world / (tp * sp * pp): how many replicas of the model see different data.
+
+    Sizes that are not positive integers are left to the schema to report; a product that
+    does not divide the world is reported here with the numbers."""
+    sizes = {key: _lookup(cfg, key) for key in MODEL_PARALLEL_SIZES}
+    sizes = {key: (1 if value is None else _positive_int(value)) for key, value in sizes.items()}
+    if any(size is None for size in sizes.values()):
+        return world_size
+    model_parallel = 1
+    for size in sizes.values():
+        model_parallel *= size
+    if world_size % model_parallel:
+        product = " * ".join(f"{key} {size}" for key, size in sizes.items())
+        problems.append(f"world size {world_size} is not divisible by {product} = {model_parallel}: "
+                        "the data-parallel size must be a whole number")
+        return None
+    return world_size // model_parallel
+
+
+def resolve_batch(cfg: dict[str, Any], world_size: int, problems: list[str], processes: int | None = None) -> bool:
     """Set all three batch keys in `cfg` following DeepSpeed's rules, or report why not.
+
+    `world_size` is the data-parallel size; `processes`, when it differs, is the whole world
+    (the messages then name the data-parallel size, which is what multiplies the batch).
 
     train = micro x accumulation x world: two of them give the third, train alone means no
     accumulation, micro alone means no accumulation either. Unlike DeepSpeed, a derivation
@@ -121,7 +147,9 @@ def resolve_batch(cfg: dict[str, Any], world_size: int, problems: list[str]) -> 
             given[key] = count
     if invalid:
         return False
-    derived = _derive_batch(given.get(BATCH_KEYS[0]), given.get(BATCH_KEYS[1]), given.get(BATCH_KEYS[2]), world_size)
+    label = "world_size" if processes in (None, world_size) else "data-parallel size"
+    derived = _derive_batch(given.get(BATCH_KEYS[0]), given.get(BATCH_KEYS[1]), given.get(BATCH_KEYS[2]),
+                            world_size, label)
     if isinstance(derived, str):
         problems.append(derived)
         return False
@@ -139,21 +167,21 @@ def _positive_int(value: Any) -> int | None:
 
 
 def _derive_batch(
-    train: int | None, micro: int | None, accumulation: int | None, world: int
+    train: int | None, micro: int | None, accumulation: int | None, world: int, label: str = "world_size"
 ) -> tuple[int, int, int] | str:
     """(train, micro, accumulation), or the line explaining why they cannot be had."""
     if train is not None and micro is not None and accumulation is not None:
         if train != micro * accumulation * world:
             return (
                 f"train_batch_size {train} != train_micro_batch_size_per_gpu {micro} * "
-                f"gradient_accumulation_steps {accumulation} * world_size {world} = {micro * accumulation * world}"
+                f"gradient_accumulation_steps {accumulation} * {label} {world} = {micro * accumulation * world}"
             )
         return train, micro, accumulation
     if train is not None and micro is not None:
         if train % (micro * world):
             return (
                 f"train_batch_size {train} is not divisible by train_micro_batch_size_per_gpu {micro} * "
-                f"world_size {world} = {micro * world}, so gradient_accumulation_steps cannot be derived"
+                f"{label} {world} = {micro * world}, so gradient_accumulation_steps cannot be derived"
             )
         return train, micro, train // (micro * world)
     if train is not None:
@@ -161,7 +189,7 @@ def _derive_batch(
         if train % (accumulation * world):
             return (
                 f"train_batch_size {train} is not divisible by gradient_accumulation_steps {accumulation} * "
-                f"world_size {world} = {accumulation * world}, so train_micro_batch_size_per_gpu cannot be derived"
+                f"{label} {world} = {accumulation * world}, so train_micro_batch_size_per_gpu cannot be derived"
             )
         return train, train // (accumulation * world), accumulation
     if micro is not None:

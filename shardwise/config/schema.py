@@ -78,6 +78,9 @@ class ZeroConfig(Section):
     stage3_max_reuse_distance: Int = Field(1_000_000_000, ge=0)
     stage3_gather_16bit_weights_on_model_save: Bool = False
     sub_group_size: Int = Field(1_000_000_000, ge=0)
+    mics_shard_size: Int = Field(
+        -1, json_schema_extra={"default_doc": "-1 (off: states sharded over the whole data-parallel group)"}
+    )
     offload_optimizer: OffloadOptimizerConfig = Field(default_factory=OffloadOptimizerConfig)
     offload_param: OffloadParamConfig = Field(default_factory=OffloadParamConfig)
 
@@ -87,6 +90,13 @@ class ZeroConfig(Section):
         if stage not in (0, 1, 2, 3):
             raise ValueError(f"{stage} is not a ZeRO stage: use 0, 1, 2 or 3")
         return stage
+
+    @field_validator("mics_shard_size")
+    @classmethod
+    def _shard_size(cls, size: int) -> int:
+        if size != -1 and size < 1:
+            raise ValueError(f"{size} is not a shard-group size: use a positive number of ranks, or -1 for off")
+        return size
 
     @field_validator("reduce_bucket_size", "allgather_bucket_size")
     @classmethod
@@ -207,6 +217,12 @@ class ShardwiseConfig(Section):
         },
     )
     gradient_clipping: Float = 0.0
+    max_consecutive_skipped_steps: Int = Field(
+        3,
+        ge=0,
+        description="shardwise addition: stop with an error after this many consecutive optimizer "
+        "steps skipped for non-finite gradients that loss scaling cannot explain",
+    )
     steps_per_print: Int = Field(10, ge=1)
     seed: Int | None = Field(None, ge=0)
     optimizer: OptimizerConfig | None = None

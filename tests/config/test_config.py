@@ -72,7 +72,7 @@ def test_max_grad_norm_points_to_gradient_clipping():
     ],
 )
 def test_later_capabilities_switched_on_are_refused(block, expected):
-    assert problems_of({"train_batch_size": 8, **block}) == [expected]
+    assert problems_of({"train_batch_size": 8, **block}, world_size=8) == [expected]
 
 
 def test_batch_contradiction_shows_the_arithmetic():
