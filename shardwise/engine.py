@@ -3,17 +3,17 @@
     engine = shardwise.initialize(model, config)
     loss = engine(batch)        # the user's forward
     engine.backward(loss)       # gradients reduced/sharded while backward runs
-    engine.step()               # at accumulation boundaries: unscale, clip, update, gather
+    engine.step()               # at accumulation boundaries: check, clip, update, gather
 
-Everything stage-specific is delegated to small parts built once in `__init__`:
-`ReplicatedParameters` (stages 0-2 keep all weights) or `Stage3Parameters` (1/N of each,
-gathered by module hooks), `GradientReducer` (all-reduce or reduce-scatter during
-backward), `ShardedOptimizer` (the update on the owned 1/N).
+`initialize` does, in order: join the process group; load the config; check that every
+rank has the same config and model (one small all-gather); build the parallel mesh; run
+the apply stage (model rewrites in a fixed order, parallel/apply.py); let ZeRO take over
+the parameters (zero/apply.py). Everything stage-specific lives behind `self.zero`: the
+parameter strategy, the shard store, the gradient reducer and the sharded optimizer.
 """
 
 from __future__ import annotations
 
-import math
 import os
 import weakref
 from typing import Any, Callable
@@ -23,18 +23,18 @@ from torch import nn
 
 from shardwise.accounting import MemoryLedger, tensor_bytes
 from shardwise.config import ShardwiseConfig, load_config
-from shardwise.distributed.collectives import Communicator
-from shardwise.distributed.setup import init_distributed
-from shardwise.optim import build_optimizer, build_scheduler
+from shardwise.distributed.agreement import check_ranks_agree, describe_config, describe_model
+from shardwise.distributed.collectives import CommStats, Communicator
+from shardwise.distributed.mesh import ParallelMesh, ParallelSizes
+from shardwise.distributed.setup import call_check_timeout, init_distributed, world_handle
+from shardwise.optim import build_scheduler
+from shardwise.optim.registry import optimizer_spec
+from shardwise.parallel.apply import apply_model_transforms
 from shardwise.precision import LossScaler
-from shardwise.zero.gradients import GradientReducer
-from shardwise.zero.layout import align_elements, pack_units
-from shardwise.zero.replicated_params import ReplicatedParameters
-from shardwise.zero.sharded_optimizer import ShardedOptimizer
-from shardwise.zero.stage3 import Stage3Parameters
+from shardwise.reliability.step_guard import StepGuard
+from shardwise.zero.apply import ZeroGroups, apply_zero
+from shardwise.zero.policy import ZeroPolicy
 from shardwise.zero.trainable import trainable_parameters
-
-DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 
 
 class Engine:
@@ -46,138 +46,163 @@ class Engine:
         lr_scheduler: Any = None,
         param_init_fn: Callable[[nn.Module], None] | None = None,
     ):
+        _refuse_second_engine(model)
         self.context = init_distributed()
         self.config = config if isinstance(config, ShardwiseConfig) else load_config(
             config, world_size=self.context.world_size, hidden_size=_hidden_size(model)
         )
-        cfg, zero = self.config, self.config.zero_optimization
-        if optimizer is not None and cfg.optimizer is not None:
-            raise ValueError(
-                "an optimizer was passed to initialize() and the config has an 'optimizer' "
-                "block; keep one of them"
-            )
-        if optimizer is None and cfg.optimizer is None:
-            raise ValueError("no optimizer: pass one to initialize() or add an 'optimizer' block")
-        if lr_scheduler is not None and cfg.scheduler is not None:
-            raise ValueError(
-                "an lr_scheduler was passed to initialize() and the config has a 'scheduler' "
-                "block; keep one of them"
-            )
+        cfg = self.config
+        _check_arguments(cfg, optimizer, lr_scheduler)
         if cfg.seed is not None:
             torch.manual_seed(cfg.seed)
 
-        self.module = model
         self.device = self.context.device
-        self.stage = zero.stage
-        self.dtype = _compute_dtype(cfg)
-        self.ledger = MemoryLedger()
-        self.comm = Communicator(self.context, self.ledger)
-        self.world_size = self.context.world_size
         self.rank = self.context.rank
+        self.world_size = self.context.world_size
+        self.ledger = MemoryLedger()
+        self.comm_stats = CommStats()
+        sizes = ParallelSizes.from_config(cfg, self.world_size)
+        self.world = Communicator(world_handle(self.context), self.comm_stats)
+        peers = check_ranks_agree(
+            self.world,
+            describe_config(cfg.model_dump(), optimizer),
+            describe_model(model, _group_lookup(optimizer)),
+            sizes.groups("replicas"),
+        )
+        self.world.peers = peers
+        self.mesh = ParallelMesh(sizes, self.rank, self.device, self.context.timeout)
+        groups = ZeroGroups(*(
+            Communicator(self.mesh[purpose], self.comm_stats, self.ledger, peers)
+            for purpose in ("shard", "replicate", "replicas")
+        ))
+        self.comm = groups.replicas  # the data-parallel group (losses, barriers)
+
+        self.module = model = apply_model_transforms(model, cfg, self.mesh)
+        self.policy = ZeroPolicy.from_config(cfg)
+        self.stage = self.policy.stage
+        self.dtype = self.policy.param_dtype
+        if any(param.is_meta for param in model.parameters()) and not self.policy.partitions_parameters:
+            raise ValueError(
+                "the model has parameters on the meta device; only ZeRO stage 3 can build "
+                "it partitioned (set zero_optimization.stage to 3)"
+            )
+        if not any(param.is_meta for param in model.parameters()):
+            model.to(self.device)
+        named = trainable_parameters(model, optimizer)
+        spec = optimizer_spec(cfg.optimizer.type) if cfg.optimizer is not None else None
+        self.zero = apply_zero(
+            model, named, self.policy, groups, self.ledger, self.device,
+            make_optimizer=_optimizer_factory(optimizer, cfg),
+            codec=spec.codec if spec is not None else None,
+            param_init_fn=param_init_fn,
+        )
+        self.optimizer = self.zero.optimizer
+        self.units = self.zero.units
+        self._cast_frozen_state(model)
+        self.unit_of_param = {id(slot.param): unit for unit in self.units for slot in unit.slots}
+        for param in model.parameters():
+            param._shardwise_engine = weakref.ref(self)
+            param._shardwise_reducer = weakref.ref(self.zero.reducer)
+
         self.gradient_accumulation_steps = cfg.gradient_accumulation_steps
         self.micro_steps = 0
         self.global_steps = 0
         self.skipped_steps = 0
         self.last_grad_norm: float | None = None
-
-        on_meta = any(param.is_meta for param in model.parameters())
-        if on_meta and self.stage != 3:
-            raise ValueError(
-                "the model has parameters on the meta device; only ZeRO stage 3 can build "
-                "it partitioned (set zero_optimization.stage to 3)"
-            )
-        if not on_meta:
-            model.to(self.device)
-        named = trainable_parameters(model, optimizer)
-        align = align_elements(self.dtype)
-        owned_chunk = 0 if self.stage == 0 else self.rank  # stage 0: every rank owns all
-        if self.stage == 3:
-            self.params = Stage3Parameters(
-                model, named, self.dtype, self.device, self.comm, self.ledger, zero, align,
-                param_init_fn,
-            )
-        else:
-            num_chunks = 1 if self.stage == 0 else self.world_size
-            units = pack_units(reversed(named), zero.reduce_bucket_size, num_chunks, align)
-            self.params = ReplicatedParameters(
-                units, self.dtype, self.device, self.comm, self.ledger, owned_chunk,
-                zero.allgather_bucket_size,
-            )
-            self.params.broadcast_from_rank0()
-        self.units = self.params.units
-        self._cast_frozen_state(model)
-        comm_dtype = DTYPES[cfg.communication_data_type] if cfg.communication_data_type else self.dtype
-        self.reducer = GradientReducer(
-            self.units, self.stage, self.comm, self.ledger, self.dtype, comm_dtype, self.device,
-            overlap=zero.overlap_comm, reduce_scatter=zero.reduce_scatter,
-        )
-        if self.stage == 3:
-            self.reducer.unit_ready_callbacks.append(self.params.schedule.on_grads_ready)
-            self.params.schedule.backward_use_callbacks.append(self.reducer.prepare_unit)
-        self.optimizer = ShardedOptimizer(
-            self.units,
-            owned_chunk,
-            [self.params.owned_chunk(unit) for unit in self.units],
-            [self.reducer.owned_grad(unit) for unit in self.units],
-            self.ledger,
-            zero.sub_group_size,
-            make_optimizer=_optimizer_factory(optimizer, cfg),
-        )
-        self.unit_of_param = {id(slot.param): unit for unit in self.units for slot in unit.slots}
-        for unit in self.units:
-            for slot in unit.slots:
-                slot.param._shardwise_engine = weakref.ref(self)
         self.lr_scheduler = _make_scheduler(lr_scheduler, cfg, self.optimizer.optimizer)
         self.loss_scaler = _make_loss_scaler(cfg)
-        self.comm.reset_comm_volume()
+        self.guard = StepGuard(self.comm, groups.replicate.size, cfg.max_consecutive_skipped_steps)
+        self._backward_pending = False  # backward() ran and step() has not yet
+        self._window_broken = False  # a backward raised mid-window: its update is dropped
+        self._destroyed = False
+        self.comm_stats.volume.clear()
 
     # -- the training step ---------------------------------------------------------------
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         return self.forward(*args, **kwargs)
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
-        """The user's forward; floating-point inputs are cast to the compute dtype."""
+        """The user's forward; floating-point inputs are cast to the compute dtype. If it
+        raises, whatever it left gathered or in use is released first."""
+        self._require_alive("forward")
         args, kwargs = _cast_floating((args, kwargs), self.dtype)
-        return self.module(*args, **kwargs)
+        try:
+            return self.module(*args, **kwargs)
+        except BaseException:
+            self.zero.params.abort_pass()
+            self.guard.note_failed_pass()
+            raise
 
     def is_gradient_accumulation_boundary(self) -> bool:
         return (self.micro_steps + 1) % self.gradient_accumulation_steps == 0
 
     def backward(self, loss: torch.Tensor) -> None:
         """Backward of `loss` averaged over accumulation steps and scaled for fp16."""
+        self._require_alive("backward")
+        if self._backward_pending:
+            raise RuntimeError(
+                "engine.backward() was called twice without engine.step() in between; call "
+                "engine.step() after every engine.backward() (it only updates at accumulation "
+                "boundaries), or add the losses and call backward once"
+            )
         scale = self.loss_scaler.scale / self.gradient_accumulation_steps
-        self.reducer.begin_backward(reduce=self.is_gradient_accumulation_boundary())
-        (loss.float() * scale).backward()
-        self.reducer.end_backward()
-        if self.stage == 3:
-            self.params.schedule.end_backward()
+        self.zero.reducer.begin_backward(boundary=self.is_gradient_accumulation_boundary())
+        self.guard.note_loss(loss)
+        try:
+            (loss.float() * scale).backward()
+            self.zero.reducer.end_backward()
+        except BaseException:
+            self._abort_backward()
+            raise
+        self.zero.params.end_backward()
+        self._backward_pending = True
+
+    def _abort_backward(self) -> None:
+        """A backward raised (on every rank alike, or the step check will say otherwise):
+        finish its collectives, drop its gradients. If it was the window's first
+        micro-batch, training continues exactly as if the batch had never been seen;
+        otherwise the window's earlier gradients are mixed with partial ones, so the
+        window's update is dropped at its boundary."""
+        self.guard.note_failed_pass()
+        try:
+            self.zero.reducer.abort_backward()
+        finally:
+            self.zero.params.abort_pass()
+            first_in_window = self.micro_steps % self.gradient_accumulation_steps == 0
+            self._window_broken = self._window_broken or not first_in_window
+            self.zero.reducer.discard_window()
+            self.guard.forget_window()
 
     def step(self) -> None:
         """Apply the update at an accumulation boundary; otherwise only count the micro-step."""
+        self._require_alive("step")
+        if not self._backward_pending:
+            raise RuntimeError(
+                "engine.step() was called without engine.backward() since the last step: there "
+                "is no gradient to apply. Call engine.backward(loss) first"
+            )
+        self._backward_pending = False
         boundary = self.is_gradient_accumulation_boundary()
         self.micro_steps += 1
         if not boundary:
             return
-        norm_squared = self.optimizer.local_grad_norm_squared()
-        if self.stage > 0:
-            self.comm.control_all_reduce(norm_squared, "global gradient norm")
-        scale = self.loss_scaler.scale
-        total_norm = math.sqrt(norm_squared.item()) / scale
-        overflow = not math.isfinite(total_norm)
-        self.last_grad_norm = total_norm
-        self.loss_scaler.update(overflow)
-        if overflow and self.dtype == torch.float16:
-            self.skipped_steps += 1
-        else:
+        scale = self.loss_scaler.scale  # the scale this step's gradients carry
+        verdict = self.guard.check(self.optimizer.local_grad_norm_squared(), self.loss_scaler, self.global_steps)
+        self.last_grad_norm = verdict.norm
+        self.loss_scaler.update(not verdict.apply)
+        if verdict.apply and not self._window_broken:
             clip = 1.0
             max_norm = self.config.gradient_clipping
             if max_norm > 0:
-                clip = min(1.0, max_norm / (total_norm + 1e-6))
+                clip = min(1.0, max_norm / (verdict.norm + 1e-6))
             self.optimizer.step(grad_scale=clip / scale)
-            self.params.after_step()
+            self.zero.params.after_update()
             if self.lr_scheduler is not None:
                 self.lr_scheduler.step()
-        self.reducer.zero_grads()
+        else:
+            self.skipped_steps += 1
+        self._window_broken = False
+        self.zero.reducer.zero_grads()
         self.global_steps += 1
 
     # -- checkpoints (shardwise/checkpoint) ----------------------------------------------
@@ -186,12 +211,16 @@ class Engine:
         """Write this rank's shard of everything needed to resume; returns the tag."""
         from shardwise.checkpoint import save_checkpoint
 
+        self._require_alive("save_checkpoint")
+        self.world.agree_on_call("save_checkpoint", call_check_timeout(self.context.timeout))
         return save_checkpoint(self, save_dir, tag, client_state)
 
     def load_checkpoint(self, load_dir: str | os.PathLike, tag: str | None = None) -> dict:
         """Resume from a checkpoint (any world size or stage); returns its client_state."""
         from shardwise.checkpoint import load_checkpoint
 
+        self._require_alive("load_checkpoint")
+        self.world.agree_on_call("load_checkpoint", call_check_timeout(self.context.timeout))
         return load_checkpoint(self, load_dir, tag)
 
     # -- accounting ----------------------------------------------------------------------
@@ -199,19 +228,20 @@ class Engine:
         """Bytes this rank held per category at that category's peak (SPEC §4)."""
         return self.ledger.breakdown()
 
-    def comm_volume(self) -> dict[str, int]:
-        """Bytes this rank sent per collective since the last reset (ring model, SPEC §4)."""
-        return self.comm.comm_volume()
+    def comm_volume(self, per_group: bool = False) -> dict:
+        """Bytes this rank sent per collective since the last reset (ring model, SPEC §4);
+        `per_group=True`: {group purpose: {collective: bytes}}."""
+        return self.comm_stats.by_group() if per_group else self.comm_stats.totals()
 
     def reset_comm_volume(self) -> None:
-        self.comm.reset_comm_volume()
+        self.comm_stats.volume.clear()
 
     def num_parameters(self) -> int:
         return sum(unit.numel for unit in self.units)
 
     def persistent_numel(self) -> int:
         """Stage 3: elements kept whole on every rank (under the persistence threshold)."""
-        return self.params.persistent_numel() if self.stage == 3 else 0
+        return self.zero.params.persistent_numel()
 
     def padding_elements(self) -> int:
         return sum(unit.padded_numel - unit.numel for unit in self.units)
@@ -244,10 +274,20 @@ class Engine:
                 if buffer.is_floating_point():
                     module._buffers[name] = buffer.to(self.dtype)
 
+    def _require_alive(self, call: str) -> None:
+        if self._destroyed:
+            raise RuntimeError(f"engine.{call}() after engine.destroy(): this engine no longer trains "
+                               "its model; build a new one with shardwise.initialize")
+
     def destroy(self) -> None:
-        self.reducer.remove_hooks()
-        if self.stage == 3:
-            self.params.schedule.remove_hooks()
+        """Detach from the model (hooks removed); the model can then get a new engine."""
+        self.zero.reducer.remove_hooks()
+        self.zero.params.remove_hooks()
+        for param in self.module.parameters():
+            for attribute in ("_shardwise_engine", "_shardwise_reducer"):
+                if hasattr(param, attribute):
+                    delattr(param, attribute)
+        self._destroyed = True
 
 
 def initialize(
@@ -265,17 +305,41 @@ def initialize(
     return Engine(model, config, optimizer, lr_scheduler, param_init_fn)
 
 
-def _compute_dtype(cfg: ShardwiseConfig) -> torch.dtype:
-    if cfg.bf16.enabled:
-        return torch.bfloat16
-    if cfg.fp16.enabled:
-        return torch.float16
-    return torch.float32
+def _refuse_second_engine(model: nn.Module) -> None:
+    """A second engine on the same parameters would add a second set of gradient hooks:
+    every gradient reduced twice, silently."""
+    for param in model.parameters():
+        reference = getattr(param, "_shardwise_reducer", None)
+        if reference is not None and reference() is not None:
+            raise RuntimeError(
+                "this model is already trained by a shardwise engine (initialize was called on "
+                "it before); call engine.destroy() on the first engine, or build a new model"
+            )
+
+
+def _check_arguments(cfg: ShardwiseConfig, optimizer: Any, lr_scheduler: Any) -> None:
+    if optimizer is not None and cfg.optimizer is not None:
+        raise ValueError(
+            "an optimizer was passed to initialize() and the config has an 'optimizer' "
+            "block; keep one of them"
+        )
+    if optimizer is None and cfg.optimizer is None:
+        raise ValueError("no optimizer: pass one to initialize() or add an 'optimizer' block")
+    if lr_scheduler is not None and cfg.scheduler is not None:
+        raise ValueError(
+            "an lr_scheduler was passed to initialize() and the config has a 'scheduler' "
+            "block; keep one of them"
+        )
 
 
 def _hidden_size(model: nn.Module) -> int | None:
     config = getattr(model, "config", None)
     return getattr(config, "hidden_size", None) or getattr(config, "n_embd", None)
+
+
+def _group_lookup(optimizer: torch.optim.Optimizer | None) -> Callable[[nn.Parameter], int | None]:
+    groups = {id(p): index for index, group in enumerate(optimizer.param_groups) for p in group["params"]} if optimizer else {}
+    return lambda param: groups.get(id(param))
 
 
 def _optimizer_factory(
@@ -290,7 +354,7 @@ def _optimizer_factory(
         return optimizer
 
     def from_config(groups: list[list[torch.Tensor]]) -> torch.optim.Optimizer:
-        return build_optimizer([{"params": params} for params in groups], cfg.optimizer)
+        return optimizer_spec(cfg.optimizer.type).build([{"params": params} for params in groups], cfg.optimizer.params)
 
     return repoint if optimizer is not None else from_config
 

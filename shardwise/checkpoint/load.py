@@ -31,7 +31,7 @@ from shardwise.checkpoint.format import (
 )
 from shardwise.checkpoint.index import PieceIndex
 from shardwise.checkpoint.manifest import check_file, read_manifest, resolve_tag
-from shardwise.checkpoint.pieces import describe_model, module_extras, owned_ranges
+from shardwise.checkpoint.pieces import describe_model, module_extras
 from shardwise.checkpoint.safetensors_io import DTYPES
 from shardwise.checkpoint.state import decode_value, restore_rng_state
 
@@ -51,12 +51,12 @@ def load_checkpoint(engine: Any, load_dir: str | os.PathLike, tag: str | None = 
     records = [read_json(directory / rank_json(rank)) for rank in range(meta["world_size"])]
     with PieceIndex(directory, records) as index:
         check_model(engine, meta, index)
-        _release_gathered(engine)
+        engine.zero.release_gathered()  # forwards must gather the loaded values
         _load_trained(engine, index, meta, records)
         with torch.no_grad():
             for name, tensor in module_extras(engine.module):
                 tensor.copy_(index.read(name, VALUE, 0, tensor.numel(), tensor.dtype).view(tensor.shape))
-    _refresh_parameters(engine)
+    engine.zero.refresh_from_masters()
 
     if engine.lr_scheduler is not None and meta["lr_scheduler"] is not None:
         engine.lr_scheduler.load_state_dict(decode_value(meta["lr_scheduler"]))
@@ -126,20 +126,24 @@ def _load_trained(engine: Any, index: PieceIndex, meta: dict, records: list[dict
     """Fill the owned masters and build the optimizer state of every owned segment."""
     scalars, elements = _group_states(records)
     engine.optimizer.optimizer.state.clear()  # loading into a trained engine: not two copies
-    states: dict[int, dict[str, Any]] = {}
+    parts: dict[int, dict[str, torch.Tensor]] = {}
     for segment in engine.optimizer.segments:
         group = str(segment.group)
-        if group not in scalars:
-            continue
-        state = {key: decode_value(value) for key, value in scalars[group].items()}
-        for key, dtype in elements[group].items():
-            state[key] = torch.zeros(segment.master.numel(), dtype=DTYPES[dtype], device=segment.master.device)
-        states[id(segment)] = state
-    for owned in owned_ranges(engine):
+        if group in scalars:
+            parts[id(segment)] = {
+                key: torch.zeros(segment.numel, dtype=DTYPES[dtype], device=segment.master.device)
+                for key, dtype in elements[group].items()
+            }
+    for owned in engine.zero.owned_ranges():
         index.read_into(owned.name, VALUE, owned.start, owned.master)
-        state = states.get(id(owned.segment), {})
-        for key in elements.get(str(owned.segment.group), {}):
-            index.read_into(owned.name, key, owned.start, owned.state_view(state[key]))
+        for key, tensor in parts.get(id(owned.segment), {}).items():
+            index.read_into(owned.name, key, owned.start, owned.state_view(tensor))
+    codec = engine.zero.codec
+    states = {
+        id(segment): codec.decode(parts[id(segment)], {
+            key: decode_value(value) for key, value in scalars[str(segment.group)].items()})
+        for segment in engine.optimizer.segments if id(segment) in parts
+    }
 
     optimizer = engine.optimizer.optimizer
     position = {id(p): i for i, p in enumerate(chain.from_iterable(g["params"] for g in optimizer.param_groups))}
@@ -167,18 +171,3 @@ def _group_states(records: list[dict]) -> tuple[dict[str, dict], dict[str, dict]
     return scalars, elements
 
 
-def _release_gathered(engine: Any) -> None:
-    """Stage 3: drop gathered copies (made before the load) so forwards gather new values."""
-    if engine.stage == 3:
-        for unit in engine.params.sharded.units:
-            engine.params.sharded.free(unit)
-
-
-def _refresh_parameters(engine: Any) -> None:
-    """Masters -> live parameters, as after an optimizer step."""
-    optimizer = engine.optimizer
-    if optimizer.separate_master:
-        for param_chunk, master_chunk in zip(optimizer.param_chunks, optimizer.master_chunks):
-            param_chunk.copy_(master_chunk)
-    engine.params.after_step()
-    engine.reducer.zero_grads()

@@ -1,64 +1,15 @@
-"""What a rank owns, named the way a checkpoint stores it: parameter name + element range.
+"""What a rank owns, named the way a checkpoint stores it: parameter name + element range
+(zero/shard_view.py), and the model's description a loader checks against.
 
-The engine keeps a rank's share as flat chunks of units (layout.py) and the optimizer's
-state per segment of a chunk. Neither survives a change of world size, stage or bucket
-size; (name, [start, stop) of the flattened parameter) does. Saving walks these ranges
-and writes the views they carry; loading walks the new owner's ranges and fills them.
+Saving walks the owned ranges and writes the views they carry; loading walks the new
+owner's ranges and fills them.
 """
 
 from __future__ import annotations
 
-from collections import defaultdict
-from dataclasses import dataclass
 from typing import Any
 
 import torch
-
-from shardwise.zero.sharded_optimizer import SegmentState
-
-
-@dataclass(frozen=True)
-class OwnedRange:
-    """Elements [start, stop) of parameter `name` held by this rank."""
-
-    name: str
-    start: int
-    stop: int
-    master: torch.Tensor  # the fp32 master values of these elements (a view)
-    segment: SegmentState  # the optimizer segment they sit in
-    segment_offset: int  # where `start` sits inside the segment
-
-    @property
-    def numel(self) -> int:
-        return self.stop - self.start
-
-    def state_view(self, state: torch.Tensor) -> torch.Tensor:
-        """These elements of a per-element optimizer state tensor of the segment."""
-        return state[self.segment_offset : self.segment_offset + self.numel]
-
-
-def owned_ranges(engine: Any) -> list[OwnedRange]:
-    """Every trained element this rank owns (stage 0: everything), padding excluded."""
-    chunk = 0 if engine.stage == 0 else engine.rank
-    segments: dict[int, list[SegmentState]] = defaultdict(list)
-    for segment in engine.optimizer.segments:
-        segments[segment.unit].append(segment)
-    ranges = []
-    for position, unit in enumerate(engine.units):
-        master = engine.optimizer.master_chunks[position]
-        for piece in unit.owned_pieces(chunk):
-            segment = next(s for s in segments[unit.index] if s.start <= piece.chunk_offset < s.stop)
-            ranges.append(
-                OwnedRange(
-                    piece.slot.name,
-                    piece.start,
-                    piece.stop,
-                    master[piece.chunk_offset : piece.chunk_offset + piece.numel],
-                    segment,
-                    piece.chunk_offset - segment.start,
-                )
-            )
-    return ranges
 
 
 def module_extras(module: torch.nn.Module) -> list[tuple[str, torch.Tensor]]:

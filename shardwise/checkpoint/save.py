@@ -1,10 +1,11 @@
 """`engine.save_checkpoint`: every rank writes what it owns; rank 0 publishes.
 
 A rank's share is written straight from the buffers it trains with (fp32 master pieces
-and the matching slices of every per-element optimizer state), named by parameter and
-element range, so no rank ever holds more of the model than it already did. In stage 0
-every rank owns everything, so only rank 0 writes model and optimizer data; frozen
-parameters and buffers, whole on every rank, are also written once, by rank 0. Every
+and the matching slices of every per-element optimizer state, as the optimizer's codec
+gives them), named by parameter and element range, so no rank ever holds more of the
+model than it already did. Where shards are replicated (stage 0, where every rank owns
+everything, and hybrid sharding) only the first replica writes model and optimizer data;
+frozen parameters and buffers, whole on every rank, are written once, by rank 0. Every
 rank writes its own RNG state.
 
 Failures are agreed on: after each phase the ranks all-reduce a success flag, so a full
@@ -36,7 +37,7 @@ from shardwise.checkpoint.format import (
     staging_dir,
 )
 from shardwise.checkpoint.manifest import file_digest, publish, write_manifest, write_synced
-from shardwise.checkpoint.pieces import describe_model, module_extras, owned_ranges
+from shardwise.checkpoint.pieces import describe_model, module_extras
 from shardwise.checkpoint.safetensors_io import SafetensorsWriter, TensorEntry, dtype_name
 from shardwise.checkpoint.state import capture_rng_state, check_json, encode_value
 
@@ -92,7 +93,8 @@ def _together(engine: Any, step: Callable[[], None], what: str) -> None:
 def _write_rank_files(engine: Any, staging: Path) -> None:
     """This rank's pieces (safetensors) and its record (JSON): piece list, optimizer
     scalars per param group, RNG state, and the checksum of its tensor file."""
-    element_states, groups = _optimizer_states(engine) if _writes_model(engine) else ({}, {})
+    writes_model = engine.zero.writes_model
+    element_states, groups = _optimizer_states(engine) if writes_model else ({}, {})
     pieces: list[dict[str, Any]] = []
     tensors: list[tuple[str, torch.Tensor]] = []
 
@@ -100,8 +102,8 @@ def _write_rank_files(engine: Any, staging: Path) -> None:
         pieces.append({"name": name, "start": start, "stop": stop, "tensors": list(named)})
         tensors.extend((piece_key(name, start, stop, key), tensor) for key, tensor in named.items())
 
-    if _writes_model(engine):
-        for owned in owned_ranges(engine):
+    if writes_model:
+        for owned in engine.zero.owned_ranges():
             states = element_states.get(id(owned.segment), {})
             add(owned.name, owned.start, owned.stop,
                 {VALUE: owned.master, **{key: owned.state_view(state) for key, state in states.items()}})
@@ -127,29 +129,24 @@ def _write_rank_files(engine: Any, staging: Path) -> None:
     write_synced(staging / rank_json(engine.rank), json.dumps(record))
 
 
-def _writes_model(engine: Any) -> bool:
-    return engine.stage > 0 or engine.rank == 0
-
-
 def _optimizer_states(engine: Any) -> tuple[dict[int, dict[str, torch.Tensor]], dict[str, dict]]:
-    """Per segment, its per-element state tensors; per param group, its scalar state
-    (e.g. Adam's `step`) and the dtypes of its per-element states.
+    """Per segment, its per-element state tensors (the codec's `elements`); per param
+    group, its scalar state (e.g. Adam's `step`) and the dtypes of its per-element states.
 
     Scalars are stored per group, not per segment: segments are an artefact of this
     rank's layout, and every segment of a group steps together, so they agree.
     """
-    optimizer = engine.optimizer.optimizer
+    optimizer, codec = engine.optimizer.optimizer, engine.zero.codec
     element_states: dict[int, dict[str, torch.Tensor]] = {}
     groups: dict[str, dict] = {}
     for segment in engine.optimizer.segments:
         state = optimizer.state.get(segment.master, {})
         if not state:
             continue
-        elements = {key: value for key, value in state.items()
-                    if torch.is_tensor(value) and value.shape == segment.master.shape}
+        elements, raw_scalars = codec.encode(state, segment.numel)
         scalars = {
             key: encode_value(value, f"optimizer state {key!r} of param group {segment.group}")
-            for key, value in state.items() if key not in elements
+            for key, value in raw_scalars.items()
         }
         element_states[id(segment)] = elements
         record = {"scalars": scalars, "elements": {key: dtype_name(v.dtype) for key, v in elements.items()}}

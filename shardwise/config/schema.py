@@ -20,7 +20,8 @@ from pydantic import BaseModel, Field, field_validator, model_validator
 from pydantic.fields import FieldInfo
 
 from shardwise.config.fields import Bool, Float, Int, Section
-from shardwise.config.params import ADAM_SELECTOR_PARAMS, OPTIMIZER_PARAMS, SCHEDULER_PARAMS
+from shardwise.config.params import OPTIMIZER_PARAMS, SCHEDULER_PARAMS
+from shardwise.optim.registry import constructor_kwargs, torch_class_name
 
 
 class Fp16Config(Section):
@@ -122,13 +123,11 @@ class OptimizerConfig(Section):
     @property
     def torch_class_name(self) -> str:
         """The `torch.optim` class to build: DeepSpeed's Adam decouples weight decay unless told not to."""
-        if self.type == "SGD":
-            return "SGD"
-        return "AdamW" if self.params["adam_w_mode"] else "Adam"
+        return torch_class_name(self.type, self.params)
 
     def torch_kwargs(self) -> dict[str, Any]:
         """`params` minus the keys that select the class rather than configure it."""
-        return {key: value for key, value in self.params.items() if key not in ADAM_SELECTOR_PARAMS}
+        return constructor_kwargs(self.params)
 
 
 class SchedulerConfig(Section):

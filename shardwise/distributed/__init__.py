@@ -1,1 +1,1 @@
-"""Process groups and the counted, error-naming collectives every stage uses."""
+"""Process groups: the parallel mesh, counted and error-naming collectives, start-up agreement."""

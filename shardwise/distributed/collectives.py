@@ -1,25 +1,34 @@
-"""Every collective the engine issues goes through `Communicator`, for three reasons.
+"""Every collective the engine issues goes through a `Communicator`, one per group, for
+three reasons.
 
 1. Accounting (SPEC §4, C6): each call adds the bytes this rank sends in a
-   bandwidth-optimal ring, so `engine.comm_volume()` is measured, not estimated:
-   all-reduce of S bytes = 2S(N-1)/N, all-gather / reduce-scatter of a full S = S(N-1)/N.
+   bandwidth-optimal ring, per (group, operation), so `engine.comm_volume()` is measured,
+   not estimated: all-reduce of S bytes = 2S(N-1)/N, all-gather / reduce-scatter /
+   all-to-all of a full S = S(N-1)/N, with N the size of the group it runs in.
 2. Errors that say what went wrong: a failed or timed-out collective raises
-   `CollectiveError` naming the rank, the operation and what was being moved
-   ("reduce_scatter of bucket 3 (layers.2.mlp)"), instead of a bare gloo message.
+   `CollectiveError` naming the rank, the operation, what was being moved and the group
+   ("rank 0: reduce_scatter of gradients of unit 3 (layers.2.mlp) in the shard group
+   (ranks 0-1)"), and, when a connection was lost, which peer is gone.
 3. Overlap: every data collective is asynchronous and returns a `PendingCollective`;
    the caller decides when to wait. With NCCL the work runs on the process group's own
    communication stream and `wait()` only orders the current stream after it; with gloo
    it runs on gloo's threads while the Python thread keeps computing.
 
+A communicator takes its rank and size from its group: rank r of a group is the r-th of
+its members, and that index is the chunk a rank owns, what `broadcast` sources name,
+and what errors report beside the global rank.
+
 Small synchronisation collectives (gradient norm, overflow flag, gather-order checks) run
-on a second, CPU-side gloo group and are counted under "control", apart from the data
-volume the ZeRO formulas describe. Their own group means a check never queues behind a
-large in-flight gather, and on GPUs it needs no device synchronisation of its own.
+on the group's CPU-side gloo *control* group and are counted under "control", apart from
+the data volume the ZeRO formulas describe. Their own group means a check never queues
+behind a large in-flight gather, and on GPUs it needs no device synchronisation of its own.
 """
 
 from __future__ import annotations
 
+import datetime
 import time
+import zlib
 from collections import Counter
 from dataclasses import dataclass, field
 
@@ -28,11 +37,16 @@ import torch.distributed as dist
 
 from shardwise.accounting import MemoryLedger
 from shardwise.distributed import point_to_point
-from shardwise.distributed.setup import DistributedContext
+from shardwise.distributed.mesh import GroupHandle
+from shardwise.distributed.peers import PeerDirectory
 
 
 class CollectiveError(RuntimeError):
-    """A collective failed or timed out; the message names rank, operation and payload."""
+    """A collective failed or timed out; the message names rank, operation, payload and group."""
+
+
+class MismatchedCallError(CollectiveError):
+    """Ranks entered different collective operations (e.g. one called save_checkpoint)."""
 
 
 def ring_bytes(op: str, full_bytes: int, world_size: int) -> int:
@@ -41,6 +55,28 @@ def ring_bytes(op: str, full_bytes: int, world_size: int) -> int:
         return 0
     share = full_bytes * (world_size - 1) // world_size
     return 2 * share if op == "all_reduce" else share
+
+
+@dataclass
+class CommStats:
+    """Shared by all communicators of an engine: bytes per (group, operation) and the
+    seconds the training thread spent blocked waiting on collectives."""
+
+    volume: Counter = field(default_factory=Counter)
+    wait_seconds: float = 0.0
+
+    def totals(self) -> dict[str, int]:
+        keys = ("all_reduce", "all_gather", "reduce_scatter", "all_to_all", "broadcast", "control")
+        totals = dict.fromkeys(keys, 0)
+        for (_, op), nbytes in self.volume.items():
+            totals[op] = totals.get(op, 0) + int(nbytes)
+        return totals
+
+    def by_group(self) -> dict[str, dict[str, int]]:
+        groups: dict[str, dict[str, int]] = {}
+        for (group, op), nbytes in sorted(self.volume.items()):
+            groups.setdefault(group, {})[op] = int(nbytes)
+        return groups
 
 
 @dataclass
@@ -53,154 +89,222 @@ class PendingCollective:
     communicator: "Communicator"
     started: float = field(default_factory=time.monotonic)
 
-    def wait(self) -> None:
+    def wait(self, timeout: datetime.timedelta | None = None) -> None:
         if self.work is None:
             return
         work, self.work = self.work, None
         blocked_from = time.perf_counter()
         try:
-            work.wait()
+            finished = work.wait() if timeout is None else work.wait(timeout)
+            if finished is False:
+                raise RuntimeError(f"not finished within {timeout.total_seconds():g}s")
         except Exception as error:  # gloo/NCCL raise RuntimeError subclasses
-            waited = time.monotonic() - self.started
-            raise CollectiveError(
-                f"rank {self.communicator.rank}: {self.op} of {self.what} failed after "
-                f"{waited:.1f}s: {error}. "
-                "If ranks run different modules or a different number of steps "
-                "(data-dependent branches, uneven data), their collectives no longer pair up."
-            ) from error
+            raise self.communicator.error(self.op, self.what, error, self.started) from error
         finally:
-            self.communicator.wait_seconds += time.perf_counter() - blocked_from
+            self.communicator.stats.wait_seconds += time.perf_counter() - blocked_from
 
 
 class Communicator:
-    """Counted, error-naming collectives over one data-parallel process group."""
+    """Counted, error-naming collectives over one group of the mesh."""
 
-    def __init__(self, context: DistributedContext, ledger: MemoryLedger | None = None):
+    def __init__(
+        self,
+        handle: GroupHandle,
+        stats: CommStats | None = None,
+        ledger: MemoryLedger | None = None,
+        peers: PeerDirectory | None = None,
+        global_rank: int | None = None,
+    ):
         """`ledger` receives the receive buffers of gloo reduce-scatters as "buffers"."""
-        self.context = context
+        self.handle = handle
+        self.name = handle.purpose
+        self.group = handle.group
+        self.control_group = handle.control
+        self.rank = handle.rank
+        self.size = handle.size
+        self.global_rank = handle.ranks[handle.rank] if global_rank is None else global_rank
+        self.stats = stats if stats is not None else CommStats()
         self.ledger = ledger if ledger is not None else MemoryLedger()
-        self.rank = context.rank
-        self.world_size = context.world_size
-        self.group = context.group
-        self.control_group = (
-            dist.new_group(backend="gloo", timeout=context.timeout) if self.world_size > 1 else None
-        )
+        self.peers = peers
         # gloo's own reduce-scatter / all-gather copy and all-reduce the whole input
-        self.point_to_point = self.world_size > 1 and dist.get_backend(self.group) == "gloo"
+        self.point_to_point = self.size > 1 and dist.get_backend(self.group) == "gloo"
         self._sequence = 0  # tags point-to-point collectives; advances alike on every rank
-        self.volume: Counter[str] = Counter()
-        self.wait_seconds = 0.0  # time the training thread spent blocked on collectives
+
+    @property
+    def world_size(self) -> int:
+        """The group's size (the name the ZeRO code reads as N)."""
+        return self.size
+
+    @property
+    def wait_seconds(self) -> float:
+        return self.stats.wait_seconds
+
+    def error(self, op: str, what: str, cause: BaseException, started: float) -> CollectiveError:
+        waited = time.monotonic() - started
+        lost = self.peers.describe_lost(self.handle.ranks, cause) if self.peers is not None else ""
+        return CollectiveError(
+            f"rank {self.global_rank}: {op} of {what} in the {self.handle.describe()} failed after "
+            f"{waited:.1f}s: {cause}{lost}. "
+            "If ranks run different modules or a different number of steps "
+            "(data-dependent branches, uneven data), their collectives no longer pair up."
+        )
 
     # -- accounting ---------------------------------------------------------------
-    def _count(self, op: str, full: torch.Tensor) -> None:
-        self.volume[op] += ring_bytes(op, full.numel() * full.element_size(), self.world_size)
+    def _count(self, op: str, nbytes: int, category: str | None = None) -> None:
+        self.stats.volume[(self.name, category or op)] += ring_bytes(op, nbytes, self.size)
 
-    def comm_volume(self) -> dict[str, int]:
-        keys = ("all_reduce", "all_gather", "reduce_scatter", "broadcast", "control")
-        return {key: int(self.volume.get(key, 0)) for key in keys}
+    @staticmethod
+    def _bytes(tensor: torch.Tensor) -> int:
+        return tensor.numel() * tensor.element_size()
 
-    def reset_comm_volume(self) -> None:
-        self.volume.clear()
+    def _pending(self, work, op: str, what: str) -> PendingCollective:
+        return PendingCollective(work, op, what, self)
+
+    def _issue(self, op: str, what: str, start) -> PendingCollective:
+        """Start a collective; a failure at issue time is named like one at wait time."""
+        started = time.monotonic()
+        try:
+            return self._pending(start(), op, what)
+        except Exception as error:
+            raise self.error(op, what, error, started) from error
 
     # -- data collectives -----------------------------------------------------------
     def all_reduce(self, tensor: torch.Tensor, what: str) -> PendingCollective:
-        """Sum `tensor` in place over all ranks."""
-        if self.world_size == 1:
-            return PendingCollective(None, "all_reduce", what, self)
-        self._count("all_reduce", tensor)
-        work = dist.all_reduce(tensor, group=self.group, async_op=True)
-        return PendingCollective(work, "all_reduce", what, self)
+        """Sum `tensor` in place over the group."""
+        if self.size == 1:
+            return self._pending(None, "all_reduce", what)
+        self._count("all_reduce", self._bytes(tensor))
+        return self._issue("all_reduce", what, lambda: dist.all_reduce(tensor, group=self.group, async_op=True))
 
-    def reduce_scatter(
-        self, output: torch.Tensor, full: torch.Tensor, what: str
-    ) -> PendingCollective:
-        """Sum `full` over ranks; this rank receives chunk `rank` into `output`.
+    def reduce_scatter(self, output: torch.Tensor, full: torch.Tensor, what: str) -> PendingCollective:
+        """Sum `full` over the group; this rank receives chunk `rank` into `output`.
 
         `output` may alias `full`'s own chunk (in place), which saves a buffer.
         """
-        if self.world_size == 1:
+        if self.size == 1:
             if output.data_ptr() != full.data_ptr():
                 output.copy_(full)
-            return PendingCollective(None, "reduce_scatter", what, self)
-        self._count("reduce_scatter", full)
-        if self.point_to_point:
-            receive_bytes = full.numel() * full.element_size() * (self.world_size - 1) // self.world_size
-            self.ledger.hold("buffers", receive_bytes)
-            work = point_to_point.reduce_scatter(
-                output, full, self.group, self.rank, self.world_size, self._next_tag(),
-                on_free=lambda nbytes: self.ledger.release("buffers", nbytes),
-            )
-        else:
-            work = dist.reduce_scatter_single(output, full, group=self.group, async_op=True)
-        return PendingCollective(work, "reduce_scatter", what, self)
+            return self._pending(None, "reduce_scatter", what)
+        self._count("reduce_scatter", self._bytes(full))
+        if not self.point_to_point:
+            return self._issue("reduce_scatter", what,
+                               lambda: dist.reduce_scatter_single(output, full, group=self.group, async_op=True))
+        receive_bytes = self._bytes(full) * (self.size - 1) // self.size
+        self.ledger.hold("buffers", receive_bytes)
+        return self._issue("reduce_scatter", what, lambda: point_to_point.reduce_scatter(
+            output, full, self.group, self.rank, self.size, self._next_tag(),
+            on_free=lambda nbytes: self.ledger.release("buffers", nbytes),
+        ))
 
     def all_gather(self, full: torch.Tensor, shard: torch.Tensor, what: str) -> PendingCollective:
         """Concatenate every rank's `shard` into `full` (`shard` may be `full`'s own chunk)."""
-        if self.world_size == 1:
+        if self.size == 1:
             if shard.data_ptr() != full.data_ptr():
                 full.copy_(shard)
-            return PendingCollective(None, "all_gather", what, self)
+            return self._pending(None, "all_gather", what)
         if self.point_to_point:
-            return self.all_gather_pieces(list(full.chunk(self.world_size)), shard, what)
-        self._count("all_gather", full)
-        work = dist.all_gather_single(full, shard, group=self.group, async_op=True)
-        return PendingCollective(work, "all_gather", what, self)
+            return self.all_gather_pieces(list(full.chunk(self.size)), shard, what)
+        self._count("all_gather", self._bytes(full))
+        return self._issue("all_gather", what,
+                           lambda: dist.all_gather_single(full, shard, group=self.group, async_op=True))
 
-    def all_gather_pieces(
-        self, pieces: list[torch.Tensor], shard: torch.Tensor, what: str
-    ) -> PendingCollective:
+    def all_gather_pieces(self, pieces: list[torch.Tensor], shard: torch.Tensor, what: str) -> PendingCollective:
         """All-gather into `pieces[r]` (views anywhere) from each rank's `shard`."""
-        if self.world_size == 1:
+        if self.size == 1:
             if shard.data_ptr() != pieces[0].data_ptr():
                 pieces[0].copy_(shard)
-            return PendingCollective(None, "all_gather", what, self)
-        self.volume["all_gather"] += ring_bytes(
-            "all_gather", sum(p.numel() * p.element_size() for p in pieces), self.world_size
-        )
+            return self._pending(None, "all_gather", what)
+        self._count("all_gather", sum(self._bytes(piece) for piece in pieces))
         if self.point_to_point:
-            work = point_to_point.all_gather(
-                pieces, shard, self.group, self.rank, self.world_size, self._next_tag()
-            )
-        else:
-            work = dist.all_gather(pieces, shard, group=self.group, async_op=True)
-        return PendingCollective(work, "all_gather", what, self)
+            return self._issue("all_gather", what, lambda: point_to_point.all_gather(
+                pieces, shard, self.group, self.rank, self.size, self._next_tag()))
+        return self._issue("all_gather", what,
+                           lambda: dist.all_gather(pieces, shard, group=self.group, async_op=True))
+
+    def all_to_all(self, output: torch.Tensor, tensor: torch.Tensor, what: str) -> PendingCollective:
+        """Chunk r of `tensor` goes to rank r; chunk r of `output` comes from rank r
+        (Ulysses sequence parallelism, compressed communication)."""
+        if self.size == 1:
+            if output.data_ptr() != tensor.data_ptr():
+                output.copy_(tensor)
+            return self._pending(None, "all_to_all", what)
+        self._count("all_to_all", self._bytes(tensor))
+        return self._issue("all_to_all", what,
+                           lambda: dist.all_to_all_single(output, tensor, group=self.group, async_op=True))
+
+    def broadcast(self, tensor: torch.Tensor, source: int, what: str) -> None:
+        """Copy group rank `source`'s `tensor` to every member (blocking)."""
+        if self.size == 1:
+            return
+        self._count("broadcast", self._bytes(tensor))
+        self._issue("broadcast", what, lambda: dist.broadcast(
+            tensor, group=self.group, group_src=source, async_op=True)).wait()
 
     def _next_tag(self) -> int:
         self._sequence = (self._sequence + 1) % (2**31 - 1)
         return self._sequence
 
-    def broadcast(self, tensor: torch.Tensor, source: int, what: str) -> None:
-        if self.world_size == 1:
-            return
-        self._count("broadcast", tensor)
-        work = dist.broadcast(tensor, src=source, group=self.group, async_op=True)
-        PendingCollective(work, "broadcast", what, self).wait()
-
     # -- control collectives ----------------------------------------------------------
     def control_all_reduce(
-        self, tensor: torch.Tensor, what: str, op: dist.ReduceOp.RedOpType = dist.ReduceOp.SUM
+        self, tensor: torch.Tensor, what: str, op: dist.ReduceOp.RedOpType = dist.ReduceOp.SUM,
+        timeout: datetime.timedelta | None = None,
     ) -> torch.Tensor:
         """Blocking all-reduce of a small tensor (in place), counted under "control"."""
-        if self.world_size == 1:
+        if self.size == 1:
             return tensor
-        self.volume["control"] += ring_bytes(
-            "all_reduce", tensor.numel() * tensor.element_size(), self.world_size
-        )
+        self._count("all_reduce", self._bytes(tensor), category="control")
         on_cpu = tensor.cpu()
-        work = dist.all_reduce(on_cpu, op=op, group=self.control_group, async_op=True)
-        PendingCollective(work, "all_reduce", what, self).wait()
+        self._issue("all_reduce", what, lambda: dist.all_reduce(
+            on_cpu, op=op, group=self.control_group, async_op=True)).wait(timeout)
         if on_cpu is not tensor:
             tensor.copy_(on_cpu)
         return tensor
 
+    def all_gather_control(self, output: torch.Tensor, tensor: torch.Tensor, what: str) -> None:
+        """Blocking all-gather of a small CPU tensor into `output`, counted under "control"."""
+        if self.size == 1:
+            output.copy_(tensor)
+            return
+        self._count("all_gather", self._bytes(output), category="control")
+        self._issue("all_gather", what, lambda: dist.all_gather_single(
+            output, tensor, group=self.control_group, async_op=True)).wait()
+
     def control_all_gather_object(self, value: object) -> list[object]:
-        """Every rank's `value` (pickled): for error reports, never on the hot path."""
-        if self.world_size == 1:
+        """Every member's `value` (pickled): for error reports, never on the hot path."""
+        if self.size == 1:
             return [value]
-        gathered: list[object] = [None] * self.world_size
+        gathered: list[object] = [None] * self.size
         dist.all_gather_object(gathered, value, group=self.control_group)
         return gathered
 
     def barrier(self, what: str) -> None:
-        if self.world_size > 1:
-            self.control_all_reduce(torch.zeros(1, device=self.context.device), what)
+        if self.size > 1:
+            self.control_all_reduce(torch.zeros(1), what)
+
+    def agree_on_call(self, operation: str, timeout: datetime.timedelta) -> None:
+        """Check that every member is entering `operation` now, within `timeout`.
+
+        For collective API calls that user code may wrongly make on some ranks only
+        (`if rank == 0: engine.save_checkpoint(...)`): without this, the caller waits in
+        the operation's first collective until the collective timeout, or pairs it with
+        a different collective of the other ranks. Two codes are reduced with MAX, so
+        a difference shows on every rank at once.
+        """
+        if self.size == 1:
+            return
+        code = zlib.crc32(operation.encode())
+        both = torch.tensor([code, -code], dtype=torch.int64)
+        try:
+            self.control_all_reduce(both, f"the check that every rank calls {operation}", dist.ReduceOp.MAX, timeout)
+        except CollectiveError as error:
+            raise MismatchedCallError(
+                f"rank {self.global_rank}: {operation} is collective: every rank of the "
+                f"{self.handle.describe()} must call it, but not all did within "
+                f"{timeout.total_seconds():g}s ({error})"
+            ) from error
+        if both[0].item() != -both[1].item():
+            raise MismatchedCallError(
+                f"rank {self.global_rank}: {operation} is collective: every rank of the "
+                f"{self.handle.describe()} must call it, but another rank called something else "
+                "at the same point"
+            )

@@ -21,15 +21,19 @@ import torch.distributed as dist
 
 
 class PointToPointWork:
-    """The sends and receives of one collective, finished by `wait()`."""
+    """The sends and receives of one collective, finished by `wait()`. A failed message
+    is reported with the global rank of the peer it was exchanged with."""
 
-    def __init__(self, works: list[dist.Work], finish: Callable[[], None]):
+    def __init__(self, works: list[tuple[str, int, dist.Work]], finish: Callable[[], None]):
         self.works = works
         self.finish = finish
 
-    def wait(self) -> bool:
-        for work in self.works:
-            work.wait()
+    def wait(self, timeout=None) -> bool:
+        for direction, peer, work in self.works:
+            try:
+                work.wait() if timeout is None else work.wait(timeout)
+            except Exception as error:
+                raise RuntimeError(f"{direction} rank {peer} failed: {error}") from error
         self.finish()
         return True
 
@@ -37,15 +41,17 @@ class PointToPointWork:
 def _exchange(
     group: dist.ProcessGroup, rank: int, world: int, tag: int,
     send: Callable[[int], torch.Tensor], receive: Callable[[int], torch.Tensor],
-) -> list[dist.Work]:
-    operations = []
+) -> list[tuple[str, int, dist.Work]]:
+    operations, labels = [], []
     for peer in range(world):
         if peer == rank:
             continue
         target = dist.get_global_rank(group, peer)
         operations.append(dist.P2POp(dist.isend, send(peer), target, group, tag))
         operations.append(dist.P2POp(dist.irecv, receive(peer), target, group, tag))
-    return dist.batch_isend_irecv(operations)
+        labels += [("send to", target), ("receive from", target)]
+    works = dist.batch_isend_irecv(operations)
+    return [(direction, peer, work) for (direction, peer), work in zip(labels, works)]
 
 
 def reduce_scatter(

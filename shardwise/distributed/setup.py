@@ -9,13 +9,17 @@ as a plain single process (no environment at all: no process group, world size 1
 from __future__ import annotations
 
 import datetime
+import math
 import os
 from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
 
+from shardwise.distributed.mesh import GroupHandle
+
 DEFAULT_TIMEOUT_SECONDS = 600.0
+CALL_CHECK_SECONDS = 120.0
 TIMEOUT_ENV = "SHARDWISE_COLLECTIVE_TIMEOUT"
 
 
@@ -35,8 +39,37 @@ class DistributedContext:
 
 def collective_timeout() -> datetime.timedelta:
     """Timeout of every collective, from SHARDWISE_COLLECTIVE_TIMEOUT (seconds)."""
-    seconds = float(os.environ.get(TIMEOUT_ENV, DEFAULT_TIMEOUT_SECONDS))
+    text = os.environ.get(TIMEOUT_ENV)
+    if text is None:
+        return datetime.timedelta(seconds=DEFAULT_TIMEOUT_SECONDS)
+    try:
+        seconds = float(text)
+    except ValueError:
+        seconds = math.nan
+    if not math.isfinite(seconds) or seconds <= 0:
+        raise ValueError(
+            f"{TIMEOUT_ENV}={text!r} is not a timeout: give a positive number of seconds "
+            f"(default {DEFAULT_TIMEOUT_SECONDS:g})"
+        )
     return datetime.timedelta(seconds=seconds)
+
+
+def call_check_timeout(timeout: datetime.timedelta) -> datetime.timedelta:
+    """How long a collective API call (save_checkpoint, load_checkpoint) waits for every
+    rank to enter it before saying some rank did not: well below the collective timeout,
+    since ranks reach such calls within a step of each other."""
+    return min(timeout, datetime.timedelta(seconds=CALL_CHECK_SECONDS))
+
+
+def world_handle(context: DistributedContext) -> GroupHandle:
+    """All ranks as one group, with a control group of its own: start-up agreement and the
+    checks that every rank enters a collective API call use it and nothing else, so they
+    can never pair with another operation's collective."""
+    ranks = tuple(range(context.world_size))
+    if context.group is None or context.world_size == 1:
+        return GroupHandle("world", ranks, context.rank, context.group, None)
+    control = dist.new_group(backend="gloo", timeout=context.timeout)
+    return GroupHandle("world", ranks, context.rank, context.group, control)
 
 
 def _pick_device(local_rank: int) -> torch.device:

@@ -1,4 +1,41 @@
-from shardwise.optim.build import build_optimizer, build_scheduler
-from shardwise.optim.schedulers import WarmupCosineLR, WarmupDecayLR, WarmupLR
+"""Optimizers by config name (registry.py), how their state is checkpointed (codec.py), and
+DeepSpeed's learning-rate schedules. Names are imported on first use, so the registry can
+be read (for K, the state bytes per parameter) without importing torch."""
 
-__all__ = ["build_optimizer", "build_scheduler", "WarmupLR", "WarmupDecayLR", "WarmupCosineLR"]
+from typing import Any
+
+__all__ = [
+    "ElementwiseCodec",
+    "OptimizerSpec",
+    "StateCodec",
+    "WarmupCosineLR",
+    "WarmupDecayLR",
+    "WarmupLR",
+    "build_optimizer",
+    "build_scheduler",
+    "optimizer_spec",
+    "register_optimizer",
+    "registered_optimizers",
+]
+
+_LAZY = {
+    "build_optimizer": "shardwise.optim.build",
+    "build_scheduler": "shardwise.optim.build",
+    "ElementwiseCodec": "shardwise.optim.codec",
+    "StateCodec": "shardwise.optim.codec",
+    "OptimizerSpec": "shardwise.optim.registry",
+    "optimizer_spec": "shardwise.optim.registry",
+    "register_optimizer": "shardwise.optim.registry",
+    "registered_optimizers": "shardwise.optim.registry",
+    "WarmupCosineLR": "shardwise.optim.schedulers",
+    "WarmupDecayLR": "shardwise.optim.schedulers",
+    "WarmupLR": "shardwise.optim.schedulers",
+}
+
+
+def __getattr__(name: str) -> Any:
+    if name in _LAZY:
+        import importlib
+
+        return getattr(importlib.import_module(_LAZY[name]), name)
+    raise AttributeError(f"module 'shardwise.optim' has no attribute {name!r}")

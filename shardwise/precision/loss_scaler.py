@@ -34,6 +34,12 @@ class LossScaler:
         self.iteration = 0
         self.last_overflow_iteration = -1
 
+    @property
+    def can_absorb_overflow(self) -> bool:
+        """An overflow now is part of finding the scale (it will be lowered), not a sign
+        that training went wrong."""
+        return self.dynamic and self.scale > self.min_scale
+
     def update(self, overflow: bool) -> None:
         """Record the outcome of one optimizer step (called on every boundary)."""
         if self.dynamic:

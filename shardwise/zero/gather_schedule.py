@@ -42,12 +42,9 @@ from torch import nn
 from torch.utils._pytree import tree_flatten
 
 from shardwise.distributed.collectives import Communicator
+from shardwise.reliability.errors import DivergentExecutionError
 from shardwise.zero.layout import FlatUnit
 from shardwise.zero.sharded_params import ShardedParameters
-
-
-class DivergentExecutionError(RuntimeError):
-    """Ranks gathered different parameters in one step (rank-dependent control flow)."""
 
 
 class GatherSchedule:
@@ -167,11 +164,24 @@ class GatherSchedule:
 
     def _begin_pass(self) -> None:
         """A new forward starts: forget an unfinished record (e.g. a forward without
-        backward) and free what it left gathered."""
+        backward, or one that raised) and free what it left gathered."""
+        self.abort()
+        self.on_trace = bool(self.trace)
+
+    def abort(self) -> None:
+        """Forget a pass that did not finish: a module whose forward raised never ran its
+        post-forward hook, so its units are still marked in use. Release those uses and
+        free every unit nobody else (gathered_parameters) holds, so the next forward
+        gathers fresh values instead of silently reusing a stale copy."""
+        for module, stack in self.positions.items():
+            for _ in stack:
+                for unit in self.module_units.get(module, []):
+                    self.params.release_use(unit)
+        self.positions.clear()
         self._free_unused()
         self.record = []
         self.gather_log = []
-        self.on_trace = bool(self.trace)
+        self.on_trace = False
 
     # -- backward --------------------------------------------------------------------------------
     def on_grads_ready(self, unit: FlatUnit) -> None:
@@ -226,9 +236,10 @@ class GatherSchedule:
         if both[0].item() == -both[1].item():
             return
         descriptions = self.comm.control_all_gather_object(description)
-        seen = "; ".join(f"rank {rank} {text}" for rank, text in enumerate(descriptions))
+        members = self.comm.handle.ranks
+        seen = "; ".join(f"rank {members[rank]} {text}" for rank, text in enumerate(descriptions))
         raise DivergentExecutionError(
-            f"rank {self.comm.rank}: ranks disagree on which parameters to gather ({seen}). "
+            f"rank {self.comm.global_rank}: ranks disagree on which parameters to gather ({seen}). "
             "Stage 3 needs every rank to run the same modules in the same order; make the "
             "branch depend on data that is equal on all ranks, or keep the branch's "
             "parameters whole (raise stage3_param_persistence_threshold above their size)."

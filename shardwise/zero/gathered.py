@@ -43,29 +43,22 @@ def gathered_parameters(
         raise ValueError("gathered_parameters() got parameters of more than one engine")
     units = list({id(u): u for u in (engine.unit_of_param[id(p)] for p in params)}.values())
     units.sort(key=lambda unit: unit.index)  # the same order on every rank
-    sharded = engine.params.sharded if engine.stage == 3 else None
-    partitioned = [u for u in units if sharded is not None and u.index in sharded.shards]
-    for unit in partitioned:
-        sharded.acquire(unit)
+    strategy = engine.zero.params
+    strategy.acquire(units)
     try:
         yield
     finally:
         if modifier_rank is not None:
+            source = _group_rank(engine.zero.groups.replicas.handle.ranks, modifier_rank)
             for unit in units:
-                _write_back(engine, unit, modifier_rank)
-        for unit in partitioned:
-            if sharded.release_use(unit) == 0:
-                sharded.free(unit)
+                strategy.broadcast_edits(unit, source)
+                engine.zero.store.refresh_master(unit)
+        strategy.release(units)
 
 
-def _write_back(engine, unit, modifier_rank: int) -> None:
-    """Broadcast the edited unit and make it the trained value on every rank."""
-    what = f"edited parameters of {unit}"
-    sharded = engine.params.sharded if engine.stage == 3 else None
-    if sharded is not None and unit.index in sharded.shards:
-        engine.comm.broadcast(sharded.full_buffer(unit), modifier_rank, what)
-        sharded.take_shard_from_full(unit)
-    else:
-        replicated = engine.params.replicated if engine.stage == 3 else engine.params
-        engine.comm.broadcast(replicated.unit_flats[unit.index], modifier_rank, what)
-    engine.optimizer.refresh_master(unit)
+def _group_rank(members: tuple[int, ...], modifier_rank: int) -> int:
+    """`modifier_rank` is a global rank, as in DeepSpeed; broadcasts name group ranks."""
+    if modifier_rank not in members:
+        raise ValueError(f"modifier_rank {modifier_rank} does not hold these parameters; the ranks "
+                         f"that do are {list(members)}")
+    return members.index(modifier_rank)

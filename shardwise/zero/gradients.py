@@ -2,30 +2,34 @@
 
 A hook on every parameter fires once its gradient for this backward is complete. When all
 parameters of a unit have reported, the unit's gradient is reduced asynchronously while
-backward keeps computing earlier layers:
+backward keeps computing earlier layers, in two hops:
 
-- stage 0: all-reduce the unit's slice of a full gradient buffer (every rank keeps all);
-- stage 1: reduce-scatter that slice in place (the full buffer stays, as ZeRO-1 keeps it);
-- stages 2-3: copy gradients into a transient bucket, reduce-scatter it and add this rank's
-  chunk into a gradient *shard*; the bucket goes back to a small pool (constant memory).
+1. within the *shard* group, to the rank that owns each chunk: reduce-scatter in place in
+   the full gradient buffer (stage 1), or of a transient bucket whose reduced chunk is
+   added into the store's gradient partition (stages 2-3; the bucket goes back to a small
+   pool, so memory stays constant);
+2. across the *replicate* group, an all-reduce of the owned chunk, once per accumulation
+   window. Plain ZeRO 1-3 has no replicas (this hop does nothing); hybrid sharding
+   (`mics_shard_size`) all-reduces a 1/N_shard slice across groups; stage 0 is the case of
+   a shard group of one rank, so hop 1 does nothing and hop 2 all-reduces the whole unit.
+
+Gradients are averaged over all replicas of the model: pre-divided by shard x replicate size.
 
 Units are launched strictly in index order, even if they become ready out of order. That
 keeps the sequence of collectives identical on every rank, so a parameter that is unused
 on one rank but not another (data-dependent control flow) delays a launch instead of
-pairing the wrong collectives. Gradients are averaged over ranks (pre-divided by N).
+pairing the wrong collectives.
 
-Reductions that need transient memory (buckets, reduce-scatter receive buffers: every
-stage but 0) are double-buffered: one unit fills while MAX_IN_FLIGHT (one) reduces, and
-launching another first finishes the oldest. Communication still overlaps backward, and
-the transient memory stays a constant number of units, whatever the model size. Stage 0
-all-reduces in place, so its reductions are not limited.
+Reductions that need transient memory (buckets, gloo reduce-scatter receive buffers) are
+double-buffered: one unit fills while MAX_IN_FLIGHT (one) reduces, and launching another
+first finishes the oldest. Stage 0 all-reduces in place, so its reductions are not limited.
 
 Stages 0-1 accumulate micro-batches locally and reduce only at the accumulation boundary.
 A window starts with `.grad` unset (nothing is zeroed): a parameter's first gradient is
 copied into the buffer and `.grad` becomes a view of it, so autograd accumulates later
 micro-batches in place; parameters that got no gradient in the window are zeroed before
-their unit is reduced.
-Stages 2-3 must reduce every micro-batch, since they only keep a shard.
+their unit is reduced. Stages 2-3 must reduce every micro-batch, since they only keep a
+partition.
 """
 
 from __future__ import annotations
@@ -38,7 +42,8 @@ import torch
 from shardwise.accounting import MemoryLedger, tensor_bytes
 from shardwise.distributed.collectives import Communicator, PendingCollective
 from shardwise.zero.layout import FlatUnit, ParamSlot
-
+from shardwise.zero.policy import ZeroPolicy
+from shardwise.zero.shard_store import DeviceShardStore
 
 MAX_IN_FLIGHT = 1
 
@@ -47,52 +52,43 @@ MAX_IN_FLIGHT = 1
 class _Launched:
     unit: FlatUnit
     pending: PendingCollective
-    finalize: Callable[[], None]
+    finalize: Callable[[], None]  # may start the next hop
 
 
 class GradientReducer:
     def __init__(
         self,
         units: list[FlatUnit],
-        stage: int,
-        comm: Communicator,
+        policy: ZeroPolicy,
+        store: DeviceShardStore,
+        shard: Communicator,
+        replicate: Communicator,
         ledger: MemoryLedger,
-        grad_dtype: torch.dtype,
-        comm_dtype: torch.dtype,
         device: torch.device,
-        overlap: bool = True,
-        reduce_scatter: bool = True,
     ):
-        """`overlap=False` waits for each reduction right after launching it;
-        `reduce_scatter=False` reduces partitioned gradients with all-reduce instead."""
         if [unit.index for unit in units] != list(range(len(units))):
             raise ValueError("units must be numbered 0..n-1 in launch order")
         self.units = units
-        self.stage = stage
-        self.comm = comm
+        self.store = store
+        self.shard = shard
+        self.replicate = replicate
         self.ledger = ledger
-        self.grad_dtype = grad_dtype
-        self.comm_dtype = comm_dtype
+        self.grad_dtype = policy.param_dtype
+        self.comm_dtype = policy.reduce_dtype
         self.device = device
-        self.overlap = overlap
-        self.use_reduce_scatter = reduce_scatter
-        self.keeps_full_grads = stage <= 1
-        self.chunk = 0 if stage == 0 else comm.rank
+        self.overlap = policy.overlap_comm
+        self.use_reduce_scatter = policy.reduce_scatter
+        self.keeps_full_grads = policy.keeps_full_gradients
+        self.divisor = shard.size * replicate.size
+        self.bounded = not (self.keeps_full_grads and shard.size == 1)  # stage 0 reduces in place
         self.unit_ready_callbacks: list[Callable[[FlatUnit], None]] = []
 
-        if self.keeps_full_grads:
-            sizes = [unit.padded_numel for unit in units]
-        else:
-            sizes = [unit.chunk_numel for unit in units]
-        self.storage = torch.zeros(sum(sizes), dtype=grad_dtype, device=device)
-        ledger.hold("grads", tensor_bytes(self.storage))
-        self._unit_grads = list(torch.split(self.storage, sizes))
         self._slot_views: dict[int, torch.Tensor] = {}
         if self.keeps_full_grads:
-            for unit, flat in zip(units, self._unit_grads):
+            for unit in units:
+                flat = store.full_gradient(unit)
                 for slot in unit.slots:
-                    view = flat[slot.offset : slot.offset + slot.numel].view(slot.shape)
-                    self._slot_views[id(slot)] = view
+                    self._slot_views[id(slot)] = flat[slot.offset : slot.offset + slot.numel].view(slot.shape)
         self._written: list[set[int]] = [set() for _ in units]  # stages 0-1, this window
         for unit in units:
             for slot in unit.slots:
@@ -107,21 +103,13 @@ class GradientReducer:
             for slot in unit.slots
         ]
         self._reducing = False
+        self._window_ends = False
         self._reset_backward_state()
-
-    # -- what the optimizer reads -------------------------------------------------------
-    def owned_grad(self, unit: FlatUnit) -> torch.Tensor:
-        """This rank's reduced gradient for `unit` (stage 0: the whole unit)."""
-        grads = self._unit_grads[unit.index]
-        if not self.keeps_full_grads:
-            return grads
-        lo, hi = unit.chunk_bounds(self.chunk)
-        return grads[lo:hi]
 
     def zero_grads(self) -> None:
         """Start a new accumulation window (after the optimizer step)."""
         if not self.keeps_full_grads:
-            self.storage.zero_()
+            self.store.zero_partition_gradients()
             return
         for unit in self.units:
             for slot in unit.slots:
@@ -136,9 +124,10 @@ class GradientReducer:
         self._next_launch = 0
         self._launched: list[_Launched] = []
 
-    def begin_backward(self, reduce: bool) -> None:
-        """`reduce`: this backward ends an accumulation window (always true for stage >= 2)."""
-        self._reducing = reduce or not self.keeps_full_grads
+    def begin_backward(self, boundary: bool) -> None:
+        """`boundary`: this backward ends an accumulation window."""
+        self._window_ends = boundary
+        self._reducing = boundary or not self.keeps_full_grads
         self._reset_backward_state()
 
     def _make_hook(self, unit: FlatUnit, slot: ParamSlot) -> Callable[[torch.Tensor], None]:
@@ -194,6 +183,27 @@ class GradientReducer:
         while self._launched:
             self._complete_oldest()
 
+    def abort_backward(self) -> None:
+        """A backward raised part-way (on every rank alike): finish what was launched, so
+        no collective is left half-paired, and return the buckets to the pool. The
+        caller discards this window's gradients."""
+        try:
+            while self._launched:
+                self._complete_oldest()
+        finally:
+            for buffer, _ in self._buckets.values():
+                self._free_buckets.append(buffer)
+            for unit in self.units:
+                for slot in unit.slots:
+                    slot.param.grad = None
+            self._reset_backward_state()
+
+    def discard_window(self) -> None:
+        """Forget every gradient of the current accumulation window."""
+        if self.keeps_full_grads:
+            self.store.grad_flat.zero_()
+        self.zero_grads()
+
     def _fill_missing(self, unit: FlatUnit) -> None:
         if self.keeps_full_grads:
             for slot in unit.slots:
@@ -245,53 +255,66 @@ class GradientReducer:
 
     # -- collectives ---------------------------------------------------------------------
     def _launch(self, unit: FlatUnit) -> None:
-        while self.stage > 0 and len(self._launched) >= MAX_IN_FLIGHT:
+        while self.bounded and len(self._launched) >= MAX_IN_FLIGHT:
             self._complete_oldest()
-        world = self.comm.world_size
         what = f"gradients of {unit}"
+        lo, hi = unit.chunk_bounds(self.shard.rank)
         if self.keeps_full_grads:
-            grads = self._unit_grads[unit.index]
+            grads = self.store.full_gradient(unit)
             if self.comm_dtype == self.grad_dtype:
                 wire = grads
             else:
                 wire = grads.to(self.comm_dtype)
                 self.ledger.hold("buffers", tensor_bytes(wire))
-            wire.div_(world)
-            if self.stage == 0:
-                pending = self.comm.all_reduce(wire, what)
-                target, source = grads, wire
-            else:
-                lo, hi = unit.chunk_bounds(self.chunk)
-                pending = self._reduce_to_owner(wire, lo, hi, what)
-                target, source = grads[lo:hi], wire[lo:hi]
+            wire.div_(self.divisor)
+            pending = self._reduce_to_owner(wire, lo, hi, what)
+
+            def copy_back() -> None:
+                if wire.data_ptr() != grads.data_ptr():
+                    grads[lo:hi].copy_(wire[lo:hi])
+                    self.ledger.release("buffers", tensor_bytes(wire))
 
             def finalize() -> None:
-                if source.data_ptr() != target.data_ptr():
-                    target.copy_(source)
-                    self.ledger.release("buffers", tensor_bytes(wire))
+                self._across_replicas(unit, wire[lo:hi], what, copy_back)
 
         else:
             buffer, bucket = self._buckets.pop(unit.index)
             for slot in unit.slots:  # prepared but never reached by a gradient
                 slot.param.grad = None
-            bucket.div_(world)
-            lo, hi = unit.chunk_bounds(self.chunk)
+            bucket.div_(self.divisor)
             pending = self._reduce_to_owner(bucket, lo, hi, what)
-            shard = self._unit_grads[unit.index]
+            partition = self.store.gradient(unit)
 
             def finalize() -> None:
-                shard.add_(bucket[lo:hi])
+                partition.add_(bucket[lo:hi])
                 self._free_buckets.append(buffer)
+                self._across_replicas(unit, partition, what, lambda: None)
 
-        self._launched.append(_Launched(unit, pending, finalize))
+        self._enqueue(_Launched(unit, pending, finalize))
+
+    def _enqueue(self, launched: _Launched) -> None:
+        """Track an in-flight reduction; one that finished at once (a group of one rank)
+        goes straight on to its next hop."""
+        if launched.pending.work is None:
+            launched.finalize()
+            return
+        self._launched.append(launched)
         if not self.overlap:
             self._complete_oldest()
 
     def _reduce_to_owner(self, full: torch.Tensor, lo: int, hi: int, what: str) -> PendingCollective:
-        """Sum `full` over ranks so that this rank's [lo, hi) holds the result."""
+        """Sum `full` over the shard group so that this rank's [lo, hi) holds the result."""
         if self.use_reduce_scatter:
-            return self.comm.reduce_scatter(full[lo:hi], full, what)
-        return self.comm.all_reduce(full, what)
+            return self.shard.reduce_scatter(full[lo:hi], full, what)
+        return self.shard.all_reduce(full, what)
+
+    def _across_replicas(self, unit: FlatUnit, owned: torch.Tensor, what: str, then: Callable[[], None]) -> None:
+        """Second hop: at the end of a window, sum the owned chunk over the replicate
+        group; `then` runs once the chunk is final."""
+        if self.replicate.size == 1 or not self._window_ends:
+            then()
+            return
+        self._enqueue(_Launched(unit, self.replicate.all_reduce(owned, what), then))
 
     def _complete_oldest(self) -> None:
         launched = self._launched.pop(0)

@@ -1,9 +1,10 @@
 """Parameters in stages 0-2: every rank holds all of them, in one flat buffer.
 
 Each parameter becomes a view into the flat buffer of its unit, so after the optimizer
-has updated this rank's chunk, one all-gather per unit (issued in pieces of at most
-`allgather_bucket_size` elements) writes every rank's updated chunk straight into the
-parameters: no copies, no temporary buffers (C2).
+has updated this rank's chunk, one all-gather per unit over the shard group (issued in
+pieces of at most `allgather_bucket_size` elements) writes every rank's updated chunk
+straight into the parameters: no copies, no temporary buffers (C2). With a shard group
+of one rank (stage 0) there is nothing to gather.
 """
 
 from __future__ import annotations
@@ -13,22 +14,25 @@ import torch
 from shardwise.accounting import MemoryLedger, tensor_bytes
 from shardwise.distributed.collectives import Communicator, PendingCollective
 from shardwise.zero.layout import FlatUnit
+from shardwise.zero.strategy import ParameterStrategy
 
 
-class ReplicatedParameters:
+class ReplicatedParameters(ParameterStrategy):
     def __init__(
         self,
         units: list[FlatUnit],
         dtype: torch.dtype,
         device: torch.device,
-        comm: Communicator,
+        shard: Communicator,
+        replicas: Communicator,
         ledger: MemoryLedger,
-        chunk: int,
         allgather_bucket_size: int,
     ):
+        """`shard`: the group the units are split over; `replicas`: every rank holding
+        the same parameters (initial weights and edits are broadcast over it)."""
         self.units = units
-        self.comm = comm
-        self.chunk = chunk
+        self.shard = shard
+        self.replicas = replicas
         self.allgather_bucket_size = allgather_bucket_size
         sizes = [unit.padded_numel for unit in units]
         self.flat = torch.zeros(sum(sizes), dtype=dtype, device=device)
@@ -44,27 +48,26 @@ class ReplicatedParameters:
 
     def owned_chunk(self, unit: FlatUnit) -> torch.Tensor:
         """This rank's chunk of `unit` (the whole unit when states are not partitioned)."""
-        lo, hi = unit.chunk_bounds(self.chunk)
+        lo, hi = unit.chunk_bounds(self.shard.rank)
         return self.unit_flats[unit.index][lo:hi]
 
-    def broadcast_from_rank0(self) -> None:
-        """Start every rank from rank 0's weights, as DDP does."""
-        self.comm.broadcast(self.flat, 0, "initial parameters")
+    def broadcast_initial(self) -> None:
+        """Start every replica from the first one's weights, as DDP does."""
+        self.replicas.broadcast(self.flat, 0, "initial parameters")
 
-    def after_step(self) -> None:
-        """All-gather every unit's updated chunks into the full parameters (stages 1-3;
-        stage 0 updated the full parameters already)."""
-        if self.chunk == 0 and self.units and self.units[0].num_chunks == 1:
+    def after_update(self) -> None:
+        """All-gather every unit's updated chunks into the full parameters."""
+        if self.shard.size == 1:
             return
         pending: list[PendingCollective] = []
-        world = self.comm.world_size
+        world = self.shard.size
+        piece = max(1, self.allgather_bucket_size // world)
         for unit in self.units:
             flat = self.unit_flats[unit.index]
             what = f"parameters of {unit}"
-            piece = max(1, self.allgather_bucket_size // world)
             if unit.chunk_numel <= piece:
-                lo, hi = unit.chunk_bounds(self.comm.rank)
-                pending.append(self.comm.all_gather(flat, flat[lo:hi], what))
+                lo, hi = unit.chunk_bounds(self.shard.rank)
+                pending.append(self.shard.all_gather(flat, flat[lo:hi], what))
                 continue
             for start in range(0, unit.chunk_numel, piece):
                 stop = min(start + piece, unit.chunk_numel)
@@ -72,6 +75,16 @@ class ReplicatedParameters:
                     flat[r * unit.chunk_numel + start : r * unit.chunk_numel + stop]
                     for r in range(world)
                 ]
-                pending.append(self.comm.all_gather_pieces(views, views[self.comm.rank], what))
+                pending.append(self.shard.all_gather_pieces(views, views[self.shard.rank], what))
         for handle in pending:
             handle.wait()
+
+    # -- gathered_parameters: values are always whole here --------------------------------
+    def acquire(self, units: list[FlatUnit]) -> None:
+        return
+
+    def release(self, units: list[FlatUnit]) -> None:
+        return
+
+    def broadcast_edits(self, unit: FlatUnit, source: int) -> None:
+        self.replicas.broadcast(self.unit_flats[unit.index], source, f"edited parameters of {unit}")

@@ -32,6 +32,7 @@ class ShardedParameters:
         comm: Communicator,
         ledger: MemoryLedger,
     ):
+        """`comm`: the shard group; chunk r of every unit lives on its rank r."""
         self.units = units
         self.dtype = dtype
         self.device = device

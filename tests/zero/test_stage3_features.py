@@ -235,7 +235,7 @@ def _swap_worker(rank: int, world_size: int) -> dict:
         x, y = global_batch(step, 2 * world_size)
         engine.backward(engine(x[2 * rank : 2 * rank + 2], y[2 * rank : 2 * rank + 2]))
         engine.step()
-        prefetched.append(engine.params.schedule.prefetched)
+        prefetched.append(engine.zero.params.schedule.prefetched)
     with shardwise.gathered_parameters(list(model.parameters())):
         return {"params": {n: p.detach().clone() for n, p in model.named_parameters()}, "prefetched": prefetched}
 

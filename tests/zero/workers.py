@@ -146,11 +146,11 @@ def train_parallel(rank: int, world_size: int, case: Case) -> dict:
 
 
 def _stage3_layout(engine) -> dict:
-    persistent = engine.params.replicated.units
+    persistent = engine.zero.params.replicated.units
     return {
         "persistent_padded": sum(unit.padded_numel for unit in persistent),
-        "partitioned_padded": sum(unit.padded_numel for unit in engine.params.sharded.units),
-        "peak_gathered": engine.params.sharded.peak_gathered_numel,
+        "partitioned_padded": sum(unit.padded_numel for unit in engine.zero.params.sharded.units),
+        "peak_gathered": engine.zero.params.sharded.peak_gathered_numel,
     }
 
 

@@ -1,5 +1,6 @@
-"""ZeRO-3 set-up: which parameters are partitioned, how units are formed, how a model too
-large for one rank is built already partitioned (C4).
+"""Parameters in stage 3 (C4): which are partitioned, how units are formed, how a model
+too large for one rank is built already partitioned, and the strategy interface the
+engine, checkpoints and `gathered_parameters` use.
 
 - Parameters smaller than `stage3_param_persistence_threshold` stay whole on every rank
   (gathering them would cost more latency than memory saved); they are trained like
@@ -26,8 +27,10 @@ from shardwise.accounting import MemoryLedger
 from shardwise.distributed.collectives import Communicator
 from shardwise.zero.gather_schedule import GatherSchedule
 from shardwise.zero.layout import FlatUnit, make_unit, pack_units
+from shardwise.zero.policy import ZeroPolicy
 from shardwise.zero.replicated_params import ReplicatedParameters
 from shardwise.zero.sharded_params import ShardedParameters
+from shardwise.zero.strategy import ParameterStrategy
 
 
 def _default_init(module: nn.Module) -> None:
@@ -39,21 +42,25 @@ def _default_init(module: nn.Module) -> None:
     module.reset_parameters()
 
 
-class Stage3Parameters:
+class PartitionedParameters(ParameterStrategy):
     def __init__(
         self,
         model: nn.Module,
         named: list[tuple[str, nn.Parameter, int]],
-        dtype: torch.dtype,
+        policy: ZeroPolicy,
         device: torch.device,
-        comm: Communicator,
+        shard: Communicator,
+        replicas: Communicator,
         ledger: MemoryLedger,
-        zero,
         align: int,
         param_init_fn: Callable[[nn.Module], None] | None = None,
     ):
-        world = comm.world_size
-        threshold = zero.stage3_param_persistence_threshold
+        """`shard`: the group each unit is split over; `replicas`: every rank holding the
+        same model (initial values are broadcast over it)."""
+        world = shard.size
+        dtype = policy.param_dtype
+        prefetch = policy.prefetch
+        threshold = prefetch.persistence_threshold
         persistent = [(n, p, g) for n, p, g in named if p.numel() < threshold]
         partitioned = {id(p): (n, p, g) for n, p, g in named if p.numel() >= threshold}
 
@@ -79,34 +86,76 @@ class Stage3Parameters:
             if units:
                 module_units[module] = units
 
-        self.sharded = ShardedParameters(self.module_units_list, dtype, device, comm, ledger)
-        _materialize_and_shard(model, self.sharded, unit_of, comm, device, param_init_fn or _default_init)
+        self.sharded = ShardedParameters(self.module_units_list, dtype, device, shard, ledger)
+        self.replicas = replicas
+        _materialize_and_shard(model, self.sharded, unit_of, replicas, device, param_init_fn or _default_init)
         persistent_units = pack_units(
-            reversed(persistent), zero.reduce_bucket_size, world, align,
+            reversed(persistent), policy.reduce_bucket_size, world, align,
             first_index=len(self.module_units_list),
         )
         self.replicated = ReplicatedParameters(
-            persistent_units, dtype, device, comm, ledger, comm.rank, zero.allgather_bucket_size
+            persistent_units, dtype, device, shard, replicas, ledger, policy.allgather_bucket_size
         )
-        self.replicated.broadcast_from_rank0()
+        self.replicated.broadcast_initial()
         self.units = self.module_units_list + persistent_units
         self.schedule = GatherSchedule(
-            model, module_units, self.sharded, comm,
-            zero.stage3_prefetch_bucket_size,
-            zero.stage3_max_live_parameters,
-            zero.stage3_max_reuse_distance,
+            model, module_units, self.sharded, shard,
+            prefetch.prefetch_bucket_size,
+            prefetch.max_live_parameters,
+            prefetch.max_reuse_distance,
         )
 
+    def _is_partitioned(self, unit: FlatUnit) -> bool:
+        return unit.index < len(self.module_units_list)
+
     def owned_chunk(self, unit: FlatUnit) -> torch.Tensor:
-        if unit.index < len(self.module_units_list):
+        if self._is_partitioned(unit):
             return self.sharded.owned_chunk(unit)
         return self.replicated.owned_chunk(unit)
 
-    def after_step(self) -> None:
-        self.replicated.after_step()
+    def after_update(self) -> None:
+        """Partitioned units are read from their shards at the next gather; only the
+        persistent ones are all-gathered now."""
+        self.replicated.after_update()
+
+    def connect(self, reducer) -> None:
+        """Backward frees a unit once its gradients are reduced, and points its `.grad`
+        straight at a reduce bucket just before the unit's backward runs."""
+        reducer.unit_ready_callbacks.append(self.schedule.on_grads_ready)
+        self.schedule.backward_use_callbacks.append(reducer.prepare_unit)
+
+    def end_backward(self) -> None:
+        self.schedule.end_backward()
+
+    def abort_pass(self) -> None:
+        self.schedule.abort()
+
+    def release_gathered(self) -> None:
+        for unit in self.sharded.units:
+            self.sharded.free(unit)
+
+    def acquire(self, units: list[FlatUnit]) -> None:
+        for unit in units:
+            if self._is_partitioned(unit):
+                self.sharded.acquire(unit)
+
+    def release(self, units: list[FlatUnit]) -> None:
+        for unit in units:
+            if self._is_partitioned(unit) and self.sharded.release_use(unit) == 0:
+                self.sharded.free(unit)
+
+    def broadcast_edits(self, unit: FlatUnit, source: int) -> None:
+        if not self._is_partitioned(unit):
+            self.replicated.broadcast_edits(unit, source)
+            return
+        self.replicas.broadcast(self.sharded.full_buffer(unit), source, f"edited parameters of {unit}")
+        self.sharded.take_shard_from_full(unit)
 
     def persistent_numel(self) -> int:
         return sum(unit.numel for unit in self.replicated.units)
+
+    def remove_hooks(self) -> None:
+        self.schedule.remove_hooks()
 
 
 def _materialize_and_shard(

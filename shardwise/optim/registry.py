@@ -1,0 +1,92 @@
+"""Optimizers by the names a DeepSpeed config uses, each with what the engine must know of it.
+
+An entry says how to build the optimizer over the rank's fp32 segments, how many fp32
+tensors of state it keeps per parameter (K = 4 x that, plus 4 for the master copy in
+16-bit training: SPEC §4), and how its state is saved and resharded (its codec). Adding
+an optimizer is one `register_optimizer` call in the module that implements it, not a
+branch in the engine.
+
+Torch is imported only when an optimizer is built, so the report and the planner, which
+need only K, stay free of it.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any, Callable
+
+from shardwise.optim.codec import ElementwiseCodec, StateCodec
+
+if TYPE_CHECKING:
+    import torch
+
+MASTER_WEIGHT_BYTES = 4
+# DeepSpeed's Adam keys that choose the torch class or are fixed by it (not constructor arguments).
+ADAM_SELECTOR_PARAMS = ("adam_w_mode", "torch_adam", "bias_correction")
+
+
+@dataclass(frozen=True)
+class OptimizerSpec:
+    name: str  # the config's `optimizer.type`
+    build: Callable[[list[dict[str, Any]], dict[str, Any]], "torch.optim.Optimizer"]
+    fp32_states: Callable[[dict[str, Any]], int]  # fp32 state tensors per parameter, given `params`
+    codec: StateCodec = field(default_factory=ElementwiseCodec)
+
+    def state_bytes_per_param(self, params: dict[str, Any], dtype: str) -> int:
+        """K: state bytes per parameter, with the fp32 master copy when training in 16 bits."""
+        master = 0 if dtype == "fp32" else MASTER_WEIGHT_BYTES
+        return 4 * self.fp32_states(params) + master
+
+
+_REGISTRY: dict[str, OptimizerSpec] = {}
+
+
+def register_optimizer(spec: OptimizerSpec) -> None:
+    if spec.name in _REGISTRY:
+        raise ValueError(f"optimizer {spec.name!r} is registered twice")
+    _REGISTRY[spec.name] = spec
+
+
+def optimizer_spec(name: str) -> OptimizerSpec:
+    if name not in _REGISTRY:
+        raise ValueError(f"no optimizer {name!r}; registered: {', '.join(sorted(_REGISTRY))}")
+    return _REGISTRY[name]
+
+
+def registered_optimizers() -> list[str]:
+    return sorted(_REGISTRY)
+
+
+# -- torch's own optimizers, as DeepSpeed configs name them --------------------------------
+def torch_class_name(type_name: str, params: dict[str, Any]) -> str:
+    """The `torch.optim` class a config optimizer means: DeepSpeed's "Adam" decouples
+    weight decay (AdamW) unless `adam_w_mode` is false."""
+    if type_name == "SGD":
+        return "SGD"
+    return "AdamW" if params.get("adam_w_mode", True) else "Adam"
+
+
+def constructor_kwargs(params: dict[str, Any]) -> dict[str, Any]:
+    """`params` minus the keys that select the class rather than configure it."""
+    kwargs = {key: value for key, value in params.items() if key not in ADAM_SELECTOR_PARAMS}
+    if "betas" in kwargs:
+        kwargs["betas"] = tuple(kwargs["betas"])
+    return kwargs
+
+
+def _build_torch(type_name: str) -> Callable[[list[dict[str, Any]], dict[str, Any]], "torch.optim.Optimizer"]:
+    """torch's fused kernel exists on CPU and CUDA for all three."""
+
+    def build(groups: list[dict[str, Any]], params: dict[str, Any]) -> "torch.optim.Optimizer":
+        import torch
+
+        cls = getattr(torch.optim, torch_class_name(type_name, params))
+        return cls(groups, fused=True, **constructor_kwargs(params))
+
+    return build
+
+
+register_optimizer(OptimizerSpec("Adam", _build_torch("Adam"), fp32_states=lambda params: 2))
+register_optimizer(OptimizerSpec("AdamW", _build_torch("AdamW"), fp32_states=lambda params: 2))
+# torch's SGD allocates a momentum buffer only when momentum is on
+register_optimizer(OptimizerSpec("SGD", _build_torch("SGD"), fp32_states=lambda params: int(params.get("momentum", 0) > 0)))

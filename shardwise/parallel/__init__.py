@@ -1,0 +1,1 @@
+"""Model transformations applied before ZeRO takes over the parameters (apply.py)."""

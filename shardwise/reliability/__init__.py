@@ -1,0 +1,1 @@
+"""Guarantees against silent wrong results: the per-step check (step_guard.py)."""

@@ -1,0 +1,111 @@
+"""`apply_zero`: the last step of the apply stage, which takes over a model's parameters.
+
+It builds, in order: the layout (units over the shard group), the parameter strategy
+(whole parameters, or 1/N partitioned and gathered on use), the shard store (masters and
+gradient buffers), the gradient reducer (hooks that reduce during backward) and the
+sharded optimizer. The result, `ZeroState`, is what the engine drives and what checkpoints
+and `gathered_parameters` read through its small protocol: owned ranges in global
+coordinates, the optimizer state codec, release of gathered parameters, refresh from
+masters.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Callable
+
+import torch
+from torch import nn
+
+from shardwise.accounting import MemoryLedger
+from shardwise.distributed.collectives import Communicator
+from shardwise.optim.codec import StateCodec
+from shardwise.zero.gradients import GradientReducer
+from shardwise.zero.layout import FlatUnit, align_elements, pack_units
+from shardwise.zero.partitioned_params import PartitionedParameters
+from shardwise.zero.policy import ZeroPolicy
+from shardwise.zero.replicated_params import ReplicatedParameters
+from shardwise.zero.shard_store import DeviceShardStore
+from shardwise.zero.shard_view import OwnedRange, owned_ranges
+from shardwise.zero.sharded_optimizer import ShardedOptimizer
+from shardwise.zero.strategy import ParameterStrategy
+
+
+@dataclass(frozen=True)
+class ZeroGroups:
+    """The communicators ZeRO uses, by purpose (distributed/mesh.py)."""
+
+    shard: Communicator  # model states are partitioned over it
+    replicate: Communicator  # holds identical shards; gradients all-reduced over it
+    replicas: Communicator  # every rank with the same model: initial values broadcast over it
+
+
+@dataclass
+class ZeroState:
+    policy: ZeroPolicy
+    groups: ZeroGroups
+    params: ParameterStrategy
+    store: DeviceShardStore
+    reducer: GradientReducer
+    optimizer: ShardedOptimizer
+
+    @property
+    def units(self) -> list[FlatUnit]:
+        return self.params.units
+
+    # -- the protocol checkpoints and gathered_parameters use ------------------------------
+    def owned_ranges(self) -> list[OwnedRange]:
+        """Every trained element this rank owns, by parameter name and global range."""
+        return owned_ranges(self.units, self.store, self.groups.shard.rank, self.groups.shard.handle)
+
+    @property
+    def writes_model(self) -> bool:
+        """One rank per set of replicas saves model and optimizer data (the first)."""
+        return self.groups.replicate.rank == 0
+
+    @property
+    def codec(self) -> StateCodec:
+        return self.optimizer.codec
+
+    def release_gathered(self) -> None:
+        self.params.release_gathered()
+
+    def refresh_from_masters(self) -> None:
+        """Masters were rewritten (a checkpoint load): make parameters match, as after a step."""
+        self.store.publish()
+        self.params.after_update()
+        self.reducer.zero_grads()
+
+
+def apply_zero(
+    model: nn.Module,
+    named: list[tuple[str, nn.Parameter, int]],
+    policy: ZeroPolicy,
+    groups: ZeroGroups,
+    ledger: MemoryLedger,
+    device: torch.device,
+    make_optimizer: Callable[[list[list[torch.Tensor]]], torch.optim.Optimizer],
+    codec: StateCodec | None = None,
+    param_init_fn: Callable[[nn.Module], None] | None = None,
+) -> ZeroState:
+    """Partition `named` (name, parameter, param group) of `model` as `policy` says."""
+    align = align_elements(policy.param_dtype)
+    params: ParameterStrategy
+    if policy.partitions_parameters:
+        params = PartitionedParameters(
+            model, named, policy, device, groups.shard, groups.replicas, ledger, align, param_init_fn
+        )
+    else:
+        units = pack_units(reversed(named), policy.reduce_bucket_size, groups.shard.size, align)
+        params = ReplicatedParameters(
+            units, policy.param_dtype, device, groups.shard, groups.replicas, ledger, policy.allgather_bucket_size
+        )
+        params.broadcast_initial()
+    store = DeviceShardStore(
+        params.units, groups.shard.rank, params, policy.param_dtype, policy.keeps_full_gradients,
+        policy.sub_group_size, ledger,
+    )
+    reducer = GradientReducer(params.units, policy, store, groups.shard, groups.replicate, ledger, device)
+    params.connect(reducer)
+    optimizer = ShardedOptimizer(store, ledger, make_optimizer, codec)
+    return ZeroState(policy, groups, params, store, reducer, optimizer)

@@ -1,0 +1,81 @@
+"""ZeRO's settings as small policy objects (as FSDP2 passes `MixedPrecisionPolicy`), built
+once from the config, instead of a long argument list threaded through every class.
+
+The stage number is read in exactly one place, here: every part of the engine asks the
+policy the question it cares about (are parameters partitioned? does the gradient buffer
+hold the full model?) rather than comparing stage numbers.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from shardwise.config import ShardwiseConfig
+
+DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+
+
+@dataclass(frozen=True)
+class PrefetchPolicy:
+    """Stage 3: what is gathered ahead of use, and what is never partitioned."""
+
+    prefetch_bucket_size: int
+    max_live_parameters: int
+    max_reuse_distance: int
+    persistence_threshold: int
+
+
+@dataclass(frozen=True)
+class ZeroPolicy:
+    stage: int
+    param_dtype: torch.dtype  # compute dtype of parameters and gradients
+    reduce_dtype: torch.dtype  # dtype gradients are communicated in
+    reduce_bucket_size: int
+    allgather_bucket_size: int
+    overlap_comm: bool
+    reduce_scatter: bool
+    sub_group_size: int
+    prefetch: PrefetchPolicy
+
+    @classmethod
+    def from_config(cls, config: ShardwiseConfig) -> "ZeroPolicy":
+        zero = config.zero_optimization
+        dtype = compute_dtype(config)
+        reduce_dtype = DTYPES[config.communication_data_type] if config.communication_data_type else dtype
+        return cls(
+            stage=zero.stage,
+            param_dtype=dtype,
+            reduce_dtype=reduce_dtype,
+            reduce_bucket_size=zero.reduce_bucket_size,
+            allgather_bucket_size=zero.allgather_bucket_size,
+            overlap_comm=bool(zero.overlap_comm),
+            reduce_scatter=zero.reduce_scatter,
+            sub_group_size=zero.sub_group_size,
+            prefetch=PrefetchPolicy(
+                zero.stage3_prefetch_bucket_size,
+                zero.stage3_max_live_parameters,
+                zero.stage3_max_reuse_distance,
+                zero.stage3_param_persistence_threshold,
+            ),
+        )
+
+    @property
+    def partitions_parameters(self) -> bool:
+        """Stage 3: each rank stores 1/N of the 16-bit parameters and gathers on use."""
+        return self.stage == 3
+
+    @property
+    def keeps_full_gradients(self) -> bool:
+        """Stages 0-1 accumulate the whole model's gradient and reduce at the boundary;
+        stages 2-3 keep only their partition, so they reduce every micro-batch."""
+        return self.stage <= 1
+
+
+def compute_dtype(config: ShardwiseConfig) -> torch.dtype:
+    if config.bf16.enabled:
+        return torch.bfloat16
+    if config.fp16.enabled:
+        return torch.float16
+    return torch.float32

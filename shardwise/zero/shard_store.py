@@ -1,0 +1,153 @@
+"""Where this rank's share of the training state lives: one owner for the fp32 masters, the
+gradient buffers the reducer fills, and the sub-groups the optimizer steps through.
+
+Before this existed, masters, gradient shards, parameter shards and optimizer state
+belonged to four objects and nothing knew which memory they sat in. A store has one
+*tier* (where its bytes live) and one interface, so ZeRO-Offload (host memory) and
+ZeRO-Infinity (NVMe files) are further stores, not further branches in the engine:
+
+    master(unit)          fp32 values of this rank's chunk of `unit` (the optimizer trains them)
+    gradient(unit)        the reduced gradient of that chunk, in the gradient dtype
+    full_gradient(unit)   stages 0-1: the whole unit's accumulation buffer (None otherwise)
+    sub_groups            segments in pieces of about `sub_group_size` elements
+    resident(sub_group)   the sub-group's masters and optimizer state are in memory for the
+                          duration of the block (a paging tier reads them in and writes back)
+    publish(strategy)     copy updated masters into the parameters' owned chunks
+
+This is the device tier: everything in the memory of the training device, no paging.
+Mixed precision keeps a separate fp32 master copy; fp32 training trains the parameters'
+own chunks in place (K = 8 instead of 12, SPEC §4).
+"""
+
+from __future__ import annotations
+
+from contextlib import contextmanager
+from dataclasses import dataclass
+from typing import Iterator
+
+import torch
+
+from shardwise.accounting import MemoryLedger, tensor_bytes
+from shardwise.zero.layout import FlatUnit
+from shardwise.zero.strategy import ParameterStrategy
+
+
+@dataclass(frozen=True)
+class SegmentState:
+    """A run of this rank's chunk of one unit that belongs to one optimizer param group."""
+
+    unit: int  # FlatUnit.index
+    start: int  # [start, stop) inside this rank's chunk of the unit
+    stop: int
+    group: int
+    master: torch.Tensor  # fp32, trained by the optimizer
+    grad: torch.Tensor  # reduced gradient in the gradient dtype (a view, never copied here)
+
+    @property
+    def numel(self) -> int:
+        return self.stop - self.start
+
+
+class DeviceShardStore:
+    tier = "device"
+
+    def __init__(
+        self,
+        units: list[FlatUnit],
+        chunk: int,
+        strategy: ParameterStrategy,
+        grad_dtype: torch.dtype,
+        keeps_full_gradients: bool,
+        sub_group_size: int,
+        ledger: MemoryLedger,
+    ):
+        """`chunk`: which chunk of every unit this rank owns (its shard-group rank)."""
+        self.units = units
+        self.chunk = chunk
+        self.ledger = ledger
+        param_chunks = [strategy.owned_chunk(unit) for unit in units]
+        device = param_chunks[0].device
+        self.separate_master = param_chunks[0].dtype != torch.float32
+        if self.separate_master:
+            sizes = [piece.numel() for piece in param_chunks]
+            self.master_flat = torch.empty(sum(sizes), dtype=torch.float32, device=device)
+            self._masters = list(torch.split(self.master_flat, sizes))
+            for master, param in zip(self._masters, param_chunks):
+                master.copy_(param)
+        else:
+            self.master_flat = None
+            self._masters = param_chunks
+        self._param_chunks = param_chunks
+
+        self.keeps_full_gradients = keeps_full_gradients
+        sizes = [unit.padded_numel if keeps_full_gradients else unit.chunk_numel for unit in units]
+        self.grad_flat = torch.zeros(sum(sizes), dtype=grad_dtype, device=device)
+        ledger.hold("grads", tensor_bytes(self.grad_flat))
+        self._unit_grads = list(torch.split(self.grad_flat, sizes))
+        if keeps_full_gradients:
+            self._grads = [grads[slice(*unit.chunk_bounds(chunk))] for unit, grads in zip(units, self._unit_grads)]
+        else:
+            self._grads = self._unit_grads
+        self._position = {unit.index: position for position, unit in enumerate(units)}
+
+        self.segments = [
+            SegmentState(unit.index, segment.start, segment.stop, segment.group,
+                         master[segment.start : segment.stop], grad[segment.start : segment.stop])
+            for unit, master, grad in zip(units, self._masters, self._grads)
+            for segment in unit.segments(chunk)
+        ]
+        self.sub_groups = _split_sub_groups(self.segments, sub_group_size)
+
+    # -- what the reducer, optimizer and checkpoints read ------------------------------------
+    def master(self, unit: FlatUnit) -> torch.Tensor:
+        return self._masters[self._position[unit.index]]
+
+    def gradient(self, unit: FlatUnit) -> torch.Tensor:
+        return self._grads[self._position[unit.index]]
+
+    def full_gradient(self, unit: FlatUnit) -> torch.Tensor | None:
+        return self._unit_grads[self._position[unit.index]] if self.keeps_full_gradients else None
+
+    def gradients(self) -> list[torch.Tensor]:
+        """This rank's reduced gradient chunks, one per unit."""
+        return self._grads
+
+    def zero_partition_gradients(self) -> None:
+        """Stages 2-3: start a new accumulation window (stages 0-1 manage their buffer)."""
+        if not self.keeps_full_gradients:
+            self.grad_flat.zero_()
+
+    @contextmanager
+    def resident(self, sub_group: list[SegmentState]) -> Iterator[list[SegmentState]]:
+        """The device tier holds everything in memory already."""
+        yield sub_group
+
+    # -- masters <-> parameters -----------------------------------------------------------------
+    def publish(self) -> None:
+        """Updated masters become the owned chunks of the parameters (16-bit copies)."""
+        if self.separate_master:
+            for param, master in zip(self._param_chunks, self._masters):
+                param.copy_(master)
+
+    def refresh_master(self, unit: FlatUnit) -> None:
+        """The parameter chunk of `unit` was edited (gathered_parameters, a checkpoint load
+        of 16-bit values): take the master from it."""
+        if self.separate_master:
+            position = self._position[unit.index]
+            self._masters[position].copy_(self._param_chunks[position])
+
+    def master_bytes(self) -> int:
+        """Bytes of the separate fp32 copy (0 when the parameters are trained in place)."""
+        return tensor_bytes(self.master_flat) if self.master_flat is not None else 0
+
+
+def _split_sub_groups(segments: list[SegmentState], sub_group_size: int) -> list[list[SegmentState]]:
+    groups: list[list[SegmentState]] = [[]]
+    numel = 0
+    for segment in segments:
+        if groups[-1] and numel + segment.numel > sub_group_size:
+            groups.append([])
+            numel = 0
+        groups[-1].append(segment)
+        numel += segment.numel
+    return groups
