@@ -14,6 +14,7 @@ parameter strategy, the shard store, the gradient reducer and the sharded optimi
 
 from __future__ import annotations
 
+import logging
 import os
 import weakref
 from typing import Any, Callable
@@ -35,6 +36,8 @@ from shardwise.reliability.step_guard import StepGuard
 from shardwise.zero.apply import ZeroGroups, apply_zero
 from shardwise.zero.policy import ZeroPolicy
 from shardwise.zero.trainable import trainable_parameters
+
+log = logging.getLogger("shardwise")
 
 
 class Engine:
@@ -113,7 +116,6 @@ class Engine:
         self.loss_scaler = _make_loss_scaler(cfg)
         self.guard = StepGuard(self.comm, groups.replicate.size, cfg.max_consecutive_skipped_steps)
         self._backward_pending = False  # backward() ran and step() has not yet
-        self._window_broken = False  # a backward raised mid-window: its update is dropped
         self._destroyed = False
         self.comm_stats.volume.clear()
 
@@ -159,19 +161,26 @@ class Engine:
 
     def _abort_backward(self) -> None:
         """A backward raised (on every rank alike, or the step check will say otherwise):
-        finish its collectives, drop its gradients. If it was the window's first
-        micro-batch, training continues exactly as if the batch had never been seen;
-        otherwise the window's earlier gradients are mixed with partial ones, so the
-        window's update is dropped at its boundary."""
+        finish its collectives and drop its gradients. If it was the first micro-batch of
+        an accumulation window, training continues exactly as if the batch had never been
+        seen. Later in a window, the earlier micro-batches' gradients are mixed with
+        partial ones, so the whole window is dropped and the next micro-batch starts a new
+        one (counted in `skipped_steps`, and logged)."""
         self.guard.note_failed_pass()
         try:
             self.zero.reducer.abort_backward()
         finally:
             self.zero.params.abort_pass()
-            first_in_window = self.micro_steps % self.gradient_accumulation_steps == 0
-            self._window_broken = self._window_broken or not first_in_window
             self.zero.reducer.discard_window()
             self.guard.forget_window()
+            into_window = self.micro_steps % self.gradient_accumulation_steps
+            if into_window:
+                self.micro_steps -= into_window
+                self.skipped_steps += 1
+                if self.rank == 0:
+                    log.warning("shardwise: backward raised in micro-batch %d of an accumulation window; "
+                                "the window's %d earlier micro-batch(es) are dropped with it",
+                                into_window + 1, into_window)
 
     def step(self) -> None:
         """Apply the update at an accumulation boundary; otherwise only count the micro-step."""
@@ -190,7 +199,7 @@ class Engine:
         verdict = self.guard.check(self.optimizer.local_grad_norm_squared(), self.loss_scaler, self.global_steps)
         self.last_grad_norm = verdict.norm
         self.loss_scaler.update(not verdict.apply)
-        if verdict.apply and not self._window_broken:
+        if verdict.apply:
             clip = 1.0
             max_norm = self.config.gradient_clipping
             if max_norm > 0:
@@ -201,7 +210,6 @@ class Engine:
                 self.lr_scheduler.step()
         else:
             self.skipped_steps += 1
-        self._window_broken = False
         self.zero.reducer.zero_grads()
         self.global_steps += 1
 

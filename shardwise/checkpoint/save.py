@@ -60,7 +60,7 @@ def save_checkpoint(
         check_json(client_state)
         if engine.rank == 0:
             root.mkdir(parents=True, exist_ok=True)
-            shutil.rmtree(staging, ignore_errors=True)  # left by a save that was killed
+            _remove_leftovers(root)
             staging.mkdir()
 
     def finish() -> None:
@@ -73,6 +73,14 @@ def save_checkpoint(
     _together(engine, lambda: _write_rank_files(engine, staging), "writing its checkpoint files")
     _together(engine, finish, "publishing the checkpoint")
     return tag
+
+
+def _remove_leftovers(root: Path) -> None:
+    """Partial directories of saves that were killed or failed, whatever their tag: they
+    are never loadable (no manifest, never renamed), only taking disk space."""
+    for entry in root.glob(".*.partial"):
+        if entry.is_dir():
+            shutil.rmtree(entry, ignore_errors=True)
 
 
 def _together(engine: Any, step: Callable[[], None], what: str) -> None:

@@ -161,10 +161,17 @@ class ParallelMesh:
                              f"but the job has {dist.get_world_size()}")
         from torch.distributed.device_mesh import init_device_mesh
 
-        self.device_mesh = init_device_mesh(device.type, sizes.shape, mesh_dim_names=DIMENSIONS)
+        options = _group_options(device, timeout)
+        self.device_mesh = init_device_mesh(
+            device.type, sizes.shape, mesh_dim_names=DIMENSIONS,
+            backend_override=dict.fromkeys(DIMENSIONS, options),
+        )
         self.handles = {}
         for purpose, dims in PURPOSES.items():
-            submesh = self.device_mesh[dims] if len(dims) == 1 else self.device_mesh[dims]._flatten(purpose)
+            if len(dims) == 1:
+                submesh = self.device_mesh[dims]
+            else:
+                submesh = self.device_mesh[dims]._flatten(purpose, backend_override=options)
             ranks = tuple(sizes.group_of(purpose, rank))
             control = _control_group(sizes.groups(purpose), rank, timeout) if len(ranks) > 1 else None
             self.handles[purpose] = GroupHandle(purpose, ranks, ranks.index(rank), submesh.get_group(), control)
@@ -183,6 +190,18 @@ class ParallelMesh:
 
     def describe(self) -> str:
         return self.sizes.describe()
+
+
+def _group_options(device: torch.device, timeout: datetime.timedelta) -> tuple[str, object]:
+    """The mesh's groups get the collective timeout too (torch's default is 30 minutes)."""
+    if device.type == "cuda":
+        options = dist.ProcessGroupNCCL.Options()
+        backend = "nccl"
+    else:
+        options = dist.ProcessGroupGloo._Options()
+        backend = "gloo"
+    options._timeout = timeout
+    return backend, options
 
 
 def _control_group(groups: list[list[int]], rank: int, timeout: datetime.timedelta) -> dist.ProcessGroup:

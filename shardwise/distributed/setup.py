@@ -56,9 +56,9 @@ def collective_timeout() -> datetime.timedelta:
 
 def call_check_timeout(timeout: datetime.timedelta) -> datetime.timedelta:
     """How long a collective API call (save_checkpoint, load_checkpoint) waits for every
-    rank to enter it before saying some rank did not: well below the collective timeout,
-    since ranks reach such calls within a step of each other."""
-    return min(timeout, datetime.timedelta(seconds=CALL_CHECK_SECONDS))
+    rank to enter it before saying some rank did not: a fifth of the collective timeout,
+    at most two minutes, since ranks reach such calls within a step of each other."""
+    return min(timeout / 5, datetime.timedelta(seconds=CALL_CHECK_SECONDS))
 
 
 def world_handle(context: DistributedContext) -> GroupHandle:

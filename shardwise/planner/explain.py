@@ -3,8 +3,6 @@ numbers substituted, then the result, so a reader can check the recommendation b
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
-
 from shardwise.planner.formulas import (
     GB,
     LOGITS_BYTES,
@@ -16,9 +14,7 @@ from shardwise.planner.formulas import (
     layer_activation_coefficients,
     model_state_terms,
 )
-
-if TYPE_CHECKING:
-    from shardwise.planner.recommend import Estimate, OptionEstimate
+from shardwise.planner.results import Estimate, OptionEstimate
 
 DEVICE_NAMES: dict[Device, str] = {"gpu": "GPU", "cpu": "CPU", "nvme": "NVMe"}
 CAPACITY_FLAGS: dict[Device, str] = {"gpu": "--gpu-memory", "cpu": "--cpu-memory", "nvme": "--nvme"}

@@ -69,6 +69,7 @@ class StepGuard:
     def forget_window(self) -> None:
         """The window's gradients were discarded (a backward raised): so is what we noted."""
         self.loss_nonfinite = torch.zeros((), dtype=torch.bool)
+        self.micro_batches = 0
 
     # -- the check ---------------------------------------------------------------------------
     def check(self, norm_squared: torch.Tensor, scaler: LossScaler, step: int) -> StepVerdict:

@@ -9,20 +9,26 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from shardwise.planner.formulas import element_bytes, model_state_bytes, optimizer_state_bytes_for
+from shardwise.optim.registry import optimizer_spec, registered_optimizers
+from shardwise.planner import comm_formulas
+from shardwise.planner.comm_formulas import COLLECTIVES, ring_share
+from shardwise.planner.formulas import element_bytes, model_state_bytes
 
-COLLECTIVES = ("all_reduce", "all_gather", "reduce_scatter")
+__all__ = [  # COLLECTIVES and ring_share are re-exported for the report
+    "COLLECTIVES", "MODEL_STATES", "RunShape", "comm_expressions", "expected_comm", "expected_comm_by_group",
+    "expected_memory", "memory_expressions", "optimizer_state_bytes", "ring_share",
+]
 MODEL_STATES = ("params", "grads", "optimizer_states")
-# Optimizer types of the config, by the planner's name for their state layout.
-PLANNER_OPTIMIZER = {"Adam": "adam", "AdamW": "adam", "SGD": "sgd"}
 
 
 @dataclass(frozen=True)
 class RunShape:
-    """The quantities the formulas need. `dtype` is the compute dtype of parameters and
-    gradients; `comm_dtype` the dtype gradients are reduced in; `persistent_params` the
-    stage-3 parameters kept whole on every rank; `optimizer_state_bytes` is K;
-    `accumulation_steps` the micro-batches per optimizer step."""
+    """The quantities the formulas need. `world_size` is the data-parallel size N;
+    `shard_size` the ranks ZeRO shards over (None: N, as without hybrid sharding);
+    `dtype` is the compute dtype of parameters and gradients; `comm_dtype` the dtype
+    gradients are reduced in; `persistent_params` the stage-3 parameters kept whole on
+    every rank; `optimizer_state_bytes` is K; `accumulation_steps` the micro-batches per
+    optimizer step."""
 
     num_params: int
     world_size: int
@@ -32,24 +38,36 @@ class RunShape:
     optimizer_state_bytes: int
     persistent_params: int = 0
     accumulation_steps: int = 1
+    shard_size: int | None = None
+
+    @property
+    def shard(self) -> int:
+        """S: 1 at stage 0 (nothing is partitioned), else the shard group's size."""
+        if self.stage == 0:
+            return 1
+        return self.world_size if self.shard_size is None else self.shard_size
+
+    def comm_shape(self) -> comm_formulas.CommShape:
+        return comm_formulas.CommShape(
+            self.num_params, self.stage, self.shard, self.world_size // self.shard,
+            element_bytes(self.comm_dtype), element_bytes(self.dtype),
+            self.accumulation_steps, self.persistent_params if self.stage == 3 else 0,
+        )
 
 
 def optimizer_state_bytes(optimizer_type: str, dtype: str, momentum: float = 0.0) -> int:
-    """K for a config optimizer: Adam's 8 (+4 master when 16-bit); SGD keeps a momentum
-    buffer only when momentum is on."""
-    if optimizer_type not in PLANNER_OPTIMIZER:
-        raise ValueError(f"no state formula for optimizer {optimizer_type!r}; known: {sorted(PLANNER_OPTIMIZER)}")
-    k = optimizer_state_bytes_for(PLANNER_OPTIMIZER[optimizer_type], dtype)
-    if optimizer_type == "SGD" and momentum == 0.0:
-        k -= 4  # torch's SGD allocates no momentum buffer
-    return k
+    """K for a config optimizer, from its registry entry (Adam's 8, +4 master when 16-bit;
+    SGD keeps a momentum buffer only when momentum is on)."""
+    if optimizer_type not in registered_optimizers():
+        raise ValueError(f"no state formula for optimizer {optimizer_type!r}; known: {registered_optimizers()}")
+    return optimizer_spec(optimizer_type).state_bytes_per_param({"momentum": momentum}, dtype)
 
 
 def expected_memory(shape: RunShape) -> dict[str, int]:
-    """Model-state bytes per rank by category (SPEC §4 table)."""
+    """Model-state bytes per rank by category (SPEC §4 table, N = the shard group's size)."""
     return model_state_bytes(
         shape.num_params,
-        shape.world_size,
+        shape.shard if shape.stage > 0 else shape.world_size,
         shape.stage,
         shape.dtype,
         shape.optimizer_state_bytes,
@@ -57,38 +75,13 @@ def expected_memory(shape: RunShape) -> dict[str, int]:
     )
 
 
-def ring_share(num_elements: int, bytes_per_element: int, world_size: int) -> int:
-    """Bytes one rank sends to all-gather or reduce-scatter `num_elements` in a ring."""
-    return num_elements * bytes_per_element * (world_size - 1) // world_size
-
-
 def expected_comm(shape: RunShape) -> dict[str, int]:
-    """Collective bytes per rank per optimizer step (SPEC §4).
+    """Collective bytes per rank per optimizer step (SPEC §4, planner/comm_formulas.py)."""
+    return comm_formulas.comm_bytes(shape.comm_shape())
 
-    Stage 0 all-reduces gradients (2Ψb(N−1)/N); stages 1-2 reduce-scatter them and
-    all-gather the updated parameters (Ψb(N−1)/N each); stage 3 gathers each parameter in
-    forward and again in backward, except persistent ones, which are gathered once after
-    the update like stage 2. Gradients travel in `comm_dtype`, parameters in `dtype`.
-    With accumulation, stages 0-1 reduce once at the boundary, while stages 2-3 hold only
-    a gradient partition and so reduce-scatter every micro-batch, and stage 3 gathers
-    every micro-batch.
-    """
-    psi, n, micro = shape.num_params, shape.world_size, shape.accumulation_steps
-    grad_bytes, param_bytes = element_bytes(shape.comm_dtype), element_bytes(shape.dtype)
-    volume = dict.fromkeys(COLLECTIVES, 0)
-    if shape.stage == 0:
-        volume["all_reduce"] = 2 * ring_share(psi, grad_bytes, n)
-        return volume
-    reductions = 1 if shape.stage == 1 else micro
-    volume["reduce_scatter"] = reductions * ring_share(psi, grad_bytes, n)
-    if shape.stage < 3:
-        volume["all_gather"] = ring_share(psi, param_bytes, n)
-        return volume
-    persistent = shape.persistent_params
-    volume["all_gather"] = micro * 2 * ring_share(psi - persistent, param_bytes, n) + ring_share(
-        persistent, param_bytes, n
-    )
-    return volume
+
+def expected_comm_by_group(shape: RunShape) -> dict[str, dict[str, int]]:
+    return comm_formulas.comm_bytes_by_group(shape.comm_shape())
 
 
 def memory_expressions(shape: RunShape) -> dict[str, str]:
@@ -107,13 +100,4 @@ def memory_expressions(shape: RunShape) -> dict[str, str]:
 def comm_expressions(shape: RunShape) -> dict[str, str]:
     """The §4 term behind each collective's bytes per step ("" where nothing is sent);
     A is the number of micro-batches per step."""
-    g, p = element_bytes(shape.comm_dtype), element_bytes(shape.dtype)
-    ring = "(N−1)/N"
-    if shape.stage == 0:
-        return {"all_reduce": f"2·{g}Ψ{ring}", "all_gather": "", "reduce_scatter": ""}
-    per_micro = "A·" if shape.accumulation_steps > 1 else ""
-    reduce = f"{per_micro if shape.stage >= 2 else ''}{g}Ψ{ring}"
-    gather = f"{p}Ψ{ring}"
-    if shape.stage == 3:
-        gather = f"({per_micro}2(Ψ−P) + P)·{p}{ring}" if shape.persistent_params else f"{per_micro}2·{p}Ψ{ring}"
-    return {"all_reduce": "", "all_gather": gather, "reduce_scatter": reduce}
+    return comm_formulas.comm_expressions(shape.comm_shape())

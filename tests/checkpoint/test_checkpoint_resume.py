@@ -12,6 +12,7 @@ from tests.zero.workers import Case, relative_error, train_reference
 TOLERANCE = {"fp32": 1e-5, "bf16": 2e-2}
 LR = {"fp32": 1e-2, "bf16": 1e-3}
 ROWS = 8
+HYBRID = {"zero_optimization": {"mics_shard_size": 2}}
 WARMUP = {"scheduler": {"type": "WarmupLR", "params": {"warmup_num_steps": 10, "warmup_type": "linear"}}}
 
 
@@ -52,8 +53,12 @@ def test_resume_at_same_layout_is_bit_identical(stage, dtype, tmp_path):
         ("fp32", (1, 1, {}), (2, 2, {})),
         ("fp32", (2, 0, {}), (2, 3, PARTITION_EVERYTHING)),
         ("bf16", (4, 3, PARTITION_EVERYTHING), (2, 1, {})),
+        ("fp32", (4, 3, {"zero_optimization": {"stage3_param_persistence_threshold": 0, "mics_shard_size": 2}}),
+         (2, 3, PARTITION_EVERYTHING)),
+        ("fp32", (4, 1, HYBRID), (2, 2, {})),
     ],
-    ids=["2r-s2-to-4r-s3", "4r-s3-to-1r-s0", "1r-s1-to-2r-s2", "2r-s0-to-2r-s3", "bf16-4r-s3-to-2r-s1"],
+    ids=["2r-s2-to-4r-s3", "4r-s3-to-1r-s0", "1r-s1-to-2r-s2", "2r-s0-to-2r-s3", "bf16-4r-s3-to-2r-s1",
+         "hybrid-4r-s3-to-2r-s3", "hybrid-4r-s1-to-2r-s2"],
 )
 def test_resume_at_another_world_size_and_stage(dtype, before, after, tmp_path):
     (world_before, stage_before, extra_before), (world_after, stage_after, extra_after) = before, after

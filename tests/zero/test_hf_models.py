@@ -4,9 +4,7 @@ parameters without gradients, weights read outside forward."""
 from functools import lru_cache
 
 import pytest
-import torch
 
-import shardwise
 from shardwise.testing import run_distributed
 from tests.zero.workers import Case, assert_matches_reference, train_parallel, train_reference
 

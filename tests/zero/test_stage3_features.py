@@ -14,7 +14,7 @@ from torch import nn
 import shardwise
 from shardwise.models import GPT, GPTConfig
 from shardwise.testing import DistributedTestError, run_distributed
-from tests.zero.workers import VOCAB, SEQ_LEN, build_model, global_batch, relative_error
+from tests.zero.workers import VOCAB, build_model, global_batch, relative_error
 
 M_MMAP_THRESHOLD = -3  # mallopt parameter number in glibc
 STAGE3 = {"stage": 3, "stage3_param_persistence_threshold": 0, "reduce_bucket_size": 3000}

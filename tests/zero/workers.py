@@ -127,6 +127,7 @@ def train_parallel(rank: int, world_size: int, case: Case) -> dict:
             step_loss += loss.detach().float().cpu()
         losses.append(step_loss / case.accumulation)
     comm = engine.comm_volume()
+    comm_by_group = engine.comm_volume(per_group=True)
     layout = _stage3_layout(engine) if engine.stage == 3 else {}
     losses = engine.comm.control_all_reduce(torch.stack(losses), "test losses")
     with shardwise.gathered_parameters(list(model.parameters())):
@@ -136,6 +137,7 @@ def train_parallel(rank: int, world_size: int, case: Case) -> dict:
         "params": params,
         "memory": engine.memory_breakdown(),
         "comm": comm,
+        "comm_by_group": comm_by_group,
         "numel": engine.num_parameters(),
         "padding": engine.padding_elements(),
         "tied": _has_tied_embeddings(model),
