@@ -113,7 +113,7 @@ class Engine:
         self.skipped_steps = 0
         self.last_grad_norm: float | None = None
         self.lr_scheduler = _make_scheduler(lr_scheduler, cfg, self.optimizer.optimizer)
-        self.loss_scaler = _make_loss_scaler(cfg)
+        self.loss_scaler = LossScaler.from_config(cfg.fp16)
         self.guard = StepGuard(self.comm, groups.replicate.size, cfg.max_consecutive_skipped_steps)
         self._backward_pending = False  # backward() ran and step() has not yet
         self._destroyed = False
@@ -373,22 +373,6 @@ def _make_scheduler(lr_scheduler: Any, cfg: ShardwiseConfig, optimizer: torch.op
     if callable(lr_scheduler) and not hasattr(lr_scheduler, "step"):
         return lr_scheduler(optimizer)
     return lr_scheduler
-
-
-def _make_loss_scaler(cfg: ShardwiseConfig) -> LossScaler:
-    fp16 = cfg.fp16
-    if not fp16.enabled:
-        return LossScaler(1.0)
-    if fp16.loss_scale > 0:
-        return LossScaler(fp16.loss_scale)
-    return LossScaler(
-        2.0**fp16.initial_scale_power,
-        dynamic=True,
-        scale_window=fp16.loss_scale_window,
-        hysteresis=fp16.hysteresis,
-        consecutive_hysteresis=fp16.consecutive_hysteresis,
-        min_scale=fp16.min_loss_scale,
-    )
 
 
 def _cast_floating(value: Any, dtype: torch.dtype) -> Any:

@@ -9,7 +9,10 @@ agree on skipping without an extra collective.
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from shardwise.config import Fp16Config
 
 
 class LossScaler:
@@ -33,6 +36,22 @@ class LossScaler:
         self.remaining_hysteresis = hysteresis
         self.iteration = 0
         self.last_overflow_iteration = -1
+
+    @classmethod
+    def from_config(cls, fp16: "Fp16Config") -> "LossScaler":
+        """Scale 1 without fp16; `loss_scale` > 0 is a static scale, 0 DeepSpeed's dynamic one."""
+        if not fp16.enabled:
+            return cls(1.0)
+        if fp16.loss_scale > 0:
+            return cls(fp16.loss_scale)
+        return cls(
+            2.0**fp16.initial_scale_power,
+            dynamic=True,
+            scale_window=fp16.loss_scale_window,
+            hysteresis=fp16.hysteresis,
+            consecutive_hysteresis=fp16.consecutive_hysteresis,
+            min_scale=fp16.min_loss_scale,
+        )
 
     @property
     def can_absorb_overflow(self) -> bool:
