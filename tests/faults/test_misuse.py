@@ -6,7 +6,6 @@ import multiprocessing
 import time
 
 import pytest
-import torch
 
 import shardwise
 from shardwise.testing import DistributedTestError, run_distributed
@@ -85,4 +84,3 @@ def test_a_second_engine_on_the_same_model_is_refused():
     # the hooks of an engine that was dropped without destroy() still reduce gradients
     with pytest.raises(RuntimeError, match="already trained by a shardwise engine"):
         shardwise.initialize(model, CONFIG, optimizer=None)
-    torch.manual_seed(0)
