@@ -28,6 +28,8 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
                         help="split output files at this size, e.g. 5GB, 500MB (default 5GB)")
     parser.add_argument("--hf", action="store_true",
                         help="write a folder transformers' from_pretrained loads (config.json + weights)")
+    parser.add_argument("--overwrite", action="store_true",
+                        help="replace the files of an earlier conversion at the output (default: refuse)")
     parser.set_defaults(handler=main)
     return parser
 
@@ -38,7 +40,7 @@ def main(args: argparse.Namespace) -> int:
     try:
         written = convert_checkpoint(
             args.checkpoint_dir, args.output, tag=args.tag, dtype=args.dtype,
-            max_shard_size=args.max_shard_size, hf=args.hf,
+            max_shard_size=args.max_shard_size, hf=args.hf, overwrite=args.overwrite,
         )
     except (CheckpointError, ValueError) as error:
         print(f"shardwise convert: error: {error}", file=sys.stderr)

@@ -8,6 +8,11 @@ and described by an index in Hugging Face's `model.safetensors.index.json` layou
 
 Tied parameters are written once, under their first name, as `save_pretrained` does;
 `from_pretrained` ties them again from the config.
+
+Existing output is never replaced silently: an earlier conversion's files with the same
+stem (single file, shards, index, and config.json for `hf`) make the conversion refuse
+unless `overwrite` is given, and are then all removed first, because a stale
+`model.safetensors` beside a new sharded index is what `from_pretrained` would load.
 """
 
 from __future__ import annotations
@@ -16,6 +21,8 @@ import json
 import math
 import os
 import re
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 import torch
@@ -51,12 +58,14 @@ def convert_checkpoint(
     dtype: str = "fp32",
     max_shard_size: str | int = "5GB",
     hf: bool = False,
+    overwrite: bool = False,
 ) -> list[Path]:
     """Write the model of a checkpoint as consolidated safetensors; returns the files written.
 
     `output` is a directory (files `model.safetensors`, or `model-0000i-of-0000n.safetensors`
     plus `model.safetensors.index.json`), or a `*.safetensors` path whose stem replaces
     "model". `hf=True` also writes `config.json` (the model must be a `transformers` one).
+    `overwrite=True` replaces the files of an earlier conversion there (see the module doc).
     """
     if dtype not in OUTPUT_DTYPES:
         raise ValueError(f"dtype must be one of {sorted(OUTPUT_DTYPES)}, got {dtype!r}")
@@ -65,6 +74,7 @@ def convert_checkpoint(
     folder, stem = (output.parent, output.stem) if output.suffix == ".safetensors" else (output, "model")
     if hf and stem != "model":
         raise ValueError("--hf writes a folder; give a directory as the output, not a .safetensors file")
+    earlier = _check_output(folder, stem, hf, overwrite)
     directory = resolve_tag(Path(checkpoint_dir), tag)
     files = read_manifest(directory)
     for name in sorted(files):
@@ -77,7 +87,10 @@ def convert_checkpoint(
                               "was not a transformers PreTrainedModel, so --hf cannot apply")
     records = [read_json(directory / rank_json(rank)) for rank in range(meta["world_size"])]
     target = OUTPUT_DTYPES[dtype]
-    folder.mkdir(parents=True, exist_ok=True)
+    with _writing(folder):
+        folder.mkdir(parents=True, exist_ok=True)
+        for path in earlier:
+            path.unlink(missing_ok=True)
     written = []
     with PieceIndex(directory, records) as index:
         entries = []
@@ -90,16 +103,59 @@ def convert_checkpoint(
         names = ([f"{stem}.safetensors"] if len(shards) == 1 else
                  [f"{stem}-{i:05d}-of-{len(shards):05d}.safetensors" for i in range(1, len(shards) + 1)])
         for shard, name in zip(shards, names):
-            written.append(_write_shard(index, folder / name, shard))
+            with _writing(folder / name):
+                written.append(_write_shard(index, folder / name, shard))
         if len(shards) > 1:
             weight_map = {entry.name: name for shard, name in zip(shards, names) for entry in shard}
             total = sum(entry.nbytes for entry in entries)
             written.append(folder / f"{stem}.safetensors.index.json")
-            written[-1].write_text(json.dumps({"metadata": {"total_size": total}, "weight_map": weight_map}, indent=2))
+            with _writing(written[-1]):
+                written[-1].write_text(json.dumps({"metadata": {"total_size": total}, "weight_map": weight_map},
+                                                  indent=2))
     if hf:
         written.append(folder / "config.json")
-        written[-1].write_text(json.dumps(_hf_config(meta["hf"], target), indent=2))
+        with _writing(written[-1]):
+            written[-1].write_text(json.dumps(_hf_config(meta["hf"], target), indent=2))
     return written
+
+
+def _check_output(folder: Path, stem: str, hf: bool, overwrite: bool) -> list[Path]:
+    """Refuse, before the checkpoint is read, an output that cannot be created or would replace
+    files without `overwrite`; return the earlier outputs to remove."""
+    existing = folder
+    while not existing.exists() and existing != existing.parent:
+        existing = existing.parent
+    if not existing.is_dir():
+        raise CheckpointError(f"cannot create output directory {folder}: {existing} is a file, not a directory; "
+                              "choose another output path")
+    if not os.access(existing, os.W_OK | os.X_OK):
+        raise CheckpointError(f"cannot write to {folder}: {existing} is not writable by this user; "
+                              "choose another output path")
+    if not folder.is_dir():
+        return []
+    name = re.escape(stem)
+    outputs = re.compile(rf"{name}(-\d{{5}}-of-\d{{5}})?\.safetensors|{name}\.safetensors\.index\.json"
+                         + (r"|config\.json" if hf else ""))
+    earlier = sorted(path for path in folder.iterdir() if outputs.fullmatch(path.name) and not path.is_dir())
+    if earlier and not overwrite:
+        one = len(earlier) == 1
+        shown = ", ".join(str(path) for path in earlier[:3])
+        shown += f" and {len(earlier) - 3} more" if len(earlier) > 3 else ""
+        raise CheckpointError(
+            f"output file{'' if one else 's'} {shown} already exist{'s' if one else ''}: pass --overwrite "
+            f"(overwrite=True in convert_checkpoint) to replace {'it' if one else 'them'}, or choose another output"
+        )
+    return earlier
+
+
+@contextmanager
+def _writing(path: Path) -> Iterator[None]:
+    """An output that cannot be created or written is a path for the user to change, not a crash."""
+    try:
+        yield
+    except OSError as error:
+        raise CheckpointError(f"cannot write {error.filename or path}: {error.strerror}; "
+                              "choose an output path you can write to") from None
 
 
 def _plan_shards(entries: list[TensorEntry], max_bytes: int) -> list[list[TensorEntry]]:

@@ -20,8 +20,10 @@ JSON and safetensors only: loading a checkpoint never runs code from it (no pick
 
 from __future__ import annotations
 
+import errno
 import json
 import re
+import shutil
 from pathlib import Path
 from typing import Any
 
@@ -70,8 +72,43 @@ def check_tag(tag: str) -> None:
 
 def read_json(path: Path) -> Any:
     try:
-        return json.loads(path.read_text())
+        return json.loads(read_text(path))
+    except json.JSONDecodeError as error:
+        raise CheckpointError(f"checkpoint file {path} is not valid JSON: {error}") from None
+
+
+_RESTORE = "it was corrupted or replaced; restore it from a copy, or save the checkpoint again"
+
+
+def read_text(path: Path, fix: str = _RESTORE) -> str:
+    """A checkpoint's small text file; every way it can be unreadable becomes a CheckpointError,
+    ending with `fix` where the content is at fault."""
+    try:
+        data = path.read_bytes()
     except FileNotFoundError:
         raise CheckpointError(f"checkpoint file {path} is missing") from None
-    except (json.JSONDecodeError, UnicodeDecodeError) as error:
-        raise CheckpointError(f"checkpoint file {path} is not valid JSON: {error}") from None
+    except OSError as error:
+        raise CheckpointError(f"cannot read checkpoint file {path}: {error.strerror}") from None
+    try:
+        return data.decode("utf-8")
+    except UnicodeDecodeError as error:
+        raise CheckpointError(
+            f"checkpoint file {path} is not UTF-8 text (it starts {data[:16]!r}; byte 0x{data[error.start]:02x} "
+            f"at offset {error.start} cannot be decoded), so it is not what shardwise wrote: {fix}"
+        ) from None
+
+
+def disk_full_error(error: OSError, path: Path, needed: int) -> CheckpointError | None:
+    """The error to raise instead of `error` when it says the disk or quota is full: naming the
+    file, its size and the space left, so the fix (free space, save elsewhere) is obvious."""
+    if error.errno not in (errno.ENOSPC, errno.EDQUOT):
+        return None
+    reason = "no space left on device" if error.errno == errno.ENOSPC else "disk quota exceeded"
+    try:
+        free = f"{shutil.disk_usage(path.parent).free:,} bytes are free"
+    except OSError:
+        free = "the free space cannot be read"
+    return CheckpointError(
+        f"cannot write {path}: {reason}; the file needs {needed:,} bytes and {free} on its file system. "
+        "Free some space (or raise the quota), or write to another directory"
+    )

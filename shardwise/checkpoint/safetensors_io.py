@@ -19,12 +19,14 @@ import json
 import math
 import os
 import struct
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 
-from shardwise.checkpoint.format import CheckpointError
+from shardwise.checkpoint.format import CheckpointError, disk_full_error
 
 DTYPE_NAMES = {
     torch.float64: "F64",
@@ -84,12 +86,17 @@ class SafetensorsWriter:
         text = json.dumps(header, separators=(",", ":")).encode()
         text += b" " * (-len(text) % 8)  # data starts 8-byte aligned
         self.path = path
+        self.total_bytes = 8 + len(text) + offset
         self._file = open(path, "wb")
         self._hash = hashlib.sha256()
         self._size = 0
         self._pending = list(reversed(entries))
         self._remaining = 0  # bytes still due for the entry being written
-        self._emit(struct.pack("<Q", len(text)) + text)
+        try:
+            self._emit(struct.pack("<Q", len(text)) + text)
+        except BaseException:
+            self.abort()
+            raise
 
     def write(self, name: str, tensor: torch.Tensor) -> None:
         """Append `tensor`'s elements to entry `name` (the next one due, or the current one)."""
@@ -115,18 +122,35 @@ class SafetensorsWriter:
         if missing:
             self._file.close()
             raise ValueError(f"{self.path}: closed with tensors unwritten: {missing[:3]}")
-        self._file.flush()
-        os.fsync(self._file.fileno())
-        self._file.close()
+        with self._naming_a_full_disk():
+            self._file.flush()
+            os.fsync(self._file.fileno())
+            self._file.close()
         return self._size, self._hash.hexdigest()
 
     def abort(self) -> None:
-        self._file.close()
+        try:
+            self._file.close()
+        except OSError:
+            pass  # closing flushes what a failed write left buffered; that failure is already raised
 
     def _emit(self, data) -> None:
-        self._file.write(data)
+        with self._naming_a_full_disk():
+            self._file.write(data)
         self._hash.update(data)
         self._size += memoryview(data).nbytes
+
+    @contextmanager
+    def _naming_a_full_disk(self) -> Iterator[None]:
+        """A full disk surfaces as a bare ENOSPC from whichever write, flush or fsync hits it;
+        say which file, how large it is and how much space is left instead."""
+        try:
+            yield
+        except OSError as error:
+            full = disk_full_error(error, self.path, self.total_bytes)
+            if full is None:
+                raise
+            raise full from None
 
     def __enter__(self) -> "SafetensorsWriter":
         return self
@@ -141,7 +165,10 @@ class SafetensorsReader:
 
     def __init__(self, path: Path):
         self.path = path
-        self._fd = os.open(path, os.O_RDONLY)
+        try:
+            self._fd = os.open(path, os.O_RDONLY)
+        except FileNotFoundError:
+            raise CheckpointError(f"checkpoint file {path} is missing") from None
         try:
             length_bytes = os.pread(self._fd, 8, 0)
             (length,) = struct.unpack("<Q", length_bytes) if len(length_bytes) == 8 else (None,)

@@ -81,12 +81,20 @@ def _read(config: Mapping[str, Any] | str | os.PathLike[str]) -> dict[str, Any]:
     if not isinstance(config, (str, os.PathLike)):
         raise ConfigError(f"config must be a dict or the path of a JSON file, got {type(config).__name__}")
     path = Path(config)
+    if path.is_dir():
+        raise ConfigError(f"config file {path} is a directory: give the path of the JSON config file inside it")
     try:
-        text = path.read_text()
+        text = path.read_bytes().decode("utf-8")
     except FileNotFoundError:
         raise ConfigError(f"config file {path} does not exist") from None
     except OSError as error:
         raise ConfigError(f"cannot read config file {path}: {error.strerror}") from None
+    except UnicodeDecodeError as error:
+        raise ConfigError(
+            f"config file {path} is not UTF-8 text (byte 0x{error.object[error.start]:02x} at offset {error.start}): "
+            "JSON configs must be UTF-8; save it as UTF-8, or check that the path names the config and not "
+            "another file"
+        ) from None
     try:
         data = json.loads(text, object_pairs_hook=lambda pairs: _unique_keys(pairs, path))
     except json.JSONDecodeError as error:

@@ -13,6 +13,7 @@ These models describe a config that is already resolved: `load_config` turns
 so build configs through it rather than by instantiating these classes.
 """
 
+import math
 import types
 from typing import Any, Literal, Union, get_args, get_origin
 
@@ -22,6 +23,12 @@ from pydantic.fields import FieldInfo
 from shardwise.config.fields import Bool, Float, Int, Section
 from shardwise.config.params import OPTIMIZER_PARAMS, SCHEDULER_PARAMS
 from shardwise.optim.registry import constructor_kwargs, torch_class_name
+
+
+# fp16's largest finite value is 65504, just under 2**16.
+FP16_MAX_EXPONENT = 16
+# 2**64 already overflows fp16 gradients for ~48 steps; fp32 itself ends near 2**128.
+MAX_INITIAL_SCALE_POWER = 64
 
 
 class Fp16Config(Section):
@@ -35,6 +42,22 @@ class Fp16Config(Section):
     hysteresis: Int = Field(2, ge=1)
     consecutive_hysteresis: Bool = False
     min_loss_scale: Float = Field(1.0, gt=0)
+
+    @field_validator("initial_scale_power")
+    @classmethod
+    def _bounded_scale_power(cls, power: int) -> int:
+        """A scale far above what fp16 gradients hold is not an error DeepSpeed reports: it
+        costs one skipped step per halving, silently, and past 2**1023 Python cannot even
+        compute it. The bound keeps the cost of a poor guess to a few dozen steps."""
+        if power > MAX_INITIAL_SCALE_POWER:
+            raise ValueError(
+                f"{power} is above {MAX_INITIAL_SCALE_POWER}: the loss is multiplied by 2**{power} in fp32, "
+                f"and fp16 gradients overflow above 2**{FP16_MAX_EXPONENT}, so every step overflows and is skipped, "
+                "each overflow halving the scale once (after fp16.hysteresis overflows are tolerated): about "
+                f"{power - FP16_MAX_EXPONENT} steps would be skipped before the first update. Use at most "
+                f"{MAX_INITIAL_SCALE_POWER} (DeepSpeed's default is 16)"
+            )
+        return power
 
 
 class Bf16Config(Section):
@@ -238,6 +261,17 @@ class ShardwiseConfig(Section):
     sequence_parallel: SequenceParallelConfig = Field(default_factory=SequenceParallelConfig)
     pipeline_parallel: PipelineParallelConfig = Field(default_factory=PipelineParallelConfig)
     tensorboard: TensorBoardConfig = Field(default_factory=TensorBoardConfig)
+
+    @field_validator("gradient_clipping", mode="before")
+    @classmethod
+    def _finite_clipping(cls, max_norm: Any) -> Any:
+        """A NaN norm silently switches clipping off (every comparison with NaN is false) and
+        Infinity does the same under another name; 0 is the one spelling of "no clipping"."""
+        if isinstance(max_norm, float) and not math.isfinite(max_norm):
+            raise ValueError(
+                f"{max_norm} is not a finite gradient norm: give a maximum norm such as 1.0, or 0 to disable clipping"
+            )
+        return max_norm
 
     @field_validator("gradient_clipping")
     @classmethod

@@ -6,6 +6,7 @@ Imports only the planner (plain arithmetic) and rich, so the command answers ins
 from __future__ import annotations
 
 import argparse
+import math
 import sys
 from typing import Any
 
@@ -19,6 +20,14 @@ from shardwise.planner.shapes import PRESETS, ModelShape
 
 # Narrower consoles (pipes, CI logs) would squeeze the table into wrapped cells.
 MIN_WIDTH = 120
+
+LAYOUT_FLAGS = ("--hidden-size", "--layers", "--heads", "--vocab-size")
+HARDWARE_FLOAT_FLAGS = {
+    "--gpu-memory": "GB per GPU, e.g. 80",
+    "--cpu-memory": "GB per node, e.g. 512",
+    "--nvme": "GB per node, 0 for none",
+    "--headroom": f"a fraction in [0, 1), e.g. {DEFAULT_HEADROOM}",
+}
 
 
 def add_parser(subparsers: Any) -> argparse.ArgumentParser:
@@ -59,6 +68,7 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
 
 def main(args: argparse.Namespace) -> int:
     try:
+        _check_hardware(args)
         result = estimate(
             _shape(args),
             Hardware(args.gpus, args.gpus_per_node, args.gpu_memory, args.cpu_memory, args.nvme, args.headroom),
@@ -85,7 +95,31 @@ def _shape(args: argparse.Namespace) -> ModelShape:
         return ModelShape.preset(args.preset)
     if args.hf_config:
         return ModelShape.from_hf_config(args.hf_config)
+    _check_params(args.params)
+    for flag, value in zip(LAYOUT_FLAGS, layout, strict=True):
+        if value is not None and value <= 0:
+            raise ValueError(f"{flag} {value} must be a positive integer")
+    if args.hidden_size and args.heads and args.hidden_size % args.heads:
+        raise ValueError(f"--hidden-size {args.hidden_size} is not divisible by --heads {args.heads}: each "
+                         "attention head gets hidden-size / heads dimensions")
     return ModelShape.from_params(args.params, *layout)
+
+
+def _check_params(count: float) -> None:
+    """argparse reads --params as a float (so 7.5e9 works), which also lets inf and nan in."""
+    if not math.isfinite(count) or count <= 0:
+        raise ValueError(f"--params {count:g} is not a parameter count: give the model's number of "
+                         "parameters, a positive finite number such as 7.5e9")
+    if not count.is_integer():
+        raise ValueError(f"--params {count:g} is not a whole number of parameters: give e.g. 7.5e9")
+
+
+def _check_hardware(args: argparse.Namespace) -> None:
+    """NaN passes every range check (each comparison is false), so finiteness is checked first."""
+    for flag, expected in HARDWARE_FLOAT_FLAGS.items():
+        value = getattr(args, flag.removeprefix("--").replace("-", "_"))
+        if not math.isfinite(value):
+            raise ValueError(f"{flag} {value:g} is not a finite number: give {expected}")
 
 
 def render(result: Estimate, console: Console) -> None:

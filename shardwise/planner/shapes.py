@@ -99,52 +99,88 @@ class ModelShape:
         """Shape of a llama/mistral- or gpt2-style Hugging Face model from its config
         (a dict, a config.json, or a directory holding one). Keys a config may omit take
         transformers' defaults; the size keys are required."""
-        config, source = _load_config(path_or_dict)
+        config, source, where = _load_config(path_or_dict)
         model_type = config.get("model_type")
         if model_type in LLAMA_STYLE:
-            return _llama_style_shape(config, name or source)
+            return _llama_style_shape(config, name or source, where)
         if model_type in GPT2_STYLE:
-            return _gpt2_style_shape(config, name or source)
+            return _gpt2_style_shape(config, name or source, where)
         raise ValueError(
-            f"{source}: model_type {model_type!r} is not supported; "
+            f"{where}: model_type {model_type!r} is not supported; "
             f"supported: {', '.join(LLAMA_STYLE + GPT2_STYLE)} (or pass --params)"
         )
 
 
-def _load_config(path_or_dict: str | Path | Mapping[str, Any]) -> tuple[dict[str, Any], str]:
+def _load_config(path_or_dict: str | Path | Mapping[str, Any]) -> tuple[dict[str, Any], str, str]:
+    """(config, the model's name, where the config came from for messages)."""
     if isinstance(path_or_dict, Mapping):
-        return dict(path_or_dict), "config"
+        return dict(path_or_dict), "config", "config"
     path = Path(path_or_dict)
     if path.is_dir():
         path = path / "config.json"
     if not path.is_file():
         raise FileNotFoundError(f"no Hugging Face config at {path}")
     try:
-        config = json.loads(path.read_text())
+        data = path.read_bytes()
+        config = json.loads(data.decode("utf-8"))
+    except OSError as error:
+        raise ValueError(f"cannot read {path}: {error.strerror}") from None
+    except UnicodeDecodeError as error:
+        raise ValueError(f"{path} is not UTF-8 text (byte 0x{data[error.start]:02x} at offset {error.start}): "
+                         "a Hugging Face config.json is UTF-8 JSON; check that the path names one") from None
     except json.JSONDecodeError as error:
         raise ValueError(f"{path} is not valid JSON: {error}") from error
     if not isinstance(config, dict):
         raise ValueError(f"{path} must hold a JSON object, got {type(config).__name__}")
-    return config, path.parent.name or str(path)
+    return config, path.parent.name or str(path), str(path)
 
 
-def _require(config: Mapping[str, Any], key: str, source: str) -> int:
+def _require(config: Mapping[str, Any], key: str, where: str) -> int:
     if config.get(key) is None:
-        raise ValueError(f"{source}: config has no {key!r}, needed to count parameters")
-    return int(config[key])
+        raise ValueError(f"{where}: config has no {key!r}, needed to count parameters")
+    return _count(config, key, where)
 
 
-def _llama_style_shape(config: Mapping[str, Any], source: str) -> ModelShape:
+def _optional(config: Mapping[str, Any], key: str, default: int, where: str) -> int:
+    """A key transformers fills in when it is absent or null."""
+    return default if config.get(key) is None else _count(config, key, where)
+
+
+def _count(config: Mapping[str, Any], key: str, where: str) -> int:
+    """A size or count from the config; JSON may write it as 64.0, but not as "64", 0 or NaN."""
+    value = config[key]
+    whole = isinstance(value, int) or (isinstance(value, float) and value.is_integer())
+    if isinstance(value, bool) or not whole or value <= 0:
+        raise ValueError(f"{where}: {key} is {value!r}, not a positive integer (a size or count of the model); "
+                         "correct it in the config")
+    return int(value)
+
+
+def _check_divides(whole: tuple[str, int], part: tuple[str, int], why: str, where: str) -> None:
+    """A layout the model family does not define (attention splits the width evenly): said before
+    counting, rather than counting a model that cannot be meant."""
+    if whole[1] % part[1]:
+        raise ValueError(f"{where}: {whole[0]} {whole[1]} is not divisible by {part[0]} {part[1]}: {why}; "
+                         "correct the config")
+
+
+def _llama_style_shape(config: Mapping[str, Any], source: str, where: str) -> ModelShape:
     """Embedding V·h; per block q/k/v/o projections (k and v narrowed by grouped-query
     attention), a gated MLP of three h×I matrices and two RMSNorm weights; a final norm;
     an untied V·h output head. Mistral never has biases, llama may."""
-    h = _require(config, "hidden_size", source)
-    layers = _require(config, "num_hidden_layers", source)
-    heads = _require(config, "num_attention_heads", source)
-    inner = _require(config, "intermediate_size", source)
-    vocab = _require(config, "vocab_size", source)
-    kv_heads = int(config.get("num_key_value_heads") or heads)
-    head_dim = int(config.get("head_dim") or h // heads)
+    h = _require(config, "hidden_size", where)
+    layers = _require(config, "num_hidden_layers", where)
+    heads = _require(config, "num_attention_heads", where)
+    inner = _require(config, "intermediate_size", where)
+    vocab = _require(config, "vocab_size", where)
+    kv_heads = _optional(config, "num_key_value_heads", heads, where)
+    if config.get("head_dim") is None:
+        _check_divides(("hidden_size", h), ("num_attention_heads", heads),
+                       "each attention head gets hidden_size / num_attention_heads dimensions (or set head_dim)", where)
+    head_dim = _optional(config, "head_dim", h // heads, where)
+    if config.get("num_key_value_heads") is not None:
+        _check_divides(("num_attention_heads", heads), ("num_key_value_heads", kv_heads),
+                       "grouped-query attention gives each key/value head the same number of query heads", where)
     llama = config["model_type"] == "llama"
     attention_bias = llama and bool(config.get("attention_bias", False))
     mlp_bias = llama and bool(config.get("mlp_bias", False))
@@ -161,16 +197,17 @@ def _llama_style_shape(config: Mapping[str, Any], source: str) -> ModelShape:
     return ModelShape(source, total, h, layers, heads, vocab, inner, max(block, embedding))
 
 
-def _gpt2_style_shape(config: Mapping[str, Any], source: str) -> ModelShape:
+def _gpt2_style_shape(config: Mapping[str, Any], source: str, where: str) -> ModelShape:
     """Token and position embeddings; per block two LayerNorms (weight and bias), a fused
     QKV projection and an output projection, a two-matrix MLP, all with biases; a final
     LayerNorm; the output head tied to the token embedding unless the config says not."""
-    h = _require(config, "n_embd", source)
-    layers = _require(config, "n_layer", source)
-    heads = _require(config, "n_head", source)
-    vocab = _require(config, "vocab_size", source)
-    positions = _require(config, "n_positions", source)
-    inner = int(config.get("n_inner") or 4 * h)
+    h = _require(config, "n_embd", where)
+    layers = _require(config, "n_layer", where)
+    heads = _require(config, "n_head", where)
+    vocab = _require(config, "vocab_size", where)
+    positions = _require(config, "n_positions", where)
+    _check_divides(("n_embd", h), ("n_head", heads), "each attention head gets n_embd / n_head dimensions", where)
+    inner = _optional(config, "n_inner", 4 * h, where)
     tied = bool(config.get("tie_word_embeddings", True))
 
     attention = (h * 3 * h + 3 * h) + (h * h + h)
