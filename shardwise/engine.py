@@ -30,6 +30,7 @@ from shardwise.distributed.mesh import ParallelMesh, ParallelSizes
 from shardwise.distributed.setup import call_check_timeout, init_distributed, world_handle
 from shardwise.optim import build_scheduler
 from shardwise.optim.registry import optimizer_spec
+from shardwise.optim.sharded import ShardAwareOptimizer
 from shardwise.parallel.apply import apply_model_transforms
 from shardwise.precision import LossScaler
 from shardwise.reliability.step_guard import StepGuard
@@ -98,6 +99,7 @@ class Engine:
             make_optimizer=_optimizer_factory(optimizer, cfg),
             codec=spec.codec if spec is not None else None,
             param_init_fn=param_init_fn,
+            per_parameter=spec.per_parameter if spec is not None else isinstance(optimizer, ShardAwareOptimizer),
         )
         self.optimizer = self.zero.optimizer
         self.units = self.zero.units

@@ -16,6 +16,12 @@ from shardwise.config.errors import describe_validation_error
 from shardwise.config.fields import Bool, Float, Int, Section
 
 
+def _check_betas(betas: tuple[float, float]) -> tuple[float, float]:
+    if not all(0.0 <= beta < 1.0 for beta in betas):
+        raise ValueError(f"betas {list(betas)} must each lie in [0, 1)")
+    return betas
+
+
 class AdamParams(Section):
     """Adam and AdamW; shardwise builds them with `torch.optim`."""
 
@@ -35,9 +41,7 @@ class AdamParams(Section):
     @field_validator("betas")
     @classmethod
     def _betas_in_unit_interval(cls, betas: tuple[float, float]) -> tuple[float, float]:
-        if not all(0.0 <= beta < 1.0 for beta in betas):
-            raise ValueError(f"betas {list(betas)} must each lie in [0, 1)")
-        return betas
+        return _check_betas(betas)
 
     @field_validator("bias_correction")
     @classmethod
@@ -45,6 +49,38 @@ class AdamParams(Section):
         if not enabled:
             raise ValueError("bias_correction false is not supported yet: torch.optim's Adam always corrects bias")
         return enabled
+
+
+class LambParams(Section):
+    """LAMB with DeepSpeed's FusedLamb parameters and defaults (shardwise.optim.Lamb)."""
+
+    lr: Float = Field(1e-3, ge=0)
+    betas: tuple[Float, Float] = (0.9, 0.999)
+    eps: Float = Field(1e-8, gt=0)
+    weight_decay: Float = Field(0.0, ge=0)
+    bias_correction: Bool = True
+    eps_inside_sqrt: Bool = False
+    max_coeff: Float = Field(10.0, ge=0)
+    min_coeff: Float = Field(0.01, ge=0)
+    amsgrad: Bool = False
+
+    @field_validator("betas")
+    @classmethod
+    def _betas_in_unit_interval(cls, betas: tuple[float, float]) -> tuple[float, float]:
+        return _check_betas(betas)
+
+    @field_validator("amsgrad")
+    @classmethod
+    def _no_amsgrad(cls, enabled: bool) -> bool:
+        if enabled:
+            raise ValueError("amsgrad true is not supported by LAMB (DeepSpeed's FusedLamb refuses it too)")
+        return enabled
+
+    @model_validator(mode="after")
+    def _coefficients_ordered(self) -> "LambParams":
+        if self.min_coeff > self.max_coeff:
+            raise ValueError(f"min_coeff {self.min_coeff} is above max_coeff {self.max_coeff}")
+        return self
 
 
 class SGDParams(Section):
@@ -120,7 +156,9 @@ class WarmupCosineLRParams(Section):
         return self
 
 
-OPTIMIZER_PARAMS: dict[str, type[Section]] = {"Adam": AdamParams, "AdamW": AdamParams, "SGD": SGDParams}
+OPTIMIZER_PARAMS: dict[str, type[Section]] = {
+    "Adam": AdamParams, "AdamW": AdamParams, "SGD": SGDParams, "Lamb": LambParams,
+}
 SCHEDULER_PARAMS: dict[str, type[Section]] = {
     "WarmupLR": WarmupLRParams,
     "WarmupDecayLR": WarmupDecayLRParams,
@@ -128,7 +166,7 @@ SCHEDULER_PARAMS: dict[str, type[Section]] = {
 }
 
 # Types from SPEC §1 that later capabilities (C16-C18) add; DeepSpeed's own spellings included.
-OPTIMIZERS_NOT_YET = ("Lamb", "Lars", "Adafactor", "Adam8bit", "OneBitAdam", "OneBitLamb", "ZeroOneAdam")
+OPTIMIZERS_NOT_YET = ("Lars", "Adafactor", "Adam8bit", "OneBitAdam", "OneBitLamb", "ZeroOneAdam")
 # Types DeepSpeed builds itself that no shardwise capability covers.
 DEEPSPEED_OPTIMIZERS_UNSUPPORTED = ("Adagrad", "Lion", "Muon", "MuAdam", "MuAdamW", "MuSGD")
 DEEPSPEED_SCHEDULERS_UNSUPPORTED = ("OneCycle", "LRRangeTest")

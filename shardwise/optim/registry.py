@@ -31,6 +31,7 @@ class OptimizerSpec:
     build: Callable[[list[dict[str, Any]], dict[str, Any]], "torch.optim.Optimizer"]
     fp32_states: Callable[[dict[str, Any]], int]  # fp32 state tensors per parameter, given `params`
     codec: StateCodec = field(default_factory=ElementwiseCodec)
+    per_parameter: bool = False  # needs whole-parameter statistics (optim/sharded.py)
 
     def state_bytes_per_param(self, params: dict[str, Any], dtype: str) -> int:
         """K: state bytes per parameter, with the fp32 master copy when training in 16 bits."""
@@ -61,8 +62,8 @@ def registered_optimizers() -> list[str]:
 def torch_class_name(type_name: str, params: dict[str, Any]) -> str:
     """The `torch.optim` class a config optimizer means: DeepSpeed's "Adam" decouples
     weight decay (AdamW) unless `adam_w_mode` is false."""
-    if type_name == "SGD":
-        return "SGD"
+    if type_name not in ("Adam", "AdamW"):
+        return type_name
     return "AdamW" if params.get("adam_w_mode", True) else "Adam"
 
 
@@ -86,7 +87,15 @@ def _build_torch(type_name: str) -> Callable[[list[dict[str, Any]], dict[str, An
     return build
 
 
+def _build_lamb(groups: list[dict[str, Any]], params: dict[str, Any]) -> "torch.optim.Optimizer":
+    from shardwise.optim.lamb import Lamb
+
+    kwargs = {key: value for key, value in params.items() if key != "amsgrad"}  # validated false
+    return Lamb(groups, **constructor_kwargs(kwargs))
+
+
 register_optimizer(OptimizerSpec("Adam", _build_torch("Adam"), fp32_states=lambda params: 2))
 register_optimizer(OptimizerSpec("AdamW", _build_torch("AdamW"), fp32_states=lambda params: 2))
 # torch's SGD allocates a momentum buffer only when momentum is on
 register_optimizer(OptimizerSpec("SGD", _build_torch("SGD"), fp32_states=lambda params: int(params.get("momentum", 0) > 0)))
+register_optimizer(OptimizerSpec("Lamb", _build_lamb, fp32_states=lambda params: 2, per_parameter=True))

@@ -87,8 +87,10 @@ def apply_zero(
     make_optimizer: Callable[[list[list[torch.Tensor]]], torch.optim.Optimizer],
     codec: StateCodec | None = None,
     param_init_fn: Callable[[nn.Module], None] | None = None,
+    per_parameter: bool = False,
 ) -> ZeroState:
-    """Partition `named` (name, parameter, param group) of `model` as `policy` says."""
+    """Partition `named` (name, parameter, param group) of `model` as `policy` says.
+    `per_parameter`: the optimizer works on whole parameters (optim/sharded.py)."""
     align = align_elements(policy.param_dtype)
     params: ParameterStrategy
     if policy.partitions_parameters:
@@ -103,9 +105,12 @@ def apply_zero(
         params.broadcast_initial()
     store = DeviceShardStore(
         params.units, groups.shard.rank, params, policy.param_dtype, policy.keeps_full_gradients,
-        policy.sub_group_size, ledger,
+        policy.sub_group_size, ledger, per_parameter,
     )
     reducer = GradientReducer(params.units, policy, store, groups.shard, groups.replicate, ledger, device)
     params.connect(reducer)
-    optimizer = ShardedOptimizer(store, ledger, make_optimizer, codec)
+    optimizer = ShardedOptimizer(
+        store, ledger, make_optimizer, codec,
+        sum_over_shards=lambda tensor: groups.shard.control_all_reduce(tensor, "whole-parameter optimizer statistics"),
+    )
     return ZeroState(policy, groups, params, store, reducer, optimizer)

@@ -28,7 +28,7 @@ from typing import Iterator
 import torch
 
 from shardwise.accounting import MemoryLedger, tensor_bytes
-from shardwise.zero.layout import FlatUnit
+from shardwise.zero.layout import FlatUnit, OwnedPiece
 from shardwise.zero.strategy import ParameterStrategy
 
 
@@ -42,6 +42,7 @@ class SegmentState:
     group: int
     master: torch.Tensor  # fp32, trained by the optimizer
     grad: torch.Tensor  # reduced gradient in the gradient dtype (a view, never copied here)
+    piece: OwnedPiece | None = None  # per-parameter segments: the parameter piece it is
 
     @property
     def numel(self) -> int:
@@ -60,8 +61,12 @@ class DeviceShardStore:
         keeps_full_gradients: bool,
         sub_group_size: int,
         ledger: MemoryLedger,
+        per_parameter: bool = False,
     ):
-        """`chunk`: which chunk of every unit this rank owns (its shard-group rank)."""
+        """`chunk`: which chunk of every unit this rank owns (its shard-group rank).
+        `per_parameter`: one segment per owned parameter piece, for optimizers whose update
+        depends on whole parameters (they also step all segments at once, since each step
+        reduces statistics over the shard group and every rank must take part once)."""
         self.units = units
         self.chunk = chunk
         self.ledger = ledger
@@ -90,13 +95,23 @@ class DeviceShardStore:
             self._grads = self._unit_grads
         self._position = {unit.index: position for position, unit in enumerate(units)}
 
-        self.segments = [
-            SegmentState(unit.index, segment.start, segment.stop, segment.group,
-                         master[segment.start : segment.stop], grad[segment.start : segment.stop])
-            for unit, master, grad in zip(units, self._masters, self._grads)
-            for segment in unit.segments(chunk)
-        ]
-        self.sub_groups = _split_sub_groups(self.segments, sub_group_size)
+        if per_parameter:
+            self.segments = [
+                SegmentState(unit.index, p.chunk_offset, p.chunk_offset + p.numel, p.slot.group,
+                             master[p.chunk_offset : p.chunk_offset + p.numel],
+                             grad[p.chunk_offset : p.chunk_offset + p.numel], p)
+                for unit, master, grad in zip(units, self._masters, self._grads)
+                for p in unit.owned_pieces(chunk)
+            ]
+            self.sub_groups = [self.segments]
+        else:
+            self.segments = [
+                SegmentState(unit.index, segment.start, segment.stop, segment.group,
+                             master[segment.start : segment.stop], grad[segment.start : segment.stop])
+                for unit, master, grad in zip(units, self._masters, self._grads)
+                for segment in unit.segments(chunk)
+            ]
+            self.sub_groups = _split_sub_groups(self.segments, sub_group_size)
 
     # -- what the reducer, optimizer and checkpoints read ------------------------------------
     def master(self, unit: FlatUnit) -> torch.Tensor:

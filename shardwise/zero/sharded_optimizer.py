@@ -21,6 +21,7 @@ import torch
 
 from shardwise.accounting import MemoryLedger, tensor_bytes
 from shardwise.optim.codec import ElementwiseCodec, StateCodec
+from shardwise.optim.sharded import ParameterShard, ShardAwareOptimizer, SumOverShards
 from shardwise.zero.shard_store import DeviceShardStore, SegmentState
 
 
@@ -31,21 +32,40 @@ class ShardedOptimizer:
         ledger: MemoryLedger,
         make_optimizer: Callable[[list[list[torch.Tensor]]], torch.optim.Optimizer],
         codec: StateCodec | None = None,
+        sum_over_shards: SumOverShards | None = None,
     ):
         """`make_optimizer` receives, per param group, the fp32 segments to train;
-        `codec` says how its state is saved and resharded (default: per-element state)."""
+        `codec` says how its state is saved and resharded (default: per-element state).
+        A `ShardAwareOptimizer` (the store then holds one segment per parameter piece) is
+        told which piece each segment is, and sums its statistics with `sum_over_shards`."""
         self.store = store
         self.ledger = ledger
         self.segments: list[SegmentState] = store.segments
         self.optimizer = make_optimizer(self._segments_by_group())
         self.codec = codec or ElementwiseCodec()
+        if isinstance(self.optimizer, ShardAwareOptimizer):
+            self._attach_shards(sum_over_shards)
         self.record_state_bytes()
 
     def _segments_by_group(self) -> list[list[torch.Tensor]]:
         by_group: dict[int, list[torch.Tensor]] = defaultdict(list)
         for segment in self.segments:
             by_group[segment.group].append(segment.master)
-        return [by_group.get(index, []) for index in range(max(by_group) + 1)]
+        groups = 1 + max(slot.group for unit in self.store.units for slot in unit.slots)
+        return [by_group.get(index, []) for index in range(groups)]
+
+    def _attach_shards(self, sum_over_shards: SumOverShards | None) -> None:
+        if any(segment.piece is None for segment in self.segments):
+            raise ValueError(f"{type(self.optimizer).__name__} needs whole-parameter statistics: build the "
+                             "shard store with per_parameter=True")
+        slots = [slot for unit in self.store.units for slot in unit.slots]
+        index = {id(slot): position for position, slot in enumerate(slots)}
+        shards = {
+            segment.master: ParameterShard(segment.piece.slot.name, tuple(segment.piece.slot.shape),
+                                           segment.piece.start, segment.piece.stop, index[id(segment.piece.slot)])
+            for segment in self.segments
+        }
+        self.optimizer.attach_shards(shards, len(slots), sum_over_shards or (lambda tensor: tensor))
 
     # -- norms ---------------------------------------------------------------------------
     def local_grad_norm_squared(self) -> torch.Tensor:

@@ -48,7 +48,7 @@ def build_hf_model(kind: str) -> torch.nn.Module:
 def start_engine(case: Case, world_size: int, rows: int):
     model = build_hf_model(case.model)
     config = dataclasses.replace(case, micro_batch=rows // world_size).config(world_size)
-    return shardwise.initialize(model, config, optimizer=make_optimizer(model, case.lr))
+    return shardwise.initialize(model, config, optimizer=make_optimizer(model, case.lr, case.optimizer))
 
 
 def train(engine, kind: str, rank: int, world_size: int, rows: int, steps: range) -> list[float]:

@@ -140,12 +140,12 @@ def test_ranges_and_types_are_checked_with_the_value_given():
 @pytest.mark.parametrize(
     ("given", "expected"),
     [
-        ("Lamb", "optimizer.type 'Lamb' is not supported yet: use one of Adam, AdamW, SGD"),
-        ("onebitadam", "optimizer.type 'onebitadam' is not supported yet: use one of Adam, AdamW, SGD"),
-        ("ZeroOneAdam", "optimizer.type 'ZeroOneAdam' is not supported yet: use one of Adam, AdamW, SGD"),
+        ("Lars", "optimizer.type 'Lars' is not supported yet: use one of Adam, AdamW, SGD, Lamb"),
+        ("onebitadam", "optimizer.type 'onebitadam' is not supported yet: use one of Adam, AdamW, SGD, Lamb"),
+        ("ZeroOneAdam", "optimizer.type 'ZeroOneAdam' is not supported yet: use one of Adam, AdamW, SGD, Lamb"),
         ("Lion", "optimizer.type 'Lion' is a DeepSpeed optimizer that shardwise does not support yet: "
-                 "use one of Adam, AdamW, SGD"),
-        ("Adamm", "optimizer.type 'Adamm' is unknown; did you mean 'Adam'? (choices: Adam, AdamW, SGD)"),
+                 "use one of Adam, AdamW, SGD, Lamb"),
+        ("Adamm", "optimizer.type 'Adamm' is unknown; did you mean 'Adam'? (choices: Adam, AdamW, SGD, Lamb)"),
     ],
 )
 def test_optimizer_types_shardwise_cannot_build(given, expected):

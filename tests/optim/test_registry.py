@@ -28,7 +28,7 @@ def test_deepspeed_adam_means_decoupled_weight_decay_unless_told_otherwise():
 
 
 def test_unknown_optimizer_names_the_registered_ones():
-    with pytest.raises(ValueError, match="no optimizer 'Lion'; registered: Adam, AdamW, SGD"):
+    with pytest.raises(ValueError, match="no optimizer 'Lion'; registered: Adam, AdamW, Lamb, SGD"):
         optimizer_spec("Lion")
 
 

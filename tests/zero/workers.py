@@ -30,6 +30,7 @@ class Case:
     model: str = "gpt"  # gpt | llama | gpt2
     bucket_size: int = 3000  # elements: several buckets even for the tiny model
     extra_config: dict = field(default_factory=dict)
+    optimizer: str = "adamw"  # a key of OPTIMIZERS
 
     def config(self, world_size: int) -> dict:
         config = {
@@ -100,18 +101,30 @@ def model_loss(model, kind: str, x: torch.Tensor, y: torch.Tensor) -> torch.Tens
     return torch.nn.functional.cross_entropy(logits.reshape(-1, logits.size(-1)), y.reshape(-1))
 
 
-def make_optimizer(model: torch.nn.Module, lr: float) -> torch.optim.Optimizer:
+def _lamb(groups: list[dict], lr: float) -> torch.optim.Optimizer:
+    from shardwise.optim.lamb import Lamb
+
+    return Lamb(groups, lr=lr)
+
+
+OPTIMIZERS = {
+    "adamw": lambda groups, lr: torch.optim.AdamW(groups, lr=lr),
+    "lamb": _lamb,
+}
+
+
+def make_optimizer(model: torch.nn.Module, lr: float, kind: str = "adamw") -> torch.optim.Optimizer:
     """Two param groups (decay / no decay), as real training scripts build them."""
     decay = [p for n, p in model.named_parameters() if p.dim() >= 2]
     no_decay = [p for n, p in model.named_parameters() if p.dim() < 2]
-    return torch.optim.AdamW(
-        [{"params": decay, "weight_decay": 0.1}, {"params": no_decay, "weight_decay": 0.0}], lr=lr
-    )
+    groups = [{"params": decay, "weight_decay": 0.1}, {"params": no_decay, "weight_decay": 0.0}]
+    return OPTIMIZERS[kind](groups, lr)
 
 
 def train_parallel(rank: int, world_size: int, case: Case) -> dict:
     model = build_model(case.model)
-    engine = shardwise.initialize(model, case.config(world_size), optimizer=make_optimizer(model, case.lr))
+    engine = shardwise.initialize(model, case.config(world_size),
+                                  optimizer=make_optimizer(model, case.lr, case.optimizer))
     rows = world_size * case.accumulation * case.micro_batch
     losses = []
     for step in range(case.steps):
@@ -170,7 +183,7 @@ def train_reference(case: Case, world_size: int, per_micro_batch: bool = False) 
     zero-gradient parameters (GPT-2's key bias) turn rounding noise into Adam updates.
     """
     model = build_model(case.model)
-    optimizer = make_optimizer(model, case.lr)
+    optimizer = make_optimizer(model, case.lr, case.optimizer)
     rows = world_size * case.accumulation * case.micro_batch
     losses = []
     for step in range(case.steps):

@@ -1,0 +1,85 @@
+"""Optimizers whose update depends on whole parameters, written so they also run on pieces.
+
+LAMB's and LARS's trust ratios need the norm of a whole weight; Adafactor needs a matrix's
+row and column statistics; block-wise quantised state needs block boundaries in the
+parameter's own coordinates. Under ZeRO a rank owns arbitrary element ranges of a
+parameter, so such an optimizer is told, for each tensor it trains, which piece of which
+parameter it is (`ParameterShard`), and is given a function that sums partial statistics
+over the ranks holding the other pieces (the ZeRO shard group).
+
+Used on an ordinary model (no ZeRO), every parameter is its own whole shard and the sum
+is the identity: the same class, the same arithmetic, which is what lets a test compare a
+partitioned run with a single-process one.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Callable
+
+import torch
+
+
+@dataclass(frozen=True)
+class ParameterShard:
+    """Elements [start, stop) of the flattened parameter `name` of shape `shape`;
+    `index` numbers the parameter the same way on every rank (0 .. count-1)."""
+
+    name: str
+    shape: tuple[int, ...]
+    start: int
+    stop: int
+    index: int
+
+    @property
+    def numel(self) -> int:
+        return self.stop - self.start
+
+    @property
+    def full_numel(self) -> int:
+        return math.prod(self.shape)
+
+
+SumOverShards = Callable[[torch.Tensor], torch.Tensor]
+
+
+class ShardAwareOptimizer(torch.optim.Optimizer):
+    """Base class: `shard_of(p)` and `sum_over_shards(t)` work with or without ZeRO."""
+
+    def attach_shards(self, shards: dict[torch.Tensor, ParameterShard], count: int, sum_over_shards: SumOverShards) -> None:
+        """Called by ZeRO: what each trained tensor is a piece of, how many parameters the
+        model has (the length of per-parameter statistics), and how to sum them."""
+        self._shards = {id(tensor): shard for tensor, shard in shards.items()}
+        self._count = count
+        self._sum = sum_over_shards
+
+    @property
+    def parameter_count(self) -> int:
+        if hasattr(self, "_count"):
+            return self._count
+        return sum(len(group["params"]) for group in self.param_groups)
+
+    def shard_of(self, param: torch.Tensor) -> ParameterShard:
+        shards = getattr(self, "_shards", None)
+        if shards is None:  # no ZeRO: every parameter is whole, numbered in group order
+            params = [p for group in self.param_groups for p in group["params"]]
+            shards = {id(p): ParameterShard("", tuple(p.shape), 0, p.numel(), i) for i, p in enumerate(params)}
+            self._shards = shards
+        return shards[id(param)]
+
+    def sum_over_shards(self, tensor: torch.Tensor) -> torch.Tensor:
+        """Sum `tensor` (in place) over the ranks holding the other pieces of each parameter."""
+        reduce = getattr(self, "_sum", None)
+        return tensor if reduce is None else reduce(tensor)
+
+    def parameter_norms(self, *columns: list[tuple[torch.Tensor, torch.Tensor]]) -> torch.Tensor:
+        """Whole-parameter L2 norms, several kinds at once: each column lists (param, value)
+        pairs; the result's [i, k] is the norm of column k's values over every piece of
+        parameter i. One reduction for all parameters and columns."""
+        device = next((value.device for column in columns for _, value in column), torch.device("cpu"))
+        squares = torch.zeros(self.parameter_count, len(columns), dtype=torch.float64, device=device)
+        for k, column in enumerate(columns):
+            for param, value in column:
+                squares[self.shard_of(param).index, k] += torch.linalg.vector_norm(value, dtype=torch.float64).square()
+        return self.sum_over_shards(squares).sqrt()
