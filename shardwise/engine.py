@@ -234,9 +234,10 @@ class Engine:
         return load_checkpoint(self, load_dir, tag)
 
     # -- accounting ----------------------------------------------------------------------
-    def memory_breakdown(self) -> dict[str, int]:
-        """Bytes this rank held per category at that category's peak (SPEC §4)."""
-        return self.ledger.breakdown()
+    def memory_breakdown(self, by_tier: bool = False) -> dict:
+        """Bytes this rank held per category at that category's peak (SPEC §4), on the
+        training device; `by_tier=True`: {"device" | "host" | "nvme": {category: bytes}}."""
+        return self.ledger.breakdown_by_tier() if by_tier else self.ledger.breakdown()
 
     def comm_volume(self, per_group: bool = False) -> dict:
         """Bytes this rank sent per collective since the last reset (ring model, SPEC §4);

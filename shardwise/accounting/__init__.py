@@ -1,3 +1,3 @@
-from shardwise.accounting.memory import CATEGORIES, MemoryLedger, tensor_bytes
+from shardwise.accounting.memory import CATEGORIES, TIERS, MemoryLedger, tensor_bytes
 
-__all__ = ["CATEGORIES", "MemoryLedger", "tensor_bytes"]
+__all__ = ["CATEGORIES", "TIERS", "MemoryLedger", "tensor_bytes"]

@@ -1,9 +1,14 @@
-"""The engine's own count of the bytes it holds, by category (SPEC §4, C6).
+"""The engine's own count of the bytes it holds, by category and memory tier (SPEC §4, C6).
 
 Allocator statistics cannot say *what* memory is for, and on CPU there are none; so every
 buffer the engine creates is registered here when allocated and released when freed.
 `memory_breakdown()` reports, per category, the most this rank held at once: that is the
 number the ZeRO formulas predict, and what a test can check to the byte.
+
+A tier says where the bytes live: "device" (the accelerator, or the CPU when there is
+none), "host" (CPU memory next to an accelerator: ZeRO-Offload) or "nvme" (swap files:
+ZeRO-Infinity). Offloading moves a category's bytes from one tier to another, and the
+formulas say how many land in each.
 """
 
 from __future__ import annotations
@@ -13,6 +18,7 @@ from collections import Counter
 import torch
 
 CATEGORIES = ("params", "grads", "optimizer_states", "buffers")
+TIERS = ("device", "host", "nvme")
 
 
 def tensor_bytes(tensor: torch.Tensor) -> int:
@@ -20,27 +26,40 @@ def tensor_bytes(tensor: torch.Tensor) -> int:
 
 
 class MemoryLedger:
-    """Current and peak bytes per category."""
+    """Current and peak bytes per (tier, category)."""
 
     def __init__(self) -> None:
-        self.current: Counter[str] = Counter()
-        self.peak: Counter[str] = Counter()
+        self.current: Counter[tuple[str, str]] = Counter()
+        self.peak: Counter[tuple[str, str]] = Counter()
 
-    def hold(self, category: str, nbytes: int) -> None:
+    def _key(self, category: str, tier: str) -> tuple[str, str]:
         if category not in CATEGORIES:
             raise KeyError(f"unknown memory category {category!r}; expected one of {CATEGORIES}")
-        self.current[category] += nbytes
-        self.peak[category] = max(self.peak[category], self.current[category])
+        if tier not in TIERS:
+            raise KeyError(f"unknown memory tier {tier!r}; expected one of {TIERS}")
+        return tier, category
 
-    def release(self, category: str, nbytes: int) -> None:
-        self.current[category] -= nbytes
-        if self.current[category] < 0:
-            raise RuntimeError(f"memory ledger for {category!r} went negative")
+    def hold(self, category: str, nbytes: int, tier: str = "device") -> None:
+        key = self._key(category, tier)
+        self.current[key] += nbytes
+        self.peak[key] = max(self.peak[key], self.current[key])
 
-    def set(self, category: str, nbytes: int) -> None:
+    def release(self, category: str, nbytes: int, tier: str = "device") -> None:
+        key = self._key(category, tier)
+        self.current[key] -= nbytes
+        if self.current[key] < 0:
+            raise RuntimeError(f"memory ledger for {category!r} on {tier!r} went negative")
+
+    def set(self, category: str, nbytes: int, tier: str = "device") -> None:
         """Record that a category now holds exactly `nbytes` (e.g. optimizer state)."""
-        self.current[category] = nbytes
-        self.peak[category] = max(self.peak[category], nbytes)
+        key = self._key(category, tier)
+        self.current[key] = nbytes
+        self.peak[key] = max(self.peak[key], nbytes)
 
-    def breakdown(self) -> dict[str, int]:
-        return {category: int(self.peak[category]) for category in CATEGORIES}
+    def breakdown(self, tier: str = "device") -> dict[str, int]:
+        return {category: int(self.peak[(tier, category)]) for category in CATEGORIES}
+
+    def breakdown_by_tier(self) -> dict[str, dict[str, int]]:
+        """Every tier that holds anything, with its peak bytes per category."""
+        return {tier: self.breakdown(tier) for tier in TIERS
+                if tier == "device" or any(self.peak[(tier, category)] for category in CATEGORIES)}

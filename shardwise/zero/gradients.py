@@ -200,8 +200,7 @@ class GradientReducer:
 
     def discard_window(self) -> None:
         """Forget every gradient of the current accumulation window."""
-        if self.keeps_full_grads:
-            self.store.grad_flat.zero_()
+        self.store.zero_gradients()
         self.zero_grads()
 
     def _fill_missing(self, unit: FlatUnit) -> None:
@@ -273,6 +272,7 @@ class GradientReducer:
                 if wire.data_ptr() != grads.data_ptr():
                     grads[lo:hi].copy_(wire[lo:hi])
                     self.ledger.release("buffers", tensor_bytes(wire))
+                self.store.receive_gradient(unit, grads[lo:hi])
 
             def finalize() -> None:
                 self._across_replicas(unit, wire[lo:hi], what, copy_back)
@@ -283,12 +283,11 @@ class GradientReducer:
                 slot.param.grad = None
             bucket.div_(self.divisor)
             pending = self._reduce_to_owner(bucket, lo, hi, what)
-            partition = self.store.gradient(unit)
 
             def finalize() -> None:
-                partition.add_(bucket[lo:hi])
+                self.store.receive_gradient(unit, bucket[lo:hi])
                 self._free_buckets.append(buffer)
-                self._across_replicas(unit, partition, what, lambda: None)
+                self._across_replicas(unit, self.store.gradient(unit), what, lambda: None)
 
         self._enqueue(_Launched(unit, pending, finalize))
 

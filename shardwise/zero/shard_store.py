@@ -7,8 +7,12 @@ belonged to four objects and nothing knew which memory they sat in. A store has 
 ZeRO-Infinity (NVMe files) are further stores, not further branches in the engine:
 
     master(unit)          fp32 values of this rank's chunk of `unit` (the optimizer trains them)
-    gradient(unit)        the reduced gradient of that chunk, in the gradient dtype
+    gradient(unit)        the reduced gradient of that chunk (what the optimizer reads)
     full_gradient(unit)   stages 0-1: the whole unit's accumulation buffer (None otherwise)
+    receive_gradient(unit, reduced)
+                          the reducer hands over this rank's reduced chunk of `unit`: added
+                          into `gradient(unit)` (stages 2-3 every micro-batch), or, when it
+                          already is that memory (stages 0-1 on the device), nothing to do
     sub_groups            segments in pieces of about `sub_group_size` elements
     resident(sub_group)   the sub-group's masters and optimizer state are in memory for the
                           duration of the block (a paging tier reads them in and writes back)
@@ -127,10 +131,19 @@ class DeviceShardStore:
         """This rank's reduced gradient chunks, one per unit."""
         return self._grads
 
+    def receive_gradient(self, unit: FlatUnit, reduced: torch.Tensor) -> None:
+        target = self.gradient(unit)
+        if reduced.data_ptr() != target.data_ptr():
+            target.add_(reduced)
+
     def zero_partition_gradients(self) -> None:
         """Stages 2-3: start a new accumulation window (stages 0-1 manage their buffer)."""
         if not self.keeps_full_gradients:
             self.grad_flat.zero_()
+
+    def zero_gradients(self) -> None:
+        """Drop every gradient held (a failed backward's window)."""
+        self.grad_flat.zero_()
 
     @contextmanager
     def resident(self, sub_group: list[SegmentState]) -> Iterator[list[SegmentState]]:
