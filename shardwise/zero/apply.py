@@ -25,7 +25,7 @@ from shardwise.zero.layout import FlatUnit, align_elements, pack_units
 from shardwise.zero.partitioned_params import PartitionedParameters
 from shardwise.zero.policy import ZeroPolicy
 from shardwise.zero.replicated_params import ReplicatedParameters
-from shardwise.zero.shard_store import DeviceShardStore
+from shardwise.zero.shard_store import DeviceShardStore, ShardStore
 from shardwise.zero.shard_view import OwnedRange, owned_ranges
 from shardwise.zero.sharded_optimizer import ShardedOptimizer
 from shardwise.zero.strategy import ParameterStrategy
@@ -45,7 +45,7 @@ class ZeroState:
     policy: ZeroPolicy
     groups: ZeroGroups
     params: ParameterStrategy
-    store: DeviceShardStore
+    store: ShardStore
     reducer: GradientReducer
     optimizer: ShardedOptimizer
 

@@ -43,7 +43,7 @@ from shardwise.accounting import MemoryLedger, tensor_bytes
 from shardwise.distributed.collectives import Communicator, PendingCollective
 from shardwise.zero.layout import FlatUnit, ParamSlot
 from shardwise.zero.policy import ZeroPolicy
-from shardwise.zero.shard_store import DeviceShardStore
+from shardwise.zero.shard_store import ShardStore
 
 MAX_IN_FLIGHT = 1
 
@@ -60,7 +60,7 @@ class GradientReducer:
         self,
         units: list[FlatUnit],
         policy: ZeroPolicy,
-        store: DeviceShardStore,
+        store: ShardStore,
         shard: Communicator,
         replicate: Communicator,
         ledger: MemoryLedger,
@@ -108,8 +108,8 @@ class GradientReducer:
 
     def zero_grads(self) -> None:
         """Start a new accumulation window (after the optimizer step)."""
+        self.store.start_window()
         if not self.keeps_full_grads:
-            self.store.zero_partition_gradients()
             return
         for unit in self.units:
             for slot in unit.slots:

@@ -18,9 +18,7 @@ ZeRO-Infinity (NVMe files) are further stores, not further branches in the engin
                           duration of the block (a paging tier reads them in and writes back)
     publish(strategy)     copy updated masters into the parameters' owned chunks
 
-This is the device tier: everything in the memory of the training device, no paging.
-Mixed precision keeps a separate fp32 master copy; fp32 training trains the parameters'
-own chunks in place (K = 8 instead of 12, SPEC §4).
+`DeviceShardStore` is the device tier; shardwise/offload/ holds the host and NVMe tiers.
 """
 
 from __future__ import annotations
@@ -53,58 +51,42 @@ class SegmentState:
         return self.stop - self.start
 
 
-class DeviceShardStore:
-    tier = "device"
+class ShardStore:
+    """What every tier shares: how this rank's chunks are cut into segments and sub-groups,
+    and the lookups the reducer, optimizer and checkpoints use. A tier allocates its
+    buffers and hands them to `_organise`."""
 
-    def __init__(
+    tier = "device"  # where the gradient partition and masters live
+    state_tier = "device"  # where optimizer state and masters are counted
+
+    def _organise(
         self,
         units: list[FlatUnit],
         chunk: int,
-        strategy: ParameterStrategy,
-        grad_dtype: torch.dtype,
-        keeps_full_gradients: bool,
+        param_chunks: list[torch.Tensor],
+        masters: list[torch.Tensor],
+        full_grads: list[torch.Tensor] | None,
+        grads: list[torch.Tensor],
+        per_parameter: bool,
         sub_group_size: int,
-        ledger: MemoryLedger,
-        per_parameter: bool = False,
-    ):
-        """`chunk`: which chunk of every unit this rank owns (its shard-group rank).
-        `per_parameter`: one segment per owned parameter piece, for optimizers whose update
-        depends on whole parameters (they also step all segments at once, since each step
-        reduces statistics over the shard group and every rank must take part once)."""
+    ) -> None:
+        """`per_parameter`: one segment per owned parameter piece, for optimizers whose
+        update depends on whole parameters (they also step all segments at once, since each
+        step reduces statistics over the shard group and every rank must take part once)."""
         self.units = units
         self.chunk = chunk
-        self.ledger = ledger
-        param_chunks = [strategy.owned_chunk(unit) for unit in units]
-        device = param_chunks[0].device
-        self.separate_master = param_chunks[0].dtype != torch.float32
-        if self.separate_master:
-            sizes = [piece.numel() for piece in param_chunks]
-            self.master_flat = torch.empty(sum(sizes), dtype=torch.float32, device=device)
-            self._masters = list(torch.split(self.master_flat, sizes))
-            for master, param in zip(self._masters, param_chunks):
-                master.copy_(param)
-        else:
-            self.master_flat = None
-            self._masters = param_chunks
+        self.keeps_full_gradients = full_grads is not None
         self._param_chunks = param_chunks
-
-        self.keeps_full_gradients = keeps_full_gradients
-        sizes = [unit.padded_numel if keeps_full_gradients else unit.chunk_numel for unit in units]
-        self.grad_flat = torch.zeros(sum(sizes), dtype=grad_dtype, device=device)
-        ledger.hold("grads", tensor_bytes(self.grad_flat))
-        self._unit_grads = list(torch.split(self.grad_flat, sizes))
-        if keeps_full_gradients:
-            self._grads = [grads[slice(*unit.chunk_bounds(chunk))] for unit, grads in zip(units, self._unit_grads)]
-        else:
-            self._grads = self._unit_grads
+        self._masters = masters
+        self._full_grads = full_grads
+        self._grads = grads
         self._position = {unit.index: position for position, unit in enumerate(units)}
-
         if per_parameter:
             self.segments = [
                 SegmentState(unit.index, p.chunk_offset, p.chunk_offset + p.numel, p.slot.group,
                              master[p.chunk_offset : p.chunk_offset + p.numel],
                              grad[p.chunk_offset : p.chunk_offset + p.numel], p)
-                for unit, master, grad in zip(units, self._masters, self._grads)
+                for unit, master, grad in zip(units, masters, grads)
                 for p in unit.owned_pieces(chunk)
             ]
             self.sub_groups = [self.segments]
@@ -112,7 +94,7 @@ class DeviceShardStore:
             self.segments = [
                 SegmentState(unit.index, segment.start, segment.stop, segment.group,
                              master[segment.start : segment.stop], grad[segment.start : segment.stop])
-                for unit, master, grad in zip(units, self._masters, self._grads)
+                for unit, master, grad in zip(units, masters, grads)
                 for segment in unit.segments(chunk)
             ]
             self.sub_groups = _split_sub_groups(self.segments, sub_group_size)
@@ -125,7 +107,7 @@ class DeviceShardStore:
         return self._grads[self._position[unit.index]]
 
     def full_gradient(self, unit: FlatUnit) -> torch.Tensor | None:
-        return self._unit_grads[self._position[unit.index]] if self.keeps_full_gradients else None
+        return self._full_grads[self._position[unit.index]] if self._full_grads is not None else None
 
     def gradients(self) -> list[torch.Tensor]:
         """This rank's reduced gradient chunks, one per unit."""
@@ -134,10 +116,65 @@ class DeviceShardStore:
     def receive_gradient(self, unit: FlatUnit, reduced: torch.Tensor) -> None:
         target = self.gradient(unit)
         if reduced.data_ptr() != target.data_ptr():
-            target.add_(reduced)
+            target.add_(reduced.to(target.device))
 
-    def zero_partition_gradients(self) -> None:
-        """Stages 2-3: start a new accumulation window (stages 0-1 manage their buffer)."""
+    @contextmanager
+    def resident(self, sub_group: list[SegmentState]) -> Iterator[list[SegmentState]]:
+        """Device and host tiers hold everything in memory already."""
+        yield sub_group
+
+    # -- masters <-> parameters -----------------------------------------------------------------
+    def publish(self) -> None:
+        """Updated masters become the owned chunks of the parameters (16-bit copies)."""
+        for param, master in zip(self._param_chunks, self._masters):
+            if param.data_ptr() != master.data_ptr():
+                param.copy_(master, non_blocking=True)
+
+    def refresh_master(self, unit: FlatUnit) -> None:
+        """The parameter chunk of `unit` was edited (gathered_parameters, a checkpoint load
+        of 16-bit values): take the master from it."""
+        position = self._position[unit.index]
+        if self._masters[position].data_ptr() != self._param_chunks[position].data_ptr():
+            self._masters[position].copy_(self._param_chunks[position])
+
+
+class DeviceShardStore(ShardStore):
+    """Everything in the training device's memory, no paging. Mixed precision keeps a
+    separate fp32 master copy; fp32 training trains the parameters' own chunks in place
+    (K = 8 instead of 12, SPEC §4)."""
+
+    def __init__(
+        self,
+        units: list[FlatUnit],
+        chunk: int,
+        strategy: ParameterStrategy,
+        grad_dtype: torch.dtype,
+        keeps_full_gradients: bool,
+        sub_group_size: int,
+        ledger: MemoryLedger,
+        per_parameter: bool = False,
+    ):
+        """`chunk`: which chunk of every unit this rank owns (its shard-group rank)."""
+        param_chunks = [strategy.owned_chunk(unit) for unit in units]
+        device = param_chunks[0].device
+        self.master_flat = None
+        masters = param_chunks
+        if param_chunks[0].dtype != torch.float32:
+            self.master_flat, masters = _copies(param_chunks, torch.float32, device)
+        sizes = [unit.padded_numel if keeps_full_gradients else unit.chunk_numel for unit in units]
+        self.grad_flat = torch.zeros(sum(sizes), dtype=grad_dtype, device=device)
+        ledger.hold("grads", tensor_bytes(self.grad_flat))
+        unit_grads = list(torch.split(self.grad_flat, sizes))
+        if keeps_full_gradients:
+            grads = [full[slice(*unit.chunk_bounds(chunk))] for unit, full in zip(units, unit_grads)]
+        else:
+            grads = unit_grads
+        self._organise(units, chunk, param_chunks, masters, unit_grads if keeps_full_gradients else None,
+                       grads, per_parameter, sub_group_size)
+
+    def start_window(self) -> None:
+        """A new accumulation window: stages 2-3 zero their partition (stages 0-1 overwrite
+        their buffer with each window's first gradients instead; gradients.py)."""
         if not self.keeps_full_gradients:
             self.grad_flat.zero_()
 
@@ -145,28 +182,20 @@ class DeviceShardStore:
         """Drop every gradient held (a failed backward's window)."""
         self.grad_flat.zero_()
 
-    @contextmanager
-    def resident(self, sub_group: list[SegmentState]) -> Iterator[list[SegmentState]]:
-        """The device tier holds everything in memory already."""
-        yield sub_group
-
-    # -- masters <-> parameters -----------------------------------------------------------------
-    def publish(self) -> None:
-        """Updated masters become the owned chunks of the parameters (16-bit copies)."""
-        if self.separate_master:
-            for param, master in zip(self._param_chunks, self._masters):
-                param.copy_(master)
-
-    def refresh_master(self, unit: FlatUnit) -> None:
-        """The parameter chunk of `unit` was edited (gathered_parameters, a checkpoint load
-        of 16-bit values): take the master from it."""
-        if self.separate_master:
-            position = self._position[unit.index]
-            self._masters[position].copy_(self._param_chunks[position])
-
     def master_bytes(self) -> int:
         """Bytes of the separate fp32 copy (0 when the parameters are trained in place)."""
         return tensor_bytes(self.master_flat) if self.master_flat is not None else 0
+
+
+def _copies(tensors: list[torch.Tensor], dtype: torch.dtype, device: torch.device,
+            pin_memory: bool = False) -> tuple[torch.Tensor, list[torch.Tensor]]:
+    """One flat buffer holding a copy of each tensor; returns it and the views."""
+    sizes = [tensor.numel() for tensor in tensors]
+    flat = torch.empty(sum(sizes), dtype=dtype, device=device, pin_memory=pin_memory)
+    views = list(torch.split(flat, sizes))
+    for view, tensor in zip(views, tensors):
+        view.copy_(tensor)
+    return flat, views
 
 
 def _split_sub_groups(segments: list[SegmentState], sub_group_size: int) -> list[list[SegmentState]]:

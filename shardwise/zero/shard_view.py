@@ -23,7 +23,7 @@ import torch
 
 from shardwise.distributed.mesh import GroupHandle
 from shardwise.zero.layout import FlatUnit
-from shardwise.zero.shard_store import DeviceShardStore, SegmentState
+from shardwise.zero.shard_store import ShardStore, SegmentState
 
 
 @dataclass(frozen=True)
@@ -88,7 +88,7 @@ def global_runs(
 
 
 def owned_ranges(
-    units: list[FlatUnit], store: DeviceShardStore, chunk: int, group: GroupHandle
+    units: list[FlatUnit], store: ShardStore, chunk: int, group: GroupHandle
 ) -> list[OwnedRange]:
     """Every trained element this rank owns (padding excluded), unit by unit."""
     segments: dict[int, list[SegmentState]] = {}

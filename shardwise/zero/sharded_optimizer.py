@@ -22,13 +22,13 @@ import torch
 from shardwise.accounting import MemoryLedger, tensor_bytes
 from shardwise.optim.codec import ElementwiseCodec, StateCodec
 from shardwise.optim.sharded import ParameterShard, ShardAwareOptimizer, SumOverShards
-from shardwise.zero.shard_store import DeviceShardStore, SegmentState
+from shardwise.zero.shard_store import SegmentState, ShardStore
 
 
 class ShardedOptimizer:
     def __init__(
         self,
-        store: DeviceShardStore,
+        store: ShardStore,
         ledger: MemoryLedger,
         make_optimizer: Callable[[list[list[torch.Tensor]]], torch.optim.Optimizer],
         codec: StateCodec | None = None,
@@ -106,4 +106,4 @@ class ShardedOptimizer:
         total = self.store.master_bytes()
         for segment in self.segments:
             total += self.codec.state_bytes(self.optimizer.state.get(segment.master, {}), segment.numel)
-        self.ledger.set("optimizer_states", total)
+        self.ledger.set("optimizer_states", total, tier=self.store.state_tier)
