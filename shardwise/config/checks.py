@@ -16,10 +16,10 @@ def find_unsupported(cfg: ShardwiseConfig) -> list[str]:
         problems.append("fp16.auto_cast true is not supported yet: the model's own forward chooses dtypes")
     for name in ("offload_optimizer", "offload_param"):
         offload: OffloadConfig = getattr(cfg.zero_optimization, name)
-        if offload.device != "none":
+        if offload.device == "nvme":
             problems.append(
-                f"zero_optimization.{name}.device '{offload.device}' is not supported yet: offload is a later "
-                "capability, use 'none'"
+                f"zero_optimization.{name}.device 'nvme' is not supported yet: NVMe offload is a later "
+                "capability, use 'cpu' or 'none'"
             )
     for key, size in (
         ("tensor_parallel.size", cfg.tensor_parallel.size),
@@ -55,6 +55,7 @@ def find_contradictions(
             f"zero_optimization.mics_shard_size {shard} does not divide the data-parallel size "
             f"{data_parallel_size}: states are replicated over {data_parallel_size} / {shard} groups"
         )
+    problems += _offload_contradictions(cfg)
     if cfg.fp16.enabled and cfg.bf16.enabled:
         problems.append("fp16.enabled and bf16.enabled are both true: choose one training precision")
     for name in ("offload_optimizer", "offload_param"):
@@ -69,4 +70,26 @@ def find_contradictions(
             f"pipeline_parallel.micro_batches {micro_batches} != gradient_accumulation_steps "
             f"{cfg.gradient_accumulation_steps}: a pipeline step runs one micro-batch per accumulation step"
         )
+    return problems
+
+
+def _offload_contradictions(cfg: ShardwiseConfig) -> list[str]:
+    """Offload needs partitioned states: optimizer offload a stage >= 1, parameter offload
+    stage 3 (and an offloaded optimizer, since the parameters' masters live beside it)."""
+    zero = cfg.zero_optimization
+    optimizer, param = zero.offload_optimizer.device, zero.offload_param.device
+    problems = []
+    if optimizer != "none" and zero.stage == 0:
+        problems.append(f"zero_optimization.offload_optimizer.device '{optimizer}' needs zero_optimization.stage "
+                        "1, 2 or 3: stage 0 keeps the whole optimizer state on every rank")
+    if param != "none" and zero.stage != 3:
+        problems.append(f"zero_optimization.offload_param.device '{param}' needs zero_optimization.stage 3: "
+                        f"stage {zero.stage} keeps the whole model on every rank's device")
+    elif param != "none" and optimizer == "none":
+        problems.append(f"zero_optimization.offload_param.device '{param}' needs "
+                        "zero_optimization.offload_optimizer.device set as well: the parameters' fp32 masters "
+                        "and their optimizer step live with the optimizer")
+    if optimizer != "none" and zero.mics_shard_size != -1:
+        problems.append("zero_optimization.mics_shard_size with an offloaded optimizer is not supported: the "
+                        "all-reduce across replica groups would run on host memory; use one or the other")
     return problems

@@ -19,6 +19,7 @@ from torch import nn
 
 from shardwise.accounting import MemoryLedger
 from shardwise.distributed.collectives import Communicator
+from shardwise.offload.host_store import HostShardStore
 from shardwise.optim.codec import StateCodec
 from shardwise.zero.gradients import GradientReducer
 from shardwise.zero.layout import FlatUnit, align_elements, pack_units
@@ -77,6 +78,17 @@ class ZeroState:
         self.reducer.zero_grads()
 
 
+def _make_store(policy: ZeroPolicy, params: ParameterStrategy, chunk: int, ledger: MemoryLedger,
+                per_parameter: bool) -> ShardStore:
+    """The shard store of the tier `offload_optimizer.device` names."""
+    arguments = (params.units, chunk, params, policy.param_dtype, policy.keeps_full_gradients,
+                 policy.sub_group_size, ledger, per_parameter)
+    offload = policy.offload_optimizer
+    if offload.device == "cpu":
+        return HostShardStore(*arguments, pin_memory=offload.pin_memory)
+    return DeviceShardStore(*arguments)
+
+
 def apply_zero(
     model: nn.Module,
     named: list[tuple[str, nn.Parameter, int]],
@@ -103,10 +115,7 @@ def apply_zero(
             units, policy.param_dtype, device, groups.shard, groups.replicas, ledger, policy.allgather_bucket_size
         )
         params.broadcast_initial()
-    store = DeviceShardStore(
-        params.units, groups.shard.rank, params, policy.param_dtype, policy.keeps_full_gradients,
-        policy.sub_group_size, ledger, per_parameter,
-    )
+    store = _make_store(policy, params, groups.shard.rank, ledger, per_parameter)
     reducer = GradientReducer(params.units, policy, store, groups.shard, groups.replicate, ledger, device)
     params.connect(reducer)
     optimizer = ShardedOptimizer(

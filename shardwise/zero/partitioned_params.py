@@ -86,7 +86,7 @@ class PartitionedParameters(ParameterStrategy):
             if units:
                 module_units[module] = units
 
-        self.sharded = ShardedParameters(self.module_units_list, dtype, device, shard, ledger)
+        self.sharded = ShardedParameters(self.module_units_list, dtype, device, shard, ledger, policy.offload_param)
         self.replicas = replicas
         _materialize_and_shard(model, self.sharded, unit_of, replicas, device, param_init_fn or _default_init)
         persistent_units = pack_units(

@@ -28,6 +28,20 @@ class PrefetchPolicy:
 
 
 @dataclass(frozen=True)
+class OffloadPolicy:
+    """Where a kind of model state lives between uses: "none" (the device), "cpu", "nvme"."""
+
+    device: str = "none"
+    nvme_path: str | None = None
+    pin_memory: bool = False
+    buffer_count: int = 4
+
+    @property
+    def enabled(self) -> bool:
+        return self.device != "none"
+
+
+@dataclass(frozen=True)
 class ZeroPolicy:
     stage: int
     param_dtype: torch.dtype  # compute dtype of parameters and gradients
@@ -38,6 +52,8 @@ class ZeroPolicy:
     reduce_scatter: bool
     sub_group_size: int
     prefetch: PrefetchPolicy
+    offload_optimizer: OffloadPolicy = OffloadPolicy()
+    offload_param: OffloadPolicy = OffloadPolicy()
 
     @classmethod
     def from_config(cls, config: ShardwiseConfig) -> "ZeroPolicy":
@@ -59,6 +75,8 @@ class ZeroPolicy:
                 zero.stage3_max_reuse_distance,
                 zero.stage3_param_persistence_threshold,
             ),
+            offload_optimizer=_offload(zero.offload_optimizer),
+            offload_param=_offload(zero.offload_param),
         )
 
     @property
@@ -71,6 +89,10 @@ class ZeroPolicy:
         """Stages 0-1 accumulate the whole model's gradient and reduce at the boundary;
         stages 2-3 keep only their partition, so they reduce every micro-batch."""
         return self.stage <= 1
+
+
+def _offload(section) -> OffloadPolicy:
+    return OffloadPolicy(section.device, section.nvme_path, section.pin_memory, section.buffer_count)
 
 
 def compute_dtype(config: ShardwiseConfig) -> torch.dtype:

@@ -160,7 +160,7 @@ class DeviceShardStore(ShardStore):
         self.master_flat = None
         masters = param_chunks
         if param_chunks[0].dtype != torch.float32:
-            self.master_flat, masters = _copies(param_chunks, torch.float32, device)
+            self.master_flat, masters = copy_into_flat(param_chunks, torch.float32, device)
         sizes = [unit.padded_numel if keeps_full_gradients else unit.chunk_numel for unit in units]
         self.grad_flat = torch.zeros(sum(sizes), dtype=grad_dtype, device=device)
         ledger.hold("grads", tensor_bytes(self.grad_flat))
@@ -187,7 +187,7 @@ class DeviceShardStore(ShardStore):
         return tensor_bytes(self.master_flat) if self.master_flat is not None else 0
 
 
-def _copies(tensors: list[torch.Tensor], dtype: torch.dtype, device: torch.device,
+def copy_into_flat(tensors: list[torch.Tensor], dtype: torch.dtype, device: torch.device,
             pin_memory: bool = False) -> tuple[torch.Tensor, list[torch.Tensor]]:
     """One flat buffer holding a copy of each tensor; returns it and the views."""
     sizes = [tensor.numel() for tensor in tensors]

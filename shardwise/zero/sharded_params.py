@@ -21,6 +21,7 @@ import torch
 from shardwise.accounting import MemoryLedger, tensor_bytes
 from shardwise.distributed.collectives import Communicator, PendingCollective
 from shardwise.zero.layout import FlatUnit
+from shardwise.zero.policy import OffloadPolicy
 
 
 class ShardedParameters:
@@ -31,16 +32,23 @@ class ShardedParameters:
         device: torch.device,
         comm: Communicator,
         ledger: MemoryLedger,
+        home: OffloadPolicy = OffloadPolicy(),
     ):
-        """`comm`: the shard group; chunk r of every unit lives on its rank r."""
+        """`comm`: the shard group; chunk r of every unit lives on its rank r. `home`:
+        where the shards live between gathers (`offload_param`): on the device, or in
+        host memory (ZeRO-Offload of parameters), from where each gather first copies
+        this rank's shard into its place in the gathered buffer."""
         self.units = units
         self.dtype = dtype
         self.device = device
         self.comm = comm
         self.ledger = ledger
         sizes = [unit.chunk_numel for unit in units]
-        self.shard_flat = torch.zeros(sum(sizes), dtype=dtype, device=device)
-        ledger.hold("params", tensor_bytes(self.shard_flat))
+        offloaded = home.device == "cpu"
+        self.shard_flat = torch.zeros(sum(sizes), dtype=dtype, device="cpu" if offloaded else device,
+                                      pin_memory=offloaded and home.pin_memory and torch.cuda.is_available())
+        ledger.hold("params", tensor_bytes(self.shard_flat), tier="host" if offloaded else "device")
+        self.offloaded = offloaded
         self.shards = dict(zip((u.index for u in units), torch.split(self.shard_flat, sizes)))
         self.flats: dict[int, torch.Tensor] = {}
         self.views: dict[int, list[torch.Tensor]] = {}
@@ -90,9 +98,11 @@ class ShardedParameters:
         self.ledger.hold("buffers", tensor_bytes(flat))
         self.gathered.add(unit.index)
         self.peak_gathered_numel = max(self.peak_gathered_numel, self.gathered_numel())
-        self.pending[unit.index] = self.comm.all_gather(
-            flat, self.shards[unit.index], f"parameters of {unit}"
-        )
+        shard = self.shards[unit.index]
+        if self.offloaded:  # host -> this rank's place in the device buffer, then gather in place
+            lo, hi = unit.chunk_bounds(self.comm.rank)
+            shard = flat[lo:hi].copy_(shard, non_blocking=True)
+        self.pending[unit.index] = self.comm.all_gather(flat, shard, f"parameters of {unit}")
 
     def wait(self, unit: FlatUnit) -> None:
         """Finish the gather of `unit` and point its parameters at the result."""

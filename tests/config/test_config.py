@@ -191,16 +191,29 @@ def test_unsupported_scheduler_and_missing_total_steps():
     ]
 
 
-def test_offload_is_not_supported_yet_and_nvme_needs_a_path():
+def test_nvme_offload_is_not_supported_yet_and_needs_a_path():
     problems = problems_of({"train_batch_size": 8, "zero_optimization": {
-        "offload_optimizer": {"device": "cpu"}, "offload_param": {"device": "nvme"}}})
+        "stage": 3, "offload_optimizer": {"device": "cpu"}, "offload_param": {"device": "nvme"}}})
     assert problems == [
-        "zero_optimization.offload_optimizer.device 'cpu' is not supported yet: offload is a later capability, "
-        "use 'none'",
-        "zero_optimization.offload_param.device 'nvme' is not supported yet: offload is a later capability, "
-        "use 'none'",
+        "zero_optimization.offload_param.device 'nvme' is not supported yet: NVMe offload is a later capability, "
+        "use 'cpu' or 'none'",
         "zero_optimization.offload_param.device is 'nvme' but zero_optimization.offload_param.nvme_path is not set",
     ]
+
+
+@pytest.mark.parametrize(("zero", "expected"), [
+    ({"stage": 0, "offload_optimizer": {"device": "cpu"}},
+     "zero_optimization.offload_optimizer.device 'cpu' needs zero_optimization.stage 1, 2 or 3: stage 0 keeps "
+     "the whole optimizer state on every rank"),
+    ({"stage": 2, "offload_optimizer": {"device": "cpu"}, "offload_param": {"device": "cpu"}},
+     "zero_optimization.offload_param.device 'cpu' needs zero_optimization.stage 3: stage 2 keeps the whole "
+     "model on every rank's device"),
+    ({"stage": 3, "offload_param": {"device": "cpu"}},
+     "zero_optimization.offload_param.device 'cpu' needs zero_optimization.offload_optimizer.device set as "
+     "well: the parameters' fp32 masters and their optimizer step live with the optimizer"),
+])
+def test_offload_needs_partitioned_states(zero, expected):
+    assert problems_of({"train_batch_size": 8, "zero_optimization": zero}) == [expected]
 
 
 def test_auto_learning_rate_cannot_be_derived():
@@ -231,10 +244,8 @@ def test_hugging_face_zero2_config_reports_all_its_problems_at_once():
         "scheduler.params.warmup_num_steps: 'auto' cannot be derived, it depends on the length of training; "
         "set a number of steps",
         "set train_batch_size or train_micro_batch_size_per_gpu (or both): neither is given",
-        "zero_optimization.offload_optimizer.device 'cpu' is not supported yet: offload is a later capability, "
-        "use 'none'",
     ]
-    with pytest.raises(ConfigError, match=r"^5 problems in the shardwise config:\n  - 'wall_clock_breakdown'"):
+    with pytest.raises(ConfigError, match=r"^4 problems in the shardwise config:\n  - 'wall_clock_breakdown'"):
         load_config(HF_ZERO2, world_size=2)
 
 

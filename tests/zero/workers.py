@@ -149,6 +149,7 @@ def train_parallel(rank: int, world_size: int, case: Case) -> dict:
         "losses": (losses / world_size).tolist(),
         "params": params,
         "memory": engine.memory_breakdown(),
+        "memory_by_tier": engine.memory_breakdown(by_tier=True),
         "comm": comm,
         "comm_by_group": comm_by_group,
         "numel": engine.num_parameters(),
