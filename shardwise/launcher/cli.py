@@ -2,9 +2,12 @@
 
 torchrun's elastic agent already does what a launcher must (rendezvous, per-worker
 environment, log prefixes, stopping every worker when one fails), so this command only
-translates a small, checked set of flags into torchrun arguments and calls
-`torch.distributed.run` in this process. torch is imported only when a job starts, so
-`shardwise --help` stays fast.
+translates a small, checked set of flags into torchrun arguments and runs the agent in
+this process (`agent.run_agent`). Each worker runs the script through
+`shardwise.launcher.child`, which ties the worker's life to this process's before the
+script starts. Interrupted by SIGINT, SIGTERM or SIGHUP, the command stops the workers
+and says so in one line. torch is imported only when a job starts, so `shardwise --help`
+stays fast.
 """
 
 from __future__ import annotations
@@ -13,6 +16,10 @@ import argparse
 import os
 import sys
 
+from shardwise.launcher.agent import run_agent
+from shardwise.launcher.interrupts import Interrupted, interruptible
+
+CHILD_MODULE = "shardwise.launcher.child"
 DEFAULT_CPU_PROCESSES = 2
 LOOPBACK = "127.0.0.1"
 
@@ -91,9 +98,8 @@ def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParse
 def build_torchrun_args(args: argparse.Namespace) -> list[str]:
     """torchrun's options and script path for parsed `shardwise run` arguments.
 
-    The script's own arguments are not included: `main` attaches them after torchrun has
-    parsed its options, because torchrun's parser would misread script options that
-    abbreviate its own (`--nproc` is taken for `--nproc-per-node`).
+    The script's own arguments are not included: `run_agent` attaches them after
+    torchrun has parsed its options.
 
     One node without an endpoint uses torchrun's standalone rendezvous (a store on a free
     port, no race); `--master-port` pins that port instead. Several nodes meet through the
@@ -147,24 +153,31 @@ def resolve_nproc(args: argparse.Namespace) -> argparse.Namespace:
 
 
 def main(args: argparse.Namespace) -> int:
+    with interruptible():
+        try:
+            return _launch(args)
+        except Interrupted as stop:
+            print(f"shardwise run: {stop}; stopped every worker of {args.script}", file=sys.stderr)
+            return stop.exit_code
+
+
+def _launch(args: argparse.Namespace) -> int:
     if not os.path.isfile(args.script):
         print(f"shardwise run: error: no such script: {args.script}", file=sys.stderr)
         return 2
     try:
-        torchrun_args = build_torchrun_args(resolve_nproc(args))
+        *torchrun_options, script = build_torchrun_args(resolve_nproc(args))
     except ValueError as error:
         print(f"shardwise run: error: {error}", file=sys.stderr)
         return 2
 
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
-    from torch.distributed.run import parse_args, run
 
-    torchrun_config = parse_args(torchrun_args)
-    torchrun_config.training_script_args = list(args.script_args)
     try:
-        run(torchrun_config)
+        run_agent([*torchrun_options, "--module"], CHILD_MODULE, [script, *args.script_args], {})
     except ChildFailedError as error:
-        print(error.format_msg(), file=sys.stderr)
+        # Named after the script, not the module every worker starts it through.
+        print(ChildFailedError(name=script, failures=error.failures).format_msg(), file=sys.stderr)
         return 1
     return 0
 

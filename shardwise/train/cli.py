@@ -4,17 +4,21 @@ With no arguments it trains the ≈10M-parameter GPT on the standard library's s
 2 CPU processes (gloo) or one per GPU (NCCL), with ZeRO-3, for about two minutes on two
 cores. This process checks the flags and the config, builds the corpus cache, starts the
 ranks through torchrun (rank 0 draws the progress bar), and when they are done prints
-the report and draws the plots from the files they wrote.
+the report and draws the plots from the files they wrote. Interrupted (SIGINT, SIGTERM,
+SIGHUP), it lets the ranks finish their step and write a checkpoint, then says in one
+line where the partial results are.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 import time
 from pathlib import Path
 
+from shardwise.launcher.interrupts import Interrupted, interruptible
 from shardwise.train.options import (
     DEFAULT_COMPARE_STEPS,
     DEFAULT_MODEL_SIZE,
@@ -37,6 +41,7 @@ from shardwise.train.run_files import (
     MEMORY_PLOT,
     OPTIONS_FILE,
     SUMMARY_FILE,
+    last_checkpoint,
 )
 
 REPORT_WIDTH = 120
@@ -48,7 +53,9 @@ examples:
   shardwise train --config ds_config.json          a DeepSpeed config laid over the defaults
   shardwise train --compare-stages                 stages 0-3 side by side: zero_stages.png
 Results go to OUT_DIR/NAME/: metrics.jsonl, loss.png, memory.png, TensorBoard events,
-checkpoint/, sample.txt, summary.json (and profile/ with --profile)."""
+checkpoint/, sample.txt, summary.json (and profile/ with --profile).
+Ctrl-C (or SIGTERM) stops after the current step and writes a checkpoint first; a second
+Ctrl-C stops at once."""
 
 
 def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParser:
@@ -77,8 +84,11 @@ def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParse
     parser.add_argument("--bf16", action="store_true", help="bf16 compute with fp32 master weights")
     parser.add_argument("--seed", type=int, default=None,
                         help=f"seed of initialisation and data order (default: the config's, else {DEFAULT_SEED})")
-    parser.add_argument("--name", default=None, help="run directory name (default: from model, stage and time)")
+    parser.add_argument("--name", type=_run_name, default=None,
+                        help="run directory name, inside --out-dir (default: from model, stage and time)")
     parser.add_argument("--out-dir", default="runs", help="where run directories go (default: runs)")
+    parser.add_argument("--save-every", type=_positive_int, default=None, metavar="N",
+                        help="also write a checkpoint every N optimizer steps (default: only the final one)")
     parser.add_argument("--profile", action="store_true",
                         help="record a torch.profiler trace of a few steps into NAME/profile (view with TensorBoard)")
     parser.add_argument("--compare-stages", action="store_true",
@@ -91,12 +101,32 @@ def main(args: argparse.Namespace) -> int:
     from shardwise.config.errors import ConfigError
 
     started = time.perf_counter()
-    try:
-        options, nproc = prepare_run(args)
-    except (ValueError, ConfigError, OSError) as error:
-        print(f"shardwise train: error: {error}", file=sys.stderr)
-        return 2
+    with interruptible():
+        try:
+            options, nproc = prepare_run(args)
+        except (ValueError, ConfigError, OSError) as error:
+            print(f"shardwise train: error: {error}", file=sys.stderr)
+            return 2
+        except Interrupted as stop:
+            print(f"shardwise train: {stop} before any rank started", file=sys.stderr)
+            return stop.exit_code
+        try:
+            return _run(options, nproc, started)
+        except Interrupted as stop:
+            print(interrupted_message(stop, options), file=sys.stderr)
+            return stop.exit_code
 
+
+def interrupted_message(stop: Interrupted, options: TrainOptions) -> str:
+    """The one line an interrupted run ends with: the signal, the run directory, and the
+    checkpoint the ranks wrote last (at the step they stopped, unless a second signal
+    or torchrun's shutdown timeout cut them short)."""
+    tag = last_checkpoint(options.path)
+    saved = f"last checkpoint: {tag}" if tag else "no checkpoint written"
+    return f"shardwise train: {stop}; partial results are in {options.run_dir}/ ({saved})"
+
+
+def _run(options: TrainOptions, nproc: int, started: float) -> int:
     from shardwise.train.launch import launch_ranks, threads_per_rank
 
     status = launch_ranks(options.path / OPTIONS_FILE, nproc, threads_per_rank(nproc))
@@ -124,6 +154,8 @@ def prepare_run(args: argparse.Namespace) -> tuple[TrainOptions, int]:
         raise ValueError("--compare-stages runs every stage; drop --stage")
     if args.compare_stages and args.profile:
         raise ValueError("--profile traces a training run; it does not apply to --compare-stages")
+    if args.compare_stages and args.save_every:
+        raise ValueError("--save-every checkpoints a training run; it does not apply to --compare-stages")
     steps = args.steps or (DEFAULT_COMPARE_STEPS if args.compare_stages else DEFAULT_STEPS)
     if args.profile:
         from shardwise.profiling import steps_needed
@@ -155,6 +187,7 @@ def prepare_run(args: argparse.Namespace) -> tuple[TrainOptions, int]:
         seed=seed,
         profile=args.profile,
         compare_stages=args.compare_stages,
+        save_every=args.save_every,
     )
     options.save(run_dir / OPTIONS_FILE)
     return options, nproc
@@ -205,6 +238,20 @@ def _default_name(model_size: str, stage: int, dtype: str, compare_stages: bool)
 
 def _listing(run_dir: Path) -> list[str]:
     return sorted(p.name + ("/" if p.is_dir() else "") for p in run_dir.iterdir())
+
+
+def _run_name(text: str) -> str:
+    """A run directory name stays inside --out-dir: one plain path component, and not the
+    corpus cache that runs share there."""
+    separators = {os.sep, os.altsep} - {None}
+    if text in ("", ".", "..") or any(separator in text for separator in separators):
+        raise argparse.ArgumentTypeError(
+            f"{text!r} would not be a directory inside --out-dir: give a plain name, without "
+            f"path separators, not '.' or '..'"
+        )
+    if text == CORPUS_CACHE_DIR:
+        raise argparse.ArgumentTypeError(f"{text!r} is the corpus cache inside --out-dir; choose another name")
+    return text
 
 
 def _positive_int(text: str) -> int:

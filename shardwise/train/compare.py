@@ -24,6 +24,7 @@ from shardwise.train.loop import mean_over_ranks, train_step
 from shardwise.train.options import TrainOptions
 from shardwise.train.run_files import COMPARISON_FILE
 from shardwise.train.setup import ModelFacts, build_model, run_shape, samplers
+from shardwise.train.stopping import StopRequest
 
 STAGES = (0, 1, 2, 3)
 STAGE3_EXACT = {"stage3_param_persistence_threshold": 0, "stage3_max_reuse_distance": 0}
@@ -62,14 +63,18 @@ def stage_config(config: dict[str, Any], stage: int) -> dict[str, Any]:
     return config
 
 
-def measure_stage(options: TrainOptions, stage: int) -> StageMeasurement:
-    """Train `options.steps` steps at `stage` and measure the last one."""
+def measure_stage(options: TrainOptions, stage: int, stop: StopRequest) -> StageMeasurement | None:
+    """Train `options.steps` steps at `stage` and measure the last one; None when the
+    ranks agreed to stop early (there is nothing to checkpoint in a comparison)."""
     model, facts = build_model(options)
     engine = shardwise.initialize(model, stage_config(options.config, stage))
     train_sampler, _ = samplers(options, engine.config.train_batch_size)
     timer = StepTimer(lambda: engine.comm.wait_seconds, engine.device)
     for step in range(options.steps):
         local_loss, times, comm = train_step(engine, train_sampler, step, timer)
+        if stop.agreed(engine):
+            engine.destroy()
+            return None
     measurement = StageMeasurement(
         rank=engine.rank,
         shape=run_shape(engine, facts.num_params),
@@ -84,13 +89,17 @@ def measure_stage(options: TrainOptions, stage: int) -> StageMeasurement:
     return measurement
 
 
-def compare_stages(options: TrainOptions) -> None:
+def compare_stages(options: TrainOptions, stop: StopRequest) -> int:
+    """Measure every stage and (rank 0) write zero_stages.json; 0 when done, else the
+    signal that stopped the comparison early."""
     if options.steps < 1:
         raise ValueError(f"--compare-stages needs at least 1 step per stage, got {options.steps}")
     console = Console()
     measurements = []
     for stage in STAGES:
-        measured = measure_stage(options, stage)
+        measured = measure_stage(options, stage, stop)
+        if measured is None:
+            return stop.signum
         measurements.append(measured)
         if measured.rank == 0:
             console.print(
@@ -114,3 +123,4 @@ def compare_stages(options: TrainOptions) -> None:
             "stages": [measured.as_entry() for measured in measurements],
         }
         (options.path / COMPARISON_FILE).write_text(json.dumps(comparison, indent=2) + "\n")
+    return 0

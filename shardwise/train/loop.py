@@ -1,14 +1,18 @@
 """One rank of the main job: train, checkpoint, evaluate, sample, and (rank 0) record it all.
 
 Every rank runs the same code; rank 0 alone writes metrics, draws progress and writes
-the summary, while the checkpoint and the evaluation are collectives all ranks join.
+the summary, while checkpoints and the evaluation are collectives all ranks join. A
+checkpoint is written every `save_every` steps when asked, at the end, and at the step
+where the ranks agree to stop early (`stopping`).
 """
 
 from __future__ import annotations
 
 import json
+import signal
 import time
 from contextlib import ExitStack
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -33,6 +37,18 @@ from shardwise.train.options import TrainOptions
 from shardwise.train.progress import TrainingProgress
 from shardwise.train.run_files import CHECKPOINT_DIR, PROFILE_DIR, SAMPLE_FILE, SUMMARY_FILE
 from shardwise.train.setup import DTYPE_NAMES, ModelFacts, build_model, run_shape, samplers, shared_peak_flops
+from shardwise.train.stopping import StopRequest
+
+
+@dataclass(frozen=True)
+class StepsRun:
+    """How the training steps went: the last step taken, its mean loss and bytes sent, and
+    the signal that stopped them early (0 when they all ran)."""
+
+    step: int
+    loss: float
+    comm: dict[str, int]
+    stopped_by: int = 0
 
 
 def train_step(
@@ -65,7 +81,18 @@ def mean_over_ranks(engine: Engine, value: float) -> float:
     return float(total.item()) / engine.world_size
 
 
-def train(options: TrainOptions) -> None:
+def save_checkpoint(engine: Engine, options: TrainOptions, step: int) -> str:
+    """Collective: this rank's shard of the state after `step`, tagged `step<N>`."""
+    return engine.save_checkpoint(
+        options.path / CHECKPOINT_DIR,
+        tag=f"step{step}",
+        client_state={"step": step, "seed": options.seed, "model_size": options.model_size},
+    )
+
+
+def train(options: TrainOptions, stop: StopRequest) -> int:
+    """Run the job on this rank; 0 when it ran to the end, else the signal that stopped it
+    early (after a checkpoint of the last step)."""
     model, facts = build_model(options)
     engine = shardwise.initialize(model, options.config)
     train_sampler, val_sampler = samplers(options, engine.config.train_batch_size)
@@ -75,15 +102,14 @@ def train(options: TrainOptions) -> None:
         console.print(_header(options, engine, facts, peak.source), highlight=False, soft_wrap=True)
 
     started = time.perf_counter()
-    loss, comm = run_steps(options, engine, facts, peak, train_sampler, console)
+    steps = run_steps(options, engine, facts, peak, train_sampler, console, stop)
+    if steps.stopped_by:
+        engine.destroy()
+        return steps.stopped_by
     train_seconds = time.perf_counter() - started
     memory = engine.memory_breakdown()  # before evaluation gathers the full weights
 
-    tag = engine.save_checkpoint(
-        options.path / CHECKPOINT_DIR,
-        tag=f"step{options.steps}",
-        client_state={"step": options.steps, "seed": options.seed, "model_size": options.model_size},
-    )
+    tag = save_checkpoint(engine, options, options.steps)
     with full_weights(engine):
         val_loss = validation_loss(engine, val_sampler)
         sample = generate_sample(model, options.sample_prompt, options.sample_tokens, options.seed, engine.device)
@@ -100,24 +126,32 @@ def train(options: TrainOptions) -> None:
                 "expressions": memory_expressions(shape),
             },
             "comm_per_step": {
-                "measured": comm,
+                "measured": steps.comm,
                 "formula": expected_comm(shape),
                 "expressions": comm_expressions(shape),
             },
             "persistent_params": shape.persistent_params,
             "padding_elements": engine.padding_elements(),
-            "final": {"loss": loss, "val_loss": val_loss},
+            "final": {"loss": steps.loss, "val_loss": val_loss},
             "train_seconds": train_seconds,
             "checkpoint": {"dir": CHECKPOINT_DIR, "tag": tag},
         }
         (options.path / SUMMARY_FILE).write_text(json.dumps(summary, indent=2) + "\n")
     engine.destroy()
+    return 0
 
 
 def run_steps(
-    options: TrainOptions, engine: Engine, facts: ModelFacts, peak: PeakFlops, sampler: BlockSampler, console: Console
-) -> tuple[float, dict[str, int]]:
-    """The training steps, metrics and progress; returns the last step's mean loss and bytes sent."""
+    options: TrainOptions,
+    engine: Engine,
+    facts: ModelFacts,
+    peak: PeakFlops,
+    sampler: BlockSampler,
+    console: Console,
+    stop: StopRequest,
+) -> StepsRun:
+    """The training steps, metrics, progress and periodic checkpoints, until the last step
+    or the step at which the ranks agree to stop (checkpointed before returning)."""
     is_rank0 = engine.rank == 0
     tokens_per_step = engine.config.train_batch_size * options.seq_len
     timer = StepTimer(lambda: engine.comm.wait_seconds, engine.device)
@@ -131,6 +165,7 @@ def run_steps(
             lr = engine.get_lr()[0]  # the rate this step uses; step() moves the schedule on
             local_loss, times, comm = train_step(engine, sampler, step - 1, timer)
             loss = mean_over_ranks(engine, local_loss)
+            stopped_by = stop.agreed(engine)
             if is_rank0:
                 global_flops_peak = peak.flops_per_second * engine.world_size
                 record = step_record(
@@ -146,8 +181,20 @@ def run_steps(
                 )
                 metrics.write(record)
                 progress.update(record)
+            if stopped_by:
+                if is_rank0:
+                    console.print(
+                        f"{signal.Signals(stopped_by).name}: stopping after step {step} and writing checkpoint "
+                        f"step{step}; interrupt again to stop at once, without it",
+                        highlight=False,
+                        soft_wrap=True,
+                    )
+                save_checkpoint(engine, options, step)
+                return StepsRun(step, loss, comm, stopped_by)
+            if options.save_every and step % options.save_every == 0 and step < options.steps:
+                save_checkpoint(engine, options, step)  # the last step's is written after the loop
             profiler_step()
-    return loss, comm
+    return StepsRun(options.steps, loss, comm)
 
 
 def _header(options: TrainOptions, engine: Engine, facts: ModelFacts, peak_source: str) -> str:

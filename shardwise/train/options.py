@@ -50,6 +50,7 @@ class TrainOptions:
     seed: int = DEFAULT_SEED
     profile: bool = False
     compare_stages: bool = False
+    save_every: int | None = None  # optimizer steps between checkpoints; None: only the final one
     sample_prompt: str = SAMPLE_PROMPT
     sample_tokens: int = SAMPLE_TOKENS
 

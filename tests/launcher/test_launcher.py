@@ -207,5 +207,33 @@ def test_a_failing_script_makes_the_launcher_fail(tmp_path):
     finished = run_shardwise(["--nproc", "2", str(script)], tmp_path)
 
     assert finished.returncode == 1
+    # The traceback starts at the script, as `python fails.py` prints it, not in the
+    # module each worker starts the script through.
+    assert f'Traceback (most recent call last):\n  File "{script}", line 1' in finished.stderr
     assert "RuntimeError: the script failed on purpose" in finished.stderr
+    assert "runpy" not in finished.stderr and "child.py" not in finished.stderr
     assert "fails.py FAILED" in finished.stderr
+
+
+def test_the_script_sees_what_python_would_show_it(tmp_path):
+    """sys.argv, sys.path[0], __name__ and __file__ as under `python sub/show.py ...`, though
+    every worker starts the script through shardwise.launcher.child."""
+    (tmp_path / "sub").mkdir()
+    (tmp_path / "sub" / "show.py").write_text(
+        "import json, os, sys\n"
+        "seen = {'argv': sys.argv, 'path0': sys.path[0], 'name': __name__, 'file': __file__,\n"
+        "        'launcher_pid_left': 'SHARDWISE_LAUNCHER_PID' in os.environ}\n"
+        "print('SEEN', json.dumps(seen))\n"
+    )
+
+    finished = run_shardwise(["--nproc", "1", "sub/show.py", "--lr", "0.1", "x y"], tmp_path)
+
+    assert finished.returncode == 0, finished.stderr
+    (line,) = [line for line in finished.stdout.splitlines() if line.startswith("SEEN ")]
+    assert json.loads(line[5:]) == {
+        "argv": ["sub/show.py", "--lr", "0.1", "x y"],
+        "path0": os.path.realpath(tmp_path / "sub"),
+        "name": "__main__",
+        "file": "sub/show.py",
+        "launcher_pid_left": False,
+    }

@@ -26,6 +26,7 @@ def test_no_arguments_select_the_main_job():
         (["--compare-stages", "--profile"], "--profile traces a training run"),
         (["--profile", "--steps", "2"], "--profile needs at least 3 steps"),
         (["--nproc", "3"], "train_batch_size 8 is not divisible by gradient_accumulation_steps 1 * world_size 3"),
+        (["--compare-stages", "--save-every", "2"], "--save-every checkpoints a training run"),
     ],
 )
 def test_contradictory_flags_are_refused(capsys, tmp_path, argv, message):
@@ -54,3 +55,29 @@ def test_an_existing_run_is_not_overwritten(capsys, tmp_path):
     status, err = run_cli(capsys, "--out-dir", str(tmp_path), "--name", "taken")
     assert status == 2
     assert "already exists and is not empty" in err
+
+
+@pytest.mark.parametrize("name", ["../x", "..", ".", "", "/tmp/elsewhere", "a/b", "runs/../../x"])
+def test_a_name_that_leaves_the_out_dir_is_refused(capsys, tmp_path, name):
+    with pytest.raises(SystemExit) as exit_info:
+        build_parser().parse_args(["train", "--out-dir", str(tmp_path), "--name", name])
+    assert exit_info.value.code == 2
+    assert (
+        f"argument --name: {name!r} would not be a directory inside --out-dir: give a plain name, "
+        "without path separators, not '.' or '..'"
+    ) in capsys.readouterr().err
+    assert not any(tmp_path.iterdir())
+
+
+def test_the_corpus_cache_is_not_a_run_name(capsys):
+    with pytest.raises(SystemExit):
+        build_parser().parse_args(["train", "--name", ".cache"])
+    assert "argument --name: '.cache' is the corpus cache inside --out-dir" in capsys.readouterr().err
+
+
+def test_save_every_is_a_positive_step_count(capsys):
+    assert build_parser().parse_args(["train", "--save-every", "25"]).save_every == 25
+    assert build_parser().parse_args(["train"]).save_every is None
+    with pytest.raises(SystemExit):
+        build_parser().parse_args(["train", "--save-every", "0"])
+    assert "argument --save-every: expected a positive integer, got '0'" in capsys.readouterr().err

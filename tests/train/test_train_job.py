@@ -47,7 +47,9 @@ def check_png(path: Path) -> None:
 @pytest.fixture(scope="module")
 def trained(tmp_path_factory) -> tuple[Path, str]:
     out_dir = tmp_path_factory.mktemp("runs")
-    result = shardwise_train("--steps", str(STEPS), "--profile", "--out-dir", str(out_dir), "--name", "e2e")
+    result = shardwise_train(
+        "--steps", str(STEPS), "--save-every", "2", "--profile", "--out-dir", str(out_dir), "--name", "e2e"
+    )  # fmt: skip
     assert result.returncode == 0, result.stdout + result.stderr
     return out_dir / "e2e", result.stdout
 
@@ -111,6 +113,8 @@ def test_checkpoint_and_sample_are_written(trained):
     run_dir, _ = trained
     checkpoint = run_dir / "checkpoint"
     assert (checkpoint / "latest").read_text().strip() == f"step{STEPS}"
+    # --save-every 2 over 5 steps: steps 2 and 4, then the final one.
+    assert sorted(path.name for path in checkpoint.iterdir()) == ["latest", "step2", "step4", f"step{STEPS}"]
     shards = sorted(path.name for path in (checkpoint / f"step{STEPS}").iterdir())
     assert "rank_00000.safetensors" in shards and "rank_00001.safetensors" in shards
     sample = (run_dir / "sample.txt").read_bytes().decode()
