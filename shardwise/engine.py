@@ -294,6 +294,7 @@ class Engine:
         """Detach from the model (hooks removed); the model can then get a new engine."""
         self.zero.reducer.remove_hooks()
         self.zero.params.remove_hooks()
+        self.zero.store.close()
         for param in self.module.parameters():
             for attribute in ("_shardwise_engine", "_shardwise_reducer"):
                 if hasattr(param, attribute):

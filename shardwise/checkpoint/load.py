@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import math
 import os
-from itertools import chain
+from itertools import chain, groupby
 from pathlib import Path
 from typing import Any
 
@@ -134,10 +134,14 @@ def _load_trained(engine: Any, index: PieceIndex, meta: dict, records: list[dict
                 key: torch.zeros(segment.numel, dtype=DTYPES[dtype], device=segment.master.device)
                 for key, dtype in elements[group].items()
             }
-    for owned in engine.zero.owned_ranges():
-        index.read_into(owned.name, VALUE, owned.start, owned.master)
-        for key, tensor in parts.get(id(owned.segment), {}).items():
-            index.read_into(owned.name, key, owned.start, owned.state_view(tensor))
+    store = engine.zero.store
+    ranges = sorted(engine.zero.owned_ranges(), key=lambda owned: store.sub_group_index(owned.segment))
+    for sub_group, owned_in_group in groupby(ranges, key=lambda owned: store.sub_group_index(owned.segment)):
+        with store.resident(store.sub_groups[sub_group]):  # a paging store writes the masters back
+            for owned in owned_in_group:
+                index.read_into(owned.name, VALUE, owned.start, owned.master)
+                for key, tensor in parts.get(id(owned.segment), {}).items():
+                    index.read_into(owned.name, key, owned.start, owned.state_view(tensor))
     codec = engine.zero.codec
     states = {
         id(segment): codec.decode(parts[id(segment)], {
@@ -156,6 +160,9 @@ def _load_trained(engine: Any, index: PieceIndex, meta: dict, records: list[dict
         "state": {position[id(s.master)]: states[id(s)] for s in engine.optimizer.segments if id(s) in states},
         "param_groups": groups,
     })
+    for sub_group in store.sub_groups:  # a paging store moves the new state into its pages
+        with store.resident(sub_group):
+            store.adopt_state(sub_group, optimizer.state)
     engine.optimizer.record_state_bytes()
 
 

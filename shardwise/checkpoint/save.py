@@ -15,6 +15,7 @@ collective until they time out.
 
 from __future__ import annotations
 
+import itertools
 import json
 import os
 import shutil
@@ -102,30 +103,36 @@ def _write_rank_files(engine: Any, staging: Path) -> None:
     """This rank's pieces (safetensors) and its record (JSON): piece list, optimizer
     scalars per param group, RNG state, and the checksum of its tensor file."""
     writes_model = engine.zero.writes_model
+    store = engine.zero.store
     element_states, groups = _optimizer_states(engine) if writes_model else ({}, {})
     pieces: list[dict[str, Any]] = []
-    tensors: list[tuple[str, torch.Tensor]] = []
+    tensors: list[tuple[str, torch.Tensor, int]] = []  # key, values, optimizer sub-group (-1: none)
 
-    def add(name: str, start: int, stop: int, named: dict[str, torch.Tensor]) -> None:
+    def add(name: str, start: int, stop: int, named: dict[str, torch.Tensor], sub_group: int) -> None:
         pieces.append({"name": name, "start": start, "stop": stop, "tensors": list(named)})
-        tensors.extend((piece_key(name, start, stop, key), tensor) for key, tensor in named.items())
+        tensors.extend((piece_key(name, start, stop, key), tensor, sub_group) for key, tensor in named.items())
 
     if writes_model:
         for owned in engine.zero.owned_ranges():
             states = element_states.get(id(owned.segment), {})
             add(owned.name, owned.start, owned.stop,
-                {VALUE: owned.master, **{key: owned.state_view(state) for key, state in states.items()}})
+                {VALUE: owned.master, **{key: owned.state_view(state) for key, state in states.items()}},
+                store.sub_group_index(owned.segment))
     if engine.rank == 0:
         for name, tensor in module_extras(engine.module):
-            add(name, 0, tensor.numel(), {VALUE: tensor.detach().reshape(-1)})
+            add(name, 0, tensor.numel(), {VALUE: tensor.detach().reshape(-1)}, -1)
 
     files: dict[str, tuple[int, str]] = {}
     if tensors:
+        # sub-group by sub-group: a paging store (NVMe) holds only the one being written
+        tensors.sort(key=lambda item: item[2] if item[2] >= 0 else len(store.sub_groups))
         path = staging / rank_tensors(engine.rank)
-        entries = [TensorEntry(key, tensor.dtype, (tensor.numel(),)) for key, tensor in tensors]
+        entries = [TensorEntry(key, tensor.dtype, (tensor.numel(),)) for key, tensor, _ in tensors]
         with SafetensorsWriter(path, entries, metadata={"format": "pt"}) as writer:
-            for key, tensor in tensors:
-                writer.write(key, tensor)
+            for sub_group, items in itertools.groupby(tensors, key=lambda item: item[2]):
+                with store.resident(store.sub_groups[sub_group] if sub_group >= 0 else []):
+                    for key, tensor, _ in items:
+                        writer.write(key, tensor)
             files[path.name] = writer.close()
     record = {
         "rank": engine.rank,

@@ -14,13 +14,11 @@ def find_unsupported(cfg: ShardwiseConfig) -> list[str]:
     problems = []
     if cfg.fp16.auto_cast:
         problems.append("fp16.auto_cast true is not supported yet: the model's own forward chooses dtypes")
-    for name in ("offload_optimizer", "offload_param"):
-        offload: OffloadConfig = getattr(cfg.zero_optimization, name)
-        if offload.device == "nvme":
-            problems.append(
-                f"zero_optimization.{name}.device 'nvme' is not supported yet: NVMe offload is a later "
-                "capability, use 'cpu' or 'none'"
-            )
+    if cfg.zero_optimization.offload_param.device == "nvme":
+        problems.append(
+            "zero_optimization.offload_param.device 'nvme' is not supported yet: parameters on NVMe are a later "
+            "capability, use 'cpu' or 'none' (the optimizer state can be on NVMe)"
+        )
     for key, size in (
         ("tensor_parallel.size", cfg.tensor_parallel.size),
         ("sequence_parallel.size", cfg.sequence_parallel.size),
@@ -32,8 +30,6 @@ def find_unsupported(cfg: ShardwiseConfig) -> list[str]:
         if value:
             shown = "true" if value is True else value
             problems.append(f"activation_checkpointing.{key} {shown} is not supported yet: leave it off")
-    if cfg.aio is not None:
-        problems.append("aio is not supported yet: it configures NVMe offload, a later capability; remove the block")
     return problems
 
 

@@ -16,6 +16,8 @@ where every byte would live on a GPU machine. With CUDA, buffers are pinned
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 
 from shardwise.accounting import MemoryLedger, tensor_bytes
@@ -24,6 +26,31 @@ from shardwise.zero.shard_store import ShardStore, copy_into_flat
 from shardwise.zero.strategy import ParameterStrategy
 
 HOST = torch.device("cpu")
+
+
+@dataclass(frozen=True)
+class HostGradients:
+    partition_flat: torch.Tensor  # fp32, host: this rank's reduced chunks
+    partition: list[torch.Tensor]  # one view per unit
+    full_flat: torch.Tensor | None  # stages 0-1: the device accumulation buffer
+    full: list[torch.Tensor] | None
+
+
+def host_gradients(units: list[FlatUnit], chunk: int, keeps_full_gradients: bool, grad_dtype: torch.dtype,
+                   device: torch.device, ledger: MemoryLedger, pin_memory: bool) -> HostGradients:
+    """The gradient buffers of an offloaded optimizer: an fp32 partition in host memory
+    and, for stages 0-1, the full accumulation buffer on the device."""
+    full_flat = full = None
+    if keeps_full_gradients:
+        sizes = [unit.padded_numel for unit in units]
+        full_flat = torch.zeros(sum(sizes), dtype=grad_dtype, device=device)
+        ledger.hold("grads", tensor_bytes(full_flat))
+        full = list(torch.split(full_flat, sizes))
+    sizes = [unit.chunk_numel for unit in units]
+    pin = pin_memory and torch.cuda.is_available()
+    partition_flat = torch.zeros(sum(sizes), dtype=torch.float32, device=HOST, pin_memory=pin)
+    ledger.hold("grads", tensor_bytes(partition_flat), tier="host")
+    return HostGradients(partition_flat, list(torch.split(partition_flat, sizes)), full_flat, full)
 
 
 class HostShardStore(ShardStore):
@@ -43,22 +70,14 @@ class HostShardStore(ShardStore):
         pin_memory: bool = False,
     ):
         param_chunks = [strategy.owned_chunk(unit) for unit in units]
-        device = param_chunks[0].device
         pin = pin_memory and torch.cuda.is_available()
         # an optimizer on the host needs its own fp32 copy, whatever the training dtype
         self.master_flat, masters = copy_into_flat(param_chunks, torch.float32, HOST, pin)
-        full_grads = None
-        self.full_flat = None
-        if keeps_full_gradients:
-            sizes = [unit.padded_numel for unit in units]
-            self.full_flat = torch.zeros(sum(sizes), dtype=grad_dtype, device=device)
-            ledger.hold("grads", tensor_bytes(self.full_flat))
-            full_grads = list(torch.split(self.full_flat, sizes))
-        sizes = [unit.chunk_numel for unit in units]
-        self.grad_flat = torch.zeros(sum(sizes), dtype=torch.float32, device=HOST, pin_memory=pin)
-        ledger.hold("grads", tensor_bytes(self.grad_flat), tier="host")
-        grads = list(torch.split(self.grad_flat, sizes))
-        self._organise(units, chunk, param_chunks, masters, full_grads, grads, per_parameter, sub_group_size)
+        gradients = host_gradients(units, chunk, keeps_full_gradients, grad_dtype, param_chunks[0].device,
+                                   ledger, pin_memory)
+        self.grad_flat, self.full_flat = gradients.partition_flat, gradients.full_flat
+        self._organise(units, chunk, param_chunks, masters, gradients.full, gradients.partition,
+                       per_parameter, sub_group_size)
 
     def start_window(self) -> None:
         """The host partition collects this window's reduced gradients from zero."""

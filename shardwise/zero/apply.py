@@ -20,6 +20,7 @@ from torch import nn
 from shardwise.accounting import MemoryLedger
 from shardwise.distributed.collectives import Communicator
 from shardwise.offload.host_store import HostShardStore
+from shardwise.offload.nvme_store import NvmeShardStore
 from shardwise.optim.codec import StateCodec
 from shardwise.zero.gradients import GradientReducer
 from shardwise.zero.layout import FlatUnit, align_elements, pack_units
@@ -79,13 +80,15 @@ class ZeroState:
 
 
 def _make_store(policy: ZeroPolicy, params: ParameterStrategy, chunk: int, ledger: MemoryLedger,
-                per_parameter: bool) -> ShardStore:
+                per_parameter: bool, rank: int) -> ShardStore:
     """The shard store of the tier `offload_optimizer.device` names."""
     arguments = (params.units, chunk, params, policy.param_dtype, policy.keeps_full_gradients,
                  policy.sub_group_size, ledger, per_parameter)
     offload = policy.offload_optimizer
     if offload.device == "cpu":
         return HostShardStore(*arguments, pin_memory=offload.pin_memory)
+    if offload.device == "nvme":
+        return NvmeShardStore(*arguments, offload=offload, rank=rank)
     return DeviceShardStore(*arguments)
 
 
@@ -115,7 +118,7 @@ def apply_zero(
             units, policy.param_dtype, device, groups.shard, groups.replicas, ledger, policy.allgather_bucket_size
         )
         params.broadcast_initial()
-    store = _make_store(policy, params, groups.shard.rank, ledger, per_parameter)
+    store = _make_store(policy, params, groups.shard.rank, ledger, per_parameter, groups.shard.global_rank)
     reducer = GradientReducer(params.units, policy, store, groups.shard, groups.replicate, ledger, device)
     params.connect(reducer)
     optimizer = ShardedOptimizer(

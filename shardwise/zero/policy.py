@@ -13,6 +13,7 @@ from dataclasses import dataclass
 import torch
 
 from shardwise.config import ShardwiseConfig
+from shardwise.optim.registry import optimizer_spec
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 
@@ -35,6 +36,9 @@ class OffloadPolicy:
     nvme_path: str | None = None
     pin_memory: bool = False
     buffer_count: int = 4
+    thread_count: int = 1  # aio.thread_count: threads doing NVMe reads and writes
+    block_size: int = 1 << 20  # aio.block_size: bytes per read or write call
+    state_tensors: int = 2  # fp32 state tensors per parameter the optimizer will create
 
     @property
     def enabled(self) -> bool:
@@ -75,8 +79,8 @@ class ZeroPolicy:
                 zero.stage3_max_reuse_distance,
                 zero.stage3_param_persistence_threshold,
             ),
-            offload_optimizer=_offload(zero.offload_optimizer),
-            offload_param=_offload(zero.offload_param),
+            offload_optimizer=_offload(zero.offload_optimizer, config),
+            offload_param=_offload(zero.offload_param, config),
         )
 
     @property
@@ -91,8 +95,14 @@ class ZeroPolicy:
         return self.stage <= 1
 
 
-def _offload(section) -> OffloadPolicy:
-    return OffloadPolicy(section.device, section.nvme_path, section.pin_memory, section.buffer_count)
+def _offload(section, config: ShardwiseConfig) -> OffloadPolicy:
+    aio = config.aio
+    optimizer = config.optimizer
+    states = optimizer_spec(optimizer.type).fp32_states(optimizer.params) if optimizer is not None else 2
+    return OffloadPolicy(
+        section.device, section.nvme_path, section.pin_memory, section.buffer_count,
+        aio.thread_count if aio else 1, aio.block_size if aio else 1 << 20, states,
+    )
 
 
 def compute_dtype(config: ShardwiseConfig) -> torch.dtype:

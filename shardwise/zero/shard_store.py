@@ -6,7 +6,7 @@ belonged to four objects and nothing knew which memory they sat in. A store has 
 *tier* (where its bytes live) and one interface, so ZeRO-Offload (host memory) and
 ZeRO-Infinity (NVMe files) are further stores, not further branches in the engine:
 
-    master(unit)          fp32 values of this rank's chunk of `unit` (the optimizer trains them)
+    segments              fp32 master runs of this rank's chunks, with their gradients
     gradient(unit)        the reduced gradient of that chunk (what the optimizer reads)
     full_gradient(unit)   stages 0-1: the whole unit's accumulation buffer (None otherwise)
     receive_gradient(unit, reduced)
@@ -16,7 +16,7 @@ ZeRO-Infinity (NVMe files) are further stores, not further branches in the engin
     sub_groups            segments in pieces of about `sub_group_size` elements
     resident(sub_group)   the sub-group's masters and optimizer state are in memory for the
                           duration of the block (a paging tier reads them in and writes back)
-    publish(strategy)     copy updated masters into the parameters' owned chunks
+    publish(sub_group)    copy updated masters into the parameters' owned chunks
 
 `DeviceShardStore` is the device tier; shardwise/offload/ holds the host and NVMe tiers.
 """
@@ -98,11 +98,9 @@ class ShardStore:
                 for segment in unit.segments(chunk)
             ]
             self.sub_groups = _split_sub_groups(self.segments, sub_group_size)
+        self._sub_group_index = {id(seg): i for i, group in enumerate(self.sub_groups) for seg in group}
 
     # -- what the reducer, optimizer and checkpoints read ------------------------------------
-    def master(self, unit: FlatUnit) -> torch.Tensor:
-        return self._masters[self._position[unit.index]]
-
     def gradient(self, unit: FlatUnit) -> torch.Tensor:
         return self._grads[self._position[unit.index]]
 
@@ -123,19 +121,41 @@ class ShardStore:
         """Device and host tiers hold everything in memory already."""
         yield sub_group
 
+    def adopt_state(self, sub_group: list[SegmentState], state: dict) -> None:
+        """The optimizer may have created state for `sub_group` (its first step, a load): a
+        paging tier moves it into its own buffers; memory-resident tiers leave it."""
+
+    def close(self) -> None:
+        """Release files and threads (a paging tier); memory-resident tiers hold none."""
+
+    def sub_group_index(self, segment: SegmentState) -> int:
+        return self._sub_group_index[id(segment)]
+
+    def sub_group_of(self, segment: SegmentState) -> list[SegmentState]:
+        return self.sub_groups[self._sub_group_index[id(segment)]]
+
     # -- masters <-> parameters -----------------------------------------------------------------
-    def publish(self) -> None:
-        """Updated masters become the owned chunks of the parameters (16-bit copies)."""
-        for param, master in zip(self._param_chunks, self._masters):
-            if param.data_ptr() != master.data_ptr():
-                param.copy_(master, non_blocking=True)
+    def publish(self, sub_group: list[SegmentState] | None = None) -> None:
+        """Updated masters of `sub_group` (None: all, each made resident in turn) become the
+        owned chunks of the parameters (16-bit copies)."""
+        if sub_group is None:
+            for group in self.sub_groups:
+                with self.resident(group):
+                    self.publish(group)
+            return
+        for segment in sub_group:
+            param = self._param_chunks[self._position[segment.unit]][segment.start : segment.stop]
+            if param.data_ptr() != segment.master.data_ptr():
+                param.copy_(segment.master, non_blocking=True)
 
     def refresh_master(self, unit: FlatUnit) -> None:
         """The parameter chunk of `unit` was edited (gathered_parameters, a checkpoint load
         of 16-bit values): take the master from it."""
-        position = self._position[unit.index]
-        if self._masters[position].data_ptr() != self._param_chunks[position].data_ptr():
-            self._masters[position].copy_(self._param_chunks[position])
+        chunk = self._param_chunks[self._position[unit.index]]
+        for segment in (s for s in self.segments if s.unit == unit.index):
+            with self.resident(self.sub_group_of(segment)):
+                if segment.master.data_ptr() != chunk[segment.start : segment.stop].data_ptr():
+                    segment.master.copy_(chunk[segment.start : segment.stop])
 
 
 class DeviceShardStore(ShardStore):

@@ -96,13 +96,13 @@ def owned_ranges(
         segments.setdefault(segment.unit, []).append(segment)
     ranges = []
     for unit in units:
-        master, grad = store.master(unit), store.gradient(unit)
         for piece in unit.owned_pieces(chunk):
             segment = next(s for s in segments[unit.index] if s.start <= piece.chunk_offset < s.stop)
-            lo, hi = piece.chunk_offset, piece.chunk_offset + piece.numel
+            offset = piece.chunk_offset - segment.start
             shape = tuple(piece.slot.shape)
             ranges.append(OwnedRange(
                 piece.slot.name, shape, (0,) * len(shape), shape, piece.start, piece.stop,
-                master[lo:hi], grad[lo:hi], segment, lo - segment.start, group,
+                segment.master[offset : offset + piece.numel], segment.grad[offset : offset + piece.numel],
+                segment, offset, group,
             ))
     return ranges

@@ -80,7 +80,8 @@ class ShardedOptimizer:
         for sub_group in self.store.sub_groups:
             with self.store.resident(sub_group):
                 self._step_sub_group(sub_group, grad_scale)
-        self.store.publish()
+                self.store.adopt_state(sub_group, self.optimizer.state)
+                self.store.publish(sub_group)
         self.record_state_bytes()
 
     def _step_sub_group(self, sub_group: list[SegmentState], grad_scale: float) -> None:

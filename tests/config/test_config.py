@@ -65,8 +65,6 @@ def test_max_grad_norm_points_to_gradient_clipping():
          "activation_checkpointing.cpu_checkpointing true is not supported yet: leave it off"),
         ({"activation_checkpointing": {"number_checkpoints": 4}},
          "activation_checkpointing.number_checkpoints 4 is not supported yet: leave it off"),
-        ({"aio": {"block_size": 1048576}},
-         "aio is not supported yet: it configures NVMe offload, a later capability; remove the block"),
         ({"fp16": {"enabled": True, "auto_cast": True}},
          "fp16.auto_cast true is not supported yet: the model's own forward chooses dtypes"),
     ],
@@ -195,8 +193,8 @@ def test_nvme_offload_is_not_supported_yet_and_needs_a_path():
     problems = problems_of({"train_batch_size": 8, "zero_optimization": {
         "stage": 3, "offload_optimizer": {"device": "cpu"}, "offload_param": {"device": "nvme"}}})
     assert problems == [
-        "zero_optimization.offload_param.device 'nvme' is not supported yet: NVMe offload is a later capability, "
-        "use 'cpu' or 'none'",
+        "zero_optimization.offload_param.device 'nvme' is not supported yet: parameters on NVMe are a later "
+        "capability, use 'cpu' or 'none' (the optimizer state can be on NVMe)",
         "zero_optimization.offload_param.device is 'nvme' but zero_optimization.offload_param.nvme_path is not set",
     ]
 

@@ -1,0 +1,211 @@
+"""ZeRO-Infinity's NVMe tier (C12): fp32 masters and optimizer state in a swap file, paged in
+one optimizer sub-group at a time.
+
+The gradient partition stays in host memory (fp32, as in the host tier): the optimizer
+consumes it sub-group by sub-group. Each sub-group of `sub_group_size` elements is a
+*page*: its masters, and the optimizer's per-element state once the optimizer has created
+it, each in a region of the swap file (offload/swap.py). Stepping sub-group i reads page
+i + 1 ahead and writes page i behind, so the disk works while the CPU updates; at most
+three pages are in memory at once (reading, stepping, writing), whatever the model size.
+
+Optimizer state is created by the optimizer in its first step (torch creates it lazily)
+or by a checkpoint load; `adopt_state` then copies each per-element state tensor into the
+page's region and puts the region's view in its place in the optimizer's state, so from
+then on it is paged like the masters.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from concurrent.futures import Future
+from contextlib import contextmanager
+from typing import Iterator
+
+import torch
+
+from shardwise.accounting import MemoryLedger
+from shardwise.offload.host_store import host_gradients
+from shardwise.offload.swap import Region, SwapFile
+from shardwise.zero.layout import FlatUnit
+from shardwise.zero.policy import OffloadPolicy
+from shardwise.zero.shard_store import SegmentState, ShardStore
+from shardwise.zero.strategy import ParameterStrategy
+
+
+@dataclasses.dataclass
+class _Page:
+    regions: list[Region]  # masters first, then adopted optimizer state
+    state: dict[str, Region] = dataclasses.field(default_factory=dict)
+    spare: list[Region] = dataclasses.field(default_factory=list)  # reserved for state
+    status: str = "in"  # in | out | reading | writing
+    io: Future | None = None
+    users: int = 0
+
+    @property
+    def nbytes(self) -> int:
+        return sum(region.nbytes for region in self.regions)
+
+
+class NvmeShardStore(ShardStore):
+    tier = "host"  # where the gradient partition lives
+    state_tier = "nvme"
+
+    def __init__(
+        self,
+        units: list[FlatUnit],
+        chunk: int,
+        strategy: ParameterStrategy,
+        grad_dtype: torch.dtype,
+        keeps_full_gradients: bool,
+        sub_group_size: int,
+        ledger: MemoryLedger,
+        per_parameter: bool,
+        offload: OffloadPolicy,
+        rank: int,
+    ):
+        param_chunks = [strategy.owned_chunk(unit) for unit in units]
+        gradients = host_gradients(units, chunk, keeps_full_gradients, grad_dtype, param_chunks[0].device,
+                                   ledger, offload.pin_memory)
+        self.grad_flat, self.full_flat = gradients.partition_flat, gradients.full_flat
+        # masters start as the parameter chunks, to cut segments; then move into the pages
+        self._organise(units, chunk, param_chunks, param_chunks, gradients.full, gradients.partition,
+                       per_parameter, sub_group_size)
+        self.ledger = ledger
+        self.swap = SwapFile(offload.nvme_path, rank, offload.thread_count, offload.block_size)
+        self.pages: list[_Page] = []
+        segments = []
+        for group in self.sub_groups:
+            numel = sum(segment.numel for segment in group)
+            masters = self.swap.region(numel, torch.float32)
+            page = _Page([masters], spare=[self.swap.region(numel, torch.float32)
+                                           for _ in range(offload.state_tensors)])
+            position = 0
+            for segment in group:
+                view = masters.tensor[position : position + segment.numel]
+                view.copy_(segment.master)
+                segments.append(dataclasses.replace(segment, master=view))
+                position += segment.numel
+            self.pages.append(page)
+        self._regroup(segments)
+        self.swap.reserve()
+        self.ledger.hold("buffers", sum(page.nbytes for page in self.pages), tier="host")
+        for index in range(len(self.pages)):
+            self._page_out(index)
+        self._wait_all()
+
+    def _regroup(self, segments: list[SegmentState]) -> None:
+        """Point segments and sub-groups at the pages' master views (same grouping)."""
+        by_old = dict(zip((id(s) for s in self.segments), segments))
+        self.segments = segments
+        self.sub_groups = [[by_old[id(s)] for s in group] for group in self.sub_groups]
+        self._sub_group_index = {id(s): i for i, group in enumerate(self.sub_groups) for s in group}
+
+    # -- paging ------------------------------------------------------------------------------------
+    @contextmanager
+    def resident(self, sub_group: list[SegmentState]) -> Iterator[list[SegmentState]]:
+        if not sub_group:
+            yield sub_group
+            return
+        index = self._sub_group_index[id(sub_group[0])]
+        page = self.pages[index]
+        self._page_in(index)
+        page.users += 1
+        if index + 1 < len(self.pages):
+            self._start_read(index + 1)  # read ahead while this one is used
+        try:
+            yield sub_group
+        finally:
+            page.users -= 1
+            if page.users == 0:
+                self._page_out(index)  # write behind
+
+    def _start_read(self, index: int) -> None:
+        page = self.pages[index]
+        if page.status == "writing":
+            self._finish(page)
+        if page.status == "out":
+            self.ledger.hold("buffers", page.nbytes, tier="host")
+            page.io = self.swap.read_all(page.regions)
+            page.status = "reading"
+
+    def _page_in(self, index: int) -> None:
+        self._start_read(index)
+        self._finish(self.pages[index])
+        for other, page in enumerate(self.pages):  # a read-ahead nobody used
+            if other not in (index, index + 1) and page.status in ("in", "reading") and not page.users:
+                self._page_out(other)
+
+    def _page_out(self, index: int) -> None:
+        page = self.pages[index]
+        if page.status in ("reading",):
+            self._finish(page)
+        if page.status != "in":
+            return
+        page.io = self.swap.write_all(page.regions)
+        page.status = "writing"
+        writing = [p for p in self.pages if p.status == "writing"]
+        if len(writing) > 1:  # keep at most one page in flight behind
+            self._finish(writing[0] if writing[0] is not page else writing[1])
+
+    def _finish(self, page: _Page) -> None:
+        if page.io is not None:
+            page.io.result()
+            page.io = None
+        if page.status == "reading":
+            page.status = "in"
+        elif page.status == "writing":
+            page.status = "out"
+            self.ledger.release("buffers", page.nbytes, tier="host")
+
+    def _wait_all(self) -> None:
+        for page in self.pages:
+            if page.status == "writing":
+                self._finish(page)
+
+    # -- optimizer state -----------------------------------------------------------------------------
+    def adopt_state(self, sub_group: list[SegmentState], state: dict) -> None:
+        """Move the per-element state the optimizer holds for `sub_group` into the page."""
+        if not sub_group:
+            return
+        page = self.pages[self._sub_group_index[id(sub_group[0])]]
+        position = 0
+        for segment in sub_group:
+            values = state.get(segment.master, {})
+            for key, value in list(values.items()):
+                if not (torch.is_tensor(value) and value.dim() == 1 and value.numel() == segment.numel):
+                    continue
+                region = self._state_region(page, key, value.dtype, sum(s.numel for s in sub_group))
+                view = region.tensor[position : position + segment.numel]
+                if view.data_ptr() != value.data_ptr():
+                    view.copy_(value)
+                    values[key] = view
+            position += segment.numel
+
+    def _state_region(self, page: _Page, key: str, dtype: torch.dtype, numel: int) -> Region:
+        if key not in page.state:
+            spare = next((r for r in page.spare if r.tensor.dtype == dtype), None)
+            if spare is not None:
+                page.spare.remove(spare)
+            else:  # more state than the optimizer's entry announced: grow the file
+                spare = self.swap.region(numel, dtype)
+                self.swap.reserve()
+            self.ledger.hold("buffers", spare.nbytes, tier="host")  # the page is in memory now
+            page.state[key] = spare
+            page.regions.append(spare)
+        return page.state[key]
+
+    # -- gradients (in host memory, as in the host tier) -------------------------------------------
+    def start_window(self) -> None:
+        self.grad_flat.zero_()
+
+    def zero_gradients(self) -> None:
+        self.grad_flat.zero_()
+        if self.full_flat is not None:
+            self.full_flat.zero_()
+
+    def master_bytes(self) -> int:
+        return sum(page.regions[0].numel * 4 for page in self.pages)
+
+    def close(self) -> None:
+        self._wait_all()
+        self.swap.close()
