@@ -119,7 +119,7 @@ class Engine:
         self.guard = StepGuard(self.comm, groups.replicate.size, cfg.max_consecutive_skipped_steps)
         self._backward_pending = False  # backward() ran and step() has not yet
         self._destroyed = False
-        self.comm_stats.volume.clear()
+        self.reset_comm_volume()
 
     # -- the training step ---------------------------------------------------------------
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
@@ -241,11 +241,19 @@ class Engine:
 
     def comm_volume(self, per_group: bool = False) -> dict:
         """Bytes this rank sent per collective since the last reset (ring model, SPEC §4);
-        `per_group=True`: {group purpose: {collective: bytes}}."""
-        return self.comm_stats.by_group() if per_group else self.comm_stats.totals()
+        `per_group=True`: {group purpose: {collective: bytes}}, plus "offload": bytes moved
+        device -> host, host -> device, and read from / written to NVMe."""
+        if not per_group:
+            return self.comm_stats.totals()
+        volume = self.comm_stats.by_group()
+        moved = {key: value - self._transfers_at_reset.get(key, 0) for key, value in self.zero.store.transfers().items()}
+        if any(moved.values()):
+            volume["offload"] = moved
+        return volume
 
     def reset_comm_volume(self) -> None:
         self.comm_stats.volume.clear()
+        self._transfers_at_reset = self.zero.store.transfers()
 
     def num_parameters(self) -> int:
         return sum(unit.numel for unit in self.units)

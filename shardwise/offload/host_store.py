@@ -16,6 +16,7 @@ where every byte would live on a GPU machine. With CUDA, buffers are pinned
 
 from __future__ import annotations
 
+from collections import Counter
 from dataclasses import dataclass
 
 import torch
@@ -78,6 +79,19 @@ class HostShardStore(ShardStore):
         self.grad_flat, self.full_flat = gradients.partition_flat, gradients.full_flat
         self._organise(units, chunk, param_chunks, masters, gradients.full, gradients.partition,
                        per_parameter, sub_group_size)
+        self.moved = Counter()
+
+    def receive_gradient(self, unit: FlatUnit, reduced: torch.Tensor) -> None:
+        self.moved["device_to_host"] += tensor_bytes(reduced)
+        super().receive_gradient(unit, reduced)
+
+    def publish(self, sub_group=None) -> None:
+        if sub_group is not None:
+            self.moved["host_to_device"] += sum(s.numel for s in sub_group) * self._param_chunks[0].element_size()
+        super().publish(sub_group)
+
+    def transfers(self) -> dict[str, int]:
+        return dict(self.moved)
 
     def start_window(self) -> None:
         """The host partition collects this window's reduced gradients from zero."""

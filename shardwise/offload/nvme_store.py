@@ -17,6 +17,7 @@ then on it is paged like the masters.
 from __future__ import annotations
 
 import dataclasses
+from collections import Counter
 from concurrent.futures import Future
 from contextlib import contextmanager
 from typing import Iterator
@@ -71,6 +72,7 @@ class NvmeShardStore(ShardStore):
         self._organise(units, chunk, param_chunks, param_chunks, gradients.full, gradients.partition,
                        per_parameter, sub_group_size)
         self.ledger = ledger
+        self.moved: Counter = Counter()
         self.swap = SwapFile(offload.nvme_path, rank, offload.thread_count, offload.block_size)
         self.pages: list[_Page] = []
         segments = []
@@ -202,6 +204,18 @@ class NvmeShardStore(ShardStore):
         self.grad_flat.zero_()
         if self.full_flat is not None:
             self.full_flat.zero_()
+
+    def receive_gradient(self, unit: FlatUnit, reduced: torch.Tensor) -> None:
+        self.moved["device_to_host"] += reduced.numel() * reduced.element_size()
+        super().receive_gradient(unit, reduced)
+
+    def publish(self, sub_group=None) -> None:
+        if sub_group is not None:
+            self.moved["host_to_device"] += sum(s.numel for s in sub_group) * self._param_chunks[0].element_size()
+        super().publish(sub_group)
+
+    def transfers(self) -> dict[str, int]:
+        return {**self.moved, "nvme_read": self.swap.bytes_read, "nvme_write": self.swap.bytes_written}
 
     def master_bytes(self) -> int:
         return sum(page.regions[0].numel * 4 for page in self.pages)

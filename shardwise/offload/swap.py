@@ -65,6 +65,8 @@ class SwapFile:
         self.fd, self.direct = _open_private(self.path)
         self.size = 0
         self.regions: list[Region] = []
+        self.bytes_read = 0  # counted when a read or write is issued, for comm_volume()
+        self.bytes_written = 0
         self.pool = ThreadPoolExecutor(max_workers=max(1, threads), thread_name_prefix="shardwise-swap")
 
     def region(self, numel: int, dtype: torch.dtype) -> Region:
@@ -83,9 +85,11 @@ class SwapFile:
 
     def write_all(self, regions: list[Region]) -> Future:
         """Write the regions out, then give their pages back, in the background."""
+        self.bytes_written += sum(region.nbytes for region in regions)
         return self.pool.submit(lambda: [self._write(region, True) for region in regions])
 
     def read_all(self, regions: list[Region]) -> Future:
+        self.bytes_read += sum(region.nbytes for region in regions)
         return self.pool.submit(lambda: [self._read(region) for region in regions])
 
     def _write(self, region: Region, release: bool) -> None:

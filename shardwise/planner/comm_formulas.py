@@ -96,3 +96,22 @@ def comm_expressions(shape: CommShape) -> dict[str, str]:
     if r > 1:
         expressions["all_reduce"] = f"2·{g}(Ψ/S)(R−1)/R"
     return expressions
+
+
+def offload_transfer_bytes(partition: int, stage: int, grad_bytes: int, param_bytes: int,
+                           accumulation_steps: int = 1, state_tensors: int = 0) -> dict[str, int]:
+    """Bytes one rank moves between tiers per step with its optimizer offloaded, for a
+    partition of `partition` (= Ψ/N, padded) elements.
+
+    device -> host: each reduced gradient chunk, every micro-batch at stages 2-3 (they keep
+    no partition on the device), once at stage 1 (it reduces at the boundary);
+    host -> device: the updated parameters' chunk, once; NVMe (`state_tensors` > 0): the
+    fp32 master and the optimizer's state tensors read once and written once (each
+    sub-group's region rounded up to the 4 KiB I/O block, not counted here).
+    """
+    reductions = 1 if stage <= 1 else accumulation_steps
+    moved = {"device_to_host": reductions * partition * grad_bytes, "host_to_device": partition * param_bytes}
+    if state_tensors:
+        pages = (1 + state_tensors) * 4 * partition
+        moved.update(nvme_read=pages, nvme_write=pages)
+    return moved

@@ -128,6 +128,10 @@ class ShardStore:
     def close(self) -> None:
         """Release files and threads (a paging tier); memory-resident tiers hold none."""
 
+    def transfers(self) -> dict[str, int]:
+        """Bytes moved between tiers since start-up ({} when everything stays on the device)."""
+        return {}
+
     def sub_group_index(self, segment: SegmentState) -> int:
         return self._sub_group_index[id(segment)]
 

@@ -11,13 +11,13 @@ from tests.checkpoint.workers import Run, train_run
 from tests.zero.workers import Case, train_parallel
 
 
-def nvme_case(path, stage: int = 2, accumulation: int = 1, dtype: str = "fp32", **zero) -> Case:
+def nvme_case(path, stage: int = 2, accumulation: int = 1, dtype: str = "fp32", steps: int = 3, **zero) -> Case:
     settings = {"offload_optimizer": {"device": "nvme", "nvme_path": str(path)},
                 "sub_group_size": 1500, **zero}  # many sub-groups, not aligned to the 4 KiB I/O blocks
     if stage == 3:
         settings["stage3_param_persistence_threshold"] = 0
     return Case(stage=stage, dtype=dtype, accumulation=accumulation, model="gpt-untied" if stage == 3 else "gpt",
-                extra_config={"zero_optimization": settings})
+                steps=steps, extra_config={"zero_optimization": settings})
 
 
 def plain_case(stage: int, accumulation: int = 1) -> Case:
@@ -90,3 +90,20 @@ def test_a_full_disk_is_reported_with_the_bytes_before_training(tmp_path, monkey
     with pytest.raises(SwapError, match=r"no space for the swap file .* it needs 4,001,792 bytes and [\d,]+ are free"):
         swap.reserve()
     swap.close()
+
+
+def test_bytes_moved_between_tiers_follow_the_formula(tmp_path):
+    from shardwise.planner.comm_formulas import offload_transfer_bytes
+
+    result = run_distributed(train_parallel, 2, nvme_case(tmp_path, 2, accumulation=2, steps=1))[0]
+    padded = result["numel"] + result["padding"]
+    expected = offload_transfer_bytes(padded // 2, stage=2, grad_bytes=4, param_bytes=4, accumulation_steps=2,
+                                      state_tensors=2)
+    moved = result["comm_by_group"]["offload"]
+    assert moved["device_to_host"] == expected["device_to_host"]
+    assert moved["host_to_device"] == expected["host_to_device"]
+    # the first step reads only the masters (the optimizer creates its state in that step)
+    # and writes masters and state; each sub-group's regions are rounded up to 4 KiB
+    pages = -(-padded // 2 // 1500)
+    assert expected["nvme_write"] <= moved["nvme_write"] <= expected["nvme_write"] + pages * 3 * 4096
+    assert moved["nvme_read"] <= expected["nvme_read"] // 3 + pages * 4096
