@@ -97,7 +97,7 @@ class Engine:
         self.zero = apply_zero(
             model, named, self.policy, groups, self.ledger, self.device,
             make_optimizer=_optimizer_factory(optimizer, cfg),
-            codec=spec.codec if spec is not None else None,
+            codec=spec.codec if spec is not None else getattr(optimizer, "state_codec", None),
             param_init_fn=param_init_fn,
             per_parameter=spec.per_parameter if spec is not None else isinstance(optimizer, ShardAwareOptimizer),
         )

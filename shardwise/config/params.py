@@ -6,6 +6,8 @@ runs: its Adam path (`FusedAdam` / `torch.optim.Adam(W)` with `adam_w_mode`
 defaulting to True, i.e. decoupled weight decay even for type "Adam"),
 `torch.optim.SGD`, and the classes in deepspeed/runtime/lr_schedules.py (whose
 constructor defaults differ from its argparse defaults; the constructors win).
+Optimizers DeepSpeed does not build itself take the defaults of the implementation
+shardwise matches: timm (Lars), torch.optim (Adafactor, Muon), bitsandbytes (8-bit Adam).
 """
 
 from typing import Any, Literal
@@ -20,6 +22,13 @@ def _check_betas(betas: tuple[float, float]) -> tuple[float, float]:
     if not all(0.0 <= beta < 1.0 for beta in betas):
         raise ValueError(f"betas {list(betas)} must each lie in [0, 1)")
     return betas
+
+
+def _check_nesterov(nesterov: bool, momentum: float, dampening: float) -> None:
+    if nesterov and (momentum <= 0 or dampening != 0):
+        raise ValueError(
+            f"nesterov needs momentum > 0 and dampening 0, got momentum {momentum} and dampening {dampening}"
+        )
 
 
 class AdamParams(Section):
@@ -83,6 +92,91 @@ class LambParams(Section):
         return self
 
 
+class LarsParams(Section):
+    """LARS (shardwise.optim.Lars), with timm's `Lars` defaults."""
+
+    lr: Float = Field(1.0, ge=0)
+    momentum: Float = Field(0.0, ge=0)
+    dampening: Float = 0.0
+    weight_decay: Float = Field(0.0, ge=0)
+    nesterov: Bool = False
+    trust_coefficient: Float = Field(0.001, ge=0)
+    eps: Float = Field(1e-8, ge=0)
+    exclude_vectors: Bool = Field(
+        True, description="parameters with fewer than 2 dimensions (biases, norms) take trust ratio 1")
+
+    @model_validator(mode="after")
+    def _nesterov_needs_momentum(self) -> "LarsParams":
+        _check_nesterov(self.nesterov, self.momentum, self.dampening)
+        return self
+
+
+class AdafactorParams(Section):
+    """Adafactor (shardwise.optim.Adafactor) with torch.optim.Adafactor's parameters and defaults."""
+
+    lr: Float = Field(1e-2, ge=0)
+    beta2_decay: Float = Field(-0.8, le=0)
+    eps: tuple[Float | None, Float] = Field(
+        (None, 1e-3), description="(epsilon1: floor of the second-moment estimate, null for the dtype's "
+        "machine epsilon; epsilon2: floor of a parameter's RMS in the step size)")
+    d: Float = Field(1.0, ge=1)
+    weight_decay: Float = Field(0.0, ge=0)
+    maximize: Bool = False
+
+    @field_validator("eps")
+    @classmethod
+    def _eps_not_negative(cls, eps: tuple[float | None, float]) -> tuple[float | None, float]:
+        if (eps[0] is not None and eps[0] < 0) or eps[1] < 0:
+            raise ValueError(f"eps {list(eps)}: epsilon1 must be null or >= 0, epsilon2 >= 0")
+        return eps
+
+
+class Adam8bitParams(Section):
+    """8-bit Adam (shardwise.optim.Adam8bit) with bitsandbytes' `Adam8bit` defaults; weight
+    decay is decoupled, as bitsandbytes applies it."""
+
+    lr: Float = Field(1e-3, ge=0)
+    betas: tuple[Float, Float] = (0.9, 0.999)
+    eps: Float = Field(1e-8, ge=0)
+    weight_decay: Float = Field(0.0, ge=0)
+    min_8bit_size: Int = Field(4096, ge=0, description="parameters with fewer elements keep fp32 moments")
+
+    @field_validator("betas")
+    @classmethod
+    def _betas_in_unit_interval(cls, betas: tuple[float, float]) -> tuple[float, float]:
+        return _check_betas(betas)
+
+
+class AdamW8bitParams(Adam8bitParams):
+    """bitsandbytes' `AdamW8bit`: `Adam8bit` with weight decay 1e-2 by default."""
+
+    weight_decay: Float = Field(1e-2, ge=0)
+
+
+class MuonParams(Section):
+    """Muon for 2-D parameters and AdamW for the rest (shardwise.optim.Muon): torch.optim.Muon's
+    and torch.optim.AdamW's defaults, DeepSpeed's `muon_lr` / `adam_lr` keys (default: `lr`)."""
+
+    lr: Float = Field(1e-3, ge=0)
+    weight_decay: Float = Field(0.1, ge=0)
+    momentum: Float = Field(0.95, ge=0)
+    nesterov: Bool = True
+    ns_coefficients: tuple[Float, Float, Float] = (3.4445, -4.775, 2.0315)
+    ns_eps: Float = Field(1e-7, ge=0)
+    ns_steps: Int = Field(5, ge=0, lt=100)
+    ns_dtype: Literal["bfloat16", "float32"] = "bfloat16"
+    adjust_lr_fn: Literal["original", "match_rms_adamw"] | None = None
+    muon_lr: Float | None = Field(None, ge=0, json_schema_extra={"default_doc": "lr"})
+    adam_lr: Float | None = Field(None, ge=0, json_schema_extra={"default_doc": "lr"})
+    betas: tuple[Float, Float] = (0.9, 0.999)
+    eps: Float = Field(1e-8, ge=0)
+
+    @field_validator("betas")
+    @classmethod
+    def _betas_in_unit_interval(cls, betas: tuple[float, float]) -> tuple[float, float]:
+        return _check_betas(betas)
+
+
 class SGDParams(Section):
     """`torch.optim.SGD`, which DeepSpeed builds for any type it does not know itself."""
 
@@ -94,11 +188,7 @@ class SGDParams(Section):
 
     @model_validator(mode="after")
     def _nesterov_needs_momentum(self) -> "SGDParams":
-        if self.nesterov and (self.momentum <= 0 or self.dampening != 0):
-            raise ValueError(
-                f"nesterov needs momentum > 0 and dampening 0, got momentum {self.momentum} "
-                f"and dampening {self.dampening}"
-            )
+        _check_nesterov(self.nesterov, self.momentum, self.dampening)
         return self
 
 
@@ -157,7 +247,8 @@ class WarmupCosineLRParams(Section):
 
 
 OPTIMIZER_PARAMS: dict[str, type[Section]] = {
-    "Adam": AdamParams, "AdamW": AdamParams, "SGD": SGDParams, "Lamb": LambParams,
+    "Adam": AdamParams, "AdamW": AdamParams, "SGD": SGDParams, "Lamb": LambParams, "Lars": LarsParams,
+    "Adafactor": AdafactorParams, "Adam8bit": Adam8bitParams, "AdamW8bit": AdamW8bitParams, "Muon": MuonParams,
 }
 SCHEDULER_PARAMS: dict[str, type[Section]] = {
     "WarmupLR": WarmupLRParams,
@@ -166,9 +257,9 @@ SCHEDULER_PARAMS: dict[str, type[Section]] = {
 }
 
 # Types from SPEC §1 that later capabilities (C16-C18) add; DeepSpeed's own spellings included.
-OPTIMIZERS_NOT_YET = ("Lars", "Adafactor", "Adam8bit", "OneBitAdam", "OneBitLamb", "ZeroOneAdam")
+OPTIMIZERS_NOT_YET = ("OneBitAdam", "OneBitLamb", "ZeroOneAdam")
 # Types DeepSpeed builds itself that no shardwise capability covers.
-DEEPSPEED_OPTIMIZERS_UNSUPPORTED = ("Adagrad", "Lion", "Muon", "MuAdam", "MuAdamW", "MuSGD")
+DEEPSPEED_OPTIMIZERS_UNSUPPORTED = ("Adagrad", "Lion", "MuAdam", "MuAdamW", "MuSGD")
 DEEPSPEED_SCHEDULERS_UNSUPPORTED = ("OneCycle", "LRRangeTest")
 
 # Adam keys that choose the torch class or are fixed by it, rather than being constructor arguments.

@@ -140,7 +140,7 @@ class ZeroConfig(Section):
 class OptimizerConfig(Section):
     """An optimizer built from the config; `params` holds every accepted key, defaults filled in."""
 
-    type: Literal["Adam", "AdamW", "SGD", "Lamb"]
+    type: Literal["Adam", "AdamW", "SGD", "Lamb", "Lars", "Adafactor", "Adam8bit", "AdamW8bit", "Muon"]
     params: dict[str, Any] = Field(default_factory=dict)
 
     @property

@@ -1,11 +1,18 @@
-"""Optimizers by config name (registry.py), how their state is checkpointed (codec.py), and
+"""Optimizers by config name (registry.py), how their state is checkpointed (codec.py),
+shardwise's own optimizers (shard-aware: they also run on ZeRO's pieces of parameters), and
 DeepSpeed's learning-rate schedules. Names are imported on first use, so the registry can
 be read (for K, the state bytes per parameter) without importing torch."""
 
 from typing import Any
 
 __all__ = [
+    "Adafactor",
+    "Adam8bit",
+    "AdamW8bit",
     "ElementwiseCodec",
+    "Lamb",
+    "Lars",
+    "Muon",
     "OptimizerSpec",
     "StateCodec",
     "WarmupCosineLR",
@@ -19,6 +26,12 @@ __all__ = [
 ]
 
 _LAZY = {
+    "Adafactor": "shardwise.optim.adafactor",
+    "Adam8bit": "shardwise.optim.adam8bit",
+    "AdamW8bit": "shardwise.optim.adam8bit",
+    "Lamb": "shardwise.optim.lamb",
+    "Lars": "shardwise.optim.lars",
+    "Muon": "shardwise.optim.muon",
     "build_optimizer": "shardwise.optim.build",
     "build_scheduler": "shardwise.optim.build",
     "ElementwiseCodec": "shardwise.optim.codec",

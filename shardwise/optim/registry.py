@@ -16,6 +16,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Callable
 
 from shardwise.optim.codec import ElementwiseCodec, StateCodec
+from shardwise.planner.formulas import OPTIMIZER_FP32_STATES
 
 if TYPE_CHECKING:
     import torch
@@ -29,11 +30,13 @@ ADAM_SELECTOR_PARAMS = ("adam_w_mode", "torch_adam", "bias_correction")
 class OptimizerSpec:
     name: str  # the config's `optimizer.type`
     build: Callable[[list[dict[str, Any]], dict[str, Any]], "torch.optim.Optimizer"]
-    fp32_states: Callable[[dict[str, Any]], int]  # fp32 state tensors per parameter, given `params`
+    # fp32 state tensors per parameter, given `params` (their byte equivalent / 4 where the
+    # state is not fp32 per element: 8-bit codes, factored statistics)
+    fp32_states: Callable[[dict[str, Any]], float]
     codec: StateCodec = field(default_factory=ElementwiseCodec)
     per_parameter: bool = False  # needs whole-parameter statistics (optim/sharded.py)
 
-    def state_bytes_per_param(self, params: dict[str, Any], dtype: str) -> int:
+    def state_bytes_per_param(self, params: dict[str, Any], dtype: str) -> float:
         """K: state bytes per parameter, with the fp32 master copy when training in 16 bits."""
         master = 0 if dtype == "fp32" else MASTER_WEIGHT_BYTES
         return 4 * self.fp32_states(params) + master
@@ -94,8 +97,64 @@ def _build_lamb(groups: list[dict[str, Any]], params: dict[str, Any]) -> "torch.
     return Lamb(groups, **constructor_kwargs(kwargs))
 
 
+Build = Callable[[list[dict[str, Any]], dict[str, Any]], "torch.optim.Optimizer"]
+
+
+def _build_shardwise(module: str, class_name: str) -> Build:
+    """One of shardwise's own optimizers, its config params passed as constructor arguments."""
+
+    def build(groups: list[dict[str, Any]], params: dict[str, Any]) -> "torch.optim.Optimizer":
+        import importlib
+
+        cls = getattr(importlib.import_module(f"shardwise.optim.{module}"), class_name)
+        return cls(groups, **constructor_kwargs(params))
+
+    return build
+
+
+class _CodecBesideOptimizer:
+    """The codec an optimizer module defines (it imports torch), loaded on first use."""
+
+    def __init__(self, module: str, class_name: str):
+        self._where = (module, class_name)
+        self._codec: StateCodec | None = None
+
+    def _load(self) -> StateCodec:
+        if self._codec is None:
+            import importlib
+
+            module, class_name = self._where
+            self._codec = getattr(importlib.import_module(f"shardwise.optim.{module}"), class_name)()
+        return self._codec
+
+    def encode(self, state: dict[str, Any], numel: int) -> tuple[dict[str, "torch.Tensor"], dict[str, Any]]:
+        return self._load().encode(state, numel)
+
+    def decode(self, elements: dict[str, "torch.Tensor"], scalars: dict[str, Any]) -> dict[str, Any]:
+        return self._load().decode(elements, scalars)
+
+    def state_bytes(self, state: dict[str, Any], numel: int) -> int:
+        return self._load().state_bytes(state, numel)
+
+
 register_optimizer(OptimizerSpec("Adam", _build_torch("Adam"), fp32_states=lambda params: 2))
 register_optimizer(OptimizerSpec("AdamW", _build_torch("AdamW"), fp32_states=lambda params: 2))
 # torch's SGD allocates a momentum buffer only when momentum is on
 register_optimizer(OptimizerSpec("SGD", _build_torch("SGD"), fp32_states=lambda params: int(params.get("momentum", 0) > 0)))
 register_optimizer(OptimizerSpec("Lamb", _build_lamb, fp32_states=lambda params: 2, per_parameter=True))
+register_optimizer(OptimizerSpec("Lars", _build_shardwise("lars", "Lars"), per_parameter=True,
+                                 fp32_states=lambda params: int(params.get("momentum", 0) > 0)))
+# K of the shape-dependent optimizers: the planner's (planner/formulas.py), whose values assume
+# typical shapes; the engine counts the exact bytes through each codec's `state_bytes`.
+register_optimizer(OptimizerSpec("Adafactor", _build_shardwise("adafactor", "Adafactor"), per_parameter=True,
+                                 fp32_states=lambda params: OPTIMIZER_FP32_STATES["adafactor"],
+                                 codec=_CodecBesideOptimizer("adafactor", "AdafactorCodec")))
+register_optimizer(OptimizerSpec("Adam8bit", _build_shardwise("adam8bit", "Adam8bit"), per_parameter=True,
+                                 fp32_states=lambda params: OPTIMIZER_FP32_STATES["adam8bit"],
+                                 codec=_CodecBesideOptimizer("adam8bit", "Adam8bitCodec")))
+register_optimizer(OptimizerSpec("AdamW8bit", _build_shardwise("adam8bit", "AdamW8bit"), per_parameter=True,
+                                 fp32_states=lambda params: OPTIMIZER_FP32_STATES["adamw8bit"],
+                                 codec=_CodecBesideOptimizer("adam8bit", "Adam8bitCodec")))
+register_optimizer(OptimizerSpec("Muon", _build_shardwise("muon", "Muon"), per_parameter=True,
+                                 fp32_states=lambda params: OPTIMIZER_FP32_STATES["muon"],
+                                 codec=_CodecBesideOptimizer("muon", "MuonCodec")))

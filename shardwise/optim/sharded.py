@@ -47,12 +47,23 @@ SumOverShards = Callable[[torch.Tensor], torch.Tensor]
 class ShardAwareOptimizer(torch.optim.Optimizer):
     """Base class: `shard_of(p)` and `sum_over_shards(t)` work with or without ZeRO."""
 
-    def attach_shards(self, shards: dict[torch.Tensor, ParameterShard], count: int, sum_over_shards: SumOverShards) -> None:
+    def attach_shards(
+        self,
+        shards: dict[torch.Tensor, ParameterShard],
+        count: int,
+        sum_over_shards: SumOverShards,
+        sum_data_over_shards: SumOverShards | None = None,
+    ) -> None:
         """Called by ZeRO: what each trained tensor is a piece of, how many parameters the
-        model has (the length of per-parameter statistics), and how to sum them."""
+        model has (the length of per-parameter statistics), and how to sum them.
+
+        `sum_over_shards` is for small statistics (counted as control traffic);
+        `sum_data_over_shards`, where given, for parameter-sized tensors (Muon assembles
+        whole matrices with it), counted as data traffic. Without it the small one serves."""
         self._shards = {id(tensor): shard for tensor, shard in shards.items()}
         self._count = count
         self._sum = sum_over_shards
+        self._sum_data = sum_data_over_shards or sum_over_shards
 
     @property
     def parameter_count(self) -> int:
@@ -71,6 +82,11 @@ class ShardAwareOptimizer(torch.optim.Optimizer):
     def sum_over_shards(self, tensor: torch.Tensor) -> torch.Tensor:
         """Sum `tensor` (in place) over the ranks holding the other pieces of each parameter."""
         reduce = getattr(self, "_sum", None)
+        return tensor if reduce is None else reduce(tensor)
+
+    def sum_data_over_shards(self, tensor: torch.Tensor) -> torch.Tensor:
+        """As `sum_over_shards`, for tensors as large as a parameter."""
+        reduce = getattr(self, "_sum_data", None)
         return tensor if reduce is None else reduce(tensor)
 
     def parameter_norms(self, *columns: list[tuple[torch.Tensor, torch.Tensor]]) -> torch.Tensor:

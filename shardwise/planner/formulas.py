@@ -13,7 +13,7 @@ engine pads the flat buffer so every rank holds the same length.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from math import ceil
+from math import ceil, prod
 from typing import Literal
 
 Device = Literal["gpu", "cpu", "nvme"]
@@ -32,8 +32,31 @@ MASTER_WEIGHT_BYTES = 4
 # Offloaded gradients are kept in fp32 on the host: the CPU optimizer steps in fp32, so
 # the 16-bit gradient partition is upcast once on arrival instead of at every use.
 HOST_GRADIENT_BYTES = 4
-# fp32 tensors of state each optimizer keeps per parameter (Adam: momentum and variance).
-OPTIMIZER_FP32_STATES = {"adam": 2, "adamw": 2, "lamb": 2, "sgd": 1}
+# 8-bit Adam (bitsandbytes' format): a 1-byte code per element for each of its two moments,
+# and an fp32 absmax per block of QUANTIZATION_BLOCK elements for each.
+QUANTIZATION_BLOCK = 256
+ADAM_8BIT_STATE_BYTES = 2 + 2 * 4 / QUANTIZATION_BLOCK
+# Adafactor's K depends on the shapes: 4 (rows + columns) bytes per matrix. With only Ψ
+# known, the table assumes square matrices of this side (transformer weights are larger,
+# so the real K is smaller still).
+ADAFACTOR_REFERENCE_SIDE = 1024
+
+
+def adafactor_fp32_states(rows: int, columns: int) -> float:
+    """Adafactor's fp32 values per element of a rows x columns matrix: one per row and one
+    per column (a tensor of fewer than 2 dimensions keeps one per element: 1)."""
+    return (rows + columns) / (rows * columns)
+
+
+# fp32 tensors of state each optimizer keeps per parameter (Adam: momentum and variance), or
+# their equivalent in bytes / 4 where the state is not fp32 per element. Lars: its momentum
+# buffer (SGD's, when momentum is on); Muon: the momentum of its matrices (the vectors it
+# trains with AdamW hold 2, a negligible share of a transformer).
+OPTIMIZER_FP32_STATES = {
+    "adam": 2, "adamw": 2, "lamb": 2, "sgd": 1, "lars": 1, "muon": 1,
+    "adafactor": adafactor_fp32_states(ADAFACTOR_REFERENCE_SIDE, ADAFACTOR_REFERENCE_SIDE),
+    "adam8bit": ADAM_8BIT_STATE_BYTES / 4, "adamw8bit": ADAM_8BIT_STATE_BYTES / 4,
+}
 # Korthikanti et al. assume logits are turned into an fp32 log-softmax that cross-entropy
 # keeps for its backward; layer recomputation does not cover it.
 LOGITS_BYTES = 4
@@ -46,14 +69,42 @@ def element_bytes(dtype: str) -> int:
     return ELEMENT_BYTES[dtype]
 
 
-def optimizer_state_bytes_for(optimizer: str = "adam", dtype: str = "bf16") -> int:
+def optimizer_state_bytes_for(optimizer: str = "adam", dtype: str = "bf16") -> float:
     """K: with 16-bit training the optimizer owns an fp32 master copy (4 bytes) on top of its
     own states; with fp32 training it updates the fp32 weights in place, so K is the states
-    alone (Adam: 12 mixed, 8 fp32)."""
+    alone (Adam: 12 mixed, 8 fp32; 8-bit Adam 6.03125 / 2.03125, a fraction of a byte for
+    its scales)."""
     if optimizer not in OPTIMIZER_FP32_STATES:
         raise ValueError(f"optimizer must be one of {sorted(OPTIMIZER_FP32_STATES)}, got {optimizer!r}")
     master = 0 if element_bytes(dtype) == MASTER_WEIGHT_BYTES else MASTER_WEIGHT_BYTES
     return 4 * OPTIMIZER_FP32_STATES[optimizer] + master
+
+
+def adafactor_state_bytes(shape: tuple[int, ...]) -> int:
+    """Adafactor's state for one parameter: 4 (rows + columns) bytes for a tensor of 2 or
+    more dimensions (factored over its last two: rows = all but the last dimension,
+    columns = the last times the leading ones), 4 per element otherwise."""
+    numel = prod(shape)
+    if len(shape) < 2:
+        return 4 * numel
+    return 4 * (numel // shape[-1] + numel // shape[-2])
+
+
+def adam_8bit_state_bytes(start: int, stop: int, numel: int, min_8bit_size: int = 4096) -> int:
+    """8-bit Adam's state for elements [start, stop) of a parameter of `numel` elements: 2
+    codes per element and 2 fp32 scales per block touched (a block cut by a ZeRO piece
+    boundary is held, with its scales, by each rank it spans); fp32 moments (8 bytes per
+    element) below `min_8bit_size` elements."""
+    if numel < min_8bit_size:
+        return 8 * (stop - start)
+    blocks = (stop - 1) // QUANTIZATION_BLOCK - start // QUANTIZATION_BLOCK + 1 if stop > start else 0
+    return 2 * (stop - start) + 8 * blocks
+
+
+def muon_state_bytes(shape: tuple[int, ...]) -> int:
+    """Muon's state for one parameter: a momentum buffer for a matrix (4 bytes per element),
+    AdamW's two moments otherwise (8)."""
+    return (4 if len(shape) == 2 else 8) * prod(shape)
 
 
 @dataclass(frozen=True)

@@ -121,8 +121,13 @@ def apply_zero(
     store = _make_store(policy, params, groups.shard.rank, ledger, per_parameter, groups.shard.global_rank)
     reducer = GradientReducer(params.units, policy, store, groups.shard, groups.replicate, ledger, device)
     params.connect(reducer)
+    def sum_data(tensor: torch.Tensor) -> torch.Tensor:
+        groups.shard.all_reduce(tensor, "whole parameters the optimizer assembles").wait()
+        return tensor
+
     optimizer = ShardedOptimizer(
         store, ledger, make_optimizer, codec,
         sum_over_shards=lambda tensor: groups.shard.control_all_reduce(tensor, "whole-parameter optimizer statistics"),
+        sum_data_over_shards=sum_data,
     )
     return ZeroState(policy, groups, params, store, reducer, optimizer)

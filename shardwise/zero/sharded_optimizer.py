@@ -33,18 +33,20 @@ class ShardedOptimizer:
         make_optimizer: Callable[[list[list[torch.Tensor]]], torch.optim.Optimizer],
         codec: StateCodec | None = None,
         sum_over_shards: SumOverShards | None = None,
+        sum_data_over_shards: SumOverShards | None = None,
     ):
         """`make_optimizer` receives, per param group, the fp32 segments to train;
         `codec` says how its state is saved and resharded (default: per-element state).
         A `ShardAwareOptimizer` (the store then holds one segment per parameter piece) is
-        told which piece each segment is, and sums its statistics with `sum_over_shards`."""
+        told which piece each segment is, and sums its statistics with `sum_over_shards`
+        (small, control traffic) or parameter-sized tensors with `sum_data_over_shards`."""
         self.store = store
         self.ledger = ledger
         self.segments: list[SegmentState] = store.segments
         self.optimizer = make_optimizer(self._segments_by_group())
         self.codec = codec or ElementwiseCodec()
         if isinstance(self.optimizer, ShardAwareOptimizer):
-            self._attach_shards(sum_over_shards)
+            self._attach_shards(sum_over_shards, sum_data_over_shards)
         self.record_state_bytes()
 
     def _segments_by_group(self) -> list[list[torch.Tensor]]:
@@ -54,7 +56,8 @@ class ShardedOptimizer:
         groups = 1 + max(slot.group for unit in self.store.units for slot in unit.slots)
         return [by_group.get(index, []) for index in range(groups)]
 
-    def _attach_shards(self, sum_over_shards: SumOverShards | None) -> None:
+    def _attach_shards(self, sum_over_shards: SumOverShards | None,
+                       sum_data_over_shards: SumOverShards | None) -> None:
         if any(segment.piece is None for segment in self.segments):
             raise ValueError(f"{type(self.optimizer).__name__} needs whole-parameter statistics: build the "
                              "shard store with per_parameter=True")
@@ -65,7 +68,8 @@ class ShardedOptimizer:
                                            segment.piece.start, segment.piece.stop, index[id(segment.piece.slot)])
             for segment in self.segments
         }
-        self.optimizer.attach_shards(shards, len(slots), sum_over_shards or (lambda tensor: tensor))
+        identity = lambda tensor: tensor  # noqa: E731  (one rank: nothing to sum)
+        self.optimizer.attach_shards(shards, len(slots), sum_over_shards or identity, sum_data_over_shards or identity)
 
     # -- norms ---------------------------------------------------------------------------
     def local_grad_norm_squared(self) -> torch.Tensor:

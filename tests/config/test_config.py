@@ -135,15 +135,18 @@ def test_ranges_and_types_are_checked_with_the_value_given():
     ]
 
 
+OPTIMIZER_CHOICES = "Adam, AdamW, SGD, Lamb, Lars, Adafactor, Adam8bit, AdamW8bit, Muon"
+
+
 @pytest.mark.parametrize(
     ("given", "expected"),
     [
-        ("Lars", "optimizer.type 'Lars' is not supported yet: use one of Adam, AdamW, SGD, Lamb"),
-        ("onebitadam", "optimizer.type 'onebitadam' is not supported yet: use one of Adam, AdamW, SGD, Lamb"),
-        ("ZeroOneAdam", "optimizer.type 'ZeroOneAdam' is not supported yet: use one of Adam, AdamW, SGD, Lamb"),
+        ("OneBitLamb", f"optimizer.type 'OneBitLamb' is not supported yet: use one of {OPTIMIZER_CHOICES}"),
+        ("onebitadam", f"optimizer.type 'onebitadam' is not supported yet: use one of {OPTIMIZER_CHOICES}"),
+        ("ZeroOneAdam", f"optimizer.type 'ZeroOneAdam' is not supported yet: use one of {OPTIMIZER_CHOICES}"),
         ("Lion", "optimizer.type 'Lion' is a DeepSpeed optimizer that shardwise does not support yet: "
-                 "use one of Adam, AdamW, SGD, Lamb"),
-        ("Adamm", "optimizer.type 'Adamm' is unknown; did you mean 'Adam'? (choices: Adam, AdamW, SGD, Lamb)"),
+                 f"use one of {OPTIMIZER_CHOICES}"),
+        ("Adamm", f"optimizer.type 'Adamm' is unknown; did you mean 'Adam'? (choices: {OPTIMIZER_CHOICES})"),
     ],
 )
 def test_optimizer_types_shardwise_cannot_build(given, expected):

@@ -107,3 +107,14 @@ def test_bytes_moved_between_tiers_follow_the_formula(tmp_path):
     pages = -(-padded // 2 // 1500)
     assert expected["nvme_write"] <= moved["nvme_write"] <= expected["nvme_write"] + pages * 3 * 4096
     assert moved["nvme_read"] <= expected["nvme_read"] // 3 + pages * 4096
+
+
+@pytest.mark.parametrize("optimizer", ["lamb", "adafactor", "adam8bit"])
+def test_whole_parameter_and_quantised_optimizers_page_too(optimizer, tmp_path):
+    import dataclasses
+
+    plain = run_distributed(train_parallel, 2, dataclasses.replace(plain_case(2), optimizer=optimizer))
+    swapped = run_distributed(train_parallel, 2, dataclasses.replace(nvme_case(tmp_path, 2), optimizer=optimizer))
+    for without, with_swap in zip(plain, swapped):
+        for name, tensor in without["params"].items():
+            assert with_swap["params"][name].equal(tensor), name

@@ -28,7 +28,8 @@ def test_deepspeed_adam_means_decoupled_weight_decay_unless_told_otherwise():
 
 
 def test_unknown_optimizer_names_the_registered_ones():
-    with pytest.raises(ValueError, match="no optimizer 'Lion'; registered: Adam, AdamW, Lamb, SGD"):
+    with pytest.raises(ValueError, match="no optimizer 'Lion'; registered: Adafactor, Adam, Adam8bit, AdamW, "
+                                         "AdamW8bit, Lamb, Lars, Muon, SGD"):
         optimizer_spec("Lion")
 
 

@@ -11,11 +11,16 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass, field
+from typing import Callable
 
 import torch
 
 import shardwise
 from shardwise.models import GPT, GPTConfig
+from shardwise.optim.adafactor import Adafactor
+from shardwise.optim.adam8bit import Adam8bit, AdamW8bit
+from shardwise.optim.lars import Lars
+from shardwise.optim.muon import Muon
 
 
 @dataclass(frozen=True, eq=False)
@@ -107,9 +112,23 @@ def _lamb(groups: list[dict], lr: float) -> torch.optim.Optimizer:
     return Lamb(groups, lr=lr)
 
 
+def _shardwise(cls: type[torch.optim.Optimizer], **options) -> Callable[[list[dict], float], torch.optim.Optimizer]:
+    """One of shardwise's own optimizers with test settings."""
+    return lambda groups, lr: cls(groups, lr=lr, **options)
+
+
 OPTIMIZERS = {
     "adamw": lambda groups, lr: torch.optim.AdamW(groups, lr=lr),
     "lamb": _lamb,
+    # a trust coefficient large enough that the trust ratio shapes the step at lr 1e-2
+    "lars": _shardwise(Lars, momentum=0.9, trust_coefficient=0.05),
+    "adafactor": _shardwise(Adafactor),
+    # 1024: the tiny GPT's matrices are quantised (their blocks cut by pieces), its vectors are not
+    "adam8bit": _shardwise(Adam8bit, min_8bit_size=1024),
+    "adamw8bit": _shardwise(AdamW8bit, min_8bit_size=1024),
+    # Newton-Schulz in fp32: in bf16 the last-bit gradient differences of data parallelism
+    # flip roundings, which the iteration spreads over the whole update (~1e-3 relative)
+    "muon": _shardwise(Muon, adam_lr=3e-3, ns_dtype="float32"),
 }
 
 

@@ -1,0 +1,78 @@
+"""Block-wise 8-bit quantisation with a dynamic code (Dettmers et al., 2022, "8-bit
+Optimizers via Block-wise Quantization"), the state format of 8-bit Adam.
+
+A block of 256 consecutive elements is stored as one fp32 scale, its absolute maximum,
+and one byte per element: the index of the code value nearest to element / absmax. The
+code is *dynamic*: its values are spread over seven decades (1e-6 .. 1), with more of
+them in the larger decades, so small and large entries of a block both keep about two
+significant digits, which a linear 8-bit grid would lose for the small ones. Adam's first
+moment needs a signed code; its second moment is never negative, so its code spends the
+sign bit on finer steps.
+
+Blocks are counted in the *parameter's* flattened coordinates, not the piece's, so that a
+piece boundary inside a block leaves the block (and its scale) what it is on one process.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import torch
+
+from shardwise.optim.layout import PaddedRows
+
+BLOCK = 256  # elements per scale, as bitsandbytes' optimizers use
+DECADES = 7  # code values span 10^-(DECADES-1) .. 1
+TINY_SCALE = 1e-38  # an all-zero block: any positive scale maps it to code 0.0
+
+
+@functools.cache
+def dynamic_code(signed: bool) -> torch.Tensor:
+    """The 256 code values, sorted: 0 and 1, and in decade k (k = 0 .. 6, values in
+    [0.1, 1] x 10^(k-6)) the centres of 2^k equal bins (signed: and their negatives), or
+    of 2^(k+1) bins when unsigned. Arithmetic in fp32, so the values equal bitsandbytes'
+    `create_dynamic_map` bit for bit."""
+    values = [0.0, 1.0]
+    for decade in range(DECADES):
+        bins = 2**decade if signed else 2 ** (decade + 1)
+        edges = torch.linspace(0.1, 1.0, bins + 1)
+        centres = (edges[:-1] + edges[1:]) / 2
+        scale = 10.0 ** (decade - (DECADES - 1))
+        values += (centres * scale).tolist()
+        if signed:
+            values += (centres * -scale).tolist()
+    if len(values) != 256:
+        raise AssertionError(f"a dynamic code has 256 values, built {len(values)}")
+    return torch.tensor(sorted(values), dtype=torch.float32)
+
+
+@functools.cache
+def _midpoints(signed: bool) -> torch.Tensor:
+    code = dynamic_code(signed)
+    return (code[:-1] + code[1:]) / 2
+
+
+def block_absmax(rows: torch.Tensor) -> torch.Tensor:
+    """Per block (row of a (blocks, BLOCK) tensor): the largest absolute value."""
+    return rows.abs().amax(dim=1)
+
+
+def quantize(rows: torch.Tensor, absmax: torch.Tensor, signed: bool) -> torch.Tensor:
+    """Codes (uint8, same shape) of a (blocks, BLOCK) tensor given each block's scale:
+    the nearest code value to x * (1 / absmax), a tie going to the smaller one."""
+    scaled = rows * absmax.clamp(min=TINY_SCALE).reciprocal().unsqueeze(1)
+    midpoints = _midpoints(signed).to(rows.device)
+    return torch.bucketize(scaled, midpoints).to(torch.uint8)
+
+
+def dequantize(codes: torch.Tensor, absmax: torch.Tensor, signed: bool) -> torch.Tensor:
+    """fp32 values of (blocks, BLOCK) codes: code value times the block's scale."""
+    code = dynamic_code(signed).to(codes.device)
+    return code[codes.int()] * absmax.unsqueeze(1)
+
+
+def dequantize_piece(codes: torch.Tensor, absmax: torch.Tensor, start: int, signed: bool) -> torch.Tensor:
+    """fp32 values of a piece's codes (elements [start, start + len) of the parameter),
+    `absmax` holding one scale per block the piece touches."""
+    blocks = PaddedRows(start, codes.numel(), BLOCK)
+    return blocks.unpad(dequantize(blocks.pad(codes), absmax, signed))
