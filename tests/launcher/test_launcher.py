@@ -202,14 +202,15 @@ def test_two_nodes_on_one_machine_meet_at_the_rendezvous_endpoint(tmp_path):
 
 def test_a_failing_script_makes_the_launcher_fail(tmp_path):
     script = tmp_path / "fails.py"
-    script.write_text("raise RuntimeError('the script failed on purpose')\n")
+    # one rank fails: two tracebacks written to one stderr at once would interleave
+    script.write_text("import os\nif os.environ['RANK'] == '1':\n    raise RuntimeError('the script failed on purpose')\n")
 
     finished = run_shardwise(["--nproc", "2", str(script)], tmp_path)
 
     assert finished.returncode == 1
     # The traceback starts at the script, as `python fails.py` prints it, not in the
     # module each worker starts the script through.
-    assert f'Traceback (most recent call last):\n  File "{script}", line 1' in finished.stderr
+    assert f'Traceback (most recent call last):\n  File "{script}", line 3' in finished.stderr
     assert "RuntimeError: the script failed on purpose" in finished.stderr
     assert "runpy" not in finished.stderr and "child.py" not in finished.stderr
     assert "fails.py FAILED" in finished.stderr
