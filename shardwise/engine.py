@@ -17,7 +17,8 @@ from __future__ import annotations
 import logging
 import os
 import weakref
-from typing import Any, Callable
+from contextlib import contextmanager
+from typing import Any, Callable, Iterator
 
 import torch
 from torch import nn
@@ -28,11 +29,19 @@ from shardwise.distributed.agreement import check_ranks_agree, describe_config, 
 from shardwise.distributed.collectives import CommStats, Communicator
 from shardwise.distributed.mesh import ParallelMesh, ParallelSizes
 from shardwise.distributed.setup import call_check_timeout, init_distributed, world_handle
-from shardwise.optim import build_scheduler
+from shardwise.engine_arguments import (
+    check_arguments,
+    group_lookup,
+    hidden_size,
+    make_scheduler,
+    optimizer_factory,
+    refuse_second_engine,
+)
 from shardwise.optim.registry import optimizer_spec
 from shardwise.optim.sharded import ShardAwareOptimizer
 from shardwise.parallel.apply import apply_model_transforms
 from shardwise.precision import LossScaler
+from shardwise.precision.casting import cast_floating
 from shardwise.reliability.step_guard import StepGuard
 from shardwise.zero.apply import ZeroGroups, apply_zero
 from shardwise.zero.policy import ZeroPolicy
@@ -50,13 +59,13 @@ class Engine:
         lr_scheduler: Any = None,
         param_init_fn: Callable[[nn.Module], None] | None = None,
     ):
-        _refuse_second_engine(model)
+        refuse_second_engine(model)
         self.context = init_distributed()
         self.config = config if isinstance(config, ShardwiseConfig) else load_config(
-            config, world_size=self.context.world_size, hidden_size=_hidden_size(model)
+            config, world_size=self.context.world_size, hidden_size=hidden_size(model)
         )
         cfg = self.config
-        _check_arguments(cfg, optimizer, lr_scheduler)
+        check_arguments(cfg, optimizer, lr_scheduler)
         if cfg.seed is not None:
             torch.manual_seed(cfg.seed)
 
@@ -70,7 +79,7 @@ class Engine:
         peers = check_ranks_agree(
             self.world,
             describe_config(cfg.model_dump(), optimizer),
-            describe_model(model, _group_lookup(optimizer)),
+            describe_model(model, group_lookup(optimizer)),
             sizes.groups("replicas"),
         )
         self.world.peers = peers
@@ -96,7 +105,7 @@ class Engine:
         spec = optimizer_spec(cfg.optimizer.type) if cfg.optimizer is not None else None
         self.zero = apply_zero(
             model, named, self.policy, groups, self.ledger, self.device,
-            make_optimizer=_optimizer_factory(optimizer, cfg),
+            make_optimizer=optimizer_factory(optimizer, cfg),
             codec=spec.codec if spec is not None else getattr(optimizer, "state_codec", None),
             param_init_fn=param_init_fn,
             per_parameter=spec.per_parameter if spec is not None else isinstance(optimizer, ShardAwareOptimizer),
@@ -114,7 +123,7 @@ class Engine:
         self.global_steps = 0
         self.skipped_steps = 0
         self.last_grad_norm: float | None = None
-        self.lr_scheduler = _make_scheduler(lr_scheduler, cfg, self.optimizer.optimizer)
+        self.lr_scheduler = make_scheduler(lr_scheduler, cfg, self.optimizer.optimizer)
         self.loss_scaler = LossScaler.from_config(cfg.fp16)
         self.guard = StepGuard(self.comm, groups.replicate.size, cfg.max_consecutive_skipped_steps)
         self._backward_pending = False  # backward() ran and step() has not yet
@@ -129,7 +138,7 @@ class Engine:
         """The user's forward; floating-point inputs are cast to the compute dtype. If it
         raises, whatever it left gathered or in use is released first."""
         self._require_alive("forward")
-        args, kwargs = _cast_floating((args, kwargs), self.dtype)
+        args, kwargs = cast_floating((args, kwargs), self.dtype)
         try:
             return self.module(*args, **kwargs)
         except BaseException:
@@ -140,9 +149,27 @@ class Engine:
     def is_gradient_accumulation_boundary(self) -> bool:
         return (self.micro_steps + 1) % self.gradient_accumulation_steps == 0
 
+    @contextmanager
+    def no_sync(self) -> Iterator[None]:
+        """DDP's and DeepSpeed's `no_sync`: backward passes inside accumulate gradients on
+        this rank without communicating; the first backward after the block reduces all of
+        them, and `step()` follows it. Stages 0-1 only: stages 2-3 keep a gradient
+        partition, which needs a reduction every micro-batch."""
+        if not self.policy.keeps_full_gradients:
+            raise RuntimeError(f"engine.no_sync() needs ZeRO stage 0 or 1: stage {self.stage} keeps only a "
+                               "partition of the gradients, so every backward must reduce (DeepSpeed refuses it too)")
+        self.zero.reducer.sync_in_backward = False
+        try:
+            yield
+        finally:
+            self.zero.reducer.sync_in_backward = True
+
     def backward(self, loss: torch.Tensor) -> None:
         """Backward of `loss` averaged over accumulation steps and scaled for fp16."""
         self._require_alive("backward")
+        if not self.zero.reducer.sync_in_backward:  # inside no_sync: accumulate only
+            self._local_backward(loss)
+            return
         if self._backward_pending:
             raise RuntimeError(
                 "engine.backward() was called twice without engine.step() in between; call "
@@ -160,6 +187,16 @@ class Engine:
             raise
         self.zero.params.end_backward()
         self._backward_pending = True
+
+    def _local_backward(self, loss: torch.Tensor) -> None:
+        self.zero.reducer.begin_backward(boundary=False)
+        self.guard.note_loss(loss)
+        try:
+            (loss.float() * self.loss_scaler.scale / self.gradient_accumulation_steps).backward()
+            self.zero.reducer.end_backward()
+        except BaseException:
+            self._abort_backward()
+            raise
 
     def _abort_backward(self) -> None:
         """A backward raised (on every rank alike, or the step check will say otherwise):
@@ -187,6 +224,9 @@ class Engine:
     def step(self) -> None:
         """Apply the update at an accumulation boundary; otherwise only count the micro-step."""
         self._require_alive("step")
+        if not self.zero.reducer.sync_in_backward:
+            raise RuntimeError("engine.step() inside engine.no_sync(): the gradients there are not reduced yet; "
+                               "call backward() inside the block and backward() + step() after it")
         if not self._backward_pending:
             raise RuntimeError(
                 "engine.step() was called without engine.backward() since the last step: there "
@@ -323,79 +363,3 @@ def initialize(
     default: `module.reset_parameters()`).
     """
     return Engine(model, config, optimizer, lr_scheduler, param_init_fn)
-
-
-def _refuse_second_engine(model: nn.Module) -> None:
-    """A second engine on the same parameters would add a second set of gradient hooks:
-    every gradient reduced twice, silently."""
-    for param in model.parameters():
-        reference = getattr(param, "_shardwise_reducer", None)
-        if reference is not None and reference() is not None:
-            raise RuntimeError(
-                "this model is already trained by a shardwise engine (initialize was called on "
-                "it before); call engine.destroy() on the first engine, or build a new model"
-            )
-
-
-def _check_arguments(cfg: ShardwiseConfig, optimizer: Any, lr_scheduler: Any) -> None:
-    if optimizer is not None and cfg.optimizer is not None:
-        raise ValueError(
-            "an optimizer was passed to initialize() and the config has an 'optimizer' "
-            "block; keep one of them"
-        )
-    if optimizer is None and cfg.optimizer is None:
-        raise ValueError("no optimizer: pass one to initialize() or add an 'optimizer' block")
-    if lr_scheduler is not None and cfg.scheduler is not None:
-        raise ValueError(
-            "an lr_scheduler was passed to initialize() and the config has a 'scheduler' "
-            "block; keep one of them"
-        )
-
-
-def _hidden_size(model: nn.Module) -> int | None:
-    config = getattr(model, "config", None)
-    return getattr(config, "hidden_size", None) or getattr(config, "n_embd", None)
-
-
-def _group_lookup(optimizer: torch.optim.Optimizer | None) -> Callable[[nn.Parameter], int | None]:
-    groups = {id(p): index for index, group in enumerate(optimizer.param_groups) for p in group["params"]} if optimizer else {}
-    return lambda param: groups.get(id(param))
-
-
-def _optimizer_factory(
-    optimizer: torch.optim.Optimizer | None, cfg: ShardwiseConfig
-) -> Callable[[list[list[torch.Tensor]]], torch.optim.Optimizer]:
-    """How to get a torch optimizer over the owned segments, one list per param group."""
-
-    def repoint(groups: list[list[torch.Tensor]]) -> torch.optim.Optimizer:
-        for group, params in zip(optimizer.param_groups, groups):
-            group["params"] = params
-        optimizer.state.clear()
-        return optimizer
-
-    def from_config(groups: list[list[torch.Tensor]]) -> torch.optim.Optimizer:
-        return optimizer_spec(cfg.optimizer.type).build([{"params": params} for params in groups], cfg.optimizer.params)
-
-    return repoint if optimizer is not None else from_config
-
-
-def _make_scheduler(lr_scheduler: Any, cfg: ShardwiseConfig, optimizer: torch.optim.Optimizer) -> Any:
-    if cfg.scheduler is not None:
-        return build_scheduler(optimizer, cfg.scheduler)
-    if callable(lr_scheduler) and not hasattr(lr_scheduler, "step"):
-        return lr_scheduler(optimizer)
-    return lr_scheduler
-
-
-def _cast_floating(value: Any, dtype: torch.dtype) -> Any:
-    if dtype == torch.float32:
-        return value
-    if torch.is_tensor(value):
-        return value.to(dtype) if value.is_floating_point() else value
-    if isinstance(value, tuple) and hasattr(value, "_fields"):  # namedtuple
-        return type(value)(*(_cast_floating(item, dtype) for item in value))
-    if isinstance(value, (list, tuple)):
-        return type(value)(_cast_floating(item, dtype) for item in value)
-    if isinstance(value, dict):
-        return {key: _cast_floating(item, dtype) for key, item in value.items()}
-    return value

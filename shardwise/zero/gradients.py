@@ -104,6 +104,10 @@ class GradientReducer:
         ]
         self._reducing = False
         self._window_ends = False
+        # The gradient-synchronisation strategy: reduce while backward runs (default), or
+        # accumulate locally and let the caller decide when (no_sync; an optimizer that
+        # communicates itself). Local accumulation needs the full buffer (stages 0-1).
+        self.sync_in_backward = True
         self._reset_backward_state()
 
     def zero_grads(self) -> None:
@@ -125,9 +129,12 @@ class GradientReducer:
         self._launched: list[_Launched] = []
 
     def begin_backward(self, boundary: bool) -> None:
-        """`boundary`: this backward ends an accumulation window."""
-        self._window_ends = boundary
-        self._reducing = boundary or not self.keeps_full_grads
+        """`boundary`: this backward ends an accumulation window. With `sync_in_backward`
+        off (the engine's `no_sync`), gradients only accumulate locally: the first
+        backward with it on again reduces everything accumulated."""
+        synced = self.sync_in_backward
+        self._window_ends = boundary and synced
+        self._reducing = synced and (boundary or not self.keeps_full_grads)
         self._reset_backward_state()
 
     def _make_hook(self, unit: FlatUnit, slot: ParamSlot) -> Callable[[torch.Tensor], None]:

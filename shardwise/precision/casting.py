@@ -1,0 +1,23 @@
+"""Inputs in the compute dtype: floating-point tensors in a forward's arguments are cast,
+as DeepSpeed's engine does for 16-bit training; integer tensors (token ids) and anything
+that is not a tensor pass through, however deeply nested."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+
+def cast_floating(value: Any, dtype: torch.dtype) -> Any:
+    if dtype == torch.float32:
+        return value
+    if torch.is_tensor(value):
+        return value.to(dtype) if value.is_floating_point() else value
+    if isinstance(value, tuple) and hasattr(value, "_fields"):  # namedtuple
+        return type(value)(*(cast_floating(item, dtype) for item in value))
+    if isinstance(value, (list, tuple)):
+        return type(value)(cast_floating(item, dtype) for item in value)
+    if isinstance(value, dict):
+        return {key: cast_floating(item, dtype) for key, item in value.items()}
+    return value
