@@ -17,6 +17,7 @@ from __future__ import annotations
 import logging
 import os
 import weakref
+from collections.abc import Mapping
 from contextlib import contextmanager
 from typing import Any, Callable, Iterator
 
@@ -58,11 +59,12 @@ class Engine:
         optimizer: torch.optim.Optimizer | None = None,
         lr_scheduler: Any = None,
         param_init_fn: Callable[[nn.Module], None] | None = None,
+        auto_values: Mapping[str, Any] | None = None,
     ):
         refuse_second_engine(model)
         self.context = init_distributed()
         self.config = config if isinstance(config, ShardwiseConfig) else load_config(
-            config, world_size=self.context.world_size, hidden_size=hidden_size(model)
+            config, world_size=self.context.world_size, hidden_size=hidden_size(model), auto_values=auto_values
         )
         cfg = self.config
         check_arguments(cfg, optimizer, lr_scheduler)
@@ -356,10 +358,14 @@ def initialize(
     optimizer: torch.optim.Optimizer | None = None,
     lr_scheduler: Any = None,
     param_init_fn: Callable[[nn.Module], None] | None = None,
+    *,
+    auto_values: Mapping[str, Any] | None = None,
 ) -> Engine:
     """Wrap `model` for (ZeRO) data-parallel training; see SPEC §2.
 
     `param_init_fn(module)` initialises a module built on the meta device (stage 3 only;
-    default: `module.reset_parameters()`).
+    default: `module.reset_parameters()`). `auto_values` fills the config's "auto" entries
+    by dotted key (e.g. {"optimizer.params.lr": 3e-4, "train_micro_batch_size_per_gpu": 8}),
+    as Hugging Face's trainer does from its arguments.
     """
-    return Engine(model, config, optimizer, lr_scheduler, param_init_fn)
+    return Engine(model, config, optimizer, lr_scheduler, param_init_fn, auto_values)

@@ -2,6 +2,7 @@
 
 from shardwise.config.errors import ConfigError
 from shardwise.config.loader import load_config
+from shardwise.config.resolve import fill_auto
 from shardwise.config.schema import (
     ActivationCheckpointingConfig,
     AioConfig,
@@ -39,5 +40,6 @@ __all__ = [
     "TensorParallelConfig",
     "ZeroConfig",
     "default_config_table",
+    "fill_auto",
     "load_config",
 ]

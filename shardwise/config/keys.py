@@ -1,19 +1,30 @@
 """Which keys a config may contain, and what to tell the user about the others.
 
 A key is one of: supported (a field of the schema), an older DeepSpeed name for a
-supported key (renamed), a DeepSpeed key shardwise does not implement (rejected by
-name, so the user knows it was understood), or unknown (most likely a typo: rejected
-with the closest supported key at the same level). The lists of DeepSpeed keys come
+supported key (renamed), a DeepSpeed key that changes nothing shardwise computes or is
+switched off (accepted, or translated to shardwise's key: deepspeed_keys.py), a comment,
+a DeepSpeed key shardwise does not implement (rejected by name, so the user knows it was
+understood), or unknown (most likely a typo: rejected with the closest supported key at
+the same level). The lists of DeepSpeed keys come
 from deepspeed/runtime/constants.py, runtime/config.py and the section models under
 deepspeed/runtime; they name what DeepSpeed accepts, not what it documents.
 """
 
 import difflib
+import json
 from collections.abc import Iterable, Mapping
 from typing import Any, NamedTuple
 
 from pydantic import BaseModel
 
+from shardwise.config.deepspeed_keys import (
+    AcceptedWhen,
+    KeyRule,
+    Translated,
+    classification_rows,
+    is_comment,
+    rule_for,
+)
 from shardwise.config.errors import join_key
 from shardwise.config.fields import Section
 from shardwise.config.params import (
@@ -41,38 +52,10 @@ ALIASES: dict[str, dict[str, str]] = {
 
 DEEPSPEED_KEYS_NOT_SUPPORTED: dict[str, frozenset[str]] = {
     "": frozenset({
-        "amp", "autotuning", "checkpoint", "comet", "comms_logger", "compile", "compression_training",
-        "csv_monitor", "curriculum_learning", "data_efficiency", "data_types", "dataloader_drop_last",
-        "datastates", "disable_allgather", "dump_state", "eigenvalue", "elasticity", "expert_parallel",
-        "flops_profiler", "fp32_allreduce", "gradient_allreduce_op", "gradient_predivide_factor",
-        "graph_harvesting", "hybrid_engine", "log_level", "managed_gradient_accumulation",
-        "memory_breakdown", "nebula", "pipeline", "prescale_gradients", "progressive_layer_drop",
-        "quantize_training", "seq_parallel_comm_data_type", "sequence_parallel_size", "sparse_attention",
-        "sparse_gradients", "timers", "torch_autocast", "use_data_before_expert_parallelism",
-        "vocabulary_size", "wall_clock_breakdown", "wandb", "weight_quantization",
-        "zero_allow_untested_optimizer", "zero_force_ds_cpu_optimizer",
+        "compile", "expert_parallel", "gradient_allreduce_op", "managed_gradient_accumulation",
+        "sparse_attention", "use_data_before_expert_parallelism", "vocabulary_size",
     }),
-    "optimizer": frozenset({"legacy_fusion"}),
-    "optimizer.params": frozenset({"max_grad_norm", "set_grad_none"}),
-    "fp16": frozenset({"fp16_master_weights_and_grads", "fused_mode"}),
-    "bf16": frozenset({
-        "bf16_master_weights_and_grads", "bf16_optimizer_states", "check_grad_overflow", "immediate_grad_update",
-    }),
-    "zero_optimization": frozenset({
-        "cpu_offload", "cpu_offload_param", "cpu_offload_use_pin_memory", "elastic_checkpoint",
-        "ignore_unused_parameters", "legacy_stage1", "load_from_fp32_weights", "log_trace_cache_warnings",
-        "memory_efficient_linear", "mics_hierarchical_params_gather",
-        "override_module_apply", "pipeline_loading_checkpoint", "round_robin_gradients",
-        "stage3_model_persistence_threshold", "stage3_module_granularity_threshold",
-        "stage3_use_all_reduce_for_fetch_params", "use_multi_rank_bucket_allreduce", "zenflow",
-        "zero_hpz_partition_size", "zero_quantized_gradients", "zero_quantized_nontrainable_weights",
-        "zero_quantized_weights", "zeropp_loco_param",
-    }),
-    "zero_optimization.offload_optimizer": frozenset({
-        "fast_init", "pipeline", "pipeline_read", "pipeline_write", "ratio",
-    }),
-    "zero_optimization.offload_param": frozenset({"buffer_size", "max_in_cpu"}),
-    "aio": frozenset({"intra_op_parallelism", "use_gds"}),
+    "optimizer.params": frozenset({"max_grad_norm"}),
     "tensor_parallel": frozenset({
         "autotp_size", "keep_module_on_host", "partition_config", "preset_model", "replace_with_kernel_inject",
         "tp", "tp_overlap_comm",
@@ -82,12 +65,19 @@ DEEPSPEED_KEYS_NOT_SUPPORTED: dict[str, frozenset[str]] = {
 # Where shardwise has the capability under another key, say which.
 KEY_HINTS: dict[str, str] = {
     "optimizer.params.max_grad_norm": "use the top-level 'gradient_clipping' (DeepSpeed rejects it too)",
-    "pipeline": "shardwise's block is 'pipeline_parallel'",
-    "sequence_parallel_size": "shardwise's key is 'sequence_parallel.size'",
-    "zero_optimization.cpu_offload": "use 'zero_optimization.offload_optimizer'",
-    "zero_optimization.cpu_offload_param": "use 'zero_optimization.offload_param'",
     "tensor_parallel.autotp_size": "shardwise's key is 'tensor_parallel.size'",
 }
+
+
+def deepspeed_key_table() -> list[tuple[str, str, str]]:
+    """(dotted key, treatment, why) for every DeepSpeed key without a schema field: the
+    accepted and translated ones, then those still rejected (the README's table)."""
+    rows = classification_rows()
+    for path, keys in DEEPSPEED_KEYS_NOT_SUPPORTED.items():
+        for key in sorted(keys):
+            full = join_key(path, key)
+            rows.append((full, "rejected: not supported yet", KEY_HINTS.get(full, "")))
+    return rows
 
 
 class _TypedBlock(NamedTuple):
@@ -116,6 +106,7 @@ def _check_section(
 ) -> dict[str, Any]:
     aliases = ALIASES.get(path, {})
     cleaned: dict[str, Any] = {}
+    translations: dict[str, tuple[str, Any]] = {}
     for key, value in raw.items():
         name = aliases.get(key, key)
         if name != key and name in raw:
@@ -127,9 +118,44 @@ def _check_section(
             checked = _check_value(value, model, name, join_key(path, name), problems)
             if checked is not None or section_model(model.model_fields[name].annotation) is None:
                 cleaned[name] = checked
-        else:
+        elif rule_for(path, key) is not None:
+            translations.update(_apply_rule(rule_for(path, key), key, value, path, problems))
+        elif not is_comment(key, path):
             problems.append(_describe_unsupported(key, model, path))
+    _merge_translations(cleaned, translations, path, problems)
     return cleaned
+
+
+def _apply_rule(rule: KeyRule, key: str, value: Any, path: str, problems: list[str]) -> dict[str, Any]:
+    """Accept, refuse or translate a DeepSpeed key without a schema field (deepspeed_keys.py)."""
+    full = join_key(path, key)
+    if isinstance(rule, AcceptedWhen) and not rule.harmless(value):
+        if isinstance(value, Mapping) and "enabled" in value:
+            full, value = f"{full}.enabled", value["enabled"]
+        problems.append(f"'{full}' {json.dumps(value)} is not supported: {rule.why_not} "
+                        f"(accepted: {rule.harmless_doc})")
+    elif isinstance(rule, Translated):
+        converted = rule.convert(value)
+        if isinstance(converted, str):
+            problems.append(f"'{full}' {converted}")
+            return {}
+        return {target: (full, setting) for target, setting in converted.items()}
+    return {}
+
+
+def _merge_translations(cleaned: dict[str, Any], translations: dict[str, tuple[str, Any]], path: str,
+                        problems: list[str]) -> None:
+    """Move translated values to shardwise's keys unless the config also sets those keys."""
+    for dotted, (source, value) in translations.items():
+        *parents, leaf = dotted.split(".")
+        node = cleaned
+        for part in parents:
+            node = node.setdefault(part, {})
+        if leaf in node and node[leaf] != value:
+            problems.append(f"'{source}' asks for {join_key(path, dotted)} {json.dumps(value)} but "
+                            f"'{join_key(path, dotted)}' is {json.dumps(node[leaf])}; keep one")
+        else:
+            node[leaf] = value
 
 
 def _check_value(value: Any, model: type[BaseModel], name: str, path: str, problems: list[str]) -> Any:

@@ -19,12 +19,20 @@ from shardwise.config.checks import find_contradictions, find_unsupported
 from shardwise.config.errors import ConfigError, describe_validation_error
 from shardwise.config.keys import check_keys
 from shardwise.config.params import resolve_params
-from shardwise.config.resolve import BATCH_KEYS, resolve_auto, resolve_batch, resolve_data_parallel_size
+from shardwise.config.resolve import (
+    BATCH_KEYS,
+    batch_left_to_auto,
+    fill_auto,
+    resolve_auto,
+    resolve_batch,
+    resolve_data_parallel_size,
+)
 from shardwise.config.schema import ShardwiseConfig
 
 
 def load_config(
-    config: Mapping[str, Any] | str | os.PathLike[str], world_size: int, hidden_size: int | None = None
+    config: Mapping[str, Any] | str | os.PathLike[str], world_size: int, hidden_size: int | None = None,
+    auto_values: Mapping[str, Any] | None = None,
 ) -> ShardwiseConfig:
     """Validate and resolve a DeepSpeed-format config.
 
@@ -32,16 +40,21 @@ def load_config(
     size, world_size / (tensor_parallel.size * sequence_parallel.size * pipeline_parallel.size)
     (see `data_parallel_size`). `hidden_size`, when the
     model has one, sizes "auto" buckets as Hugging Face's DeepSpeed integration does; without
-    it they take DeepSpeed's defaults. Raises `ConfigError` listing every problem found.
+    it they take DeepSpeed's defaults. `auto_values` maps dotted keys to the caller's values
+    for keys the config sets to "auto" (the learning rate, step counts, batch sizes...), as
+    Hugging Face's trainer fills them. Raises `ConfigError` listing every problem found.
     """
     _require_positive_int("world_size", world_size)
     if hidden_size is not None:
         _require_positive_int("hidden_size", hidden_size)
     problems: list[str] = []
-    cleaned = check_keys(_read(config), problems)
+    cleaned = fill_auto(check_keys(_read(config), problems), auto_values or {})
+    batch_auto = batch_left_to_auto(cleaned)
     resolve_auto(cleaned, hidden_size, problems)
     data_parallel = resolve_data_parallel_size(cleaned, world_size, problems)
-    batch_resolved = data_parallel is not None and resolve_batch(cleaned, data_parallel, problems, world_size)
+    batch_resolved = data_parallel is not None and resolve_batch(
+        cleaned, data_parallel, problems, world_size, auto=batch_auto
+    )
     for block in ("optimizer", "scheduler"):
         _resolve_block_params(cleaned, block, problems)
     # With the batch unresolved (already reported), stand-in sizes let every other check still run;

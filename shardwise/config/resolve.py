@@ -1,15 +1,18 @@
 """Values the config leaves open: "auto" entries and the three batch sizes.
 
 "auto" comes from Hugging Face's DeepSpeed integration, which fills such keys in
-from its trainer's arguments and the model before DeepSpeed sees the config.
-shardwise has no trainer, so "auto" becomes what can be derived without one: the
-batch sizes from each other, bucket sizes from the model's hidden size (with HF's
-formulas), the scheduler's peak from the optimizer's lr, and DeepSpeed's default
-otherwise. Where nothing sensible can be derived (the learning rate, step counts)
-"auto" is an error asking for a number.
+from its trainer's arguments and the model before DeepSpeed sees the config. In
+shardwise the caller's values come first (`auto_values`: `initialize(auto_values=...)`,
+the flags of `shardwise train`, the HF Trainer integration); what they leave open
+becomes what can be derived without them: the batch sizes from each other, bucket
+sizes from the model's hidden size (with HF's formulas), the scheduler's peak from the
+optimizer's lr, and DeepSpeed's default otherwise. Where nothing sensible can be
+derived (the learning rate, step counts) "auto" is an error naming the argument that
+fills it.
 """
 
-from collections.abc import Callable
+import copy
+from collections.abc import Callable, Mapping
 from typing import Any
 
 from shardwise.config.errors import join_key
@@ -39,7 +42,8 @@ def _optimizer_lr(cfg: dict[str, Any], hidden_size: int | None) -> object:
     return lr if isinstance(lr, (int, float)) and not isinstance(lr, bool) else None
 
 
-_STEPS_UNKNOWN = "it depends on the length of training; set a number of steps"
+_FILL = "{key}: 'auto' needs the caller's value: pass auto_values={{'{key}': ...}} to initialize(){where}, or write it"
+_STEPS_UNKNOWN = " (shardwise train fills it from --steps)"
 
 # A rule is either how to derive the value, or the reason it cannot be derived.
 AUTO_RULES: dict[str, AutoRule | str] = {
@@ -47,7 +51,7 @@ AUTO_RULES: dict[str, AutoRule | str] = {
     "gradient_clipping": _default,
     "fp16.enabled": _default,
     "bf16.enabled": _default,
-    "optimizer.params.lr": "there is no trainer to take a learning rate from; set a number",
+    "optimizer.params.lr": " (shardwise train fills it from --lr)",
     "optimizer.params.betas": _default,
     "optimizer.params.eps": _default,
     "optimizer.params.weight_decay": _default,
@@ -55,9 +59,29 @@ AUTO_RULES: dict[str, AutoRule | str] = {
     "scheduler.params.warmup_max_lr": _optimizer_lr,
     "scheduler.params.warmup_num_steps": _STEPS_UNKNOWN,
     "scheduler.params.total_num_steps": _STEPS_UNKNOWN,
+    "scheduler.params.total_num_iters": _STEPS_UNKNOWN,
+    "scheduler.params.warmup_min_ratio": _default,
+    "scheduler.params.cos_min_ratio": _default,
+    "zero_optimization.stage": " (shardwise train fills it from --stage)",
+    "fp16.loss_scale": _default,
+    **{f"zero_optimization.{key}": _default for key in (
+        "allgather_bucket_size", "sub_group_size", "stage3_max_live_parameters", "stage3_max_reuse_distance",
+        "overlap_comm", "contiguous_gradients", "reduce_scatter", "allgather_partitions",
+        "stage3_gather_16bit_weights_on_model_save", "mics_shard_size",
+    )},
     "zero_optimization.reduce_bucket_size": _from_hidden_size(lambda h: h * h),
     "zero_optimization.stage3_prefetch_bucket_size": _from_hidden_size(lambda h: int(0.9 * h * h)),
     "zero_optimization.stage3_param_persistence_threshold": _from_hidden_size(lambda h: 10 * h),
+}
+
+
+# Values that let the rest of a block validate after its "auto" was reported as an error;
+# the config is never returned while an error stands.
+_STAND_INS = {
+    "optimizer.params.lr": 1e-3,
+    "scheduler.params.warmup_num_steps": 1,
+    "scheduler.params.total_num_steps": 1,
+    "scheduler.params.total_num_iters": 1,
 }
 
 
@@ -70,6 +94,18 @@ def _lookup(cfg: dict[str, Any], dotted: str) -> Any:
     return node
 
 
+def fill_auto(cfg: dict[str, Any], values: Mapping[str, Any]) -> dict[str, Any]:
+    """`cfg` with each "auto" whose dotted key is in `values` replaced by that value, as Hugging
+    Face's integration does with its trainer's arguments; keys the config sets are kept."""
+    filled = copy.deepcopy(cfg)
+    for dotted, value in values.items():
+        parent_key, _, key = dotted.rpartition(".")
+        parent = _lookup(filled, parent_key) if parent_key else filled
+        if isinstance(parent, dict) and parent.get(key) == AUTO:
+            parent[key] = value
+    return filled
+
+
 def resolve_auto(cfg: dict[str, Any], hidden_size: int | None, problems: list[str]) -> None:
     """Replace every "auto" in `cfg` in place, reporting those that cannot be derived."""
     for dotted, rule in AUTO_RULES.items():
@@ -78,8 +114,11 @@ def resolve_auto(cfg: dict[str, Any], hidden_size: int | None, problems: list[st
         if not isinstance(parent, dict) or parent.get(key) != AUTO:
             continue
         if isinstance(rule, str):
-            problems.append(f"{dotted}: 'auto' cannot be derived, {rule}")
-            del parent[key]
+            problems.append(_FILL.format(key=dotted, where=rule))
+            if dotted in _STAND_INS:  # so the block's own validation does not report the key again
+                parent[key] = _STAND_INS[dotted]
+            else:
+                del parent[key]
             continue
         outcome = rule(cfg, hidden_size)
         if outcome is _USE_DEFAULT:
@@ -94,7 +133,7 @@ def _drop_remaining_auto(node: dict[str, Any], path: str, problems: list[str]) -
     for key in list(node):
         value = node[key]
         if value == AUTO:
-            problems.append(f"{join_key(path, key)}: 'auto' cannot be derived for this key; set a value")
+            problems.append(_FILL.format(key=join_key(path, key), where=""))
             del node[key]
         elif isinstance(value, dict):
             _drop_remaining_auto(value, join_key(path, key), problems)
@@ -123,7 +162,15 @@ def resolve_data_parallel_size(cfg: dict[str, Any], world_size: int, problems: l
     return world_size // model_parallel
 
 
-def resolve_batch(cfg: dict[str, Any], world_size: int, problems: list[str], processes: int | None = None) -> bool:
+def batch_left_to_auto(cfg: dict[str, Any]) -> bool:
+    """True when the config gives neither train_batch_size nor the micro-batch size, but
+    says "auto" for at least one of them."""
+    values = [cfg.get(key) for key in BATCH_KEYS[:2] if key in cfg]
+    return AUTO in values and all(value == AUTO for value in values)
+
+
+def resolve_batch(cfg: dict[str, Any], world_size: int, problems: list[str], processes: int | None = None,
+                  auto: bool = False) -> bool:
     """Set all three batch keys in `cfg` following DeepSpeed's rules, or report why not.
 
     `world_size` is the data-parallel size; `processes`, when it differs, is the whole world
@@ -151,10 +198,14 @@ def resolve_batch(cfg: dict[str, Any], world_size: int, problems: list[str], pro
     derived = _derive_batch(given.get(BATCH_KEYS[0]), given.get(BATCH_KEYS[1]), given.get(BATCH_KEYS[2]),
                             world_size, label)
     if isinstance(derived, str):
-        problems.append(derived)
+        problems.append(derived + (_BATCH_FILL if auto else ""))
         return False
     cfg.update(zip(BATCH_KEYS, derived))
     return True
+
+
+_BATCH_FILL = ("; the config says 'auto': pass auto_values={'train_micro_batch_size_per_gpu': ...} to initialize() "
+               "(shardwise train fills train_batch_size from its default), or write it")
 
 
 def _positive_int(value: Any) -> int | None:

@@ -246,6 +246,9 @@ class ShardwiseConfig(Section):
         "steps skipped for non-finite gradients that loss scaling cannot explain",
     )
     steps_per_print: Int = Field(10, ge=1)
+    dataloader_drop_last: Bool = Field(
+        False, description="for the data loader built by compat.deepspeed.initialize(training_data=...)"
+    )
     seed: Int | None = Field(None, ge=0)
     optimizer: OptimizerConfig | None = None
     scheduler: SchedulerConfig | None = None

@@ -21,6 +21,7 @@ from pathlib import Path
 from shardwise.launcher.interrupts import Interrupted, interruptible
 from shardwise.train.options import (
     DEFAULT_COMPARE_STEPS,
+    DEFAULT_LR,
     DEFAULT_MODEL_SIZE,
     DEFAULT_SEED,
     DEFAULT_SEQ_LEN,
@@ -29,6 +30,7 @@ from shardwise.train.options import (
     MODEL_SIZES,
     TrainOptions,
     apply_flags,
+    auto_values,
     default_config,
     dtype_name,
     merge_config,
@@ -82,6 +84,9 @@ def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParse
                         help="DeepSpeed JSON config laid over the defaults (batch, optimizer, scheduler, "
                         "zero_optimization, ...)")
     parser.add_argument("--bf16", action="store_true", help="bf16 compute with fp32 master weights")
+    parser.add_argument("--lr", type=_positive_float, default=None,
+                        help=f"peak learning rate (default: the config's, else {DEFAULT_LR}); also fills "
+                        "a config's \"auto\" learning rates")
     parser.add_argument("--seed", type=int, default=None,
                         help=f"seed of initialisation and data order (default: the config's, else {DEFAULT_SEED})")
     parser.add_argument("--name", type=_run_name, default=None,
@@ -145,7 +150,7 @@ def prepare_run(args: argparse.Namespace) -> tuple[TrainOptions, int]:
     Everything that can be wrong with the flags or the config is found here, before any
     process starts: the config is resolved exactly as the ranks will resolve it.
     """
-    from shardwise.config import load_config
+    from shardwise.config import fill_auto, load_config
     from shardwise.data import prepare_corpus
     from shardwise.launcher.cli import resolve_nproc
     from shardwise.models import GPTConfig
@@ -167,7 +172,8 @@ def prepare_run(args: argparse.Namespace) -> tuple[TrainOptions, int]:
     nproc = resolve_nproc(args).nproc
     user_config = _read_config(args.config) if args.config else {}
     seed = args.seed if args.seed is not None else user_config.get("seed", DEFAULT_SEED)
-    config = apply_flags(merge_config(default_config(steps), user_config), args.stage, args.bf16, seed)
+    config = apply_flags(merge_config(default_config(steps), user_config), args.stage, args.bf16, seed, args.lr)
+    config = fill_auto(config, auto_values(steps, args.lr))
     load_config(config, world_size=nproc, hidden_size=GPTConfig.preset(args.model_size).n_embd)
 
     out_dir = Path(args.out_dir)
@@ -252,6 +258,16 @@ def _run_name(text: str) -> str:
     if text == CORPUS_CACHE_DIR:
         raise argparse.ArgumentTypeError(f"{text!r} is the corpus cache inside --out-dir; choose another name")
     return text
+
+
+def _positive_float(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a number, got {text!r}") from None
+    if not value > 0 or value == float("inf"):
+        raise argparse.ArgumentTypeError(f"expected a positive number, got {text!r}")
+    return value
 
 
 def _positive_int(text: str) -> int:

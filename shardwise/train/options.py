@@ -116,11 +116,28 @@ def merge_config(defaults: dict[str, Any], user: dict[str, Any]) -> dict[str, An
     return merged
 
 
-def apply_flags(config: dict[str, Any], stage: int | None, bf16: bool, seed: int) -> dict[str, Any]:
+def auto_values(steps: int, lr: float | None) -> dict[str, Any]:
+    """What `shardwise train` fills a user config's "auto" entries with, as Hugging Face's
+    Trainer fills them from its arguments: its learning rate, step counts and batch."""
+    return {
+        "optimizer.params.lr": lr or DEFAULT_LR,
+        "optimizer.params.betas": [0.9, 0.95],
+        "optimizer.params.weight_decay": 0.1,
+        "scheduler.params.total_num_steps": steps,
+        "scheduler.params.total_num_iters": steps,
+        "scheduler.params.warmup_num_steps": max(1, steps // 10),
+        "train_batch_size": DEFAULT_GLOBAL_BATCH,
+    }
+
+
+def apply_flags(config: dict[str, Any], stage: int | None, bf16: bool, seed: int,
+                lr: float | None = None) -> dict[str, Any]:
     """Command-line flags win over the config file."""
     config = copy.deepcopy(config)
     if stage is not None:
         config.setdefault("zero_optimization", {})["stage"] = stage
+    if lr is not None and isinstance(config.get("optimizer"), dict):
+        config["optimizer"].setdefault("params", {})["lr"] = lr
     if bf16:
         config.setdefault("bf16", {})["enabled"] = True
     config["seed"] = seed

@@ -41,12 +41,9 @@ def test_unknown_key_without_close_match_lists_the_keys_of_its_level():
 
 
 def test_deepspeed_keys_shardwise_lacks_are_named_as_such():
-    problems = problems_of({"train_batch_size": 8, "wall_clock_breakdown": False,
+    problems = problems_of({"train_batch_size": 8, "expert_parallel": {"enabled": True},
                             "zero_optimization": {"round_robin_gradients": False}})
-    assert problems == [
-        "'wall_clock_breakdown' is a DeepSpeed key that shardwise does not support yet",
-        "'zero_optimization.round_robin_gradients' is a DeepSpeed key that shardwise does not support yet",
-    ]
+    assert problems == ["'expert_parallel' is a DeepSpeed key that shardwise does not support yet"]
 
 
 def test_max_grad_norm_points_to_gradient_clipping():
@@ -217,16 +214,17 @@ def test_offload_needs_partitioned_states(zero, expected):
     assert problems_of({"train_batch_size": 8, "zero_optimization": zero}) == [expected]
 
 
-def test_auto_learning_rate_cannot_be_derived():
+def test_auto_learning_rate_names_the_argument_that_fills_it():
     assert problems_of({"train_batch_size": 8, "optimizer": {"type": "Adam", "params": {"lr": "auto"}}}) == [
-        "optimizer.params.lr: 'auto' cannot be derived, there is no trainer to take a learning rate from; "
-        "set a number"
+        "optimizer.params.lr: 'auto' needs the caller's value: pass auto_values={'optimizer.params.lr': ...} to "
+        "initialize() (shardwise train fills it from --lr), or write it"
     ]
 
 
 def test_auto_where_nothing_can_derive_it():
-    assert problems_of({"train_batch_size": 8, "zero_optimization": {"stage": "auto"}}) == [
-        "zero_optimization.stage: 'auto' cannot be derived for this key; set a value"
+    assert problems_of({"train_batch_size": 8, "fp16": {"hysteresis": "auto"}}) == [
+        "fp16.hysteresis: 'auto' needs the caller's value: pass auto_values={'fp16.hysteresis': ...} to "
+        "initialize(), or write it"
     ]
 
 
@@ -239,15 +237,30 @@ def test_deepspeed_name_and_its_alias_together():
 def test_hugging_face_zero2_config_reports_all_its_problems_at_once():
     problems = problems_of(HF_ZERO2, world_size=2)
     assert problems == [
-        "'wall_clock_breakdown' is a DeepSpeed key that shardwise does not support yet",
-        "optimizer.params.lr: 'auto' cannot be derived, there is no trainer to take a learning rate from; "
-        "set a number",
-        "scheduler.params.warmup_num_steps: 'auto' cannot be derived, it depends on the length of training; "
-        "set a number of steps",
-        "set train_batch_size or train_micro_batch_size_per_gpu (or both): neither is given",
+        "optimizer.params.lr: 'auto' needs the caller's value: pass auto_values={'optimizer.params.lr': ...} to "
+        "initialize() (shardwise train fills it from --lr), or write it",
+        "scheduler.params.warmup_num_steps: 'auto' needs the caller's value: pass "
+        "auto_values={'scheduler.params.warmup_num_steps': ...} to initialize() (shardwise train fills it from "
+        "--steps), or write it",
+        "set train_batch_size or train_micro_batch_size_per_gpu (or both): neither is given; the config says "
+        "'auto': pass auto_values={'train_micro_batch_size_per_gpu': ...} to initialize() (shardwise train fills "
+        "train_batch_size from its default), or write it",
     ]
-    with pytest.raises(ConfigError, match=r"^4 problems in the shardwise config:\n  - 'wall_clock_breakdown'"):
+    with pytest.raises(ConfigError, match=r"^3 problems in the shardwise config:\n  - optimizer.params.lr"):
         load_config(HF_ZERO2, world_size=2)
+
+
+def test_hugging_face_zero2_config_loads_with_the_callers_values():
+    cfg = load_config(HF_ZERO2, world_size=2, hidden_size=64, auto_values={
+        "optimizer.params.lr": 3e-4, "optimizer.params.betas": [0.9, 0.95],
+        "scheduler.params.warmup_num_steps": 10, "train_micro_batch_size_per_gpu": 4,
+        "gradient_accumulation_steps": 2,
+    })
+    assert (cfg.train_batch_size, cfg.train_micro_batch_size_per_gpu, cfg.gradient_accumulation_steps) == (16, 4, 2)
+    assert cfg.optimizer.params["lr"] == 3e-4 and list(cfg.optimizer.params["betas"]) == [0.9, 0.95]
+    assert cfg.scheduler.params["warmup_num_steps"] == 10 and cfg.scheduler.params["warmup_max_lr"] == 3e-4
+    assert cfg.zero_optimization.reduce_bucket_size == 200_000_000  # the config's number, not auto
+    assert cfg.fp16.enabled is False
 
 
 def test_bad_files(tmp_path):
@@ -265,3 +278,28 @@ def test_bad_files(tmp_path):
         load_config({"train_batch_size": 8}, world_size=0)
     with pytest.raises(ConfigError, match="world_size must be a positive integer, got None"):
         load_config({"train_batch_size": 8}, world_size=None)
+
+
+def test_older_deepspeed_spellings_are_translated_to_shardwise_keys():
+    cfg = load_config({"train_batch_size": 8, "fp32_allreduce": True, "sequence_parallel_size": 1,
+                       "zero_optimization": {"stage": 2, "cpu_offload": True, "cpu_offload_use_pin_memory": True}},
+                      world_size=2)
+    assert cfg.zero_optimization.offload_optimizer.device == "cpu"
+    assert cfg.zero_optimization.offload_optimizer.pin_memory is True
+    assert cfg.communication_data_type == "fp32"
+    assert cfg.sequence_parallel.size == 1
+
+
+def test_harmless_keys_load_and_switched_on_features_are_refused_with_the_fix():
+    harmless = {"train_batch_size": 8, "_comment": "notes", "wall_clock_breakdown": True, "prescale_gradients": False,
+                "zero_allow_untested_optimizer": True, "wandb": {"enabled": False, "project": "p"},
+                "zero_optimization": {"stage": 1, "round_robin_gradients": True, "ignore_unused_parameters": True}}
+    assert load_config(harmless, world_size=2).zero_optimization.stage == 1
+    assert problems_of({**harmless, "wandb": {"enabled": True}, "zero_optimization": {"zero_quantized_weights": True}}) == [
+        "'wandb.enabled' true is not supported: shardwise does not log to Weights & Biases: use the tensorboard "
+        "block (or read engine metrics in your script) (accepted: false (or a block with enabled false))",
+        "'zero_optimization.zero_quantized_weights' true is not supported: ZeRO++ weight quantization is not "
+        "supported (accepted: false)",
+    ]
+    # a comment is only a comment at the top level, where DeepSpeed never reads unknown keys
+    assert problems_of({"train_batch_size": 8, "fp16": {"_comment": "x"}})[0].startswith("unknown key 'fp16._comment'")

@@ -81,3 +81,17 @@ def test_save_every_is_a_positive_step_count(capsys):
     with pytest.raises(SystemExit):
         build_parser().parse_args(["train", "--save-every", "0"])
     assert "argument --save-every: expected a positive integer, got '0'" in capsys.readouterr().err
+
+
+def test_a_hugging_face_auto_config_is_filled_from_the_flags(tmp_path):
+    from shardwise.config import load_config
+    from shardwise.train.cli import prepare_run
+
+    template = "tests/config/corpus/stanford_alpaca__ds_config_zero3.json"
+    args = build_parser().parse_args(["train", "--config", template, "--lr", "1e-3", "--steps", "20",
+                                      "--nproc", "2", "--out-dir", str(tmp_path)])
+    options, nproc = prepare_run(args)
+    cfg = load_config(options.config, world_size=nproc, hidden_size=256)
+    assert cfg.optimizer.params["lr"] == 1e-3 and cfg.scheduler.params["warmup_max_lr"] == 1e-3
+    assert cfg.scheduler.params["total_num_steps"] == 20 and cfg.scheduler.params["warmup_num_steps"] == 2
+    assert cfg.train_batch_size == 8 and cfg.zero_optimization.stage == 3

@@ -1,0 +1,275 @@
+"""DeepSpeed keys shardwise accepts without a schema field of its own.
+
+DeepSpeed reads many keys that change nothing about the numbers a run computes: switches
+for diagnostics, performance knobs of its own implementation, and blocks for features
+that are switched off. Real configs carry them by the dozen (most of DeepSpeedExamples'
+configs say `"wall_clock_breakdown": false`), so refusing them would refuse the configs.
+Each key here is one of:
+
+    Accepted       harmless at any value: it only tunes how DeepSpeed's own
+                   implementation runs, or only affects diagnostics shardwise always has
+                   (`engine.memory_breakdown()`, `engine.comm_volume()`, the step timer).
+    AcceptedWhen   harmless at the values that switch it off (or keep DeepSpeed's
+                   default); any other value would change training in a way shardwise
+                   does not do, and is rejected with why and what to use instead.
+    Translated     an older spelling of a capability shardwise has: the value is moved to
+                   shardwise's key, so it is honoured.
+
+Keys DeepSpeed itself ignores (it reads known keys from the top level and never looks at
+the others) are accepted when their name marks them as comments: `"_comment"`,
+`"comment"`, anything starting with `_` or `//`.
+
+Sources: deepspeed/runtime/constants.py, runtime/config.py, runtime/zero/config.py,
+runtime/zero/offload_config.py, runtime/precision_config.py, monitor/config.py,
+profiling/config.py, comm/config.py, runtime/checkpoint_engine, compression/constants.py,
+elasticity/constants.py, autotuning/constants.py, runtime/data_pipeline/constants.py.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Callable
+
+
+@dataclass(frozen=True)
+class Accepted:
+    why: str
+
+
+@dataclass(frozen=True)
+class AcceptedWhen:
+    harmless: Callable[[Any], bool]
+    harmless_doc: str  # the values accepted, as the README shows them
+    why_not: str  # why other values are refused, and what to use instead
+
+
+@dataclass(frozen=True)
+class Translated:
+    """`convert(value)` returns {dotted shardwise key: value} to merge, or a refusal string."""
+
+    target: str
+    convert: Callable[[Any], dict[str, Any] | str]
+
+
+KeyRule = Accepted | AcceptedWhen | Translated
+
+
+def _is(expected: Any) -> Callable[[Any], bool]:
+    return lambda value: value == expected and isinstance(value, bool) == isinstance(expected, bool)
+
+
+def _disabled(block: Any) -> bool:
+    """A block that is off: absent `enabled` means DeepSpeed's default, off."""
+    return block is None or block is False or (isinstance(block, dict) and block.get("enabled", False) is False)
+
+
+def _at_most_one(value: Any) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool) and value <= 1
+
+
+OFF = "false (or a block with enabled false)"
+DIAGNOSTICS = "only affects what DeepSpeed logs"
+
+
+def _cpu_offload(target_device: str) -> Callable[[Any], dict[str, Any] | str]:
+    def convert(value: Any) -> dict[str, Any] | str:
+        if value is True:
+            return {f"{target_device}.device": "cpu"}
+        if value is False:
+            return {}
+        return f"must be true or false, got {value!r}"
+
+    return convert
+
+
+def _pin_memory(value: Any) -> dict[str, Any] | str:
+    if not isinstance(value, bool):
+        return f"must be true or false, got {value!r}"
+    return {"offload_optimizer.pin_memory": value}
+
+
+def _fp32_allreduce(value: Any) -> dict[str, Any] | str:
+    if value is True:
+        return {"communication_data_type": "fp32"}
+    if value is False:
+        return {}
+    return f"must be true or false, got {value!r}"
+
+
+def _sequence_parallel_size(value: Any) -> dict[str, Any] | str:
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        return f"must be a positive integer, got {value!r}"
+    return {} if value == 1 else {"sequence_parallel.size": value, "sequence_parallel.mode": "ulysses"}
+
+
+def _grad_accum_dtype(value: Any) -> bool:
+    return isinstance(value, dict) and set(value) <= {"grad_accum_dtype"} and value.get(
+        "grad_accum_dtype", "fp32") in ("fp32", "float32", None)
+
+
+RULES: dict[str, dict[str, KeyRule]] = {
+    "": {
+        "wall_clock_breakdown": Accepted(f"{DIAGNOSTICS}; shardwise's step timer always splits each step into "
+                                         "forward / backward / communication wait / optimizer"),
+        "memory_breakdown": Accepted(f"{DIAGNOSTICS}; engine.memory_breakdown() is always available"),
+        "dump_state": Accepted(f"{DIAGNOSTICS} (it prints the engine's state at start-up)"),
+        "log_level": Accepted(DIAGNOSTICS),
+        "timers": Accepted(f"{DIAGNOSTICS} (throughput timers)"),
+        "zero_allow_untested_optimizer": Accepted("shardwise runs any torch optimizer under every ZeRO stage"),
+        "zero_force_ds_cpu_optimizer": Accepted("with the optimizer offloaded, shardwise runs the optimizer you "
+                                                "gave on the host; there is no separate CPU Adam to force"),
+        "flops_profiler": Accepted(f"{DIAGNOSTICS}; shardwise train reports FLOPs and MFU every step "
+                                   "(metrics.jsonl) and --profile writes a torch.profiler trace"),
+        "comms_logger": Accepted(f"{DIAGNOSTICS}; engine.comm_volume(per_group=True) counts every collective's "
+                                 "bytes per group and operation"),
+        "wandb": AcceptedWhen(_disabled, OFF, "shardwise does not log to Weights & Biases: use the tensorboard "
+                              "block (or read engine metrics in your script)"),
+        "comet": AcceptedWhen(_disabled, OFF, "shardwise does not log to Comet: use the tensorboard block"),
+        "csv_monitor": AcceptedWhen(_disabled, OFF, "shardwise does not write DeepSpeed's CSV monitor files: "
+                                    "use the tensorboard block, or shardwise train's metrics.jsonl"),
+        "prescale_gradients": Accepted("shardwise always divides each gradient by the data-parallel size before "
+                                       "summing it (DeepSpeed's true; false sums first): the same average, rounded "
+                                       "in a different order"),
+        "gradient_predivide_factor": Accepted("splits DeepSpeed's division into one before and one after the "
+                                              "sum; the average is the same, and shardwise divides before summing"),
+        "fp32_allreduce": Translated("communication_data_type", _fp32_allreduce),
+        "sparse_gradients": AcceptedWhen(_is(False), "false", "shardwise reduces dense gradients only; build "
+                                         "embeddings with sparse=False and remove the key"),
+        "disable_allgather": AcceptedWhen(_is(False), "false", "the all-gather of updated partitions is how "
+                                          "ZeRO 1-2 publish parameters; it cannot be switched off"),
+        "amp": AcceptedWhen(_disabled, OFF, "NVIDIA Apex AMP is not used: use the bf16 or fp16 block"),
+        "torch_autocast": AcceptedWhen(_disabled, OFF, "autocast is not applied by shardwise: use the bf16 or "
+                                       "fp16 block (which keep fp32 masters), or autocast in your forward"),
+        "data_types": AcceptedWhen(_grad_accum_dtype, '{"grad_accum_dtype": "fp32"}',
+                                   "shardwise accumulates gradients in the gradients' dtype and reduces in "
+                                   "communication_data_type; remove the block"),
+        "checkpoint": Accepted("tag validation, universal loading and node-local storage are DeepSpeed "
+                               "checkpoint-engine options; shardwise checkpoints are always verified on load "
+                               "and load at any world size"),
+        "autotuning": AcceptedWhen(_disabled, OFF, "shardwise has no autotuner: `shardwise plan` estimates "
+                                   "memory per stage and recommends one"),
+        "elasticity": AcceptedWhen(_disabled, OFF, "elastic batch sizes are not supported; checkpoints do "
+                                   "load at another world size"),
+        "compression_training": AcceptedWhen(lambda v: not v, "{} or absent",
+                                             "compression training is not supported: remove the block"),
+        "quantize_training": AcceptedWhen(_disabled, OFF, "quantized training is not supported"),
+        "weight_quantization": AcceptedWhen(lambda v: not v, "{} or absent", "weight quantization is not "
+                                            "supported: remove the block"),
+        "progressive_layer_drop": AcceptedWhen(_disabled, OFF, "progressive layer dropping is not supported"),
+        "curriculum_learning": AcceptedWhen(_disabled, OFF, "curriculum learning is not supported: order "
+                                            "your data in the data loader"),
+        "data_efficiency": AcceptedWhen(_disabled, OFF, "DeepSpeed's data-efficiency library is not "
+                                        "supported: sample in your data loader"),
+        "eigenvalue": AcceptedWhen(_disabled, OFF, "eigenvalue computation is not supported"),
+        "hybrid_engine": AcceptedWhen(_disabled, OFF, "DeepSpeed-Chat's hybrid (train + generate) engine is "
+                                      "not supported: generate with the model between steps"),
+        "nebula": AcceptedWhen(_disabled, OFF, "Nebula checkpointing is not used: shardwise writes its own "
+                               "atomic checkpoints"),
+        "datastates": AcceptedWhen(_disabled, OFF, "DataStates checkpointing is not used"),
+        "graph_harvesting": AcceptedWhen(_is(False), "false", "CUDA graph harvesting is not supported"),
+        "sequence_parallel_size": Translated("sequence_parallel.size", _sequence_parallel_size),
+        "seq_parallel_communication_data_type": Accepted("the dtype of Ulysses' all-to-all in DeepSpeed; "
+                                                         "shardwise sends activations in their own dtype"),
+        "pipeline": Accepted("read only by DeepSpeed's PipelineModule; shardwise's block is "
+                             "'pipeline_parallel'"),
+    },
+    "fp16": {
+        "fp16_master_weights_and_grads": AcceptedWhen(_is(False), "false", "shardwise keeps fp32 master weights "
+                                                      "(the ZeRO paper's mixed precision); remove the key"),
+        "fused_mode": Accepted("a DeepSpeed kernel choice"),
+        "auto_cast": Accepted("handled by the fp16 block's own check"),
+    },
+    "bf16": {
+        "bf16_master_weights_and_grads": AcceptedWhen(_is(False), "false", "shardwise keeps fp32 master weights; "
+                                                      "remove the key"),
+        "bf16_optimizer_states": AcceptedWhen(_is(False), "false", "optimizer states stay fp32 (use the "
+                                              "8-bit Adam optimizers to shrink them)"),
+        "check_grad_overflow": Accepted("shardwise always checks gradients for non-finite values before a "
+                                        "step (reliability.step_guard)"),
+        "immediate_grad_update": Accepted("a DeepSpeed implementation detail of bf16 gradient accumulation"),
+    },
+    "optimizer": {
+        "legacy_fusion": Accepted("a DeepSpeed kernel choice"),
+    },
+    "optimizer.params": {
+        "set_grad_none": Accepted("gradients are always released after the step"),
+    },
+    "zero_optimization": {
+        "cpu_offload": Translated("zero_optimization.offload_optimizer.device", _cpu_offload("offload_optimizer")),
+        "cpu_offload_param": Translated("zero_optimization.offload_param.device", _cpu_offload("offload_param")),
+        "cpu_offload_use_pin_memory": Translated("zero_optimization.offload_optimizer.pin_memory", _pin_memory),
+        "round_robin_gradients": Accepted("orders DeepSpeed's gradient copies to the host; the result is the same"),
+        "elastic_checkpoint": Accepted("shardwise checkpoints always load at another world size"),
+        "ignore_unused_parameters": Accepted("parameters without a gradient are treated as zero gradient at "
+                                             "every stage"),
+        "load_from_fp32_weights": Accepted("shardwise always restores the fp32 masters from the checkpoint"),
+        "legacy_stage1": AcceptedWhen(_is(False), "false", "DeepSpeed's legacy stage-1 implementation does not "
+                                      "exist in shardwise: remove the key"),
+        "log_trace_cache_warnings": Accepted(DIAGNOSTICS),
+        "memory_efficient_linear": Accepted("shardwise's stage 3 already frees a linear's gathered weight "
+                                            "after its forward"),
+        "override_module_apply": Accepted("a detail of DeepSpeed's zero.Init patching"),
+        "use_multi_rank_bucket_allreduce": Accepted("a DeepSpeed bucketing choice"),
+        "stage3_model_persistence_threshold": Accepted("a cap on the total size of persistent parameters; "
+                                                       "stage3_param_persistence_threshold decides per parameter"),
+        "stage3_module_granularity_threshold": Accepted("a DeepSpeed hook-fusion knob"),
+        "stage3_use_all_reduce_for_fetch_params": AcceptedWhen(_is(False), "false", "parameters are fetched "
+                                                               "by all-gather"),
+        "pipeline_loading_checkpoint": AcceptedWhen(_is(False), "false", "for DeepSpeed's pipeline engine only"),
+        "mics_hierarchical_params_gather": AcceptedWhen(_is(False), "false", "the shard group gathers in one "
+                                                        "step; use mics_shard_size alone"),
+        "zero_hpz_partition_size": AcceptedWhen(lambda v: v == 1 and not isinstance(v, bool), "1",
+                                                "ZeRO++'s secondary parameter partition is not supported: use "
+                                                "mics_shard_size to keep gathers inside a node"),
+        "zero_quantized_weights": AcceptedWhen(_is(False), "false", "ZeRO++ weight quantization is not supported"),
+        "zero_quantized_nontrainable_weights": AcceptedWhen(_is(False), "false",
+                                                            "ZeRO++ weight quantization is not supported"),
+        "zero_quantized_gradients": AcceptedWhen(_is(False), "false", "ZeRO++ gradient quantization is not "
+                                                 "supported"),
+        "zeropp_loco_param": AcceptedWhen(lambda v: v is None, "null", "ZeRO++ LoCo is not supported"),
+        "zenflow": AcceptedWhen(lambda v: v is None, "null", "ZenFlow is not supported"),
+    },
+    "zero_optimization.offload_optimizer": {
+        "fast_init": Accepted("only how fast DeepSpeed initialises its swap files"),
+        "pipeline": Accepted("shardwise always overlaps NVMe reads and writes with the optimizer step"),
+        "pipeline_read": Accepted("shardwise always reads the next sub-group ahead"),
+        "pipeline_write": Accepted("shardwise always writes the previous sub-group behind"),
+        "ratio": AcceptedWhen(lambda v: v == 1 and not isinstance(v, bool), "1.0", "partial optimizer offload "
+                              "is not supported: offload all of it (1.0) or none"),
+    },
+    "zero_optimization.offload_param": {
+        "buffer_size": Accepted("sizes DeepSpeed's NVMe parameter buffers; parameters are offloaded to the host"),
+        "max_in_cpu": Accepted("a DeepSpeed NVMe parameter-cache size; parameters are offloaded to the host"),
+    },
+    "aio": {
+        "intra_op_parallelism": Accepted("a libaio threading knob; shardwise's swap uses aio.thread_count"),
+        "use_gds": AcceptedWhen(_is(False), "false", "GPUDirect Storage is not used"),
+    },
+}
+
+COMMENT_PREFIXES = ("_", "//", "#")
+COMMENT_NAMES = frozenset({"comment", "comments", "description", "note", "notes"})
+
+
+def is_comment(key: str, path: str) -> bool:
+    """Top-level keys DeepSpeed never reads and whose name says they are notes for people."""
+    return path == "" and (key.startswith(COMMENT_PREFIXES) or key.lower() in COMMENT_NAMES)
+
+
+def rule_for(path: str, key: str) -> KeyRule | None:
+    return RULES.get(path, {}).get(key)
+
+
+def classification_rows() -> list[tuple[str, str, str]]:
+    """(dotted key, how shardwise treats it, why) for the README's table."""
+    rows = []
+    for path, rules in RULES.items():
+        for key, rule in rules.items():
+            dotted = f"{path}.{key}" if path else key
+            if isinstance(rule, Accepted):
+                rows.append((dotted, "accepted, any value", rule.why))
+            elif isinstance(rule, AcceptedWhen):
+                rows.append((dotted, f"accepted when {rule.harmless_doc}; otherwise rejected", rule.why_not))
+            else:
+                rows.append((dotted, f"honoured as `{rule.target}`", "an older DeepSpeed spelling"))
+    return rows
