@@ -167,17 +167,13 @@ class Engine:
             self.zero.reducer.sync_in_backward = True
 
     def backward(self, loss: torch.Tensor) -> None:
-        """Backward of `loss` averaged over accumulation steps and scaled for fp16."""
+        """Backward of `loss` averaged over accumulation steps and scaled for fp16. Called
+        several times before one step() (one call per loss, as DeepSpeedExamples' GAN
+        does), the gradients add up, as they would for the sum of the losses."""
         self._require_alive("backward")
         if not self.zero.reducer.sync_in_backward:  # inside no_sync: accumulate only
             self._local_backward(loss)
             return
-        if self._backward_pending:
-            raise RuntimeError(
-                "engine.backward() was called twice without engine.step() in between; call "
-                "engine.step() after every engine.backward() (it only updates at accumulation "
-                "boundaries), or add the losses and call backward once"
-            )
         scale = self.loss_scaler.scale / self.gradient_accumulation_steps
         self.zero.reducer.begin_backward(boundary=self.is_gradient_accumulation_boundary())
         self.guard.note_loss(loss)

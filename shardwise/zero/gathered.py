@@ -16,7 +16,7 @@ The gathered memory is released on exit: keep values beyond the block by copying
 
 from __future__ import annotations
 
-from contextlib import contextmanager
+from contextlib import ExitStack, contextmanager
 from typing import Iterable, Iterator
 
 from torch import nn
@@ -35,12 +35,18 @@ def gathered_parameters(
     params: nn.Parameter | Iterable[nn.Parameter], modifier_rank: int | None = None
 ) -> Iterator[None]:
     params = [params] if isinstance(params, nn.Parameter) else list(params)
-    if not params:
+    by_engine: dict[int, tuple[object, list[nn.Parameter]]] = {}
+    for param in params:  # several engines (a GAN's two models): one after the other, in first-seen order
+        engine = _engine_of(param)
+        by_engine.setdefault(id(engine), (engine, []))[1].append(param)
+    with ExitStack() as stack:
+        for engine, owned in by_engine.values():
+            stack.enter_context(_gathered_of_engine(engine, owned, modifier_rank))
         yield
-        return
-    engine = _engine_of(params[0])
-    if any(_engine_of(param) is not engine for param in params):
-        raise ValueError("gathered_parameters() got parameters of more than one engine")
+
+
+@contextmanager
+def _gathered_of_engine(engine, params: list[nn.Parameter], modifier_rank: int | None) -> Iterator[None]:
     units = list({id(u): u for u in (engine.unit_of_param[id(p)] for p in params)}.values())
     units.sort(key=lambda unit: unit.index)  # the same order on every rank
     strategy = engine.zero.params

@@ -104,6 +104,9 @@ class GradientReducer:
         ]
         self._reducing = False
         self._window_ends = False
+        self._in_backward = False  # inside this engine's backward(), not another loss's
+        self._reduced_in_window = False  # stages 0-1: the window's buffer has been reduced
+        self._carried: dict[int, torch.Tensor] = {}
         # The gradient-synchronisation strategy: reduce while backward runs (default), or
         # accumulate locally and let the caller decide when (no_sync; an optimizer that
         # communicates itself). Local accumulation needs the full buffer (stages 0-1).
@@ -119,6 +122,7 @@ class GradientReducer:
             for slot in unit.slots:
                 slot.param.grad = None
         self._written = [set() for _ in self.units]
+        self._reduced_in_window = False
 
     # -- backward ----------------------------------------------------------------------
     def _reset_backward_state(self) -> None:
@@ -136,6 +140,25 @@ class GradientReducer:
         self._window_ends = boundary and synced
         self._reducing = synced and (boundary or not self.keeps_full_grads)
         self._reset_backward_state()
+        if self._reduced_in_window:
+            if not self._reducing:
+                raise RuntimeError("backward() inside no_sync() after this window's gradients were already "
+                                   "reduced: call engine.step() first")
+            self._set_reduced_aside()
+        self._in_backward = True
+
+    def _set_reduced_aside(self) -> None:
+        """Stages 0-1, a second backward() before step() (DeepSpeedExamples' GAN calls it
+        once per loss): the full buffers were reduced in place, so they are zeroed to
+        receive only the new gradients, and the reduced chunks the store reads from them
+        are kept aside and added back once the new ones are reduced. A store with its own
+        gradient memory (host tier) keeps its chunks and adds the new ones itself."""
+        for unit in self.units:
+            full, owned = self.store.full_gradient(unit), self.store.gradient(unit)
+            if owned.device == full.device and full.data_ptr() <= owned.data_ptr() < full.data_ptr() + full.nbytes:
+                self._carried[unit.index] = owned.clone()
+                self.ledger.hold("buffers", tensor_bytes(owned))
+            full.zero_()
 
     def _make_hook(self, unit: FlatUnit, slot: ParamSlot) -> Callable[[torch.Tensor], None]:
         def on_gradient_ready(param: torch.Tensor) -> None:
@@ -144,6 +167,9 @@ class GradientReducer:
         return on_gradient_ready
 
     def _accept_gradient(self, unit: FlatUnit, slot: ParamSlot, param: torch.Tensor) -> None:
+        if not self._in_backward:
+            self._accept_foreign_gradient(unit, slot, param)
+            return
         seen = self._seen[unit.index]
         if self._reducing and self._next_launch > unit.index:
             raise RuntimeError(
@@ -172,6 +198,19 @@ class GradientReducer:
         if self._reducing and len(seen) == len(unit.slots):
             self._mark_ready(unit)
 
+    def _accept_foreign_gradient(self, unit: FlatUnit, slot: ParamSlot, param: torch.Tensor) -> None:
+        """A gradient from another loss's backward (another engine's, or plain autograd):
+        a GAN's generator loss flows through the discriminator's parameters. As in plain
+        PyTorch it stays in `.grad`: the script's `zero_grad()` drops it, or this engine's
+        next backward adds it in. Only a buffer this window has already reduced cannot
+        take it."""
+        if self.keeps_full_grads and param.grad is self._slot_views[id(slot)] and self._reduced_in_window:
+            raise RuntimeError(
+                f"parameter {slot.name} received a gradient from another backward after this engine reduced "
+                "its gradients and before its step(): call this engine's step() before back-propagating "
+                "another loss through its model"
+            )
+
     def _mark_ready(self, unit: FlatUnit) -> None:
         self._ready[unit.index] = True
         for callback in self.unit_ready_callbacks:
@@ -189,15 +228,21 @@ class GradientReducer:
                     self._mark_ready(unit)
         while self._launched:
             self._complete_oldest()
+        self._in_backward = False
+        self._reduced_in_window |= self._reducing and self.keeps_full_grads
 
     def abort_backward(self) -> None:
         """A backward raised part-way (on every rank alike): finish what was launched, so
         no collective is left half-paired, and return the buckets to the pool. The
         caller discards this window's gradients."""
+        self._in_backward = False
         try:
             while self._launched:
                 self._complete_oldest()
         finally:
+            for carried in self._carried.values():
+                self.ledger.release("buffers", tensor_bytes(carried))
+            self._carried.clear()
             for buffer, _ in self._buckets.values():
                 self._free_buckets.append(buffer)
             for unit in self.units:
@@ -280,6 +325,10 @@ class GradientReducer:
                     grads[lo:hi].copy_(wire[lo:hi])
                     self.ledger.release("buffers", tensor_bytes(wire))
                 self.store.receive_gradient(unit, grads[lo:hi])
+                carried = self._carried.pop(unit.index, None)
+                if carried is not None:
+                    self.store.gradient(unit).add_(carried)
+                    self.ledger.release("buffers", tensor_bytes(carried))
 
             def finalize() -> None:
                 self._across_replicas(unit, wire[lo:hi], what, copy_back)
