@@ -12,6 +12,7 @@ step.
 
 from __future__ import annotations
 
+import logging
 import math
 import os
 from itertools import chain, groupby
@@ -34,6 +35,8 @@ from shardwise.checkpoint.manifest import check_file, read_manifest, resolve_tag
 from shardwise.checkpoint.pieces import describe_model, module_extras
 from shardwise.checkpoint.safetensors_io import DTYPES
 from shardwise.checkpoint.state import decode_value, restore_rng_state
+
+log = logging.getLogger("shardwise")
 
 
 def load_checkpoint(engine: Any, load_dir: str | os.PathLike, tag: str | None = None) -> dict:
@@ -64,11 +67,26 @@ def load_checkpoint(engine: Any, load_dir: str | os.PathLike, tag: str | None = 
         engine.loss_scaler.load_state_dict(meta["loss_scaler"])
     counters = meta["counters"]
     engine.global_steps = counters["global_steps"]
-    engine.micro_steps = counters["micro_steps"]
+    engine.micro_steps = _first_micro_step(engine, counters)
     engine.skipped_steps = counters["skipped_steps"]
     if engine.rank < len(records):
         restore_rng_state(records[engine.rank]["rng"], engine.device)
     return meta["client_state"]
+
+
+def _first_micro_step(engine: Any, counters: dict) -> int:
+    """Resume at the start of an accumulation window of the *current* accumulation: a
+    world size that changes `gradient_accumulation_steps` for the same global batch would
+    otherwise put the window boundaries where the saved run had them, and the first
+    update would apply a partial window. A checkpoint saved inside a window holds none of
+    that window's gradients: its micro-batches are run again, which is said once."""
+    saved_accumulation = counters.get("gradient_accumulation_steps")
+    into_window = counters["micro_steps"] % saved_accumulation if saved_accumulation else 0
+    if into_window and engine.rank == 0:
+        log.warning("shardwise: the checkpoint was saved %d micro-batch(es) into an accumulation window; "
+                    "their gradients are not in it, so training resumes at the start of that window",
+                    into_window)
+    return engine.global_steps * engine.gradient_accumulation_steps
 
 
 def verify_checkpoint(engine: Any, directory: Path) -> None:

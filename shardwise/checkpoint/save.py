@@ -200,6 +200,7 @@ def _write_meta(engine: Any, staging: Path, tag: str, client_state: dict) -> Non
             "global_steps": engine.global_steps,
             "micro_steps": engine.micro_steps,
             "skipped_steps": engine.skipped_steps,
+            "gradient_accumulation_steps": engine.gradient_accumulation_steps,
         },
         "client_state": client_state,
         "hf": _hf_description(engine.module),

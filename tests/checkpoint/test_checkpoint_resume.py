@@ -81,3 +81,31 @@ def test_resume_at_another_world_size_and_stage(dtype, before, after, tmp_path):
     for name, want in expected["params"].items():
         error = relative_error(resumed["params"][name], want)
         assert error < TOLERANCE[dtype], f"{name}: relative error {error:.2e}"
+
+
+@pytest.mark.parametrize(
+    "stage, before, after",
+    [(0, (2, 1), (1, 2)), (1, (2, 1), (1, 2)), (2, (2, 1), (1, 2)), (3, (2, 1), (1, 2)), (2, (1, 2), (2, 1))],
+    ids=["s0-2r-acc1-to-1r-acc2", "s1-2r-acc1-to-1r-acc2", "s2-2r-acc1-to-1r-acc2", "s3-2r-acc1-to-1r-acc2",
+         "s2-1r-acc2-to-2r-acc1"],
+)
+def test_resume_with_another_accumulation_continues_the_run(stage, before, after, tmp_path):
+    """The same global batch at another world size changes gradient_accumulation_steps;
+    the first update after the resume must still see a whole window."""
+    (world_before, accumulation_before), (world_after, accumulation_after) = before, after
+    saved = run_distributed(
+        train_run, world_before,
+        Run(Case(stage=stage, accumulation=accumulation_before), rows=ROWS, steps=1, save_dir=str(tmp_path)),
+    )[0]
+    resumed = run_distributed(
+        train_run, world_after,
+        Run(Case(stage=stage, accumulation=accumulation_after), rows=ROWS, first_step=1, load_dir=str(tmp_path)),
+    )[0]
+    expected = reference(LR["fp32"])
+    assert len(saved["losses"] + resumed["losses"]) == 3 and resumed["global_steps"] == 3
+    for step, got in enumerate(saved["losses"] + resumed["losses"]):
+        want = expected["losses"][step]
+        assert abs(got - want) / want < TOLERANCE["fp32"], f"step {step}: {got} vs reference {want}"
+    for name, want in expected["params"].items():
+        error = relative_error(resumed["params"][name], want)
+        assert error < TOLERANCE["fp32"], f"{name}: relative error {error:.2e}"

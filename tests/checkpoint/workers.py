@@ -47,21 +47,25 @@ def build_hf_model(kind: str) -> torch.nn.Module:
 
 def start_engine(case: Case, world_size: int, rows: int):
     model = build_hf_model(case.model)
-    config = dataclasses.replace(case, micro_batch=rows // world_size).config(world_size)
+    config = dataclasses.replace(case, micro_batch=rows // (world_size * case.accumulation)).config(world_size)
     return shardwise.initialize(model, config, optimizer=make_optimizer(model, case.lr, case.optimizer))
 
 
 def train(engine, kind: str, rank: int, world_size: int, rows: int, steps: range) -> list[float]:
-    """Mean loss over all ranks of each step."""
-    per_rank = rows // world_size
+    """Mean loss over all ranks (and micro-batches) of each step."""
+    accumulation = engine.gradient_accumulation_steps
+    per_micro = rows // (world_size * accumulation)
     losses = []
     for step in steps:
         x, y = global_batch(step, rows)
-        local = slice(rank * per_rank, (rank + 1) * per_rank)
-        loss = model_loss(engine, kind, x[local], y[local])
-        engine.backward(loss)
-        engine.step()
-        losses.append(loss.detach().float())
+        step_loss = 0.0
+        for micro in range(accumulation):
+            start = (micro * world_size + rank) * per_micro
+            loss = model_loss(engine, kind, x[start:start + per_micro], y[start:start + per_micro])
+            engine.backward(loss)
+            engine.step()
+            step_loss = step_loss + loss.detach().float() / accumulation
+        losses.append(step_loss)
     if not losses:
         return []
     losses = torch.stack(losses)
