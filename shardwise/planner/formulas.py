@@ -142,8 +142,9 @@ class StateTerm:
 
 
 def validate_placement(stage: int, offload: Offload) -> None:
-    """ZeRO-Offload needs partitioned optimizer states (stage ≥ 1); parameter offload needs
-    partitioned parameters and NVMe swapping the stage-3 partitioned engine (ZeRO-Infinity)."""
+    """ZeRO-Offload needs partitioned optimizer states (stage ≥ 1), on the host or swapped
+    to NVMe (shardwise's NVMe tier pages the optimizer partition at stages 1-3); parameter
+    offload needs partitioned parameters (stage 3)."""
     if stage not in STAGES:
         raise ValueError(f"stage must be one of {STAGES}, got {stage!r}")
     for name, device in (("optimizer", offload.optimizer), ("params", offload.params)):
@@ -153,8 +154,6 @@ def validate_placement(stage: int, offload: Offload) -> None:
         raise ValueError("offload needs ZeRO stage 1 or more; stage 0 keeps every state on the GPU")
     if stage < 3 and offload.params != "none":
         raise ValueError(f"parameter offload needs stage 3, got stage {stage}")
-    if stage < 3 and offload.optimizer == "nvme":
-        raise ValueError(f"NVMe offload (ZeRO-Infinity) needs stage 3, got stage {stage}")
     if offload.params != "none" and offload.optimizer == "none":
         raise ValueError("parameter offload needs the optimizer offloaded too")
 

@@ -108,11 +108,20 @@ def test_persistent_params_stay_on_gpu_under_param_offload() -> None:
     assert placed["cpu"]["params"] == 2 * 225
 
 
+@pytest.mark.parametrize("stage", [1, 2, 3])
+def test_optimizer_on_nvme_at_every_partitioned_stage(stage: int) -> None:
+    """As the engine's NVMe tier does: the optimizer partition on NVMe, its fp32 gradient
+    partition in host memory, stage 1's full 16-bit gradient still on the GPU."""
+    placed = placed_model_state_bytes(1000, 4, stage, Offload("nvme"))
+    assert placed["nvme"]["optimizer_states"] == 12 * 250
+    assert placed["cpu"]["grads"] == 4 * 250
+    assert placed["gpu"]["grads"] == (2 * 1000 if stage == 1 else 0)
+
+
 @pytest.mark.parametrize(
     ("stage", "offload", "message"),
     [
         (0, Offload("cpu"), "stage 1 or more"),
-        (2, Offload("nvme"), "needs stage 3"),
         (2, Offload("cpu", "cpu"), "parameter offload needs stage 3"),
         (3, Offload("none", "cpu"), "optimizer offloaded too"),
         (4, Offload(), "stage must be one of"),
