@@ -284,14 +284,14 @@ class Engine:
         if not per_group:
             return self.comm_stats.totals()
         volume = self.comm_stats.by_group()
-        moved = {key: value - self._transfers_at_reset.get(key, 0) for key, value in self.zero.store.transfers().items()}
+        moved = {key: value - self._transfers_at_reset.get(key, 0) for key, value in self.zero.transfers().items()}
         if any(moved.values()):
             volume["offload"] = moved
         return volume
 
     def reset_comm_volume(self) -> None:
         self.comm_stats.volume.clear()
-        self._transfers_at_reset = self.zero.store.transfers()
+        self._transfers_at_reset = self.zero.transfers()
 
     def num_parameters(self) -> int:
         return sum(unit.numel for unit in self.units)
@@ -340,7 +340,7 @@ class Engine:
         """Detach from the model (hooks removed); the model can then get a new engine."""
         self.zero.reducer.remove_hooks()
         self.zero.params.remove_hooks()
-        self.zero.store.close()
+        self.zero.close()
         for param in self.module.parameters():
             for attribute in ("_shardwise_engine", "_shardwise_reducer"):
                 if hasattr(param, attribute):

@@ -14,11 +14,6 @@ def find_unsupported(cfg: ShardwiseConfig) -> list[str]:
     problems = []
     if cfg.fp16.auto_cast:
         problems.append("fp16.auto_cast true is not supported yet: the model's own forward chooses dtypes")
-    if cfg.zero_optimization.offload_param.device == "nvme":
-        problems.append(
-            "zero_optimization.offload_param.device 'nvme' is not supported yet: parameters on NVMe are a later "
-            "capability, use 'cpu' or 'none' (the optimizer state can be on NVMe)"
-        )
     for key, size in (
         ("tensor_parallel.size", cfg.tensor_parallel.size),
         ("sequence_parallel.size", cfg.sequence_parallel.size),

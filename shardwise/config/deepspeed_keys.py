@@ -238,8 +238,10 @@ RULES: dict[str, dict[str, KeyRule]] = {
                               "is not supported: offload all of it (1.0) or none"),
     },
     "zero_optimization.offload_param": {
-        "buffer_size": Accepted("sizes DeepSpeed's NVMe parameter buffers; parameters are offloaded to the host"),
-        "max_in_cpu": Accepted("a DeepSpeed NVMe parameter-cache size; parameters are offloaded to the host"),
+        "buffer_size": Accepted("sizes DeepSpeed's NVMe parameter buffers; shardwise pages each unit's shard "
+                                "through a page of its own, given back after the gather"),
+        "max_in_cpu": Accepted("the size of DeepSpeed's host cache of NVMe parameters; shardwise keeps no "
+                               "cache (a shard is read at each gather)"),
     },
     "aio": {
         "intra_op_parallelism": Accepted("a libaio threading knob; shardwise's swap uses aio.thread_count"),

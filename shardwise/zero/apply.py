@@ -20,6 +20,7 @@ from torch import nn
 from shardwise.accounting import MemoryLedger
 from shardwise.distributed.collectives import Communicator
 from shardwise.offload.host_store import HostShardStore
+from shardwise.offload.param_home import merge_transfers
 from shardwise.offload.nvme_store import NvmeShardStore
 from shardwise.optim.codec import StateCodec
 from shardwise.zero.gradients import GradientReducer
@@ -72,6 +73,14 @@ class ZeroState:
     def release_gathered(self) -> None:
         self.params.release_gathered()
 
+    def transfers(self) -> dict[str, int]:
+        """Bytes moved between memory tiers: optimizer paging and parameter paging."""
+        return merge_transfers(self.store.transfers(), self.params.transfers())
+
+    def close(self) -> None:
+        self.store.close()
+        self.params.close()
+
     def refresh_from_masters(self) -> None:
         """Masters were rewritten (a checkpoint load): make parameters match, as after a step."""
         self.store.publish()
@@ -119,6 +128,7 @@ def apply_zero(
         )
         params.broadcast_initial()
     store = _make_store(policy, params, groups.shard.rank, ledger, per_parameter, groups.shard.global_rank)
+    params.settle()
     reducer = GradientReducer(params.units, policy, store, groups.shard, groups.replicate, ledger, device)
     params.connect(reducer)
     def sum_data(tensor: torch.Tensor) -> torch.Tensor:

@@ -114,9 +114,19 @@ class PartitionedParameters(ParameterStrategy):
         return self.replicated.owned_chunk(unit)
 
     def after_update(self) -> None:
-        """Partitioned units are read from their shards at the next gather; only the
-        persistent ones are all-gathered now."""
+        """Partitioned units are read from their shards at the next gather (a paging home
+        writes the rewritten shards out first); only the persistent ones are all-gathered now."""
+        self.sharded.flush(rewritten=True)
         self.replicated.after_update()
+
+    def settle(self) -> None:
+        self.sharded.flush()
+
+    def transfers(self) -> dict[str, int]:
+        return self.sharded.home.transfers()
+
+    def close(self) -> None:
+        self.sharded.home.close()
 
     def connect(self, reducer) -> None:
         """Backward frees a unit once its gradients are reduced, and points its `.grad`

@@ -20,6 +20,7 @@ import torch
 
 from shardwise.accounting import MemoryLedger, tensor_bytes
 from shardwise.distributed.collectives import Communicator, PendingCollective
+from shardwise.offload.param_home import NvmeParamHome, make_param_home
 from shardwise.zero.layout import FlatUnit
 from shardwise.zero.policy import OffloadPolicy
 
@@ -35,21 +36,16 @@ class ShardedParameters:
         home: OffloadPolicy = OffloadPolicy(),
     ):
         """`comm`: the shard group; chunk r of every unit lives on its rank r. `home`:
-        where the shards live between gathers (`offload_param`): on the device, or in
-        host memory (ZeRO-Offload of parameters), from where each gather first copies
-        this rank's shard into its place in the gathered buffer."""
+        where the shards live between gathers (`offload_param`: the device, host memory
+        or NVMe; offload/param_home.py); an offloaded shard is first copied into its
+        place in the gathered buffer."""
         self.units = units
         self.dtype = dtype
         self.device = device
         self.comm = comm
         self.ledger = ledger
-        sizes = [unit.chunk_numel for unit in units]
-        offloaded = home.device == "cpu"
-        self.shard_flat = torch.zeros(sum(sizes), dtype=dtype, device="cpu" if offloaded else device,
-                                      pin_memory=offloaded and home.pin_memory and torch.cuda.is_available())
-        ledger.hold("params", tensor_bytes(self.shard_flat), tier="host" if offloaded else "device")
-        self.offloaded = offloaded
-        self.shards = dict(zip((u.index for u in units), torch.split(self.shard_flat, sizes)))
+        self.home = make_param_home(units, dtype, device, ledger, home, comm.rank)
+        self.offloaded = self.home.offloaded
         self.flats: dict[int, torch.Tensor] = {}
         self.views: dict[int, list[torch.Tensor]] = {}
         for unit in units:
@@ -72,17 +68,29 @@ class ShardedParameters:
         Used once at start-up (every rank holds the same full weights: the model was
         broadcast or initialised identically) and by `gathered_parameters` after edits.
         """
-        shard = self.shards[unit.index]
+        shard = self.home.shard(unit)
         with torch.no_grad():
             for piece in unit.owned_pieces(self.comm.rank):
                 source = piece.slot.param.detach().reshape(-1)[piece.start : piece.stop]
                 shard[piece.chunk_offset : piece.chunk_offset + piece.numel].copy_(source)
+        self.home.written(unit)
         if unit.index not in self.gathered:
             for slot in unit.slots:
                 slot.param.data = self.empty
 
     def owned_chunk(self, unit: FlatUnit) -> torch.Tensor:
-        return self.shards[unit.index]
+        """The shard, resident until the next `flush` (the step writes into it in place)."""
+        shard = self.home.shard(unit)
+        self.home.written(unit)
+        return shard
+
+    def flush(self, rewritten: bool = False) -> None:
+        """Let the home write changed shards out; `rewritten`: a step or a load wrote every
+        owned shard in place (through `owned_chunk`'s tensors)."""
+        if rewritten:
+            for unit in self.units:
+                self.home.written(unit)
+        self.home.flush()
 
     # -- gather / release ----------------------------------------------------------------
     def is_available(self, unit: FlatUnit) -> bool:
@@ -98,10 +106,11 @@ class ShardedParameters:
         self.ledger.hold("buffers", tensor_bytes(flat))
         self.gathered.add(unit.index)
         self.peak_gathered_numel = max(self.peak_gathered_numel, self.gathered_numel())
-        shard = self.shards[unit.index]
+        shard = self.home.shard(unit)
         if self.offloaded:  # host -> this rank's place in the device buffer, then gather in place
             lo, hi = unit.chunk_bounds(self.comm.rank)
-            shard = flat[lo:hi].copy_(shard, non_blocking=True)
+            shard = flat[lo:hi].copy_(shard, non_blocking=not isinstance(self.home, NvmeParamHome))
+            self.home.done_reading(unit)
         self.pending[unit.index] = self.comm.all_gather(flat, shard, f"parameters of {unit}")
 
     def wait(self, unit: FlatUnit) -> None:

@@ -51,6 +51,16 @@ class ParameterStrategy(ABC):
     def broadcast_edits(self, unit: FlatUnit, source: int) -> None:
         """Take group rank `source`'s full values of `unit` as the values on every rank."""
 
+    def settle(self) -> None:
+        """The shard store has copied the owned chunks: a paging home may write them out."""
+
+    def transfers(self) -> dict[str, int]:
+        """Bytes the parameter shards moved between memory tiers (NVMe paging)."""
+        return {}
+
+    def close(self) -> None:
+        """Release files and threads (a paging home)."""
+
     def connect(self, reducer) -> None:
         """Let the gradient reducer tell this strategy when a unit's gradients are done
         (stage 3 frees the unit then)."""

@@ -189,12 +189,10 @@ def test_unsupported_scheduler_and_missing_total_steps():
     ]
 
 
-def test_nvme_offload_is_not_supported_yet_and_needs_a_path():
+def test_nvme_offload_needs_a_path():
     problems = problems_of({"train_batch_size": 8, "zero_optimization": {
         "stage": 3, "offload_optimizer": {"device": "cpu"}, "offload_param": {"device": "nvme"}}})
     assert problems == [
-        "zero_optimization.offload_param.device 'nvme' is not supported yet: parameters on NVMe are a later "
-        "capability, use 'cpu' or 'none' (the optimizer state can be on NVMe)",
         "zero_optimization.offload_param.device is 'nvme' but zero_optimization.offload_param.nvme_path is not set",
     ]
 

@@ -48,13 +48,17 @@ def test_optimizer_state_is_counted_on_nvme(tmp_path):
     assert tiers["host"]["buffers"] <= 3 * 3 * 8192
 
 
-@pytest.mark.parametrize(("saved_with", "loaded_with"), [("nvme", "none"), ("none", "nvme")])
-def test_resume_across_nvme_and_memory(saved_with, loaded_with, tmp_path):
+@pytest.mark.parametrize(("stage", "saved_with", "loaded_with"),
+                         [(2, "nvme", "none"), (2, "none", "nvme"), (3, "nvme", "none"), (3, "none", "nvme")])
+def test_resume_across_nvme_and_memory(stage, saved_with, loaded_with, tmp_path):
+    """Stage 3 swaps the parameter shards too."""
     swap = tmp_path / "swap"
     swap.mkdir()
 
     def case(device: str) -> Case:
-        return nvme_case(swap, 2) if device == "nvme" else plain_case(2)
+        if device == "none":
+            return plain_case(stage)
+        return nvme_case(swap, 2) if stage == 2 else nvme_params_case(swap)
 
     checkpoint = str(tmp_path / "checkpoint")
     uninterrupted = run_distributed(train_run, 2, Run(case("none"), steps=3))[0]
@@ -118,3 +122,32 @@ def test_whole_parameter_and_quantised_optimizers_page_too(optimizer, tmp_path):
     for without, with_swap in zip(plain, swapped):
         for name, tensor in without["params"].items():
             assert with_swap["params"][name].equal(tensor), name
+
+
+def nvme_params_case(path, dtype: str = "fp32", optimizer_device: str = "nvme", steps: int = 3) -> Case:
+    """ZeRO-Infinity in full: stage 3 with the parameter shards and the optimizer on NVMe."""
+    case = nvme_case(path, 3, dtype=dtype, steps=steps)
+    zero = case.extra_config["zero_optimization"]
+    zero["offload_param"] = {"device": "nvme", "nvme_path": str(path)}
+    zero["offload_optimizer"] = {"device": optimizer_device, "nvme_path": str(path)}
+    return case
+
+
+@pytest.mark.parametrize("optimizer_device", ["nvme", "cpu"])
+def test_parameters_on_nvme_train_exactly_like_no_offload(optimizer_device, tmp_path):
+    plain = run_distributed(train_parallel, 2, plain_case(3))
+    swapped = run_distributed(train_parallel, 2, nvme_params_case(tmp_path, optimizer_device=optimizer_device))
+    for without, with_swap in zip(plain, swapped):
+        assert with_swap["losses"] == without["losses"]
+        for name, tensor in without["params"].items():
+            assert with_swap["params"][name].equal(tensor), name
+    assert os.listdir(tmp_path) == []
+
+
+def test_parameter_shards_are_counted_on_nvme_and_paged(tmp_path):
+    result = run_distributed(train_parallel, 2, nvme_params_case(tmp_path, steps=1))[0]
+    tiers = result["memory_by_tier"]
+    padded = result["numel"] + result["padding"]
+    assert tiers["device"]["params"] == 0 and tiers["host"]["params"] == 0
+    # the shard of every unit, each region rounded up to 4 KiB for direct I/O
+    assert padded // 2 * 4 <= tiers["nvme"]["params"] <= padded // 2 * 4 + result["units"] * 4096

@@ -1,0 +1,136 @@
+"""Where a rank's stage-3 parameter shards live between gathers (`offload_param.device`).
+
+A gather reads this rank's shard of a unit and all-gathers it into the unit's device
+buffer; the optimizer step writes the updated shard back. Three homes, one interface:
+
+    device   the shards stay on the accelerator (plain stage 3)
+    cpu      in host memory (ZeRO-Offload of parameters); a gather first copies the shard
+             into its place in the device buffer
+    nvme     in a private swap file (ZeRO-Infinity, C12): a gather reads the unit's shard
+             into a page of host memory, copies it to the device and gives the page back;
+             the step rewrites every shard in place and `flush` writes them out, so
+             between steps no shard occupies host memory
+
+The home is told what happens to a shard: `shard(unit)` to read it (resident until
+`done_reading`), `written(unit)` after writing into it in place.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+import torch
+
+from shardwise.accounting import MemoryLedger, tensor_bytes
+from shardwise.offload.swap import Region, SwapFile
+from shardwise.zero.layout import FlatUnit
+from shardwise.zero.policy import OffloadPolicy
+
+
+class MemoryParamHome:
+    """Shards in device or host memory: always resident, nothing to page."""
+
+    def __init__(self, units: list[FlatUnit], dtype: torch.dtype, device: torch.device, ledger: MemoryLedger,
+                 offload: OffloadPolicy):
+        self.offloaded = offload.device == "cpu"
+        sizes = [unit.chunk_numel for unit in units]
+        pin = self.offloaded and offload.pin_memory and torch.cuda.is_available()
+        flat = torch.zeros(sum(sizes), dtype=dtype, device="cpu" if self.offloaded else device, pin_memory=pin)
+        ledger.hold("params", tensor_bytes(flat), tier="host" if self.offloaded else "device")
+        self.shards = dict(zip((unit.index for unit in units), torch.split(flat, sizes)))
+
+    def shard(self, unit: FlatUnit) -> torch.Tensor:
+        return self.shards[unit.index]
+
+    def done_reading(self, unit: FlatUnit) -> None:
+        """Memory homes keep their shards."""
+
+    def written(self, unit: FlatUnit) -> None:
+        """Memory homes were written in place."""
+
+    def flush(self) -> None:
+        """Nothing is paged."""
+
+    def transfers(self) -> dict[str, int]:
+        return {}
+
+    def close(self) -> None:
+        """No files or threads."""
+
+
+class NvmeParamHome:
+    """Shards in a private swap file under `offload.nvme_path`, paged through host memory."""
+
+    offloaded = True
+
+    def __init__(self, units: list[FlatUnit], dtype: torch.dtype, ledger: MemoryLedger, offload: OffloadPolicy,
+                 rank: int):
+        self.swap = SwapFile(offload.nvme_path, rank, offload.thread_count, offload.block_size)
+        self.regions: dict[int, Region] = {unit.index: self.swap.region(unit.chunk_numel, dtype) for unit in units}
+        self.swap.reserve()
+        ledger.hold("params", self.swap.size, tier="nvme")
+        self.ledger = ledger
+        self._held = 0
+        # fresh regions are zero-filled pages, the truth until first written out
+        self.resident: set[int] = set(self.regions)
+        self.dirty: set[int] = set(self.regions)
+        self._hold_resident()
+
+    def shard(self, unit: FlatUnit) -> torch.Tensor:
+        index = unit.index
+        if index not in self.resident:
+            self.swap.read_all([self.regions[index]]).result()
+            self.resident.add(index)
+            self._hold_resident()
+        return self.regions[index].tensor
+
+    def done_reading(self, unit: FlatUnit) -> None:
+        """Give the page back, unless it holds values not yet written out."""
+        if unit.index in self.resident and unit.index not in self.dirty:
+            self.regions[unit.index].release()
+            self.resident.discard(unit.index)
+            self._hold_resident()
+
+    def written(self, unit: FlatUnit) -> None:
+        self.resident.add(unit.index)
+        self.dirty.add(unit.index)
+        self._hold_resident()
+
+    def flush(self) -> None:
+        """Write every changed shard out and give its page back. The write completes before
+        the step returns: the next step's optimizer writes into the same pages."""
+        if not self.dirty:
+            return
+        dirty = sorted(self.dirty)
+        self.swap.write_all([self.regions[index] for index in dirty]).result()
+        self.resident.difference_update(dirty)
+        self.dirty.clear()
+        self._hold_resident()
+
+    def transfers(self) -> dict[str, int]:
+        return {"param_nvme_read": self.swap.bytes_read, "param_nvme_write": self.swap.bytes_written}
+
+    def close(self) -> None:
+        self.swap.close()
+
+    def _hold_resident(self) -> None:
+        """Count the host bytes of the pages in memory now (the peak shows what paging keeps)."""
+        now = sum(self.regions[index].nbytes for index in self.resident)
+        if now > self._held:
+            self.ledger.hold("buffers", now - self._held, tier="host")
+        elif now < self._held:
+            self.ledger.release("buffers", self._held - now, tier="host")
+        self._held = now
+
+
+def make_param_home(units: list[FlatUnit], dtype: torch.dtype, device: torch.device, ledger: MemoryLedger,
+                    offload: OffloadPolicy, rank: int) -> MemoryParamHome | NvmeParamHome:
+    if offload.device == "nvme":
+        return NvmeParamHome(units, dtype, ledger, offload, rank)
+    return MemoryParamHome(units, dtype, device, ledger, offload)
+
+
+def merge_transfers(*counts: dict[str, int]) -> dict[str, int]:
+    total: Counter = Counter()
+    for count in counts:
+        total.update(count)
+    return dict(total)
