@@ -30,6 +30,7 @@ from shardwise.distributed.agreement import check_ranks_agree, describe_config, 
 from shardwise.distributed.collectives import CommStats, Communicator
 from shardwise.distributed.mesh import ParallelMesh, ParallelSizes
 from shardwise.distributed.setup import call_check_timeout, init_distributed, world_handle
+from shardwise.engine_api import DeepSpeedEngineAPI
 from shardwise.engine_arguments import (
     check_arguments,
     group_lookup,
@@ -51,7 +52,12 @@ from shardwise.zero.trainable import trainable_parameters
 log = logging.getLogger("shardwise")
 
 
-class Engine:
+class Engine(DeepSpeedEngineAPI, nn.Module):
+    """An `nn.Module` around the user's model (`engine.module`): attributes it does not
+    have are looked up on the model, so `engine.gradient_checkpointing_enable()` or
+    `engine.generate(...)` reach the model as DeepSpeed's engine lets them; `engine.train()`
+    and `engine.eval()` are nn.Module's, which set the mode of the model too."""
+
     def __init__(
         self,
         model: nn.Module,
@@ -61,6 +67,7 @@ class Engine:
         param_init_fn: Callable[[nn.Module], None] | None = None,
         auto_values: Mapping[str, Any] | None = None,
     ):
+        super().__init__()
         refuse_second_engine(model)
         self.context = init_distributed()
         self.config = config if isinstance(config, ShardwiseConfig) else load_config(
@@ -304,12 +311,14 @@ class Engine:
         return sum(unit.padded_numel - unit.numel for unit in self.units)
 
     # -- conveniences DeepSpeed users expect ---------------------------------------------
-    def train(self, mode: bool = True) -> "Engine":
-        self.module.train(mode)
-        return self
-
-    def eval(self) -> "Engine":
-        return self.train(False)
+    def __getattr__(self, name: str) -> Any:
+        try:
+            return super().__getattr__(name)  # nn.Module's own: parameters, buffers, submodules
+        except AttributeError:
+            module = self.__dict__.get("_modules", {}).get("module")
+            if module is None or name.startswith("__"):
+                raise
+        return getattr(module, name)
 
     def get_lr(self) -> list[float]:
         return [group["lr"] for group in self.optimizer.optimizer.param_groups]

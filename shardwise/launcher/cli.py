@@ -15,6 +15,8 @@ from __future__ import annotations
 import argparse
 import os
 import sys
+from collections.abc import Iterator
+from contextlib import contextmanager
 
 from shardwise.launcher.agent import run_agent
 from shardwise.launcher.interrupts import Interrupted, interruptible
@@ -31,6 +33,8 @@ examples:
                                                    run the same line on both nodes
   shardwise run --nnodes 2 --node-rank 1 --rdzv-endpoint node0:29400 train.py
                                                    fixed node ranks; node 0 hosts the rendezvous
+  shardwise run --as-deepspeed --nproc 2 train.py --deepspeed_config ds.json
+                                                   an unmodified DeepSpeed script
 Everything after the script is passed to it, options included (a `--` directly after the
 script is taken by the parser, as argparse does)."""
 
@@ -88,6 +92,18 @@ def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParse
         default=None,
         metavar="P",
         help="single node only: listen on this port instead of a free one the OS picks",
+    )
+    parser.add_argument(
+        "--as-deepspeed",
+        action="store_true",
+        help="run an unmodified DeepSpeed script: `import deepspeed` gets shardwise's compatibility package "
+        "(shardwise.compat.deepspeed) in this run only, and the script gets --local_rank=<r> as DeepSpeed's "
+        "launcher passes it",
+    )
+    parser.add_argument(
+        "--no-local-rank",
+        action="store_true",
+        help="with --as-deepspeed: do not pass --local_rank to the script (DeepSpeed's --no_local_rank)",
     )
     parser.add_argument("script", help="the Python script every process runs")
     parser.add_argument("script_args", nargs=argparse.REMAINDER, help="arguments for the script")
@@ -174,12 +190,28 @@ def _launch(args: argparse.Namespace) -> int:
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
 
     try:
-        run_agent([*torchrun_options, "--module"], CHILD_MODULE, [script, *args.script_args], {})
+        with _script_environment(args) as (environment, first_args):
+            run_agent([*torchrun_options, "--module"], CHILD_MODULE, [script, *first_args, *args.script_args],
+                      environment)
     except ChildFailedError as error:
         # Named after the script, not the module every worker starts it through.
         print(ChildFailedError(name=script, failures=error.failures).format_msg(), file=sys.stderr)
         return 1
     return 0
+
+
+@contextmanager
+def _script_environment(args: argparse.Namespace) -> Iterator[tuple[dict[str, str], list[str]]]:
+    """Variables for the workers and arguments to put before the script's own: none,
+    or with --as-deepspeed the `deepspeed` alias and DeepSpeed's `--local_rank=<r>`
+    (torchrun replaces `${local_rank}` with each worker's)."""
+    if not args.as_deepspeed:
+        yield {}, []
+        return
+    from shardwise.compat.alias import as_deepspeed_environment
+
+    with as_deepspeed_environment() as environment:
+        yield environment, [] if args.no_local_rank else ["--local_rank=${local_rank}"]
 
 
 def _node_rank_text(args: argparse.Namespace) -> str:

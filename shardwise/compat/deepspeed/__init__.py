@@ -1,0 +1,38 @@
+"""DeepSpeed's Python API on shardwise (C26): `import shardwise.compat.deepspeed as deepspeed`,
+or run an unmodified script with `shardwise run --as-deepspeed`, which makes this
+package importable as `deepspeed` (and `deepspeed.X` as `shardwise.compat.deepspeed.X`)
+for that run only.
+
+    engine, optimizer, loader, scheduler = deepspeed.initialize(args=args, model=model,
+                                                                model_parameters=model.parameters(),
+                                                                training_data=dataset)
+
+The engine is shardwise's (`Engine`, an nn.Module passing unknown attributes to the
+model) with DeepSpeed's method shapes (engine.py). What each argument of `initialize`
+does is in init_engine.py; what `zero.Init` does and does not do, in zero.py.
+"""
+
+from shardwise.compat.deepspeed import accelerator, comm, moe, ops, runtime, utils, zero
+from shardwise.compat.deepspeed.accelerator import get_accelerator
+from shardwise.compat.deepspeed.arguments import add_config_arguments
+from shardwise.compat.deepspeed.comm import init_distributed
+from shardwise.compat.deepspeed.engine import DeepSpeedEngine
+from shardwise.compat.deepspeed.init_engine import initialize
+from shardwise.compat.deepspeed.utils import log_dist, logger
+
+__all__ = [
+    "DeepSpeedEngine",
+    "accelerator",
+    "add_config_arguments",
+    "comm",
+    "get_accelerator",
+    "init_distributed",
+    "initialize",
+    "log_dist",
+    "logger",
+    "moe",
+    "ops",
+    "runtime",
+    "utils",
+    "zero",
+]

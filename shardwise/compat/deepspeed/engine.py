@@ -1,0 +1,154 @@
+"""The engine `deepspeed.initialize` returns: shardwise's `Engine` with the few methods
+whose DeepSpeed shape differs from shardwise's.
+
+Why a subclass and not the base engine: shardwise's own callers (the training job, the
+checkpoint tests) read `engine.gradient_accumulation_steps` as an int and get a dict
+from `load_checkpoint`; DeepSpeed scripts call `engine.gradient_accumulation_steps()`
+and unpack `path, client_state = engine.load_checkpoint(...)`. Each API keeps its
+shape on the engine built for it. Everything else (the accessors both share, the
+`nn.Module` pass-through to the model) is the base engine's.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import time
+from pathlib import Path
+from typing import Any
+
+from shardwise.checkpoint.format import LATEST
+from shardwise.checkpoint.manifest import write_synced
+from shardwise.checkpoint.state import capture_rng_state, restore_rng_state
+from shardwise.engine import Engine
+
+log = logging.getLogger("shardwise")
+
+PARTIAL_LOAD_REFUSED = (
+    "a shardwise checkpoint restores the fp32 master weights and the optimizer state that belongs to them "
+    "together, into the model it was saved from; to start afresh from trained weights, export them with "
+    "`shardwise convert` and load them into the model before deepspeed.initialize"
+)
+
+
+class AccumulationSteps(int):
+    """The number of micro-batches per update: an int to shardwise's code, and callable
+    as DeepSpeed's `engine.gradient_accumulation_steps()`."""
+
+    def __call__(self) -> int:
+        return int(self)
+
+
+class ThroughputTimer:
+    """DeepSpeed's `engine.tput_timer`, as far as scripts use it: epochs counted by the
+    script (`update_epoch_count`), samples per second over the optimizer steps so far."""
+
+    def __init__(self, batch_size: int):
+        self.batch_size = batch_size
+        self.epoch_count = 0
+        self.global_step_count = 0
+        self._first_step_end: float | None = None
+        self._last_step_end: float | None = None
+
+    def update_epoch_count(self) -> None:
+        self.epoch_count += 1
+
+    def step_done(self) -> None:
+        now = time.perf_counter()
+        if self._first_step_end is None:
+            self._first_step_end = now
+        self._last_step_end = now
+        self.global_step_count += 1
+
+    def avg_samples_per_sec(self) -> float:
+        """Samples per second from the end of the first update to the end of the last;
+        0 before two updates."""
+        if self.global_step_count < 2:
+            return 0.0
+        return self.batch_size * (self.global_step_count - 1) / (self._last_step_end - self._first_step_end)
+
+
+class DeepSpeedEngine(Engine):
+    def __init__(self, *args: Any, **kwargs: Any):
+        super().__init__(*args, **kwargs)
+        self._step_applied = False
+        self.training_dataloader = None  # set by initialize when it builds one
+        self.tput_timer = ThroughputTimer(self.train_batch_size())
+
+    @property
+    def gradient_accumulation_steps(self) -> AccumulationSteps:
+        return AccumulationSteps(self.__dict__["_accumulation_steps"])
+
+    @gradient_accumulation_steps.setter
+    def gradient_accumulation_steps(self, value: int) -> None:
+        self.__dict__["_accumulation_steps"] = int(value)
+
+    def step(self, lr_kwargs: dict | None = None) -> None:
+        """shardwise's step; records whether it updated the weights (`was_step_applied`)."""
+        if lr_kwargs is not None:
+            raise ValueError("engine.step(lr_kwargs=...) is not supported: the engine steps the scheduler "
+                             "without arguments after each update")
+        updates, skipped = self.global_steps, self.skipped_steps
+        super().step()
+        self._step_applied = self.global_steps > updates and self.skipped_steps == skipped
+        if self.global_steps > updates:
+            self.tput_timer.step_done()
+
+    def was_step_applied(self) -> bool:
+        """Whether the last `step()` updated the weights: False between accumulation
+        boundaries and when an fp16 overflow skipped the update."""
+        return self._step_applied
+
+    def save_checkpoint(self, save_dir: str | os.PathLike, tag: str | None = None, client_state: dict | None = None,
+                        save_latest: bool = True, exclude_frozen_parameters: bool = False) -> bool:
+        """DeepSpeed's signature; returns True. `client_state` must be JSON (shardwise
+        checkpoints hold no pickles). `save_latest=False` leaves `save_dir/latest` naming
+        the checkpoint it named before (rank 0 puts it back once every rank has saved)."""
+        if exclude_frozen_parameters:
+            raise ValueError("save_checkpoint(exclude_frozen_parameters=True) is not supported: shardwise "
+                             "checkpoints hold the whole model, frozen parameters included")
+        latest = Path(save_dir) / LATEST
+        previous = latest.read_text() if not save_latest and latest.is_file() else None
+        super().save_checkpoint(save_dir, tag, client_state)
+        if not save_latest and self.rank == 0:
+            if previous is None:
+                latest.unlink()
+            else:
+                temporary = Path(save_dir) / f".{LATEST}.partial"
+                write_synced(temporary, previous)
+                os.replace(temporary, latest)
+        return True
+
+    def load_checkpoint(self, load_dir: str | os.PathLike, tag: str | None = None, load_module_strict: bool = True,
+                        load_optimizer_states: bool = True, load_lr_scheduler_states: bool = True,
+                        load_module_only: bool = False, custom_load_fn: Any = None) -> tuple[str | None, dict | None]:
+        """Resume from `load_dir/tag` (tag None: the one `latest` names); returns
+        (checkpoint directory, client_state), or (None, None) with a warning when there
+        is no `latest` to follow, as DeepSpeed does. As in DeepSpeed, the random number
+        generators keep their state (shardwise's own load_checkpoint restores the saved
+        one), so a script that seeds and then resumes draws what it drew under DeepSpeed.
+
+        shardwise's fp32 masters are the weights the optimizer state belongs to, so a
+        checkpoint restores them together: loading the model without its optimizer
+        state, or into a different model, is refused (convert the checkpoint with
+        `shardwise convert` and load the weights into the model before initialize)."""
+        refused = {"load_module_strict=False": not load_module_strict,
+                   "load_optimizer_states=False": not load_optimizer_states,
+                   "load_module_only=True": load_module_only, "custom_load_fn": custom_load_fn is not None}
+        for argument, given in refused.items():
+            if given:
+                raise ValueError(f"load_checkpoint({argument}) is not supported: {PARTIAL_LOAD_REFUSED}")
+        if tag is None and not (Path(load_dir) / LATEST).is_file():
+            log.warning("load_checkpoint: no file %s: nothing loaded; pass tag= to load a particular checkpoint",
+                        Path(load_dir) / LATEST)
+            return None, None
+        scheduler_state = None
+        if not load_lr_scheduler_states and self.lr_scheduler is not None:
+            scheduler_state = self.lr_scheduler.state_dict()
+        random_state = capture_rng_state(self.device)
+        client_state = super().load_checkpoint(load_dir, tag)
+        restore_rng_state(random_state, self.device)  # DeepSpeed leaves the random generators alone
+        if scheduler_state is not None:
+            self.lr_scheduler.load_state_dict(scheduler_state)
+        directory = Path(load_dir) / (tag if tag is not None else (Path(load_dir) / LATEST).read_text().strip())
+        return str(directory), client_state

@@ -1,0 +1,37 @@
+"""DeepSpeedExamples' CIFAR script shape (scripts/cifar10_deepspeed.py) run unchanged by
+`shardwise run --as-deepspeed`: the config's Adam and WarmupLR, model_parameters as a
+filter, training_data turned into the engine's distributed loader; losses equal plain
+PyTorch on the same global batches."""
+
+import pytest
+
+from tests.compat.scripts_harness import BF16_TOLERANCE, assert_losses_match, launch, run_plain
+
+SCRIPT = "cifar10_deepspeed.py"
+
+
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory):
+    directory = tmp_path_factory.mktemp("cifar_reference")
+    run_plain(SCRIPT, "--loss-file", str(directory / "plain"), cwd=directory)
+    return directory / "plain"
+
+
+def run_at(stage, tmp_path, *extra):
+    launch(SCRIPT, "--stage", str(stage), "--loss-file", str(tmp_path / "run"), *extra, cwd=tmp_path)
+    return tmp_path / "run"
+
+
+def test_stage_2_equals_plain_torch(tmp_path, reference):
+    assert_losses_match(run_at(2, tmp_path), reference)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("stage", [0, 1, 3])
+def test_other_stages_equal_plain_torch(stage, tmp_path, reference):
+    assert_losses_match(run_at(stage, tmp_path), reference)
+
+
+@pytest.mark.slow
+def test_bf16_within_bf16_tolerance(tmp_path, reference):
+    assert_losses_match(run_at(3, tmp_path, "--dtype", "bf16"), reference, tolerance=BF16_TOLERANCE)
