@@ -42,6 +42,9 @@ from shardwise.engine_arguments import (
 from shardwise.optim.registry import optimizer_spec
 from shardwise.optim.sharded import ShardAwareOptimizer
 from shardwise.parallel.apply import apply_model_transforms
+from shardwise.parallel.sequence import ulysses  # noqa: F401  (registers its apply step)
+from shardwise.parallel.tensor import transform  # noqa: F401  (registers its apply step)
+from shardwise.parallel.tensor.grad_norm import tensor_parallel_norm
 from shardwise.precision import LossScaler
 from shardwise.precision.casting import cast_floating
 from shardwise.reliability.step_guard import StepGuard
@@ -93,6 +96,7 @@ class Engine(DeepSpeedEngineAPI, nn.Module):
         )
         self.world.peers = peers
         self.mesh = ParallelMesh(sizes, self.rank, self.device, self.context.timeout)
+        self.mesh.comm_stats = self.comm_stats  # the apply stage's tensor/sequence communicators count here
         groups = ZeroGroups(*(
             Communicator(self.mesh[purpose], self.comm_stats, self.ledger, peers)
             for purpose in ("shard", "replicate", "replicas")
@@ -120,6 +124,7 @@ class Engine(DeepSpeedEngineAPI, nn.Module):
             per_parameter=spec.per_parameter if spec is not None else isinstance(optimizer, ShardAwareOptimizer),
         )
         self.optimizer = self.zero.optimizer
+        self.tensor_norm = tensor_parallel_norm(self.mesh, self.zero, self.comm_stats)
         self.units = self.zero.units
         self._cast_frozen_state(model)
         self.unit_of_param = {id(slot.param): unit for unit in self.units for slot in unit.slots}
@@ -243,7 +248,10 @@ class Engine(DeepSpeedEngineAPI, nn.Module):
         if not boundary:
             return
         scale = self.loss_scaler.scale  # the scale this step's gradients carry
-        verdict = self.guard.check(self.optimizer.local_grad_norm_squared(), self.loss_scaler, self.global_steps)
+        norm_squared = self.optimizer.local_grad_norm_squared()
+        if self.tensor_norm is not None:  # tensor shards summed, replicated parameters counted once
+            norm_squared = self.tensor_norm(norm_squared)
+        verdict = self.guard.check(norm_squared, self.loss_scaler, self.global_steps)
         self.last_grad_norm = verdict.norm
         self.loss_scaler.update(not verdict.apply)
         if verdict.apply:

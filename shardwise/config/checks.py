@@ -14,13 +14,8 @@ def find_unsupported(cfg: ShardwiseConfig) -> list[str]:
     problems = []
     if cfg.fp16.auto_cast:
         problems.append("fp16.auto_cast true is not supported yet: the model's own forward chooses dtypes")
-    for key, size in (
-        ("tensor_parallel.size", cfg.tensor_parallel.size),
-        ("sequence_parallel.size", cfg.sequence_parallel.size),
-        ("pipeline_parallel.size", cfg.pipeline_parallel.size),
-    ):
-        if size > 1:
-            problems.append(f"{key} {size} is not supported yet: use 1")
+    if cfg.pipeline_parallel.size > 1:
+        problems.append(f"pipeline_parallel.size {cfg.pipeline_parallel.size} is not supported yet: use 1")
     for key, value in cfg.activation_checkpointing:
         if value:
             shown = "true" if value is True else value
@@ -55,6 +50,7 @@ def find_contradictions(
             problems.append(
                 f"zero_optimization.{name}.device is 'nvme' but zero_optimization.{name}.nvme_path is not set"
             )
+    problems += _sequence_parallel_contradictions(cfg)
     micro_batches = cfg.pipeline_parallel.micro_batches
     if batch_known and micro_batches != cfg.gradient_accumulation_steps:
         problems.append(
@@ -83,4 +79,26 @@ def _offload_contradictions(cfg: ShardwiseConfig) -> list[str]:
     if optimizer != "none" and zero.mics_shard_size != -1:
         problems.append("zero_optimization.mics_shard_size with an offloaded optimizer is not supported: the "
                         "all-reduce across replica groups would run on host memory; use one or the other")
+    return problems
+
+
+def _sequence_parallel_contradictions(cfg: ShardwiseConfig) -> list[str]:
+    """Megatron sequence parallelism splits the sequence over the tensor group, so it needs
+    one and no sequence group of its own; Ulysses splits over the sequence group."""
+    tensor, sequence = cfg.tensor_parallel, cfg.sequence_parallel
+    megatron = tensor.sequence_parallel or sequence.mode == "megatron"
+    problems = []
+    if tensor.sequence_parallel and sequence.mode == "ulysses" and sequence.size > 1:
+        problems.append(f"tensor_parallel.sequence_parallel (Megatron) and sequence_parallel.mode 'ulysses' with "
+                        f"sequence_parallel.size {sequence.size} are both set: choose one sequence parallelism")
+    elif megatron and sequence.size > 1:
+        problems.append(f"sequence_parallel.size {sequence.size} with Megatron sequence parallelism: it splits the "
+                        "sequence over the tensor group (tensor_parallel.size), so leave sequence_parallel.size at 1")
+    if tensor.sequence_parallel and tensor.size == 1:
+        problems.append("tensor_parallel.sequence_parallel needs tensor_parallel.size > 1: Megatron sequence "
+                        "parallelism splits the sequence over the tensor group")
+    if sequence.size > 1 and tensor.size > 1 and not megatron:
+        problems.append(f"sequence_parallel.size {sequence.size} (Ulysses) with tensor_parallel.size {tensor.size} is "
+                        "not supported yet: use one of them, or Megatron sequence parallelism "
+                        "(tensor_parallel.sequence_parallel true) with tensor parallelism")
     return problems

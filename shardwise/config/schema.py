@@ -182,9 +182,13 @@ class AioConfig(Section):
 
 
 class TensorParallelConfig(Section):
-    """shardwise addition: size of the tensor-parallel group."""
+    """shardwise addition: size of the tensor-parallel group. `sequence_parallel` is
+    Megatron's flag (the same as sequence_parallel.mode "megatron"); `plan` maps module-name
+    patterns to styles for architectures without a built-in plan (parallel/tensor/styles.py)."""
 
     size: Int = Field(1, ge=1)
+    sequence_parallel: Bool = False
+    plan: dict[str, str] | None = None
 
 
 class SequenceParallelConfig(Section):

@@ -115,3 +115,85 @@ def offload_transfer_bytes(partition: int, stage: int, grad_bytes: int, param_by
         pages = (1 + state_tensors) * 4 * partition
         moved.update(nvme_read=pages, nvme_write=pages)
     return moved
+
+
+# -- tensor and sequence parallelism -------------------------------------------------------
+#
+# Bytes one rank sends per micro-batch (forward + backward) in the tensor or sequence
+# group, exactly as shardwise's layers issue them. X = b·s·h·a: one full-sequence
+# activation of b sequences of s tokens, width h, a bytes per element; L decoder layers;
+# T the tensor group, S the sequence group. ring(Y) = Y(n−1)/n per rank for an
+# all-gather / reduce-scatter / all-to-all of Y bytes, 2·ring(Y) for an all-reduce.
+#
+#   tensor group, Megatron TP   all-reduce  (2 + 4L)·2·ring(X): the embedding's sum and the
+#                                           head's input gradient, and per layer the two
+#                                           outputs summed in forward and the two inputs'
+#                                           gradients summed in backward
+#                               all-gather  ring(2·4·b·s·T): the loss's logsumexp and target
+#                                           logit per token (the logits are never gathered)
+#   + Megatron SP               the layers' all-reduces become all-gather + reduce-scatter
+#                               of the same X: all-gather (1 + 4L + 1)·ring(X) (the split's
+#                               backward, 2 per layer in each direction, the join after the
+#                               stack), reduce-scatter 4L·ring(X), all-reduce 2·2·ring(X)
+#                               + Σ 2·ring(bytes) of each replicated layer parameter's gradient
+#   sequence group, Ulysses     all-to-all  per layer 2·(2·ring(X/S) + 2·ring(X_kv/S)): q, k, v
+#                                           and the output, forward and backward; X_kv is X
+#                                           scaled by KV heads / heads (KV heads repeated to S
+#                                           when fewer than S)
+#                               all-gather  ring(X): the sequence made whole after the stack
+
+
+@dataclass(frozen=True)
+class ParallelCommShape:
+    layers: int  # L
+    micro_batch: int  # b
+    seq_len: int  # s, the whole sequence
+    hidden: int  # h
+    activation_bytes: int  # a
+    tensor_size: int = 1  # T
+    sequence_size: int = 1  # S (Ulysses)
+    megatron_sp: bool = False
+    heads: int = 1
+    kv_heads: int = 1
+    replicated_layer_param_bytes: tuple[int, ...] = ()  # Megatron SP: each such parameter's bytes (gradient)
+    accumulation_steps: int = 1  # A: every collective here runs every micro-batch
+
+
+def _ring(op: str, nbytes: int, ranks: int) -> int:
+    share = nbytes * (ranks - 1) // ranks
+    return 2 * share if op == "all_reduce" else share
+
+
+def tensor_parallel_comm_bytes(shape: ParallelCommShape) -> dict[str, int]:
+    """Bytes per step in the tensor group (see the notes above)."""
+    t, layers = shape.tensor_size, shape.layers
+    x = shape.micro_batch * shape.seq_len * shape.hidden * shape.activation_bytes
+    volume = dict.fromkeys(COLLECTIVES, 0)
+    if t == 1:
+        return volume
+    loss = _ring("all_gather", 2 * 4 * shape.micro_batch * shape.seq_len * t, t)
+    if shape.megatron_sp:
+        volume["all_gather"] = (2 + 4 * layers) * _ring("all_gather", x, t) + loss
+        volume["reduce_scatter"] = 4 * layers * _ring("reduce_scatter", x, t)
+        volume["all_reduce"] = 2 * _ring("all_reduce", x, t) + sum(
+            _ring("all_reduce", nbytes, t) for nbytes in shape.replicated_layer_param_bytes)
+    else:
+        volume["all_reduce"] = (2 + 4 * layers) * _ring("all_reduce", x, t)
+        volume["all_gather"] = loss
+    return {op: nbytes * shape.accumulation_steps for op, nbytes in volume.items()}
+
+
+def ulysses_comm_bytes(shape: ParallelCommShape) -> dict[str, int]:
+    """Bytes per step in the sequence group (Ulysses; see the notes above)."""
+    s = shape.sequence_size
+    volume = {"all_to_all": 0, "all_gather": 0}
+    if s == 1:
+        return volume
+    x = shape.micro_batch * shape.seq_len * shape.hidden * shape.activation_bytes
+    kv_heads = shape.kv_heads if shape.kv_heads % s == 0 else s
+    local = x // s
+    local_kv = local * kv_heads // shape.heads
+    per_layer = 2 * (2 * _ring("all_to_all", local, s) + 2 * _ring("all_to_all", local_kv, s))
+    volume["all_to_all"] = shape.layers * per_layer * shape.accumulation_steps
+    volume["all_gather"] = _ring("all_gather", x, s) * shape.accumulation_steps
+    return volume

@@ -316,3 +316,14 @@ def activation_bytes(
         layers = num_layers * element_bytes(dtype) * seq_len * micro_batch * hidden + full_layer
     logits = LOGITS_BYTES * seq_len * micro_batch * vocab_size if vocab_size else 0
     return layers + logits
+
+
+def tensor_parallel_params(sharded_params: int, replicated_params: int, tensor_size: int) -> int:
+    """Parameters one tensor-parallel rank holds before ZeRO partitions them: a 1/T block of
+    every split parameter (attention and MLP matrices, their column biases, embedding and
+    output rows) and the whole of every replicated one (norms, row-parallel biases,
+    position embeddings). ZeRO's formulas then apply with this Ψ and N = the data-parallel
+    (shard) group; memory_breakdown() reports these local shards."""
+    if sharded_params % tensor_size:
+        raise ValueError(f"{sharded_params} split parameters do not divide over a tensor group of {tensor_size}")
+    return sharded_params // tensor_size + replicated_params

@@ -55,8 +55,6 @@ def test_max_grad_norm_points_to_gradient_clipping():
 @pytest.mark.parametrize(
     ("block", "expected"),
     [
-        ({"tensor_parallel": {"size": 2}}, "tensor_parallel.size 2 is not supported yet: use 1"),
-        ({"sequence_parallel": {"size": 4, "mode": "ulysses"}}, "sequence_parallel.size 4 is not supported yet: use 1"),
         ({"pipeline_parallel": {"size": 2}}, "pipeline_parallel.size 2 is not supported yet: use 1"),
         ({"activation_checkpointing": {"cpu_checkpointing": True}},
          "activation_checkpointing.cpu_checkpointing true is not supported yet: leave it off"),

@@ -1,25 +1,28 @@
 """The apply stage runs model rewrites in the fixed order, before ZeRO takes the parameters."""
 
+import importlib
+
 import pytest
 import torch
 from torch import nn
 
 import shardwise
-from shardwise.parallel.apply import ORDER, ModelTransform, register_transform, unregister_transform
+from shardwise.parallel import apply as apply_stage
+from shardwise.parallel.apply import ORDER, ModelTransform, register_transform
 from tests.zero.workers import build_model, global_batch
 
 
 @pytest.fixture
-def transforms():
-    registered = []
+def transforms(monkeypatch):
+    """An empty registry for the test: shardwise's own steps register when the engine is
+    first imported, so import it before emptying the registry."""
+    importlib.import_module("shardwise.engine")
+    monkeypatch.setattr(apply_stage, "_TRANSFORMS", {})
 
     def add(name, apply, enabled=lambda config: True):
         register_transform(ModelTransform(name, enabled, apply))
-        registered.append(name)
 
-    yield add
-    for name in registered:
-        unregister_transform(name)
+    return add
 
 
 def test_transforms_run_in_the_documented_order_whatever_the_registration_order(transforms):
