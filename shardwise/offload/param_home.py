@@ -7,7 +7,8 @@ buffer; the optimizer step writes the updated shard back. Three homes, one inter
     cpu      in host memory (ZeRO-Offload of parameters); a gather first copies the shard
              into its place in the device buffer
     nvme     in a private swap file (ZeRO-Infinity, C12): a gather reads the unit's shard
-             into a page of host memory, copies it to the device and gives the page back;
+             into a page of host memory (reading the next unit of the trace's direction
+             ahead meanwhile), copies it to the device and gives the page back;
              the step rewrites every shard in place and `flush` writes them out, so
              between steps no shard occupies host memory
 
@@ -18,6 +19,8 @@ The home is told what happens to a shard: `shard(unit)` to read it (resident unt
 from __future__ import annotations
 
 from collections import Counter
+from concurrent.futures import Future
+
 import torch
 
 from shardwise.accounting import MemoryLedger, tensor_bytes
@@ -43,6 +46,9 @@ class MemoryParamHome:
 
     def done_reading(self, unit: FlatUnit) -> None:
         """Memory homes keep their shards."""
+
+    def finish_reads(self) -> None:
+        """Nothing is read ahead."""
 
     def written(self, unit: FlatUnit) -> None:
         """Memory homes were written in place."""
@@ -70,6 +76,8 @@ class NvmeParamHome:
         ledger.hold("params", self.swap.size, tier="nvme")
         self.ledger = ledger
         self._held = 0
+        self._ahead: tuple[int, Future] | None = None  # (unit index, its read in flight)
+        self._last = -1
         # fresh regions are zero-filled pages, the truth until first written out
         self.resident: set[int] = set(self.regions)
         self.dirty: set[int] = set(self.regions)
@@ -77,15 +85,44 @@ class NvmeParamHome:
 
     def shard(self, unit: FlatUnit) -> torch.Tensor:
         index = unit.index
-        if index not in self.resident:
+        if self._ahead is not None and self._ahead[0] == index:
+            self._ahead[1].result()
+            self._ahead = None
+        elif index not in self.resident:
+            self._finish_read_ahead()
             self.swap.read_all([self.regions[index]]).result()
             self.resident.add(index)
             self._hold_resident()
+        self._read_ahead(index)
         return self.regions[index].tensor
+
+    def _read_ahead(self, index: int) -> None:
+        """Gathers walk the units in order, ascending in forward and descending in backward
+        (the recorded trace): read the next one in the same direction while this one is
+        gathered and used."""
+        step = index - self._last
+        self._last = index
+        following = index + step
+        if abs(step) != 1 or following not in self.regions or following in self.resident or self._ahead:
+            return
+        self.resident.add(following)
+        self._hold_resident()
+        self._ahead = (following, self.swap.read_all([self.regions[following]]))
+
+    def finish_reads(self) -> None:
+        """Wait for a read ahead still in flight: after a backward, the optimizer step may
+        write into any shard's page."""
+        self._finish_read_ahead()
+
+    def _finish_read_ahead(self) -> None:
+        if self._ahead is not None:
+            self._ahead[1].result()
+            self._ahead = None
 
     def done_reading(self, unit: FlatUnit) -> None:
         """Give the page back, unless it holds values not yet written out."""
-        if unit.index in self.resident and unit.index not in self.dirty:
+        if unit.index in self.resident and unit.index not in self.dirty and not (
+                self._ahead is not None and self._ahead[0] == unit.index):
             self.regions[unit.index].release()
             self.resident.discard(unit.index)
             self._hold_resident()
@@ -98,6 +135,7 @@ class NvmeParamHome:
     def flush(self) -> None:
         """Write every changed shard out and give its page back. The write completes before
         the step returns: the next step's optimizer writes into the same pages."""
+        self._finish_read_ahead()
         if not self.dirty:
             return
         dirty = sorted(self.dirty)
@@ -110,6 +148,7 @@ class NvmeParamHome:
         return {"param_nvme_read": self.swap.bytes_read, "param_nvme_write": self.swap.bytes_written}
 
     def close(self) -> None:
+        self._finish_read_ahead()
         self.swap.close()
 
     def _hold_resident(self) -> None:

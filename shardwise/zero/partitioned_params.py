@@ -136,9 +136,11 @@ class PartitionedParameters(ParameterStrategy):
 
     def end_backward(self) -> None:
         self.schedule.end_backward()
+        self.sharded.home.finish_reads()  # the step may write into any shard next
 
     def abort_pass(self) -> None:
         self.schedule.abort()
+        self.sharded.home.finish_reads()
 
     def release_gathered(self) -> None:
         for unit in self.sharded.units:
