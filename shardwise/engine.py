@@ -42,6 +42,7 @@ from shardwise.engine_arguments import (
 from shardwise.optim.registry import optimizer_spec
 from shardwise.optim.sharded import ShardAwareOptimizer
 from shardwise.parallel.apply import apply_model_transforms
+from shardwise.parallel.compile import apply_compile_stage  # noqa: F401  (registers its apply step)
 from shardwise.parallel.sequence import ulysses  # noqa: F401  (registers its apply step)
 from shardwise.parallel.tensor import transform  # noqa: F401  (registers its apply step)
 from shardwise.parallel.tensor.grad_norm import tensor_parallel_norm

@@ -52,8 +52,8 @@ ALIASES: dict[str, dict[str, str]] = {
 
 DEEPSPEED_KEYS_NOT_SUPPORTED: dict[str, frozenset[str]] = {
     "": frozenset({
-        "compile", "expert_parallel", "gradient_allreduce_op", "managed_gradient_accumulation",
-        "sparse_attention", "use_data_before_expert_parallelism", "vocabulary_size",
+        "expert_parallel", "gradient_allreduce_op", "managed_gradient_accumulation",
+        "use_data_before_expert_parallelism", "vocabulary_size",
     }),
     "optimizer.params": frozenset({"max_grad_norm"}),
     "tensor_parallel": frozenset({

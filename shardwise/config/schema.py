@@ -216,6 +216,88 @@ class TensorBoardConfig(Section):
     job_name: str = "DeepSpeedJobName"
 
 
+class CompileConfig(Section):
+    """shardwise addition: `torch.compile` per block, in the apply stage's compile slot.
+    Also reads DeepSpeed's spelling of the block (runtime/compiler.py): `kwargs` passed to
+    `torch.compile`, and `deepcompile` (newer DeepSpeed), accepted when false. `fused_ops`
+    swaps in shardwise.ops' fused kernels (norms, bias+GeLU, SwiGLU, linear+cross-entropy)."""
+
+    enabled: Bool = False
+    mode: Literal["default", "reduce-overhead", "max-autotune", "max-autotune-no-cudagraphs"] | None = None
+    backend: str = "inductor"
+    kwargs: dict[str, Any] = Field(default_factory=dict)
+    fused_ops: Bool = False
+    deepcompile: Bool = False
+
+    @field_validator("deepcompile")
+    @classmethod
+    def _no_deepcompile(cls, value: bool) -> bool:
+        if value:
+            raise ValueError("true asks for DeepSpeed's own ZeRO graph passes, which shardwise does not have: set it "
+                             "false and use compile.enabled true (torch.compile per block, beside shardwise's ZeRO)")
+        return value
+
+    @model_validator(mode="after")
+    def _known_kwargs(self) -> "CompileConfig":
+        allowed = {"fullgraph", "dynamic", "mode", "options", "disable"}
+        unknown = sorted(set(self.kwargs) - allowed)
+        if unknown:
+            raise ValueError(f"compile.kwargs {unknown} are not torch.compile arguments shardwise passes on "
+                             f"(accepted: {sorted(allowed)}; the backend is compile.backend)")
+        if "mode" in self.kwargs and self.mode is not None and self.kwargs["mode"] != self.mode:
+            raise ValueError(f"compile.mode {self.mode!r} and compile.kwargs.mode {self.kwargs['mode']!r} differ: keep one")
+        return self
+
+
+# The keys DeepSpeed's runtime/config.py reads for each sparse_attention mode, plus `attention`
+# for bigbird and bslongformer, whose layout classes take it though DeepSpeed's reader drops it.
+SPARSE_ATTENTION_KEYS: dict[str, frozenset[str]] = {
+    "dense": frozenset({"block"}),
+    "fixed": frozenset({"block", "different_layout_per_head", "num_local_blocks", "num_global_blocks", "attention",
+                        "horizontal_global_attention", "num_different_global_patterns"}),
+    "variable": frozenset({"block", "different_layout_per_head", "num_random_blocks", "local_window_blocks",
+                           "global_block_indices", "global_block_end_indices", "attention",
+                           "horizontal_global_attention"}),
+    "bigbird": frozenset({"block", "different_layout_per_head", "num_random_blocks", "num_sliding_window_blocks",
+                          "num_global_blocks", "attention"}),
+    "bslongformer": frozenset({"block", "different_layout_per_head", "num_sliding_window_blocks",
+                               "global_block_indices", "global_block_end_indices", "attention"}),
+}
+
+
+class SparseAttentionConfig(Section):
+    """DeepSpeed's `sparse_attention` block: a block-sparse layout for every attention
+    layer (shardwise.ops.sparse_attention), defaults from DeepSpeed's runtime/constants.py.
+    DeepSpeed ignores the keys a mode does not read; shardwise names them as errors."""
+
+    mode: Literal["dense", "fixed", "variable", "bigbird", "bslongformer"] = "fixed"
+    block: Int = Field(16, ge=1)
+    different_layout_per_head: Bool = False
+    num_local_blocks: Int = Field(4, ge=1)
+    num_global_blocks: Int = Field(1, ge=1)
+    attention: Literal["unidirectional", "bidirectional"] = "bidirectional"
+    horizontal_global_attention: Bool = False
+    num_different_global_patterns: Int = Field(1, ge=1)
+    num_random_blocks: Int = Field(0, ge=0)
+    local_window_blocks: list[Int] = Field(default_factory=lambda: [4])
+    global_block_indices: list[Int] = Field(default_factory=lambda: [0])
+    global_block_end_indices: list[Int] | None = None
+    num_sliding_window_blocks: Int = Field(3, ge=1)
+
+    @model_validator(mode="after")
+    def _keys_of_the_mode(self) -> "SparseAttentionConfig":
+        unused = sorted(self.model_fields_set - SPARSE_ATTENTION_KEYS[self.mode] - {"mode"})
+        if unused:
+            raise ValueError(f"sparse_attention.mode {self.mode!r} does not use {unused} (DeepSpeed ignores them): "
+                             f"remove them; this mode reads {sorted(SPARSE_ATTENTION_KEYS[self.mode])}")
+        # The layout class's own checks, reported with the config's other problems; imported
+        # here so that torch loads only for configs with a sparse_attention block.
+        from shardwise.ops.sparse_attention.from_config import sparsity_config
+
+        sparsity_config(self, num_heads=1)
+        return self
+
+
 _COMMUNICATION_DTYPES = {
     "fp32": "fp32", "float32": "fp32",
     "fp16": "fp16", "float16": "fp16",
@@ -268,6 +350,8 @@ class ShardwiseConfig(Section):
     sequence_parallel: SequenceParallelConfig = Field(default_factory=SequenceParallelConfig)
     pipeline_parallel: PipelineParallelConfig = Field(default_factory=PipelineParallelConfig)
     tensorboard: TensorBoardConfig = Field(default_factory=TensorBoardConfig)
+    compile: CompileConfig = Field(default_factory=CompileConfig)
+    sparse_attention: SparseAttentionConfig | None = None
 
     @field_validator("gradient_clipping", mode="before")
     @classmethod

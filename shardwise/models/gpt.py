@@ -120,7 +120,10 @@ class GPT(nn.Module):
         x = self.drop(self.wte(idx) + self.wpe(positions))
         for block in self.blocks:
             x = block(x)
-        logits = self.lm_head(self.ln_f(x))
+        hidden = self.ln_f(x)
+        if targets is not None and getattr(self.lm_head, "computes_loss", False):
+            return self.lm_head(hidden, targets)  # a fused output layer + loss (shardwise.ops) skips the logits
+        logits = self.lm_head(hidden)
         if targets is None:
             return logits
         return F.cross_entropy(logits.view(-1, logits.size(-1)).float(), targets.reshape(-1))

@@ -101,6 +101,8 @@ class FusedLMHead(nn.Linear):
     original layer's Parameter objects, so tied embeddings stay tied, checkpoints keep
     their names and ZeRO-3 gathers the weight for this module's forward as before."""
 
+    computes_loss = True  # shardwise's GPT passes its targets to an output layer that says so
+
     @classmethod
     def from_linear(cls, linear: nn.Linear, chunk_rows: int | None = None) -> "FusedLMHead":
         head = cls.__new__(cls)

@@ -87,9 +87,10 @@ class SparseSelfAttention(nn.Module):
 
     def forward(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, rpe: torch.Tensor | None = None,
                 key_padding_mask: torch.Tensor | None = None, attn_mask: torch.Tensor | None = None,
-                is_causal: bool = False) -> torch.Tensor:
+                is_causal: bool = False, scale: float | None = None) -> torch.Tensor:
         """Attention of (batch, heads, L, head_dim) tensors; the key may also come
-        transposed, (batch, heads, head_dim, L), as DeepSpeed accepts."""
+        transposed, (batch, heads, head_dim, L), as DeepSpeed accepts. `scale` defaults to
+        head_dim ** -0.5."""
         batch, heads, length, dim = query.shape
         if key.shape[-2] != length:
             key = key.transpose(-2, -1)
@@ -99,8 +100,8 @@ class SparseSelfAttention(nn.Module):
         masks = self._masks(query, length, is_causal, rpe, key_padding_mask, attn_mask)
         if query.is_cuda:
             layout = self.get_layout(length)
-            return flex_sparse_attention(query, key, value, layout, self.sparsity_config.block, masks)
-        return block_sparse_attention(query, key, value, self.plan(length, is_causal, dim), masks)
+            return flex_sparse_attention(query, key, value, layout, self.sparsity_config.block, masks, scale)
+        return block_sparse_attention(query, key, value, self.plan(length, is_causal, dim), masks, scale)
 
     def _masks(self, query: torch.Tensor, length: int, causal: bool, rpe: torch.Tensor | None,
                key_padding_mask: torch.Tensor | None, attn_mask: torch.Tensor | None) -> Masks:

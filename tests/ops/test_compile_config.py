@@ -1,0 +1,54 @@
+"""The `compile` and `sparse_attention` config blocks: shardwise's and DeepSpeed's spellings,
+and errors that name the key, the reason and the fix."""
+
+import pytest
+
+from shardwise.config import ConfigError, load_config
+from shardwise.parallel.apply import _TRANSFORMS
+from shardwise.parallel.compile import apply_compile_stage  # noqa: F401  (registers the compile slot)
+
+
+def load(**blocks):
+    return load_config({"train_micro_batch_size_per_gpu": 1, **blocks}, world_size=1)
+
+
+def problems(**blocks) -> str:
+    with pytest.raises(ConfigError) as caught:
+        load(**blocks)
+    return "\n".join(caught.value.problems)
+
+
+def test_shardwise_and_deepspeed_spellings_of_the_compile_block():
+    assert not load().compile.enabled and load().sparse_attention is None
+    ours = load(compile={"enabled": True, "mode": "max-autotune", "backend": "aot_eager"}).compile
+    assert (ours.enabled, ours.mode, ours.backend) == (True, "max-autotune", "aot_eager")
+    deepspeeds = load(compile={"enabled": True, "backend": "inductor", "kwargs": {"dynamic": False},
+                               "deepcompile": False}).compile
+    assert deepspeeds.kwargs == {"dynamic": False}
+
+
+def test_deepspeeds_sparse_attention_block_with_its_defaults():
+    section = load(sparse_attention={"mode": "bigbird", "num_random_blocks": 2}).sparse_attention
+    assert (section.block, section.num_sliding_window_blocks, section.num_global_blocks) == (16, 3, 1)
+    assert load(sparse_attention={}).sparse_attention.mode == "fixed"
+
+
+@pytest.mark.parametrize("blocks, message", [
+    ({"compile": {"deepcompile": True}}, "compile.deepcompile: true asks for DeepSpeed's own ZeRO graph passes"),
+    ({"compile": {"kwargs": {"backend": "eager"}}}, "the backend is compile.backend"),
+    ({"compile": {"mode": "default", "kwargs": {"mode": "max-autotune"}}}, "keep one"),
+    ({"compile": {"enabeld": True}}, "did you mean 'compile.enabled'"),
+    ({"sparse_attention": {"mode": "bigbird", "num_local_blocks": 2}}, "does not use ['num_local_blocks']"),
+    ({"sparse_attention": {"mode": "fixed", "num_global_blocks": 3}}, "not divisible by num_global_blocks 3"),
+    ({"sparse_attention": {"mode": "longformer"}}, "sparse_attention.mode"),
+])
+def test_bad_blocks_are_refused_naming_the_key(blocks, message):
+    assert message in problems(**blocks)
+
+
+def test_the_compile_slot_runs_when_any_of_its_blocks_asks_for_it():
+    enabled = _TRANSFORMS["compile"].enabled
+    assert not enabled(load())
+    assert enabled(load(compile={"enabled": True}))
+    assert enabled(load(compile={"fused_ops": True}))
+    assert enabled(load(sparse_attention={"mode": "dense"}))
