@@ -44,7 +44,7 @@ from shardwise.optim.sharded import ShardAwareOptimizer
 from shardwise.parallel.apply import apply_model_transforms
 from shardwise.parallel.compile import apply_compile_stage  # noqa: F401  (registers its apply step)
 from shardwise.parallel.sequence import ulysses  # noqa: F401  (registers its apply step)
-from shardwise.parallel.tensor import transform  # noqa: F401  (registers its apply step)
+from shardwise.parallel.tensor.transform import require_whole_parameters  # (and registers its apply step)
 from shardwise.parallel.tensor.grad_norm import tensor_parallel_norm
 from shardwise.precision import LossScaler
 from shardwise.precision.casting import cast_floating
@@ -276,6 +276,7 @@ class Engine(DeepSpeedEngineAPI, nn.Module):
         from shardwise.checkpoint import save_checkpoint
 
         self._require_alive("save_checkpoint")
+        require_whole_parameters(self.mesh, "save_checkpoint")
         self.world.agree_on_call("save_checkpoint", call_check_timeout(self.context.timeout))
         return save_checkpoint(self, save_dir, tag, client_state)
 
@@ -284,6 +285,7 @@ class Engine(DeepSpeedEngineAPI, nn.Module):
         from shardwise.checkpoint import load_checkpoint
 
         self._require_alive("load_checkpoint")
+        require_whole_parameters(self.mesh, "load_checkpoint")
         self.world.agree_on_call("load_checkpoint", call_check_timeout(self.context.timeout))
         return load_checkpoint(self, load_dir, tag)
 

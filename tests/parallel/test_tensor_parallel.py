@@ -7,9 +7,10 @@ from functools import lru_cache
 
 import pytest
 
-from shardwise.planner.comm_formulas import ParallelCommShape, tensor_parallel_comm_bytes
+from shardwise.planner.comm_formulas import CommShape, ParallelCommShape, comm_bytes_by_group, tensor_parallel_comm_bytes
+from shardwise.planner.formulas import model_state_bytes, tensor_parallel_params
 from shardwise.testing import run_distributed
-from tests.parallel.workers import assert_equivalent, parallel_case, train_parallel, train_reference
+from tests.parallel.workers import assert_equivalent, build_model, parallel_case, train_parallel, train_reference
 from tests.zero.workers import SEQ_LEN
 
 WIDTH = 32  # all three tiny models
@@ -26,7 +27,7 @@ def expected_tensor_bytes(case, steps: int) -> dict:
     return {op: steps * nbytes for op, nbytes in tensor_parallel_comm_bytes(shape).items() if nbytes}
 
 
-@pytest.mark.parametrize("model", ["gpt", "llama", "gpt2"])
+@pytest.mark.parametrize("model", ["gpt", "llama", "gpt2", "qwen2", "mistral"])
 def test_tp2_matches_single_process(model):
     case = parallel_case(stage=0, tensor=2, model=model)
     results = run_distributed(train_parallel, 2, case)
@@ -37,13 +38,28 @@ def test_tp2_matches_single_process(model):
         assert tensor == expected_tensor_bytes(case, case.steps)
 
 
+def split_and_replicated(model) -> tuple[int, int]:
+    """Elements of the tiny GPT that the plan splits (matrices, embedding rows) and keeps whole."""
+    split = sum(p.numel() for n, p in model.named_parameters() if n == "wte.weight" or n.endswith(
+        ("qkv.weight", "attn.proj.weight", "fc.weight", "mlp.proj.weight")))
+    return split, sum(p.numel() for p in model.parameters()) - split
+
+
 @pytest.mark.parametrize("stage", [1, 2, 3])
 def test_tp2_with_zero_over_two_data_parallel_ranks(stage):
     case = parallel_case(stage=stage, tensor=2)
     results = run_distributed(train_parallel, 4, case, timeout=240)
     assert_equivalent(results, reference("gpt", 2))
-    assert {r["local_numel"] for r in results} == {results[0]["local_numel"]}  # ZeRO sees the local shards
-    assert results[0]["comm_by_group"]["shard"]["reduce_scatter"] > 0
+    local = tensor_parallel_params(*split_and_replicated(build_model("gpt")), 2)
+    padded = local + results[0]["padding"]
+    for result in results:  # ZeRO partitions each tensor rank's local shards over the 2 data ranks
+        assert result["local_numel"] == local
+        if stage == 1:  # fp32 with SGD momentum: K = 4
+            expected = model_state_bytes(padded, 2, stage, "fp32", optimizer_state_bytes_per_param=4)
+            assert {k: result["memory"][k] for k in expected} == expected
+        shard = CommShape(padded, stage, 2, 1, 4, 4, persistent_params=local if stage == 3 else 0)
+        assert result["comm_by_group"]["shard"]["reduce_scatter"] == case.steps * comm_bytes_by_group(
+            shard)["shard"]["reduce_scatter"]
 
 
 def test_tp2_zero3_llama():

@@ -8,7 +8,14 @@ import torch.nn.functional as F
 
 from shardwise.config import ConfigError, load_config
 from shardwise.testing import run_distributed
-from tests.parallel.unit_workers import cross_entropy_pieces, hf_labels_loss, initialize_error
+from tests.parallel.unit_workers import (
+    TwoLayers,
+    cross_entropy_pieces,
+    hf_labels_loss,
+    initialize_error,
+    train_with_user_plan,
+    two_layer_batch,
+)
 from tests.zero.workers import build_model, global_batch
 
 
@@ -58,3 +65,30 @@ def test_contradictory_parallel_settings_are_errors(config, expected):
     with pytest.raises(ConfigError) as error:
         load_config({"train_micro_batch_size_per_gpu": 1, **config}, world_size=4)
     assert expected in str(error.value)
+
+
+def test_a_user_plan_splits_a_model_without_a_built_in_plan():
+    results = run_distributed(train_with_user_plan, 2, {"fc1": "colwise", "fc2": "rowwise"})
+    model = TwoLayers()
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    losses = []
+    for step in range(3):
+        loss = model(*two_layer_batch(step))
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 0.5)
+        optimizer.step()
+        optimizer.zero_grad()
+        losses.append(loss.item())
+    for result in results:
+        torch.testing.assert_close(torch.tensor(result["losses"]), torch.tensor(losses), rtol=1e-5, atol=0)
+        for name, param in model.named_parameters():
+            torch.testing.assert_close(result["params"][name], param.detach(), rtol=1e-5, atol=1e-7)
+        assert "checkpoints of tensor-parallel shards are not supported yet" in result["checkpoint"]
+
+
+def test_no_plan_and_bad_plans_are_errors_naming_the_key():
+    missing, typo, style = (run_distributed(train_with_user_plan, 2, plan)[0]["error"] for plan in (
+        None, {"fc1": "colwise", "fc3": "rowwise"}, {"fc1": "columnwise"}))
+    assert "tensor_parallel.plan: shardwise has no tensor-parallel plan for TwoLayers" in missing
+    assert "no module of TwoLayers matches 'fc3'" in typo
+    assert "unknown tensor-parallel style 'columnwise'" in style

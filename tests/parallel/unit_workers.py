@@ -9,7 +9,7 @@ import shardwise
 from shardwise.distributed.collectives import Communicator
 from shardwise.distributed.mesh import ParallelMesh, ParallelSizes
 from shardwise.distributed.setup import collective_timeout
-from shardwise.parallel.tensor import TensorRegion, VocabShardedLogits, apply_tensor_parallel
+from shardwise.parallel.tensor import TensorRegion, VocabShardedLogits, apply_tensor_parallel, gather_full, tensor_shard
 from shardwise.parallel.tensor.cross_entropy import VocabShard
 from tests.zero.workers import build_model, global_batch
 
@@ -58,3 +58,45 @@ def initialize_error(rank: int, world_size: int, config: dict) -> str:
     except ValueError as error:
         return str(error)
     return "no error"
+
+
+class TwoLayers(torch.nn.Module):
+    """A model no built-in plan knows: a user plan splits it."""
+
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(7)
+        self.fc1 = torch.nn.Linear(16, 32)
+        self.fc2 = torch.nn.Linear(32, 16)
+
+    def forward(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        return F.mse_loss(self.fc2(F.gelu(self.fc1(x))), y)
+
+
+def two_layer_batch(step: int) -> tuple[torch.Tensor, torch.Tensor]:
+    generator = torch.Generator().manual_seed(step)
+    return torch.randn(8, 16, generator=generator), torch.randn(8, 16, generator=generator)
+
+
+def train_with_user_plan(rank: int, world_size: int, plan: dict | None) -> dict:
+    model = TwoLayers()
+    config = {"train_micro_batch_size_per_gpu": 8, "gradient_clipping": 0.5,
+              "tensor_parallel": {"size": world_size, "plan": plan}}
+    try:
+        engine = shardwise.initialize(model, config, optimizer=torch.optim.SGD(model.parameters(), lr=0.1))
+    except ValueError as error:
+        return {"error": str(error)}
+    losses = []
+    for step in range(3):
+        loss = engine(*two_layer_batch(step))
+        engine.backward(loss)
+        engine.step()
+        losses.append(loss.item())
+    tensor = Communicator(engine.mesh["tensor"])
+    params = {n: gather_full(p.detach(), tensor_shard(p), tensor) for n, p in model.named_parameters()}
+    try:
+        engine.save_checkpoint("/nonexistent/never-written")
+        refused = ""
+    except RuntimeError as error:
+        refused = str(error)
+    return {"losses": losses, "params": params, "checkpoint": refused}

@@ -20,7 +20,8 @@ import torch
 import shardwise
 from shardwise.distributed.collectives import Communicator
 from shardwise.parallel.tensor import gather_full, tensor_shard
-from tests.zero.workers import Case, build_model, global_batch, model_loss
+from tests.zero.workers import SEQ_LEN, VOCAB, Case, global_batch, model_loss
+from tests.zero.workers import build_model as build_zero_model
 
 
 def parallel_case(stage: int = 1, tensor: int = 1, sequence: int = 1, megatron_sp: bool = False,
@@ -29,6 +30,20 @@ def parallel_case(stage: int = 1, tensor: int = 1, sequence: int = 1, megatron_s
              "sequence_parallel": {"size": sequence, "mode": "ulysses"}}
     options.setdefault("lr", 0.05)
     return Case(stage=stage, model=model, steps=steps, extra_config=extra, **options)
+
+
+def build_model(kind: str) -> torch.nn.Module:
+    """The ZeRO tests' models, plus tiny Qwen2 (q/k/v biases) and Mistral, GQA 4/2 heads."""
+    if kind not in ("qwen2", "mistral"):
+        return build_zero_model(kind)
+    import transformers
+
+    torch.manual_seed(1234)
+    name = {"qwen2": "Qwen2", "mistral": "Mistral"}[kind]
+    config = getattr(transformers, f"{name}Config")(
+        vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, max_position_embeddings=SEQ_LEN, tie_word_embeddings=kind == "qwen2")
+    return getattr(transformers, f"{name}ForCausalLM")(config)
 
 
 def make_optimizer(model: torch.nn.Module, lr: float) -> torch.optim.Optimizer:
@@ -79,7 +94,8 @@ def train_parallel(rank: int, world_size: int, case: Case) -> dict:
         params = {name: gather_full(p.detach().float(), tensor_shard(p), tensor).cpu()
                   for name, p in model.named_parameters()}
     return {"losses": losses.tolist(), "params": params, "comm_by_group": comm_by_group,
-            "memory": engine.memory_breakdown(), "local_numel": engine.num_parameters()}
+            "memory": engine.memory_breakdown(), "local_numel": engine.num_parameters(),
+            "padding": engine.padding_elements()}
 
 
 
