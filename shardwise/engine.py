@@ -56,11 +56,11 @@ from shardwise.zero.trainable import trainable_parameters
 log = logging.getLogger("shardwise")
 
 
-class Engine(DeepSpeedEngineAPI, nn.Module):
+class Engine(PipelineEngineMethods, DeepSpeedEngineAPI, nn.Module):
     """An `nn.Module` around the user's model (`engine.module`): attributes it does not
-    have are looked up on the model, so `engine.gradient_checkpointing_enable()` or
-    `engine.generate(...)` reach the model as DeepSpeed's engine lets them; `engine.train()`
-    and `engine.eval()` are nn.Module's, which set the mode of the model too."""
+    have are looked up on the model, so `engine.gradient_checkpointing_enable()` reaches a
+    Hugging Face model as DeepSpeed's engine lets it; `engine.train()` and `engine.eval()`
+    are nn.Module's, which set the mode of the model too."""
 
     def __init__(
         self,

@@ -9,15 +9,9 @@ import json
 
 import pytest
 
-from tests.compat.scripts_harness import SCRIPTS, assert_losses_match, launch, run_plain
+from tests.compat.scripts_harness import SCRIPTS, STAGE_3_DRAWS_RANDOM_NUMBERS, assert_losses_match, launch, run_plain
 
 SCRIPT = "gan_deepspeed_train.py"
-STAGE_3_DRAWS_RANDOM_NUMBERS = pytest.mark.xfail(
-    strict=True,
-    reason="stage-3 initialize draws from the global torch RNG (zero/partitioned_params.py, "
-    "_materialize_and_shard: torch.randint for the initialisation seed, outside fork_rng, even with no "
-    "meta-device parameter), so the noise the script draws afterwards differs from plain torch (lead)",
-)
 
 
 @pytest.fixture(scope="module")

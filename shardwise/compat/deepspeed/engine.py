@@ -117,6 +117,8 @@ class DeepSpeedEngine(Engine):
                 temporary = Path(save_dir) / f".{LATEST}.partial"
                 write_synced(temporary, previous)
                 os.replace(temporary, latest)
+        if not save_latest:
+            self.world.barrier("save_checkpoint(save_latest=False)")  # no rank reads `latest` before it is put back
         return True
 
     def load_checkpoint(self, load_dir: str | os.PathLike, tag: str | None = None, load_module_strict: bool = True,

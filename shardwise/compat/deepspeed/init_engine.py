@@ -59,11 +59,11 @@ def initialize(
         raise ValueError("deepspeed.initialize(mpu=... / mesh_param=...) is not supported: shardwise builds its "
                          "model-parallel groups from the config's tensor_parallel, sequence_parallel and "
                          "pipeline_parallel blocks")
+    raw = read_config(_choose_config(args, config if config is not None else config_params))
     init_distributed(distributed_port=distributed_port, dist_init_required=dist_init_required)
     _align_local_rank(args)
-    raw = read_config(_choose_config(args, config if config is not None else config_params))
     if optimizer is not None and not isinstance(optimizer, torch.optim.Optimizer):
-        optimizer = optimizer(_param_groups(model, model_parameters))
+        optimizer = optimizer(list(model_parameters if model_parameters is not None else model.parameters()))
     _drop_overridden(raw, "optimizer", optimizer)
     _drop_overridden(raw, "scheduler", lr_scheduler)
     auto_values = {"scheduler.params.warmup_max_lr": optimizer.defaults["lr"]} if optimizer is not None else {}
