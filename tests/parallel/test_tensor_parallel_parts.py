@@ -29,6 +29,7 @@ def test_vocab_parallel_cross_entropy_equals_full_cross_entropy_with_ignored_tar
         for reduction, loss in result["losses"].items():
             torch.testing.assert_close(loss, expected[reduction].detach(), rtol=1e-12, atol=1e-12)
         torch.testing.assert_close(result["grad"], logits.grad.chunk(2, dim=1)[rank], rtol=1e-12, atol=1e-12)
+        assert f"this rank holds vocabulary rows {5 * rank}-{5 * rank + 5} of 10 only" in result["softmax"]
 
 
 @pytest.mark.parametrize("model", ["llama", "gpt2"])

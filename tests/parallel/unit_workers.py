@@ -33,7 +33,12 @@ def cross_entropy_pieces(rank: int, world_size: int) -> dict:
         loss = F.cross_entropy(sharded.view(-1, sharded.size(-1)).contiguous().double(), target, reduction=reduction)
         losses[reduction] = loss.detach()
     (loss * torch.arange(12)).sum().backward()
-    return {"logits": logits, "target": target, "losses": losses, "grad": local.grad}
+    try:
+        sharded.softmax(-1)
+        refused = ""
+    except RuntimeError as error:
+        refused = str(error)
+    return {"logits": logits, "target": target, "losses": losses, "grad": local.grad, "softmax": refused}
 
 
 def hf_labels_loss(rank: int, world_size: int, model_kind: str) -> dict:

@@ -13,7 +13,9 @@ the V / N logits a gather would.
 that survives the reshapes and casts a loss function applies (`view`, `reshape`, `float`,
 `to`, `contiguous`, slicing) and routes `F.cross_entropy` to this function, so a model's
 own `F.cross_entropy(logits.view(-1, logits.size(-1)), targets)` stays correct unchanged.
-Any other operation returns a plain tensor of this rank's vocabulary slice.
+Softmax, argmax, top-k, sampling and the like across the vocabulary are refused (on a
+slice they would silently be wrong); any other operation returns a plain tensor of this
+rank's vocabulary slice.
 """
 
 from __future__ import annotations
@@ -89,7 +91,15 @@ _KEEPS_VOCAB = {
     torch.Tensor.__getitem__, torch.Tensor.flatten, torch.Tensor.type_as, torch.Tensor.bfloat16,
     torch.Tensor.half, torch.Tensor.double,
 }
-_UNSUPPORTED_LOSS_OPTIONS = ("weight", "label_smoothing")
+# Functions that compare or normalise across the vocabulary: on one rank's slice they would
+# silently give a wrong answer (sampling from the wrong distribution, an argmax over part
+# of the vocabulary), so they are refused.
+_ACROSS_VOCAB = {
+    F.softmax, F.log_softmax, torch.softmax, torch.log_softmax, torch.Tensor.softmax, torch.Tensor.log_softmax,
+    torch.argmax, torch.Tensor.argmax, torch.argmin, torch.Tensor.argmin, torch.max, torch.Tensor.max,
+    torch.min, torch.Tensor.min, torch.topk, torch.Tensor.topk, torch.sort, torch.Tensor.sort,
+    torch.logsumexp, torch.Tensor.logsumexp, torch.multinomial,
+}
 
 
 class VocabShardedLogits(torch.Tensor):
@@ -113,6 +123,13 @@ class VocabShardedLogits(torch.Tensor):
         shard = next(a._vocab_shard for a in tree_flatten((args, kwargs))[0] if isinstance(a, VocabShardedLogits))
         if func is F.cross_entropy:
             return _cross_entropy(shard, *args, **kwargs)
+        if func in _ACROSS_VOCAB:
+            raise RuntimeError(
+                f"{getattr(func, '__name__', func)} over tensor-parallel logits: this rank holds vocabulary rows "
+                f"{shard.start}-{shard.start + args[0].shape[-1]} of {shard.vocab_size} only. Use F.cross_entropy "
+                "(vocabulary-parallel), or gather the logits first (shardwise.parallel.tensor.regions."
+                "gather_from_region) for sampling or accuracy"
+            )
         with torch._C.DisableTorchFunctionSubclass():
             result = func(*args, **kwargs)
         source = args[0] if args else None
