@@ -84,6 +84,8 @@ def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParse
                         help="DeepSpeed JSON config laid over the defaults (batch, optimizer, scheduler, "
                         "zero_optimization, ...)")
     parser.add_argument("--bf16", action="store_true", help="bf16 compute with fp32 master weights")
+    parser.add_argument("--compile", action="store_true",
+                        help="torch.compile each transformer block (config: compile.enabled); the first steps compile")
     parser.add_argument("--lr", type=_positive_float, default=None,
                         help=f"peak learning rate (default: the config's, else {DEFAULT_LR}); also fills "
                         "a config's \"auto\" learning rates")
@@ -172,7 +174,8 @@ def prepare_run(args: argparse.Namespace) -> tuple[TrainOptions, int]:
     nproc = resolve_nproc(args).nproc
     user_config = _read_config(args.config) if args.config else {}
     seed = args.seed if args.seed is not None else user_config.get("seed", DEFAULT_SEED)
-    config = apply_flags(merge_config(default_config(steps), user_config), args.stage, args.bf16, seed, args.lr)
+    config = apply_flags(merge_config(default_config(steps), user_config), args.stage, args.bf16, seed, args.lr,
+                         args.compile)
     config = fill_auto(config, auto_values(steps, args.lr))
     load_config(config, world_size=nproc, hidden_size=GPTConfig.preset(args.model_size).n_embd)
 

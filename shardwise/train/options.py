@@ -131,9 +131,11 @@ def auto_values(steps: int, lr: float | None) -> dict[str, Any]:
 
 
 def apply_flags(config: dict[str, Any], stage: int | None, bf16: bool, seed: int,
-                lr: float | None = None) -> dict[str, Any]:
+                lr: float | None = None, compile_blocks: bool = False) -> dict[str, Any]:
     """Command-line flags win over the config file."""
     config = copy.deepcopy(config)
+    if compile_blocks:
+        config.setdefault("compile", {})["enabled"] = True
     if stage is not None:
         config.setdefault("zero_optimization", {})["stage"] = stage
     if lr is not None and isinstance(config.get("optimizer"), dict):

@@ -52,3 +52,11 @@ def test_the_compile_slot_runs_when_any_of_its_blocks_asks_for_it():
     assert enabled(load(compile={"enabled": True}))
     assert enabled(load(compile={"fused_ops": True}))
     assert enabled(load(sparse_attention={"mode": "dense"}))
+
+
+def test_the_train_commands_compile_flag_enables_the_compile_block():
+    from shardwise.train.options import apply_flags, default_config
+
+    config = apply_flags(default_config(10), None, False, 1, compile_blocks=True)
+    assert load_config(config, world_size=2, hidden_size=384).compile.enabled
+    assert not load_config(apply_flags(default_config(10), None, False, 1), world_size=2, hidden_size=384).compile.enabled
