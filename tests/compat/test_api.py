@@ -19,9 +19,10 @@ from tests.compat import workers
 FP32 = 1e-5
 
 
-@pytest.mark.parametrize("stage", [0, 3])
+@pytest.mark.parametrize("stage", [0, 1, 3])
 def test_initialize_trains_like_plain_torch_with_deepspeed_arguments(stage, tmp_path):
     reports = run_distributed(workers.train_through_api, 2, stage, str(tmp_path))
+    check_checkpoints_and_16bit_model(reports, stage, tmp_path)
     all_rows = []
     for rank, report in enumerate(reports):
         assert report["local_rank_arg"] == rank  # args.local_rank aligned to LOCAL_RANK, as DeepSpeed does
@@ -41,9 +42,9 @@ def test_initialize_trains_like_plain_torch_with_deepspeed_arguments(stage, tmp_
     assert sorted(all_rows) == list(range(workers.ROWS))  # each rank its own share of every sample
 
 
-@pytest.mark.parametrize("stage", [1, 3])
-def test_checkpoints_and_16bit_model_in_deepspeed_shapes(stage, tmp_path):
-    for report in run_distributed(workers.train_through_api, 2, stage, str(tmp_path)):
+def check_checkpoints_and_16bit_model(reports, stage, tmp_path):
+    """DeepSpeed's shapes: save returns True, load (path, client_state), (None, None) without `latest`."""
+    for report in reports:
         assert report["saved"] is True
         assert report["latest_after_second"] == "first"  # save_latest=False left `latest` alone
         assert report["loaded_path"] == str(tmp_path / f"checkpoints_{stage}" / "first")

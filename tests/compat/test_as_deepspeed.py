@@ -2,6 +2,7 @@
 package in that run's processes (and in processes they start), never outside it, and the
 script gets DeepSpeed's `--local_rank=<r>` unless --no-local-rank."""
 
+import argparse
 import importlib.util
 import json
 import os
@@ -10,6 +11,7 @@ import sys
 import textwrap
 
 from shardwise.compat.alias import as_deepspeed_environment
+from shardwise.launcher.cli import _script_environment, add_parser
 
 PROBE = textwrap.dedent(
     """
@@ -64,9 +66,17 @@ def test_deepspeed_imports_the_compatibility_package_for_the_run_only(tmp_path):
     assert spec is None or "shardwise" not in (spec.origin or "")  # nothing installed under DeepSpeed's name
 
 
-def test_no_local_rank_leaves_the_arguments_alone(tmp_path):
-    for report in launch(tmp_path, "--no-local-rank"):
-        assert report["argv"] == ["--lr", "0.1"]
+def test_local_rank_argument_and_its_opt_out():
+    parser = argparse.ArgumentParser(prog="shardwise")
+    add_parser(parser.add_subparsers())
+    for flags, expected in (([], ["--local_rank=${local_rank}"]), (["--no-local-rank"], [])):
+        args = parser.parse_args(["run", "--as-deepspeed", *flags, "train.py", "--lr", "0.1"])
+        with _script_environment(args) as (environment, first_args):
+            assert first_args == expected  # torchrun puts each worker's local rank in ${local_rank}
+            assert "PYTHONPATH" in environment
+        assert args.script_args == ["--lr", "0.1"]
+    with _script_environment(parser.parse_args(["run", "train.py"])) as (environment, first_args):
+        assert (environment, first_args) == ({}, [])
 
 
 def test_the_alias_directory_holds_only_the_deepspeed_shim():

@@ -33,5 +33,6 @@ def test_other_stages_equal_plain_torch(stage, tmp_path, reference):
 
 
 @pytest.mark.slow
-def test_bf16_within_bf16_tolerance(tmp_path, reference):
-    assert_losses_match(run_at(3, tmp_path, "--dtype", "bf16"), reference, tolerance=BF16_TOLERANCE)
+@pytest.mark.parametrize("dtype", ["bf16", "fp16"])
+def test_16_bit_within_16_bit_tolerance(dtype, tmp_path, reference):
+    assert_losses_match(run_at(3, tmp_path, "--dtype", dtype), reference, tolerance=BF16_TOLERANCE)
