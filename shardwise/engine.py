@@ -57,10 +57,8 @@ log = logging.getLogger("shardwise")
 
 
 class Engine(PipelineEngineMethods, DeepSpeedEngineAPI, nn.Module):
-    """An `nn.Module` around the user's model (`engine.module`): attributes it does not
-    have are looked up on the model, so `engine.gradient_checkpointing_enable()` reaches a
-    Hugging Face model as DeepSpeed's engine lets it; `engine.train()` and `engine.eval()`
-    are nn.Module's, which set the mode of the model too."""
+    """An nn.Module around the model (`engine.module`): train()/eval() set its mode, and
+    attributes the engine lacks are the model's (`engine.gradient_checkpointing_enable()`)."""
 
     def __init__(
         self,
@@ -327,8 +325,8 @@ class Engine(PipelineEngineMethods, DeepSpeedEngineAPI, nn.Module):
             return super().__getattr__(name)  # nn.Module's own: parameters, buffers, submodules
         except AttributeError:
             module = self.__dict__.get("_modules", {}).get("module")
-            if module is None or name.startswith("__"):
-                raise
+            if module is None or name.startswith("__") or not hasattr(module, name):
+                raise AttributeError(f"neither the engine nor its model has an attribute {name!r}") from None
         return getattr(module, name)
 
     def get_lr(self) -> list[float]:
