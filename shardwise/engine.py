@@ -45,6 +45,11 @@ from shardwise.parallel.apply import apply_model_transforms
 from shardwise.parallel.compile import apply_compile_stage  # noqa: F401  (registers its apply step)
 from shardwise.parallel.sequence import ulysses  # noqa: F401  (registers its apply step)
 from shardwise.parallel.tensor.transform import require_whole_parameters  # (and registers its apply step)
+from shardwise.parallel.pipeline.engine_methods import (  # (and registers its apply step)
+    PipelineEngineMethods,
+    attach_pipeline,
+    keep_stage_parameters,
+)
 from shardwise.parallel.tensor.grad_norm import tensor_parallel_norm
 from shardwise.precision import LossScaler
 from shardwise.precision.casting import cast_floating
@@ -106,6 +111,7 @@ class Engine(PipelineEngineMethods, DeepSpeedEngineAPI, nn.Module):
         self.policy = ZeroPolicy.from_config(cfg)
         self.stage = self.policy.stage
         self.dtype = self.policy.param_dtype
+        optimizer = keep_stage_parameters(optimizer, model)  # a pipeline stage trains only its layers
         if any(param.is_meta for param in model.parameters()) and not self.policy.partitions_parameters:
             raise ValueError(
                 "the model has parameters on the meta device; only ZeRO stage 3 can build "
@@ -127,6 +133,7 @@ class Engine(PipelineEngineMethods, DeepSpeedEngineAPI, nn.Module):
         self.units = self.zero.units
         self._cast_frozen_state(model)
         self.unit_of_param = {id(slot.param): unit for unit in self.units for slot in unit.slots}
+        self.pipeline = attach_pipeline(self)  # train_batch / eval_batch (shardwise/parallel/pipeline)
         for param in model.parameters():
             param._shardwise_engine = weakref.ref(self)
             param._shardwise_reducer = weakref.ref(self.zero.reducer)
@@ -254,6 +261,8 @@ class Engine(PipelineEngineMethods, DeepSpeedEngineAPI, nn.Module):
         self.last_grad_norm = verdict.norm
         self.loss_scaler.update(not verdict.apply)
         if verdict.apply:
+        if self.pipeline is not None:  # stages hold disjoint parameters: their squares add up
+            norm_squared = self.pipeline.combine_norm(norm_squared)
             clip = 1.0
             max_norm = self.config.gradient_clipping
             if max_norm > 0:

@@ -14,8 +14,6 @@ def find_unsupported(cfg: ShardwiseConfig) -> list[str]:
     problems = []
     if cfg.fp16.auto_cast:
         problems.append("fp16.auto_cast true is not supported yet: the model's own forward chooses dtypes")
-    if cfg.pipeline_parallel.size > 1:
-        problems.append(f"pipeline_parallel.size {cfg.pipeline_parallel.size} is not supported yet: use 1")
     for key, value in cfg.activation_checkpointing:
         if value:
             shown = "true" if value is True else value
@@ -51,6 +49,7 @@ def find_contradictions(
                 f"zero_optimization.{name}.device is 'nvme' but zero_optimization.{name}.nvme_path is not set"
             )
     problems += _sequence_parallel_contradictions(cfg)
+    problems += _pipeline_contradictions(cfg, batch_known)
     micro_batches = cfg.pipeline_parallel.micro_batches
     if batch_known and micro_batches != cfg.gradient_accumulation_steps:
         problems.append(
@@ -101,4 +100,36 @@ def _sequence_parallel_contradictions(cfg: ShardwiseConfig) -> list[str]:
         problems.append(f"sequence_parallel.size {sequence.size} (Ulysses) with tensor_parallel.size {tensor.size} is "
                         "not supported yet: use one of them, or Megatron sequence parallelism "
                         "(tensor_parallel.sequence_parallel true) with tensor parallelism")
+    return problems
+
+
+def _pipeline_contradictions(cfg: ShardwiseConfig, batch_known: bool) -> list[str]:
+    """Schedule, virtual stages, split points and what pipeline parallelism composes with."""
+    pipe = cfg.pipeline_parallel
+    problems = []
+    if pipe.schedule == "interleaved" and pipe.virtual_stages < 2:
+        problems.append("pipeline_parallel.schedule 'interleaved' needs pipeline_parallel.virtual_stages >= 2 "
+                        "(model chunks per rank); with one chunk use schedule '1f1b'")
+    if pipe.virtual_stages > 1 and pipe.schedule != "interleaved":
+        problems.append(f"pipeline_parallel.virtual_stages {pipe.virtual_stages} needs pipeline_parallel.schedule "
+                        f"'interleaved': schedule '{pipe.schedule}' runs one chunk per rank")
+    if pipe.split_points is not None and len(pipe.split_points) != pipe.size * pipe.virtual_stages - 1:
+        problems.append(f"pipeline_parallel.split_points has {len(pipe.split_points)} entries: give "
+                        f"size x virtual_stages - 1 = {pipe.size * pipe.virtual_stages - 1} (the first layer of "
+                        "every stage after the first)")
+    if pipe.size == 1:
+        return problems
+    if batch_known and pipe.schedule == "interleaved" and (pipe.micro_batches or 0) % pipe.size:
+        problems.append(f"pipeline_parallel.micro_batches {pipe.micro_batches} is not a multiple of "
+                        f"pipeline_parallel.size {pipe.size}: the interleaved schedule moves micro-batches through "
+                        "the chunks in groups of size; raise gradient_accumulation_steps to a multiple")
+    if cfg.zero_optimization.stage == 3:
+        problems.append(f"zero_optimization.stage 3 with pipeline_parallel.size {pipe.size} is not supported: "
+                        "stage 3 gathers parameters for one forward and then its backward, which the pipeline "
+                        "schedules interleave across micro-batches; use zero_optimization.stage 1 or 2")
+    megatron = cfg.tensor_parallel.sequence_parallel or cfg.sequence_parallel.mode == "megatron"
+    if cfg.sequence_parallel.size > 1 or (megatron and cfg.tensor_parallel.size > 1):
+        problems.append(f"sequence parallelism with pipeline_parallel.size {pipe.size} is not supported yet: the "
+                        "stages exchange whole-sequence hidden states; use tensor parallelism without "
+                        "sequence_parallel, or pipeline_parallel.size 1")
     return problems

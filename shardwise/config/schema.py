@@ -201,10 +201,13 @@ class SequenceParallelConfig(Section):
 
 class PipelineParallelConfig(Section):
     """shardwise addition. A pipeline step runs one micro-batch per accumulation step,
-    as in DeepSpeed, so `micro_batches` defaults to gradient_accumulation_steps."""
+    as in DeepSpeed, so `micro_batches` defaults to gradient_accumulation_steps.
+    `virtual_stages` chunks per rank are for the interleaved schedule; layers are split
+    by `partition` (balanced by parameter count, or uniform) unless `split_points` gives
+    the first layer index of every stage after the first."""
 
     size: Int = Field(1, ge=1)
-    schedule: Literal["gpipe", "1f1b"] = "1f1b"
+    schedule: Literal["gpipe", "1f1b", "interleaved"] = "1f1b"
     micro_batches: Int | None = Field(None, ge=1, json_schema_extra={"default_doc": "gradient_accumulation_steps"})
 
 
@@ -212,6 +215,9 @@ class TensorBoardConfig(Section):
     """TensorBoard event files, written under output_path/job_name."""
 
     enabled: Bool = False
+    virtual_stages: Int = Field(1, ge=1)
+    partition: Literal["parameters", "uniform"] = "parameters"
+    split_points: list[Int] | None = None
     output_path: str = ""
     job_name: str = "DeepSpeedJobName"
 

@@ -197,3 +197,46 @@ def ulysses_comm_bytes(shape: ParallelCommShape) -> dict[str, int]:
     volume["all_to_all"] = shape.layers * per_layer * shape.accumulation_steps
     volume["all_gather"] = _ring("all_gather", x, s) * shape.accumulation_steps
     return volume
+
+
+# Pipeline parallelism, bytes one rank sends per optimizer step over the pipeline group
+# (point to point, counted under ("pipeline", "send")). p stages, v chunks per rank (v = 1
+# except interleaved), m micro-batches, X = b·s·h·a the hidden states of one micro-batch:
+#
+#   activations  X to the next virtual stage, per micro-batch, from every chunk but the
+#                model's last:           m·X·(v − [rank = p−1])
+#   gradients    X to the previous one, from every chunk but the model's first:
+#                                        m·X·(v − [rank = 0])
+#   tied weight  an embedding tied to the output layer: the first stage sends its
+#                weight (W bytes) to the last, which sends its gradient (W) back
+#
+# Summed over the p ranks: 2·m·X·(p·v − 1) + 2W per step.
+
+
+@dataclass(frozen=True)
+class PipelineCommShape:
+    micro_batch: int  # b
+    seq_len: int  # s
+    hidden: int  # h
+    activation_bytes: int  # a
+    size: int  # p
+    micro_batches: int  # m
+    virtual: int = 1  # v
+    tied_weight_bytes: int = 0  # W (0 when the embedding is not tied)
+
+
+def pipeline_p2p_bytes(shape: PipelineCommShape, rank: int) -> int:
+    """Bytes pipeline rank `rank` sends per step (see the notes above)."""
+    p = shape.size
+    if p == 1:
+        return 0
+    x = shape.micro_batch * shape.seq_len * shape.hidden * shape.activation_bytes
+    forward = shape.micro_batches * x * (shape.virtual - (rank == p - 1))
+    backward = shape.micro_batches * x * (shape.virtual - (rank == 0))
+    tied = shape.tied_weight_bytes if rank in (0, p - 1) else 0
+    return forward + backward + tied
+
+
+def pipeline_p2p_total_bytes(shape: PipelineCommShape) -> int:
+    """Bytes all pipeline ranks send per step: 2·m·X·(p·v − 1) + 2W."""
+    return sum(pipeline_p2p_bytes(shape, rank) for rank in range(shape.size))

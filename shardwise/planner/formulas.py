@@ -56,6 +56,8 @@ OPTIMIZER_FP32_STATES = {
     "adam": 2, "adamw": 2, "lamb": 2, "sgd": 1, "lars": 1, "muon": 1,
     "adafactor": adafactor_fp32_states(ADAFACTOR_REFERENCE_SIDE, ADAFACTOR_REFERENCE_SIDE),
     "adam8bit": ADAM_8BIT_STATE_BYTES / 4, "adamw8bit": ADAM_8BIT_STATE_BYTES / 4,
+    # after the warm-up, + the worker's error-feedback buffer; the server's (1/N) is in onebit_state_bytes
+    "onebitadam": 3, "onebitlamb": 4,
 }
 # Korthikanti et al. assume logits are turned into an fp32 log-softmax that cross-entropy
 # keeps for its backward; layer recomputation does not cover it.
@@ -105,6 +107,19 @@ def muon_state_bytes(shape: tuple[int, ...]) -> int:
     """Muon's state for one parameter: a momentum buffer for a matrix (4 bytes per element),
     AdamW's two moments otherwise (8)."""
     return (4 if len(shape) == 2 else 8) * prod(shape)
+
+
+def onebit_state_bytes(numel: int, ranks: int, lamb: bool = False) -> int:
+    """1-bit Adam's (`lamb`: 1-bit LAMB's) fp32 state for `numel` trained elements after the
+    warm-up, at stage 0 over `ranks` data-parallel ranks: momentum and variance (LAMB: also
+    its fresh variance) per element, and once there are ranks to exchange with, the momentum
+    buffer padded to whole bytes per rank (L = numel rounded up to a multiple of 8·ranks),
+    the worker's error buffer (L) and the server's (L / ranks)."""
+    moments = 4 * (3 if lamb else 2) * numel
+    if ranks == 1:
+        return moments
+    padded = ceil(numel / (8 * ranks)) * 8 * ranks
+    return moments + 4 * ((padded - numel) + padded + padded // ranks)
 
 
 @dataclass(frozen=True)
@@ -327,3 +342,28 @@ def tensor_parallel_params(sharded_params: int, replicated_params: int, tensor_s
     if sharded_params % tensor_size:
         raise ValueError(f"{sharded_params} split parameters do not divide over a tensor group of {tensor_size}")
     return sharded_params // tensor_size + replicated_params
+
+
+def pipeline_bubble_fraction(size: int, micro_batches: int, virtual: int = 1) -> float:
+    """Idle share of each rank's step time with equal stage costs: (p−1)/(m+p−1) for GPipe
+    and 1F1B (the pipeline fills and drains once), (p−1)/(v·m+p−1) interleaved (each of the
+    v chunks costs 1/v of a stage, so filling and draining take 1/v as long relative to
+    the work)."""
+    if size < 1 or micro_batches < 1 or virtual < 1:
+        raise ValueError(f"size, micro_batches and virtual must be positive, got {size}, {micro_batches}, {virtual}")
+    return (size - 1) / (virtual * micro_batches + size - 1)
+
+
+def pipeline_micro_batches_in_flight(schedule: str, size: int, micro_batches: int, rank: int = 0,
+                                     virtual: int = 1) -> int:
+    """How many micro-batches' activations a rank holds at its peak (per chunk pass):
+    GPipe all m before the first backward; 1F1B p − rank (at most m), so stage 0 holds p;
+    interleaved the warm-up forwards plus one, 2(p − rank − 1) + (v − 1)·p + 1 chunk passes.
+    Peak activation memory is this times one micro-batch's activations of one chunk."""
+    if schedule == "gpipe":
+        return micro_batches
+    if schedule == "1f1b":
+        return min(size - rank, micro_batches)
+    if schedule == "interleaved":
+        return min(2 * (size - rank - 1) + (virtual - 1) * size + 1, virtual * micro_batches)
+    raise ValueError(f"unknown pipeline schedule {schedule!r}: gpipe, 1f1b or interleaved")

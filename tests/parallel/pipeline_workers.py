@@ -18,7 +18,10 @@ import torch
 import torch.nn.functional as F
 
 import shardwise
+from shardwise.distributed.collectives import Communicator
 from shardwise.models import GPT, GPTConfig
+from shardwise.parallel.tensor import gather_full, tensor_shard
+from tests.parallel.workers import make_optimizer as make_sgd
 from tests.zero.workers import SEQ_LEN, VOCAB, global_batch, make_optimizer
 from tests.zero.workers import build_model as build_zero_model
 
@@ -39,6 +42,7 @@ class PipeCase:
     clipping: float = 0.05
     sleep: tuple[float, float] = (0.0, 0.0)  # seconds added to each block's forward / backward
     fail_at: tuple[int, int] | None = None  # (pipeline rank, micro-batch) whose forward raises
+    optimizer: str = "adamw"  # adamw | sgd (tensor parallelism: see tests/parallel/workers.py)
 
     def config(self) -> dict:
         return {
@@ -57,6 +61,10 @@ def build_model(kind: str) -> torch.nn.Module:
         torch.manual_seed(1234)
         return GPT(dataclasses.replace(GPTConfig.preset("tiny"), n_layer=4, bias=False))
     return build_zero_model(kind)
+
+
+def optimizer_for(model: torch.nn.Module, case: PipeCase) -> torch.optim.Optimizer:
+    return make_sgd(model, case.lr) if case.optimizer == "sgd" else make_optimizer(model, case.lr)
 
 
 def pair_loss(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
@@ -87,7 +95,7 @@ def train_reference(case: PipeCase, data_size: int) -> dict:
     so the mean of the micro-batch means is the global batch's mean; accumulating in the
     pipeline's order keeps AdamW from turning summation-order noise into 1e-5 updates."""
     model = build_model(case.model)
-    optimizer = make_optimizer(model, case.lr)
+    optimizer = optimizer_for(model, case)
     losses = []
     parts = data_size * case.micro_batches
     for step in range(case.steps):
@@ -141,7 +149,7 @@ def train_pipeline(rank: int, world_size: int, case: PipeCase) -> dict:
         _add_sleeps(model, *case.sleep)
     if case.fail_at is not None:
         _add_failure(model, *case.fail_at)
-    engine = shardwise.initialize(model, case.config(), optimizer=make_optimizer(model, case.lr))
+    engine = shardwise.initialize(model, case.config(), optimizer=optimizer_for(model, case))
     data_rank, data_size = engine.mesh.data_rank, engine.mesh.data_size
     loss_fn = pair_loss if case.batch_form == "pair" else None
     losses, timings, volumes = [], [], []
@@ -160,13 +168,10 @@ def train_pipeline(rank: int, world_size: int, case: PipeCase) -> dict:
                                 eval_y[(i * data_size + data_rank) * case.micro_batch:][:case.micro_batch])
                     for i in range(case.micro_batches)]
     eval_loss = engine.eval_batch(iter(eval_batches), loss_fn=loss_fn).item()
+    tensor = Communicator(engine.mesh["tensor"])
     with shardwise.gathered_parameters(list(model.parameters())):
-        params = {n: p.detach().to("cpu", torch.float32, copy=True) for n, p in model.named_parameters()}
-    if case.tensor > 1:
-        from shardwise.parallel.tensor import gather_full
-
-        params = {n: gather_full(p_full, p) for (n, p_full), p in
-                  zip(params.items(), model.parameters())}
+        params = {name: gather_full(p.detach().float(), tensor_shard(p), tensor).cpu()
+                  for name, p in model.named_parameters()}
     layout = engine.pipeline_layout()
     return {
         "losses": losses, "eval_loss": eval_loss, "params": params, "comm_by_group": volumes,

@@ -1,0 +1,225 @@
+"""Running one global batch through the pipeline schedule on top of the ZeRO engine.
+
+Why our own schedule and not `torch.distributed.pipelining`: its stages run backward
+themselves and scale, accumulate and (with DDP/FSDP) reduce gradients their own way,
+while ZeRO's gradient reducer must bracket every backward (begin/end: which units to
+reduce, whether this backward ends the accumulation window) and own the loss scale. Here
+each backward pass of the schedule is one ZeRO backward, exactly like one micro-batch of
+gradient accumulation in the plain engine:
+
+    last stage    backward of loss * scale / m      (the engine's own scaling)
+    other stages  backward of the stage output with the gradient received from the next
+                  stage (already scaled), so no stage rescales
+
+At stages 0-1 gradients accumulate in the full buffer and are reduced over the
+data-parallel group in the rank's last backward; at stage 2 every backward
+reduce-scatters its micro-batch's gradient into the partition. One optimizer step per
+global batch follows (engine.step), after the squared gradient norms of all stages are
+summed (stages hold different parameters), so clipping and overflow skips agree
+everywhere.
+
+Each micro-batch's loss exists on the last stage only: `run` averages it over the
+micro-batches and the data-parallel group and broadcasts it over the pipeline group.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any, Callable, Iterator
+
+import torch
+from torch import nn
+
+from shardwise.distributed.collectives import Communicator
+from shardwise.parallel.pipeline.adapters import Adapter, StageContext
+from shardwise.parallel.pipeline.p2p import PipelineChannel, PipelineError
+from shardwise.parallel.pipeline.schedules import Action, schedule_actions
+from shardwise.parallel.pipeline.split import StageLayout
+from shardwise.precision.casting import cast_floating
+
+
+class PipelineRunner:
+    def __init__(self, engine: Any, adapter: Adapter, layout: StageLayout, schedule: str, micro_batches: int):
+        self.engine = engine
+        self.model: nn.Module = engine.module
+        self.adapter = adapter
+        self.layout = layout
+        self.schedule = schedule
+        self.micro_batches = micro_batches
+        mesh, stats = engine.mesh, engine.comm_stats
+        self.channel = PipelineChannel(mesh["pipeline"], stats, layout.virtual, micro_batches, engine.context.timeout)
+        self.pipeline = Communicator(mesh["pipeline"], stats)
+        self.data = Communicator(mesh["data"], stats)
+        self.layers = adapter.layers(self.model)
+        self.tied = layout.tied
+        self.tied_leaf: torch.Tensor | None = None
+        self.last_timing: dict[str, float] = {}  # total_s, busy_s and bubble (idle share) of the last batch
+        self.synced_at = 0.0
+        self.peak_in_flight = 0  # micro-batches whose activations were held at once, last batch
+
+    # -- the engine's hooks -----------------------------------------------------------------
+    def combine_norm(self, norm_squared: torch.Tensor) -> torch.Tensor:
+        """Each stage's squared gradient norm -> the whole model's (stages hold disjoint parameters)."""
+        total = norm_squared.float().reshape(1)
+        self.pipeline.control_all_reduce(total, "squared gradient norm over the pipeline group")
+        self.synced_at = time.perf_counter()  # every stage is here: the step's schedule ends for all
+        return total[0]
+
+    # -- one batch ----------------------------------------------------------------------------
+    def run(self, data_iter: Iterator[Any], loss_fn: Callable[..., torch.Tensor] | None, train: bool) -> torch.Tensor:
+        """The mean loss of one global batch (on every rank); with `train`, one optimizer step."""
+        engine = self.engine
+        if train and (engine.micro_steps % engine.gradient_accumulation_steps or engine._backward_pending):
+            raise RuntimeError("engine.train_batch() in the middle of an accumulation window started with "
+                               "engine.backward(): call engine.step() until the window ends first")
+        contexts = [self._context(next(data_iter)) for _ in range(self.micro_batches)]
+        actions = (schedule_actions(self.schedule, self.layout.rank, self.layout.size, self.micro_batches,
+                                    self.layout.virtual) if train else self._forward_only())
+        losses: dict[int, torch.Tensor] = {}
+        self.stash: dict[tuple[int, int], tuple[torch.Tensor | None, torch.Tensor]] = {}
+        self.busy = 0.0
+        self.peak_in_flight = 0
+        started = time.perf_counter()
+        try:
+            self._exchange_tied_weight()
+            final_backward = max((k for k, a in enumerate(actions) if a.kind == "backward"), default=-1)
+            for position, action in enumerate(actions):
+                self._do(action, contexts, losses, loss_fn, train, position == final_backward)
+            self.channel.finish_sends()
+        except BaseException:
+            self.channel.abandon_sends()
+            self.stash.clear()
+            raise
+        self.synced_at = time.perf_counter()
+        if train:
+            engine.micro_steps += self.micro_batches - 1
+            engine._backward_pending = True
+            engine.step()
+        total = self.synced_at - started
+        self.last_timing = {"total_s": total, "busy_s": self.busy, "bubble": 1 - self.busy / total}
+        return self._mean_loss(losses)
+
+    def _forward_only(self) -> list[Action]:
+        return [Action("forward", chunk, i) for i in range(self.micro_batches) for chunk in range(self.layout.virtual)]
+
+    def _context(self, micro_batch: Any) -> StageContext:
+        """A dict of forward keyword arguments, or (inputs, labels) as PipelineModule takes."""
+        if isinstance(micro_batch, dict):
+            kwargs, labels = dict(micro_batch), None
+        elif isinstance(micro_batch, (tuple, list)) and len(micro_batch) == 2:
+            kwargs, labels = {self.adapter.input_name: micro_batch[0]}, micro_batch[1]
+        else:
+            raise TypeError(f"a pipeline micro-batch is a dict of forward keyword arguments or an (inputs, labels) "
+                            f"pair; next(data_iter) gave {type(micro_batch).__name__}")
+        device, dtype = self.engine.device, self.engine.dtype
+        kwargs, labels = cast_floating((kwargs, labels), dtype)
+        kwargs = {key: value.to(device) if torch.is_tensor(value) else value for key, value in kwargs.items()}
+        labels = labels.to(device) if torch.is_tensor(labels) else labels
+        context = StageContext(kwargs, labels, {})
+        if self.adapter.input_name not in kwargs:
+            raise ValueError(f"a pipeline micro-batch needs `{self.adapter.input_name}`: every stage reads its shape")
+        self.adapter.prepare(self.model, context, dtype)
+        return context
+
+    def _exchange_tied_weight(self) -> None:
+        """The first stage's current embedding weight becomes the last stage's output weight."""
+        if not self.tied:
+            return
+        layout = self.layout
+        if layout.first:
+            weight = self.model.get_submodule(self.adapter.embedding_path).weight
+            self.channel.send(weight, "tied weight", layout.last_stage, 0, 0)
+        if layout.last:
+            leaf = self.channel.receive(layout.tied_shape, layout.tied_dtype, self.engine.device, "tied weight",
+                                        0, layout.last_stage, 0).requires_grad_()
+            self.model.get_submodule(self.adapter.head_path).weight = leaf
+            self.tied_leaf = leaf
+
+    def _do(self, action: Action, contexts: list[StageContext], losses: dict[int, torch.Tensor],
+            loss_fn: Callable[..., torch.Tensor] | None, train: bool, final_backward: bool) -> None:
+        stage = self.layout.stage(action.chunk)
+        try:
+            if action.kind == "forward":
+                with torch.enable_grad() if train else torch.no_grad():
+                    self._forward(action, stage, contexts[action.micro_batch], losses, loss_fn, train)
+            else:
+                self._backward(action, stage, final_backward)
+        except PipelineError:
+            raise
+        except BaseException as error:
+            raise PipelineError(f"rank {self.channel._me()}: stage {stage}, micro-batch {action.micro_batch}: "
+                                f"{action.kind} raised {type(error).__name__}: {error}") from error
+
+    def _forward(self, action: Action, stage: int, context: StageContext, losses: dict[int, torch.Tensor],
+                 loss_fn: Callable[..., torch.Tensor] | None, train: bool) -> None:
+        i = action.micro_batch
+        received = None
+        if stage == 0:
+            begin = time.perf_counter()
+            hidden = self.adapter.embed(self.model, context)
+        else:
+            shape = (*context.kwargs[self.adapter.input_name].shape, self.adapter.hidden_size(self.model))
+            received = self.channel.receive(shape, self.engine.dtype, self.engine.device, "activation",
+                                            stage - 1, stage, i)
+            begin = time.perf_counter()
+            hidden = received.requires_grad_(train)
+        for index in self.layout.chunks[action.chunk]:
+            hidden = self.adapter.layer(self.layers[str(index)], hidden, context)
+        if stage == self.layout.last_stage:
+            hidden = self.adapter.loss(self.model, hidden, context, loss_fn)
+            losses[i] = hidden.detach().float()
+        self.busy += time.perf_counter() - begin
+        if stage != self.layout.last_stage:
+            self.channel.send(hidden, "activation", stage + 1, stage, i)
+        if train:
+            self.stash[(action.chunk, i)] = (received, hidden)
+            self.peak_in_flight = max(self.peak_in_flight, len(self.stash))
+
+    def _backward(self, action: Action, stage: int, final_backward: bool) -> None:
+        i = action.micro_batch
+        engine, layout = self.engine, self.layout
+        received, output = self.stash.pop((action.chunk, i))
+        if stage == layout.last_stage:
+            tensors = [output.float() * (engine.loss_scaler.scale / engine.gradient_accumulation_steps)]
+            grads: list[torch.Tensor | None] = [None]
+            loss = output.detach()
+        else:
+            grads = [self.channel.receive(output.shape, output.dtype, engine.device, "gradient", stage + 1, stage, i)]
+            tensors = [output]
+            loss = torch.zeros(())
+        if stage == 0 and final_backward and self.tied:
+            weight = self.model.get_submodule(self.adapter.embedding_path).weight
+            tensors.append(weight)
+            grads.append(self.channel.receive(weight.shape, weight.dtype, engine.device, "tied gradient",
+                                              layout.last_stage, 0, 0))
+        begin = time.perf_counter()
+        self._zero_backward(tensors, grads, final_backward, loss)
+        self.busy += time.perf_counter() - begin
+        if stage > 0:
+            self.channel.send(received.grad, "gradient", stage - 1, stage, i)
+        if stage == layout.last_stage and self.tied and i == self.micro_batches - 1:
+            self.channel.send(self.tied_leaf.grad, "tied gradient", 0, stage, 0)
+
+    def _zero_backward(self, tensors: list[torch.Tensor], grads: list[torch.Tensor | None], boundary: bool,
+                       loss: torch.Tensor) -> None:
+        """One ZeRO backward (the engine's backward with given output gradients)."""
+        engine = self.engine
+        engine.zero.reducer.begin_backward(boundary=boundary)
+        engine.guard.note_loss(loss)
+        try:
+            torch.autograd.backward(tensors, grads)
+            engine.zero.reducer.end_backward()
+        except BaseException:
+            engine._abort_backward()
+            raise
+        engine.zero.params.end_backward()
+
+    def _mean_loss(self, losses: dict[int, torch.Tensor]) -> torch.Tensor:
+        """Mean over micro-batches and data-parallel ranks, on every rank of the pipeline."""
+        total = torch.zeros(1, dtype=torch.float64)
+        if self.layout.last:
+            total += torch.stack([losses[i].cpu() for i in range(self.micro_batches)]).double().sum()
+            self.data.control_all_reduce(total, "the batch's loss over the data-parallel group")
+            total /= self.micro_batches * self.data.size
+        self.pipeline.control_all_reduce(total, "the batch's loss from the last stage")
+        return total[0].float()

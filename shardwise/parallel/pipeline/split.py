@@ -1,0 +1,132 @@
+"""Splitting a model into pipeline stages: which layers each rank keeps, and pruning the rest.
+
+Layers are assigned in contiguous runs, one run per virtual stage (p * v of them), by one
+of three rules (`pipeline_parallel.partition`):
+
+    parameters   balanced by parameter count, the embedding counted with the first run
+                 and the output layer with the last (default; minimises the largest stage)
+    uniform      the same number of layers per run (the count must divide)
+    split_points explicit: the index of the first layer of every run after the first
+
+The model is pruned *in place*: the layer list becomes an `nn.ModuleDict` keyed by the
+original indices, and the first stage's and last stage's modules are set to None
+elsewhere, so every parameter a rank keeps has its original fully-qualified name
+("blocks.3.attn.qkv.weight") and checkpoints, optimizer groups and Hugging Face exports
+keep matching the unsplit model.
+
+An embedding tied to the output layer lives on the first stage. The last stage's output
+layer gets a plain tensor in its place, refreshed from the first stage every batch
+(runner.py); its accumulated gradient goes back and is added to the embedding's in the
+first stage's last backward, so the pair is summed once, as one parameter would be.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+from torch import nn
+
+from shardwise.parallel.pipeline.adapters import Adapter
+
+
+@dataclass
+class StageLayout:
+    """This rank's share: layer indices per chunk, whether it embeds and/or computes the loss."""
+
+    rank: int
+    size: int
+    virtual: int
+    chunks: list[list[int]]
+    first: bool
+    last: bool
+    tied: bool = False  # the first stage's embedding is the last stage's output weight
+    tied_shape: torch.Size | None = None  # the tied output weight the last stage receives
+    tied_dtype: torch.dtype | None = None
+    runs: list[list[int]] = field(default_factory=list)  # every virtual stage's layers
+
+    def stage(self, chunk: int) -> int:
+        return chunk * self.size + self.rank
+
+    @property
+    def last_stage(self) -> int:
+        return self.size * self.virtual - 1
+
+
+def partition(weights: list[int], parts: int, first_extra: int = 0, last_extra: int = 0,
+              rule: str = "parameters", split_points: list[int] | None = None) -> list[list[int]]:
+    """Contiguous runs of layer indices, one per part."""
+    n = len(weights)
+    if n < parts:
+        raise ValueError(f"pipeline_parallel: the model has {n} layers, fewer than the {parts} stages asked for "
+                         "(pipeline_parallel.size x virtual_stages); lower them")
+    if split_points is not None:
+        points = list(split_points)
+        if len(points) != parts - 1 or points != sorted(set(points)) or points[0] <= 0 or points[-1] >= n:
+            raise ValueError(f"pipeline_parallel.split_points {points}: give {parts - 1} increasing layer indices "
+                             f"between 1 and {n - 1} (the first layer of every stage after the first)")
+        bounds = [0, *points, n]
+    elif rule == "uniform":
+        if n % parts:
+            raise ValueError(f"pipeline_parallel.partition 'uniform': {n} layers do not divide into {parts} stages; "
+                             "use partition 'parameters' or give split_points")
+        bounds = [i * n // parts for i in range(parts + 1)]
+    else:
+        bounds = _balanced_bounds(weights, parts, first_extra, last_extra)
+    return [list(range(bounds[i], bounds[i + 1])) for i in range(parts)]
+
+
+def _balanced_bounds(weights: list[int], parts: int, first_extra: int, last_extra: int) -> list[int]:
+    """Minimise the heaviest run (dynamic programming over cut positions; n and p are small)."""
+    n = len(weights)
+    prefix = [0]
+    for weight in weights:
+        prefix.append(prefix[-1] + weight)
+
+    def cost(lo: int, hi: int) -> int:
+        return prefix[hi] - prefix[lo] + (first_extra if lo == 0 else 0) + (last_extra if hi == n else 0)
+
+    best = {(0, 0): (0, -1)}  # (parts used, layers used) -> (heaviest run, previous cut)
+    for used in range(1, parts + 1):
+        for end in range(used, n - (parts - used) + 1):
+            options = [(max(best[(used - 1, start)][0], cost(start, end)), start)
+                       for start in range(used - 1, end) if (used - 1, start) in best]
+            best[(used, end)] = min(options)
+    bounds = [n]
+    for used in range(parts, 0, -1):
+        bounds.append(best[(used, bounds[-1])][1])
+    return bounds[::-1]
+
+
+def split_model(model: nn.Module, adapter: Adapter, rank: int, size: int, virtual: int, rule: str,
+                split_points: list[int] | None) -> StageLayout:
+    """Prune `model` to this rank's layers; returns what the schedule needs to run it."""
+    layers = adapter.layers(model)
+    first = [model.get_submodule(path) for path in adapter.first_modules]
+    last = [model.get_submodule(path) for path in adapter.last_modules]
+    embedding, head = model.get_submodule(adapter.embedding_path), model.get_submodule(adapter.head_path)
+    tied = getattr(head, "weight", None) is not None and head.weight is getattr(embedding, "weight", None)
+    runs = partition(
+        [_numel(layer) for layer in layers], size * virtual,
+        first_extra=sum(_numel(module) for module in first),
+        last_extra=sum(_numel(module) for module in last) - (_numel(head) if tied else 0),
+        rule=rule, split_points=split_points,
+    )
+    chunks = [runs[chunk * size + rank] for chunk in range(virtual)]
+    layout = StageLayout(rank, size, virtual, chunks, rank == 0, rank == size - 1, tied, runs=runs)
+    kept = {index for chunk in chunks for index in chunk}
+    parent_path, _, name = adapter.layers_path.rpartition(".")
+    parent = model.get_submodule(parent_path) if parent_path else model
+    setattr(parent, name, nn.ModuleDict({str(index): layers[index] for index in sorted(kept)}))
+    if tied and layout.last:
+        layout.tied_shape, layout.tied_dtype = head.weight.shape, head.weight.dtype
+        del head._parameters["weight"]
+        head.weight = torch.empty(0)  # replaced by the first stage's weight every batch
+    for path in (() if layout.first else adapter.first_modules) + (() if layout.last else adapter.last_modules):
+        parent_path, _, name = path.rpartition(".")
+        setattr(model.get_submodule(parent_path) if parent_path else model, name, None)
+    return layout
+
+
+def _numel(module: nn.Module) -> int:
+    return sum(param.numel() for param in module.parameters())

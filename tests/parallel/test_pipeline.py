@@ -1,0 +1,113 @@
+"""Pipeline parallelism trains exactly like one process on the same global batch (losses,
+final weights and an evaluation loss, fp32 relative error < 1e-5): every schedule at
+pp=2 on shardwise's GPT (tied embedding across the first and last stage), Hugging Face
+Llama, pp=2 x dp=2 with ZeRO-1 and ZeRO-2, and dp=2 x tp=2 x pp=2. The bytes each rank
+sends point to point equal the planner's formula to the byte, and the micro-batches held
+at once equal the schedule's formula."""
+
+from functools import lru_cache
+
+import pytest
+
+from shardwise.planner.comm_formulas import PipelineCommShape, pipeline_p2p_bytes
+from shardwise.planner.formulas import pipeline_micro_batches_in_flight
+from shardwise.testing import run_distributed
+from tests.parallel.pipeline_workers import (
+    SEQ_LEN,
+    VOCAB,
+    PipeCase,
+    reference_eval_loss,
+    train_pipeline,
+    train_reference,
+)
+from tests.zero.workers import relative_error
+
+WIDTH = 32  # the tiny GPT and Llama
+TOLERANCE = 1e-5
+
+
+@lru_cache(maxsize=None)
+def reference(case: PipeCase, data_size: int) -> dict:
+    return train_reference(case, data_size)
+
+
+def merged_parameters(results: list[dict]) -> dict:
+    """Each stage's parameters under their original names, checked disjoint."""
+    merged = {}
+    for result in results:
+        merged.update(result["params"])
+    return merged
+
+
+def assert_matches(results: list[dict], case: PipeCase, data_size: int) -> None:
+    want = reference(case, data_size)
+    for result in results:  # the mean loss is returned on every rank
+        for step, (got, expected) in enumerate(zip(result["losses"], want["losses"])):
+            assert abs(got - expected) / expected < TOLERANCE, f"step {step}: loss {got} vs {expected}"
+    params = merged_parameters(results)
+    assert set(params) == set(want["params"])
+    for name, expected in want["params"].items():
+        error = relative_error(params[name], expected)
+        assert error < TOLERANCE, f"{name}: relative error {error:.2e}"
+    expected_eval = reference_eval_loss(case, data_size, want["params"])
+    for result in results:
+        assert abs(result["eval_loss"] - expected_eval) / expected_eval < TOLERANCE
+
+
+def assert_p2p_bytes(results: list[dict], case: PipeCase, tied_bytes: int) -> None:
+    shape = PipelineCommShape(case.micro_batch, SEQ_LEN, WIDTH, 4, case.pipeline, case.micro_batches,
+                              case.virtual, tied_bytes)
+    for result in results:
+        for step_volume in result["comm_by_group"]:
+            assert step_volume["pipeline"]["send"] == pipeline_p2p_bytes(shape, result["pipeline_rank"])
+
+
+@pytest.mark.parametrize("schedule", ["gpipe", "1f1b", "interleaved"])
+def test_pp2_matches_single_process(schedule):
+    interleaved = schedule == "interleaved"
+    case = PipeCase(schedule=schedule, virtual=2 if interleaved else 1, model="gpt4" if interleaved else "gpt")
+    results = run_distributed(train_pipeline, 2, case)
+    assert_matches(results, case, 1)
+    assert_p2p_bytes(results, case, tied_bytes=VOCAB * WIDTH * 4)
+    for result in results:
+        expected = pipeline_micro_batches_in_flight(schedule, 2, case.micro_batches, result["pipeline_rank"],
+                                                    case.virtual)
+        assert [timing["peak"] for timing in result["timings"]] == [expected] * case.steps
+    if interleaved:
+        assert [result["chunks"] for result in results] == [[[0], [2]], [[1], [3]]]
+
+
+def test_pp2_hugging_face_llama_with_its_own_loss():
+    """A dict of forward kwargs (input_ids, labels); the loss is the model's loss_function."""
+    case = PipeCase(model="llama")
+    results = run_distributed(train_pipeline, 2, case)
+    assert_matches(results, case, 1)
+    assert_p2p_bytes(results, case, tied_bytes=VOCAB * WIDTH * 4)
+
+
+def test_pp2_untied_gpt_with_inputs_labels_and_a_loss_fn():
+    case = PipeCase(model="gpt-untied", batch_form="pair", micro_batches=3)
+    results = run_distributed(train_pipeline, 2, case)
+    assert_matches(results, case, 1)
+    assert_p2p_bytes(results, case, tied_bytes=0)
+
+
+@pytest.mark.parametrize("stage", [1, 2])
+def test_pp2_dp2_with_zero(stage):
+    case = PipeCase(stage=stage)
+    results = run_distributed(train_pipeline, 4, case, timeout=240)
+    assert_matches(results, case, 2)
+    assert_p2p_bytes(results, case, tied_bytes=VOCAB * WIDTH * 4)
+    for result in results:  # ZeRO reduces over the data-parallel ranks of the same stage
+        assert result["comm_by_group"][0]["shard"]["reduce_scatter"] > 0
+
+
+@pytest.mark.slow
+def test_dp2_tp2_pp2_on_eight_processes():
+    """Tensor parallelism inside each stage, ZeRO-1 over the data-parallel pair."""
+    case = PipeCase(tensor=2, stage=1, optimizer="sgd", lr=0.05)
+    results = run_distributed(train_pipeline, 8, case, timeout=400)
+    assert_matches(results, case, 2)
+    shape = PipelineCommShape(case.micro_batch, SEQ_LEN, WIDTH, 4, 2, case.micro_batches, 1, VOCAB * WIDTH * 4 // 2)
+    for result in results:  # the tied weight is each tensor rank's half of the vocabulary
+        assert result["comm_by_group"][0]["pipeline"]["send"] == pipeline_p2p_bytes(shape, result["pipeline_rank"])
