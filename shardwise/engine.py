@@ -108,10 +108,10 @@ class Engine(PipelineEngineMethods, DeepSpeedEngineAPI, nn.Module):
         self.comm = groups.replicas  # the data-parallel group (losses, barriers)
 
         self.module = model = apply_model_transforms(model, cfg, self.mesh)
+        optimizer = keep_stage_parameters(optimizer, model)  # a pipeline stage trains only its layers
         self.policy = ZeroPolicy.from_config(cfg)
         self.stage = self.policy.stage
         self.dtype = self.policy.param_dtype
-        optimizer = keep_stage_parameters(optimizer, model)  # a pipeline stage trains only its layers
         if any(param.is_meta for param in model.parameters()) and not self.policy.partitions_parameters:
             raise ValueError(
                 "the model has parameters on the meta device; only ZeRO stage 3 can build "
@@ -130,10 +130,10 @@ class Engine(PipelineEngineMethods, DeepSpeedEngineAPI, nn.Module):
         )
         self.optimizer = self.zero.optimizer
         self.tensor_norm = tensor_parallel_norm(self.mesh, self.zero, self.comm_stats)
+        self.pipeline = attach_pipeline(self)  # train_batch / eval_batch (shardwise/parallel/pipeline)
         self.units = self.zero.units
         self._cast_frozen_state(model)
         self.unit_of_param = {id(slot.param): unit for unit in self.units for slot in unit.slots}
-        self.pipeline = attach_pipeline(self)  # train_batch / eval_batch (shardwise/parallel/pipeline)
         for param in model.parameters():
             param._shardwise_engine = weakref.ref(self)
             param._shardwise_reducer = weakref.ref(self.zero.reducer)
@@ -257,12 +257,12 @@ class Engine(PipelineEngineMethods, DeepSpeedEngineAPI, nn.Module):
         norm_squared = self.optimizer.local_grad_norm_squared()
         if self.tensor_norm is not None:  # tensor shards summed, replicated parameters counted once
             norm_squared = self.tensor_norm(norm_squared)
+        if self.pipeline is not None:  # stages hold disjoint parameters: their squares add up
+            norm_squared = self.pipeline.combine_norm(norm_squared)
         verdict = self.guard.check(norm_squared, self.loss_scaler, self.global_steps)
         self.last_grad_norm = verdict.norm
         self.loss_scaler.update(not verdict.apply)
         if verdict.apply:
-        if self.pipeline is not None:  # stages hold disjoint parameters: their squares add up
-            norm_squared = self.pipeline.combine_norm(norm_squared)
             clip = 1.0
             max_norm = self.config.gradient_clipping
             if max_norm > 0:

@@ -209,15 +209,15 @@ class PipelineParallelConfig(Section):
     size: Int = Field(1, ge=1)
     schedule: Literal["gpipe", "1f1b", "interleaved"] = "1f1b"
     micro_batches: Int | None = Field(None, ge=1, json_schema_extra={"default_doc": "gradient_accumulation_steps"})
+    virtual_stages: Int = Field(1, ge=1)
+    partition: Literal["parameters", "uniform"] = "parameters"
+    split_points: list[Int] | None = None
 
 
 class TensorBoardConfig(Section):
     """TensorBoard event files, written under output_path/job_name."""
 
     enabled: Bool = False
-    virtual_stages: Int = Field(1, ge=1)
-    partition: Literal["parameters", "uniform"] = "parameters"
-    split_points: list[Int] | None = None
     output_path: str = ""
     job_name: str = "DeepSpeedJobName"
 
