@@ -25,6 +25,7 @@ import torch
 from torch import nn
 
 from shardwise.accounting import MemoryLedger, tensor_bytes
+from shardwise.activation.accounting import ActivationTracker
 from shardwise.config import ShardwiseConfig, load_config
 from shardwise.distributed.agreement import check_ranks_agree, describe_config, describe_model
 from shardwise.distributed.collectives import CommStats, Communicator
@@ -42,6 +43,7 @@ from shardwise.engine_arguments import (
 from shardwise.optim.registry import optimizer_spec
 from shardwise.optim.sharded import ShardAwareOptimizer
 from shardwise.parallel.apply import apply_model_transforms
+from shardwise.activation import transform as _checkpointing  # noqa: F401  (registers its apply step)
 from shardwise.parallel.compile import apply_compile_stage  # noqa: F401  (registers its apply step)
 from shardwise.parallel.sequence import ulysses  # noqa: F401  (registers its apply step)
 from shardwise.parallel.tensor.transform import require_whole_parameters  # (and registers its apply step)
@@ -89,6 +91,7 @@ class Engine(PipelineEngineMethods, DeepSpeedEngineAPI, nn.Module):
         self.rank = self.context.rank
         self.world_size = self.context.world_size
         self.ledger = MemoryLedger()
+        self.activations = ActivationTracker(self.ledger)  # "activations" in memory_breakdown()
         self.comm_stats = CommStats()
         sizes = ParallelSizes.from_config(cfg, self.world_size)
         self.world = Communicator(world_handle(self.context), self.comm_stats)
@@ -160,7 +163,8 @@ class Engine(PipelineEngineMethods, DeepSpeedEngineAPI, nn.Module):
         self._require_alive("forward")
         args, kwargs = cast_floating((args, kwargs), self.dtype)
         try:
-            return self.module(*args, **kwargs)
+            with self.activations.track():
+                return self.module(*args, **kwargs)
         except BaseException:
             self.zero.params.abort_pass()
             self.guard.note_failed_pass()

@@ -9,6 +9,10 @@ A tier says where the bytes live: "device" (the accelerator, or the CPU when the
 none), "host" (CPU memory next to an accelerator: ZeRO-Offload) or "nvme" (swap files:
 ZeRO-Infinity). Offloading moves a category's bytes from one tier to another, and the
 formulas say how many land in each.
+
+"activations" are the bytes autograd keeps for backward (shardwise/activation/accounting.py
+measures them with saved-tensor hooks): not model states, but the other large consumer
+that recomputation trades for compute.
 """
 
 from __future__ import annotations
@@ -17,7 +21,7 @@ from collections import Counter
 
 import torch
 
-CATEGORIES = ("params", "grads", "optimizer_states", "buffers")
+CATEGORIES = ("params", "grads", "optimizer_states", "buffers", "activations")
 TIERS = ("device", "host", "nvme")
 
 

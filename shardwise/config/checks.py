@@ -14,10 +14,6 @@ def find_unsupported(cfg: ShardwiseConfig) -> list[str]:
     problems = []
     if cfg.fp16.auto_cast:
         problems.append("fp16.auto_cast true is not supported yet: the model's own forward chooses dtypes")
-    for key, value in cfg.activation_checkpointing:
-        if value:
-            shown = "true" if value is True else value
-            problems.append(f"activation_checkpointing.{key} {shown} is not supported yet: leave it off")
     return problems
 
 
@@ -49,6 +45,7 @@ def find_contradictions(
                 f"zero_optimization.{name}.device is 'nvme' but zero_optimization.{name}.nvme_path is not set"
             )
     problems += _sequence_parallel_contradictions(cfg)
+    problems += _activation_contradictions(cfg)
     problems += _pipeline_contradictions(cfg, batch_known)
     micro_batches = cfg.pipeline_parallel.micro_batches
     if batch_known and micro_batches != cfg.gradient_accumulation_steps:
@@ -132,4 +129,27 @@ def _pipeline_contradictions(cfg: ShardwiseConfig, batch_known: bool) -> list[st
         problems.append(f"sequence parallelism with pipeline_parallel.size {pipe.size} is not supported yet: the "
                         "stages exchange whole-sequence hidden states; use tensor parallelism without "
                         "sequence_parallel, or pipeline_parallel.size 1")
+    return problems
+
+
+def _activation_contradictions(cfg: ShardwiseConfig) -> list[str]:
+    """`every_k` belongs to the every_k policy; Pa splits whole layer inputs over the tensor
+    group, which Megatron sequence parallelism has already split; a √n segment runs several
+    layers from its first, which the per-layer hooks of sequence parallelism do not expect."""
+    block = cfg.activation_checkpointing
+    tensor, sequence = cfg.tensor_parallel, cfg.sequence_parallel
+    megatron = tensor.sequence_parallel or sequence.mode == "megatron"
+    problems = []
+    if block.every_k != type(block).model_fields["every_k"].default and block.policy != "every_k":
+        problems.append(f"activation_checkpointing.every_k {block.every_k} only applies to policy 'every_k', but "
+                        f"activation_checkpointing.policy is '{block.policy}': set the policy to 'every_k' or "
+                        "remove every_k")
+    if block.partition_activations and megatron and tensor.size > 1:
+        problems.append("activation_checkpointing.partition_activations with Megatron sequence parallelism "
+                        "(tensor_parallel.sequence_parallel): the layer inputs are already split over the tensor "
+                        "group; leave partition_activations off")
+    if block.policy == "sqrt" and (sequence.size > 1 or (megatron and tensor.size > 1)):
+        problems.append("activation_checkpointing.policy 'sqrt' with sequence parallelism is not supported: its "
+                        "segments run several layers at once, past the per-layer sequence hooks; use 'full', "
+                        "'every_k' or 'selective'")
     return problems

@@ -161,14 +161,19 @@ class SchedulerConfig(Section):
 
 
 class ActivationCheckpointingConfig(Section):
-    """DeepSpeed's activation-checkpointing switches; all off means no recomputation."""
+    """DeepSpeed's activation-checkpointing switches, plus shardwise's `policy` (which layers
+    are recomputed: none / full / every_k with `every_k` / selective / sqrt, see
+    shardwise/activation/policy.py). DeepSpeed's switches say where checkpoints live (Pa,
+    CPU, contiguous buffer); without a policy they only configure deepspeed.checkpointing."""
 
     partition_activations: Bool = False
     cpu_checkpointing: Bool = False
     contiguous_memory_optimization: Bool = False
-    number_checkpoints: Int | None = None
+    number_checkpoints: Int | None = Field(None, ge=1)
     synchronize_checkpoint_boundary: Bool = False
     profile: Bool = False
+    policy: Literal["none", "full", "every_k", "selective", "sqrt"] = "none"
+    every_k: Int = Field(2, ge=1)
 
 
 class AioConfig(Section):

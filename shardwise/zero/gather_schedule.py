@@ -28,6 +28,15 @@ same trace, and fetches along it are identical on every rank without checking ea
 If one rank leaves the trace while another follows it, the first blocks in its check and
 the second in a gather that is never answered: both fail at the collective timeout with
 an error naming the module, never hang.
+
+Activation recomputation re-runs a checkpointed layer's forward inside backward, and its
+modules' hooks fire again. There each unit is gathered again (on demand, or by prefetch
+along the trace; counted in `recompute_gathers`) and then kept: not counted as a user, not
+released after the module's forward. The layer's backward follows at once and needs the
+same units, which are freed when their gradients are complete (or at the end of
+backward). So a recomputation adds no gather to the backward's own, and never loses a
+unit it still needs (releasing after each recomputed module would free the unit under
+the backward that just gathered it).
 """
 
 from __future__ import annotations
@@ -41,6 +50,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.utils._pytree import tree_flatten
 
+from shardwise.activation.state import recomputing
 from shardwise.distributed.collectives import Communicator
 from shardwise.reliability.errors import DivergentExecutionError
 from shardwise.zero.layout import FlatUnit
@@ -72,6 +82,7 @@ class GatherSchedule:
         self.on_trace = False
         self.gather_log: list[int] = []
         self.prefetched = 0  # units gathered ahead of their use, since start
+        self.recompute_gathers = 0  # unit uses by recomputations (each gathered again), since start
         self.backward_use_callbacks: list = []  # called with each unit about to run backward
         self.positions: dict[nn.Module, list[list[int]]] = defaultdict(list)
         self.handles = []
@@ -135,6 +146,11 @@ class GatherSchedule:
 
     # -- module hooks -------------------------------------------------------------------------
     def _pre_forward(self, module: nn.Module, args: tuple) -> None:
+        if recomputing():  # keep what a recomputation gathers: backward uses it next
+            units = self.module_units.get(module, [])
+            self._use(units)
+            self.recompute_gathers += len(units)
+            return
         if module is self.root:
             self._begin_pass()
         units = self.module_units.get(module, [])
@@ -143,6 +159,8 @@ class GatherSchedule:
             self.params.users[unit.index] = self.params.users.get(unit.index, 0) + 1
 
     def _post_forward(self, module: nn.Module, args: tuple, output: object) -> None:
+        if recomputing():
+            return
         units = self.module_units.get(module, [])
         for unit, position in zip(units, self.positions[module].pop()):
             if self.params.release_use(unit) == 0 and not self._reused_soon(position):

@@ -56,10 +56,6 @@ def test_max_grad_norm_points_to_gradient_clipping():
     ("block", "expected"),
     [
         ({"pipeline_parallel": {"size": 2}}, "pipeline_parallel.size 2 is not supported yet: use 1"),
-        ({"activation_checkpointing": {"cpu_checkpointing": True}},
-         "activation_checkpointing.cpu_checkpointing true is not supported yet: leave it off"),
-        ({"activation_checkpointing": {"number_checkpoints": 4}},
-         "activation_checkpointing.number_checkpoints 4 is not supported yet: leave it off"),
         ({"fp16": {"enabled": True, "auto_cast": True}},
          "fp16.auto_cast true is not supported yet: the model's own forward chooses dtypes"),
     ],

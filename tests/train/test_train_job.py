@@ -70,7 +70,7 @@ def test_metrics_have_one_complete_line_per_step(trained):
         assert times["forward"] > 0 and times["backward"] > 0
         parts = sum(times[phase] for phase in ("data", "forward", "backward", "optimizer", "comm_wait"))
         assert parts <= times["step"] * 1.001
-        assert set(record["memory"]) == {*MODEL_STATES, "buffers", "process_current", "process_peak"}
+        assert set(record["memory"]) == {*MODEL_STATES, "buffers", "activations", "process_current", "process_peak"}
         assert record["memory"]["process_current"] > 50e6
         assert record["comm_bytes"]["reduce_scatter"] > 0 and record["comm_bytes"]["all_gather"] > 0
 
