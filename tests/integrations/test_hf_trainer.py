@@ -1,7 +1,7 @@
 """ShardwiseTrainer trains like plain transformers.Trainer (C27).
 
 A random-init tiny Llama is fine-tuned with an HF-style "auto" config on 2 ranks at ZeRO
-stages 2 and 3 (accumulation 2, every epoch ending in a short window, gradient clipping,
+stages 0-3 (accumulation 2, every epoch ending in a short window, gradient clipping,
 warm-up, weight decay groups, evaluation every 3 steps, a checkpoint every 2): the logged
 losses, learning rates, gradient norms and eval losses equal those of the Trainer without
 DeepSpeed in one process on the same batches (fp32, relative error < 1e-5). Checkpoints
@@ -73,7 +73,7 @@ def relative_error(actual: torch.Tensor, expected: torch.Tensor) -> float:
     return ((actual - expected).norm() / expected.norm().clamp_min(1e-12)).item()
 
 
-@pytest.mark.parametrize("stage", [2, 3])
+@pytest.mark.parametrize("stage", [0, 1, 2, 3])
 def test_losses_equal_plain_trainer(runs, stage):
     reference = runs.reference()
     assert sorted(reference["eval_loss"]) == [3, 6]
@@ -86,13 +86,30 @@ def test_losses_equal_plain_trainer(runs, stage):
 
 def test_optimizer_and_scheduler_from_the_config(runs):
     """Hugging Face's ds_config_zero2.json shape: AdamW and WarmupDecayLR blocks, all "auto"."""
-    reference = runs.get("blocks_reference", train_reference_with_blocks, 1)[0]
-    results = runs.get("blocks_stage2", train_shardwise, 2, stage=2, config=CONFIG_BLOCKS)
+    reference = runs.get("blocks_reference", train_reference_with_blocks, 1, load_best=True)[0]
+    results = runs.get("blocks_stage2", train_shardwise, 2, stage=2, config=CONFIG_BLOCKS, load_best=True)
     for result in results:
         assert_logs_match(result, reference, STEPS)
+        assert sorted(result["eval_loss"]) == [2, 4, 6]
     params = results[0]["config"]["scheduler"]["params"]
     assert (params["total_num_steps"], params["warmup_num_steps"], params["warmup_max_lr"]) == (6, 2, LR)
     assert results[0]["config"]["optimizer"]["params"]["weight_decay"] == 0.01
+
+
+def test_load_best_model_at_end_loads_the_best_checkpoint(runs):
+    """The engine ends with the weights of the checkpoint with the lowest eval loss (here
+    not the last one: the tiny model overfits its 20 samples)."""
+    from transformers import LlamaForCausalLM
+
+    reference = runs.get("blocks_reference", train_reference_with_blocks, 1, load_best=True)[0]
+    result = runs.get("blocks_stage2", train_shardwise, 2, stage=2, config=CONFIG_BLOCKS, load_best=True)[0]
+    best_step = min(reference["eval_loss"], key=reference["eval_loss"].get)
+    assert best_step != 6, "the test needs a best checkpoint before the end"
+    assert result["best_checkpoint"].endswith(f"checkpoint-{best_step}")
+    best = LlamaForCausalLM.from_pretrained(result["best_checkpoint"])
+    with torch.no_grad():
+        logits = best(input_ids=probe_batch()).logits
+    assert relative_error(result["logits"], logits) < TOLERANCE
 
 
 def test_auto_config_filled_from_training_arguments(runs):

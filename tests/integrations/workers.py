@@ -36,6 +36,7 @@ class Run:
     eval_steps: int = 3
     resume: str | None = None
     activation_checkpointing: bool = False
+    load_best: bool = False  # evaluate at every save and end with the best checkpoint's model
     config: dict = field(default_factory=dict)  # laid over the HF-style config
 
     def micro(self, world_size: int) -> int:
@@ -97,8 +98,8 @@ def arguments(run: Run, world_size: int):
         output_dir=run.out_dir, per_device_train_batch_size=run.micro(world_size),
         per_device_eval_batch_size=run.micro(world_size), gradient_accumulation_steps=run.accumulation,
         num_train_epochs=run.epochs, learning_rate=LR, weight_decay=0.01, warmup_steps=2,
-        logging_steps=1, eval_strategy="steps", eval_steps=run.eval_steps, save_strategy="steps",
-        save_steps=run.save_steps, train_sampling_strategy="sequential", report_to="none", disable_tqdm=True,
+        logging_steps=1, eval_strategy="steps", eval_steps=run.save_steps if run.load_best else run.eval_steps,
+        save_strategy="steps", save_steps=run.save_steps, load_best_model_at_end=run.load_best, train_sampling_strategy="sequential", report_to="none", disable_tqdm=True,
         seed=0,
         use_cpu=world_size > 1 and not torch.cuda.is_available(),  # accelerate's switch for several CPU processes
     )
@@ -113,6 +114,7 @@ def history(trainer) -> dict:
         "learning_rate": {step: entry["learning_rate"] for step, entry in steps.items()},
         "grad_norm": {step: entry["grad_norm"] for step, entry in steps.items()},
         "eval_loss": {entry["step"]: entry["eval_loss"] for entry in logs if "eval_loss" in entry},
+        "best_checkpoint": trainer.state.best_model_checkpoint,
     }
 
 
