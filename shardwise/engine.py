@@ -46,7 +46,7 @@ from shardwise.parallel.apply import apply_model_transforms
 from shardwise.activation import transform as _checkpointing  # noqa: F401  (registers its apply step)
 from shardwise.parallel.compile import apply_compile_stage  # noqa: F401  (registers its apply step)
 from shardwise.parallel.sequence import ulysses  # noqa: F401  (registers its apply step)
-from shardwise.parallel.tensor.transform import require_whole_parameters  # (and registers its apply step)
+from shardwise.parallel.tensor import transform as _tensor_parallel  # noqa: F401  (registers its apply step)
 from shardwise.parallel.pipeline.engine_methods import (  # (and registers its apply step)
     PipelineEngineMethods,
     attach_pipeline,
@@ -287,7 +287,6 @@ class Engine(PipelineEngineMethods, DeepSpeedEngineAPI, nn.Module):
         from shardwise.checkpoint import save_checkpoint
 
         self._require_alive("save_checkpoint")
-        require_whole_parameters(self.mesh, "save_checkpoint")
         self.world.agree_on_call("save_checkpoint", call_check_timeout(self.context.timeout))
         return save_checkpoint(self, save_dir, tag, client_state)
 
@@ -296,7 +295,6 @@ class Engine(PipelineEngineMethods, DeepSpeedEngineAPI, nn.Module):
         from shardwise.checkpoint import load_checkpoint
 
         self._require_alive("load_checkpoint")
-        require_whole_parameters(self.mesh, "load_checkpoint")
         self.world.agree_on_call("load_checkpoint", call_check_timeout(self.context.timeout))
         return load_checkpoint(self, load_dir, tag)
 

@@ -32,7 +32,7 @@ from shardwise.checkpoint.format import (
 )
 from shardwise.checkpoint.index import PieceIndex
 from shardwise.checkpoint.manifest import check_file, read_manifest, resolve_tag
-from shardwise.checkpoint.pieces import describe_model, module_extras
+from shardwise.checkpoint.pieces import describe_model, module_extras, owned_runs, tensor_shards
 from shardwise.checkpoint.safetensors_io import DTYPES
 from shardwise.checkpoint.state import decode_value, restore_rng_state
 
@@ -153,13 +153,15 @@ def _load_trained(engine: Any, index: PieceIndex, meta: dict, records: list[dict
                 for key, dtype in elements[group].items()
             }
     store = engine.zero.store
+    shards = tensor_shards(engine.module)
     ranges = sorted(engine.zero.owned_ranges(), key=lambda owned: store.sub_group_index(owned.segment))
     for sub_group, owned_in_group in groupby(ranges, key=lambda owned: store.sub_group_index(owned.segment)):
         with store.resident(store.sub_groups[sub_group]):  # a paging store writes the masters back
             for owned in owned_in_group:
-                index.read_into(owned.name, VALUE, owned.start, owned.master)
-                for key, tensor in parts.get(id(owned.segment), {}).items():
-                    index.read_into(owned.name, key, owned.start, owned.state_view(tensor))
+                for start, stop, at in owned_runs(owned, shards.get(owned.name)):
+                    index.read_into(owned.name, VALUE, start, owned.master[at : at + stop - start])
+                    for key, tensor in parts.get(id(owned.segment), {}).items():
+                        index.read_into(owned.name, key, start, owned.state_view(tensor)[at : at + stop - start])
     codec = engine.zero.codec
     states = {
         id(segment): codec.decode(parts[id(segment)], {

@@ -11,6 +11,9 @@ from typing import Any
 
 import torch
 
+from shardwise.parallel.tensor.placement import TensorShard, tensor_shard
+from shardwise.zero.shard_view import OwnedRange
+
 
 def module_extras(module: torch.nn.Module) -> list[tuple[str, torch.Tensor]]:
     """Frozen parameters and persistent buffers (BatchNorm statistics...): not trained, so
@@ -22,10 +25,45 @@ def module_extras(module: torch.nn.Module) -> list[tuple[str, torch.Tensor]]:
     return extras
 
 
+def tensor_shards(module: torch.nn.Module) -> dict[str, TensorShard]:
+    """The tensor-parallel placement of every sharded parameter, by name."""
+    shards = {}
+    for name, param in module.named_parameters():
+        shard = tensor_shard(param)
+        if shard is not None:
+            shards[name] = shard
+    return shards
+
+
+def owned_runs(owned: OwnedRange, shard: TensorShard | None) -> list[tuple[int, int, int]]:
+    """An owned range in the whole parameter's flat coordinates: (global start, global
+    stop, position inside the owned range) runs. A tensor-parallel rank's local block is
+    not one range of the whole parameter; its placement (`TensorShard`) maps it, so every
+    piece a checkpoint stores names elements of the whole parameter, whatever the tensor,
+    data or pipeline sizes that save or load it."""
+    if shard is None:
+        return [(owned.start, owned.stop, 0)]
+    return shard.global_runs(owned.start, owned.stop)
+
+
+def describe_tensor_parallel(engine: Any) -> dict[str, Any] | None:
+    """How the saving run split each parameter (for the reader; loading needs only the
+    pieces, which are in whole-parameter coordinates)."""
+    size = engine.mesh["tensor"].size
+    if size == 1:
+        return None
+    split = {name: {"dim": shard.dim, "global_shape": list(shard.global_shape), "blocks": len(shard.ranges)}
+             for name, shard in tensor_shards(engine.module).items()}
+    return {"size": size, "split": split}
+
+
 def describe_model(engine: Any) -> dict[str, Any]:
     """Names and shapes the loader checks a model against (stage-3 parameters are empty
-    placeholders between forwards, so trained shapes come from the layout)."""
+    placeholders between forwards, so trained shapes come from the layout; a
+    tensor-parallel parameter is described by its whole shape)."""
     trained = {slot.name: list(slot.shape) for unit in engine.units for slot in unit.slots}
+    trained.update({name: list(shard.global_shape) for name, shard in tensor_shards(engine.module).items()
+                    if name in trained})
     module = engine.module
     parameters = [  # dtype: of the stored values (fp32 masters for trained parameters)
         {"name": name, "shape": trained.get(name, list(param.shape)), "trainable": name in trained,

@@ -38,7 +38,13 @@ from shardwise.checkpoint.format import (
     staging_dir,
 )
 from shardwise.checkpoint.manifest import file_digest, publish, write_manifest, write_synced
-from shardwise.checkpoint.pieces import describe_model, module_extras
+from shardwise.checkpoint.pieces import (
+    describe_model,
+    describe_tensor_parallel,
+    module_extras,
+    owned_runs,
+    tensor_shards,
+)
 from shardwise.checkpoint.safetensors_io import SafetensorsWriter, TensorEntry, dtype_name
 from shardwise.checkpoint.state import capture_rng_state, check_json, encode_value
 
@@ -113,11 +119,16 @@ def _write_rank_files(engine: Any, staging: Path) -> None:
         tensors.extend((piece_key(name, start, stop, key), tensor, sub_group) for key, tensor in named.items())
 
     if writes_model:
+        shards = tensor_shards(engine.module)
+        first_tensor_rank = engine.mesh["tensor"].rank == 0
         for owned in engine.zero.owned_ranges():
+            if owned.name not in shards and not first_tensor_rank:
+                continue  # replicated over the tensor group: its first rank writes it
             states = element_states.get(id(owned.segment), {})
-            add(owned.name, owned.start, owned.stop,
-                {VALUE: owned.master, **{key: owned.state_view(state) for key, state in states.items()}},
-                store.sub_group_index(owned.segment))
+            named = {VALUE: owned.master, **{key: owned.state_view(state) for key, state in states.items()}}
+            for start, stop, at in owned_runs(owned, shards.get(owned.name)):
+                add(owned.name, start, stop, {key: view[at : at + stop - start] for key, view in named.items()},
+                    store.sub_group_index(owned.segment))
     if engine.rank == 0:
         for name, tensor in module_extras(engine.module):
             add(name, 0, tensor.numel(), {VALUE: tensor.detach().reshape(-1)}, -1)
@@ -204,6 +215,7 @@ def _write_meta(engine: Any, staging: Path, tag: str, client_state: dict) -> Non
         },
         "client_state": client_state,
         "hf": _hf_description(engine.module),
+        "tensor_parallel": describe_tensor_parallel(engine),
     }
     write_synced(staging / META, json.dumps(meta, indent=1))
 

@@ -13,6 +13,7 @@ tensor rank, so a global quantity (the gradient norm) counts them once.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import torch
@@ -34,6 +35,32 @@ class TensorShard:
         shape = list(self.global_shape)
         shape[self.dim] = sum(stop - start for start, stop in self.ranges)
         return tuple(shape)
+
+    def global_runs(self, start: int, stop: int) -> list[tuple[int, int, int]]:
+        """Local flat elements [start, stop) as runs of consecutive global flat indices:
+        (global start, global stop, position in [start, stop)).
+
+        The dimensions after `dim` are whole, so one local index along `dim` and every
+        following one inside the same range are consecutive globally; a run ends at the
+        end of a range (fused q/k/v: rank r's q heads are not next to its k heads) or of
+        the dimensions before `dim` (a row-parallel weight: one run per row)."""
+        inner = math.prod(self.global_shape[self.dim + 1 :])
+        local_extent = self.local_shape[self.dim] * inner
+        global_extent = self.global_shape[self.dim] * inner
+        bounds, position = [], 0  # local [begin, end) along `dim` of each range, in local order
+        for low, high in self.ranges:
+            bounds.append((position, position + high - low, low))
+            position += high - low
+        runs, position = [], start
+        while position < stop:
+            outer, rest = divmod(position, local_extent)
+            local_index = rest // inner
+            begin, end, global_low = next(b for b in bounds if b[0] <= local_index < b[1])
+            run_stop = min(stop, outer * local_extent + end * inner)
+            first = outer * global_extent + (global_low - begin) * inner + rest
+            runs.append((first, first + run_stop - position, position - start))
+            position = run_stop
+        return runs
 
 
 def split_ranges(length: int, blocks: int, rank: int, size: int) -> tuple[tuple[int, int], ...]:

@@ -97,12 +97,3 @@ def _transform(model: nn.Module, config: ShardwiseConfig, mesh: ParallelMesh) ->
 
 register_transform(ModelTransform("tensor_parallel", lambda config: config.tensor_parallel.size > 1, _transform))
 
-
-def require_whole_parameters(mesh: ParallelMesh, operation: str) -> None:
-    """Checkpoints name pieces by parameter and element range of the whole parameter; a
-    tensor rank's local block is not such a range yet, so refuse rather than write pieces
-    that would load wrongly."""
-    if mesh["tensor"].size > 1:
-        raise RuntimeError(f"engine.{operation}() with tensor_parallel.size {mesh['tensor'].size}: checkpoints of "
-                           "tensor-parallel shards are not supported yet; gather the weights with "
-                           "shardwise.parallel.tensor.gather_full to export them")
