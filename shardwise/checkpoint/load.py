@@ -32,7 +32,7 @@ from shardwise.checkpoint.format import (
 )
 from shardwise.checkpoint.index import PieceIndex
 from shardwise.checkpoint.manifest import check_file, read_manifest, resolve_tag
-from shardwise.checkpoint.pieces import describe_model, module_extras, owned_runs, tensor_shards
+from shardwise.checkpoint.pieces import describe_whole_model, module_extras, owned_runs, tensor_shards
 from shardwise.checkpoint.safetensors_io import DTYPES
 from shardwise.checkpoint.state import decode_value, restore_rng_state
 
@@ -100,7 +100,7 @@ def verify_checkpoint(engine: Any, directory: Path) -> None:
             first_bad = position
             break
     flag = torch.tensor([first_bad], dtype=torch.int64, device=engine.device)
-    engine.comm.control_all_reduce(flag, "checkpoint verification", op=dist.ReduceOp.MIN)
+    engine.world.control_all_reduce(flag, "checkpoint verification", op=dist.ReduceOp.MIN)
     if flag.item() < len(names):
         name = names[flag.item()]
         raise CheckpointError(check_file(directory, name, files[name]) or f"checkpoint file "
@@ -110,7 +110,7 @@ def verify_checkpoint(engine: Any, directory: Path) -> None:
 def check_model(engine: Any, meta: dict, index: PieceIndex) -> None:
     """The checkpoint holds exactly the model's parameters and buffers, with its shapes."""
     saved = {entry["name"]: entry for entry in meta["parameters"] + meta["buffers"]}
-    current = describe_model(engine)
+    current = describe_whole_model(engine)
     wanted = [("parameter", entry) for entry in current["parameters"]]
     wanted += [("buffer", entry) for entry in current["buffers"]]
     for kind, entry in wanted:

@@ -85,5 +85,15 @@ def describe_model(engine: Any) -> dict[str, Any]:
     return {"parameters": parameters, "buffers": buffers, "aliases": aliases}
 
 
+def describe_whole_model(engine: Any) -> dict[str, Any]:
+    """`describe_model` of the whole model: with pipeline parallelism each rank holds only
+    its stage's parameters, so the stages' descriptions are merged (collective over the
+    pipeline group). A checkpoint then names every parameter, whatever pipeline size
+    saves or loads it."""
+    pipeline = getattr(engine, "pipeline", None)
+    description = describe_model(engine)
+    return description if pipeline is None else pipeline.merge_descriptions(description)
+
+
 def _dtype_name(dtype: torch.dtype) -> str:
     return str(dtype).removeprefix("torch.")

@@ -39,8 +39,8 @@ from shardwise.checkpoint.format import (
 )
 from shardwise.checkpoint.manifest import file_digest, publish, write_manifest, write_synced
 from shardwise.checkpoint.pieces import (
-    describe_model,
     describe_tensor_parallel,
+    describe_whole_model,
     module_extras,
     owned_runs,
     tensor_shards,
@@ -70,9 +70,11 @@ def save_checkpoint(
             _remove_leftovers(root)
             staging.mkdir()
 
+    model = describe_whole_model(engine)  # collective over a pipeline group, so every rank computes it
+
     def finish() -> None:
         if engine.rank == 0:
-            _write_meta(engine, staging, tag, client_state)
+            _write_meta(engine, staging, tag, client_state, model)
             _write_manifest(engine.world_size, staging)
             publish(root, tag)
 
@@ -98,7 +100,7 @@ def _together(engine: Any, step: Callable[[], None], what: str) -> None:
     except Exception as caught:  # re-raised below, after the peers know
         error = caught
     flag = torch.tensor([0 if error is not None else 1], device=engine.device)
-    engine.comm.control_all_reduce(flag, f"checkpoint: {what}", op=dist.ReduceOp.MIN)
+    engine.world.control_all_reduce(flag, f"checkpoint: {what}", op=dist.ReduceOp.MIN)  # every rank, all groups
     if error is not None:
         raise error
     if flag.item() == 0:
@@ -185,7 +187,7 @@ def _optimizer_states(engine: Any) -> tuple[dict[int, dict[str, torch.Tensor]], 
     return element_states, groups
 
 
-def _write_meta(engine: Any, staging: Path, tag: str, client_state: dict) -> None:
+def _write_meta(engine: Any, staging: Path, tag: str, client_state: dict, model: dict) -> None:
     optimizer = engine.optimizer.optimizer
     scheduler = engine.lr_scheduler
     if scheduler is not None and not hasattr(scheduler, "state_dict"):
@@ -196,7 +198,7 @@ def _write_meta(engine: Any, staging: Path, tag: str, client_state: dict) -> Non
         "world_size": engine.world_size,
         "stage": engine.stage,
         "dtype": str(engine.dtype).removeprefix("torch."),
-        **describe_model(engine),
+        **model,
         "optimizer": {
             "class": type(optimizer).__name__,
             "param_groups": [

@@ -21,9 +21,13 @@ import shardwise
 from shardwise.distributed.collectives import Communicator
 from shardwise.models import GPT, GPTConfig
 from shardwise.parallel.tensor import gather_full, tensor_shard
+from tests.parallel.workers import build_model as build_parallel_model
 from tests.parallel.workers import make_optimizer as make_sgd
 from tests.zero.workers import SEQ_LEN, VOCAB, global_batch, make_optimizer
 from tests.zero.workers import build_model as build_zero_model
+
+
+HF_MODELS = ("llama", "qwen2", "mistral")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -34,7 +38,7 @@ class PipeCase:
     micro_batches: int = 4
     stage: int = 1
     tensor: int = 1
-    model: str = "gpt"  # gpt (2 layers, tied) | gpt4 (4 layers, tied) | gpt-untied | llama
+    model: str = "gpt"  # gpt (2 layers, tied) | gpt4 (4 layers, tied) | gpt-untied | llama | qwen2 | mistral
     batch_form: str = "dict"  # dict: the model's own loss | pair: (inputs, labels) with a loss_fn
     micro_batch: int = 2
     steps: int = 3
@@ -60,6 +64,8 @@ def build_model(kind: str) -> torch.nn.Module:
     if kind == "gpt4":
         torch.manual_seed(1234)
         return GPT(dataclasses.replace(GPTConfig.preset("tiny"), n_layer=4, bias=False))
+    if kind in ("qwen2", "mistral"):
+        return build_parallel_model(kind)
     return build_zero_model(kind)
 
 
@@ -75,13 +81,13 @@ def micro_batch(case: PipeCase, x: torch.Tensor, y: torch.Tensor):
     """One micro-batch in the form the case asks for."""
     if case.batch_form == "pair":
         return x, y
-    if case.model == "llama":
+    if case.model in HF_MODELS:
         return {"input_ids": x, "labels": x}  # Hugging Face shifts the labels itself
     return {"idx": x, "targets": y}
 
 
 def reference_loss(model, case: PipeCase, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
-    if case.model == "llama":
+    if case.model in HF_MODELS:
         if case.batch_form == "pair":
             return pair_loss(model(input_ids=x).logits, y)
         return model(input_ids=x, labels=x).loss
@@ -201,3 +207,39 @@ def reference_eval_loss(case: PipeCase, data_size: int, params: dict) -> float:
 
 __all__ = ["SEQ_LEN", "VOCAB", "PipeCase", "failing_pipeline", "reference_eval_loss", "train_pipeline",
            "train_reference"]
+
+
+def _micro_batches(case: PipeCase, step: int, data_rank: int, data_size: int) -> list:
+    x, y = global_batch(step, data_size * case.micro_batches * case.micro_batch)
+    rows = [slice((i * data_size + data_rank) * case.micro_batch, (i * data_size + data_rank + 1) * case.micro_batch)
+            for i in range(case.micro_batches)]
+    return [micro_batch(case, x[r], y[r]) for r in rows]
+
+
+def checkpoint_run(rank: int, world_size: int, case: PipeCase, directory: str, steps: range, load: bool) -> dict:
+    """Train `steps` of `case` (pipeline_parallel.size 1 trains with the plain engine loop),
+    after loading the checkpoint in `directory` if `load`, then save one there."""
+    model = build_model(case.model)
+    engine = shardwise.initialize(model, case.config(), optimizer=optimizer_for(model, case))
+    if load:
+        engine.load_checkpoint(directory)
+    loss_fn = pair_loss if case.batch_form == "pair" else None
+    losses = []
+    for step in steps:
+        batches = _micro_batches(case, step, engine.mesh.data_rank, engine.mesh.data_size)
+        if engine.pipeline is not None:
+            losses.append(engine.train_batch(iter(batches), loss_fn=loss_fn).item())
+            continue
+        total = 0.0
+        for kwargs in batches:
+            loss = engine(**kwargs)
+            engine.backward(loss)
+            engine.step()
+            total += loss.item() / case.micro_batches
+        losses.append(total)
+    engine.save_checkpoint(directory)
+    tensor = Communicator(engine.mesh["tensor"])
+    with shardwise.gathered_parameters(list(model.parameters())):
+        params = {name: gather_full(p.detach().float(), tensor_shard(p), tensor).cpu()
+                  for name, p in model.named_parameters()}
+    return {"losses": losses, "params": params, "global_steps": engine.global_steps}

@@ -36,7 +36,7 @@ class PipelineChannel:
         self.virtual = virtual
         self.micro_batches = micro_batches
         self.timeout = timeout
-        self.sent: list[tuple[str, dist.Work]] = []
+        self.sent: list[tuple[str, dist.Work, torch.Tensor]] = []  # what, handle, the tensor kept alive
 
     def _tag(self, kind: str, stage: int, micro_batch: int) -> int:
         stages = self.handle.size * self.virtual
@@ -54,7 +54,7 @@ class PipelineChannel:
         try:
             work = dist.isend(tensor, peer, group=self.handle.group, tag=self._tag(kind, from_stage, micro_batch))
         except Exception as error:
-            raise PipelineError(f"rank {self._me()}: stage {from_stage}: {what} failed: {error}") from error
+            raise PipelineError(f"rank {self.me}: stage {from_stage}: {what} failed: {error}") from error
         self.stats.volume[(self.handle.purpose, "send")] += tensor.numel() * tensor.element_size()
         self.sent.append((what, work, tensor))
 
@@ -70,7 +70,7 @@ class PipelineChannel:
                 raise RuntimeError(f"nothing arrived within {self.timeout.total_seconds():g}s")
         except Exception as error:
             raise PipelineError(
-                f"rank {self._me()}: stage {to_stage}, micro-batch {micro_batch}: receive of the {kind} from stage "
+                f"rank {self.me}: stage {to_stage}, micro-batch {micro_batch}: receive of the {kind} from stage "
                 f"{from_stage} (rank {peer}) failed after {time.monotonic() - started:.1f}s: {error}. The other "
                 "stage raised or stopped; its own error names the pass that failed"
             ) from error
@@ -84,11 +84,13 @@ class PipelineChannel:
                 if work.wait(self.timeout) is False:
                     raise RuntimeError(f"not taken within {self.timeout.total_seconds():g}s")
             except Exception as error:
-                raise PipelineError(f"rank {self._me()}: {what} failed: {error}") from error
+                raise PipelineError(f"rank {self.me}: {what} failed: {error}") from error
 
     def abandon_sends(self) -> None:
         """After an error: drop the handles (the process group reports or times them out)."""
         self.sent = []
 
-    def _me(self) -> int:
+    @property
+    def me(self) -> int:
+        """This process's global rank."""
         return self.handle.ranks[self.handle.rank]

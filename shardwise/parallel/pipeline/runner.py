@@ -65,6 +65,17 @@ class PipelineRunner:
         self.synced_at = time.perf_counter()  # every stage is here: the step's schedule ends for all
         return total[0]
 
+    def merge_descriptions(self, description: dict) -> dict:
+        """Checkpoints: every stage's parameter and buffer descriptions, in stage order."""
+        merged: dict = {"parameters": [], "buffers": [], "aliases": {}}
+        seen: set[str] = set()
+        for part in self.pipeline.control_all_gather_object(description):
+            for key in ("parameters", "buffers"):
+                merged[key] += [entry for entry in part[key] if entry["name"] not in seen]
+                seen.update(entry["name"] for entry in part[key])
+            merged["aliases"].update(part["aliases"])
+        return merged
+
     # -- one batch ----------------------------------------------------------------------------
     def run(self, data_iter: Iterator[Any], loss_fn: Callable[..., torch.Tensor] | None, train: bool) -> torch.Tensor:
         """The mean loss of one global batch (on every rank); with `train`, one optimizer step."""
@@ -79,6 +90,8 @@ class PipelineRunner:
         self.stash: dict[tuple[int, int], tuple[torch.Tensor | None, torch.Tensor]] = {}
         self.busy = 0.0
         self.peak_in_flight = 0
+        was_training = self.model.training
+        self.model.train(train and was_training)  # eval_batch runs in eval mode, as DeepSpeed's does
         started = time.perf_counter()
         try:
             self._exchange_tied_weight()
@@ -90,6 +103,8 @@ class PipelineRunner:
             self.channel.abandon_sends()
             self.stash.clear()
             raise
+        finally:
+            self.model.train(was_training)
         self.synced_at = time.perf_counter()
         if train:
             engine.micro_steps += self.micro_batches - 1
@@ -147,7 +162,7 @@ class PipelineRunner:
         except PipelineError:
             raise
         except BaseException as error:
-            raise PipelineError(f"rank {self.channel._me()}: stage {stage}, micro-batch {action.micro_batch}: "
+            raise PipelineError(f"rank {self.channel.me}: stage {stage}, micro-batch {action.micro_batch}: "
                                 f"{action.kind} raised {type(error).__name__}: {error}") from error
 
     def _forward(self, action: Action, stage: int, context: StageContext, losses: dict[int, torch.Tensor],
