@@ -1,7 +1,7 @@
 """shardwise's configuration: DeepSpeed's JSON format, validated and resolved in one pass."""
 
 from shardwise.config.errors import ConfigError
-from shardwise.config.loader import load_config
+from shardwise.config.loader import load_config, read_config
 from shardwise.config.resolve import fill_auto
 from shardwise.config.schema import (
     ActivationCheckpointingConfig,
@@ -42,4 +42,5 @@ __all__ = [
     "default_config_table",
     "fill_auto",
     "load_config",
+    "read_config",
 ]

@@ -48,7 +48,7 @@ def load_config(
     if hidden_size is not None:
         _require_positive_int("hidden_size", hidden_size)
     problems: list[str] = []
-    cleaned = fill_auto(check_keys(_read(config), problems), auto_values or {})
+    cleaned = fill_auto(check_keys(read_config(config), problems), auto_values or {})
     batch_auto = batch_left_to_auto(cleaned)
     resolve_auto(cleaned, hidden_size, problems)
     data_parallel = resolve_data_parallel_size(cleaned, world_size, problems)
@@ -88,7 +88,9 @@ def _resolve_block_params(cleaned: dict[str, Any], block: str, problems: list[st
         section["params"] = params if resolved is None else resolved
 
 
-def _read(config: Mapping[str, Any] | str | os.PathLike[str]) -> dict[str, Any]:
+def read_config(config: Mapping[str, Any] | str | os.PathLike[str]) -> dict[str, Any]:
+    """The raw config as a dict: a copy of a dict, or a JSON file read strictly (UTF-8, one
+    object, no key given twice), with a `ConfigError` naming the file otherwise."""
     if isinstance(config, Mapping):
         return copy.deepcopy(dict(config))
     if not isinstance(config, (str, os.PathLike)):

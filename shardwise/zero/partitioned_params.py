@@ -18,6 +18,7 @@ and freed, so peak memory is the model's shard plus one module, never the full m
 
 from __future__ import annotations
 
+from itertools import chain
 from typing import Callable
 
 import torch
@@ -178,9 +179,15 @@ def _materialize_and_shard(
     device: torch.device,
     param_init_fn: Callable[[nn.Module], None],
 ) -> None:
-    """Give every partitioned unit its shard; meta modules are built one at a time."""
-    seed = torch.randint(0, 2**62, (1,), dtype=torch.int64)
-    comm.broadcast(seed, 0, "initialisation seed")
+    """Give every partitioned unit its shard; meta modules are built one at a time.
+
+    Only a model with meta tensors draws an initialisation seed: a model built whole
+    leaves the caller's random stream exactly where plain PyTorch would (a script's later
+    draws, its data order or a GAN's noise, must not depend on the ZeRO stage)."""
+    has_meta = any(t.is_meta for t in chain(model.parameters(), model.buffers()))
+    seed = torch.randint(0, 2**62, (1,), dtype=torch.int64) if has_meta else torch.zeros(1, dtype=torch.int64)
+    if has_meta:  # every rank has the same model (checked at start-up), so all or none broadcast
+        comm.broadcast(seed, 0, "initialisation seed")
     done: set[int] = set()
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(int(seed.item()))

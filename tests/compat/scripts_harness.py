@@ -10,17 +10,9 @@ import subprocess
 import sys
 from pathlib import Path
 
-import pytest
 
 SCRIPTS = Path(__file__).resolve().parent / "scripts"
 FP32_TOLERANCE = 1e-5
-# Scripts that draw random numbers after initialize (the GAN's noise, HelloDeepSpeed's data order)
-STAGE_3_DRAWS_RANDOM_NUMBERS = pytest.mark.xfail(
-    strict=True,
-    reason="stage-3 initialize draws from the global torch RNG (zero/partitioned_params.py, "
-    "_materialize_and_shard: torch.randint for the initialisation seed, outside fork_rng, even with no "
-    "meta-device parameter), so what the script draws afterwards differs from plain torch (lead)",
-)
 BF16_TOLERANCE = 2e-2
 # The reference never calls DeepSpeed's API, but the scripts import it at the top, as the
 # originals do: the alias makes those imports succeed in the plain process.

@@ -29,8 +29,7 @@ from torch.utils.data import DataLoader, Dataset, DistributedSampler, IterableDa
 
 from shardwise.compat.deepspeed.comm import DEFAULT_PORT, init_distributed
 from shardwise.compat.deepspeed.engine import DeepSpeedEngine
-from shardwise.config import load_config
-from shardwise.config.loader import _read as read_config
+from shardwise.config import load_config, read_config
 from shardwise.engine_arguments import hidden_size
 from shardwise.optim import build_optimizer
 
@@ -77,7 +76,23 @@ def initialize(
     engine = DeepSpeedEngine(model, cfg, optimizer, lr_scheduler)
     if training_data is not None:
         engine.training_dataloader = _data_loader(engine, training_data, collate_fn)
-    return engine, engine.optimizer.optimizer, engine.training_dataloader, engine.lr_scheduler
+    return engine, _clearing_model_gradients(engine), engine.training_dataloader, engine.lr_scheduler
+
+
+def _clearing_model_gradients(engine: DeepSpeedEngine) -> torch.optim.Optimizer:
+    """The torch optimizer over this rank's fp32 partition, whose `zero_grad()` also clears
+    the model's gradients: a script's `optimizer.zero_grad()` means that, as on DeepSpeed's
+    optimizer and on a plain torch optimizer over the model (a GAN clears the other
+    model's gradients with it). The engine never calls it; it drops master gradients itself."""
+    optimizer = engine.optimizer.optimizer
+    clear_masters = optimizer.zero_grad
+
+    def zero_grad(set_to_none: bool = True) -> None:
+        clear_masters(set_to_none)
+        engine.module.zero_grad(set_to_none)
+
+    optimizer.zero_grad = zero_grad
+    return optimizer
 
 
 def _choose_config(args: Any, config: Any) -> Any:
