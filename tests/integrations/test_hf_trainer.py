@@ -112,6 +112,16 @@ def test_load_best_model_at_end_loads_the_best_checkpoint(runs):
     assert relative_error(result["logits"], logits) < TOLERANCE
 
 
+def test_training_arguments_deepspeed_trains_the_same(runs):
+    """Where DeepSpeed is installed, TrainingArguments(deepspeed=config) can be created, and
+    ShardwiseTrainer takes the config over from it (accelerate stays a plain one)."""
+    pytest.importorskip("deepspeed")
+    results = runs.get("deepspeed_argument", train_shardwise, 2, stage=3, deepspeed_argument=True)
+    for result in results:
+        assert (result["stage"], result["world_size"]) == (3, 2)
+        assert_logs_match(result, runs.reference(), STEPS)
+
+
 def test_auto_config_filled_from_training_arguments(runs):
     config = runs.shardwise(3)[0]["config"]
     assert (config["train_micro_batch_size_per_gpu"], config["gradient_accumulation_steps"]) == (2, 2)

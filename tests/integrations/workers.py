@@ -37,6 +37,7 @@ class Run:
     resume: str | None = None
     activation_checkpointing: bool = False
     load_best: bool = False  # evaluate at every save and end with the best checkpoint's model
+    deepspeed_argument: bool = False  # the config as TrainingArguments(deepspeed=...) (needs DeepSpeed installed)
     config: dict = field(default_factory=dict)  # laid over the HF-style config
 
     def micro(self, world_size: int) -> int:
@@ -91,7 +92,7 @@ def probe_batch() -> torch.Tensor:
     return torch.randint(0, VOCAB, (2, SEQ_LEN), generator=torch.Generator().manual_seed(7))
 
 
-def arguments(run: Run, world_size: int):
+def arguments(run: Run, world_size: int, **extra):
     from transformers import TrainingArguments
 
     return TrainingArguments(
@@ -99,9 +100,10 @@ def arguments(run: Run, world_size: int):
         per_device_eval_batch_size=run.micro(world_size), gradient_accumulation_steps=run.accumulation,
         num_train_epochs=run.epochs, learning_rate=LR, weight_decay=0.01, warmup_steps=2,
         logging_steps=1, eval_strategy="steps", eval_steps=run.save_steps if run.load_best else run.eval_steps,
-        save_strategy="steps", save_steps=run.save_steps, load_best_model_at_end=run.load_best, train_sampling_strategy="sequential", report_to="none", disable_tqdm=True,
-        seed=0,
+        save_strategy="steps", save_steps=run.save_steps, load_best_model_at_end=run.load_best,
+        train_sampling_strategy="sequential", report_to="none", disable_tqdm=True, seed=0,
         use_cpu=world_size > 1 and not torch.cuda.is_available(),  # accelerate's switch for several CPU processes
+        **extra,
     )
 
 
@@ -142,9 +144,12 @@ def train_shardwise(rank: int, world_size: int, run: Run) -> dict:
     if run.activation_checkpointing:  # the model's own recomputation (newer releases renamed the method)
         enable = getattr(model, "activation_checkpointing_enable", None) or model.gradient_checkpointing_enable
         enable()
-    trainer = ShardwiseTrainer(model=model, args=arguments(run, world_size),
-                               train_dataset=TokenDataset(SAMPLES, 0), eval_dataset=TokenDataset(8, 1),
-                               shardwise_config=config)
+    if run.deepspeed_argument:  # the one-line switch: only Trainer -> ShardwiseTrainer changes
+        given = {"args": arguments(run, world_size, deepspeed=config)}
+    else:
+        given = {"args": arguments(run, world_size), "shardwise_config": config}
+    trainer = ShardwiseTrainer(model=model, train_dataset=TokenDataset(SAMPLES, 0), eval_dataset=TokenDataset(8, 1),
+                               **given)
     trainer.train(resume_from_checkpoint=run.resume)
     final = os.path.join(run.out_dir, "final")
     trainer.save_model(final)
