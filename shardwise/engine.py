@@ -45,13 +45,13 @@ from shardwise.optim.sharded import ShardAwareOptimizer
 from shardwise.parallel.apply import apply_model_transforms
 from shardwise.activation import transform as _checkpointing  # noqa: F401  (registers its apply step)
 from shardwise.parallel.compile import apply_compile_stage  # noqa: F401  (registers its apply step)
-from shardwise.parallel.sequence import ulysses  # noqa: F401  (registers its apply step)
-from shardwise.parallel.tensor import transform as _tensor_parallel  # noqa: F401  (registers its apply step)
 from shardwise.parallel.pipeline.engine_methods import (  # (and registers its apply step)
     PipelineEngineMethods,
     attach_pipeline,
     keep_stage_parameters,
 )
+from shardwise.parallel.sequence import ulysses  # noqa: F401  (registers its apply step)
+from shardwise.parallel.tensor import transform as _tensor_parallel  # noqa: F401  (registers its apply step)
 from shardwise.parallel.tensor.grad_norm import tensor_parallel_norm
 from shardwise.precision import LossScaler
 from shardwise.precision.casting import cast_floating
@@ -290,13 +290,16 @@ class Engine(PipelineEngineMethods, DeepSpeedEngineAPI, nn.Module):
         self.world.agree_on_call("save_checkpoint", call_check_timeout(self.context.timeout))
         return save_checkpoint(self, save_dir, tag, client_state)
 
-    def load_checkpoint(self, load_dir: str | os.PathLike, tag: str | None = None) -> dict:
-        """Resume from a checkpoint (any world size or stage); returns its client_state."""
+    def load_checkpoint(self, load_dir: str | os.PathLike, tag: str | None = None, *,
+                        optimizer_states: bool = True, module_only: bool = False) -> dict:
+        """Resume from a checkpoint (any world size or stage); returns its client_state.
+        `optimizer_states=False` / `module_only=True`: load the weights only (see
+        checkpoint/load.py)."""
         from shardwise.checkpoint import load_checkpoint
 
         self._require_alive("load_checkpoint")
         self.world.agree_on_call("load_checkpoint", call_check_timeout(self.context.timeout))
-        return load_checkpoint(self, load_dir, tag)
+        return load_checkpoint(self, load_dir, tag, optimizer_states, module_only)
 
     # -- accounting ----------------------------------------------------------------------
     def memory_breakdown(self, by_tier: bool = False) -> dict:

@@ -39,11 +39,16 @@ from shardwise.checkpoint.state import decode_value, restore_rng_state
 log = logging.getLogger("shardwise")
 
 
-def load_checkpoint(engine: Any, load_dir: str | os.PathLike, tag: str | None = None) -> dict:
+def load_checkpoint(engine: Any, load_dir: str | os.PathLike, tag: str | None = None,
+                    optimizer_states: bool = True, module_only: bool = False) -> dict:
     """Restore everything `save_checkpoint` wrote (tag None: the one `latest` names) and
     return the saved client_state. Collective: every rank calls it.
 
     Ranks beyond the saved world size keep their own RNG state; the others get theirs back.
+    `optimizer_states` False restores the weights (the fp32 masters) but keeps this
+    engine's optimizer state; `module_only` also keeps its schedule, counters, loss scale
+    and random state: a fine-tuning run that starts from a trained model (DeepSpeed's
+    `load_optimizer_states=False` and `load_module_only=True`).
     """
     directory = resolve_tag(Path(load_dir), tag)
     verify_checkpoint(engine, directory)
@@ -55,11 +60,13 @@ def load_checkpoint(engine: Any, load_dir: str | os.PathLike, tag: str | None = 
     with PieceIndex(directory, records) as index:
         check_model(engine, meta, index)
         engine.zero.release_gathered()  # forwards must gather the loaded values
-        _load_trained(engine, index, meta, records)
+        _load_trained(engine, index, meta, records, optimizer_states and not module_only)
         with torch.no_grad():
             for name, tensor in module_extras(engine.module):
                 tensor.copy_(index.read(name, VALUE, 0, tensor.numel(), tensor.dtype).view(tensor.shape))
     engine.zero.refresh_from_masters()
+    if module_only:
+        return meta["client_state"]
 
     if engine.lr_scheduler is not None and meta["lr_scheduler"] is not None:
         engine.lr_scheduler.load_state_dict(decode_value(meta["lr_scheduler"]))
@@ -140,10 +147,12 @@ def check_model(engine: Any, meta: dict, index: PieceIndex) -> None:
                               f"groups, this engine's optimizer has {len(optimizer.param_groups)}")
 
 
-def _load_trained(engine: Any, index: PieceIndex, meta: dict, records: list[dict]) -> None:
-    """Fill the owned masters and build the optimizer state of every owned segment."""
-    scalars, elements = _group_states(records)
-    engine.optimizer.optimizer.state.clear()  # loading into a trained engine: not two copies
+def _load_trained(engine: Any, index: PieceIndex, meta: dict, records: list[dict], optimizer_states: bool) -> None:
+    """Fill the owned masters and (`optimizer_states`) build the optimizer state of every
+    owned segment."""
+    scalars, elements = _group_states(records) if optimizer_states else ({}, {})
+    if optimizer_states:
+        engine.optimizer.optimizer.state.clear()  # loading into a trained engine: not two copies
     parts: dict[int, dict[str, torch.Tensor]] = {}
     for segment in engine.optimizer.segments:
         group = str(segment.group)
@@ -162,6 +171,8 @@ def _load_trained(engine: Any, index: PieceIndex, meta: dict, records: list[dict
                     index.read_into(owned.name, VALUE, start, owned.master[at : at + stop - start])
                     for key, tensor in parts.get(id(owned.segment), {}).items():
                         index.read_into(owned.name, key, start, owned.state_view(tensor)[at : at + stop - start])
+    if not optimizer_states:
+        return
     codec = engine.zero.codec
     states = {
         id(segment): codec.decode(parts[id(segment)], {

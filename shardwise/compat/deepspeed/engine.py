@@ -130,13 +130,11 @@ class DeepSpeedEngine(Engine):
         generators keep their state (shardwise's own load_checkpoint restores the saved
         one), so a script that seeds and then resumes draws what it drew under DeepSpeed.
 
-        shardwise's fp32 masters are the weights the optimizer state belongs to, so a
-        checkpoint restores them together: loading the model without its optimizer
-        state, or into a different model, is refused (convert the checkpoint with
+        `load_optimizer_states=False` loads the weights and keeps this engine's optimizer
+        state; `load_module_only=True` loads only the weights. Loading into a different
+        model (`load_module_strict=False`) is refused (convert the checkpoint with
         `shardwise convert` and load the weights into the model before initialize)."""
-        refused = {"load_module_strict=False": not load_module_strict,
-                   "load_optimizer_states=False": not load_optimizer_states,
-                   "load_module_only=True": load_module_only, "custom_load_fn": custom_load_fn is not None}
+        refused = {"load_module_strict=False": not load_module_strict, "custom_load_fn": custom_load_fn is not None}
         for argument, given in refused.items():
             if given:
                 raise ValueError(f"load_checkpoint({argument}) is not supported: {PARTIAL_LOAD_REFUSED}")
@@ -148,7 +146,8 @@ class DeepSpeedEngine(Engine):
         if not load_lr_scheduler_states and self.lr_scheduler is not None:
             scheduler_state = self.lr_scheduler.state_dict()
         random_state = capture_rng_state(self.device)
-        client_state = super().load_checkpoint(load_dir, tag)
+        client_state = super().load_checkpoint(load_dir, tag, optimizer_states=load_optimizer_states,
+                                               module_only=load_module_only)
         restore_rng_state(random_state, self.device)  # DeepSpeed leaves the random generators alone
         if scheduler_state is not None:
             self.lr_scheduler.load_state_dict(scheduler_state)
