@@ -140,3 +140,27 @@ def partitioned_checkpoints(rank: int, world_size: int, policy: str, to_host: bo
     results["all_gather"] = stats.totals()["all_gather"]
     results["arena"] = {device.type: (arena.allocations, arena.overflows) for device, arena in store.arenas.items()}
     return results
+
+
+def buffers_after_training(rank: int, world_size: int, stage: int, layers: int, dtype: str = "fp32",
+                           policy: str = "full", reuse_distance: int = 0) -> dict:
+    """memory_breakdown() of a short run with every transient-buffer size fixed (Cb)."""
+    model = tiny_gpt(n_layer=layers, dropout=0.0)
+    size = 4096
+    config = {
+        "train_micro_batch_size_per_gpu": 2,
+        "optimizer": {"type": "AdamW", "params": {"lr": 1e-3}},
+        "bf16": {"enabled": dtype == "bf16"},
+        "zero_optimization": {"stage": stage, "reduce_bucket_size": size, "allgather_bucket_size": size,
+                              "stage3_prefetch_bucket_size": size, "stage3_max_live_parameters": 5 * size,
+                              "stage3_param_persistence_threshold": 0, "sub_group_size": size,
+                              "stage3_max_reuse_distance": reuse_distance},
+        "activation_checkpointing": {"policy": policy},
+    }
+    engine = shardwise.initialize(model, config)
+    for step in range(2):
+        x, y = batch(step, 2 * world_size)
+        loss = engine(x[2 * rank : 2 * rank + 2], y[2 * rank : 2 * rank + 2])
+        engine.backward(loss)
+        engine.step()
+    return {"memory": engine.memory_breakdown(), "numel": engine.num_parameters()}
