@@ -168,7 +168,8 @@ def train_pipeline(rank: int, world_size: int, case: PipeCase) -> dict:
         engine.reset_comm_volume()
         losses.append(engine.train_batch(data_iter=iter(batches), loss_fn=loss_fn).item())
         volumes.append(engine.comm_volume(per_group=True))
-        timings.append({**engine.pipeline.last_timing, "peak": engine.pipeline.peak_in_flight})
+        timings.append({**engine.pipeline.last_timing, "peak": engine.pipeline.peak_in_flight,
+                        "peak_bytes": engine.pipeline.peak_activation_bytes})
     eval_x, eval_y = global_batch(100, data_size * case.micro_batches * case.micro_batch)
     eval_batches = [micro_batch(case, eval_x[(i * data_size + data_rank) * case.micro_batch:][:case.micro_batch],
                                 eval_y[(i * data_size + data_rank) * case.micro_batch:][:case.micro_batch])

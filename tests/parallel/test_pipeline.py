@@ -62,11 +62,21 @@ def assert_p2p_bytes(results: list[dict], case: PipeCase, tied_bytes: int) -> No
             assert step_volume["pipeline"]["send"] == pipeline_p2p_bytes(shape, result["pipeline_rank"])
 
 
+def schedule_case(schedule: str) -> PipeCase:
+    interleaved = schedule == "interleaved"
+    return PipeCase(schedule=schedule, virtual=2 if interleaved else 1, model="gpt4" if interleaved else "gpt")
+
+
+@lru_cache(maxsize=None)
+def pp2_run(schedule: str) -> list[dict]:
+    return run_distributed(train_pipeline, 2, schedule_case(schedule))
+
+
 @pytest.mark.parametrize("schedule", ["gpipe", "1f1b", "interleaved"])
 def test_pp2_matches_single_process(schedule):
     interleaved = schedule == "interleaved"
-    case = PipeCase(schedule=schedule, virtual=2 if interleaved else 1, model="gpt4" if interleaved else "gpt")
-    results = run_distributed(train_pipeline, 2, case)
+    case = schedule_case(schedule)
+    results = pp2_run(schedule)
     assert_matches(results, case, 1)
     assert_p2p_bytes(results, case, tied_bytes=VOCAB * WIDTH * 4)
     for result in results:
@@ -75,6 +85,19 @@ def test_pp2_matches_single_process(schedule):
         assert [timing["peak"] for timing in result["timings"]] == [expected] * case.steps
     if interleaved:
         assert [result["chunks"] for result in results] == [[[0], [2]], [[1], [3]]]
+
+
+def test_peak_activation_memory_gpipe_holds_m_micro_batches_1f1b_holds_p():
+    """Bytes autograd saved for backward (weights excluded), at their peak per stage:
+    GPipe m times one micro-batch's, 1F1B (p - stage) times (stage 0: p)."""
+    m = schedule_case("gpipe").micro_batches
+    for gpipe, one_f_one_b in zip(pp2_run("gpipe"), pp2_run("1f1b")):
+        stage = gpipe["pipeline_rank"]
+        gpipe_peak = {timing["peak_bytes"] for timing in gpipe["timings"]}
+        assert len(gpipe_peak) == 1 and gpipe_peak.pop() % m == 0
+        one = gpipe["timings"][0]["peak_bytes"] // m
+        assert one > 0
+        assert {timing["peak_bytes"] for timing in one_f_one_b["timings"]} == {(2 - stage) * one}
 
 
 @pytest.mark.parametrize("model", ["llama", "qwen2"])

@@ -56,6 +56,8 @@ class PipelineRunner:
         self.last_timing: dict[str, float] = {}  # total_s, busy_s and bubble (idle share) of the last batch
         self.synced_at = 0.0
         self.peak_in_flight = 0  # micro-batches whose activations were held at once, last batch
+        self.peak_activation_bytes = 0  # bytes autograd saved for those, at their peak, last batch
+        self.held_bytes: dict[tuple[int, int], int] = {}
 
     # -- the engine's hooks -----------------------------------------------------------------
     def combine_norm(self, norm_squared: torch.Tensor) -> torch.Tensor:
@@ -90,6 +92,9 @@ class PipelineRunner:
         self.stash: dict[tuple[int, int], tuple[torch.Tensor | None, torch.Tensor]] = {}
         self.busy = 0.0
         self.peak_in_flight = 0
+        self.peak_activation_bytes = 0
+        self.held_bytes = {}
+        self.parameter_storage = {param.untyped_storage().data_ptr() for param in self.model.parameters()}
         was_training = self.model.training
         self.model.train(train and was_training)  # eval_batch runs in eval mode, as DeepSpeed's does
         started = time.perf_counter()
@@ -149,6 +154,7 @@ class PipelineRunner:
                                         0, layout.last_stage, 0).requires_grad_()
             self.model.get_submodule(self.adapter.head_path).weight = leaf
             self.tied_leaf = leaf
+            self.parameter_storage.add(leaf.untyped_storage().data_ptr())  # a weight, not an activation
 
     def _do(self, action: Action, contexts: list[StageContext], losses: dict[int, torch.Tensor],
             loss_fn: Callable[..., torch.Tensor] | None, train: bool, final_backward: bool) -> None:
@@ -178,22 +184,29 @@ class PipelineRunner:
                                             stage - 1, stage, i)
             begin = time.perf_counter()
             hidden = received.requires_grad_(train)
-        for index in self.layout.chunks[action.chunk]:
-            hidden = self.adapter.layer(self.layers[str(index)], hidden, context)
-        if stage == self.layout.last_stage:
-            hidden = self.adapter.loss(self.model, hidden, context, loss_fn)
-            losses[i] = hidden.detach().float()
+        saved: dict[int, int] = {}  # storage -> bytes autograd keeps for backward (weights excluded)
+        with torch.autograd.graph.saved_tensors_hooks(lambda tensor: _count_saved(tensor, saved,
+                                                                                  self.parameter_storage),
+                                                      lambda tensor: tensor):
+            for index in self.layout.chunks[action.chunk]:
+                hidden = self.adapter.layer(self.layers[str(index)], hidden, context)
+            if stage == self.layout.last_stage:
+                hidden = self.adapter.loss(self.model, hidden, context, loss_fn)
+                losses[i] = hidden.detach().float()
         self.busy += time.perf_counter() - begin
         if stage != self.layout.last_stage:
             self.channel.send(hidden, "activation", stage + 1, stage, i)
         if train:
             self.stash[(action.chunk, i)] = (received, hidden)
+            self.held_bytes[(action.chunk, i)] = sum(saved.values())
             self.peak_in_flight = max(self.peak_in_flight, len(self.stash))
+            self.peak_activation_bytes = max(self.peak_activation_bytes, sum(self.held_bytes.values()))
 
     def _backward(self, action: Action, stage: int, final_backward: bool) -> None:
         i = action.micro_batch
         engine, layout = self.engine, self.layout
         received, output = self.stash.pop((action.chunk, i))
+        self.held_bytes.pop((action.chunk, i))
         if stage == layout.last_stage:
             tensors = [output.float() * (engine.loss_scaler.scale / engine.gradient_accumulation_steps)]
             grads: list[torch.Tensor | None] = [None]
@@ -238,3 +251,11 @@ class PipelineRunner:
             total /= self.micro_batches * self.data.size
         self.pipeline.control_all_reduce(total, "the batch's loss from the last stage")
         return total[0].float()
+
+
+def _count_saved(tensor: torch.Tensor, saved: dict[int, int], parameter_storage: set[int]) -> torch.Tensor:
+    """A saved-tensor pack hook that only measures: bytes per storage, parameters left out."""
+    storage = tensor.untyped_storage()
+    if storage.data_ptr() not in parameter_storage:
+        saved[storage.data_ptr()] = storage.nbytes()
+    return tensor
