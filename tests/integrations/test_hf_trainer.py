@@ -4,7 +4,9 @@ A random-init tiny Llama is fine-tuned with an HF-style "auto" config on 2 ranks
 stages 0-3 (accumulation 2, every epoch ending in a short window, gradient clipping,
 warm-up, weight decay groups, evaluation every 3 steps, a checkpoint every 2): the logged
 losses, learning rates, gradient norms and eval losses equal those of the Trainer without
-DeepSpeed in one process on the same batches (fp32, relative error < 1e-5). Checkpoints
+DeepSpeed in one process on the same batches (fp32, relative error < 1e-5), with the loss
+normalised by the window's token count (num_items_in_batch) or, with the config's own
+optimizer and scheduler blocks, divided by the window's length. Checkpoints
 resume with the same losses at the same world size and from 2 ranks on 1; `save_model`
 writes weights that `from_pretrained` loads with the reference's final weights and the
 engine's logits.
@@ -84,10 +86,13 @@ def test_losses_equal_plain_trainer(runs, stage):
         assert sorted(result["eval_loss"]) == [3, 6]
 
 
+BLOCKS = dict(load_best=True, mean_loss=True)  # and the Trainer divides each loss by the window's length
+
+
 def test_optimizer_and_scheduler_from_the_config(runs):
     """Hugging Face's ds_config_zero2.json shape: AdamW and WarmupDecayLR blocks, all "auto"."""
-    reference = runs.get("blocks_reference", train_reference_with_blocks, 1, load_best=True)[0]
-    results = runs.get("blocks_stage2", train_shardwise, 2, stage=2, config=CONFIG_BLOCKS, load_best=True)
+    reference = runs.get("blocks_reference", train_reference_with_blocks, 1, **BLOCKS)[0]
+    results = runs.get("blocks_stage2", train_shardwise, 2, stage=2, config=CONFIG_BLOCKS, **BLOCKS)
     for result in results:
         assert_logs_match(result, reference, STEPS)
         assert sorted(result["eval_loss"]) == [2, 4, 6]
@@ -101,8 +106,8 @@ def test_load_best_model_at_end_loads_the_best_checkpoint(runs):
     not the last one: the tiny model overfits its 20 samples)."""
     from transformers import LlamaForCausalLM
 
-    reference = runs.get("blocks_reference", train_reference_with_blocks, 1, load_best=True)[0]
-    result = runs.get("blocks_stage2", train_shardwise, 2, stage=2, config=CONFIG_BLOCKS, load_best=True)[0]
+    reference = runs.get("blocks_reference", train_reference_with_blocks, 1, **BLOCKS)[0]
+    result = runs.get("blocks_stage2", train_shardwise, 2, stage=2, config=CONFIG_BLOCKS, **BLOCKS)[0]
     best_step = min(reference["eval_loss"], key=reference["eval_loss"].get)
     assert best_step != 6, "the test needs a best checkpoint before the end"
     assert result["best_checkpoint"].endswith(f"checkpoint-{best_step}")

@@ -38,6 +38,9 @@ class Run:
     activation_checkpointing: bool = False
     load_best: bool = False  # evaluate at every save and end with the best checkpoint's model
     deepspeed_argument: bool = False  # the config as TrainingArguments(deepspeed=...) (needs DeepSpeed installed)
+    # The loss as a per-micro-batch mean, which the Trainer divides by the window's length,
+    # instead of normalised by the window's token count (num_items_in_batch).
+    mean_loss: bool = False
     config: dict = field(default_factory=dict)  # laid over the HF-style config
 
     def micro(self, world_size: int) -> int:
@@ -77,15 +80,18 @@ class TokenDataset(torch.utils.data.Dataset):
         return {"input_ids": self.tokens[index], "labels": self.tokens[index]}
 
 
-def build_model():
+def build_model(mean_loss: bool = False):
     """Random-init tiny Llama, identical on every rank; nothing downloaded."""
     from transformers import LlamaConfig, LlamaForCausalLM
 
     torch.manual_seed(1234)
-    return LlamaForCausalLM(LlamaConfig(
+    model = LlamaForCausalLM(LlamaConfig(
         vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
         num_key_value_heads=2, max_position_embeddings=SEQ_LEN, tie_word_embeddings=True,
     ))
+    if mean_loss:
+        model.accepts_loss_kwargs = False  # what the Trainer reads to pass num_items_in_batch or not
+    return model
 
 
 def probe_batch() -> torch.Tensor:
@@ -140,7 +146,7 @@ def train_shardwise(rank: int, world_size: int, run: Run) -> dict:
     config = hf_style_config(run.stage)
     for key, value in run.config.items():
         config[key] = {**config.get(key, {}), **value} if isinstance(value, dict) else value
-    model = build_model()
+    model = build_model(run.mean_loss)
     if run.activation_checkpointing:  # the model's own recomputation (newer releases renamed the method)
         enable = getattr(model, "activation_checkpointing_enable", None) or model.gradient_checkpointing_enable
         enable()
@@ -178,7 +184,7 @@ def train_reference_with_blocks(rank: int, world_size: int, run: Run) -> dict:
 
     from shardwise.optim.schedulers import WarmupDecayLR
 
-    model = build_model()
+    model = build_model(run.mean_loss)
     args = arguments(run, 1)
     optimizer = torch.optim.AdamW(model.parameters(), lr=LR, betas=(args.adam_beta1, args.adam_beta2),
                                   eps=args.adam_epsilon, weight_decay=args.weight_decay)
