@@ -27,7 +27,7 @@ from tests.zero.workers import SEQ_LEN, VOCAB, global_batch, make_optimizer
 from tests.zero.workers import build_model as build_zero_model
 
 
-HF_MODELS = ("llama", "qwen2", "mistral")
+HF_MODELS = ("llama", "qwen2", "mistral", "gpt2")
 
 
 @dataclasses.dataclass(frozen=True)

@@ -1,7 +1,7 @@
 """Pipeline parallelism trains exactly like one process on the same global batch (losses,
 final weights and an evaluation loss, fp32 relative error < 1e-5): every schedule at
 pp=2 on shardwise's GPT (tied embedding across the first and last stage), Hugging Face
-Llama and Qwen2, pp=2 x dp=2 with ZeRO-1 and ZeRO-2, and dp=2 x tp=2 x pp=2. The bytes each rank
+Llama, Qwen2 and GPT-2, pp=2 x dp=2 with ZeRO-1 and ZeRO-2, and dp=2 x tp=2 x pp=2. The bytes each rank
 sends point to point equal the planner's formula to the byte, and the micro-batches held
 at once equal the schedule's formula."""
 
@@ -100,11 +100,11 @@ def test_peak_activation_memory_gpipe_holds_m_micro_batches_1f1b_holds_p():
         assert {timing["peak_bytes"] for timing in one_f_one_b["timings"]} == {(2 - stage) * one}
 
 
-@pytest.mark.parametrize("model", ["llama", "qwen2"])
+@pytest.mark.parametrize("model", ["llama", "qwen2", "gpt2"])
 def test_pp2_hugging_face_with_its_own_loss(model):
     """A dict of forward kwargs (input_ids, labels); the loss is the model's loss_function.
-    Llama: GQA 4/2 heads, tied embeddings; Qwen2: q/k/v biases, tied, trained with SGD:
-    the key bias's true gradient is exactly zero, and AdamW turns its rounding noise into
+    Llama: GQA 4/2 heads, tied embeddings; Qwen2 (q/k/v biases) and GPT-2 (fused c_attn
+    with bias, Conv1D), both tied, trained with SGD: the key bias's true gradient is exactly zero, and AdamW turns its rounding noise into
     updates of size lr (tests/zero/workers.py, build_model)."""
     case = PipeCase(model=model) if model == "llama" else PipeCase(model=model, optimizer="sgd", lr=0.05)
     results = run_distributed(train_pipeline, 2, case)

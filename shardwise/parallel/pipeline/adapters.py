@@ -10,6 +10,7 @@ last the labels.
     shardwise GPT        blocks; wte, wpe, drop | ln_f, lm_head
     Llama family (HF)    model.layers; model.embed_tokens | model.norm, lm_head;
                          rotary embeddings and the causal mask computed on every stage
+    GPT-2 (HF)           transformer.h; transformer.wte, wpe, drop | transformer.ln_f, lm_head
 """
 
 from __future__ import annotations
@@ -134,14 +135,56 @@ class LlamaAdapter(Adapter):
         return output[0] if isinstance(output, tuple) else output
 
     def loss(self, model: nn.Module, hidden: torch.Tensor, context: StageContext,
-             loss_fn: Callable[..., torch.Tensor] | None) -> torch.Tensor:
-        logits = model.lm_head(model.model.norm(hidden))
+             loss_fn: Callable[..., torch.Tensor] | None, norm: nn.Module | None = None) -> torch.Tensor:
+        """Final norm, output layer, then `loss_fn` or the model's own `loss_function`
+        (which shifts the labels); GPT-2 shares it with its own final norm."""
+        logits = model.lm_head((norm if norm is not None else model.model.norm)(hidden))
         if loss_fn is not None:
             return loss_fn(logits, context.labels)
         labels = context.kwargs.get("labels")
         if labels is None:
             raise ValueError("a Hugging Face micro-batch needs `labels` (or pass (inputs, labels) with a loss_fn)")
         return model.loss_function(logits=logits, labels=labels, vocab_size=model.config.vocab_size)
+
+
+class GPT2Adapter(Adapter):
+    input_name = "input_ids"
+    layers_path = "transformer.h"
+    first_modules = ("transformer.wte", "transformer.wpe", "transformer.drop")
+    last_modules = ("transformer.ln_f", "lm_head")
+    embedding_path = "transformer.wte"
+    head_path = "lm_head"
+
+    def hidden_size(self, model: nn.Module) -> int:
+        return model.config.n_embd
+
+    def prepare(self, model: nn.Module, context: StageContext, dtype: torch.dtype) -> None:
+        from transformers.masking_utils import create_causal_mask
+
+        ids = context.kwargs["input_ids"]
+        position_ids = context.kwargs.get("position_ids")
+        if position_ids is None:
+            position_ids = torch.arange(ids.shape[1], device=ids.device).unsqueeze(0)
+        probe = torch.empty((*ids.shape, self.hidden_size(model)), dtype=dtype, device=ids.device)
+        context.extras = {
+            "position_ids": position_ids,
+            "mask": create_causal_mask(config=model.config, inputs_embeds=probe,
+                                       attention_mask=context.kwargs.get("attention_mask"),
+                                       past_key_values=None, position_ids=position_ids),
+        }
+
+    def embed(self, model: nn.Module, context: StageContext) -> torch.Tensor:
+        transformer = model.transformer
+        hidden = transformer.wte(context.kwargs["input_ids"]) + transformer.wpe(context.extras["position_ids"])
+        return transformer.drop(hidden)
+
+    def layer(self, layer: nn.Module, hidden: torch.Tensor, context: StageContext) -> torch.Tensor:
+        output = layer(hidden, None, context.extras["mask"], position_ids=context.extras["position_ids"])
+        return output[0] if isinstance(output, tuple) else output
+
+    def loss(self, model: nn.Module, hidden: torch.Tensor, context: StageContext,
+             loss_fn: Callable[..., torch.Tensor] | None) -> torch.Tensor:
+        return LlamaAdapter.loss(self, model, hidden, context, loss_fn, norm=model.transformer.ln_f)
 
 
 def adapter_for(model: nn.Module) -> Adapter:
@@ -153,8 +196,10 @@ def adapter_for(model: nn.Module) -> Adapter:
     model_type = getattr(getattr(model, "config", None), "model_type", None)
     if model_type in LLAMA_FAMILY and hasattr(model, "model") and hasattr(model, "lm_head"):
         return LlamaAdapter()
+    if model_type == "gpt2" and hasattr(model, "transformer") and hasattr(model, "lm_head"):
+        return GPT2Adapter()
     raise ValueError(
         f"pipeline_parallel.size > 1: shardwise does not know how to split {type(model).__name__} into stages "
-        f"(supported: shardwise GPT and Hugging Face {', '.join(LLAMA_FAMILY)} causal LMs); use "
+        f"(supported: shardwise GPT and Hugging Face {', '.join(LLAMA_FAMILY)} and gpt2 causal LMs); use "
         "pipeline_parallel.size 1 for this model"
     )
