@@ -132,10 +132,14 @@ def offload_transfer_bytes(partition: int, stage: int, grad_bytes: int, param_by
 #                               all-gather  ring(2·4·b·s·T): the loss's logsumexp and target
 #                                           logit per token (the logits are never gathered)
 #   + Megatron SP               the layers' all-reduces become all-gather + reduce-scatter
-#                               of the same X: all-gather (1 + 4L + 1)·ring(X) (the split's
-#                               backward, 2 per layer in each direction, the join after the
-#                               stack), reduce-scatter 4L·ring(X), all-reduce 2·2·ring(X)
-#                               + Σ 2·ring(bytes) of each replicated layer parameter's gradient
+#                               of the same X: all-gather (1 + 6L + 1)·ring(X) (the split's
+#                               backward; per layer the 2 regions' inputs gathered in forward,
+#                               gathered again in backward for the column-parallel weight
+#                               gradients, which keep only the shard (Megatron's recompute of
+#                               the gather), and the row outputs' gradients gathered; the join
+#                               after the stack), reduce-scatter 4L·ring(X), all-reduce
+#                               2·2·ring(X) + Σ 2·ring(bytes) of each replicated layer
+#                               parameter's gradient
 #   sequence group, Ulysses     all-to-all  per layer 2·(2·ring(X/S) + 2·ring(X_kv/S)): q, k, v
 #                                           and the output, forward and backward; X_kv is X
 #                                           scaled by KV heads / heads (KV heads repeated to S
@@ -173,7 +177,7 @@ def tensor_parallel_comm_bytes(shape: ParallelCommShape) -> dict[str, int]:
         return volume
     loss = _ring("all_gather", 2 * 4 * shape.micro_batch * shape.seq_len * t, t)
     if shape.megatron_sp:
-        volume["all_gather"] = (2 + 4 * layers) * _ring("all_gather", x, t) + loss
+        volume["all_gather"] = (2 + 6 * layers) * _ring("all_gather", x, t) + loss
         volume["reduce_scatter"] = 4 * layers * _ring("reduce_scatter", x, t)
         volume["all_reduce"] = 2 * _ring("all_reduce", x, t) + sum(
             _ring("all_reduce", nbytes, t) for nbytes in shape.replicated_layer_param_bytes)

@@ -6,8 +6,10 @@ adds) every tensor rank would otherwise hold the same full activations. Here the
 stack's input is split along the sequence over the tensor group, the row-parallel layers'
 all-reduce becomes a reduce-scatter to sequence shards, and the column-parallel layers'
 input is all-gathered (layers.py, regions.py: `enter_region` / `leave_region` with
-`sequence_parallel`). The bytes moved are those of the two all-reduces they replace; the
-activations of those regions shrink by N.
+`sequence_parallel`). The bytes moved are those of the two all-reduces they replace, plus
+one all-gather per region in backward: the column-parallel layers keep only their input's
+sequence shard and gather it again for their weight gradient (tensor/sequence_gather.py),
+so the activations of those regions, and those inputs, shrink by N.
 
 The split covers the decoder layers: the first layer's input is cut (backward: all-gather)
 and the last layer's output gathered again (backward: this rank's chunk), so what follows

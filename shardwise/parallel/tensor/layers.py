@@ -25,6 +25,7 @@ from torch import nn
 
 from shardwise.distributed.collectives import Communicator
 from shardwise.parallel.tensor.cross_entropy import VocabShard, VocabShardedLogits
+from shardwise.parallel.tensor import sequence_gather
 from shardwise.parallel.tensor.placement import shard_parameter
 from shardwise.parallel.tensor.regions import enter_region, gather_from_region, leave_region
 
@@ -91,7 +92,7 @@ class ColumnParallelLinear(nn.Module):
         if self.enter:
             x = enter_region(x, self.region.comm, self.region.sequence_parallel)
         weight = self.weight.t() if self.conv1d else self.weight
-        y = F.linear(x, weight, self.bias)
+        y = sequence_gather.linear(x, weight, self.bias)  # saves only the sequence shard of a gathered input
         return gather_from_region(y, self.region.comm) if self.gather_output else y
 
     def extra_repr(self) -> str:

@@ -29,6 +29,7 @@ from __future__ import annotations
 import torch
 
 from shardwise.distributed.collectives import Communicator
+from shardwise.parallel.tensor.sequence_gather import mark_gathered
 
 SEQUENCE_DIM = 1
 
@@ -184,8 +185,12 @@ def join_sequence(x: torch.Tensor, comm: Communicator) -> torch.Tensor:
 
 
 def enter_region(x: torch.Tensor, comm: Communicator, sequence_parallel: bool) -> torch.Tensor:
-    """Input of column-parallel layers: replicated (copy) or sequence-sharded (gather)."""
-    return gather_sequence(x, comm) if sequence_parallel else copy_to_region(x, comm)
+    """Input of column-parallel layers: replicated (copy) or sequence-sharded (gather; the
+    whole sequence is marked so the linears reading it save only `x`, sequence_gather.py)."""
+    if not sequence_parallel or comm.size == 1:
+        return copy_to_region(x, comm)
+    return mark_gathered(gather_sequence(x, comm), x, lambda shard: _all_gather(
+        shard, comm, SEQUENCE_DIM, "sequence shards re-gathered for a column-parallel weight gradient"))
 
 
 def leave_region(x: torch.Tensor, comm: Communicator, sequence_parallel: bool) -> torch.Tensor:
