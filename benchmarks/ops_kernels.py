@@ -1,9 +1,11 @@
 """Fused kernels (shardwise.ops) and a compiled GPT block vs the unfused torch code, on CPU (issue 15).
 
-Each case runs forward + backward in a fresh process with MALLOC_MMAP_THRESHOLD_=65536, so
-large tensors are returned to the system when freed and the peak resident memory above
-the inputs (VmHWM, reset through /proc/self/clear_refs before the timed steps) is the
-peak of live tensors. Warm-up steps (which include Inductor's compilation) are not timed.
+Each case runs forward + backward in fresh processes with one intra-op thread (the 2 cores
+are shared with other jobs; an unscheduled second OpenMP thread stalls every parallel
+region): one for the time, one for memory with MALLOC_MMAP_THRESHOLD_=65536, so that large
+tensors are returned to the system when freed and the peak resident memory above the
+inputs (VmHWM, reset through /proc/self/clear_refs before the measured step) is the peak of
+live tensors. Warm-up steps (which include Inductor's compilation) are not measured.
 
     unfused    the plain torch code the operator replaces, eager
     fused      shardwise.ops' operator, its bodies compiled by Inductor (C++ on CPU)
@@ -130,6 +132,7 @@ VARIANTS = {
 def measure(case: str, variant: str, repeats: int) -> dict:
     import torch
 
+    torch.set_num_threads(1)
     step = build(case, variant)
     for _ in range(3):  # warm-up, compilation included
         step()
@@ -181,14 +184,18 @@ def main() -> None:
     sys.path.insert(0, str(Path(__file__).resolve().parent))
     from report import machine_line
 
-    env = {**os.environ, "MALLOC_MMAP_THRESHOLD_": "65536"}
+    def one(case: str, variant: str, repeats: int, env: dict) -> dict:
+        out = subprocess.run([sys.executable, __file__, "--one", case, variant, "--repeats", str(repeats)],
+                             env=env, check=True, capture_output=True, text=True).stdout
+        return json.loads(out.strip().splitlines()[-1])
+
     rows = []
     for case in args.cases:
         for variant in VARIANTS[case]:
-            out = subprocess.run([sys.executable, __file__, "--one", case, variant, "--repeats", str(args.repeats)],
-                                 env=env, check=True, capture_output=True, text=True).stdout
-            rows.append(json.loads(out.strip().splitlines()[-1]))
-    print(machine_line())
+            timed = one(case, variant, args.repeats, dict(os.environ))
+            memory = one(case, variant, 1, {**os.environ, "MALLOC_MMAP_THRESHOLD_": "65536"})
+            rows.append({**memory, "ms": timed["ms"]})
+    print(machine_line() + "; 1 intra-op thread per measurement")
     print("| case | variant | ms (best of repeats) | speed-up vs unfused | peak MiB above inputs | memory vs unfused |")
     print("|---|---|---|---|---|---|")
     for row in rows:

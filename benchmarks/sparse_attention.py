@@ -6,12 +6,15 @@ sequence lengths 1k-16k. Dense is torch's `scaled_dot_product_attention` with th
 expanded to an L x L boolean mask (built inside the timed call: it is what dense attention
 needs to express the same pattern).
 
-Each (implementation, length) runs in a fresh process with MALLOC_MMAP_THRESHOLD_=65536,
-so every large tensor is its own mapping returned to the system when freed and the
-process's peak resident memory (VmHWM, reset through /proc/self/clear_refs before the
-timed call) is the peak of live tensors. Reported: the peak above the inputs, and the
-"working" part of it, i.e. less the output and the three input gradients that any
-attention implementation returns.
+Each (implementation, length) runs in two fresh processes with one intra-op thread (the
+machine's 2 cores are shared with other jobs, and a second OpenMP thread that is not
+scheduled makes every parallel region wait): one for the time, one for memory with
+MALLOC_MMAP_THRESHOLD_=65536, so that every large tensor is its own mapping returned to
+the system when freed and the peak resident memory (VmHWM, reset through
+/proc/self/clear_refs before the measured call) is the peak of live tensors (mapping each
+allocation afresh costs page faults, hence the separate timing run). Reported: the peak
+above the inputs, and the "working" part of it, i.e. less the output and the three input
+gradients that any attention implementation returns.
 
     .venv/bin/python benchmarks/sparse_attention.py            # all lengths, table + plot
     .venv/bin/python benchmarks/sparse_attention.py --lengths 1024 2048 --repeats 1
@@ -48,6 +51,7 @@ def measure(impl: str, length: int, repeats: int) -> dict:
 
     from shardwise.ops.sparse_attention import BigBirdSparsityConfig, SparseSelfAttention
 
+    torch.set_num_threads(1)
     random.seed(0)
     torch.manual_seed(0)
     attention = SparseSelfAttention(BigBirdSparsityConfig(HEADS, block=BLOCK), max_seq_length=length)
@@ -80,11 +84,16 @@ def measure(impl: str, length: int, repeats: int) -> dict:
             "threads": torch.get_num_threads()}
 
 
-def run_isolated(impl: str, length: int, repeats: int) -> dict:
-    env = {**os.environ, "MALLOC_MMAP_THRESHOLD_": "65536"}
+def _subprocess(impl: str, length: int, repeats: int, env: dict) -> dict:
     out = subprocess.run([sys.executable, __file__, "--one", impl, str(length), "--repeats", str(repeats)],
                          env=env, check=True, capture_output=True, text=True).stdout
     return json.loads(out.strip().splitlines()[-1])
+
+
+def run_isolated(impl: str, length: int, repeats: int) -> dict:
+    timed = _subprocess(impl, length, repeats, dict(os.environ))
+    memory = _subprocess(impl, length, 1, {**os.environ, "MALLOC_MMAP_THRESHOLD_": "65536"})
+    return {**memory, "seconds": timed["seconds"]}
 
 
 def plot(rows: list[dict], path: Path) -> None:
@@ -125,7 +134,7 @@ def main() -> None:
     from report import machine_line
 
     rows = [run_isolated(impl, length, args.repeats) for length in args.lengths for impl in ("dense", "sparse")]
-    print(machine_line())
+    print(machine_line() + "; 1 intra-op thread per measurement")
     print("| length | kept blocks | dense s | sparse s | speed-up | dense peak MiB | sparse peak MiB | ratio "
           "| dense working MiB | sparse working MiB | ratio |")
     print("|---|---|---|---|---|---|---|---|---|---|---|")

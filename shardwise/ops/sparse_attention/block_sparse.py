@@ -42,11 +42,9 @@ class Chunk:
 class BlockPlan:
     """Which key blocks each query block meets, grouped into chunks of equal width."""
 
-    heads: int
     blocks: int
     block: int
-    chunks: tuple[Chunk, ...]
-    empty_rows: torch.Tensor  # rows that keep no block: their output is zero
+    chunks: tuple[Chunk, ...]  # rows that keep no block are in none: their output stays zero
 
     @property
     def padded_len(self) -> int:
@@ -75,7 +73,7 @@ def build_plan(layout: torch.Tensor, block: int, causal: bool, head_dim: int,
         for start in range(0, len(rows), per_chunk):
             part = slice(start, start + per_chunk)
             chunks.append(_chunk(rows[part], head_of_row[part], columns[part], blocks, block))
-    return BlockPlan(heads, blocks, block, tuple(chunks), torch.nonzero(counts == 0).flatten())
+    return BlockPlan(blocks, block, tuple(chunks))
 
 
 def _chunk(rows: torch.Tensor, heads: torch.Tensor, columns: torch.Tensor, blocks: int, block: int) -> Chunk:
