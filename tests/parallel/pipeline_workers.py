@@ -47,6 +47,7 @@ class PipeCase:
     sleep: tuple[float, float] = (0.0, 0.0)  # seconds added to each block's forward / backward
     fail_at: tuple[int, int] | None = None  # (pipeline rank, micro-batch) whose forward raises
     optimizer: str = "adamw"  # adamw | sgd (tensor parallelism: see tests/parallel/workers.py)
+    dtype: str = "fp32"  # fp32 | bf16
 
     def config(self) -> dict:
         return {
@@ -54,6 +55,7 @@ class PipeCase:
             "gradient_accumulation_steps": self.micro_batches,
             "gradient_clipping": self.clipping,
             "zero_optimization": {"stage": self.stage, "reduce_bucket_size": 3000, "allgather_bucket_size": 3000},
+            "bf16": {"enabled": self.dtype == "bf16"},
             "tensor_parallel": {"size": self.tensor},
             "pipeline_parallel": {"size": self.pipeline, "schedule": self.schedule,
                                   "virtual_stages": self.virtual},

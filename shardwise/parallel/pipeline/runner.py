@@ -150,7 +150,7 @@ class PipelineRunner:
             weight = self.model.get_submodule(self.adapter.embedding_path).weight
             self.channel.send(weight, "tied weight", layout.last_stage, 0, 0)
         if layout.last:
-            leaf = self.channel.receive(layout.tied_shape, layout.tied_dtype, self.engine.device, "tied weight",
+            leaf = self.channel.receive(layout.tied_shape, self.engine.dtype, self.engine.device, "tied weight",
                                         0, layout.last_stage, 0).requires_grad_()
             self.model.get_submodule(self.adapter.head_path).weight = leaf
             self.tied_leaf = leaf

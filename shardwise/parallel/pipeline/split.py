@@ -42,7 +42,6 @@ class StageLayout:
     last: bool
     tied: bool = False  # the first stage's embedding is the last stage's output weight
     tied_shape: torch.Size | None = None  # the tied output weight the last stage receives
-    tied_dtype: torch.dtype | None = None
     runs: list[list[int]] = field(default_factory=list)  # every virtual stage's layers
 
     def stage(self, chunk: int) -> int:
@@ -119,7 +118,7 @@ def split_model(model: nn.Module, adapter: Adapter, rank: int, size: int, virtua
     parent = model.get_submodule(parent_path) if parent_path else model
     setattr(parent, name, nn.ModuleDict({str(index): layers[index] for index in sorted(kept)}))
     if tied and layout.last:
-        layout.tied_shape, layout.tied_dtype = head.weight.shape, head.weight.dtype
+        layout.tied_shape = head.weight.shape
         del head._parameters["weight"]
         head.weight = torch.empty(0)  # replaced by the first stage's weight every batch
     for path in (() if layout.first else adapter.first_modules) + (() if layout.last else adapter.last_modules):
