@@ -1,4 +1,6 @@
-"""`shardwise estimate`: memory per ZeRO stage and offload option, and what to run.
+"""`shardwise estimate`: memory per ZeRO stage and offload option, and what to run (with a
+tensor or sequence group when --tp / --sp are given, or a suggested --tp when ZeRO alone
+does not fit).
 
 Imports only the planner (plain arithmetic) and rich, so the command answers instantly.
 """
@@ -15,6 +17,7 @@ from rich.table import Table
 
 from shardwise.planner.explain import DEVICE_NAMES, format_bytes
 from shardwise.planner.formulas import ELEMENT_BYTES, OPTIMIZER_FP32_STATES
+from shardwise.planner.parallel_activation import ModelParallel
 from shardwise.planner.recommend import DEFAULT_HEADROOM, Estimate, Hardware, OptionEstimate, estimate
 from shardwise.planner.shapes import PRESETS, ModelShape
 
@@ -62,6 +65,13 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
     training.add_argument("--seq-len", type=int, default=2048, help="default 2048")
     training.add_argument("--dtype", choices=list(ELEMENT_BYTES), default="bf16", help="default bf16")
     training.add_argument("--optimizer", choices=list(OPTIMIZER_FP32_STATES), default="adam", help="default adam")
+
+    parallel = parser.add_argument_group("model parallelism (--gpus counts every GPU; ZeRO shards over GPUs / tp)")
+    parallel.add_argument("--tp", type=int, default=1, help="tensor_parallel.size (default 1: the estimate then "
+                          "suggests a size when ZeRO alone needs offload or does not fit)")
+    parallel.add_argument("--megatron-sp", action="store_true",
+                          help="Megatron sequence parallelism inside the tensor group (tensor_parallel.sequence_parallel)")
+    parallel.add_argument("--sp", type=int, default=1, help="Ulysses sequence_parallel.size (default 1)")
     parser.set_defaults(handler=main)
     return parser
 
@@ -76,6 +86,7 @@ def main(args: argparse.Namespace) -> int:
             seq_len=args.seq_len,
             dtype=args.dtype,
             optimizer=args.optimizer,
+            parallel=ModelParallel(args.tp, args.sp, args.megatron_sp),
         )
     except (ValueError, FileNotFoundError) as error:
         print(f"shardwise estimate: error: {error}", file=sys.stderr)

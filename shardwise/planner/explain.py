@@ -73,6 +73,37 @@ def explain(estimate: Estimate) -> list[str]:
     return lines
 
 
+def explain_with_suggestion(estimate: Estimate) -> list[str]:
+    """`explain`, then, when ZeRO alone needs offload or does not fit, the tensor-parallel
+    size that fits without offload and its arithmetic."""
+    lines = explain(estimate)
+    suggestion = estimate.tensor_suggestion
+    if suggestion is None:
+        return lines
+    alone = ("does not fit" if estimate.recommendation is None
+             else f"needs {estimate.recommendation.option.offload.label}")
+    t = suggestion.parallel.tensor
+    lines.append(f"Tensor parallelism: ZeRO alone {alone}. Inside a node, --tp {t} --megatron-sp "
+                 f"(tensor_parallel.size {t}, sequence_parallel true) fits without offload:")
+    lines.append("  " + _tensor_params_line(suggestion))
+    lines += ["  " + line for line in _activation_lines(suggestion)[1:]]
+    lines.append(f"  Recommended at T = {t}: {suggestion.recommendation.label}.")
+    lines += _placement_lines(suggestion, suggestion.recommendation.option, suggestion.recommendation.recompute)
+    return lines
+
+
+def _tensor_params_line(estimate: Estimate) -> str:
+    """Ψ_T, the parameters of one tensor rank, and N = GPUs / T."""
+    shape, t = estimate.shape, estimate.parallel.tensor
+    replicated = shape.replicated_params
+    layers, hidden = shape.num_layers, shape.hidden_size
+    kept = (f"Ψ_r = (2L + 1)·h = (2 × {layers} + 1) × {hidden} = {replicated:,} replicated (norms)"
+            if replicated else "Ψ_r = 0 (layout unknown: every parameter counted as split)")
+    return (f"Ψ_T = ⌈(Ψ − Ψ_r)/T⌉ + Ψ_r = ⌈({format_count(shape.num_params)} − {replicated:,}) / {t}⌉ + "
+            f"{replicated:,} = {format_count(estimate.params_per_rank)} per tensor rank, {kept}; ZeRO shards "
+            f"over N = GPUs / T = {estimate.hardware.num_gpus} / {t} = {estimate.zero_ranks} ranks.")
+
+
 def _inputs_line(estimate: Estimate) -> str:
     hw = estimate.hardware
     k, p = estimate.optimizer_state_bytes, element_bytes(estimate.dtype)
@@ -80,8 +111,16 @@ def _inputs_line(estimate: Estimate) -> str:
         k_parts = f"optimizer states {k}; the fp32 weights are their own master copy"
     else:
         k_parts = f"fp32 master copy {MASTER_WEIGHT_BYTES} + optimizer states {k - MASTER_WEIGHT_BYTES}"
+    parallel = estimate.parallel
+    if parallel.tensor > 1:
+        ranks = (f"T = {parallel.tensor} tensor-parallel ranks" + (" with Megatron sequence parallelism"
+                 if parallel.megatron_sp else "") + f" × N = {estimate.zero_ranks} ZeRO ranks")
+    elif parallel.sequence > 1:
+        ranks = f"N = {hw.num_gpus} ZeRO ranks (data × S = {parallel.sequence} Ulysses sequence ranks)"
+    else:
+        ranks = f"N = {hw.num_gpus} data-parallel ranks"
     return (
-        f"{estimate.shape.describe()}; N = {hw.num_gpus} data-parallel ranks on {hw.num_nodes} node(s) "
+        f"{estimate.shape.describe()}; {ranks} on {hw.num_nodes} node(s) "
         f"of up to {hw.gpus_per_node} GPUs; {estimate.dtype} params and grads ({p} bytes each), "
         f"{estimate.optimizer}: K = {k} bytes/parameter ({k_parts})."
     )
@@ -109,13 +148,32 @@ def _activation_lines(estimate: Estimate) -> list[str]:
     s, b, e = estimate.seq_len, estimate.micro_batch, element_bytes(estimate.dtype)
     h, layers, a, vocab = shape.hidden_size, shape.num_layers, shape.num_heads, shape.vocab_size
     c_h, c_a = layer_activation_coefficients(estimate.dtype)
-    full_sym, full_num = f"s·b·h·({c_h} + {c_a}·a·s/h)", f"{s} × {b} × {h} × ({c_h} + {c_a} × {a} × {s} / {h})"
-    logits_sym = f" + {LOGITS_BYTES}·s·b·V" if vocab else ""
-    logits_num = f" + {LOGITS_BYTES} × {s} × {b} × {vocab}" if vocab else ""
+    t, s_size, sp = estimate.parallel.tensor, estimate.parallel.sequence, estimate.parallel.megatron_sp
+    outside = 4 * e + 2
+    if t > 1 and not sp:  # the norm, dropout and column-input regions stay whole
+        linear_sym, linear_num = f"({outside} + {c_h - outside}/T", f"({outside} + {c_h - outside} / {t}"
+    elif t > 1:
+        linear_sym, linear_num = f"({c_h}/T", f"({c_h} / {t}"
+    else:
+        linear_sym, linear_num = f"({c_h}", f"({c_h}"
+    split_sym = "/(h·T)" if t > 1 else "/h"
+    split_num = f" / ({h} × {t})" if t > 1 else f" / {h}"
+    per_s_sym, per_s_num = ("/S", f" / {s_size}") if s_size > 1 else ("", "")
+    full_sym = f"s·b·h·{linear_sym} + {c_a}·a·s{split_sym}){per_s_sym}"
+    full_num = f"{s} × {b} × {h} × {linear_num} + {c_a} × {a} × {s}{split_num}){per_s_num}"
+    selective_sym = f"s·b·h·{linear_sym}){per_s_sym}" if t > 1 or s_size > 1 else f"s·b·h·{c_h}"
+    selective_num = f"{s} × {b} × {h} × {linear_num}){per_s_num}" if t > 1 or s_size > 1 else f"{s} × {b} × {h} × {c_h}"
+    input_div_sym = ("/T" if sp else "") + per_s_sym
+    input_div_num = (f" / {t}" if sp else "") + per_s_num
+    vocab_sym = "/T" if t > 1 else ""
+    vocab_num = f" / {t}" if t > 1 else ""
+    logits_sym = f" + {LOGITS_BYTES}·s·b·V{vocab_sym}" if vocab else ""
+    logits_num = f" + {LOGITS_BYTES} × {s} × {b} × {vocab}{vocab_num}" if vocab else ""
     formulas: dict[RecomputeMode, tuple[str, str]] = {
         "none": (f"L·{full_sym}", f"{layers} × {full_num}"),
-        "selective": (f"L·s·b·h·{c_h}", f"{layers} × {s} × {b} × {h} × {c_h}"),
-        "full": (f"L·{e}·s·b·h + {full_sym}", f"{layers} × {e} × {s} × {b} × {h} + {full_num}"),
+        "selective": (f"L·{selective_sym}", f"{layers} × {selective_num}"),
+        "full": (f"L·{e}·s·b·h{input_div_sym} + {full_sym}",
+                 f"{layers} × {e} × {s} × {b} × {h}{input_div_num} + {full_num}"),
     }
     lines = [
         f"Activations per GPU (Korthikanti et al. 2022; s = {s}, b = {b}; selective recomputes the attention "
@@ -133,8 +191,13 @@ def _gather_line(estimate: Estimate) -> str:
         return "Stage-3 gather working set not counted: the largest layer is unknown."
     p = element_bytes(estimate.dtype)
     gather = estimate.option(3).gather_bytes
+    t = estimate.parallel.tensor
+    if t > 1:
+        largest_text = f"⌈{largest:,} / {t}⌉"
+    else:
+        largest_text = f"{largest:,}"
     return (
-        f"Stage-3 working set per GPU = 3 × {p} × {largest:,} (largest block or embedding: its gathered "
+        f"Stage-3 working set per GPU = 3 × {p} × {largest_text} (largest block or embedding: its gathered "
         f"parameters, the next one's prefetched, its full gradient before reduce-scatter) = {format_bytes(gather)}."
     )
 
@@ -154,7 +217,7 @@ def _why_not(estimate: Estimate, option: OptionEstimate) -> str:
 
 
 def _placement_lines(estimate: Estimate, option: OptionEstimate, recompute: RecomputeMode) -> list[str]:
-    hw, psi, n = estimate.hardware, estimate.shape.num_params, estimate.hardware.num_gpus
+    hw, psi, n = estimate.hardware, estimate.params_per_rank, estimate.zero_ranks
     terms = model_state_terms(option.stage, option.offload, estimate.dtype, estimate.optimizer_state_bytes)
     gpu_sym, gpu_num = render_terms([t for t in terms if t.device == "gpu"], psi, n)
     activations = estimate.activation(recompute)

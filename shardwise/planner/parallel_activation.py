@@ -1,4 +1,8 @@
-"""Activation bytes of the regions Megatron sequence parallelism shards (issue 10 item 3).
+"""Activation bytes under tensor and sequence parallelism: how one replica is split
+(`ModelParallel`), the per-rank Korthikanti formulas the estimator uses, and the exact bytes
+of the regions Megatron sequence parallelism shards in shardwise GPT (issue 10 items 3, 5).
+
+The exact regions:
 
 Per decoder layer of a pre-norm transformer (shardwise GPT's block: norm → attention,
 norm → MLP → dropout), with b sequences of s tokens, width h, fp32 activations, T tensor
@@ -21,6 +25,17 @@ width) and is the same with or without sequence parallelism.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
+from shardwise.planner.formulas import (
+    LOGITS_BYTES,
+    RECOMPUTE_MODES,
+    RecomputeMode,
+    activation_bytes,
+    element_bytes,
+    layer_activation_coefficients,
+)
+
 
 def sequence_region_activation_bytes(batch: int, seq_len: int, hidden: int, tensor_size: int, layers: int,
                                      sequence_parallel: bool, mask_bytes: int = 4) -> dict[str, int]:
@@ -33,3 +48,73 @@ def sequence_region_activation_bytes(batch: int, seq_len: int, hidden: int, tens
         "dropout": layers * mask_bytes * tokens * hidden,
         "column_input": layers * 2 * 4 * tokens * hidden,
     }
+
+
+@dataclass(frozen=True)
+class ModelParallel:
+    """How one model replica is split: T tensor ranks (Megatron sequence parallelism
+    inside them or not) and S Ulysses sequence ranks. ZeRO shards over the rest:
+    N = GPUs / T (the sequence ranks are ZeRO shard ranks too)."""
+
+    tensor: int = 1
+    sequence: int = 1
+    megatron_sp: bool = False
+
+    def __post_init__(self) -> None:
+        if self.tensor <= 0 or self.sequence <= 0:
+            raise ValueError(f"tensor and sequence sizes must be positive, got {self.tensor} and {self.sequence}")
+        if self.tensor > 1 and self.sequence > 1:
+            raise ValueError(f"Ulysses sequence parallelism (size {self.sequence}) with tensor parallelism (size "
+                             f"{self.tensor}) is not supported by the engine: use one, or Megatron sequence "
+                             "parallelism inside the tensor group")
+        if self.megatron_sp and self.tensor == 1:
+            raise ValueError("Megatron sequence parallelism splits the sequence over the tensor group: it needs a "
+                             "tensor-parallel size above 1")
+
+
+NO_MODEL_PARALLEL = ModelParallel()
+
+
+def parallel_layer_activation_bytes(seq_len: int, micro_batch: int, hidden: int, heads: int, dtype: str,
+                                    parallel: ModelParallel = NO_MODEL_PARALLEL, attention_core: bool = True) -> int:
+    """`layer_activation_bytes` on one rank of a tensor (T) or Ulysses (S) group
+    (Korthikanti et al. 2022, eq. 2 and 4): of c_h·sbh, the 4e + 2 bytes per sbh outside the
+    tensor region (two norm inputs, the two column-parallel inputs, two 1-byte dropout
+    masks) stay whole under plain tensor parallelism and fall by T with Megatron sequence
+    parallelism; the 12e inside the region and the attention core fall by T. Ulysses
+    splits every position-wise tensor by S and the attention core by heads, so all by S."""
+    c_h, c_a = layer_activation_coefficients(dtype)
+    e, t, s_size = element_bytes(dtype), parallel.tensor, parallel.sequence
+    sbh = seq_len * micro_batch * hidden
+    outside = 4 * e + 2
+    if parallel.megatron_sp:
+        linear_part = c_h * sbh // t
+    else:
+        linear_part = outside * sbh + (c_h - outside) * sbh // t
+    core = c_a * heads * seq_len * seq_len * micro_batch // t if attention_core else 0
+    return (linear_part + core) // s_size
+
+
+def parallel_activation_bytes(num_layers: int, hidden: int, heads: int, vocab_size: int | None, seq_len: int,
+                              micro_batch: int, dtype: str, recompute: RecomputeMode,
+                              parallel: ModelParallel = NO_MODEL_PARALLEL) -> int:
+    """`activation_bytes` on one rank of a tensor or Ulysses group: the layers as in
+    `parallel_layer_activation_bytes`; full recomputation keeps each layer's input, split by
+    T only with Megatron sequence parallelism and by S with Ulysses; the fp32 log-softmax
+    of the logits falls by T (the vocabulary-parallel loss never gathers them) but not by S
+    (the sequence is whole again after the decoder stack)."""
+    if parallel == NO_MODEL_PARALLEL:
+        return activation_bytes(num_layers, hidden, heads, vocab_size, seq_len, micro_batch, dtype, recompute)
+    if recompute not in RECOMPUTE_MODES:
+        raise ValueError(f"recompute must be one of {RECOMPUTE_MODES}, got {recompute!r}")
+    layer = parallel_layer_activation_bytes(seq_len, micro_batch, hidden, heads, dtype, parallel)
+    if recompute == "none":
+        layers = num_layers * layer
+    elif recompute == "selective":
+        layers = num_layers * parallel_layer_activation_bytes(seq_len, micro_batch, hidden, heads, dtype, parallel,
+                                                              attention_core=False)
+    else:
+        kept = element_bytes(dtype) * seq_len * micro_batch * hidden // parallel.sequence
+        layers = num_layers * (kept // parallel.tensor if parallel.megatron_sp else kept) + layer
+    logits = LOGITS_BYTES * seq_len * micro_batch * vocab_size // parallel.tensor if vocab_size else 0
+    return layers + logits

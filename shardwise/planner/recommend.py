@@ -10,29 +10,42 @@ the compute; selective recomputation almost nothing), so before each of those st
 current option is tried with selective, then full recomputation. Stage 1 with a CPU
 optimizer is evaluated but never recommended: stage 2 with a CPU optimizer moves the same
 bytes and keeps less on the GPU.
+
+Tensor parallelism. With --tp T every option is evaluated for one tensor rank's shard
+(Ψ_T) sharded by ZeRO over N = GPUs / T, with the per-rank activations. Without it, when
+ZeRO alone needs offload or does not fit, T = 2, 4, 8 (inside one node, dividing the GPUs,
+heads and vocabulary) are tried with Megatron sequence parallelism and the smallest that
+fits without offload is suggested beside the recommendation: within a node the tensor
+group's collectives run over NVLink every layer, which usually costs less than PCIe
+offload, but the choice stays the user's, so both are shown. T does not shrink model
+states below what ZeRO-3 already reaches over the same GPUs; it shrinks activations, the
+stage-3 working set, and lets lower stages fit.
 """
 
 from __future__ import annotations
 
 from dataclasses import replace
+from math import ceil
 from typing import Iterator
 
-from shardwise.planner.explain import explain
+from shardwise.planner.explain import explain_with_suggestion
 from shardwise.planner.formulas import (
     NO_OFFLOAD,
     RECOMPUTE_MODES,
     Device,
     Offload,
     RecomputeMode,
-    activation_bytes,
     optimizer_state_bytes_for,
     placed_model_state_bytes,
     stage3_gather_bytes,
 )
+from shardwise.planner.parallel_activation import NO_MODEL_PARALLEL, ModelParallel, parallel_activation_bytes
 from shardwise.planner.results import DEFAULT_HEADROOM, Estimate, Hardware, OptionEstimate, Recommendation
 from shardwise.planner.shapes import ModelShape
 
-__all__ = ["DEFAULT_HEADROOM", "Estimate", "Hardware", "OptionEstimate", "Recommendation", "estimate"]
+__all__ = ["DEFAULT_HEADROOM", "Estimate", "Hardware", "ModelParallel", "OptionEstimate", "Recommendation", "estimate"]
+
+TENSOR_SIZES = (2, 4, 8)  # tried in order when ZeRO alone does not fit: the smallest within a node
 
 # Table order: by stage, then by how much leaves the GPU.
 OPTIONS: tuple[tuple[int, Offload], ...] = (
@@ -75,28 +88,78 @@ def estimate(
     seq_len: int = 2048,
     dtype: str = "bf16",
     optimizer: str = "adam",
+    parallel: ModelParallel = NO_MODEL_PARALLEL,
 ) -> Estimate:
-    """Evaluate every stage/offload option for `shape` on `hardware` and recommend one."""
+    """Evaluate every stage/offload option for `shape` on `hardware` (split over `parallel`'s
+    tensor or sequence group) and recommend one. Without model parallelism, when ZeRO alone
+    needs offload or does not fit, the smallest tensor-parallel size that fits without
+    offload is attached as `tensor_suggestion`."""
     if micro_batch <= 0 or seq_len <= 0:
         raise ValueError(f"micro_batch and seq_len must be positive, got {micro_batch} and {seq_len}")
+    check_parallel(shape, hardware, parallel, seq_len)
     k = optimizer_state_bytes_for(optimizer, dtype)
-    activations = _activations(shape, micro_batch, seq_len, dtype)
+    activations = _activations(shape, micro_batch, seq_len, dtype, parallel)
     modes = RECOMPUTE_MODES if activations is not None else ("none",)
+    local = shape.params_per_tensor_rank(parallel.tensor)
+    zero_ranks = hardware.num_gpus // parallel.tensor
     options = tuple(
-        _evaluate_option(stage, offload, shape, hardware, dtype, k, activations, modes) for stage, offload in OPTIONS
+        _evaluate_option(stage, offload, shape, hardware, dtype, k, activations, modes, local, zero_ranks, parallel)
+        for stage, offload in OPTIONS
     )
-    partial = Estimate(shape, hardware, micro_batch, seq_len, dtype, optimizer, k, activations, options, None)
+    partial = Estimate(shape, hardware, micro_batch, seq_len, dtype, optimizer, k, activations, options, None,
+                       parallel=parallel, params_per_rank=local)
     recommendation, ruled_out = _recommend(partial, modes)
     partial = replace(partial, recommendation=recommendation, ruled_out=ruled_out)
-    return replace(partial, explanation=tuple(explain(partial)))
+    if parallel == NO_MODEL_PARALLEL and (recommendation is None or recommendation.option.offload != NO_OFFLOAD):
+        partial = replace(partial, tensor_suggestion=_suggest_tensor_parallel(partial))
+    return replace(partial, explanation=tuple(explain_with_suggestion(partial)))
 
 
-def _activations(shape: ModelShape, micro_batch: int, seq_len: int, dtype: str) -> dict[RecomputeMode, int] | None:
+def check_parallel(shape: ModelShape, hardware: Hardware, parallel: ModelParallel, seq_len: int) -> None:
+    """The sizes the engine would refuse (tensor_parallel.size, sequence_parallel.size)."""
+    for flag, size in (("--tp", parallel.tensor), ("--sp", parallel.sequence)):
+        if size == 1:
+            continue
+        if hardware.num_gpus % size:
+            raise ValueError(f"{flag} {size} does not divide --gpus {hardware.num_gpus}: every group needs {size} GPUs")
+        if shape.num_heads is not None and shape.num_heads % size:
+            raise ValueError(f"{flag} {size} does not divide the {shape.num_heads} attention heads: each rank "
+                             "takes heads / size of them")
+    if parallel.tensor > 1 and shape.vocab_size is not None and shape.vocab_size % parallel.tensor:
+        raise ValueError(f"--tp {parallel.tensor} does not divide the vocabulary of {shape.vocab_size}: the embedding "
+                         "and output layer are split by rows")
+    split = parallel.sequence * (parallel.tensor if parallel.megatron_sp else 1)
+    if seq_len % split:
+        raise ValueError(f"--seq-len {seq_len} does not split over {split} sequence ranks")
+
+
+def _suggest_tensor_parallel(single: Estimate) -> Estimate | None:
+    """The smallest T in 2, 4, 8 (inside one node, dividing the GPUs, heads and vocabulary)
+    with Megatron sequence parallelism at which some ZeRO stage fits without offload."""
+    hardware, shape = single.hardware, single.shape
+    for size in TENSOR_SIZES:
+        if size > hardware.gpus_per_node or size > hardware.num_gpus:
+            break
+        parallel = ModelParallel(tensor=size, megatron_sp=True)
+        try:
+            check_parallel(shape, hardware, parallel, single.seq_len)
+        except ValueError:
+            continue
+        candidate = estimate(shape, hardware, single.micro_batch, single.seq_len, single.dtype, single.optimizer,
+                             parallel)
+        if candidate.recommendation is not None and candidate.recommendation.option.offload == NO_OFFLOAD:
+            return candidate
+    return None
+
+
+def _activations(shape: ModelShape, micro_batch: int, seq_len: int, dtype: str,
+                 parallel: ModelParallel) -> dict[RecomputeMode, int] | None:
     layers, hidden, heads = shape.num_layers, shape.hidden_size, shape.num_heads
     if layers is None or hidden is None or heads is None:
         return None
     return {
-        mode: activation_bytes(layers, hidden, heads, shape.vocab_size, seq_len, micro_batch, dtype, mode)
+        mode: parallel_activation_bytes(layers, hidden, heads, shape.vocab_size, seq_len, micro_batch, dtype, mode,
+                                        parallel)
         for mode in RECOMPUTE_MODES
     }
 
@@ -110,9 +173,13 @@ def _evaluate_option(
     k: int,
     activations: dict[RecomputeMode, int] | None,
     modes: tuple[RecomputeMode, ...],
+    local_params: int,
+    zero_ranks: int,
+    parallel: ModelParallel,
 ) -> OptionEstimate:
-    per_rank = placed_model_state_bytes(shape.num_params, hardware.num_gpus, stage, offload, dtype, k)
-    gather = stage3_gather_bytes(shape.largest_layer_params, dtype) if stage == 3 and shape.largest_layer_params else 0
+    per_rank = placed_model_state_bytes(local_params, zero_ranks, stage, offload, dtype, k)
+    largest = shape.largest_layer_params
+    gather = stage3_gather_bytes(ceil(largest / parallel.tensor), dtype) if stage == 3 and largest else 0
     cpu = hardware.ranks_per_node * sum(per_rank["cpu"].values())
     nvme = hardware.ranks_per_node * sum(per_rank["nvme"].values())
     gpu_states = sum(per_rank["gpu"].values())

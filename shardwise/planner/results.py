@@ -8,6 +8,7 @@ from dataclasses import dataclass
 from math import ceil
 
 from shardwise.planner.formulas import GB, NO_OFFLOAD, Category, Device, Offload, RecomputeMode
+from shardwise.planner.parallel_activation import NO_MODEL_PARALLEL, ModelParallel
 from shardwise.planner.shapes import ModelShape
 
 DEFAULT_HEADROOM = 0.15
@@ -15,7 +16,8 @@ DEFAULT_HEADROOM = 0.15
 
 @dataclass(frozen=True)
 class Hardware:
-    """The cluster. `num_gpus` is the data-parallel size N (no tensor or pipeline split).
+    """The cluster. `num_gpus` is every GPU of the job: the data-parallel size N, or N·T
+    with a tensor group of T (`ModelParallel`).
     CPU memory and NVMe are per node; `headroom` is the fraction of every memory held back
     for fragmentation, the CUDA context, allocator caching and the framework itself."""
 
@@ -115,6 +117,14 @@ class Estimate:
     recommendation: Recommendation | None
     ruled_out: tuple[OptionEstimate, ...] = ()
     explanation: tuple[str, ...] = ()
+    parallel: ModelParallel = NO_MODEL_PARALLEL
+    params_per_rank: int = 0  # Ψ of one tensor rank's shard (Ψ without tensor parallelism)
+    tensor_suggestion: "Estimate | None" = None  # the smallest T that fits without offload, when ZeRO alone does not
+
+    @property
+    def zero_ranks(self) -> int:
+        """N: the ranks ZeRO shards over (data × Ulysses sequence ranks) = GPUs / T."""
+        return self.hardware.num_gpus // self.parallel.tensor
 
     def option(self, stage: int, offload: Offload = NO_OFFLOAD) -> OptionEstimate:
         for candidate in self.options:

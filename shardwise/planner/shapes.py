@@ -58,6 +58,20 @@ class ModelShape:
                 raise ValueError(f"{field} must be positive, got {value}")
 
     @property
+    def replicated_params(self) -> int:
+        """Parameters every tensor rank holds whole: the norms, (2L + 1)·h (biases of
+        row-parallel layers and position tables, if any, are left out: small beside the
+        rest). 0 when the layout is unknown."""
+        if self.hidden_size is None or self.num_layers is None:
+            return 0
+        return (2 * self.num_layers + 1) * self.hidden_size
+
+    def params_per_tensor_rank(self, tensor_size: int) -> int:
+        """Ψ_T = ⌈(Ψ − Ψ_r)/T⌉ + Ψ_r: a 1/T block of every split parameter, every replicated one whole."""
+        replicated = self.replicated_params
+        return -(-(self.num_params - replicated) // tensor_size) + replicated
+
+    @property
     def has_layout(self) -> bool:
         """Whether activation memory can be computed (needs h, L and a)."""
         return None not in (self.hidden_size, self.num_layers, self.num_heads)
