@@ -66,3 +66,16 @@ def test_stage3_keeps_units_a_finished_recomputation_used():
     for result in results:
         for name, want in result["none"]["params"].items():
             assert relative_error(result["full"]["params"][name], want) < 1e-5, name
+
+
+def test_partitioned_checkpoints_under_tensor_parallelism():
+    """TP = 2 (Megatron-style GPT layers): each rank keeps half of every layer input (the
+    inputs are replicated over the tensor group), and training equals no recomputation."""
+    extra = {"tensor_parallel": {"size": 2}, "activation_checkpointing": {"partition_activations": True}}
+    for result in run_distributed(train_policies, 2, 1, ["none", "full"], extra=extra):
+        for got, want in zip(result["full"]["losses"], result["none"]["losses"]):
+            assert abs(got - want) / abs(want) < 1e-5
+        for name, want in result["none"]["params"].items():
+            assert relative_error(result["full"]["params"][name], want) < 1e-5, name
+        layer_input = 2 * 16 * 32 * 4  # rows x seq x hidden, fp32
+        assert result["full"]["activations"]["checkpoints"] == 3 * layer_input // 2

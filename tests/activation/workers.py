@@ -58,9 +58,10 @@ def _train(rank: int, world_size: int, stage: int, policy: str, steps: int, drop
     model = tiny_gpt(dropout=dropout)
     engine = shardwise.initialize(model, engine_config(stage, policy, extra))
     losses = []
+    data_rank, data_size = engine.mesh.data_rank, engine.mesh.data_size  # a tensor group reads one slice
     for step in range(steps):
-        x, y = batch(step, 2 * world_size)
-        rows = slice(2 * rank, 2 * rank + 2)
+        x, y = batch(step, 2 * data_size)
+        rows = slice(2 * data_rank, 2 * data_rank + 2)
         loss = engine(x[rows], y[rows])
         engine.backward(loss)
         engine.step()
