@@ -20,12 +20,14 @@ from shardwise.models.gpt import GPT, GPTConfig
 BATCH, SEQ, WIDTH, HEADS, LAYERS, VOCAB = 2, 16, 32, 2, 2, 64
 
 
-def saved_bytes_by_module(rank: int, world_size: int, sequence_parallel: bool) -> dict[str, int]:
+def saved_bytes_by_module(rank: int, world_size: int, sequence_parallel: bool, batch: int = BATCH, seq: int = SEQ,
+                          width: int = WIDTH, heads: int = HEADS, layers: int = LAYERS) -> dict[str, int]:
+    """Saved bytes by module type over one forward (+ the backward, which must run)."""
     torch.manual_seed(0)
-    config = GPTConfig(vocab_size=VOCAB, block_size=SEQ, n_layer=LAYERS, n_head=HEADS, n_embd=WIDTH, dropout=0.1)
+    config = GPTConfig(vocab_size=VOCAB, block_size=seq, n_layer=layers, n_head=heads, n_embd=width, dropout=0.1)
     model = GPT(dataclasses.replace(config, bias=True))
     shardwise.initialize(model, {
-        "train_micro_batch_size_per_gpu": BATCH, "zero_optimization": {"stage": 0},
+        "train_micro_batch_size_per_gpu": batch, "zero_optimization": {"stage": 0},
         "tensor_parallel": {"size": world_size, "sequence_parallel": sequence_parallel}},
         optimizer=torch.optim.SGD(model.parameters(), lr=0.1))
     parameters = {p.untyped_storage().data_ptr() for p in model.parameters()}
@@ -48,7 +50,7 @@ def saved_bytes_by_module(rank: int, world_size: int, sequence_parallel: bool) -
         module.register_forward_pre_hook(enter)
         module.register_forward_hook(leave)
     generator = torch.Generator().manual_seed(1)
-    tokens = torch.randint(0, VOCAB, (BATCH, SEQ + 1), generator=generator)
+    tokens = torch.randint(0, VOCAB, (batch, seq + 1), generator=generator)
     with torch.autograd.graph.saved_tensors_hooks(pack, lambda tensor: tensor):
         loss = model(tokens[:, :-1], tokens[:, 1:])  # the model itself: the engine's forward has its own hooks
     totals: dict[str, int] = {}
