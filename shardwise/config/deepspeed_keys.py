@@ -102,6 +102,13 @@ def _sequence_parallel_size(value: Any) -> dict[str, Any] | str:
     return {} if value == 1 else {"sequence_parallel.size": value, "sequence_parallel.mode": "ulysses"}
 
 
+def _autotp_size(value: Any) -> dict[str, Any] | str:
+    """DeepSpeed's AutoTP training size: 0 (its default) switches it off, like 1."""
+    if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+        return f"must be a non-negative integer (0 = off), got {value!r}"
+    return {} if value <= 1 else {"size": value}
+
+
 def _grad_accum_dtype(value: Any) -> bool:
     return isinstance(value, dict) and set(value) <= {"grad_accum_dtype"} and value.get(
         "grad_accum_dtype", "fp32") in ("fp32", "float32", None)
@@ -193,6 +200,9 @@ RULES: dict[str, dict[str, KeyRule]] = {
     },
     "optimizer.params": {
         "set_grad_none": Accepted("gradients are always released after the step"),
+    },
+    "tensor_parallel": {
+        "autotp_size": Translated("tensor_parallel.size", _autotp_size),
     },
     "zero_optimization": {
         "cpu_offload": Translated("zero_optimization.offload_optimizer.device", _cpu_offload("offload_optimizer")),

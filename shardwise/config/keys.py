@@ -57,7 +57,7 @@ DEEPSPEED_KEYS_NOT_SUPPORTED: dict[str, frozenset[str]] = {
     }),
     "optimizer.params": frozenset({"max_grad_norm"}),
     "tensor_parallel": frozenset({
-        "autotp_size", "keep_module_on_host", "partition_config", "preset_model", "replace_with_kernel_inject",
+        "keep_module_on_host", "partition_config", "preset_model", "replace_with_kernel_inject",
         "tp", "tp_overlap_comm",
     }),
 }
@@ -65,7 +65,6 @@ DEEPSPEED_KEYS_NOT_SUPPORTED: dict[str, frozenset[str]] = {
 # Where shardwise has the capability under another key, say which.
 KEY_HINTS: dict[str, str] = {
     "optimizer.params.max_grad_norm": "use the top-level 'gradient_clipping' (DeepSpeed rejects it too)",
-    "tensor_parallel.autotp_size": "shardwise's key is 'tensor_parallel.size'",
 }
 
 
