@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import resource
 import statistics
 import time
@@ -166,6 +167,7 @@ def main() -> None:
         step_times = [max(r["times"][i] for r in results) for i in range(args.steps)]
         summary[variant] = {
             "step_s": round(statistics.median(step_times), 4),
+            "load_average_1min": round(os.getloadavg()[0], 2),
             "peak_rss_mib": [round(r["rss_mib"]) for r in results],
             "final_loss": round(max(r["loss"] for r in results if r["loss"] == r["loss"]), 6),
             **({"bubble_measured": [round(r["bubble"], 3) for r in results]} if variant == "shardwise" else {}),
