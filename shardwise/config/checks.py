@@ -45,6 +45,7 @@ def find_contradictions(
                 f"zero_optimization.{name}.device is 'nvme' but zero_optimization.{name}.nvme_path is not set"
             )
     problems += _sequence_parallel_contradictions(cfg)
+    problems += _onebit_contradictions(cfg)
     problems += _activation_contradictions(cfg)
     problems += _pipeline_contradictions(cfg, batch_known)
     micro_batches = cfg.pipeline_parallel.micro_batches
@@ -75,6 +76,25 @@ def _offload_contradictions(cfg: ShardwiseConfig) -> list[str]:
     if optimizer != "none" and zero.mics_shard_size != -1:
         problems.append("zero_optimization.mics_shard_size with an offloaded optimizer is not supported: the "
                         "all-reduce across replica groups would run on host memory; use one or the other")
+    return problems
+
+
+def _onebit_contradictions(cfg: ShardwiseConfig) -> list[str]:
+    """1-bit Adam / LAMB exchange every rank's momentum of the whole model themselves."""
+    if cfg.optimizer is None or cfg.optimizer.type not in ("OneBitAdam", "OneBitLamb"):
+        return []
+    name, problems = cfg.optimizer.type, []
+    if cfg.zero_optimization.stage != 0:
+        problems.append(f"optimizer.type '{name}' needs zero_optimization.stage 0, got {cfg.zero_optimization.stage}: "
+                        "after freeze_step each rank folds its own gradient into the whole model's momentum and "
+                        "the ranks exchange it compressed, but stages 1-3 keep 1/N of the momentum per rank "
+                        "(DeepSpeed's 1-bit optimizers do not run with ZeRO either)")
+    parallel = {"tensor_parallel.size": cfg.tensor_parallel.size, "sequence_parallel.size": cfg.sequence_parallel.size,
+                "pipeline_parallel.size": cfg.pipeline_parallel.size}
+    for key, size in parallel.items():
+        if size > 1:
+            problems.append(f"optimizer.type '{name}' with {key} {size} is not supported yet: the compressed "
+                            "momentum exchange is built for data parallelism alone; use Adam/AdamW or size 1")
     return problems
 
 

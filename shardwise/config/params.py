@@ -177,6 +177,67 @@ class MuonParams(Section):
         return _check_betas(betas)
 
 
+class OneBitAdamParams(Section):
+    """1-bit Adam (shardwise.optim.OneBitAdam) with DeepSpeed's `OneBitAdam` parameters and
+    defaults. `bias_correction` is applied (DeepSpeed accepts it and never does: give false
+    for its arithmetic); `cuda_aware` and `comm_backend_name` choose DeepSpeed's transport
+    and are accepted without effect: the exchange runs on the data-parallel group's backend."""
+
+    lr: Float = Field(1e-3, ge=0)
+    freeze_step: Int = Field(100000, ge=1, description="warm-up steps with full-precision gradients, after "
+                             "which the variance is frozen and the momentum exchanged at 1 bit per element")
+    bias_correction: Bool = True
+    betas: tuple[Float, Float] = (0.9, 0.999)
+    eps: Float = Field(1e-8, gt=0)
+    eps_inside_sqrt: Bool = False
+    weight_decay: Float = Field(0.0, ge=0)
+    max_grad_norm: Float = Field(0.0, description="accepted as 0 only: clip with gradient_clipping")
+    amsgrad: Bool = False
+    cuda_aware: Bool = False
+    comm_backend_name: Literal["nccl", "gloo", "mpi", "hccl", "compressed"] = "nccl"
+
+    @field_validator("betas")
+    @classmethod
+    def _betas_in_unit_interval(cls, betas: tuple[float, float]) -> tuple[float, float]:
+        return _check_betas(betas)
+
+    @field_validator("amsgrad")
+    @classmethod
+    def _no_amsgrad(cls, enabled: bool) -> bool:
+        if enabled:
+            raise ValueError("amsgrad true: 1-bit Adam/LAMB have no AMSGrad variant (DeepSpeed refuses it too)")
+        return enabled
+
+    @field_validator("max_grad_norm")
+    @classmethod
+    def _clip_elsewhere(cls, norm: float) -> float:
+        if norm:
+            raise ValueError(f"max_grad_norm {norm}: DeepSpeed's 1-bit optimizers ignore it; clip with the "
+                             "top-level gradient_clipping instead")
+        return norm
+
+
+class OneBitLambParams(OneBitAdamParams):
+    """1-bit LAMB (shardwise.optim.OneBitLamb) with DeepSpeed's `OneBitLamb` parameters and
+    defaults: LAMB's trust-ratio bounds, and the limits on the variance factor that
+    replaces the trust ratio after the warm-up."""
+
+    max_coeff: Float = Field(10.0, ge=0)
+    min_coeff: Float = Field(0.01, ge=0)
+    coeff_beta: Float = Field(0.9, ge=0, lt=1)
+    factor_max: Float = Field(4.0, gt=0)
+    factor_min: Float = Field(0.5, gt=0)
+    factor_threshold: Float = Field(0.1, ge=0)
+
+    @model_validator(mode="after")
+    def _bounds_ordered(self) -> "OneBitLambParams":
+        if self.min_coeff > self.max_coeff:
+            raise ValueError(f"min_coeff {self.min_coeff} is above max_coeff {self.max_coeff}")
+        if self.factor_min > self.factor_max:
+            raise ValueError(f"factor_min {self.factor_min} is above factor_max {self.factor_max}")
+        return self
+
+
 class SGDParams(Section):
     """`torch.optim.SGD`, which DeepSpeed builds for any type it does not know itself."""
 
@@ -249,6 +310,7 @@ class WarmupCosineLRParams(Section):
 OPTIMIZER_PARAMS: dict[str, type[Section]] = {
     "Adam": AdamParams, "AdamW": AdamParams, "SGD": SGDParams, "Lamb": LambParams, "Lars": LarsParams,
     "Adafactor": AdafactorParams, "Adam8bit": Adam8bitParams, "AdamW8bit": AdamW8bitParams, "Muon": MuonParams,
+    "OneBitAdam": OneBitAdamParams, "OneBitLamb": OneBitLambParams,
 }
 SCHEDULER_PARAMS: dict[str, type[Section]] = {
     "WarmupLR": WarmupLRParams,
@@ -256,8 +318,8 @@ SCHEDULER_PARAMS: dict[str, type[Section]] = {
     "WarmupCosineLR": WarmupCosineLRParams,
 }
 
-# Types from SPEC §1 that later capabilities (C16-C18) add; DeepSpeed's own spellings included.
-OPTIMIZERS_NOT_YET = ("OneBitAdam", "OneBitLamb", "ZeroOneAdam")
+# DeepSpeed's types a later capability may add (0/1 Adam: C18's variant with adaptive variance freezing).
+OPTIMIZERS_NOT_YET = ("ZeroOneAdam",)
 # Types DeepSpeed builds itself that no shardwise capability covers.
 DEEPSPEED_OPTIMIZERS_UNSUPPORTED = ("Adagrad", "Lion", "MuAdam", "MuAdamW", "MuSGD")
 DEEPSPEED_SCHEDULERS_UNSUPPORTED = ("OneCycle", "LRRangeTest")

@@ -140,7 +140,8 @@ class ZeroConfig(Section):
 class OptimizerConfig(Section):
     """An optimizer built from the config; `params` holds every accepted key, defaults filled in."""
 
-    type: Literal["Adam", "AdamW", "SGD", "Lamb", "Lars", "Adafactor", "Adam8bit", "AdamW8bit", "Muon"]
+    type: Literal["Adam", "AdamW", "SGD", "Lamb", "Lars", "Adafactor", "Adam8bit", "AdamW8bit", "Muon",
+                  "OneBitAdam", "OneBitLamb"]
     params: dict[str, Any] = Field(default_factory=dict)
 
     @property

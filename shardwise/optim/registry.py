@@ -158,3 +158,24 @@ register_optimizer(OptimizerSpec("AdamW8bit", _build_shardwise("adam8bit", "Adam
 register_optimizer(OptimizerSpec("Muon", _build_shardwise("muon", "Muon"), per_parameter=True,
                                  fp32_states=lambda params: OPTIMIZER_FP32_STATES["muon"],
                                  codec=_CodecBesideOptimizer("muon", "MuonCodec")))
+# 1-bit Adam / LAMB (stage 0): momentum, variance (LAMB: also its fresh variance) and the
+# worker-side error per element; the server-side error (1/N of the elements) and the momentum
+# buffer's padding are counted through the optimizer (planner/formulas.py onebit_state_bytes).
+def _build_onebit(module: str, class_name: str) -> Build:
+    """`bias_correction` is one of their constructor arguments (Adam's config key selects)."""
+
+    def build(groups: list[dict[str, Any]], params: dict[str, Any]) -> "torch.optim.Optimizer":
+        import importlib
+
+        cls = getattr(importlib.import_module(f"shardwise.optim.{module}"), class_name)
+        return cls(groups, **{**params, "betas": tuple(params.get("betas", (0.9, 0.999)))})
+
+    return build
+
+
+register_optimizer(OptimizerSpec("OneBitAdam", _build_onebit("onebit_adam", "OneBitAdam"), per_parameter=True,
+                                 fp32_states=lambda params: OPTIMIZER_FP32_STATES["onebitadam"],
+                                 codec=_CodecBesideOptimizer("onebit", "OneBitCodec")))
+register_optimizer(OptimizerSpec("OneBitLamb", _build_onebit("onebit_lamb", "OneBitLamb"), per_parameter=True,
+                                 fp32_states=lambda params: OPTIMIZER_FP32_STATES["onebitlamb"],
+                                 codec=_CodecBesideOptimizer("onebit", "OneBitCodec")))

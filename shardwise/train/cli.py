@@ -28,12 +28,15 @@ from shardwise.train.options import (
     DEFAULT_STAGE,
     DEFAULT_STEPS,
     MODEL_SIZES,
+    ONEBIT_OPTIMIZERS,
+    OPTIMIZER_NAMES,
     TrainOptions,
     apply_flags,
     auto_values,
     default_config,
     dtype_name,
     merge_config,
+    optimizer_block,
 )
 from shardwise.train.run_files import (
     COMPARISON_FILE,
@@ -89,6 +92,10 @@ def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParse
     parser.add_argument("--lr", type=_positive_float, default=None,
                         help=f"peak learning rate (default: the config's, else {DEFAULT_LR}); also fills "
                         "a config's \"auto\" learning rates")
+    parser.add_argument("--optimizer", choices=OPTIMIZER_NAMES, default=None,
+                        help="optimizer, with settings for this job (default: the config's, else adamw); "
+                        f"{' and '.join(ONEBIT_OPTIMIZERS)} run at ZeRO stage 0 unless --stage or the config says "
+                        "otherwise")
     parser.add_argument("--seed", type=int, default=None,
                         help=f"seed of initialisation and data order (default: the config's, else {DEFAULT_SEED})")
     parser.add_argument("--name", type=_run_name, default=None,
@@ -174,8 +181,12 @@ def prepare_run(args: argparse.Namespace) -> tuple[TrainOptions, int]:
     nproc = resolve_nproc(args).nproc
     user_config = _read_config(args.config) if args.config else {}
     seed = args.seed if args.seed is not None else user_config.get("seed", DEFAULT_SEED)
-    config = apply_flags(merge_config(default_config(steps), user_config), args.stage, args.bf16, seed, args.lr,
-                         args.compile)
+    optimizer = optimizer_block(args.optimizer, steps) if args.optimizer else None
+    stage = args.stage
+    if stage is None and args.optimizer in ONEBIT_OPTIMIZERS and "stage" not in user_config.get("zero_optimization", {}):
+        stage = 0  # the 1-bit optimizers exchange the whole model's momentum themselves
+    config = apply_flags(merge_config(default_config(steps), user_config), stage, args.bf16, seed, args.lr,
+                         args.compile, optimizer)
     config = fill_auto(config, auto_values(steps, args.lr))
     load_config(config, world_size=nproc, hidden_size=GPTConfig.preset(args.model_size).n_embd)
 

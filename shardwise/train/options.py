@@ -35,6 +35,14 @@ BATCH_KEYS = ("train_batch_size", "train_micro_batch_size_per_gpu", "gradient_ac
 # Blocks a user's config replaces whole: merging an SGD block into the default AdamW one
 # would hand SGD Adam's betas.
 REPLACED_BLOCKS = ("optimizer", "scheduler")
+# `--optimizer NAME`: shardwise's optimizers with settings for this job (BENCHMARKS.md,
+# optimizer convergence). AdamW's betas and weight decay carry over where an optimizer has
+# them; the 1-bit optimizers warm up for ONEBIT_WARM_UP of the steps (the papers: 15-25%)
+# and need ZeRO stage 0, which they get unless --stage or the config chooses another.
+OPTIMIZER_NAMES = ("adamw", "lamb", "lars", "adafactor", "adam8bit", "muon", "onebitadam", "onebitlamb")
+ONEBIT_OPTIMIZERS = ("onebitadam", "onebitlamb")
+ONEBIT_WARM_UP = 0.2
+LAMB_LR = 2e-2  # LAMB's step is lr x ||w|| per layer rather than lr per element
 
 
 @dataclass
@@ -100,6 +108,27 @@ def default_config(steps: int, stage: int = DEFAULT_STAGE) -> dict[str, Any]:
     }
 
 
+def optimizer_block(name: str, steps: int) -> dict[str, Any]:
+    """The config's optimizer block for `--optimizer NAME` in a run of `steps` steps."""
+    adamw = {"lr": DEFAULT_LR, "betas": [0.9, 0.95], "weight_decay": 0.1}
+    freeze_step = max(1, round(steps * ONEBIT_WARM_UP))
+    blocks = {
+        "adamw": ("AdamW", adamw),
+        "lamb": ("Lamb", {**adamw, "lr": LAMB_LR}),
+        "lars": ("Lars", {"lr": 0.1, "momentum": 0.9, "weight_decay": 1e-4, "trust_coefficient": 0.02}),
+        # torch's Adafactor steps by lr x RMS(w) and decays by lr x weight_decay per step
+        "adafactor": ("Adafactor", {"lr": 3e-2, "weight_decay": 0.01}),
+        "adam8bit": ("AdamW8bit", adamw),
+        "muon": ("Muon", {**adamw, "adjust_lr_fn": "match_rms_adamw"}),
+        "onebitadam": ("OneBitAdam", {**adamw, "freeze_step": freeze_step}),
+        "onebitlamb": ("OneBitLamb", {**adamw, "lr": LAMB_LR, "freeze_step": freeze_step}),
+    }
+    if name not in blocks:
+        raise ValueError(f"--optimizer {name!r} is not one of {', '.join(OPTIMIZER_NAMES)}")
+    type_name, params = blocks[name]
+    return {"type": type_name, "params": copy.deepcopy(params)}
+
+
 def merge_config(defaults: dict[str, Any], user: dict[str, Any]) -> dict[str, Any]:
     """`user` laid over `defaults`: sections merge key by key, except that the user's
     optimizer or scheduler block replaces the default one, and any batch key the user sets
@@ -131,9 +160,13 @@ def auto_values(steps: int, lr: float | None) -> dict[str, Any]:
 
 
 def apply_flags(config: dict[str, Any], stage: int | None, bf16: bool, seed: int,
-                lr: float | None = None, compile_blocks: bool = False) -> dict[str, Any]:
-    """Command-line flags win over the config file."""
+                lr: float | None = None, compile_blocks: bool = False,
+                optimizer: dict[str, Any] | None = None) -> dict[str, Any]:
+    """Command-line flags win over the config file (`optimizer`: the block `--optimizer`
+    chose, replacing the config's; `--lr` then sets its learning rate)."""
     config = copy.deepcopy(config)
+    if optimizer is not None:
+        config["optimizer"] = copy.deepcopy(optimizer)
     if compile_blocks:
         config.setdefault("compile", {})["enabled"] = True
     if stage is not None:

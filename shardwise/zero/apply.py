@@ -138,6 +138,6 @@ def apply_zero(
     optimizer = ShardedOptimizer(
         store, ledger, make_optimizer, codec,
         sum_over_shards=lambda tensor: groups.shard.control_all_reduce(tensor, "whole-parameter optimizer statistics"),
-        sum_data_over_shards=sum_data,
+        sum_data_over_shards=sum_data, reducer=reducer,
     )
     return ZeroState(policy, groups, params, store, reducer, optimizer)

@@ -111,6 +111,8 @@ class GradientReducer:
         # accumulate locally and let the caller decide when (no_sync; an optimizer that
         # communicates itself). Local accumulation needs the full buffer (stages 0-1).
         self.sync_in_backward = True
+        self.optimizer_exchanges = False  # the optimizer exchanges gradients itself (exchange_for_optimizer)
+        self._local_boundary = False
         self._reset_backward_state()
 
     def zero_grads(self) -> None:
@@ -125,6 +127,20 @@ class GradientReducer:
         self._reduced_in_window = False
 
     # -- backward ----------------------------------------------------------------------
+    def exchange_for_optimizer(self, who: str) -> tuple[Communicator, Callable[[bool], None]]:
+        """For an optimizer that exchanges gradients itself (1-bit Adam after its warm-up): the
+        data-parallel group, and a switch that stops backward reducing. Stage 0 only: the
+        optimizer needs the whole model's gradient and state on every rank."""
+        if self.shard.size > 1 or not self.keeps_full_grads:
+            raise ValueError(f"{who} exchanges the whole model's momentum between data-parallel ranks itself, "
+                             f"so it needs zero_optimization.stage 0: here ZeRO shards the optimizer state over "
+                             f"{self.shard.size} rank(s){'' if self.keeps_full_grads else ' and the gradients'}")
+
+        def use_local_gradients(on: bool) -> None:
+            self.optimizer_exchanges = on
+
+        return self.replicate, use_local_gradients
+
     def _reset_backward_state(self) -> None:
         self._seen: list[set[int]] = [set() for _ in self.units]
         self._buckets: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}  # unit -> (buffer, bucket)
@@ -136,9 +152,10 @@ class GradientReducer:
         """`boundary`: this backward ends an accumulation window. With `sync_in_backward`
         off (the engine's `no_sync`), gradients only accumulate locally: the first
         backward with it on again reduces everything accumulated."""
-        synced = self.sync_in_backward
+        synced = self.sync_in_backward and not self.optimizer_exchanges
         self._window_ends = boundary and synced
         self._reducing = synced and (boundary or not self.keeps_full_grads)
+        self._local_boundary = boundary and self.sync_in_backward and self.optimizer_exchanges
         self._reset_backward_state()
         if self._reduced_in_window:
             if not self._reducing:
@@ -226,6 +243,9 @@ class GradientReducer:
                 if not self._ready[unit.index]:
                     self._fill_missing(unit)
                     self._mark_ready(unit)
+        elif self._local_boundary:  # the optimizer reads this window's local gradients
+            for unit in self.units:
+                self._fill_missing(unit)
         while self._launched:
             self._complete_oldest()
         self._in_backward = False

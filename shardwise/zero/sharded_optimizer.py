@@ -21,7 +21,9 @@ import torch
 
 from shardwise.accounting import MemoryLedger, tensor_bytes
 from shardwise.optim.codec import ElementwiseCodec, StateCodec
+from shardwise.optim.onebit import OneBitOptimizer
 from shardwise.optim.sharded import ParameterShard, ShardAwareOptimizer, SumOverShards
+from shardwise.zero.gradients import GradientReducer
 from shardwise.zero.shard_store import SegmentState, ShardStore
 
 
@@ -34,12 +36,15 @@ class ShardedOptimizer:
         codec: StateCodec | None = None,
         sum_over_shards: SumOverShards | None = None,
         sum_data_over_shards: SumOverShards | None = None,
+        reducer: GradientReducer | None = None,
     ):
         """`make_optimizer` receives, per param group, the fp32 segments to train;
         `codec` says how its state is saved and resharded (default: per-element state).
         A `ShardAwareOptimizer` (the store then holds one segment per parameter piece) is
         told which piece each segment is, and sums its statistics with `sum_over_shards`
-        (small, control traffic) or parameter-sized tensors with `sum_data_over_shards`."""
+        (small, control traffic) or parameter-sized tensors with `sum_data_over_shards`.
+        An optimizer that exchanges gradients itself (1-bit Adam / LAMB) gets the
+        `reducer`'s data-parallel group and its switch to local gradients."""
         self.store = store
         self.ledger = ledger
         self.segments: list[SegmentState] = store.segments
@@ -47,6 +52,8 @@ class ShardedOptimizer:
         self.codec = codec or ElementwiseCodec()
         if isinstance(self.optimizer, ShardAwareOptimizer):
             self._attach_shards(sum_over_shards, sum_data_over_shards)
+        if isinstance(self.optimizer, OneBitOptimizer) and reducer is not None:
+            self.optimizer.attach_gradient_exchange(*reducer.exchange_for_optimizer(type(self.optimizer).__name__))
         self.record_state_bytes()
 
     def _segments_by_group(self) -> list[list[torch.Tensor]]:
@@ -111,4 +118,6 @@ class ShardedOptimizer:
         total = self.store.master_bytes()
         for segment in self.segments:
             total += self.codec.state_bytes(self.optimizer.state.get(segment.master, {}), segment.numel)
+        if isinstance(self.optimizer, OneBitOptimizer):  # its error-feedback buffers
+            total += self.optimizer.exchange_state_bytes()
         self.ledger.set("optimizer_states", total, tier=self.store.state_tier)

@@ -1,0 +1,121 @@
+"""Optimizer step time per million parameters and state memory, every optimizer on the
+same shard, in one run (issue 14, C16-C18).
+
+    .venv/bin/python benchmarks/optimizer_step.py [--model-size 10m] [--threads 1] [--repeats 7]
+
+The shard is the main job's GPT's fp32 parameters (whole, as at ZeRO stage 0 or one
+rank's view of them), with fixed random gradients. Each optimizer takes warm-up steps
+(its state exists, 1-bit ones are past their freeze), then the median of `--repeats`
+timed steps is reported per million parameters, beside torch's AdamW (foreach and fused
+kernels) on the same tensors, with the bytes of optimizer state per parameter.
+
+The 1-bit optimizers run as one rank of two: a loopback group stands in for the peer
+(what this rank sends comes back as the peer's), so the time is the compression,
+packing, decompression and update arithmetic without the network.
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+from typing import Callable
+
+import torch
+
+from shardwise.models import GPT, GPTConfig
+
+
+class _Loopback:
+    """A two-rank group whose other rank sends exactly what this one does."""
+
+    size = 2
+
+    class _Done:
+        work = None
+
+        def wait(self) -> None:
+            return None
+
+    def all_to_all(self, output: torch.Tensor, tensor: torch.Tensor, what: str) -> "_Loopback._Done":
+        output.copy_(tensor)
+        return self._Done()
+
+    def all_gather(self, full: torch.Tensor, shard: torch.Tensor, what: str) -> "_Loopback._Done":
+        full.view(self.size, -1).copy_(shard.view(1, -1).expand(self.size, -1))
+        return self._Done()
+
+
+def optimizers(lr: float) -> dict[str, Callable[[list[torch.nn.Parameter]], torch.optim.Optimizer]]:
+    from shardwise.optim import Adafactor, Adam8bit, Lamb, Lars, Muon, OneBitAdam, OneBitLamb
+
+    def onebit(cls: type) -> Callable[[list[torch.nn.Parameter]], torch.optim.Optimizer]:
+        def build(params: list[torch.nn.Parameter]) -> torch.optim.Optimizer:
+            optimizer = cls(params, lr=lr, freeze_step=1)
+            optimizer.attach_gradient_exchange(_Loopback(), lambda on: None)
+            return optimizer
+        return build
+
+    return {
+        "torch AdamW (foreach)": lambda p: torch.optim.AdamW(p, lr=lr, foreach=True),
+        "torch AdamW (fused)": lambda p: torch.optim.AdamW(p, lr=lr, fused=True),
+        "Lamb": lambda p: Lamb(p, lr=lr),
+        "Lars": lambda p: Lars(p, lr=lr, momentum=0.9),
+        "Adafactor": lambda p: Adafactor(p, lr=lr),
+        "torch Adafactor": lambda p: torch.optim.Adafactor(p, lr=lr),
+        "Adam8bit": lambda p: Adam8bit(p, lr=lr),
+        "Muon": lambda p: Muon(p, lr=lr),
+        "OneBitAdam": onebit(OneBitAdam),
+        "OneBitLamb": onebit(OneBitLamb),
+    }
+
+
+def state_bytes(optimizer: torch.optim.Optimizer) -> int:
+    total = sum(value.numel() * value.element_size() for state in optimizer.state.values()
+                for value in state.values() if torch.is_tensor(value) and value.dim() > 0)
+    exchange = getattr(optimizer, "exchange_state_bytes", None)
+    return total + (exchange() if exchange else 0)
+
+
+def measure(build: Callable, shapes: list[torch.Size], grads: list[torch.Tensor], repeats: int) -> tuple[float, int]:
+    torch.manual_seed(0)
+    params = [torch.nn.Parameter(torch.randn(shape) * 0.02) for shape in shapes]
+    for param, grad in zip(params, grads):
+        param.grad = grad.clone()
+    optimizer = build(params)
+    for _ in range(3):  # state created; 1-bit optimizers past freeze_step
+        optimizer.step()
+    times = []
+    for _ in range(repeats):
+        started = time.perf_counter()
+        optimizer.step()
+        times.append(time.perf_counter() - started)
+    return statistics.median(times), state_bytes(optimizer)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--model-size", default="10m")
+    parser.add_argument("--threads", type=int, default=1)
+    parser.add_argument("--repeats", type=int, default=7)
+    args = parser.parse_args()
+    torch.set_num_threads(args.threads)
+    model = GPT(GPTConfig.preset(args.model_size))
+    shapes = [param.shape for param in model.parameters()]
+    numel = sum(param.numel() for param in model.parameters())
+    generator = torch.Generator().manual_seed(1)
+    grads = [torch.randn(shape, generator=generator) * 1e-3 for shape in shapes]
+    del model
+    results = {name: measure(build, shapes, grads, args.repeats) for name, build in optimizers(1e-3).items()}
+    fused = results["torch AdamW (fused)"][0]
+    print(f"{numel / 1e6:.2f}M parameters in {len(shapes)} tensors, fp32, {args.threads} thread(s), "
+          f"median of {args.repeats} steps")
+    print("| optimizer | ms per step | ms per M params | vs fused AdamW | state bytes / param |")
+    print("|---|---|---|---|---|")
+    for name, (seconds, nbytes) in results.items():
+        print(f"| {name} | {seconds * 1e3:.1f} | {seconds * 1e3 / (numel / 1e6):.2f} | {seconds / fused:.2f}x | "
+              f"{nbytes / numel:.3f} |")
+
+
+if __name__ == "__main__":
+    main()

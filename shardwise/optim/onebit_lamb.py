@@ -1,0 +1,148 @@
+"""1-bit LAMB (Li et al., 2021, "1-bit LAMB: Communication Efficient Large-Scale
+Large-Batch Training with LAMB's Convergence Speed"), with DeepSpeed's `OneBitLamb`
+parameters (C18).
+
+Warm-up (steps 1 .. freeze_step): LAMB on the all-reduced gradient (optim/lamb.py's
+arithmetic: update u = m / (√v + eps) + weight_decay · w, trust ratio
+r = clamp(||w|| / ||u||, min_coeff, max_coeff), w <- w − step_size · r · u), and per
+parameter an exponential average of the trust ratios, c <- coeff_beta · c + (1 − coeff_beta) · r.
+
+Compression (later steps): the momentum is exchanged as in 1-bit Adam (optim/onebit.py),
+v is frozen, and a trust ratio cannot be computed from the compressed momentum alone, so
+the paper scales the frozen average c by a factor that tracks how the variance would
+have moved: the average gradient is reconstructed from two consecutive momenta,
+ĝ = (m_t − β1·m_{t−1}) / (1 − β1), feeds a fresh variance v' (a copy of v at the freeze),
+and
+
+    factor = max over the parameter's elements of (√v + eps) / (√v' + eps)
+
+(with weight decay, mixed with 1 in the proportion ||m/(√v+eps)|| / ||u||), clamped to
+[factor_min, factor_max] and to within ±factor_threshold of the previous step's factor;
+then w <- w − step_size · c · factor · u. step_size as in optim/onebit_adam.py.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Iterable
+
+import torch
+
+from shardwise.optim.onebit import OneBitOptimizer
+from shardwise.optim.onebit_adam import refuse_unsupported, adam_step_size, variance_denominator, warm_up_moments
+
+
+class OneBitLamb(OneBitOptimizer):
+    def __init__(
+        self,
+        params: Iterable,
+        lr: float = 1e-3,
+        freeze_step: int = 100000,
+        bias_correction: bool = True,
+        betas: tuple[float, float] = (0.9, 0.999),
+        eps: float = 1e-8,
+        eps_inside_sqrt: bool = False,
+        weight_decay: float = 0.0,
+        max_grad_norm: float = 0.0,
+        max_coeff: float = 10.0,
+        min_coeff: float = 0.01,
+        amsgrad: bool = False,
+        cuda_aware: bool = False,
+        comm_backend_name: str = "nccl",
+        coeff_beta: float = 0.9,
+        factor_max: float = 4.0,
+        factor_min: float = 0.5,
+        factor_threshold: float = 0.1,
+    ):
+        refuse_unsupported(amsgrad, max_grad_norm)
+        if not 0.0 <= min_coeff <= max_coeff:
+            raise ValueError(f"need 0 <= min_coeff <= max_coeff, got {min_coeff} and {max_coeff}")
+        if not 0.0 < factor_min <= factor_max:
+            raise ValueError(f"need 0 < factor_min <= factor_max, got {factor_min} and {factor_max}")
+        defaults = dict(lr=lr, bias_correction=bias_correction, betas=tuple(betas), eps=eps,
+                        eps_inside_sqrt=eps_inside_sqrt, weight_decay=weight_decay, max_grad_norm=max_grad_norm,
+                        max_coeff=max_coeff, min_coeff=min_coeff, amsgrad=amsgrad, coeff_beta=coeff_beta,
+                        factor_max=factor_max, factor_min=factor_min, factor_threshold=factor_threshold)
+        super().__init__(params, defaults, freeze_step, cuda_aware, comm_backend_name)
+
+    def _init_state(self, param: torch.Tensor, state: dict[str, Any]) -> None:
+        super()._init_state(param, state)
+        state["lamb_coeff_freeze"] = 0.0
+
+    @torch.no_grad()
+    def step(self, closure=None):
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        step = self._advance()
+        if step > self.freeze_step:
+            self._compressed_step(step)
+        else:
+            self._warm_up_step(step)
+        self._finish_step(step)
+        return loss
+
+    def _warm_up_step(self, step: int) -> None:
+        warm_up_moments(self)
+        for group in self.param_groups:
+            step_size = adam_step_size(group, step, self.freeze_step)
+            for param in group["params"]:
+                if param.grad is None:
+                    continue
+                state = self.state[param]
+                update = state["exp_avg"] / variance_denominator(group, state["exp_avg_sq"])
+                if group["weight_decay"]:
+                    update.add_(param, alpha=group["weight_decay"])
+                ratio = _trust_ratio(param, update, group)
+                state["lamb_coeff_freeze"] = group["coeff_beta"] * state["lamb_coeff_freeze"] + (
+                    1 - group["coeff_beta"]) * ratio
+                param.add_(update, alpha=-step_size * ratio)
+
+    def _compressed_step(self, step: int) -> None:
+        previous = self.momentum_flat().clone()  # m_{t-1}: the gradient is reconstructed from it
+        self.fold_and_exchange()
+        offset = 0
+        for group in self.param_groups:
+            beta1, beta2 = group["betas"]
+            step_size = adam_step_size(group, step, self.freeze_step)
+            for param in group["params"]:
+                state = self.state[param]
+                if "exp_avg_sq_fresh" not in state:
+                    state["exp_avg_sq_fresh"] = state["exp_avg_sq"].clone()
+                    state["last_factor"] = 1.0
+                momentum = state["exp_avg"]
+                last = previous[offset : offset + param.numel()].view_as(param)
+                offset += param.numel()
+                gradient = (momentum - beta1 * last) / (1 - beta1)
+                state["exp_avg_sq_fresh"].mul_(beta2).addcmul_(gradient, gradient, value=1 - beta2)
+                denominator = variance_denominator(group, state["exp_avg_sq"])
+                preliminary = momentum / denominator
+                update = preliminary.add(param, alpha=group["weight_decay"]) if group["weight_decay"] else preliminary
+                fresh = variance_denominator(group, state["exp_avg_sq_fresh"])
+                factor = (denominator / fresh).max().item()
+                factor = _bounded_factor(factor, preliminary, update, state["last_factor"], group)
+                state["last_factor"] = factor
+                param.add_(update, alpha=-step_size * state["lamb_coeff_freeze"] * factor)
+
+
+def _trust_ratio(param: torch.Tensor, update: torch.Tensor, group: dict) -> float:
+    """||w|| / ||u|| clamped to [min_coeff, max_coeff]; 1 when either norm is zero."""
+    weight_norm = torch.linalg.vector_norm(param).item()
+    update_norm = torch.linalg.vector_norm(update).item()
+    if weight_norm == 0 or update_norm == 0:
+        return 1.0
+    return min(max(weight_norm / update_norm, group["min_coeff"]), group["max_coeff"])
+
+
+def _bounded_factor(factor: float, preliminary: torch.Tensor, update: torch.Tensor, last: float,
+                    group: dict) -> float:
+    """The paper's limits on the variance factor: weight decay's share of the update is not
+    rescaled, the factor stays within [factor_min, factor_max], and moves by at most
+    factor_threshold (relative) per step."""
+    if group["weight_decay"]:
+        update_norm = torch.linalg.vector_norm(update).item()
+        share = min(1.0, torch.linalg.vector_norm(preliminary).item() / update_norm) if update_norm else 1.0
+        factor = factor * share + (1 - share)
+    factor = min(max(factor, group["factor_min"]), group["factor_max"])
+    threshold = group["factor_threshold"]
+    return min(max(factor, last * (1 - threshold)), last * (1 + threshold))

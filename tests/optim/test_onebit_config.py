@@ -1,0 +1,113 @@
+"""1-bit Adam / LAMB by config and as classes: where they run (stage 0), what they refuse
+and why, their K, their checkpoint codec, and their arithmetic on one process (where
+there is nobody to exchange with: the variance freezes, the momentum is not compressed)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import shardwise
+from shardwise.config import ConfigError, load_config
+from shardwise.optim import OneBitAdam, OneBitLamb
+from shardwise.optim.onebit import OneBitCodec
+from shardwise.optim.registry import optimizer_spec
+from shardwise.testing import DistributedTestError, run_distributed
+from tests.zero.workers import build_model, global_batch, model_loss
+
+
+def problems(config: dict) -> list[str]:
+    with pytest.raises(ConfigError) as caught:
+        load_config({"train_batch_size": 4, **config}, world_size=2)
+    return caught.value.problems
+
+
+@pytest.mark.parametrize("stage", [1, 2, 3])
+def test_zero_stages_above_0_are_refused_with_the_reason(stage):
+    block = {"type": "OneBitLamb", "params": {"freeze_step": 10}}
+    assert problems({"optimizer": block, "zero_optimization": {"stage": stage}}) == [
+        f"optimizer.type 'OneBitLamb' needs zero_optimization.stage 0, got {stage}: after freeze_step each rank "
+        "folds its own gradient into the whole model's momentum and the ranks exchange it compressed, but stages "
+        "1-3 keep 1/N of the momentum per rank (DeepSpeed's 1-bit optimizers do not run with ZeRO either)"
+    ]
+
+
+def test_parameters_deepspeed_refuses_are_refused():
+    found = problems({"optimizer": {"type": "OneBitAdam", "params": {"amsgrad": True, "max_grad_norm": 1.0,
+                                                                      "freeze_step": 0}}})
+    assert any("amsgrad true: 1-bit Adam/LAMB have no AMSGrad variant" in line for line in found)
+    assert any("max_grad_norm 1.0: DeepSpeed's 1-bit optimizers ignore it" in line for line in found)
+    assert any(line.startswith("optimizer.params.freeze_step") for line in found)
+
+
+def test_deepspeed_config_loads_with_its_transport_switches():
+    config = load_config({"train_batch_size": 4, "optimizer": {"type": "onebitadam", "params": {
+        "freeze_step": 23000, "cuda_aware": False, "comm_backend_name": "nccl", "bias_correction": False}}},
+        world_size=2)
+    assert config.optimizer.type == "OneBitAdam" and config.optimizer.params["freeze_step"] == 23000
+
+
+def _passed_at_stage_1(rank: int, world_size: int) -> None:
+    model = build_model("gpt")
+    shardwise.initialize(model, {"train_micro_batch_size_per_gpu": 1, "zero_optimization": {"stage": 1}},
+                         optimizer=OneBitAdam(model.parameters(), freeze_step=2))
+
+
+def test_a_passed_optimizer_is_refused_above_stage_0():
+    with pytest.raises(DistributedTestError, match="OneBitAdam exchanges the whole model's momentum between "
+                                                   "data-parallel ranks itself, so it needs zero_optimization.stage 0"):
+        run_distributed(_passed_at_stage_1, 2)
+
+
+def test_k_counts_the_worker_error_buffer():
+    assert optimizer_spec("OneBitAdam").state_bytes_per_param({}, "bf16") == 16  # master, m, v, worker error
+    assert optimizer_spec("OneBitLamb").state_bytes_per_param({}, "fp32") == 16  # m, v, fresh v, worker error
+
+
+def test_codec_keeps_per_parameter_scalars_through_resharding():
+    state = {"step": torch.tensor(7.0), "exp_avg": torch.arange(4.0), "exp_avg_sq": torch.ones(4),
+             "exp_avg_sq_fresh": torch.full((4,), 2.0), "lamb_coeff_freeze": 0.25, "last_factor": 1.1}
+    codec = OneBitCodec()
+    elements, scalars = codec.encode(state, 4)
+    assert set(elements) == {"exp_avg", "exp_avg_sq", "exp_avg_sq_fresh", "lamb_coeff_freeze", "last_factor"}
+    piece = codec.decode({key: value[1:3] for key, value in elements.items()}, scalars)  # another rank's range
+    assert piece["lamb_coeff_freeze"] == 0.25 and piece["last_factor"] == pytest.approx(1.1)
+    assert torch.equal(piece["exp_avg"], torch.tensor([1.0, 2.0])) and piece["step"].item() == 7
+    assert codec.state_bytes(state, 4) == 3 * 4 * 4
+
+
+@pytest.mark.parametrize("cls", [OneBitAdam, OneBitLamb])
+def test_one_process_freezes_the_variance_and_keeps_the_momentum_exact(cls):
+    """Without ranks the compression has nothing to do: after freeze_step the variance
+    stays as it was and the momentum is Adam's, w <- w − lr · m / (√v + eps) (1-bit Adam)."""
+    torch.manual_seed(0)
+    model = build_model("gpt")
+    optimizer = cls(model.parameters(), lr=1e-2, freeze_step=2, bias_correction=False)
+    frozen = None
+    for step in range(4):
+        x, y = global_batch(step, 2)
+        model_loss(model, "gpt", x, y).backward()
+        before = {p: p.detach().clone() for p in model.parameters()}
+        momentum = {p: optimizer.state[p]["exp_avg"].clone() for p in model.parameters() if optimizer.state[p]}
+        optimizer.step()
+        if step == 1:
+            frozen = {p: optimizer.state[p]["exp_avg_sq"].clone() for p in model.parameters()}
+        if step >= 2:
+            for p in model.parameters():
+                state = optimizer.state[p]
+                assert torch.equal(state["exp_avg_sq"], frozen[p])
+                assert torch.allclose(state["exp_avg"], 0.9 * momentum[p] + 0.1 * p.grad, rtol=1e-6, atol=1e-9)
+                if cls is OneBitAdam:
+                    expected = before[p].add(state["exp_avg"] / (state["exp_avg_sq"].sqrt() + 1e-8), alpha=-1e-2)
+                    assert torch.allclose(p, expected, rtol=1e-6, atol=1e-8)
+        optimizer.zero_grad()
+
+
+def test_constructor_checks():
+    params = [torch.nn.Parameter(torch.zeros(8))]
+    with pytest.raises(ValueError, match="freeze_step must be >= 1"):
+        OneBitAdam(params, freeze_step=0)
+    with pytest.raises(ValueError, match="comm_backend_name 'tcp'"):
+        OneBitAdam(params, comm_backend_name="tcp")
+    with pytest.raises(ValueError, match="need 0 < factor_min <= factor_max"):
+        OneBitLamb(params, factor_min=2.0, factor_max=1.0)
