@@ -55,7 +55,6 @@ def test_max_grad_norm_points_to_gradient_clipping():
 @pytest.mark.parametrize(
     ("block", "expected"),
     [
-        ({"pipeline_parallel": {"size": 2}}, "pipeline_parallel.size 2 is not supported yet: use 1"),
         ({"fp16": {"enabled": True, "auto_cast": True}},
          "fp16.auto_cast true is not supported yet: the model's own forward chooses dtypes"),
     ],
