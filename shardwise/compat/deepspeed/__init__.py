@@ -12,7 +12,7 @@ model) with DeepSpeed's method shapes (engine.py). What each argument of `initia
 does is in init_engine.py; what `zero.Init` does and does not do, in zero.py.
 """
 
-from shardwise.compat.deepspeed import accelerator, comm, moe, ops, runtime, utils, zero
+from shardwise.compat.deepspeed import accelerator, checkpointing, comm, moe, ops, runtime, utils, zero
 from shardwise.compat.deepspeed.accelerator import get_accelerator
 from shardwise.compat.deepspeed.arguments import add_config_arguments
 from shardwise.compat.deepspeed.comm import init_distributed
@@ -24,6 +24,7 @@ __all__ = [
     "DeepSpeedEngine",
     "accelerator",
     "add_config_arguments",
+    "checkpointing",
     "comm",
     "get_accelerator",
     "init_distributed",

@@ -1,5 +1,6 @@
-"""`deepspeed.ops`: DeepSpeed's optimizer classes by name, on torch's and shardwise's."""
+"""`deepspeed.ops`: DeepSpeed's optimizer classes by name, on torch's and shardwise's, and
+its block-sparse attention."""
 
-from shardwise.compat.deepspeed.ops import adam, lamb
+from shardwise.compat.deepspeed.ops import adam, lamb, sparse_attention
 
-__all__ = ["adam", "lamb"]
+__all__ = ["adam", "lamb", "sparse_attention"]
