@@ -113,10 +113,6 @@ def _sequence_parallel_contradictions(cfg: ShardwiseConfig) -> list[str]:
     if tensor.sequence_parallel and tensor.size == 1:
         problems.append("tensor_parallel.sequence_parallel needs tensor_parallel.size > 1: Megatron sequence "
                         "parallelism splits the sequence over the tensor group")
-    if sequence.size > 1 and tensor.size > 1 and not megatron:
-        problems.append(f"sequence_parallel.size {sequence.size} (Ulysses) with tensor_parallel.size {tensor.size} is "
-                        "not supported yet: use one of them, or Megatron sequence parallelism "
-                        "(tensor_parallel.sequence_parallel true) with tensor parallelism")
     return problems
 
 

@@ -145,6 +145,11 @@ def offload_transfer_bytes(partition: int, stage: int, grad_bytes: int, param_by
 #                                           scaled by KV heads / heads (KV heads repeated to S
 #                                           when fewer than S)
 #                               all-gather  ring(X): the sequence made whole after the stack
+#   Ulysses S with tensor T     the tensor group's per-layer collectives carry 1/S of the
+#                               positions: (2 + 4L) all-reduces become 2·2·ring(X) + 4L·2·ring(X/S)
+#                               (embedding and head input stay whole); the sequence group's
+#                               all-to-alls carry the h/T features and heads/T (KV heads/T,
+#                               at least 1) each tensor rank holds; its all-gather stays ring(X)
 
 
 @dataclass(frozen=True)
@@ -176,7 +181,11 @@ def tensor_parallel_comm_bytes(shape: ParallelCommShape) -> dict[str, int]:
     if t == 1:
         return volume
     loss = _ring("all_gather", 2 * 4 * shape.micro_batch * shape.seq_len * t, t)
-    if shape.megatron_sp:
+    if shape.sequence_size > 1:  # Ulysses inside the layers: 1/S of the positions per tensor collective
+        volume["all_reduce"] = 2 * _ring("all_reduce", x, t) + 4 * layers * _ring(
+            "all_reduce", x // shape.sequence_size, t)
+        volume["all_gather"] = loss
+    elif shape.megatron_sp:
         volume["all_gather"] = (2 + 6 * layers) * _ring("all_gather", x, t) + loss
         volume["reduce_scatter"] = 4 * layers * _ring("reduce_scatter", x, t)
         volume["all_reduce"] = 2 * _ring("all_reduce", x, t) + sum(
@@ -194,9 +203,11 @@ def ulysses_comm_bytes(shape: ParallelCommShape) -> dict[str, int]:
     if s == 1:
         return volume
     x = shape.micro_batch * shape.seq_len * shape.hidden * shape.activation_bytes
-    kv_heads = shape.kv_heads if shape.kv_heads % s == 0 else s
-    local = x // s
-    local_kv = local * kv_heads // shape.heads
+    t = shape.tensor_size  # each tensor rank exchanges its own h/T features and heads/T heads
+    heads, kv_heads = shape.heads // t, max(shape.kv_heads // t, 1)
+    kv_heads = kv_heads if kv_heads % s == 0 else s
+    local = x // t // s
+    local_kv = local * kv_heads // heads
     per_layer = 2 * (2 * _ring("all_to_all", local, s) + 2 * _ring("all_to_all", local_kv, s))
     volume["all_to_all"] = shape.layers * per_layer * shape.accumulation_steps
     volume["all_gather"] = _ring("all_gather", x, s) * shape.accumulation_steps

@@ -113,8 +113,9 @@ def _inputs_line(estimate: Estimate) -> str:
         k_parts = f"fp32 master copy {MASTER_WEIGHT_BYTES} + optimizer states {k - MASTER_WEIGHT_BYTES}"
     parallel = estimate.parallel
     if parallel.tensor > 1:
+        ulysses = f" (data × S = {parallel.sequence} Ulysses sequence ranks)" if parallel.sequence > 1 else ""
         ranks = (f"T = {parallel.tensor} tensor-parallel ranks" + (" with Megatron sequence parallelism"
-                 if parallel.megatron_sp else "") + f" × N = {estimate.zero_ranks} ZeRO ranks")
+                 if parallel.megatron_sp else "") + f" × N = {estimate.zero_ranks} ZeRO ranks{ulysses}")
     elif parallel.sequence > 1:
         ranks = f"N = {hw.num_gpus} ZeRO ranks (data × S = {parallel.sequence} Ulysses sequence ranks)"
     else:

@@ -53,8 +53,9 @@ def sequence_region_activation_bytes(batch: int, seq_len: int, hidden: int, tens
 @dataclass(frozen=True)
 class ModelParallel:
     """How one model replica is split: T tensor ranks (Megatron sequence parallelism
-    inside them or not) and S Ulysses sequence ranks. ZeRO shards over the rest:
-    N = GPUs / T (the sequence ranks are ZeRO shard ranks too)."""
+    inside them or not) and S Ulysses sequence ranks (which may be combined with T, not
+    with Megatron SP). ZeRO shards over the rest: N = GPUs / T (the sequence ranks are
+    ZeRO shard ranks too)."""
 
     tensor: int = 1
     sequence: int = 1
@@ -63,10 +64,9 @@ class ModelParallel:
     def __post_init__(self) -> None:
         if self.tensor <= 0 or self.sequence <= 0:
             raise ValueError(f"tensor and sequence sizes must be positive, got {self.tensor} and {self.sequence}")
-        if self.tensor > 1 and self.sequence > 1:
-            raise ValueError(f"Ulysses sequence parallelism (size {self.sequence}) with tensor parallelism (size "
-                             f"{self.tensor}) is not supported by the engine: use one, or Megatron sequence "
-                             "parallelism inside the tensor group")
+        if self.megatron_sp and self.sequence > 1:
+            raise ValueError(f"Ulysses sequence parallelism (size {self.sequence}) with Megatron sequence "
+                             "parallelism: choose one sequence parallelism")
         if self.megatron_sp and self.tensor == 1:
             raise ValueError("Megatron sequence parallelism splits the sequence over the tensor group: it needs a "
                              "tensor-parallel size above 1")

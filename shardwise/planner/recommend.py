@@ -117,7 +117,8 @@ def estimate(
 
 def check_parallel(shape: ModelShape, hardware: Hardware, parallel: ModelParallel, seq_len: int) -> None:
     """The sizes the engine would refuse (tensor_parallel.size, sequence_parallel.size)."""
-    for flag, size in (("--tp", parallel.tensor), ("--sp", parallel.sequence)):
+    both = parallel.tensor * parallel.sequence
+    for flag, size in (("--tp", parallel.tensor), ("--sp", parallel.sequence), ("--tp × --sp", both)):
         if size == 1:
             continue
         if hardware.num_gpus % size:

@@ -58,8 +58,6 @@ def test_heads_not_divisible_by_the_tensor_size_is_an_error_naming_the_key():
     ({"tensor_parallel": {"sequence_parallel": True}}, "tensor_parallel.sequence_parallel needs tensor_parallel.size > 1"),
     ({"tensor_parallel": {"size": 2}, "sequence_parallel": {"size": 2, "mode": "megatron"}},
      "sequence_parallel.size 2 with Megatron sequence parallelism"),
-    ({"tensor_parallel": {"size": 2}, "sequence_parallel": {"size": 2}},
-     "sequence_parallel.size 2 (Ulysses) with tensor_parallel.size 2 is not supported yet"),
     ({"tensor_parallel": {"size": 3}}, "world size 4 is not divisible by tensor_parallel.size 3"),
 ])
 def test_contradictory_parallel_settings_are_errors(config, expected):

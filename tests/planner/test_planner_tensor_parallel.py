@@ -43,6 +43,12 @@ def test_ulysses_divides_everything_but_the_logits_by_s():
     assert with_logits - layers == 4 * S * B * 32000  # the sequence is whole again before the output layer
 
 
+def test_ulysses_with_tensor_parallelism_divides_the_layers_by_both():
+    sbh = S * B * H
+    got = parallel_layer_activation_bytes(S, B, H, A, "bf16", ModelParallel(tensor=2, sequence=2))
+    assert got == (10 * sbh + 24 * sbh // 2 + 5 * A * S * S * B // 2) // 2
+
+
 def test_vocabulary_parallel_logits_fall_by_t():
     parallel = ModelParallel(tensor=2, megatron_sp=True)
     layers = parallel_activation_bytes(32, H, A, None, S, B, "bf16", "full", parallel)
@@ -93,7 +99,8 @@ def test_cli_takes_tp_and_prints_the_tensor_layout(capsys):
 
 @pytest.mark.parametrize("argv, message", [
     (["--tp", "3"], "--tp 3 does not divide --gpus 8"),
-    (["--tp", "2", "--sp", "2"], "Ulysses sequence parallelism (size 2) with tensor parallelism (size 2) is not"),
+    (["--tp", "2", "--sp", "2", "--megatron-sp"], "Ulysses sequence parallelism (size 2) with Megatron sequence"),
+    (["--tp", "8", "--sp", "8", "--gpus", "64"], "--tp × --sp 64 does not divide the 32 attention heads"),
     (["--megatron-sp"], "Megatron sequence parallelism splits the sequence over the tensor group: it needs"),
     (["--sp", "8", "--seq-len", "100"], "--seq-len 100 does not split over 8 sequence ranks"),
 ])

@@ -19,6 +19,11 @@ models an attention function wrapping the model's own (sdpa, eager...) is regist
 `AttentionInterface`, as DeepSpeed's UlyssesSPAttentionHF does. Grouped-query attention:
 KV heads divisible by S are exchanged as they are; fewer KV heads than S (S a multiple
 of them) are repeated to S heads first; anything else is an error with the numbers.
+
+With tensor parallelism (applied first) each tensor rank holds heads / T of the heads and
+its layers run on the positions of its sequence rank: Ulysses exchanges those local heads
+over the sequence group, and the tensor group's collectives carry 1/S of the positions
+inside the decoder layers. The two groups are disjoint dimensions of the mesh.
 """
 
 from __future__ import annotations
@@ -68,14 +73,18 @@ def own_positions(x: torch.Tensor, comm: Communicator) -> torch.Tensor:
     return x.chunk(comm.size, 1)[comm.rank]
 
 
-def check_heads(plan: ModelPlan, size: int) -> None:
-    if plan.heads is not None and plan.heads % size:
-        raise ValueError(f"{KEY} {size} must divide the model's {plan.heads} attention heads: Ulysses gives each "
+def check_heads(plan: ModelPlan, size: int, tensor_size: int = 1) -> None:
+    """Each tensor rank holds heads / T of the heads (tensor parallelism splits them first);
+    Ulysses shares those over the sequence group."""
+    heads = None if plan.heads is None else plan.heads // tensor_size
+    held = "" if tensor_size == 1 else f" that each rank of tensor_parallel.size {tensor_size} holds"
+    if heads is not None and (heads == 0 or heads % size):
+        raise ValueError(f"{KEY} {size} must divide the model's {heads} attention heads{held}: Ulysses gives each "
                          "rank of the sequence group an equal share of the heads")
-    kv = plan.kv_heads
+    kv = None if plan.kv_heads is None else max(plan.kv_heads // tensor_size, 1)
     if kv is not None and kv % size and size % kv:
-        raise ValueError(f"{KEY} {size} and the model's {kv} key/value heads: one must divide the other (KV heads "
-                         "are split over the sequence group, or repeated when there are fewer than its size)")
+        raise ValueError(f"{KEY} {size} and the model's {kv} key/value heads{held}: one must divide the other (KV "
+                         "heads are split over the sequence group, or repeated when there are fewer than its size)")
 
 
 class _WithGroups:
@@ -122,13 +131,14 @@ def _install_hf_attention(model: nn.Module, comm: Communicator) -> None:
     model.config._attn_implementation = name
 
 
-def apply_ulysses(model: nn.Module, comm: Communicator) -> nn.Module:
-    """Split `model`'s decoder over the sequence group `comm` (see the module docstring)."""
+def apply_ulysses(model: nn.Module, comm: Communicator, tensor_size: int = 1) -> nn.Module:
+    """Split `model`'s decoder over the sequence group `comm` (see the module docstring);
+    with tensor parallelism (applied before), over the heads each tensor rank holds."""
     from shardwise.models.gpt import GPT
 
     plan = builtin_plan(model)
     layers, _ = decoder_layers(model, plan, "Ulysses sequence parallelism")
-    check_heads(plan, comm.size)
+    check_heads(plan, comm.size, tensor_size)
     if isinstance(model, GPT):
         for block in layers:
             if not isinstance(block.attn, ParallelCausalSelfAttention):
@@ -145,7 +155,7 @@ def apply_ulysses(model: nn.Module, comm: Communicator) -> nn.Module:
 
 
 def _transform(model: nn.Module, config: ShardwiseConfig, mesh: ParallelMesh) -> nn.Module:
-    return apply_ulysses(model, mesh_communicator(mesh, "sequence"))
+    return apply_ulysses(model, mesh_communicator(mesh, "sequence"), mesh["tensor"].size)
 
 
 register_transform(ModelTransform(
