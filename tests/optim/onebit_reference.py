@@ -29,7 +29,9 @@ class OneBitSettings:
     weight_decay: float = 0.0
     bias_correction: bool = True
     clipping: float = 0.0
-    rows: int = 2  # per worker and step
+    rows: int = 2  # per worker and micro-batch
+    accumulation: int = 1  # micro-batches per step
+    bf16: bool = False  # the engine's compute dtype (the simulation is fp32 only)
     extra: dict = field(default_factory=dict)  # 1-bit LAMB's bounds, when not the defaults
 
     def optimizer_block(self) -> dict:
@@ -105,16 +107,17 @@ class Simulation:
 
     def local_gradients(self, step: int) -> tuple[list[list[torch.Tensor]], float]:
         """Per worker, its micro-batch's gradients; and the mean of the workers' losses."""
-        x, y = global_batch(step, self.s.rows * self.n)
+        x, y = global_batch(step, self.s.rows * self.n * self.s.accumulation)
         gradients, losses = [], []
         for worker in range(self.n):
-            rows = slice(worker * self.s.rows, (worker + 1) * self.s.rows)
             self.model.zero_grad()
-            loss = model_loss(self.model, self.kind, x[rows], y[rows])
-            loss.backward()
+            for micro in range(self.s.accumulation):  # the engine's layout: micro-major, then rank
+                start = (micro * self.n + worker) * self.s.rows
+                loss = model_loss(self.model, self.kind, x[start : start + self.s.rows], y[start : start + self.s.rows])
+                (loss / self.s.accumulation).backward()
+                losses.append(loss.item())
             gradients.append([p.grad.detach().clone() for p in self.params])
-            losses.append(loss.item())
-        return gradients, sum(losses) / self.n
+        return gradients, sum(losses) / len(losses)
 
     def norm_squared(self, gradients: list[torch.Tensor]) -> float:
         by_name = dict(zip(self.names, gradients))
