@@ -93,8 +93,11 @@ def _build_torch(type_name: str) -> Callable[[list[dict[str, Any]], dict[str, An
 def _build_lamb(groups: list[dict[str, Any]], params: dict[str, Any]) -> "torch.optim.Optimizer":
     from shardwise.optim.lamb import Lamb
 
-    kwargs = {key: value for key, value in params.items() if key != "amsgrad"}  # validated false
-    return Lamb(groups, **constructor_kwargs(kwargs))
+    # amsgrad is validated false; bias_correction is a Lamb argument (for Adam it selects the class)
+    kwargs = {key: value for key, value in params.items() if key != "amsgrad"}
+    if "betas" in kwargs:
+        kwargs["betas"] = tuple(kwargs["betas"])
+    return Lamb(groups, **kwargs)
 
 
 Build = Callable[[list[dict[str, Any]], dict[str, Any]], "torch.optim.Optimizer"]

@@ -111,3 +111,12 @@ def test_constructor_checks():
         OneBitAdam(params, comm_backend_name="tcp")
     with pytest.raises(ValueError, match="need 0 < factor_min <= factor_max"):
         OneBitLamb(params, factor_min=2.0, factor_max=1.0)
+
+
+@pytest.mark.parametrize("type_name", ["Lamb", "OneBitAdam", "OneBitLamb"])
+def test_config_bias_correction_reaches_the_optimizer(type_name):
+    """DeepSpeed's `bias_correction` is these optimizers' own argument (for Adam it picks
+    the class), so a config's false must arrive."""
+    params = [torch.nn.Parameter(torch.zeros(8))]
+    built = optimizer_spec(type_name).build([{"params": params}], {"bias_correction": False, "betas": [0.9, 0.99]})
+    assert built.defaults["bias_correction"] is False and built.defaults["betas"] == (0.9, 0.99)
