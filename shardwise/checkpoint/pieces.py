@@ -46,6 +46,23 @@ def owned_runs(owned: OwnedRange, shard: TensorShard | None) -> list[tuple[int, 
     return shard.global_runs(owned.start, owned.stop)
 
 
+def strided_pieces(runs: list[tuple[int, int, int]]) -> list[tuple[int, int, int, int, int]]:
+    """Runs (global start, global stop, position) grouped into pieces (start, run, stride,
+    count, position): consecutive runs of one length at one stride, stored back to back,
+    become one piece (a row-parallel block: all its rows; fused q/k/v split along Conv1D's
+    columns: its three ranges of every row)."""
+    pieces: list[tuple[int, int, int, int, int]] = []
+    for low, high, at in runs:
+        if pieces:
+            start, run, stride, count, first = pieces[-1]
+            step = low - start if count == 1 else stride
+            if high - low == run and at == first + run * count and low == start + step * count and step >= run:
+                pieces[-1] = (start, run, step, count + 1, first)
+                continue
+        pieces.append((low, high - low, high - low, 1, at))
+    return pieces
+
+
 def describe_tensor_parallel(engine: Any) -> dict[str, Any] | None:
     """How the saving run split each parameter (for the reader; loading needs only the
     pieces, which are in whole-parameter coordinates)."""

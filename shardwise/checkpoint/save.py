@@ -43,6 +43,7 @@ from shardwise.checkpoint.pieces import (
     describe_whole_model,
     module_extras,
     owned_runs,
+    strided_pieces,
     tensor_shards,
 )
 from shardwise.checkpoint.safetensors_io import SafetensorsWriter, TensorEntry, dtype_name
@@ -116,8 +117,10 @@ def _write_rank_files(engine: Any, staging: Path) -> None:
     pieces: list[dict[str, Any]] = []
     tensors: list[tuple[str, torch.Tensor, int]] = []  # key, values, optimizer sub-group (-1: none)
 
-    def add(name: str, start: int, stop: int, named: dict[str, torch.Tensor], sub_group: int) -> None:
-        pieces.append({"name": name, "start": start, "stop": stop, "tensors": list(named)})
+    def add(name: str, start: int, stop: int, named: dict[str, torch.Tensor], sub_group: int,
+            run: int = 0, stride: int = 0) -> None:
+        entry = {"name": name, "start": start, "stop": stop, "tensors": list(named)}
+        pieces.append({**entry, "run": run, "stride": stride} if run else entry)
         tensors.extend((piece_key(name, start, stop, key), tensor, sub_group) for key, tensor in named.items())
 
     if writes_model:
@@ -128,9 +131,11 @@ def _write_rank_files(engine: Any, staging: Path) -> None:
                 continue  # replicated over the tensor group: its first rank writes it
             states = element_states.get(id(owned.segment), {})
             named = {VALUE: owned.master, **{key: owned.state_view(state) for key, state in states.items()}}
-            for start, stop, at in owned_runs(owned, shards.get(owned.name)):
-                add(owned.name, start, stop, {key: view[at : at + stop - start] for key, view in named.items()},
-                    store.sub_group_index(owned.segment))
+            for start, run, stride, count, at in strided_pieces(owned_runs(owned, shards.get(owned.name))):
+                stored = {key: view[at : at + run * count] for key, view in named.items()}
+                stop = start + (count - 1) * stride + run
+                add(owned.name, start, stop, stored, store.sub_group_index(owned.segment),
+                    *((run, stride) if count > 1 else ()))
     if engine.rank == 0:
         for name, tensor in module_extras(engine.module):
             add(name, 0, tensor.numel(), {VALUE: tensor.detach().reshape(-1)}, -1)

@@ -61,6 +61,12 @@ def test_pieces_are_whole_parameter_ranges_with_the_split_recorded(gpt2_tp2_dp2)
     assert split["transformer.h.0.attn.c_attn.weight"] == {"dim": 1, "global_shape": [32, 96], "blocks": 3}
     assert split["transformer.h.0.attn.c_proj.weight"]["dim"] == 0  # Conv1D (in, out): row-parallel splits rows
     assert "transformer.ln_f.weight" not in split  # replicated
+    records = [json.loads(path.read_text()) for path in sorted(resolve_tag(gpt2_tp2_dp2, None).glob("rank_*.json"))]
+    c_attn = [piece for record in records for piece in record["pieces"]
+              if piece["name"] == "transformer.h.0.attn.c_attn.weight"]
+    # 2 tensor ranks x 32 rows x 3 ranges (q, k, v heads) = 192 runs, stored as a few strided pieces
+    assert 2 <= len(c_attn) <= 8 and all(piece["stride"] == 32 and piece["run"] == 16 for piece in c_attn
+                                         if "run" in piece)
 
 
 def test_tp2_dp2_resumes_at_tp1_dp2(gpt2_tp2_dp2):
