@@ -127,9 +127,10 @@ class OneBitOptimizer(ShardAwareOptimizer):
 
     def momentum_flat(self) -> torch.Tensor:
         """The flat momentum buffer, each parameter's `exp_avg` a view of it (built on first
-        use from the current `exp_avg`s, e.g. after the warm-up or a load)."""
-        if self._momentum is None:
-            params = self._params()
+        use from the current `exp_avg`s: after the warm-up, a load, or new state)."""
+        params = self._params()
+        if self._momentum is None or self.state[params[0]]["exp_avg"].data_ptr() != self._momentum.data_ptr():
+            self._exchange = None
             numel = padded_length(self._trained_numel(), self.workers)
             flat = torch.zeros(numel, dtype=torch.float32, device=params[0].device)
             offset = 0
