@@ -72,6 +72,8 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
     parallel.add_argument("--megatron-sp", action="store_true",
                           help="Megatron sequence parallelism inside the tensor group (tensor_parallel.sequence_parallel)")
     parallel.add_argument("--sp", type=int, default=1, help="Ulysses sequence_parallel.size (default 1)")
+    parallel.add_argument("--pp", type=int, default=1, help="pipeline_parallel.size (default 1): each stage holds "
+                          "1/pp of the layers; ZeRO shards over GPUs / (tp × pp)")
     parser.set_defaults(handler=main)
     return parser
 
@@ -86,7 +88,7 @@ def main(args: argparse.Namespace) -> int:
             seq_len=args.seq_len,
             dtype=args.dtype,
             optimizer=args.optimizer,
-            parallel=ModelParallel(args.tp, args.sp, args.megatron_sp),
+            parallel=ModelParallel(args.tp, args.sp, args.megatron_sp, args.pp),
         )
     except (ValueError, FileNotFoundError) as error:
         print(f"shardwise estimate: error: {error}", file=sys.stderr)

@@ -58,7 +58,8 @@ def explain(estimate: Estimate) -> list[str]:
     """Inputs, usable memory, activation formulas, rejected options, the recommendation."""
     lines = [_inputs_line(estimate), _headroom_line(estimate)]
     lines += _activation_lines(estimate)
-    lines.append(_gather_line(estimate))
+    if estimate.parallel.pipeline == 1:  # no stage 3 with pipeline parallelism
+        lines.append(_gather_line(estimate))
     recommendation = estimate.recommendation
     if estimate.ruled_out:
         lines.append("Tried in order of preference:")
@@ -120,6 +121,10 @@ def _inputs_line(estimate: Estimate) -> str:
         ranks = f"N = {hw.num_gpus} ZeRO ranks (data × S = {parallel.sequence} Ulysses sequence ranks)"
     else:
         ranks = f"N = {hw.num_gpus} data-parallel ranks"
+    if parallel.pipeline > 1:
+        ranks = (f"P = {parallel.pipeline} pipeline stages, each holding ⌈Ψ_T / P⌉ = "
+                 f"{format_count(estimate.params_per_rank)} parameters (ZeRO-3 is not offered with pipeline "
+                 f"parallelism), × {ranks.replace(f'N = {hw.num_gpus}', f'N = {estimate.zero_ranks}')}")
     return (
         f"{estimate.shape.describe()}; {ranks} on {hw.num_nodes} node(s) "
         f"of up to {hw.gpus_per_node} GPUs; {estimate.dtype} params and grads ({p} bytes each), "

@@ -60,10 +60,12 @@ class ModelParallel:
     tensor: int = 1
     sequence: int = 1
     megatron_sp: bool = False
+    pipeline: int = 1  # P stages, each holding 1/P of the layers; ZeRO then shards over GPUs / (T·P)
 
     def __post_init__(self) -> None:
-        if self.tensor <= 0 or self.sequence <= 0:
-            raise ValueError(f"tensor and sequence sizes must be positive, got {self.tensor} and {self.sequence}")
+        if self.tensor <= 0 or self.sequence <= 0 or self.pipeline <= 0:
+            raise ValueError(f"tensor, sequence and pipeline sizes must be positive, got {self.tensor}, "
+                             f"{self.sequence} and {self.pipeline}")
         if self.megatron_sp and self.sequence > 1:
             raise ValueError(f"Ulysses sequence parallelism (size {self.sequence}) with Megatron sequence "
                              "parallelism: choose one sequence parallelism")
@@ -82,7 +84,9 @@ def parallel_layer_activation_bytes(seq_len: int, micro_batch: int, hidden: int,
     tensor region (two norm inputs, the two column-parallel inputs, two 1-byte dropout
     masks) stay whole under plain tensor parallelism and fall by T with Megatron sequence
     parallelism; the 12e inside the region and the attention core fall by T. Ulysses
-    splits every position-wise tensor by S and the attention core by heads, so all by S."""
+    splits every position-wise tensor by S and the attention core by heads, so all by S.
+    Pipeline stages do not change it: under 1F1B the first stage holds P micro-batches in
+    flight through its L/P layers, the bytes of one micro-batch through all L layers."""
     c_h, c_a = layer_activation_coefficients(dtype)
     e, t, s_size = element_bytes(dtype), parallel.tensor, parallel.sequence
     sbh = seq_len * micro_batch * hidden
@@ -103,7 +107,7 @@ def parallel_activation_bytes(num_layers: int, hidden: int, heads: int, vocab_si
     T only with Megatron sequence parallelism and by S with Ulysses; the fp32 log-softmax
     of the logits falls by T (the vocabulary-parallel loss never gathers them) but not by S
     (the sequence is whole again after the decoder stack)."""
-    if parallel == NO_MODEL_PARALLEL:
+    if parallel.tensor == parallel.sequence == 1:
         return activation_bytes(num_layers, hidden, heads, vocab_size, seq_len, micro_batch, dtype, recompute)
     if recompute not in RECOMPUTE_MODES:
         raise ValueError(f"recompute must be one of {RECOMPUTE_MODES}, got {recompute!r}")

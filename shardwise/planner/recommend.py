@@ -91,7 +91,8 @@ def estimate(
     parallel: ModelParallel = NO_MODEL_PARALLEL,
 ) -> Estimate:
     """Evaluate every stage/offload option for `shape` on `hardware` (split over `parallel`'s
-    tensor or sequence group) and recommend one. Without model parallelism, when ZeRO alone
+    tensor, sequence or pipeline group; with P stages each rank holds ⌈Ψ_T / P⌉ parameters
+    and ZeRO-3 is not offered) and recommend one. Without model parallelism, when ZeRO alone
     needs offload or does not fit, the smallest tensor-parallel size that fits without
     offload is attached as `tensor_suggestion`."""
     if micro_batch <= 0 or seq_len <= 0:
@@ -100,11 +101,12 @@ def estimate(
     k = optimizer_state_bytes_for(optimizer, dtype)
     activations = _activations(shape, micro_batch, seq_len, dtype, parallel)
     modes = RECOMPUTE_MODES if activations is not None else ("none",)
-    local = shape.params_per_tensor_rank(parallel.tensor)
-    zero_ranks = hardware.num_gpus // parallel.tensor
+    local = ceil(shape.params_per_tensor_rank(parallel.tensor) / parallel.pipeline)
+    zero_ranks = hardware.num_gpus // (parallel.tensor * parallel.pipeline)
     options = tuple(
         _evaluate_option(stage, offload, shape, hardware, dtype, k, activations, modes, local, zero_ranks, parallel)
         for stage, offload in OPTIONS
+        if stage < 3 or parallel.pipeline == 1  # the engine refuses ZeRO-3 with pipeline parallelism
     )
     partial = Estimate(shape, hardware, micro_batch, seq_len, dtype, optimizer, k, activations, options, None,
                        parallel=parallel, params_per_rank=local)
@@ -116,7 +118,8 @@ def estimate(
 
 
 def check_parallel(shape: ModelShape, hardware: Hardware, parallel: ModelParallel, seq_len: int) -> None:
-    """The sizes the engine would refuse (tensor_parallel.size, sequence_parallel.size)."""
+    """The sizes the engine would refuse (tensor_parallel.size, sequence_parallel.size,
+    pipeline_parallel.size)."""
     both = parallel.tensor * parallel.sequence
     for flag, size in (("--tp", parallel.tensor), ("--sp", parallel.sequence), ("--tp × --sp", both)):
         if size == 1:
@@ -129,6 +132,12 @@ def check_parallel(shape: ModelShape, hardware: Hardware, parallel: ModelParalle
     if parallel.tensor > 1 and shape.vocab_size is not None and shape.vocab_size % parallel.tensor:
         raise ValueError(f"--tp {parallel.tensor} does not divide the vocabulary of {shape.vocab_size}: the embedding "
                          "and output layer are split by rows")
+    if parallel.pipeline > 1:
+        if hardware.num_gpus % (parallel.tensor * parallel.pipeline):
+            raise ValueError(f"--pp {parallel.pipeline} × --tp {parallel.tensor} does not divide --gpus "
+                             f"{hardware.num_gpus}: every model replica needs {parallel.tensor * parallel.pipeline} GPUs")
+        if shape.num_layers is not None and shape.num_layers < parallel.pipeline:
+            raise ValueError(f"--pp {parallel.pipeline} is more stages than the model's {shape.num_layers} layers")
     split = parallel.sequence * (parallel.tensor if parallel.megatron_sp else 1)
     if seq_len % split:
         raise ValueError(f"--seq-len {seq_len} does not split over {split} sequence ranks")

@@ -123,8 +123,8 @@ class Estimate:
 
     @property
     def zero_ranks(self) -> int:
-        """N: the ranks ZeRO shards over (data × Ulysses sequence ranks) = GPUs / T."""
-        return self.hardware.num_gpus // self.parallel.tensor
+        """N: the ranks ZeRO shards over (data × Ulysses sequence ranks) = GPUs / (T·P)."""
+        return self.hardware.num_gpus // (self.parallel.tensor * self.parallel.pipeline)
 
     def option(self, stage: int, offload: Offload = NO_OFFLOAD) -> OptionEstimate:
         for candidate in self.options:
