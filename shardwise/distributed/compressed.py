@@ -56,6 +56,17 @@ def unpack_signs(packed: torch.Tensor) -> torch.Tensor:
     return bits.reshape(*packed.shape[:-1], -1)
 
 
+# every byte's eight signs as ±1.0: decompressing is a table lookup and one multiply
+_SIGNS_OF_BYTE = unpack_signs(torch.arange(256, dtype=torch.uint8).view(-1, 1)).float().mul_(2).sub_(1)
+
+
+def signed_from_packed_(target: torch.Tensor, packed: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
+    """`target` (rows, 8k) fp32 becomes ±scale from `packed` (rows, k) sign bytes, in place."""
+    table = _SIGNS_OF_BYTE.to(target.device)
+    torch.index_select(table, 0, packed.reshape(-1).long(), out=target.view(-1, BITS))
+    return target.mul_(scales)
+
+
 def signed_into_(target: torch.Tensor, positive: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
     """`target` (fp32) becomes +scale where `positive`, -scale elsewhere, in place (no
     temporary as large as the vector): b · 2s − s is exactly ±s."""
@@ -103,10 +114,11 @@ class CompressedAllReduce:
         self.communicator.all_to_all(incoming, outgoing, f"1-bit {what} (worker signs and scales)").wait()
 
         received, received_scales = _unframe(incoming, packed_width)
-        average, term = rows[0], rows[-1]
-        signed_into_(average, received[0], received_scales[0])
+        average, term = rows[:1], rows[-1:]
+        signed_from_packed_(average, received[:1], received_scales[:1])
         for sender in range(1, ranks):
-            average.add_(signed_into_(term, received[sender], received_scales[sender]))
+            average.add_(signed_from_packed_(term, received[sender : sender + 1], received_scales[sender : sender + 1]))
+        average = average.view(-1)
         self.server_error.add_(average.div_(ranks))  # the compensated server chunk
         server_scale = row_scales(self.server_error.view(1, chunk))
         server_positive = self.server_error >= 0
@@ -115,8 +127,8 @@ class CompressedAllReduce:
         gathered = torch.empty(ranks * shard.numel(), dtype=torch.uint8, device=vector.device)
         self.communicator.all_gather(gathered, shard, f"1-bit {what} (server signs and scales)").wait()
 
-        all_positive, all_scales = _unframe(gathered.view(ranks, -1), packed_width)
-        signed_into_(rows, all_positive, all_scales)
+        all_packed, all_scales = _unframe(gathered.view(ranks, -1), packed_width)
+        signed_from_packed_(rows, all_packed, all_scales)
         return vector
 
 
@@ -129,6 +141,5 @@ def _frame(packed: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
 
 
 def _unframe(frame: torch.Tensor, packed_width: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """(sign bits, scales as a column) of framed rows."""
-    scales = frame[:, packed_width:].contiguous().view(torch.float32)
-    return unpack_signs(frame[:, :packed_width]), scales
+    """(packed signs, scales as a column) of framed rows."""
+    return frame[:, :packed_width], frame[:, packed_width:].contiguous().view(torch.float32)

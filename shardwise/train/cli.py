@@ -56,6 +56,7 @@ examples:
   shardwise train --stage 2 --steps 50 --bf16
   shardwise train --model-size 1m --nproc 4 --profile
   shardwise train --config ds_config.json          a DeepSpeed config laid over the defaults
+  shardwise train --optimizer onebitadam           1-bit Adam (ZeRO stage 0, warm-up 20% of the steps)
   shardwise train --compare-stages                 stages 0-3 side by side: zero_stages.png
 Results go to OUT_DIR/NAME/: metrics.jsonl, loss.png, memory.png, TensorBoard events,
 checkpoint/, sample.txt, summary.json (and profile/ with --profile).
