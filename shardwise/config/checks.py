@@ -73,6 +73,12 @@ def _offload_contradictions(cfg: ShardwiseConfig) -> list[str]:
         problems.append(f"zero_optimization.offload_param.device '{param}' needs "
                         "zero_optimization.offload_optimizer.device set as well: the parameters' fp32 masters "
                         "and their optimizer step live with the optimizer")
+    ratio = zero.offload_optimizer.ratio
+    if ratio < 1 and param != "none":
+        problems.append(f"zero_optimization.offload_optimizer.ratio {ratio} with zero_optimization.offload_param."
+                        f"device '{param}' is not supported: the part updated on the device trains the parameter "
+                        "shards in place, which then must stay on the device; offload the whole optimizer (ratio "
+                        "1.0) or keep the parameters on the device")
     if optimizer != "none" and zero.mics_shard_size != -1:
         problems.append("zero_optimization.mics_shard_size with an offloaded optimizer is not supported: the "
                         "all-reduce across replica groups would run on host memory; use one or the other")

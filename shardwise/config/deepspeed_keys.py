@@ -244,8 +244,6 @@ RULES: dict[str, dict[str, KeyRule]] = {
         "pipeline": Accepted("shardwise always overlaps NVMe reads and writes with the optimizer step"),
         "pipeline_read": Accepted("shardwise always reads the next sub-group ahead"),
         "pipeline_write": Accepted("shardwise always writes the previous sub-group behind"),
-        "ratio": AcceptedWhen(lambda v: v == 1 and not isinstance(v, bool), "1.0", "partial optimizer offload "
-                              "is not supported: offload all of it (1.0) or none"),
     },
     "zero_optimization.offload_param": {
         "buffer_size": Accepted("sizes DeepSpeed's NVMe parameter buffers; shardwise pages each unit's shard "

@@ -75,9 +75,12 @@ class OffloadConfig(Section):
 
 
 class OffloadOptimizerConfig(OffloadConfig):
-    """Optimizer-state offload; 4 buffers hold Adam's parameter, gradient and two moments."""
+    """Optimizer-state offload; 4 buffers hold Adam's parameter, gradient and two moments.
+    `ratio`: the fraction of the partition offloaded (ZeRO-Offload++ Twin-Flow); the rest
+    stays on the device and is updated there (offload/split_store.py)."""
 
     buffer_count: Int = Field(4, ge=0)
+    ratio: Float = Field(1.0, ge=0, le=1)
 
 
 class OffloadParamConfig(OffloadConfig):

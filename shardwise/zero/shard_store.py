@@ -25,7 +25,7 @@ from __future__ import annotations
 
 from contextlib import contextmanager
 from dataclasses import dataclass
-from typing import Iterator
+from typing import Callable, Iterator
 
 import torch
 
@@ -131,6 +131,12 @@ class ShardStore:
     def transfers(self) -> dict[str, int]:
         """Bytes moved between tiers since start-up ({} when everything stays on the device)."""
         return {}
+
+    def state_bytes_by_tier(self, state_bytes: Callable[[SegmentState], int]) -> dict[str, int]:
+        """Bytes of the fp32 masters and optimizer state per tier they live in, with
+        `state_bytes(segment)` the optimizer state of one segment (a split store holds
+        some on the device and some offloaded: offload/split_store.py)."""
+        return {self.state_tier: self.master_bytes() + sum(state_bytes(s) for s in self.segments)}
 
     def sub_group_index(self, segment: SegmentState) -> int:
         return self._sub_group_index[id(segment)]
