@@ -86,15 +86,26 @@ def _offload_contradictions(cfg: ShardwiseConfig) -> list[str]:
 
 
 def _onebit_contradictions(cfg: ShardwiseConfig) -> list[str]:
-    """1-bit Adam / LAMB exchange every rank's momentum of the whole model themselves."""
+    """1-bit Adam / LAMB exchange every rank's momentum of the whole model themselves
+    (optim/onebit.py): stages 0-2, one exchange group, the momentum on the device."""
     if cfg.optimizer is None or cfg.optimizer.type not in ("OneBitAdam", "OneBitLamb"):
         return []
-    name, problems = cfg.optimizer.type, []
-    if cfg.zero_optimization.stage != 0:
-        problems.append(f"optimizer.type '{name}' needs zero_optimization.stage 0, got {cfg.zero_optimization.stage}: "
-                        "after freeze_step each rank folds its own gradient into the whole model's momentum and "
-                        "the ranks exchange it compressed, but stages 1-3 keep 1/N of the momentum per rank "
-                        "(DeepSpeed's 1-bit optimizers do not run with ZeRO either)")
+    name, problems, zero = cfg.optimizer.type, [], cfg.zero_optimization
+    if zero.stage == 3:
+        problems.append(f"optimizer.type '{name}' runs at zero_optimization.stage 0, 1 or 2, not 3: after "
+                        "freeze_step each rank folds its whole local gradient into the whole model's momentum and "
+                        "keeps a whole error-feedback buffer (10 bytes per parameter with 16-bit gradients, more "
+                        "than stage 3 saves by partitioning the 2-byte parameters), and stage 3 frees each "
+                        "module's gathered parameters when its gradients are reduced, which that phase never does; "
+                        "use stage 2 (masters, variance and server error partitioned)")
+    if zero.stage in (1, 2) and zero.mics_shard_size != -1:
+        problems.append(f"optimizer.type '{name}' with zero_optimization.mics_shard_size is not supported: the "
+                        "compressed momentum exchange runs over the shard group alone, and replicas would need a "
+                        "second exchange; leave mics_shard_size at -1")
+    if zero.offload_optimizer.device != "none":
+        problems.append(f"optimizer.type '{name}' with zero_optimization.offload_optimizer.device "
+                        f"'{zero.offload_optimizer.device}' is not supported: every step folds the whole momentum "
+                        "and exchanges it on the device; leave offload_optimizer.device 'none'")
     parallel = {"tensor_parallel.size": cfg.tensor_parallel.size, "sequence_parallel.size": cfg.sequence_parallel.size,
                 "pipeline_parallel.size": cfg.pipeline_parallel.size}
     for key, size in parallel.items():

@@ -1,27 +1,45 @@
 """What 1-bit Adam and 1-bit LAMB share (C18): a full-precision warm-up, then a frozen
 variance and a momentum that crosses the network at one bit per element.
 
-For `freeze_step` steps the optimizer is its ordinary self on gradients all-reduced by
-ZeRO's reducer, and it estimates the variance. From then on the variance is frozen, which
-is what makes the momentum safe to compress (Tang et al., 2021: Adam's variance becomes
-stable early, and with it fixed the update is linear in the momentum, so error feedback
-works). Each rank folds its own, unreduced gradient into the shared momentum,
+For `freeze_step` steps the optimizer is its ordinary self on gradients reduced by ZeRO
+(all-reduced at stage 0, reduce-scattered to the partition owners at stages 1-2), and it
+estimates the variance. From then on the variance is frozen, which is what makes the
+momentum safe to compress (Tang et al., 2021: Adam's variance becomes stable early, and
+with it fixed the update is linear in the momentum, so error feedback works). Each rank
+folds its own, unreduced gradient into the momentum of the whole model,
 m_i = β1·m + (1 − β1)·g_i, and the compressed all-reduce (distributed/compressed.py)
 averages the m_i with error feedback on both sides: every rank ends with the same m.
 
 The optimizer owns that communication, so the engine must stop reducing gradients: the
-reducer hands it the data-parallel group and a switch (`GradientReducer.
+reducer hands it the exchange group and a switch (`GradientReducer.
 exchange_for_optimizer`) that, once on, makes backward only accumulate the rank's own
 gradients. The switch goes on after step `freeze_step`, and again after a checkpoint load
-past it. That needs the whole gradient and the whole momentum on every rank: ZeRO stage 0
-(stages 1-2 keep 1/N of the momentum, so a rank could not form its m_i; DeepSpeed's 1-bit
-optimizers do not work with ZeRO either).
+past it.
 
-The momentum of all parameters lives in one flat buffer (each parameter's `exp_avg` is a
-view of it, in param-group order, the same on every rank), padded to whole bytes per
-rank's chunk, so one exchange per step covers the model. Checkpoints keep the momentum and
-the variances; the error-feedback buffers are per rank and restart from zero after a load
-(as DeepSpeed's do), so a resume past `freeze_step` is not bit-exact.
+Stage 0: every rank trains every element; the momentum of all parameters lives in one
+flat buffer (each parameter's `exp_avg` a view of it, in param-group order), padded to
+whole bytes per rank's chunk, and the ranks exchange it over the data-parallel group.
+
+Stages 1-2: the momentum must still be whole on every rank (a worker's compressed
+contribution covers every element), so it is the one state that is not partitioned, and
+its layout (zero/onebit_momentum.py) makes each rank the exchange's server for exactly its
+ZeRO partition: it averages and error-corrects the momentum of the elements whose fp32
+masters, frozen variance and server error it holds, and updates those masters; the
+exchange's all-gather gives every rank the averaged momentum, and ZeRO's parameter
+all-gather the updated weights. The warm-up keeps the momentum partitioned like any ZeRO
+optimizer state; when it ends (or after a load) the ranks all-gather it once, in fp32.
+The optimizer reads every unit's whole local gradient from the reducer and the step's
+gradient scale from `step_on_local_gradients`.
+
+Stage 3 is refused (config/checks.py): the exchange needs the whole momentum, the
+worker's error and the whole local gradient on every rank (10 bytes per parameter with
+16-bit gradients, more than stage 3 saves by partitioning the 2-byte parameters), and
+stage 3 frees each module's gathered parameters when its gradients are reduced, which
+this phase never does.
+
+Checkpoints keep the momentum and the variances (each rank its partition; the codec
+reshards them); the error-feedback buffers are per rank and restart from zero after a
+load (as DeepSpeed's do), so a resume past `freeze_step` is not bit-exact.
 
 After the warm-up, `gradient_clipping` sees the root mean square of the ranks' local
 gradient norms: the average gradient is never formed.
@@ -29,13 +47,16 @@ gradient norms: the average gradient is never formed.
 
 from __future__ import annotations
 
-from typing import Any, Callable
+from typing import TYPE_CHECKING, Any, Callable
 
 import torch
 
 from shardwise.distributed.collectives import Communicator
 from shardwise.distributed.compressed import CompressedAllReduce, padded_length
 from shardwise.optim.sharded import ShardAwareOptimizer
+
+if TYPE_CHECKING:
+    from shardwise.zero.onebit_momentum import PartitionedMomentum
 
 PER_PARAMETER_SCALARS = ("lamb_coeff_freeze", "last_factor")  # 1-bit LAMB's, one value per parameter
 COMM_BACKENDS = ("nccl", "gloo", "mpi", "hccl", "compressed")
@@ -60,23 +81,48 @@ class OneBitOptimizer(ShardAwareOptimizer):
         self._use_local_gradients: Callable[[bool], None] = lambda on: None
         self._exchange: CompressedAllReduce | None = None
         self._momentum: torch.Tensor | None = None
+        self._first_view_ptr = -1
+        self._partitions: PartitionedMomentum | None = None  # stages 1-2: the whole momentum's layout
+        self._grad_scale = 1.0  # stages 1-2: the scale the local gradients are folded with
 
     # -- the engine's side ------------------------------------------------------------------
-    def attach_gradient_exchange(self, communicator: Communicator,
-                                 use_local_gradients: Callable[[bool], None]) -> None:
-        """Called by ZeRO (stage 0): the data-parallel group, and the reducer's switch to
-        local gradients, which this optimizer turns on once its warm-up is over."""
+    def attach_gradient_exchange(self, communicator: Communicator, use_local_gradients: Callable[[bool], None],
+                                 partitions: PartitionedMomentum | None = None) -> None:
+        """Called by ZeRO: the group the momentum is exchanged over, the reducer's switch to
+        local gradients (which this optimizer turns on once its warm-up is over), and at
+        stages 1-2 the whole momentum's layout over the partitions."""
         self._communicator = communicator
         self._use_local_gradients = use_local_gradients
+        self._partitions = partitions
         self._use_local_gradients(self._compressing(self.steps_taken() + 1))
+
+    def reads_local_gradients(self) -> bool:
+        """Stages 1-2 after the warm-up: the next step folds every unit's whole local
+        gradient (from the reducer), not the `.grad` of the trained pieces."""
+        return self._partitions is not None and self._compressing(self.steps_taken() + 1)
+
+    def step_on_local_gradients(self, grad_scale: float) -> None:
+        """One step of the compressed phase at stages 1-2, the local gradients scaled by
+        `grad_scale` (clip coefficient over loss scale) as they are folded."""
+        self._grad_scale = grad_scale
+        try:
+            self.step()
+        finally:
+            self._grad_scale = 1.0
+
+    def local_grad_norm_squared(self) -> torch.Tensor:
+        """Stages 1-2 after the warm-up: this rank's share of the clipping norm² (see
+        zero/onebit_momentum.py)."""
+        return self._partitions.local_norm_squared()
 
     @property
     def workers(self) -> int:
         return 1 if self._communicator is None else self._communicator.size
 
     def exchange_state_bytes(self) -> int:
-        """Error-feedback buffers and the momentum buffer's padding (parameters' own views of
-        it are counted with their state)."""
+        """Error-feedback buffers and the momentum buffer beyond the trained elements' own
+        views of it (counted with their state): stage 0 its padding, stages 1-2 the other
+        ranks' partitions and the padding."""
         if self._exchange is None or self._momentum is None:
             return 0
         return self._exchange.state_bytes + 4 * (self._momentum.numel() - self._trained_numel())
@@ -86,6 +132,7 @@ class OneBitOptimizer(ShardAwareOptimizer):
         super().load_state_dict(state_dict)
         self._exchange = None
         self._momentum = None
+        self._first_view_ptr = -1
         self._use_local_gradients(self._compressing(self.steps_taken() + 1))
 
     # -- the phases ------------------------------------------------------------------------------
@@ -126,33 +173,62 @@ class OneBitOptimizer(ShardAwareOptimizer):
         return sum(param.numel() for param in self._params())
 
     def momentum_flat(self) -> torch.Tensor:
-        """The flat momentum buffer, each parameter's `exp_avg` a view of it (built on first
-        use from the current `exp_avg`s: after the warm-up, a load, or new state)."""
+        """The flat momentum buffer, each trained tensor's `exp_avg` a view of it (built on
+        first use from the current `exp_avg`s: after the warm-up, a load, or new state)."""
         params = self._params()
-        if self._momentum is None or self.state[params[0]]["exp_avg"].data_ptr() != self._momentum.data_ptr():
+        if self._momentum is None or self.state[params[0]]["exp_avg"].data_ptr() != self._first_view_ptr:
             self._exchange = None
-            numel = padded_length(self._trained_numel(), self.workers)
-            flat = torch.zeros(numel, dtype=torch.float32, device=params[0].device)
-            offset = 0
-            for param in params:
-                view = flat[offset : offset + param.numel()].view_as(param)
-                view.copy_(self.state[param]["exp_avg"])
-                self.state[param]["exp_avg"] = view
-                offset += param.numel()
-            self._momentum = flat
+            if self._partitions is not None:
+                self._momentum = self._partitioned_momentum(params)
+            else:
+                self._momentum = self._stage0_momentum(params)
+            self._first_view_ptr = self.state[params[0]]["exp_avg"].data_ptr()
         return self._momentum
 
-    def fold_and_exchange(self) -> None:
-        """m_i = β1·m + (1 − β1)·g_i for every parameter (no gradient: g_i = 0), then the
-        compressed average over the data-parallel group: every rank's m is the result."""
+    def _stage0_momentum(self, params: list[torch.Tensor]) -> torch.Tensor:
+        flat = torch.zeros(padded_length(self._trained_numel(), self.workers), dtype=torch.float32,
+                           device=params[0].device)
+        offset = 0
+        for param in params:
+            view = flat[offset : offset + param.numel()].view_as(param)
+            view.copy_(self.state[param]["exp_avg"])
+            self.state[param]["exp_avg"] = view
+            offset += param.numel()
+        return flat
+
+    def _partitioned_momentum(self, params: list[torch.Tensor]) -> torch.Tensor:
+        """Own partition from the optimizer state, the other rows from their owners."""
+        flat = self._partitions.allocate(params[0].device)
+        for param in params:
+            view = self._partitions.own_view(flat, param)
+            view.copy_(self.state[param]["exp_avg"])
+            self.state[param]["exp_avg"] = view
+        self._partitions.gather_rows_(flat)
+        return flat
+
+    def own_momentum(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """(the part of the flat momentum holding the trained tensors' views, the flat
+        momentum): stage 0 all of it, stages 1-2 this rank's row."""
         momentum = self.momentum_flat()
-        for group in self.param_groups:
-            beta1 = group["betas"][0]
-            for param in group["params"]:
-                exp_avg = self.state[param]["exp_avg"]
-                exp_avg.mul_(beta1)
-                if param.grad is not None:
-                    exp_avg.add_(param.grad, alpha=1 - beta1)
+        return (momentum if self._partitions is None else self._partitions.own_row(momentum)), momentum
+
+    def fold_and_exchange(self) -> None:
+        """m_i = β1·m + (1 − β1)·g_i for every element (no gradient: g_i = 0), then the
+        compressed average over the exchange group: every rank's m is the result."""
+        momentum = self.momentum_flat()
+        if self._partitions is not None:
+            self._partitions.fold_(momentum, lambda group: self.param_groups[group]["betas"][0], self._grad_scale)
+        else:
+            for group in self.param_groups:
+                beta1 = group["betas"][0]
+                with_grad = [p for p in group["params"] if p.grad is not None]
+                without = [self.state[p]["exp_avg"] for p in group["params"] if p.grad is None]
+                targets = [self.state[p]["exp_avg"] for p in with_grad]
+                if without:
+                    torch._foreach_mul_(without, beta1)
+                if targets:
+                    torch._foreach_mul_(targets, beta1)
+                    torch._foreach_add_(targets, [p.grad for p in with_grad], alpha=1 - beta1)
         if self.workers > 1:
             if self._exchange is None:
                 self._exchange = CompressedAllReduce(self._communicator, momentum.numel(), momentum.device)

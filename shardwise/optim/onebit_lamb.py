@@ -26,6 +26,7 @@ from __future__ import annotations
 from typing import Any, Iterable
 
 import torch
+import torch.distributed as dist
 
 from shardwise.optim.onebit import OneBitOptimizer
 from shardwise.optim.onebit_adam import refuse_unsupported, adam_step_size, variance_denominator, warm_up_moments
@@ -84,8 +85,8 @@ class OneBitLamb(OneBitOptimizer):
 
     def _warm_up_step(self, step: int) -> None:
         warm_up_moments(self)
+        updates = []
         for group in self.param_groups:
-            step_size = adam_step_size(group, step, self.freeze_step)
             for param in group["params"]:
                 if param.grad is None:
                     continue
@@ -93,56 +94,76 @@ class OneBitLamb(OneBitOptimizer):
                 update = state["exp_avg"] / variance_denominator(group, state["exp_avg_sq"])
                 if group["weight_decay"]:
                     update.add_(param, alpha=group["weight_decay"])
-                ratio = _trust_ratio(param, update, group)
-                state["lamb_coeff_freeze"] = group["coeff_beta"] * state["lamb_coeff_freeze"] + (
-                    1 - group["coeff_beta"]) * ratio
-                param.add_(update, alpha=-step_size * ratio)
+                updates.append((param, update, group))
+        norms = self.parameter_norms([(p, p) for p, _, _ in updates], [(p, u) for p, u, _ in updates]).cpu()
+        for param, update, group in updates:
+            index = self.shard_of(param).index
+            ratio = _trust_ratio(norms[index, 0].item(), norms[index, 1].item(), group)
+            state = self.state[param]
+            state["lamb_coeff_freeze"] = group["coeff_beta"] * state["lamb_coeff_freeze"] + (
+                1 - group["coeff_beta"]) * ratio
+            param.add_(update, alpha=-adam_step_size(group, step, self.freeze_step) * ratio)
 
     def _compressed_step(self, step: int) -> None:
-        previous = self.momentum_flat().clone()  # m_{t-1}: the gradient is reconstructed from it
+        """Two passes over the trained tensors: the statistics of each parameter's factor
+        (its elements' maximum and, with weight decay, two norms), completed over the
+        ranks holding other pieces of it in one reduction each; then the update."""
+        own, _ = self.own_momentum()
+        previous = own.clone()  # m_{t-1}: the gradient is reconstructed from it
         self.fold_and_exchange()
-        offset = 0
+        maxima = torch.zeros(self.parameter_count, dtype=torch.float64)
+        pieces = []
         for group in self.param_groups:
             beta1, beta2 = group["betas"]
-            step_size = adam_step_size(group, step, self.freeze_step)
             for param in group["params"]:
                 state = self.state[param]
                 if "exp_avg_sq_fresh" not in state:
                     state["exp_avg_sq_fresh"] = state["exp_avg_sq"].clone()
                     state["last_factor"] = 1.0
                 momentum = state["exp_avg"]
+                offset = (momentum.data_ptr() - own.data_ptr()) // momentum.element_size()
                 last = previous[offset : offset + param.numel()].view_as(param)
-                offset += param.numel()
                 gradient = (momentum - beta1 * last) / (1 - beta1)
                 state["exp_avg_sq_fresh"].mul_(beta2).addcmul_(gradient, gradient, value=1 - beta2)
                 denominator = variance_denominator(group, state["exp_avg_sq"])
-                preliminary = momentum / denominator
-                update = preliminary.add(param, alpha=group["weight_decay"]) if group["weight_decay"] else preliminary
-                fresh = variance_denominator(group, state["exp_avg_sq_fresh"])
-                factor = (denominator / fresh).max().item()
-                factor = _bounded_factor(factor, preliminary, update, state["last_factor"], group)
+                ratio = (denominator / variance_denominator(group, state["exp_avg_sq_fresh"])).max().item()
+                index = self.shard_of(param).index
+                maxima[index] = max(maxima[index].item(), ratio)
+                if group["weight_decay"]:
+                    preliminary = momentum / denominator
+                    pieces.append((param, preliminary, preliminary.add(param, alpha=group["weight_decay"])))
+        if self._partitions is not None:  # pieces of one parameter on several ranks
+            self._communicator.control_all_reduce(maxima, "1-bit LAMB variance factors (maxima)", op=dist.ReduceOp.MAX)
+        norms = self.parameter_norms([(p, m) for p, m, _ in pieces], [(p, u) for p, _, u in pieces]).cpu()
+        del pieces
+        for group in self.param_groups:
+            step_size = adam_step_size(group, step, self.freeze_step)
+            for param in group["params"]:
+                state = self.state[param]
+                index = self.shard_of(param).index
+                update = state["exp_avg"] / variance_denominator(group, state["exp_avg_sq"])
+                share = 1.0
+                if group["weight_decay"]:
+                    update.add_(param, alpha=group["weight_decay"])
+                    update_norm = norms[index, 1].item()
+                    share = min(1.0, norms[index, 0].item() / update_norm) if update_norm else 1.0
+                factor = _bounded_factor(maxima[index].item(), share, state["last_factor"], group)
                 state["last_factor"] = factor
                 param.add_(update, alpha=-step_size * state["lamb_coeff_freeze"] * factor)
 
 
-def _trust_ratio(param: torch.Tensor, update: torch.Tensor, group: dict) -> float:
+def _trust_ratio(weight_norm: float, update_norm: float, group: dict) -> float:
     """||w|| / ||u|| clamped to [min_coeff, max_coeff]; 1 when either norm is zero."""
-    weight_norm = torch.linalg.vector_norm(param).item()
-    update_norm = torch.linalg.vector_norm(update).item()
     if weight_norm == 0 or update_norm == 0:
         return 1.0
     return min(max(weight_norm / update_norm, group["min_coeff"]), group["max_coeff"])
 
 
-def _bounded_factor(factor: float, preliminary: torch.Tensor, update: torch.Tensor, last: float,
-                    group: dict) -> float:
+def _bounded_factor(factor: float, share: float, last: float, group: dict) -> float:
     """The paper's limits on the variance factor: weight decay's share of the update is not
-    rescaled, the factor stays within [factor_min, factor_max], and moves by at most
-    factor_threshold (relative) per step."""
-    if group["weight_decay"]:
-        update_norm = torch.linalg.vector_norm(update).item()
-        share = min(1.0, torch.linalg.vector_norm(preliminary).item() / update_norm) if update_norm else 1.0
-        factor = factor * share + (1 - share)
+    rescaled (`share` = ||m/(√v+eps)|| / ||u||, 1 without weight decay), the factor stays
+    within [factor_min, factor_max], and moves by at most factor_threshold (relative) per step."""
+    factor = factor * share + (1 - share)
     factor = min(max(factor, group["factor_min"]), group["factor_max"])
     threshold = group["factor_threshold"]
     return min(max(factor, last * (1 - threshold)), last * (1 + threshold))

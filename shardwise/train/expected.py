@@ -12,13 +12,14 @@ from dataclasses import dataclass
 from shardwise.optim.registry import optimizer_spec, registered_optimizers
 from shardwise.planner import comm_formulas
 from shardwise.planner.comm_formulas import COLLECTIVES, ring_share
-from shardwise.planner.formulas import element_bytes, model_state_bytes
+from shardwise.planner.formulas import element_bytes, model_state_bytes, onebit_model_state_bytes
 
 __all__ = [  # COLLECTIVES and ring_share are re-exported for the report
     "COLLECTIVES", "MODEL_STATES", "RunShape", "comm_expressions", "expected_comm", "expected_comm_by_group",
     "expected_memory", "memory_expressions", "optimizer_state_bytes", "ring_share",
 ]
 MODEL_STATES = ("params", "grads", "optimizer_states")
+ONEBIT = ("OneBitAdam", "OneBitLamb")  # their memory and communication have formulas of their own
 
 
 @dataclass(frozen=True)
@@ -28,7 +29,9 @@ class RunShape:
     `dtype` is the compute dtype of parameters and gradients; `comm_dtype` the dtype
     gradients are reduced in; `persistent_params` the stage-3 parameters kept whole on
     every rank; `optimizer_state_bytes` is K; `accumulation_steps` the micro-batches per
-    optimizer step."""
+    optimizer step; `optimizer_type` the config's type (1-bit Adam / LAMB keep the
+    momentum and the worker's error whole and exchange compressed momentum: their memory
+    and their steps after the warm-up follow formulas of their own)."""
 
     num_params: int
     world_size: int
@@ -39,6 +42,11 @@ class RunShape:
     persistent_params: int = 0
     accumulation_steps: int = 1
     shard_size: int | None = None
+    optimizer_type: str = "AdamW"
+
+    @property
+    def onebit(self) -> bool:
+        return self.optimizer_type in ONEBIT
 
     @property
     def shard(self) -> int:
@@ -64,7 +72,11 @@ def optimizer_state_bytes(optimizer_type: str, dtype: str, momentum: float = 0.0
 
 
 def expected_memory(shape: RunShape) -> dict[str, int]:
-    """Model-state bytes per rank by category (SPEC §4 table, N = the shard group's size)."""
+    """Model-state bytes per rank by category (SPEC §4 table, N = the shard group's size;
+    1-bit Adam / LAMB: after their warm-up, planner/formulas.py `onebit_model_state_bytes`)."""
+    if shape.onebit:
+        return onebit_model_state_bytes(shape.num_params, shape.world_size, shape.stage, shape.dtype,
+                                        lamb=shape.optimizer_type == "OneBitLamb")
     return model_state_bytes(
         shape.num_params,
         shape.shard if shape.stage > 0 else shape.world_size,
@@ -76,7 +88,14 @@ def expected_memory(shape: RunShape) -> dict[str, int]:
 
 
 def expected_comm(shape: RunShape) -> dict[str, int]:
-    """Collective bytes per rank per optimizer step (SPEC §4, planner/comm_formulas.py)."""
+    """Collective bytes per rank per optimizer step (SPEC §4, planner/comm_formulas.py);
+    1-bit Adam / LAMB: a step after the warm-up (no gradient reduced, the compressed
+    momentum exchange, and at stages 1-2 the parameters' all-gather)."""
+    if shape.onebit:
+        volume = dict.fromkeys(COLLECTIVES, 0)
+        volume.update(comm_formulas.onebit_exchange_bytes(shape.num_params, shape.world_size, shape.stage,
+                                                          element_bytes(shape.dtype)))
+        return volume
     return comm_formulas.comm_bytes(shape.comm_shape())
 
 
@@ -87,6 +106,8 @@ def expected_comm_by_group(shape: RunShape) -> dict[str, dict[str, int]]:
 def memory_expressions(shape: RunShape) -> dict[str, str]:
     """The §4 term behind each memory category, e.g. "4Ψ/N" or "2Ψ/N + 2P"."""
     p, k = element_bytes(shape.dtype), shape.optimizer_state_bytes
+    if shape.onebit:
+        return _onebit_memory_expressions(shape, p)
     params = f"{p}Ψ"
     if shape.stage == 3:
         params = f"{p}(Ψ−P)/N + {p}P" if shape.persistent_params else f"{p}Ψ/N"
@@ -100,4 +121,20 @@ def memory_expressions(shape: RunShape) -> dict[str, str]:
 def comm_expressions(shape: RunShape) -> dict[str, str]:
     """The §4 term behind each collective's bytes per step ("" where nothing is sent);
     A is the number of micro-batches per step."""
+    if shape.onebit:
+        framed = "(L/8 + 4N)(N−1)/N"
+        gather = framed if shape.stage == 0 else f"{framed} + {element_bytes(shape.dtype)}Ψ(N−1)/N"
+        return {**dict.fromkeys(COLLECTIVES, ""), "all_to_all": framed, "all_gather": gather}
     return comm_formulas.comm_expressions(shape.comm_shape())
+
+
+def _onebit_memory_expressions(shape: RunShape, p: int) -> dict[str, str]:
+    """1-bit Adam / LAMB after the warm-up: stage 0 every state whole and the server's error
+    1/N; stages 1-2 the momentum and the worker's error (8Ψ) whole, the master, variance(s)
+    and server error partitioned; stage 2's gradients add the whole local gradient."""
+    master = 0 if p == 4 else 4
+    variances = 8 if shape.optimizer_type == "OneBitLamb" else 4
+    if shape.stage == 0:
+        return {"params": f"{p}Ψ", "grads": f"{p}Ψ", "optimizer_states": f"{master + variances + 8}Ψ + 4Ψ/N"}
+    grads = f"{p}Ψ + {p}Ψ/N" if shape.stage == 2 else f"{p}Ψ"
+    return {"params": f"{p}Ψ", "grads": grads, "optimizer_states": f"8Ψ + {master + variances + 4}Ψ/N"}

@@ -30,6 +30,12 @@ copied into the buffer and `.grad` becomes a view of it, so autograd accumulates
 micro-batches in place; parameters that got no gradient in the window are zeroed before
 their unit is reduced. Stages 2-3 must reduce every micro-batch, since they only keep a
 partition.
+
+1-bit Adam / LAMB after their warm-up exchange compressed momentum instead
+(`exchange_for_optimizer`): backward then only accumulates each rank's own gradients, in
+the full buffers at stages 0-1 and, at stage 2, in a whole-model local buffer allocated
+when that phase starts (the optimizer folds the window's whole local gradient into the
+momentum at its step, once clipping and loss scaling are known).
 """
 
 from __future__ import annotations
@@ -79,6 +85,7 @@ class GradientReducer:
         self.overlap = policy.overlap_comm
         self.use_reduce_scatter = policy.reduce_scatter
         self.keeps_full_grads = policy.keeps_full_gradients
+        self.partitions_parameters = policy.partitions_parameters
         self.divisor = shard.size * replicate.size
         self.bounded = not (self.keeps_full_grads and shard.size == 1)  # stage 0 reduces in place
         self.unit_ready_callbacks: list[Callable[[FlatUnit], None]] = []
@@ -107,6 +114,7 @@ class GradientReducer:
         self._in_backward = False  # inside this engine's backward(), not another loss's
         self._reduced_in_window = False  # stages 0-1: the window's buffer has been reduced
         self._carried: dict[int, torch.Tensor] = {}
+        self._local_grads: list[torch.Tensor] | None = None  # stage 2, 1-bit phase: whole local gradients
         # The gradient-synchronisation strategy: reduce while backward runs (default), or
         # accumulate locally and let the caller decide when (no_sync; an optimizer that
         # communicates itself). Local accumulation needs the full buffer (stages 0-1).
@@ -115,10 +123,16 @@ class GradientReducer:
         self._local_boundary = False
         self._reset_backward_state()
 
+    @property
+    def _full_buffers(self) -> bool:
+        """Gradients accumulate in whole-unit buffers through `.grad` views: stages 0-1, and
+        stage 2 while an optimizer exchanges its own local gradients."""
+        return self.keeps_full_grads or (self.optimizer_exchanges and self._local_grads is not None)
+
     def zero_grads(self) -> None:
         """Start a new accumulation window (after the optimizer step)."""
         self.store.start_window()
-        if not self.keeps_full_grads:
+        if not self._full_buffers:
             return
         for unit in self.units:
             for slot in unit.slots:
@@ -128,18 +142,47 @@ class GradientReducer:
 
     # -- backward ----------------------------------------------------------------------
     def exchange_for_optimizer(self, who: str) -> tuple[Communicator, Callable[[bool], None]]:
-        """For an optimizer that exchanges gradients itself (1-bit Adam after its warm-up): the
-        data-parallel group, and a switch that stops backward reducing. Stage 0 only: the
-        optimizer needs the whole model's gradient and state on every rank."""
-        if self.shard.size > 1 or not self.keeps_full_grads:
-            raise ValueError(f"{who} exchanges the whole model's momentum between data-parallel ranks itself, "
-                             f"so it needs zero_optimization.stage 0: here ZeRO shards the optimizer state over "
-                             f"{self.shard.size} rank(s){'' if self.keeps_full_grads else ' and the gradients'}")
+        """For an optimizer that exchanges gradients itself (1-bit Adam after its warm-up):
+        the group it exchanges over, and a switch that stops backward reducing.
+
+        Stage 0: the data-parallel (replicate) group; the local gradients are the full
+        buffers the optimizer's own `.grad`s point into. Stages 1-2: the shard group, and
+        the optimizer reads every unit's whole local gradient with `local_gradient(unit)`
+        (stage 1 has the buffer; stage 2 gets one when the switch first goes on, since the
+        optimizer needs the whole window's gradient at its step, where clipping and loss
+        scaling are known). Hybrid sharding would need a second, cross-group exchange."""
+        if self.partitions_parameters:
+            raise ValueError(f"{who} runs at zero_optimization.stage 0, 1 or 2, not 3: after its warm-up every rank "
+                             "needs the whole momentum, its whole error buffer and its whole local gradient, more "
+                             "than stage 3 saves, and stage 3 frees gathered parameters only as gradients are "
+                             "reduced, which that phase never does (optim/onebit.py)")
+        if self.shard.size > 1 and self.replicate.size > 1:
+            raise ValueError(f"{who} with hybrid sharding (mics_shard_size) is not supported: its compressed "
+                             f"momentum exchange runs over one group, here {self.shard.size} shard ranks x "
+                             f"{self.replicate.size} replicas")
 
         def use_local_gradients(on: bool) -> None:
+            if on and not self.keeps_full_grads and self._local_grads is None:
+                self._allocate_local_gradients()
             self.optimizer_exchanges = on
 
-        return self.replicate, use_local_gradients
+        return (self.replicate if self.shard.size == 1 else self.shard), use_local_gradients
+
+    def local_gradient(self, unit: FlatUnit) -> torch.Tensor:
+        """The whole unit's unreduced gradient of this window (1-bit phase, stages 1-2)."""
+        if self.keeps_full_grads:
+            return self.store.full_gradient(unit)
+        return self._local_grads[unit.index]
+
+    def _allocate_local_gradients(self) -> None:
+        flat = torch.zeros(sum(unit.padded_numel for unit in self.units), dtype=self.grad_dtype, device=self.device)
+        self.ledger.hold("grads", tensor_bytes(flat))
+        self._local_grads = list(torch.split(flat, [unit.padded_numel for unit in self.units]))
+        for unit, full in zip(self.units, self._local_grads):
+            for slot in unit.slots:
+                self._slot_views[id(slot)] = full[slot.offset : slot.offset + slot.numel].view(slot.shape)
+                slot.param.grad = None
+        self._written = [set() for _ in self.units]
 
     def _reset_backward_state(self) -> None:
         self._seen: list[set[int]] = [set() for _ in self.units]
@@ -194,7 +237,7 @@ class GradientReducer:
                 "reduced in this backward. Call engine.backward() once per micro-batch and use "
                 "non-reentrant activation checkpointing (use_reentrant=False)."
             )
-        if self.keeps_full_grads:
+        if self._full_buffers:
             view = self._slot_views[id(slot)]
             written = self._written[unit.index]
             if id(slot) not in written:
@@ -221,7 +264,7 @@ class GradientReducer:
         PyTorch it stays in `.grad`: the script's `zero_grad()` drops it, or this engine's
         next backward adds it in. Only a buffer this window has already reduced cannot
         take it."""
-        if self.keeps_full_grads and param.grad is self._slot_views[id(slot)] and self._reduced_in_window:
+        if self._full_buffers and param.grad is self._slot_views[id(slot)] and self._reduced_in_window:
             raise RuntimeError(
                 f"parameter {slot.name} received a gradient from another backward after this engine reduced "
                 "its gradients and before its step(): call this engine's step() before back-propagating "
@@ -276,7 +319,7 @@ class GradientReducer:
         self.zero_grads()
 
     def _fill_missing(self, unit: FlatUnit) -> None:
-        if self.keeps_full_grads:
+        if self._full_buffers:
             for slot in unit.slots:
                 if id(slot) not in self._written[unit.index]:
                     self._slot_views[id(slot)].zero_()
@@ -291,7 +334,7 @@ class GradientReducer:
         bucket, so autograd accumulates straight into it: no full-size gradient tensor
         and no copy. Stage 3 calls this just before the unit's backward; stage 2 when the
         unit's first gradient arrives."""
-        if self.keeps_full_grads or unit.index in self._buckets:
+        if self._full_buffers or unit.index in self._buckets:
             return
         bucket = self._bucket_for(unit)
         if self.comm_dtype != self.grad_dtype:

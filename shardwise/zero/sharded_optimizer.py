@@ -24,6 +24,7 @@ from shardwise.optim.codec import ElementwiseCodec, StateCodec
 from shardwise.optim.onebit import OneBitOptimizer
 from shardwise.optim.sharded import ParameterShard, ShardAwareOptimizer, SumOverShards
 from shardwise.zero.gradients import GradientReducer
+from shardwise.zero.onebit_momentum import PartitionedMomentum
 from shardwise.zero.shard_store import SegmentState, ShardStore
 
 
@@ -53,7 +54,11 @@ class ShardedOptimizer:
         if isinstance(self.optimizer, ShardAwareOptimizer):
             self._attach_shards(sum_over_shards, sum_data_over_shards)
         if isinstance(self.optimizer, OneBitOptimizer) and reducer is not None:
-            self.optimizer.attach_gradient_exchange(*reducer.exchange_for_optimizer(type(self.optimizer).__name__))
+            communicator, use_local_gradients = reducer.exchange_for_optimizer(type(self.optimizer).__name__)
+            partitions = None
+            if reducer.shard.size > 1:  # stages 1-2: the whole momentum laid out over the partitions
+                partitions = PartitionedMomentum(store.units, communicator, self.segments, reducer.local_gradient)
+            self.optimizer.attach_gradient_exchange(communicator, use_local_gradients, partitions)
         self.record_state_bytes()
 
     def _segments_by_group(self) -> list[list[torch.Tensor]]:
@@ -80,14 +85,22 @@ class ShardedOptimizer:
 
     # -- norms ---------------------------------------------------------------------------
     def local_grad_norm_squared(self) -> torch.Tensor:
-        """Sum of squared owned gradients, accumulated in fp32 (fp16 squares overflow)."""
+        """Sum of squared owned gradients, accumulated in fp32 (fp16 squares overflow); a
+        1-bit optimizer past its warm-up at stages 1-2 gives its share of the local norms."""
+        if isinstance(self.optimizer, OneBitOptimizer) and self.optimizer.reads_local_gradients():
+            return self.optimizer.local_grad_norm_squared()
         norms = [torch.linalg.vector_norm(grad, dtype=torch.float32) for grad in self.store.gradients()]
-        return torch.stack(norms).square().sum()
+        return torch.stack([norm.to(norms[0].device) for norm in norms]).square().sum()  # tiers may differ
 
     # -- the update ------------------------------------------------------------------------
     def step(self, grad_scale: float) -> None:
         """Update owned parameters with gradients multiplied by `grad_scale`
         (loss-scale inverse times clip coefficient), then publish them."""
+        if isinstance(self.optimizer, OneBitOptimizer) and self.optimizer.reads_local_gradients():
+            self.optimizer.step_on_local_gradients(grad_scale)  # one sub-group: per-parameter store
+            self.store.publish()
+            self.record_state_bytes()
+            return
         for sub_group in self.store.sub_groups:
             with self.store.resident(sub_group):
                 self._step_sub_group(sub_group, grad_scale)
@@ -115,9 +128,9 @@ class ShardedOptimizer:
 
     def record_state_bytes(self) -> None:
         """Master copy plus the optimizer state the codec counts per element."""
-        total = self.store.master_bytes()
-        for segment in self.segments:
-            total += self.codec.state_bytes(self.optimizer.state.get(segment.master, {}), segment.numel)
+        by_tier = self.store.state_bytes_by_tier(
+            lambda segment: self.codec.state_bytes(self.optimizer.state.get(segment.master, {}), segment.numel))
         if isinstance(self.optimizer, OneBitOptimizer):  # its error-feedback buffers
-            total += self.optimizer.exchange_state_bytes()
-        self.ledger.set("optimizer_states", total, tier=self.store.state_tier)
+            by_tier[self.store.state_tier] += self.optimizer.exchange_state_bytes()
+        for tier, total in by_tier.items():
+            self.ledger.set("optimizer_states", total, tier=tier)

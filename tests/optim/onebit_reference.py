@@ -32,6 +32,7 @@ class OneBitSettings:
     rows: int = 2  # per worker and micro-batch
     accumulation: int = 1  # micro-batches per step
     bf16: bool = False  # the engine's compute dtype (the simulation is fp32 only)
+    stage: int = 0  # the engine's ZeRO stage (decides the momentum's layout)
     extra: dict = field(default_factory=dict)  # 1-bit LAMB's bounds, when not the defaults
 
     def optimizer_block(self) -> dict:
@@ -85,7 +86,13 @@ Units = list[tuple[int, list[tuple[str, int]]]]  # per unit: padded length, (par
 class Simulation:
     """N workers training one model with 1-bit Adam / LAMB; `order` is the engine's layout
     of parameters by name, `units` its flat buffers, whose norms the engine sums for
-    gradient clipping (in fp32, one per buffer: the same rounding here)."""
+    gradient clipping (in fp32, one per buffer: the same rounding here).
+
+    The momentum's flat layout (which decides the exchange's chunks) is the engine's:
+    stage 0, the parameters back to back in `order`, padded at the end to a multiple of
+    8·N, the padding left as the exchange returned it; stages 1-2, N rows, row r rank r's
+    ZeRO partition (chunk r of every unit, unit padding included, padded to whole bytes),
+    every element folded with β1 (zero/onebit_momentum.py)."""
 
     def __init__(self, settings: OneBitSettings, workers: int, order: list[str], units: Units,
                  model_kind: str = "gpt"):
@@ -95,8 +102,8 @@ class Simulation:
         self.names = order
         self.params = [named[name] for name in order]
         self.numel = sum(p.numel() for p in self.params)
-        unit = 8 * workers
-        self.length = math.ceil(self.numel / unit) * unit
+        self.positions, self.length = self._layout(settings.stage)
+        self.flat_m: torch.Tensor | None = None
         self.m = [torch.zeros_like(p) for p in self.params]
         self.v = [torch.zeros_like(p) for p in self.params]
         self.v_fresh: list[torch.Tensor] = []
@@ -104,6 +111,29 @@ class Simulation:
         self.last_factor = [1.0] * len(self.params)
         self.exchange = Exchange(workers, self.length)
         self.t = 0
+
+    def _layout(self, stage: int) -> tuple[list[torch.Tensor], int]:
+        """Each parameter's element positions in the flat momentum, and its length."""
+        if stage == 0:
+            unit = 8 * self.n
+            sizes = [p.numel() for p in self.params]
+            starts = [sum(sizes[:k]) for k in range(len(sizes))]
+            return [torch.arange(a, a + size) for a, size in zip(starts, sizes)], math.ceil(self.numel / unit) * unit
+        columns, by_name = 0, {}
+        widths = [padded // self.n for padded, _ in self.units]
+        partition = math.ceil(sum(widths) / 8) * 8
+        for (padded, slots), width in zip(self.units, widths):
+            for name, offset in slots:
+                elements = torch.arange(offset, offset + dict(zip(self.names, self.params))[name].numel())
+                by_name[name] = (elements // width) * partition + columns + elements % width
+            columns += width
+        return [by_name[name] for name in self.names], self.n * partition
+
+    def flatten(self, tensors: list[torch.Tensor]) -> torch.Tensor:
+        flat = torch.zeros(self.length)
+        for positions, tensor in zip(self.positions, tensors):
+            flat[positions] = tensor.reshape(-1)
+        return flat
 
     def local_gradients(self, step: int) -> tuple[list[list[torch.Tensor]], float]:
         """Per worker, its micro-batch's gradients; and the mean of the workers' losses."""
@@ -185,15 +215,23 @@ class Simulation:
     def compressed(self, gradients: list[list[torch.Tensor]]) -> None:
         beta1, beta2 = self.s.betas
         previous = [m.clone() for m in self.m]
-        folded = [[m.mul(beta1).add_(g, alpha=1 - beta1) for m, g in zip(self.m, worker)] for worker in gradients]
         if self.n > 1:
-            flats = [torch.cat([t.reshape(-1) for t in worker] + [torch.zeros(self.length - self.numel)])
-                     for worker in folded]
-            averaged = self.exchange.average(flats)
-            self.m = [piece.view_as(p).clone() for piece, p in zip(averaged.split([p.numel() for p in self.params]),
-                                                                   self.params)]
+            if self.flat_m is None:
+                self.flat_m = self.flatten(self.m)
+            padding = self.flat_m.clone()  # stage 0 leaves the padding's momentum as it is
+            if self.s.stage > 0:
+                padding.mul_(beta1)
+            flats = []
+            for worker in gradients:
+                flat = self.flat_m.mul(beta1).add_(self.flatten(worker), alpha=1 - beta1)
+                mask = torch.ones(self.length, dtype=torch.bool)
+                mask[torch.cat(self.positions)] = False
+                flat[mask] = padding[mask]
+                flats.append(flat)
+            self.flat_m = self.exchange.average(flats)
+            self.m = [self.flat_m[positions].view_as(p).clone() for positions, p in zip(self.positions, self.params)]
         else:
-            self.m = folded[0]
+            self.m = [m.mul(beta1).add_(g, alpha=1 - beta1) for m, g in zip(self.m, gradients[0])]
         if self.s.algorithm == "lamb" and not self.v_fresh:
             self.v_fresh = [v.clone() for v in self.v]
         for k, p in enumerate(self.params):
@@ -206,7 +244,7 @@ class Simulation:
                 self.v_fresh[k].mul_(beta2).addcmul_(gradient, gradient, value=1 - beta2)
                 factor = (denominator / self.v_fresh[k].sqrt().add_(self.s.eps)).max().item()
                 if self.s.weight_decay:
-                    share = min(1.0, preliminary.norm().item() / update.norm().item())
+                    share = min(1.0, _norm(preliminary) / _norm(update))
                     factor = factor * share + (1 - share)
                 factor = min(max(factor, self.s.lamb("factor_min")), self.s.lamb("factor_max"))
                 threshold = self.s.lamb("factor_threshold")
@@ -228,6 +266,7 @@ class Simulation:
             with torch.no_grad():
                 p.copy_(theirs["weight"].view_as(p))
             self.m[k] = theirs["exp_avg"].view_as(p).clone()
+            self.flat_m = None  # rebuilt from the adopted momentum
             self.v[k] = theirs["exp_avg_sq"].view_as(p).clone()
             self.coeff[k] = theirs.get("lamb_coeff_freeze", 0.0)
             self.last_factor[k] = theirs.get("last_factor", 1.0)
@@ -240,8 +279,14 @@ class Simulation:
         return {name: p.detach().clone() for name, p in self.model.named_parameters()}
 
 
+def _norm(tensor: torch.Tensor) -> float:
+    """Whole-parameter norms as the engine forms them (in float64: under ZeRO from the
+    pieces' squares, summed over ranks)."""
+    return torch.linalg.vector_norm(tensor, dtype=torch.float64).item()
+
+
 def _trust_ratio(p: torch.Tensor, update: torch.Tensor, s: OneBitSettings) -> float:
-    weight_norm, update_norm = p.norm().item(), update.norm().item()
+    weight_norm, update_norm = _norm(p), _norm(update)
     if weight_norm == 0 or update_norm == 0:
         return 1.0
     return min(max(weight_norm / update_norm, s.lamb("min_coeff")), s.lamb("max_coeff"))

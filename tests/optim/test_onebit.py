@@ -18,10 +18,10 @@ from tests.zero.workers import build_model, global_batch, model_loss, relative_e
 STEPS = 5  # freeze_step 2: two full-precision steps, three compressed
 
 
-def config(settings: OneBitSettings, stage: int = 0) -> dict:
+def config(settings: OneBitSettings) -> dict:
     return {"train_micro_batch_size_per_gpu": settings.rows, "gradient_clipping": settings.clipping,
             "gradient_accumulation_steps": settings.accumulation, "bf16": {"enabled": settings.bf16},
-            "zero_optimization": {"stage": stage, "reduce_bucket_size": 3000},
+            "zero_optimization": {"stage": settings.stage, "reduce_bucket_size": 3000},
             "optimizer": settings.optimizer_block()}
 
 
@@ -44,7 +44,7 @@ def train_engine(rank: int, world_size: int, settings: OneBitSettings, steps: ra
         volumes.append(engine.comm_volume())
         losses.append(step_loss)
         if step + 1 == settings.freeze_step:
-            frozen = _state_by_name(engine)
+            frozen = _state_pieces(engine)
     if save_dir is not None:
         engine.save_checkpoint(save_dir)
     losses = engine.comm.control_all_reduce(torch.stack(losses), "test losses") / world_size
@@ -52,26 +52,47 @@ def train_engine(rank: int, world_size: int, settings: OneBitSettings, steps: ra
     return {
         "losses": losses.tolist(),
         "params": {name: p.detach().clone() for name, p in engine.module.named_parameters()},
-        "order": [optimizer.shard_of(segment.master).name for segment in engine.optimizer.segments],
+        "order": [slot.name for unit in engine.units for slot in unit.slots],
         "units": [(unit.padded_numel, [(slot.name, slot.offset) for slot in unit.slots]) for unit in engine.units],
         "volumes": volumes,
         "at_freeze": frozen,
-        "final": _state_by_name(engine),
+        "final": _state_pieces(engine),
         "optimizer_states": engine.memory_breakdown()["optimizer_states"],
+        "grads": engine.memory_breakdown()["grads"],
         "numel": engine.num_parameters(),
+        "owned": sum(segment.numel for segment in engine.optimizer.segments),
+        "partition": optimizer._partitions.partition if optimizer._partitions is not None else None,
     }
 
 
-def _state_by_name(engine: shardwise.Engine) -> dict:
-    """Weights and optimizer state by parameter name (stage 0: whole parameters)."""
+def _state_pieces(engine: shardwise.Engine) -> dict[str, list]:
+    """Weights and optimizer state of this rank's pieces, by parameter name:
+    [(start, stop, state)] (stage 0: whole parameters)."""
     optimizer = engine.optimizer.optimizer
-    state = {}
+    pieces: dict[str, list] = {}
     for segment in engine.optimizer.segments:
-        name = optimizer.shard_of(segment.master).name
-        state[name] = {key: value.clone() if torch.is_tensor(value) else value
-                       for key, value in optimizer.state[segment.master].items()}
-        state[name]["weight"] = segment.master.detach().clone()
-    return state
+        shard = optimizer.shard_of(segment.master)
+        state = {key: value.clone() if torch.is_tensor(value) else value
+                 for key, value in optimizer.state[segment.master].items()}
+        state["weight"] = segment.master.detach().clone()
+        pieces.setdefault(shard.name, []).append((shard.start, shard.stop, state))
+    return pieces
+
+
+def whole_state(results: list[dict], key: str) -> dict[str, dict]:
+    """Every rank's pieces of `key` joined into whole parameters' state (tensors of one
+    value per element concatenated, scalars taken from the first piece)."""
+    merged: dict[str, dict] = {}
+    for name in results[0][key].keys() | {n for r in results for n in r[key]}:
+        pieces = {start: (stop, state) for result in results for start, stop, state in result[key].get(name, [])}
+        ordered = [pieces[start] for start in sorted(pieces)]
+        first = ordered[0][1]
+        merged[name] = {
+            item: torch.cat([state[item].reshape(-1) for _, state in ordered])
+            if torch.is_tensor(value) and value.dim() >= 1 else value
+            for item, value in first.items()
+        }
+    return merged
 
 
 def assert_equal_to(result: dict, losses: list[float], params: dict[str, torch.Tensor]) -> None:
@@ -96,7 +117,7 @@ def test_equals_simulation_of_n_workers(algorithm, ranks, accumulation):
     # gloo sums 4 ranks' gradients in an order of its own: the warm-up agrees to rounding,
     # then the compressed phase starts from the engine's state, where it must agree exactly
     # (a sign compressor turns a last-bit difference into a flip)
-    simulation.adopt(results[0]["at_freeze"], tolerance=1e-5)
+    simulation.adopt(whole_state(results, "at_freeze"), tolerance=1e-5)
     losses += simulation.train(range(settings.freeze_step, STEPS))
     numel = results[0]["numel"]
     fp32_all_reduce = 2 * 4 * numel * (ranks - 1) // ranks

@@ -8,7 +8,7 @@ import pytest
 
 from shardwise.testing import run_distributed
 from tests.optim.onebit_reference import Exchange, OneBitSettings, Simulation
-from tests.optim.test_onebit import STEPS, assert_equal_to, train_engine
+from tests.optim.test_onebit import STEPS, assert_equal_to, train_engine, whole_state
 
 SAVED_AT = 3  # freeze_step 2: one compressed step before the save
 
@@ -22,7 +22,7 @@ def test_resume_at_same_world_size_restarts_error_feedback(tmp_path, algorithm):
     resumed = run_distributed(train_engine, 2, settings, range(SAVED_AT, STEPS), str(tmp_path))
     simulation = Simulation(settings, 2, saved[0]["order"], saved[0]["units"])
     simulation.train(range(SAVED_AT))
-    simulation.adopt(saved[0]["final"], tolerance=1e-5)
+    simulation.adopt(whole_state(saved, "final"), tolerance=1e-5)
     simulation.exchange = Exchange(2, simulation.length)
     assert_equal_to(resumed[0], simulation.train(range(SAVED_AT, STEPS)), simulation.weights())
 
@@ -36,5 +36,5 @@ def test_resume_at_one_rank_continues_without_compression(tmp_path):
     resumed = run_distributed(train_engine, 1, settings, range(SAVED_AT, STEPS), str(tmp_path))[0]
     assert resumed["volumes"][-1]["all_to_all"] == 0 and resumed["volumes"][-1]["all_reduce"] == 0
     simulation = Simulation(settings, 1, resumed["order"], resumed["units"])
-    simulation.adopt(saved[0]["final"], tolerance=None)
+    simulation.adopt(whole_state(saved, "final"), tolerance=None)
     assert_equal_to(resumed, simulation.train(range(SAVED_AT, STEPS)), simulation.weights())
