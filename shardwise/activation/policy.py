@@ -26,7 +26,7 @@ POLICIES: tuple[PolicyName, ...] = ("none", "full", "every_k", "selective", "sqr
 class RecomputePolicy:
     name: PolicyName = "full"
     every_k: int = 2
-    selective_rule: str = "widening_matmuls"
+    selective_rule: str = "linear_outputs"
 
     def __post_init__(self) -> None:
         if self.name not in POLICIES:

@@ -2,20 +2,26 @@
 activation checkpointing decides per aten operator, in forward).
 
 Recomputation is worth it where an output is large and cheap to make again: norms,
-activations, dropout, attention (its flops grow with the sequence but its outputs are
-re-made in one fused call). Matmuls are the expensive operators, so selective policies
-keep some of their outputs and recompute everything else from them:
+activations, dropout, the attention core (its a·s² scores cost few flops per byte kept).
+Matmuls are the expensive operators, so selective policies keep their outputs and
+recompute everything else from them. Per GPT block (e bytes per element, s·b·h = sbh):
 
-    "widening_matmuls" (the default)  keep a linear layer's output when it is wider than
-        its input: the QKV and MLP up-projections, from which attention, the activation
-        function and the norms are recomputed. The down-projections (attention output,
-        MLP output) are recomputed too: in a GPT block that costs one h×h matmul of
-        twelve, and halves what the block keeps.
-    "matmuls"  keep every matmul and attention output (torchtitan's op-level policy
-        without its every-other-matmul rule): the least recomputation, but the block
-        keeps about two thirds of what it would without checkpointing.
+    "linear_outputs" (the default)  keep every linear layer's output: QKV (3 sbh),
+        attention projection (1), MLP up (4) and down (1) projections, 9e·sbh besides the
+        kept input. The recomputation runs no linear layer at all, only the norms, the
+        activation function, dropout and the attention core. Measured on the 25M GPT on
+        CPU (dropout 0.1, one thread), it costs a third of full recomputation's CPU time
+        (BENCHMARKS.md, issue 12).
+    "widening_matmuls"  keep a linear layer's output only when it is wider than its input
+        (QKV and MLP up-projection, 7e·sbh): one sbh less per layer, but the attention and
+        MLP down-projections (5 of the block's 12 h² of matmul) are recomputed, about half
+        of full recomputation's time on the same run.
+    "matmuls"  every matmul and attention output (torchtitan's op-level policy without its
+        every-other-matmul rule): with the unfused attention this includes the a·s² scores,
+        so the block keeps about two thirds of what it would without checkpointing.
 
 A rule is `rule(func, args, output) -> bool` (True: keep), so a caller can pass its own.
+What the named rules keep is the planner's `selective_kept_bytes` (activation_formulas.py).
 """
 
 from __future__ import annotations
@@ -38,6 +44,10 @@ ATTENTION = {
 }
 
 
+def linear_outputs(func: Any, args: tuple, output: Any) -> bool:
+    return func in LINEAR_MATMULS
+
+
 def widening_matmuls(func: Any, args: tuple, output: Any) -> bool:
     index = LINEAR_MATMULS.get(func)
     if index is None:
@@ -49,7 +59,11 @@ def matmuls(func: Any, args: tuple, output: Any) -> bool:
     return func in MATMULS or func in ATTENTION
 
 
-SAVE_RULES: dict[str, SaveRule] = {"widening_matmuls": widening_matmuls, "matmuls": matmuls}
+SAVE_RULES: dict[str, SaveRule] = {
+    "linear_outputs": linear_outputs,
+    "widening_matmuls": widening_matmuls,
+    "matmuls": matmuls,
+}
 
 
 def save_rule(rule: str | SaveRule) -> SaveRule:

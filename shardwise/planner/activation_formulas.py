@@ -20,6 +20,11 @@ everything: sbh(34 + 5as/h)/t.
 
 A checkpointed region keeps only its input, e·sbh (/t with Pa or SP), and its
 recomputation brings one region's activations back at a time (activation_peak_bytes).
+Selective recomputation (shardwise/activation/selective.py) also keeps linear-layer
+outputs: all four ("linear_outputs", the default: QKV 3, attention projection 1, MLP up 4
+and down 1, 9e·sbh) or the widening ones ("widening_matmuls": QKV and MLP up, 7e·sbh);
+under tensor parallelism the column-parallel outputs (QKV, MLP up) are split over t and
+the row-parallel ones (partial sums before their all-reduce) are h wide on every rank.
 """
 
 from __future__ import annotations
@@ -69,10 +74,29 @@ def korthikanti_bytes(seq_len: int, micro_batch: int, hidden: int, heads: int, t
                                              tensor_parallel, sequence_parallel))
 
 
+# (column-parallel widths, row-parallel widths) of the linear outputs a selective rule keeps, in h
+SELECTIVE_KEPT_WIDTHS = {"linear_outputs": (7, 2), "widening_matmuls": (7, 0)}
+
+
+def selective_kept_bytes(layer: LayerShape, rule: str = "linear_outputs") -> int:
+    """Bytes of operator outputs one selectively checkpointed layer keeps besides its input."""
+    if rule not in SELECTIVE_KEPT_WIDTHS:
+        raise ValueError(f"no formula for selective rule {rule!r}; known: {sorted(SELECTIVE_KEPT_WIDTHS)}")
+    column, row = SELECTIVE_KEPT_WIDTHS[rule]
+    return layer.element_bytes * (layer.sbh * column // layer.tensor_parallel + layer.sbh * row)
+
+
 def checkpoint_bytes(layer: LayerShape, partitioned: bool = False) -> int:
     """What a checkpointed layer keeps: its input, split over t with Pa or SP."""
     whole = layer.element_bytes * layer.sbh
     return whole // layer.tensor_parallel if partitioned or layer.sequence_parallel else whole
+
+
+def head_bytes(layer: LayerShape, vocab_size: int) -> int:
+    """What a GPT keeps for backward after its layers: the final norm's and the output
+    layer's inputs (2e·sbh) and the fp32 log-softmax of the logits (4·sbV); freed when
+    backward reaches the layers, so it counts only at the end of forward."""
+    return 2 * layer.element_bytes * layer.sbh + 4 * layer.seq_len * layer.micro_batch * vocab_size
 
 
 def activation_peak_bytes(
@@ -81,12 +105,14 @@ def activation_peak_bytes(
     regions: list[range],
     partitioned: bool = False,
     cached_per_layer: int = 0,
+    outside: int = 0,
 ) -> int:
     """Peak bytes the layers keep under a policy's `regions` (RecomputePolicy.regions):
     the larger of the end of forward (unchecked layers whole, each region its input and
-    `cached_per_layer` bytes per layer for selective) and each region's recomputation in
-    backward (the layers and regions below it still kept, the region brought back whole).
-    Without Pa, a recomputed region's first layer-norm input is the kept input itself."""
+    `cached_per_layer` bytes per layer for selective, plus `outside`, e.g. head_bytes) and
+    each region's recomputation in backward (the layers and regions below it still kept,
+    the region brought back whole). Without Pa, a recomputed region's first layer-norm
+    input is the kept input itself (1/t of it with sequence parallelism)."""
     full = layer_activation_bytes(layer)
     kept = checkpoint_bytes(layer, partitioned)
     start_of = {region.start: region for region in regions}
@@ -97,8 +123,8 @@ def activation_peak_bytes(
         held = sum(full for index in range(position) if index not in covered)
         return held + sum(kept + cached_per_layer * len(region) for start, region in start_of.items() if start < position)
 
-    peak = held_below(num_layers)
+    peak = held_below(num_layers) + outside
     for region in regions:
-        recomputed = len(region) * full - (0 if partitioned else layer.element_bytes * layer.sbh)
+        recomputed = len(region) * full - (0 if partitioned else kept)
         peak = max(peak, held_below(region.start) + kept + recomputed)
     return peak

@@ -69,9 +69,17 @@ def explain(estimate: Estimate) -> list[str]:
             "Nothing fits. Add GPUs, host memory (--cpu-memory) or NVMe (--nvme), or shorten the sequence or micro-batch."
         )
         return lines
-    lines.append(f"Recommended: {recommendation.label}.")
+    lines.append(f"Recommended: {recommendation.label}.{_policy_config(recommendation.recompute)}")
     lines += _placement_lines(estimate, recommendation.option, recommendation.recompute)
     return lines
+
+
+def _policy_config(recompute: RecomputeMode) -> str:
+    """The config that turns the recommended recomputation on (shardwise's policy key)."""
+    if recompute == "none":
+        return ""
+    return ' Config: "activation_checkpointing": {"policy": "' + recompute + '"}.'
+
 
 
 def explain_with_suggestion(estimate: Estimate) -> list[str]:
@@ -88,7 +96,8 @@ def explain_with_suggestion(estimate: Estimate) -> list[str]:
                  f"(tensor_parallel.size {t}, sequence_parallel true) fits without offload:")
     lines.append("  " + _tensor_params_line(suggestion))
     lines += ["  " + line for line in _activation_lines(suggestion)[1:]]
-    lines.append(f"  Recommended at T = {t}: {suggestion.recommendation.label}.")
+    recompute = suggestion.recommendation.recompute
+    lines.append(f"  Recommended at T = {t}: {suggestion.recommendation.label}.{_policy_config(recompute)}")
     lines += _placement_lines(suggestion, suggestion.recommendation.option, suggestion.recommendation.recompute)
     return lines
 
@@ -167,23 +176,27 @@ def _activation_lines(estimate: Estimate) -> list[str]:
     per_s_sym, per_s_num = ("/S", f" / {s_size}") if s_size > 1 else ("", "")
     full_sym = f"s·b·h·{linear_sym} + {c_a}·a·s{split_sym}){per_s_sym}"
     full_num = f"{s} × {b} × {h} × {linear_num} + {c_a} × {a} × {s}{split_num}){per_s_num}"
-    selective_sym = f"s·b·h·{linear_sym}){per_s_sym}" if t > 1 or s_size > 1 else f"s·b·h·{c_h}"
-    selective_num = f"{s} × {b} × {h} × {linear_num}){per_s_num}" if t > 1 or s_size > 1 else f"{s} × {b} × {h} × {c_h}"
     input_div_sym = ("/T" if sp else "") + per_s_sym
     input_div_num = (f" / {t}" if sp else "") + per_s_num
+    if t > 1:  # the kept input (split by T with SP), QKV and MLP-up outputs split by T, row-parallel outputs whole
+        outputs_sym, outputs_num = f"(1{'/T' if sp else ''} + 7/T + 2)", f"(1{f' / {t}' if sp else ''} + 7 / {t} + 2)"
+        selective_kept = (f"{e}·s·b·h·{outputs_sym}{per_s_sym}", f"{e} × {s} × {b} × {h} × {outputs_num}{per_s_num}")
+    else:
+        selective_kept = (f"{e}·s·b·h·(1 + 9){per_s_sym}", f"{e} × {s} × {b} × {h} × (1 + 9){per_s_num}")
     vocab_sym = "/T" if t > 1 else ""
     vocab_num = f" / {t}" if t > 1 else ""
     logits_sym = f" + {LOGITS_BYTES}·s·b·V{vocab_sym}" if vocab else ""
     logits_num = f" + {LOGITS_BYTES} × {s} × {b} × {vocab}{vocab_num}" if vocab else ""
     formulas: dict[RecomputeMode, tuple[str, str]] = {
         "none": (f"L·{full_sym}", f"{layers} × {full_num}"),
-        "selective": (f"L·{selective_sym}", f"{layers} × {selective_num}"),
-        "full": (f"L·{e}·s·b·h{input_div_sym} + {full_sym}",
-                 f"{layers} × {e} × {s} × {b} × {h}{input_div_num} + {full_num}"),
+        "selective": (f"(L − 1)·{selective_kept[0]} + {full_sym}", f"{layers - 1} × {selective_kept[1]} + {full_num}"),
+        "full": (f"(L − 1)·{e}·s·b·h{input_div_sym} + {full_sym}",
+                 f"{layers - 1} × {e} × {s} × {b} × {h}{input_div_num} + {full_num}"),
     }
     lines = [
-        f"Activations per GPU (Korthikanti et al. 2022; s = {s}, b = {b}; selective recomputes the attention "
-        f"core; full keeps each layer's input and recomputes one layer at a time in backward):"
+        f"Activations per GPU (Korthikanti et al. 2022; s = {s}, b = {b}; activation_checkpointing.policy: "
+        f"full keeps each layer's input, selective also its linear layers' outputs (9 of h wide: QKV, attention "
+        f"projection, MLP up and down), and backward recomputes one layer at a time, planner/activation_formulas.py):"
     ]
     for mode, (symbolic, substituted) in formulas.items():
         total = format_bytes(estimate.activations[mode])

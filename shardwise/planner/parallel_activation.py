@@ -27,6 +27,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from shardwise.planner.activation_formulas import LayerShape, checkpoint_bytes, selective_kept_bytes
 from shardwise.planner.formulas import (
     LOGITS_BYTES,
     RECOMPUTE_MODES,
@@ -103,10 +104,13 @@ def parallel_activation_bytes(num_layers: int, hidden: int, heads: int, vocab_si
                               micro_batch: int, dtype: str, recompute: RecomputeMode,
                               parallel: ModelParallel = NO_MODEL_PARALLEL) -> int:
     """`activation_bytes` on one rank of a tensor or Ulysses group: the layers as in
-    `parallel_layer_activation_bytes`; full recomputation keeps each layer's input, split by
-    T only with Megatron sequence parallelism and by S with Ulysses; the fp32 log-softmax
-    of the logits falls by T (the vocabulary-parallel loss never gathers them) but not by S
-    (the sequence is whole again after the decoder stack)."""
+    `parallel_layer_activation_bytes`; with recomputation each layer keeps its input, split
+    by T only with Megatron sequence parallelism and by S with Ulysses, selective also its
+    linear outputs (the column-parallel QKV and MLP up-projection split by T, the row-
+    parallel outputs h wide; activation_formulas.selective_kept_bytes), and backward brings
+    one layer back whole: (L − 1)·kept + one layer. The fp32 log-softmax of the logits
+    falls by T (the vocabulary-parallel loss never gathers them) but not by S (the sequence
+    is whole again after the decoder stack)."""
     if parallel.tensor == parallel.sequence == 1:
         return activation_bytes(num_layers, hidden, heads, vocab_size, seq_len, micro_batch, dtype, recompute)
     if recompute not in RECOMPUTE_MODES:
@@ -114,11 +118,10 @@ def parallel_activation_bytes(num_layers: int, hidden: int, heads: int, vocab_si
     layer = parallel_layer_activation_bytes(seq_len, micro_batch, hidden, heads, dtype, parallel)
     if recompute == "none":
         layers = num_layers * layer
-    elif recompute == "selective":
-        layers = num_layers * parallel_layer_activation_bytes(seq_len, micro_batch, hidden, heads, dtype, parallel,
-                                                              attention_core=False)
     else:
-        kept = element_bytes(dtype) * seq_len * micro_batch * hidden // parallel.sequence
-        layers = num_layers * (kept // parallel.tensor if parallel.megatron_sp else kept) + layer
+        shape = LayerShape(seq_len, micro_batch, hidden, heads, element_bytes(dtype), tensor_parallel=parallel.tensor,
+                           sequence_parallel=parallel.megatron_sp)
+        kept = checkpoint_bytes(shape) + (selective_kept_bytes(shape) if recompute == "selective" else 0)
+        layers = (num_layers - 1) * kept // parallel.sequence + layer
     logits = LOGITS_BYTES * seq_len * micro_batch * vocab_size // parallel.tensor if vocab_size else 0
     return layers + logits

@@ -30,6 +30,7 @@ from shardwise.train.options import (
     MODEL_SIZES,
     ONEBIT_OPTIMIZERS,
     OPTIMIZER_NAMES,
+    RECOMPUTE_POLICIES,
     TrainOptions,
     apply_flags,
     auto_values,
@@ -57,6 +58,7 @@ examples:
   shardwise train --model-size 1m --nproc 4 --profile
   shardwise train --config ds_config.json          a DeepSpeed config laid over the defaults
   shardwise train --optimizer onebitadam           1-bit Adam (ZeRO stage 0, warm-up 20% of the steps)
+  shardwise train --activation-checkpointing full  recompute every layer; activation bytes vs the formulas
   shardwise train --compare-stages                 stages 0-3 side by side: zero_stages.png
 Results go to OUT_DIR/NAME/: metrics.jsonl, loss.png, memory.png, TensorBoard events,
 checkpoint/, sample.txt, summary.json (and profile/ with --profile).
@@ -97,6 +99,10 @@ def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParse
                         help="optimizer, with settings for this job (default: the config's, else adamw); "
                         f"{' and '.join(ONEBIT_OPTIMIZERS)} run at ZeRO stage 0 unless --stage or the config says "
                         "otherwise")
+    parser.add_argument("--activation-checkpointing", choices=RECOMPUTE_POLICIES, default=None, metavar="POLICY",
+                        help="recomputation policy: " + ", ".join(RECOMPUTE_POLICIES) + " (config: "
+                        "activation_checkpointing.policy, every_k with activation_checkpointing.every_k; default: "
+                        "the config's, else none)")
     parser.add_argument("--seed", type=int, default=None,
                         help=f"seed of initialisation and data order (default: the config's, else {DEFAULT_SEED})")
     parser.add_argument("--name", type=_run_name, default=None,
@@ -187,7 +193,7 @@ def prepare_run(args: argparse.Namespace) -> tuple[TrainOptions, int]:
     if stage is None and args.optimizer in ONEBIT_OPTIMIZERS and "stage" not in user_config.get("zero_optimization", {}):
         stage = 0  # the 1-bit optimizers exchange the whole model's momentum themselves
     config = apply_flags(merge_config(default_config(steps), user_config), stage, args.bf16, seed, args.lr,
-                         args.compile, optimizer)
+                         args.compile, optimizer, args.activation_checkpointing)
     config = fill_auto(config, auto_values(steps, args.lr))
     load_config(config, world_size=nproc, hidden_size=GPTConfig.preset(args.model_size).n_embd)
 

@@ -30,6 +30,7 @@ from shardwise.profiling import (
     process_memory,
     profile_steps,
 )
+from shardwise.train.activation_report import activation_summary
 from shardwise.train.evaluate import full_weights, generate_sample, validation_loss
 from shardwise.train.expected import RunShape, comm_expressions, expected_comm, expected_memory, memory_expressions
 from shardwise.train.metrics import MetricsLog, step_record
@@ -108,6 +109,7 @@ def train(options: TrainOptions, stop: StopRequest) -> int:
         return steps.stopped_by
     train_seconds = time.perf_counter() - started
     memory = engine.memory_breakdown()  # before evaluation gathers the full weights
+    activations = activation_summary(engine, options.seq_len, options.steps)
 
     tag = save_checkpoint(engine, options, options.steps)
     with full_weights(engine):
@@ -130,6 +132,7 @@ def train(options: TrainOptions, stop: StopRequest) -> int:
                 "formula": expected_comm(shape),
                 "expressions": comm_expressions(shape),
             },
+            "activations": activations,
             "persistent_params": shape.persistent_params,
             "padding_elements": engine.padding_elements(),
             "final": {"loss": steps.loss, "val_loss": val_loss},

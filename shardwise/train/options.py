@@ -43,6 +43,9 @@ OPTIMIZER_NAMES = ("adamw", "lamb", "lars", "adafactor", "adam8bit", "muon", "on
 ONEBIT_OPTIMIZERS = ("onebitadam", "onebitlamb")
 ONEBIT_WARM_UP = 0.2
 LAMB_LR = 2e-2  # LAMB's step is lr x ||w|| per layer rather than lr per element
+# `--activation-checkpointing POLICY`: the config's activation_checkpointing.policy
+# (shardwise/activation/policy.py's names, repeated so that --help need not import torch).
+RECOMPUTE_POLICIES = ("none", "full", "every_k", "selective", "sqrt")
 
 
 @dataclass
@@ -161,12 +164,15 @@ def auto_values(steps: int, lr: float | None) -> dict[str, Any]:
 
 def apply_flags(config: dict[str, Any], stage: int | None, bf16: bool, seed: int,
                 lr: float | None = None, compile_blocks: bool = False,
-                optimizer: dict[str, Any] | None = None) -> dict[str, Any]:
+                optimizer: dict[str, Any] | None = None, recompute: str | None = None) -> dict[str, Any]:
     """Command-line flags win over the config file (`optimizer`: the block `--optimizer`
-    chose, replacing the config's; `--lr` then sets its learning rate)."""
+    chose, replacing the config's; `--lr` then sets its learning rate; `recompute`: the
+    activation_checkpointing policy, the block's other keys kept)."""
     config = copy.deepcopy(config)
     if optimizer is not None:
         config["optimizer"] = copy.deepcopy(optimizer)
+    if recompute is not None:
+        config.setdefault("activation_checkpointing", {})["policy"] = recompute
     if compile_blocks:
         config.setdefault("compile", {})["enabled"] = True
     if stage is not None:

@@ -15,6 +15,7 @@ from rich.console import Console
 from rich.table import Table
 
 from shardwise.planner.formulas import element_bytes
+from shardwise.train.activation_report import activation_table, regather_note
 from shardwise.train.expected import COLLECTIVES, MODEL_STATES, ring_share
 from shardwise.train.metrics import read_metrics
 from shardwise.train.run_files import COMPARISON_FILE, SUMMARY_FILE
@@ -146,16 +147,18 @@ def print_training_report(run_dir: Path, console: Console) -> None:
     records = read_metrics(run_dir)
     console.print(timing_table(records, summary))
     console.print(memory_table(summary))
+    if "activations" in summary:  # summaries written before activations were reported lack it
+        console.print(activation_table(summary))
     console.print(comm_table(summary))
     comm = summary["comm_per_step"]
-    note = tied_weight_note(
+    notes = [tied_weight_note(
         summary["run"]["stage"],
         comm["measured"]["all_gather"] - comm["formula"]["all_gather"],
         summary["model"]["tied_params"],
         summary["run"]["world_size"],
         summary["run"]["dtype"],
-    )
-    if note:
+    ), regather_note(summary)]
+    for note in filter(None, notes):
         console.print(f"[dim]note: {note}[/]", highlight=False)
 
 

@@ -149,8 +149,11 @@ def test_activation_bytes_match_korthikanti_formula() -> None:
     logits = 4 * s * b * vocab
     assert per_layer == 956_301_312
     assert activation_bytes(layers, h, a, vocab, s, b, "bf16", "none") == layers * per_layer + logits
-    assert activation_bytes(layers, h, a, vocab, s, b, "bf16", "selective") == layers * 34 * s * b * h + logits
-    assert activation_bytes(layers, h, a, vocab, s, b, "bf16", "full") == layers * 2 * s * b * h + per_layer + logits
+    # shardwise's policies: each layer keeps its input (2·sbh), selective also its linear
+    # outputs (9 × 2·sbh); backward brings back one layer at a time
+    selective = (layers - 1) * 2 * (1 + 9) * s * b * h + per_layer + logits
+    assert activation_bytes(layers, h, a, vocab, s, b, "bf16", "selective") == selective
+    assert activation_bytes(layers, h, a, vocab, s, b, "bf16", "full") == (layers - 1) * 2 * s * b * h + per_layer + logits
     assert activation_bytes(layers, h, a, None, s, b, "bf16", "none") == layers * per_layer
 
 

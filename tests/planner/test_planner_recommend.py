@@ -46,25 +46,27 @@ def test_llama_70b_on_8x80gb_does_not_fit_with_512gb_hosts() -> None:
     assert any(line.startswith("Nothing fits") for line in result.explanation)
 
 
-def test_llama_70b_on_8x80gb_fits_with_cpu_optimizer_and_full_recomputation() -> None:
+def test_llama_70b_on_8x80gb_fits_with_cpu_optimizer_and_selective_recomputation() -> None:
     result = estimate(ModelShape.preset("llama-70b"), Hardware(8, cpu_memory_gb=2048), micro_batch=1, seq_len=2048)
     recommendation = result.recommendation
     assert recommendation is not None
     assert (recommendation.option.stage, recommendation.option.offload) == (3, Offload("cpu"))
-    assert recommendation.recompute == "full"
+    assert recommendation.recompute == "selective"
     s, b, h, a, layers, vocab = 2048, 1, 8192, 64, 80, 32000
-    full = layers * 2 * s * b * h + s * b * h * (34 + 5 * a * s // h) + 4 * s * b * vocab
-    assert recommendation.gpu_bytes == 2 * LLAMA_70B_PARAMS // 8 + 3 * 2 * LLAMA_70B_BLOCK + full
-    assert recommendation.option.fitting_modes == ("full",)
+    # every layer keeps its input and its linear outputs (1 + 9 widths of h, 2 bytes), one comes back whole
+    selective = (layers - 1) * 2 * (1 + 9) * s * b * h + s * b * h * (34 + 5 * a * s // h) + 4 * s * b * vocab
+    assert recommendation.gpu_bytes == 2 * LLAMA_70B_PARAMS // 8 + 3 * 2 * LLAMA_70B_BLOCK + selective
+    assert recommendation.option.fitting_modes == ("selective", "full")
     text = "\n".join(result.explanation)
-    assert "Recommended: stage 3 + optimizer→cpu, full recomputation." in text
+    assert ('Recommended: stage 3 + optimizer→cpu, selective recomputation. Config: "activation_checkpointing": '
+            '{"policy": "selective"}.') in text
     assert "8 × (4 × 68,976,648,192 / 8 + 12 × 68,976,648,192 / 8) = 1104 GB ≤ 1741 GB usable" in text
 
 
 def test_llama_70b_with_nvme_offloads_optimizer_to_nvme() -> None:
     result = estimate(ModelShape.preset("llama-70b"), Hardware(8, nvme_gb=4000))
     assert result.recommendation is not None
-    assert result.recommendation.label == "stage 3 + optimizer→nvme, full recomputation"
+    assert result.recommendation.label == "stage 3 + optimizer→nvme, selective recomputation"
     assert result.recommendation.option.nvme_per_node == 12 * LLAMA_70B_PARAMS
 
 
