@@ -56,6 +56,7 @@ class _Region:
         self.ran = False
         self.rng_states: dict[str, torch.Tensor] = {}
         self.cache = _CacheLease(tracker)
+        self.counter: _OpCounter | None = None
 
 
 class _CacheLease:
@@ -89,9 +90,10 @@ class _OpCounter(TorchDispatchMode):
     def __init__(self, tracker: ActivationTracker):
         super().__init__()
         self.tracker = tracker
+        self.paused = False  # the machinery's own operators (saving the RNG streams) are not the layer's
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        if func not in NOT_COUNTED:
+        if func not in NOT_COUNTED and not self.paused:
             self.tracker.recomputed_ops += 1
         return func(*args, **(kwargs or {}))
 
@@ -140,8 +142,10 @@ def run_checkpointed(
 def _contexts(region: _Region, save_rule: SaveRule | None) -> tuple[Any, Any]:
     """(forward, recompute) contexts: selective caching, and op counting beneath it."""
     counting = region.tracker is not None and region.tracker.count_ops
+    if counting:
+        region.counter = _OpCounter(region.tracker)
     if save_rule is None:
-        return nullcontext(), (_OpCounter(region.tracker) if counting else nullcontext())
+        return nullcontext(), (region.counter if counting else nullcontext())
 
     def policy(ctx, func, *args, **kwargs) -> CheckpointPolicy:
         decision = save_rule(func, args, ctx.op_output)
@@ -154,7 +158,7 @@ def _contexts(region: _Region, save_rule: SaveRule | None) -> tuple[Any, Any]:
     if not counting:
         return forward, cached
     stack = ExitStack()
-    return forward, _both(stack, _OpCounter(region.tracker), cached)
+    return forward, _both(stack, region.counter, cached)
 
 
 @contextmanager
@@ -175,7 +179,11 @@ def _recomputing(region: _Region, stats: RegionStats | None, synchronize: bool) 
     if tracker is not None:
         tracker.note_recompute(region.layers)
     rng = rng_tracker()
+    if region.counter is not None:
+        region.counter.paused = True
     outer_states = rng.get_states() if region.rng_states else {}
+    if region.counter is not None:
+        region.counter.paused = False
     if region.rng_states:
         rng.set_states(region.rng_states)
     try:

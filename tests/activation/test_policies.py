@@ -4,8 +4,10 @@ the layers it should, and frees everything it counted."""
 
 import pytest
 import torch
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from shardwise.activation import RecomputePolicy, apply_activation_checkpointing
+from shardwise.activation.checkpoint import NOT_COUNTED
 from shardwise.activation.policy import sqrt_segment
 from tests.activation.workers import VOCAB, batch, measure, tiny_gpt, with_policy
 
@@ -33,6 +35,33 @@ def test_selective_recomputes_fewer_operators_than_full():
     selective = measure(with_policy(model, "selective"), count_ops=True)[2]
     assert selective.recomputed_ops < full.recomputed_ops
     assert selective.breakdown()["checkpoints"] > full.breakdown()["checkpoints"]  # the cached matmul outputs
+
+
+class _Ops(TorchDispatchMode):
+    """Counts aten operators as the recomputation's counter does."""
+
+    count = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.count += func not in NOT_COUNTED
+        return func(*args, **(kwargs or {}))
+
+
+def test_recompute_count_is_the_forward_ops_of_the_recomputed_layers():
+    """Run to the end (early stop off), a recomputation re-runs exactly the forward's
+    operators of its layers; selective serves its 4 linear outputs per block from the cache.
+    torch's early stop skips the operators after the last tensor backward needs."""
+    model = tiny_gpt(n_layer=3, dropout=0.1)
+    counter, hidden = _Ops(), torch.randn(2, 16, 32, requires_grad=True)
+    with counter:
+        model.blocks[0](hidden)
+    block = counter.count
+    expected = {"full": 3 * block, "selective": 3 * (block - 4), "every_k": 2 * block, "sqrt": 3 * block}
+    for policy, ops in expected.items():
+        with torch.utils.checkpoint.set_checkpoint_early_stop(False):
+            assert measure(with_policy(model, policy), count_ops=True)[2].recomputed_ops == ops, policy
+        early = measure(with_policy(model, policy), count_ops=True)[2].recomputed_ops
+        assert ops - 3 * 2 <= early < ops, (policy, early)  # the block's last ops: dropout's mul, residual add
 
 
 def test_every_k_and_sqrt_regions():

@@ -5,6 +5,7 @@ the stage-3 gathers a recomputation needs are counted and cost no extra volume."
 import pytest
 import torch
 
+from shardwise.planner.activation_formulas import LayerShape, checkpoint_bytes, selective_kept_bytes
 from shardwise.testing import run_distributed
 from tests.activation.workers import train_policies
 from tests.zero.workers import Case, assert_matches_reference, train_reference
@@ -69,13 +70,21 @@ def test_stage3_keeps_units_a_finished_recomputation_used():
 
 
 def test_partitioned_checkpoints_under_tensor_parallelism():
-    """TP = 2 (Megatron-style GPT layers): each rank keeps half of every layer input (the
-    inputs are replicated over the tensor group), and training equals no recomputation."""
+    """TP = 2 (Megatron-style GPT layers): with every policy each rank keeps half of every
+    kept layer input (the inputs are replicated over the tensor group), selective also its
+    linear outputs (column-parallel halves, row-parallel partial sums whole), and training
+    equals no recomputation."""
     extra = {"tensor_parallel": {"size": 2}, "activation_checkpointing": {"partition_activations": True}}
-    for result in run_distributed(train_policies, 2, 1, ["none", "full"], extra=extra):
-        for got, want in zip(result["full"]["losses"], result["none"]["losses"]):
-            assert abs(got - want) / abs(want) < 1e-5
-        for name, want in result["none"]["params"].items():
-            assert relative_error(result["full"]["params"][name], want) < 1e-5, name
-        layer_input = 2 * 16 * 32 * 4  # rows x seq x hidden, fp32
-        assert result["full"]["activations"]["checkpoints"] == 3 * layer_input // 2
+    layer = LayerShape(16, 2, 32, 2, element_bytes=4, tensor_parallel=2)
+    regions = {"full": 3, "every_k": 2, "selective": 3, "sqrt": 2}  # 3 layers; k = 2; ⌈√3⌉ = 2 per segment
+    for result in run_distributed(train_policies, 2, 1, POLICIES, extra=extra):
+        for policy, count in regions.items():
+            run = result[policy]
+            for got, want in zip(run["losses"], result["none"]["losses"]):
+                assert abs(got - want) / abs(want) < 1e-5, policy
+            for name, want in result["none"]["params"].items():
+                assert relative_error(run["params"][name], want) < 1e-5, (policy, name)
+            kept = count * checkpoint_bytes(layer, partitioned=True)
+            if policy == "selective":
+                kept += 3 * selective_kept_bytes(layer)
+            assert run["activations"]["checkpoints"] == kept, policy

@@ -144,8 +144,9 @@ def partitioned_checkpoints(rank: int, world_size: int, policy: str, to_host: bo
 
 
 def buffers_after_training(rank: int, world_size: int, stage: int, layers: int, dtype: str = "fp32",
-                           policy: str = "full", reuse_distance: int = 0) -> dict:
-    """memory_breakdown() of a short run with every transient-buffer size fixed (Cb)."""
+                           policy: str = "full", reuse_distance: int = 0, extra: dict | None = None) -> dict:
+    """memory_breakdown() and activation peaks of a short run with every transient-buffer
+    size fixed (Cb); `extra` is merged into the config (offload, tensor parallelism)."""
     model = tiny_gpt(n_layer=layers, dropout=0.0)
     size = 4096
     config = {
@@ -158,10 +159,14 @@ def buffers_after_training(rank: int, world_size: int, stage: int, layers: int, 
                               "stage3_max_reuse_distance": reuse_distance},
         "activation_checkpointing": {"policy": policy},
     }
+    for key, value in (extra or {}).items():
+        config.setdefault(key, {}).update(value)
     engine = shardwise.initialize(model, config)
+    data_rank, data_size = engine.mesh.data_rank, engine.mesh.data_size  # a tensor group reads one slice
     for step in range(2):
-        x, y = batch(step, 2 * world_size)
-        loss = engine(x[2 * rank : 2 * rank + 2], y[2 * rank : 2 * rank + 2])
+        x, y = batch(step, 2 * data_size)
+        loss = engine(x[2 * data_rank : 2 * data_rank + 2], y[2 * data_rank : 2 * data_rank + 2])
         engine.backward(loss)
         engine.step()
-    return {"memory": engine.memory_breakdown(), "numel": engine.num_parameters()}
+    return {"memory": engine.memory_breakdown(), "numel": engine.num_parameters(),
+            "activations": engine.activations.breakdown()}
