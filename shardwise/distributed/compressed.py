@@ -76,19 +76,17 @@ def unpack_signs(packed: torch.Tensor) -> torch.Tensor:
 _SIGNS_OF_BYTE = unpack_signs(torch.arange(256, dtype=torch.uint8).view(-1, 1)).float().mul_(2).sub_(1)
 
 
-def signed_from_packed_(target: torch.Tensor, packed: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
-    """`target` (rows, 8k) fp32 becomes ±scale from `packed` (rows, k) sign bytes, in place."""
+def signs_from_packed_(target: torch.Tensor, packed: torch.Tensor) -> torch.Tensor:
+    """`target` (rows, 8k) fp32 becomes ±1.0 from `packed` (rows, k) sign bytes, in place:
+    one table lookup per byte, eight values written."""
     table = _SIGNS_OF_BYTE.to(target.device)
     torch.index_select(table, 0, packed.reshape(-1).long(), out=target.view(-1, BITS))
-    return target.mul_(scales)
+    return target
 
 
-def signed_into_(target: torch.Tensor, positive: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
-    """`target` (fp32) becomes +scale where `positive`, -scale elsewhere, in place (no
-    temporary as large as the vector): b · 2s − s is exactly ±s. (torch.where with
-    per-row scales gives the same values but measured 2-4x slower on one CPU thread.)"""
-    target.copy_(positive)
-    return target.mul_(2 * scales).sub_(scales)
+def signed_from_packed_(target: torch.Tensor, packed: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
+    """`target` (rows, 8k) fp32 becomes ±scale from `packed` (rows, k) sign bytes, in place."""
+    return signs_from_packed_(target, packed).mul_(scales)
 
 
 def row_scales(rows: torch.Tensor) -> torch.Tensor:
@@ -118,15 +116,20 @@ class CompressedAllReduce:
 
     def all_reduce_(self, vector: torch.Tensor, what: str) -> torch.Tensor:
         """Replace `vector` (fp32, `numel` elements) by the compressed average over the group.
-        Once folded into the worker's error buffer, `vector` serves as scratch space."""
+        Once folded into the worker's error buffer, `vector` serves as scratch space.
+
+        What each compression loses is taken off its error buffer as e − (±1)·s in one
+        pass over the signs decoded from the packed bytes (exact: (±1)·s is ±s), and the
+        server sums the received chunks as ±1 times each sender's scale, so no ±s vector
+        is ever materialised beside the signs."""
         ranks, chunk = self.communicator.size, self.chunk
         packed_width = chunk // BITS
         rows = vector.view(ranks, chunk)
         compensated = self.worker_error.add_(vector).view(ranks, chunk)
         scales = row_scales(compensated)
-        positive = compensated >= 0
-        compensated.sub_(signed_into_(rows, positive, scales))  # what the compression loses
-        outgoing = _frame(pack_signs(positive), scales)
+        packed = pack_signs(compensated >= 0)
+        compensated.addcmul_(signs_from_packed_(rows, packed), scales, value=-1)  # what the compression loses
+        outgoing = _frame(packed, scales)
         incoming = torch.empty_like(outgoing)
         self.communicator.all_to_all(incoming, outgoing, f"1-bit {what} (worker signs and scales)").wait()
 
@@ -134,13 +137,14 @@ class CompressedAllReduce:
         average, term = rows[:1], rows[-1:]
         signed_from_packed_(average, received[:1], received_scales[:1])
         for sender in range(1, ranks):
-            average.add_(signed_from_packed_(term, received[sender : sender + 1], received_scales[sender : sender + 1]))
+            signs_from_packed_(term, received[sender : sender + 1])
+            average.add_(term, alpha=received_scales[sender].item())
         average = average.view(-1)
         self.server_error.add_(average.div_(ranks))  # the compensated server chunk
         server_scale = row_scales(self.server_error.view(1, chunk))
-        server_positive = self.server_error >= 0
-        self.server_error.sub_(signed_into_(average, server_positive, server_scale.view(())))
-        shard = _frame(pack_signs(server_positive.view(1, chunk)), server_scale).view(-1)
+        server_packed = pack_signs((self.server_error >= 0).view(1, chunk))
+        self.server_error.addcmul_(signs_from_packed_(average, server_packed).view(-1), server_scale.view(()), value=-1)
+        shard = _frame(server_packed, server_scale).view(-1)
         gathered = torch.empty(ranks * shard.numel(), dtype=torch.uint8, device=vector.device)
         self.communicator.all_gather(gathered, shard, f"1-bit {what} (server signs and scales)").wait()
 

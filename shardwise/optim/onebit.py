@@ -221,14 +221,10 @@ class OneBitOptimizer(ShardAwareOptimizer):
         else:
             for group in self.param_groups:
                 beta1 = group["betas"][0]
-                with_grad = [p for p in group["params"] if p.grad is not None]
-                without = [self.state[p]["exp_avg"] for p in group["params"] if p.grad is None]
-                targets = [self.state[p]["exp_avg"] for p in with_grad]
-                if without:
-                    torch._foreach_mul_(without, beta1)
-                if targets:
-                    torch._foreach_mul_(targets, beta1)
-                    torch._foreach_add_(targets, [p.grad for p in with_grad], alpha=1 - beta1)
+                for param in group["params"]:  # (foreach's add with alpha is two passes on CPU)
+                    exp_avg = self.state[param]["exp_avg"].mul_(beta1)
+                    if param.grad is not None:
+                        exp_avg.add_(param.grad, alpha=1 - beta1)
         if self.workers > 1:
             if self._exchange is None:
                 self._exchange = CompressedAllReduce(self._communicator, momentum.numel(), momentum.device)

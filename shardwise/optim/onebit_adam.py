@@ -1,11 +1,13 @@
 """1-bit Adam (Tang et al., 2021, "1-bit Adam: Communication Efficient Large-Scale Training
 with Adam's Convergence Speed"), with DeepSpeed's `OneBitAdam` parameters (C18).
 
-Steps 1 .. freeze_step (the warm-up), on the all-reduced gradient g:
+Steps 1 .. freeze_step (the warm-up), on the gradient g ZeRO averaged over the ranks
+(all-reduced at stage 0, reduce-scattered to each partition's owner at stages 1-2):
 
     m <- β1·m + (1 − β1)·g          v <- β2·v + (1 − β2)·g²
 
-Later steps, on each rank's own gradient g_i, with v frozen (optim/onebit.py):
+Later steps, on each rank's own gradient g_i, with v frozen (optim/onebit.py; at stages
+1-2 each rank then updates the masters of its own partition, whose momentum it served):
 
     m <- compressed average over ranks of (β1·m + (1 − β1)·g_i)
 

@@ -73,18 +73,13 @@ class PartitionedMomentum:
         """m <- β1·m + (1 − β1)·scale·g over every element, g the window's local gradient;
         `scale` is the step's clip coefficient over the loss scale. The gradient buffers are
         scaled in place (the window's gradients are spent by this step)."""
-        groups: dict[float, tuple[list[torch.Tensor], list[torch.Tensor]]] = {}
         for target, gradient, group in self._fold_pairs(momentum):
             if gradient.dtype != torch.float32:
                 gradient = gradient.float()
             if scale != 1.0:
                 gradient.mul_(scale)
-            targets, sources = groups.setdefault(beta1_of_group(group), ([], []))
-            targets.append(target)
-            sources.append(gradient)
-        for beta1, (targets, sources) in groups.items():
-            torch._foreach_mul_(targets, beta1)
-            torch._foreach_add_(targets, sources, alpha=1 - beta1)
+            beta1 = beta1_of_group(group)
+            target.mul_(beta1).add_(gradient, alpha=1 - beta1)
 
     def local_norm_squared(self) -> torch.Tensor:
         """This rank's share of the clipping norm²: its whole local gradient's squared norm

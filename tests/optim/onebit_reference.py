@@ -103,6 +103,7 @@ class Simulation:
         self.params = [named[name] for name in order]
         self.numel = sum(p.numel() for p in self.params)
         self.positions, self.length = self._layout(settings.stage)
+        self.pieces = self._pieces(settings.stage)
         self.flat_m: torch.Tensor | None = None
         self.m = [torch.zeros_like(p) for p in self.params]
         self.v = [torch.zeros_like(p) for p in self.params]
@@ -128,6 +129,26 @@ class Simulation:
                 by_name[name] = (elements // width) * partition + columns + elements % width
             columns += width
         return [by_name[name] for name in self.names], self.n * partition
+
+    def _pieces(self, stage: int) -> list[list[tuple[int, int]]]:
+        """Per parameter, the element ranges the engine's ranks hold (stage 0: the whole)."""
+        if stage == 0:
+            return [[(0, p.numel())] for p in self.params]
+        by_name = {}
+        for padded, slots in self.units:
+            width = padded // self.n
+            for name, offset in slots:
+                numel = dict(zip(self.names, self.params))[name].numel()
+                cuts = sorted({0, numel, *(r * width - offset for r in range(self.n) if 0 < r * width - offset < numel)})
+                by_name[name] = list(zip(cuts[:-1], cuts[1:]))
+        return [by_name[name] for name in self.names]
+
+    def _norm(self, k: int, tensor: torch.Tensor) -> float:
+        """Parameter k's norm as the engine forms it: each rank's piece's fp32 norm, their
+        squares summed in float64 (a whole parameter: its fp32 norm)."""
+        flat = tensor.reshape(-1)
+        return math.sqrt(sum(torch.linalg.vector_norm(flat[a:b]).double().square().item()
+                             for a, b in self.pieces[k]))
 
     def flatten(self, tensors: list[torch.Tensor]) -> torch.Tensor:
         flat = torch.zeros(self.length)
@@ -208,7 +229,7 @@ class Simulation:
                 update.add_(p, alpha=self.s.weight_decay)
             ratio = 1.0
             if self.s.algorithm == "lamb":
-                ratio = _trust_ratio(p, update, self.s)
+                ratio = _trust_ratio(self._norm(k, p), self._norm(k, update), self.s)
                 self.coeff[k] = self.s.lamb("coeff_beta") * self.coeff[k] + (1 - self.s.lamb("coeff_beta")) * ratio
             p.add_(update, alpha=-self.step_size() * ratio)
 
@@ -244,7 +265,7 @@ class Simulation:
                 self.v_fresh[k].mul_(beta2).addcmul_(gradient, gradient, value=1 - beta2)
                 factor = (denominator / self.v_fresh[k].sqrt().add_(self.s.eps)).max().item()
                 if self.s.weight_decay:
-                    share = min(1.0, _norm(preliminary) / _norm(update))
+                    share = min(1.0, self._norm(k, preliminary) / self._norm(k, update))
                     factor = factor * share + (1 - share)
                 factor = min(max(factor, self.s.lamb("factor_min")), self.s.lamb("factor_max"))
                 threshold = self.s.lamb("factor_threshold")
@@ -279,14 +300,7 @@ class Simulation:
         return {name: p.detach().clone() for name, p in self.model.named_parameters()}
 
 
-def _norm(tensor: torch.Tensor) -> float:
-    """Whole-parameter norms as the engine forms them (in float64: under ZeRO from the
-    pieces' squares, summed over ranks)."""
-    return torch.linalg.vector_norm(tensor, dtype=torch.float64).item()
-
-
-def _trust_ratio(p: torch.Tensor, update: torch.Tensor, s: OneBitSettings) -> float:
-    weight_norm, update_norm = _norm(p), _norm(update)
+def _trust_ratio(weight_norm: float, update_norm: float, s: OneBitSettings) -> float:
     if weight_norm == 0 or update_norm == 0:
         return 1.0
     return min(max(weight_norm / update_norm, s.lamb("min_coeff")), s.lamb("max_coeff"))

@@ -32,6 +32,19 @@ def test_signs_pack_eight_per_byte_and_unpack_exactly():
     assert pack_signs(first).item() == 0b10000001  # first element in the highest bit
 
 
+def test_packing_by_multiplication_equals_packing_bit_by_bit():
+    """The int64 multiply-and-shift packing (contiguous input) and the per-bit shifts it
+    replaced (the path a strided input takes) give the same bytes, and leave the input as
+    it was."""
+    generator = torch.Generator().manual_seed(1)
+    positive = torch.rand(4, 8 * 1000, generator=generator) > 0.5
+    kept = positive.clone()
+    strided = torch.stack([positive, ~positive], dim=-1)[..., 0]  # the same booleans, not contiguous
+    assert not strided.is_contiguous()
+    assert torch.equal(pack_signs(positive), pack_signs(strided))
+    assert torch.equal(positive, kept) and torch.equal(unpack_signs(pack_signs(positive)), positive)
+
+
 def test_padded_length_gives_whole_bytes_per_rank():
     assert padded_length(27808, 2) == 27808
     assert padded_length(27809, 2) == 27824
