@@ -164,6 +164,10 @@ class GradientReducer:
         def use_local_gradients(on: bool) -> None:
             if on and not self.keeps_full_grads and self._local_grads is None:
                 self._allocate_local_gradients()
+            if not on and self._local_grads is not None:  # back to buckets (a load before the freeze)
+                for unit in self.units:
+                    for slot in unit.slots:
+                        slot.param.grad = None
             self.optimizer_exchanges = on
 
         return (self.replicate if self.shard.size == 1 else self.shard), use_local_gradients

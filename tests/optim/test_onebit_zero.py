@@ -19,7 +19,7 @@ import pytest
 import torch
 
 from shardwise.planner.comm_formulas import onebit_exchange_bytes
-from shardwise.planner.formulas import onebit_partitioned_state_bytes
+from shardwise.planner.formulas import onebit_model_state_bytes, onebit_partitioned_state_bytes
 from shardwise.testing import run_distributed
 from tests.optim.onebit_reference import OneBitSettings, Simulation
 from tests.optim.test_onebit import STEPS, assert_equal_to, train_engine, whole_state
@@ -57,6 +57,12 @@ def test_equals_simulation_with_partitions_as_servers(algorithm, stage, ranks, a
         assert result["optimizer_states"] == onebit_partitioned_state_bytes(
             result["owned"], result["partition"], ranks, lamb=algorithm == "lamb")
         assert result["grads"] == 4 * padded * (1 if stage == 1 else 1 + 1 / ranks)
+        # the Ψ-only formula (estimator, main job) agrees within the units' padding
+        numel, variances = result["numel"], 2 if algorithm == "lamb" else 1
+        formula = onebit_model_state_bytes(numel, ranks, stage, "fp32", lamb=algorithm == "lamb")
+        pad = padded - numel
+        assert abs(result["optimizer_states"] - formula["optimizer_states"]) <= 4 * (
+            variances * pad + (2 * ranks + 1) * (pad // ranks + 8))
 
 
 def test_bf16_stage_2():
