@@ -10,7 +10,8 @@ variants, on fresh processes), alternating which tree goes first, so a drift in 
 machine's load falls on both. Step times are compared as ratios to the benchmark's own
 peer (DDP or FSDP2) measured in the same run, which cancels most of the machine's
 run-to-run spread; peak RSS is compared directly. Printed: the median over rounds of each
-variant's ratio on both revisions, and the change in percent.
+variant's ratio on both revisions (wall-clock step time, and CPU time per step, which a
+loaded machine disturbs less), and the change in percent.
 """
 
 from __future__ import annotations
@@ -46,12 +47,20 @@ def run_once(tree: Path, benchmark: str, extra: list[str], output: Path) -> dict
     command = [sys.executable, str(tree / benchmark), "--rounds", "1", "--json", str(output), *extra]
     subprocess.run(command, cwd=tree, check=True, stdout=subprocess.DEVNULL)
     raw = json.loads(output.read_text())["results"]
+    if all(isinstance(value, dict) for value in raw.values()):  # keyed by model preset first
+        raw = {f"{preset} {name}": rounds for preset, variants in raw.items() for name, rounds in variants.items()}
     summaries = {name: summarise(name, rounds[0], 0.0) for name, rounds in raw.items() if rounds}
-    peer = next(summaries[name] for name in PEERS if name in summaries)
     return {
-        name: {"step_s": s.step_s, "ratio": s.step_s / peer.step_s, "peak_rss": max(s.peak_rss)}
+        name: {"step_s": s.step_s, "ratio": s.step_s / _peer(summaries, name).step_s,
+               "cpu_ratio": s.cpu_s / _peer(summaries, name).cpu_s, "peak_rss": max(s.peak_rss)}
         for name, s in summaries.items()
     }
+
+
+def _peer(summaries: dict, name: str):
+    """The peer measured beside `name` in the same run (and for the same preset, if any)."""
+    prefix = name.rsplit(" ", 1)[0] + " " if " " in name else ""
+    return next(summaries[prefix + peer] for peer in PEERS if prefix + peer in summaries)
 
 
 def main() -> None:
@@ -72,20 +81,24 @@ def main() -> None:
                 results[side].append(run_once(trees[side], args.benchmark, extra, Path(workdir) / f"{side}.json"))
     rows = []
     for name in results["current"][0]:
-        if name in PEERS:
+        if name.rsplit(" ", 1)[-1] in PEERS:
             continue
         base = [run[name] for run in results["base"]]
         current = [run[name] for run in results["current"]]
         base_ratio = statistics.median(r["ratio"] for r in base)
         current_ratio = statistics.median(r["ratio"] for r in current)
+        base_cpu = statistics.median(r["cpu_ratio"] for r in base)
+        current_cpu = statistics.median(r["cpu_ratio"] for r in current)
         base_rss = statistics.median(r["peak_rss"] for r in base)
         current_rss = statistics.median(r["peak_rss"] for r in current)
         rows.append([
             name, f"{base_ratio:.3f}", f"{current_ratio:.3f}", f"{100 * (current_ratio / base_ratio - 1):+.1f}%",
+            f"{base_cpu:.3f}", f"{current_cpu:.3f}", f"{100 * (current_cpu / base_cpu - 1):+.1f}%",
             mib(base_rss), mib(current_rss), f"{100 * (current_rss / base_rss - 1):+.1f}%",
         ])
     print(f"\n{args.benchmark}, {args.rounds} interleaved rounds, base {args.base} vs working tree")
-    print(markdown_table(["variant", "base x peer", "current x peer", "change", "base peak RSS MiB",
+    print(markdown_table(["variant", "base x peer", "current x peer", "change", "base CPU x peer",
+                          "current CPU x peer", "change", "base peak RSS MiB",
                           "current peak RSS MiB", "change"], rows))
 
 

@@ -291,15 +291,15 @@ class Engine(PipelineEngineMethods, DeepSpeedEngineAPI, nn.Module):
         return save_checkpoint(self, save_dir, tag, client_state)
 
     def load_checkpoint(self, load_dir: str | os.PathLike, tag: str | None = None, *,
-                        optimizer_states: bool = True, module_only: bool = False) -> dict:
+                        optimizer_states: bool = True, module_only: bool = False, strict: bool = True) -> dict:
         """Resume from a checkpoint (any world size or stage); returns its client_state.
-        `optimizer_states=False` / `module_only=True`: load the weights only (see
-        checkpoint/load.py)."""
+        `optimizer_states=False` / `module_only=True`: load the weights only; `strict=False`:
+        into a model with more or fewer tensors (see checkpoint/load.py)."""
         from shardwise.checkpoint import load_checkpoint
 
         self._require_alive("load_checkpoint")
         self.world.agree_on_call("load_checkpoint", call_check_timeout(self.context.timeout))
-        return load_checkpoint(self, load_dir, tag, optimizer_states, module_only)
+        return load_checkpoint(self, load_dir, tag, optimizer_states, module_only, strict)
 
     # -- accounting ----------------------------------------------------------------------
     def memory_breakdown(self, by_tier: bool = False) -> dict:

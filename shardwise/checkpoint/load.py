@@ -32,7 +32,12 @@ from shardwise.checkpoint.format import (
 )
 from shardwise.checkpoint.index import PieceIndex
 from shardwise.checkpoint.manifest import check_file, read_manifest, resolve_tag
-from shardwise.checkpoint.pieces import describe_whole_model, module_extras, owned_runs, tensor_shards
+from shardwise.checkpoint.pieces import (
+    describe_whole_model,
+    module_extras,
+    owned_runs,
+    tensor_shards,
+)
 from shardwise.checkpoint.safetensors_io import DTYPES
 from shardwise.checkpoint.state import decode_value, restore_rng_state
 
@@ -40,7 +45,7 @@ log = logging.getLogger("shardwise")
 
 
 def load_checkpoint(engine: Any, load_dir: str | os.PathLike, tag: str | None = None,
-                    optimizer_states: bool = True, module_only: bool = False) -> dict:
+                    optimizer_states: bool = True, module_only: bool = False, strict: bool = True) -> dict:
     """Restore everything `save_checkpoint` wrote (tag None: the one `latest` names) and
     return the saved client_state. Collective: every rank calls it.
 
@@ -49,6 +54,13 @@ def load_checkpoint(engine: Any, load_dir: str | os.PathLike, tag: str | None = 
     engine's optimizer state; `module_only` also keeps its schedule, counters, loss scale
     and random state: a fine-tuning run that starts from a trained model (DeepSpeed's
     `load_optimizer_states=False` and `load_module_only=True`).
+
+    `strict` False (DeepSpeed's `load_module_strict=False`, torch's `strict=False`): the
+    model's tensors the checkpoint lacks keep their current values and the checkpoint's
+    tensors the model lacks are skipped, both named in a warning; a shape that differs
+    is still an error. The optimizer state then cannot be restored whole (the new
+    tensors would share a step count they never took), so a load that lacks any of the
+    model's trained parameters must keep this engine's state (`optimizer_states` False).
     """
     directory = resolve_tag(Path(load_dir), tag)
     verify_checkpoint(engine, directory)
@@ -58,11 +70,13 @@ def load_checkpoint(engine: Any, load_dir: str | os.PathLike, tag: str | None = 
                               f"this shardwise reads format {FORMAT_VERSION}")
     records = [read_json(directory / rank_json(rank)) for rank in range(meta["world_size"])]
     with PieceIndex(directory, records) as index:
-        check_model(engine, meta, index)
+        absent = check_model(engine, meta, index, strict, optimizer_states and not module_only)
         engine.zero.release_gathered()  # forwards must gather the loaded values
-        _load_trained(engine, index, meta, records, optimizer_states and not module_only)
+        _load_trained(engine, index, meta, records, optimizer_states and not module_only, absent)
         with torch.no_grad():
             for name, tensor in module_extras(engine.module):
+                if name in absent:
+                    continue
                 tensor.copy_(index.read(name, VALUE, 0, tensor.numel(), tensor.dtype).view(tensor.shape))
     engine.zero.refresh_from_masters()
     if module_only:
@@ -114,12 +128,32 @@ def verify_checkpoint(engine: Any, directory: Path) -> None:
                               f"{directory / name} failed verification on another rank")
 
 
-def check_model(engine: Any, meta: dict, index: PieceIndex) -> None:
-    """The checkpoint holds exactly the model's parameters and buffers, with its shapes."""
+def check_model(engine: Any, meta: dict, index: PieceIndex, strict: bool = True,
+                restoring_state: bool = False) -> set[str]:
+    """The checkpoint holds exactly the model's parameters and buffers, with its shapes
+    (`strict` False: a subset or superset of them, with its shapes, and when
+    `restoring_state` every trained parameter). Returns the names of the model's tensors
+    the checkpoint does not hold."""
     saved = {entry["name"]: entry for entry in meta["parameters"] + meta["buffers"]}
     current = describe_whole_model(engine)
     wanted = [("parameter", entry) for entry in current["parameters"]]
     wanted += [("buffer", entry) for entry in current["buffers"]]
+    absent = {entry["name"] for _, entry in wanted if entry["name"] not in saved}
+    known = {entry["name"] for _, entry in wanted}
+    unknown = [name for name in saved if name not in known]
+    if not strict:
+        trained_absent = sorted(entry["name"] for entry in current["parameters"]
+                                if entry["trainable"] and entry["name"] in absent)
+        if trained_absent and restoring_state:
+            raise CheckpointError(f"checkpoint {index.directory} lacks the model's trained parameter "
+                                  f"{trained_absent[0]}, so the optimizer state cannot be restored with it: "
+                                  "load the weights only (load_optimizer_states=False)")
+        if (absent or unknown) and engine.rank == 0:
+            log.warning("load_checkpoint(strict=False): %d tensor(s) of the model not in the checkpoint keep their "
+                        "values %s; %d tensor(s) of the checkpoint not in the model are skipped %s",
+                        len(absent), sorted(absent)[:5], len(unknown), unknown[:5])
+        wanted = [(kind, entry) for kind, entry in wanted if entry["name"] not in absent]
+        unknown = []
     for kind, entry in wanted:
         shape = tuple(entry["shape"])
         if entry["name"] not in saved:
@@ -129,8 +163,6 @@ def check_model(engine: Any, meta: dict, index: PieceIndex) -> None:
         if saved_shape != shape:
             raise CheckpointError(f"{kind} {entry['name']} has shape {saved_shape} in checkpoint "
                                   f"{index.directory} but shape {shape} in the model")
-    known = {entry["name"] for _, entry in wanted}
-    unknown = [name for name in saved if name not in known]
     if unknown:
         raise CheckpointError(f"checkpoint {index.directory} holds {unknown[0]} (shape "
                               f"{tuple(saved[unknown[0]]['shape'])}), which the model does not have")
@@ -145,11 +177,13 @@ def check_model(engine: Any, meta: dict, index: PieceIndex) -> None:
     if saved_groups != len(optimizer.param_groups):
         raise CheckpointError(f"checkpoint {index.directory} has {saved_groups} optimizer param "
                               f"groups, this engine's optimizer has {len(optimizer.param_groups)}")
+    return absent
 
 
-def _load_trained(engine: Any, index: PieceIndex, meta: dict, records: list[dict], optimizer_states: bool) -> None:
-    """Fill the owned masters and (`optimizer_states`) build the optimizer state of every
-    owned segment."""
+def _load_trained(engine: Any, index: PieceIndex, meta: dict, records: list[dict], optimizer_states: bool,
+                  absent: set[str]) -> None:
+    """Fill the owned masters (but those of `absent` parameters) and (`optimizer_states`)
+    build the optimizer state of every owned segment."""
     scalars, elements = _group_states(records) if optimizer_states else ({}, {})
     if optimizer_states:
         engine.optimizer.optimizer.state.clear()  # loading into a trained engine: not two copies
@@ -167,6 +201,8 @@ def _load_trained(engine: Any, index: PieceIndex, meta: dict, records: list[dict
     for sub_group, owned_in_group in groupby(ranges, key=lambda owned: store.sub_group_index(owned.segment)):
         with store.resident(store.sub_groups[sub_group]):  # a paging store writes the masters back
             for owned in owned_in_group:
+                if owned.name in absent:
+                    continue
                 for start, stop, at in owned_runs(owned, shards.get(owned.name)):
                     index.read_into(owned.name, VALUE, start, owned.master[at : at + stop - start])
                     for key, tensor in parts.get(id(owned.segment), {}).items():

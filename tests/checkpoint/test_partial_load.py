@@ -2,6 +2,7 @@
 `load_module_only=True`): the weights come back; the optimizer state this engine built
 stays; `module_only` also keeps the schedule and the step counters."""
 
+import pytest
 import torch
 
 import shardwise
@@ -44,3 +45,40 @@ def test_weights_only_loads_keep_the_optimizer_state(tmp_path):
         assert engine.global_steps == steps_after, keyword
     assert engine.get_lr() != later_lr  # optimizer_states=False still restores the schedule
     engine.destroy()
+
+
+def test_not_strict_loads_into_a_model_with_more_or_fewer_tensors(tmp_path):
+    """`strict=False` (DeepSpeed's `load_module_strict=False`): shared tensors are loaded,
+    the model's own extras keep their values, the checkpoint's extras are skipped; the
+    optimizer state is only restored when every trained parameter is in the checkpoint."""
+    from shardwise.checkpoint.format import CheckpointError
+
+    plain = shardwise.initialize(build_model("gpt"), CONFIG)
+    train_step(plain, 0)
+    plain.save_checkpoint(tmp_path, tag="plain")
+    plain_weights, plain_state = snapshot(plain)
+
+    bigger_model = build_model("gpt")
+    bigger_model.extra_head = torch.nn.Linear(3, 3)  # trained, absent from "plain"
+    bigger = shardwise.initialize(bigger_model, CONFIG)
+    train_step(bigger, 1)
+    head_before = bigger.module.extra_head.weight.detach().clone()
+    with pytest.raises(CheckpointError, match="extra_head.weight .* is not in checkpoint"):
+        bigger.load_checkpoint(tmp_path, "plain")
+    with pytest.raises(CheckpointError, match="lacks the model's trained parameter extra_head.bias.*load_optimizer_states=False"):
+        bigger.load_checkpoint(tmp_path, "plain", strict=False)
+    bigger.load_checkpoint(tmp_path, "plain", strict=False, optimizer_states=False)
+    weights, _ = snapshot(bigger)
+    assert all(torch.equal(weights[name], plain_weights[name]) for name in plain_weights)
+    assert torch.equal(weights["extra_head.weight"], head_before)
+    bigger.save_checkpoint(tmp_path, tag="bigger")
+    bigger_weights, _ = snapshot(bigger)
+    bigger.destroy()
+
+    with pytest.raises(CheckpointError, match="holds extra_head"):
+        plain.load_checkpoint(tmp_path, "bigger")
+    plain.load_checkpoint(tmp_path, "bigger", strict=False)  # a superset: weights and state
+    weights, state = snapshot(plain)
+    assert all(torch.equal(weights[name], bigger_weights[name]) for name in plain_weights)
+    assert len(state) == len(plain_state)
+    plain.destroy()

@@ -50,7 +50,8 @@ def check_checkpoints_and_16bit_model(reports, stage, tmp_path):
         assert report["loaded_path"] == str(tmp_path / f"checkpoints_{stage}" / "first")
         assert report["client_state"] == {"epoch": 3}
         assert report["restored"]  # weights edited through GatheredParameters(modifier_rank=0) came back
-        assert len(report["refusals"]) == 1  # load_module_strict=False
+        assert report["loaded_path_not_strict"] == report["loaded_path"]
+        assert len(report["refusals"]) == 1  # custom_load_fn
         assert all("not supported" in message and "shardwise convert" in message for message in report["refusals"])
         assert report["missing"] == (None, None)
         assert report["sixteen_bit_written"] and report["sixteen_bit_equal"]

@@ -140,14 +140,16 @@ def _checkpoints(engine, model, scheduler, directory: Path) -> dict:
     path, client_state = engine.load_checkpoint(directory)
     with deepspeed.zero.GatheredParameters(list(model.parameters())):
         restored = all(torch.equal(param, before[name]) for name, param in model.named_parameters())
+    path_not_strict, _ = engine.load_checkpoint(directory, load_module_strict=False)  # the same model: as strict
     refusals = []
     try:
-        engine.load_checkpoint(directory, load_module_strict=False)
+        engine.load_checkpoint(directory, custom_load_fn=lambda **kwargs: None)
     except ValueError as error:
         refusals.append(str(error))
     missing = engine.load_checkpoint(directory / "nothing_here")
     return {"saved": saved, "latest_after_second": latest_after_second, "loaded_path": path,
-            "client_state": client_state, "restored": restored, "refusals": refusals, "missing": missing}
+            "client_state": client_state, "restored": restored, "refusals": refusals, "missing": missing,
+            "loaded_path_not_strict": path_not_strict}
 
 
 def _sixteen_bit_model(engine, directory: Path) -> dict:

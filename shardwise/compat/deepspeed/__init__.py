@@ -12,7 +12,17 @@ model) with DeepSpeed's method shapes (engine.py). What each argument of `initia
 does is in init_engine.py; what `zero.Init` does and does not do, in zero.py.
 """
 
-from shardwise.compat.deepspeed import accelerator, checkpointing, comm, moe, ops, runtime, utils, zero
+from shardwise.compat.deepspeed import (
+    accelerator,
+    checkpointing,
+    comm,
+    moe,
+    ops,
+    pipe,
+    runtime,
+    utils,
+    zero,
+)
 from shardwise.compat.deepspeed.accelerator import get_accelerator
 from shardwise.compat.deepspeed.arguments import add_config_arguments
 from shardwise.compat.deepspeed.comm import init_distributed
@@ -33,6 +43,7 @@ __all__ = [
     "logger",
     "moe",
     "ops",
+    "pipe",
     "runtime",
     "utils",
     "zero",

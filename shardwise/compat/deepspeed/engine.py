@@ -17,17 +17,21 @@ import time
 from pathlib import Path
 from typing import Any
 
+import torch
+
 from shardwise.checkpoint.format import LATEST
 from shardwise.checkpoint.manifest import write_synced
 from shardwise.checkpoint.state import capture_rng_state, restore_rng_state
+from shardwise.compat.deepspeed.utils import RepeatingLoader
 from shardwise.engine import Engine
+from shardwise.parallel.pipeline.sequential import SequentialStages
 
 log = logging.getLogger("shardwise")
 
 PARTIAL_LOAD_REFUSED = (
-    "a shardwise checkpoint restores the fp32 master weights and the optimizer state that belongs to them "
-    "together, into the model it was saved from; to start afresh from trained weights, export them with "
-    "`shardwise convert` and load them into the model before deepspeed.initialize"
+    "a custom_load_fn is handed DeepSpeed's own checkpoint layout, which shardwise does not write; to "
+    "transform trained weights, export them with `shardwise convert`, change them, and load them into the "
+    "model before deepspeed.initialize"
 )
 
 
@@ -131,13 +135,13 @@ class DeepSpeedEngine(Engine):
         one), so a script that seeds and then resumes draws what it drew under DeepSpeed.
 
         `load_optimizer_states=False` loads the weights and keeps this engine's optimizer
-        state; `load_module_only=True` loads only the weights. Loading into a different
-        model (`load_module_strict=False`) is refused (convert the checkpoint with
-        `shardwise convert` and load the weights into the model before initialize)."""
-        refused = {"load_module_strict=False": not load_module_strict, "custom_load_fn": custom_load_fn is not None}
-        for argument, given in refused.items():
-            if given:
-                raise ValueError(f"load_checkpoint({argument}) is not supported: {PARTIAL_LOAD_REFUSED}")
+        state; `load_module_only=True` loads only the weights; `load_module_strict=False`
+        loads into a model with more or fewer tensors (those missing keep their values;
+        restoring the optimizer state then needs every trained parameter in the
+        checkpoint). A `custom_load_fn` is refused: it would receive DeepSpeed's own
+        checkpoint layout."""
+        if custom_load_fn is not None:
+            raise ValueError(f"load_checkpoint(custom_load_fn) is not supported: {PARTIAL_LOAD_REFUSED}")
         if tag is None and not (Path(load_dir) / LATEST).is_file():
             log.warning("load_checkpoint: no file %s: nothing loaded; pass tag= to load a particular checkpoint",
                         Path(load_dir) / LATEST)
@@ -147,9 +151,73 @@ class DeepSpeedEngine(Engine):
             scheduler_state = self.lr_scheduler.state_dict()
         random_state = capture_rng_state(self.device)
         client_state = super().load_checkpoint(load_dir, tag, optimizer_states=load_optimizer_states,
-                                               module_only=load_module_only)
+                                               module_only=load_module_only, strict=load_module_strict)
         restore_rng_state(random_state, self.device)  # DeepSpeed leaves the random generators alone
         if scheduler_state is not None:
             self.lr_scheduler.load_state_dict(scheduler_state)
         directory = Path(load_dir) / (tag if tag is not None else (Path(load_dir) / LATEST).read_text().strip())
         return str(directory), client_state
+
+    # -- DeepSpeed's PipelineEngine ----------------------------------------------------------
+    def set_dataiterator(self, iterator: Any) -> None:
+        """The iterator `train_batch()` / `eval_batch()` pull micro-batches from when given none."""
+        self._data_iterator = iterator
+
+    def train_batch(self, data_iter: Any = None, loss_fn: Any = None) -> torch.Tensor:
+        """One global batch (gradient_accumulation_steps micro-batches) and one optimizer
+        step; without `data_iter`, from `set_dataiterator`'s iterator or, as DeepSpeed does,
+        from the loader `initialize` built from `training_data`, restarted when it ends."""
+        data_iter = self._micro_batches(data_iter, "train_batch")
+        if self.pipeline is not None:
+            return super().train_batch(data_iter, loss_fn)
+        return self._sequential_batch(data_iter, loss_fn, train=True)
+
+    def eval_batch(self, data_iter: Any = None, loss_fn: Any = None) -> torch.Tensor:
+        data_iter = self._micro_batches(data_iter, "eval_batch")
+        if self.pipeline is not None:
+            return super().eval_batch(data_iter, loss_fn)
+        return self._sequential_batch(data_iter, loss_fn, train=False)
+
+    def _micro_batches(self, data_iter: Any, call: str) -> Any:
+        if data_iter is not None:
+            return data_iter
+        if getattr(self, "_data_iterator", None) is None and self.training_dataloader is not None:
+            self._data_iterator = iter(RepeatingLoader(self.training_dataloader))
+        if getattr(self, "_data_iterator", None) is None:
+            raise ValueError(f"engine.{call}() without data_iter needs training_data passed to deepspeed.initialize "
+                             "or engine.set_dataiterator(iterator)")
+        return self._data_iterator
+
+    def _sequential_batch(self, data_iter: Any, loss_fn: Any, train: bool) -> torch.Tensor:
+        """A PipelineModule with one stage: DeepSpeed still trains it with train_batch; here
+        that is gradient accumulation over the same micro-batches."""
+        loss_fn = loss_fn if loss_fn is not None else getattr(self.module, "loss_fn", None)
+        if not isinstance(self.module, SequentialStages):
+            raise RuntimeError("engine.train_batch() runs a pipeline: pass a PipelineModule (or set "
+                               "pipeline_parallel.size > 1), or train with engine(batch), engine.backward(loss) "
+                               "and engine.step()")
+        was_training = self.module.training
+        self.module.train(train and was_training)
+        losses = []
+        try:
+            for _ in range(self.gradient_accumulation_steps):
+                inputs, labels = next(data_iter)
+                inputs, labels = (_to(self.device, value) for value in (inputs, labels))
+                with torch.enable_grad() if train else torch.no_grad():
+                    output = self(inputs)
+                    loss = output if loss_fn is None else loss_fn(output, labels)
+                if train:
+                    self.backward(loss)
+                    self.step()
+                losses.append(loss.detach().float())
+        finally:
+            self.module.train(was_training)
+        mean = torch.stack(losses).mean().reshape(1).double().cpu()
+        self.comm.control_all_reduce(mean, "the batch's loss over the data-parallel group")
+        return (mean / self.comm.size)[0].float()
+
+
+def _to(device: torch.device, value: Any) -> Any:
+    if torch.is_tensor(value):
+        return value.to(device)
+    return type(value)(_to(device, item) for item in value) if isinstance(value, (tuple, list)) else value

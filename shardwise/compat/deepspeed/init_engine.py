@@ -29,6 +29,7 @@ from torch.utils.data import DataLoader, Dataset, DistributedSampler, IterableDa
 
 from shardwise.compat.deepspeed.comm import DEFAULT_PORT, init_distributed
 from shardwise.compat.deepspeed.engine import DeepSpeedEngine
+from shardwise.compat.deepspeed.pipe import PipelineModule
 from shardwise.config import load_config, read_config
 from shardwise.engine_arguments import hidden_size
 from shardwise.optim import build_optimizer
@@ -65,6 +66,7 @@ def initialize(
         optimizer = optimizer(list(model_parameters if model_parameters is not None else model.parameters()))
     _drop_overridden(raw, "optimizer", optimizer)
     _drop_overridden(raw, "scheduler", lr_scheduler)
+    _pipeline_block(raw, model)
     auto_values = {"scheduler.params.warmup_max_lr": optimizer.defaults["lr"]} if optimizer is not None else {}
     world_size = torch.distributed.get_world_size()
     cfg = load_config(raw, world_size=world_size, hidden_size=hidden_size(model), auto_values=auto_values)
@@ -77,6 +79,20 @@ def initialize(
     if training_data is not None:
         engine.training_dataloader = _data_loader(engine, training_data, collate_fn)
     return engine, _clearing_model_gradients(engine), engine.training_dataloader, engine.lr_scheduler
+
+
+def _pipeline_block(raw: dict, model: nn.Module) -> None:
+    """A PipelineModule sets the number of stages (and how to split), as in DeepSpeed,
+    where the config has no pipeline size of its own."""
+    if not isinstance(model, PipelineModule):
+        return
+    wanted = model.pipeline_config()
+    block = raw.setdefault("pipeline_parallel", {})
+    if block.get("size", wanted["size"]) != wanted["size"]:
+        raise ValueError(f"pipeline_parallel.size {block['size']} in the config, but the PipelineModule has "
+                         f"num_stages={wanted['size']}: remove the config's size or make them equal")
+    for key, value in wanted.items():
+        block.setdefault(key, value)
 
 
 def _clearing_model_gradients(engine: DeepSpeedEngine) -> torch.optim.Optimizer:

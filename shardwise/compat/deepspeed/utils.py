@@ -1,4 +1,5 @@
-"""`deepspeed.utils`: the `logger` and `log_dist` scripts use to print from some ranks."""
+"""`deepspeed.utils`: the `logger` and `log_dist` scripts use to print from some ranks, and
+`RepeatingLoader`, which pipeline scripts wrap their loaders in."""
 
 from __future__ import annotations
 
@@ -7,7 +8,7 @@ import sys
 
 import torch.distributed as dist
 
-__all__ = ["log_dist", "logger"]
+__all__ = ["RepeatingLoader", "log_dist", "logger"]
 
 
 def _make_logger() -> logging.Logger:
@@ -34,3 +35,22 @@ def log_dist(message: str, ranks: list[int] | None = None, level: int = logging.
     rank = dist.get_rank()
     if ranks and (ranks[0] == -1 or rank in set(ranks)):
         logger.log(level, f"[Rank {rank}] {message}")
+
+
+class RepeatingLoader:
+    """Iterate `loader` forever, restarting it at its end (a pipeline's `train_batch` pulls
+    micro-batches and must never meet the end of an epoch mid-batch)."""
+
+    def __init__(self, loader):
+        self.loader = loader
+        self.data_iter = iter(loader)
+
+    def __iter__(self):
+        return self
+
+    def __next__(self):
+        try:
+            return next(self.data_iter)
+        except StopIteration:
+            self.data_iter = iter(self.loader)
+            return next(self.data_iter)

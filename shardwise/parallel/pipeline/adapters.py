@@ -59,8 +59,19 @@ class Adapter(ABC):
     def embed(self, model: nn.Module, context: StageContext) -> torch.Tensor:
         """The first stage: token ids -> hidden states."""
 
+    def activation_shape(self, model: nn.Module, context: StageContext) -> tuple[int, ...] | None:
+        """Shape of the hidden states between stages ((batch, sequence, hidden) for the
+        transformer families); None: sent with a header describing them."""
+        return (*context.kwargs[self.input_name].shape, self.hidden_size(model))
+
     def layer(self, layer: nn.Module, hidden: torch.Tensor, context: StageContext) -> torch.Tensor:
         return layer(hidden)
+
+    def run_layers(self, layers: list[nn.Module], hidden: Any, context: StageContext) -> Any:
+        """One chunk of this stage's layers, in order."""
+        for layer in layers:
+            hidden = self.layer(layer, hidden, context)
+        return hidden
 
     @abstractmethod
     def loss(self, model: nn.Module, hidden: torch.Tensor, context: StageContext,
@@ -190,9 +201,15 @@ class GPT2Adapter(Adapter):
 def adapter_for(model: nn.Module) -> Adapter:
     """The adapter of `model`'s family; a clear error for others."""
     from shardwise.models import GPT
+    from shardwise.parallel.pipeline.sequential import (
+        SequentialAdapter,
+        SequentialStages,
+    )
 
     if isinstance(model, GPT):
         return GPTAdapter()
+    if isinstance(model, SequentialStages):
+        return SequentialAdapter()
     model_type = getattr(getattr(model, "config", None), "model_type", None)
     if model_type in LLAMA_FAMILY and hasattr(model, "model") and hasattr(model, "lm_head"):
         return LlamaAdapter()
@@ -200,6 +217,7 @@ def adapter_for(model: nn.Module) -> Adapter:
         return GPT2Adapter()
     raise ValueError(
         f"pipeline_parallel.size > 1: shardwise does not know how to split {type(model).__name__} into stages "
-        f"(supported: shardwise GPT and Hugging Face {', '.join(LLAMA_FAMILY)} and gpt2 causal LMs); use "
+        f"(supported: shardwise GPT, Hugging Face {', '.join(LLAMA_FAMILY)} and gpt2 causal LMs, and a list of "
+        "layers in shardwise.parallel.pipeline.SequentialStages or DeepSpeed's PipelineModule); use "
         "pipeline_parallel.size 1 for this model"
     )

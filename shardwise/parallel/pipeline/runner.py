@@ -32,7 +32,11 @@ from torch import nn
 
 from shardwise.distributed.collectives import Communicator
 from shardwise.parallel.pipeline.adapters import Adapter, StageContext
-from shardwise.parallel.pipeline.p2p import PipelineChannel, PipelineError
+from shardwise.parallel.pipeline.p2p import (
+    PipelineChannel,
+    PipelineError,
+    message_tensors,
+)
 from shardwise.parallel.pipeline.schedules import Action, schedule_actions
 from shardwise.parallel.pipeline.split import StageLayout
 from shardwise.precision.casting import cast_floating
@@ -133,8 +137,8 @@ class PipelineRunner:
                             f"pair; next(data_iter) gave {type(micro_batch).__name__}")
         device, dtype = self.engine.device, self.engine.dtype
         kwargs, labels = cast_floating((kwargs, labels), dtype)
-        kwargs = {key: value.to(device) if torch.is_tensor(value) else value for key, value in kwargs.items()}
-        labels = labels.to(device) if torch.is_tensor(labels) else labels
+        kwargs = {key: _to_device(value, device) for key, value in kwargs.items()}
+        labels = _to_device(labels, device)
         context = StageContext(kwargs, labels, {})
         if self.adapter.input_name not in kwargs:
             raise ValueError(f"a pipeline micro-batch needs `{self.adapter.input_name}`: every stage reads its shape")
@@ -179,23 +183,26 @@ class PipelineRunner:
             begin = time.perf_counter()
             hidden = self.adapter.embed(self.model, context)
         else:
-            shape = (*context.kwargs[self.adapter.input_name].shape, self.adapter.hidden_size(self.model))
-            received = self.channel.receive(shape, self.engine.dtype, self.engine.device, "activation",
-                                            stage - 1, stage, i)
+            shape = self.adapter.activation_shape(self.model, context)
+            known = None if shape is None else (shape, self.engine.dtype)
+            received = self.channel.receive_output(self.engine.device, stage - 1, stage, i, known)
             begin = time.perf_counter()
-            hidden = received.requires_grad_(train)
+            for tensor in message_tensors(received):
+                tensor.requires_grad_(train and tensor.is_floating_point())
+            hidden = received
         saved: dict[int, int] = {}  # storage -> bytes autograd keeps for backward (weights excluded)
         with torch.autograd.graph.saved_tensors_hooks(lambda tensor: _count_saved(tensor, saved,
                                                                                   self.parameter_storage),
                                                       lambda tensor: tensor):
-            for index in self.layout.chunks[action.chunk]:
-                hidden = self.adapter.layer(self.layers[str(index)], hidden, context)
+            hidden = self.adapter.run_layers([self.layers[str(index)] for index in self.layout.chunks[action.chunk]],
+                                             hidden, context)
             if stage == self.layout.last_stage:
                 hidden = self.adapter.loss(self.model, hidden, context, loss_fn)
                 losses[i] = hidden.detach().float()
         self.busy += time.perf_counter() - begin
         if stage != self.layout.last_stage:
-            self.channel.send(hidden, "activation", stage + 1, stage, i)
+            described = self.adapter.activation_shape(self.model, context) is None
+            self.channel.send_output(hidden, stage + 1, stage, i, described)
         if train:
             self.stash[(action.chunk, i)] = (received, hidden)
             self.held_bytes[(action.chunk, i)] = sum(saved.values())
@@ -211,9 +218,12 @@ class PipelineRunner:
             tensors = [output.float() * (engine.loss_scaler.scale / engine.gradient_accumulation_steps)]
             grads: list[torch.Tensor | None] = [None]
             loss = output.detach()
-        else:
-            grads = [self.channel.receive(output.shape, output.dtype, engine.device, "gradient", stage + 1, stage, i)]
-            tensors = [output]
+        else:  # a gradient for every floating tensor sent; those that carry no graph here take none
+            floating = [tensor for tensor in message_tensors(output) if tensor.is_floating_point()]
+            received_grads = [self.channel.receive(tensor.shape, tensor.dtype, engine.device, "gradient", stage + 1,
+                                                   stage, i, part) for part, tensor in enumerate(floating)]
+            tensors = [tensor for tensor in floating if tensor.requires_grad]
+            grads = [grad for tensor, grad in zip(floating, received_grads) if tensor.requires_grad]
             loss = torch.zeros(())
         if stage == 0 and final_backward and self.tied:
             weight = self.model.get_submodule(self.adapter.embedding_path).weight
@@ -224,7 +234,10 @@ class PipelineRunner:
         self._zero_backward(tensors, grads, final_backward, loss)
         self.busy += time.perf_counter() - begin
         if stage > 0:
-            self.channel.send(received.grad, "gradient", stage - 1, stage, i)
+            floating = [tensor for tensor in message_tensors(received) if tensor.is_floating_point()]
+            for part, tensor in enumerate(floating):
+                grad = tensor.grad if tensor.grad is not None else torch.zeros_like(tensor)
+                self.channel.send(grad, "gradient", stage - 1, stage, i, part)
         if stage == layout.last_stage and self.tied and i == self.micro_batches - 1:
             self.channel.send(self.tied_leaf.grad, "tied gradient", 0, stage, 0)
 
@@ -235,7 +248,8 @@ class PipelineRunner:
         engine.zero.reducer.begin_backward(boundary=boundary)
         engine.guard.note_loss(loss)
         try:
-            torch.autograd.backward(tensors, grads)
+            if tensors:  # a stage of parameter-free layers fed by the data has nothing to differentiate
+                torch.autograd.backward(tensors, grads)
             engine.zero.reducer.end_backward()
         except BaseException:
             engine._abort_backward()
@@ -251,6 +265,15 @@ class PipelineRunner:
             total /= self.micro_batches * self.data.size
         self.pipeline.control_all_reduce(total, "the batch's loss from the last stage")
         return total[0].float()
+
+
+def _to_device(value: Any, device: torch.device) -> Any:
+    """A tensor, or a tuple of tensors and other values, on `device`."""
+    if torch.is_tensor(value):
+        return value.to(device)
+    if isinstance(value, (tuple, list)):
+        return type(value)(_to_device(item, device) for item in value)
+    return value
 
 
 def _count_saved(tensor: torch.Tensor, saved: dict[int, int], parameter_storage: set[int]) -> torch.Tensor:
