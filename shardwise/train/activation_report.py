@@ -45,13 +45,12 @@ LABELS = {
 def layer_shape(engine: "Engine", seq_len: int) -> LayerShape:
     """The GPT layer the engine trains: fused attention keeps no a·s² scores, except on
     CPU with dropout (the unfused path, with masks in the activation dtype)."""
-    config, block = engine.module.config, engine.config.activation_checkpointing
+    config, tensor = engine.module.config, engine.config.tensor_parallel
     e = element_bytes(DTYPE_NAMES[engine.dtype])
     cpu, dropout = engine.device.type == "cpu", config.dropout > 0
-    tensor = engine.config.tensor_parallel.size
     return LayerShape(seq_len, engine.config.train_micro_batch_size_per_gpu, config.n_embd, config.n_head, e,
                       mask_bytes=e if cpu else 1, dropout=dropout, attention_core=dropout and cpu,
-                      tensor_parallel=tensor if block.partition_activations else 1)
+                      tensor_parallel=tensor.size, sequence_parallel=tensor.sequence_parallel)
 
 
 def activation_summary(engine: "Engine", seq_len: int, steps: int) -> dict[str, Any]:
@@ -61,7 +60,7 @@ def activation_summary(engine: "Engine", seq_len: int, steps: int) -> dict[str, 
     num_layers = engine.module.config.n_layer
     layer = layer_shape(engine, seq_len)
     regions = policy.regions(num_layers)
-    partitioned = layer.tensor_parallel > 1
+    partitioned = block.partition_activations and layer.tensor_parallel > 1
     covered = sum(len(region) for region in regions)
     cached = selective_kept_bytes(layer) if policy.name == "selective" else 0
     full, head = layer_activation_bytes(layer), head_bytes(layer, engine.module.config.vocab_size)
