@@ -164,7 +164,7 @@ class GradientReducer:
         def use_local_gradients(on: bool) -> None:
             if on and not self.keeps_full_grads and self._local_grads is None:
                 self._allocate_local_gradients()
-            if not on and self._local_grads is not None:  # back to buckets (a load before the freeze)
+            if not on and self._local_grads is not None:  # back to buckets (a load mid-window, before the freeze)
                 for unit in self.units:
                     for slot in unit.slots:
                         slot.param.grad = None

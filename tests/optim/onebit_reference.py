@@ -139,7 +139,8 @@ class Simulation:
             width = padded // self.n
             for name, offset in slots:
                 numel = dict(zip(self.names, self.params))[name].numel()
-                cuts = sorted({0, numel, *(r * width - offset for r in range(self.n) if 0 < r * width - offset < numel)})
+                inner = (r * width - offset for r in range(self.n))
+                cuts = sorted({0, numel, *(cut for cut in inner if 0 < cut < numel)})
                 by_name[name] = list(zip(cuts[:-1], cuts[1:]))
         return [by_name[name] for name in self.names]
 

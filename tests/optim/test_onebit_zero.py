@@ -100,3 +100,4 @@ def test_checkpoint_resharded_from_stage_2_to_stage_1_at_4_ranks(tmp_path):
     partitions = 4 * 4 * resumed[0]["partition"] * 3 // 4  # the fp32 gather of the momentum, once
     assert resumed[0]["volumes"][0]["all_gather"] == onebit_exchange_bytes(
         sum(padded for padded, _ in resumed[0]["units"]), 4, stage=1, param_bytes=4)["all_gather"] + partitions
+
