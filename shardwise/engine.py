@@ -104,6 +104,7 @@ class Engine(PipelineEngineMethods, DeepSpeedEngineAPI, nn.Module):
         self.world.peers = peers
         self.mesh = ParallelMesh(sizes, self.rank, self.device, self.context.timeout)
         self.mesh.comm_stats = self.comm_stats  # the apply stage's tensor/sequence communicators count here
+        self.mesh.world = self.world  # for apply steps whose ranks must agree (a pipeline split by time)
         groups = ZeroGroups(*(
             Communicator(self.mesh[purpose], self.comm_stats, self.ledger, peers)
             for purpose in ("shard", "replicate", "replicas")

@@ -48,6 +48,7 @@ class PipeCase:
     fail_at: tuple[int, int] | None = None  # (pipeline rank, micro-batch) whose forward raises
     optimizer: str = "adamw"  # adamw | sgd (tensor parallelism: see tests/parallel/workers.py)
     dtype: str = "fp32"  # fp32 | bf16
+    partition: str = "parameters"  # parameters | uniform | time
 
     def config(self) -> dict:
         return {
@@ -58,7 +59,7 @@ class PipeCase:
             "bf16": {"enabled": self.dtype == "bf16"},
             "tensor_parallel": {"size": self.tensor},
             "pipeline_parallel": {"size": self.pipeline, "schedule": self.schedule,
-                                  "virtual_stages": self.virtual},
+                                  "virtual_stages": self.virtual, "partition": self.partition, "profile_seq_len": 16},
         }
 
 

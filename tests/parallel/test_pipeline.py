@@ -113,6 +113,19 @@ def test_pp2_hugging_face_with_its_own_loss(model):
     assert_p2p_bytes(results, case, tied_bytes=VOCAB * WIDTH * 4)
 
 
+@pytest.mark.parametrize("model", ["gpt4", "llama"])
+def test_pp2_split_by_measured_time(model):
+    """partition "time": each rank times every layer on a synthetic micro-batch, all take
+    rank 0's numbers, so both stages hold complementary layers; the timing run leaves no
+    trace (random generators restored, gradients dropped): training equals one process."""
+    case = PipeCase(model=model, partition="time")
+    results = run_distributed(train_pipeline, 2, case)
+    assert_matches(results, case, 1)
+    layers = sorted(index for result in results for chunk in result["chunks"] for index in chunk)
+    assert layers == list(range(4 if model == "gpt4" else 2))
+    assert all(result["chunks"][0] for result in results)
+
+
 def test_pp2_untied_gpt_with_inputs_labels_and_a_loss_fn():
     case = PipeCase(model="gpt-untied", batch_form="pair", micro_batches=3)
     results = run_distributed(train_pipeline, 2, case)

@@ -39,6 +39,7 @@ class Adapter(ABC):
     """One model family's pieces (names relative to the model) and its stage forwards."""
 
     input_name: str
+    label_name: str | None = None  # the forward keyword of the labels, for a micro-batch of the model's own loss
     layers_path: str
     first_modules: tuple[str, ...]
     last_modules: tuple[str, ...]
@@ -81,6 +82,7 @@ class Adapter(ABC):
 
 class GPTAdapter(Adapter):
     input_name = "idx"
+    label_name = "targets"
     layers_path = "blocks"
     first_modules = ("wte", "wpe", "drop")
     last_modules = ("ln_f", "lm_head")
@@ -111,6 +113,7 @@ class GPTAdapter(Adapter):
 
 class LlamaAdapter(Adapter):
     input_name = "input_ids"
+    label_name = "labels"
     layers_path = "model.layers"
     first_modules = ("model.embed_tokens",)
     last_modules = ("model.norm", "lm_head")
@@ -160,6 +163,7 @@ class LlamaAdapter(Adapter):
 
 class GPT2Adapter(Adapter):
     input_name = "input_ids"
+    label_name = "labels"
     layers_path = "transformer.h"
     first_modules = ("transformer.wte", "transformer.wpe", "transformer.drop")
     last_modules = ("transformer.ln_f", "lm_head")

@@ -25,6 +25,7 @@ from shardwise.parallel.apply import ModelTransform, register_transform
 from shardwise.parallel.pipeline.adapters import adapter_for
 from shardwise.parallel.pipeline.runner import PipelineRunner
 from shardwise.parallel.pipeline.split import StageLayout, split_model
+from shardwise.parallel.pipeline.timing import agreed_costs, measure_layer_costs
 
 
 def apply_pipeline_split(model: nn.Module, config: ShardwiseConfig, mesh: ParallelMesh) -> nn.Module:
@@ -33,8 +34,12 @@ def apply_pipeline_split(model: nn.Module, config: ShardwiseConfig, mesh: Parall
     section = config.pipeline_parallel
     adapter = adapter_for(model)
     pipeline = mesh["pipeline"]
+    costs = None
+    if section.partition == "time" and section.split_points is None:
+        measured = measure_layer_costs(model, adapter, config.train_micro_batch_size_per_gpu, section.profile_seq_len)
+        costs = agreed_costs(measured, getattr(mesh, "world", None))
     layout = split_model(model, adapter, pipeline.rank, pipeline.size, section.virtual_stages,
-                         section.partition, section.split_points)
+                         section.partition, section.split_points, costs)
     model._shardwise_pipeline = (adapter, layout)
     model.forward = _stage_forward_refused
     return model

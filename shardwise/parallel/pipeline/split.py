@@ -1,10 +1,12 @@
 """Splitting a model into pipeline stages: which layers each rank keeps, and pruning the rest.
 
 Layers are assigned in contiguous runs, one run per virtual stage (p * v of them), by one
-of three rules (`pipeline_parallel.partition`):
+of four rules (`pipeline_parallel.partition`):
 
     parameters   balanced by parameter count, the embedding counted with the first run
                  and the output layer with the last (default; minimises the largest stage)
+    time         the same balance of forward + backward time measured per layer, the
+                 embedding and the output layer with its loss (timing.py)
     uniform      the same number of layers per run (the count must divide)
     split_points explicit: the index of the first layer of every run after the first
 
@@ -28,6 +30,16 @@ import torch
 from torch import nn
 
 from shardwise.parallel.pipeline.adapters import Adapter
+
+
+@dataclass
+class LayerCosts:
+    """What the balanced split weighs: each layer, and what the first and the last stage
+    run besides their layers (embedding; final norm, output layer and loss)."""
+
+    layers: list[int]
+    first: int
+    last: int
 
 
 @dataclass
@@ -98,19 +110,19 @@ def _balanced_bounds(weights: list[int], parts: int, first_extra: int, last_extr
 
 
 def split_model(model: nn.Module, adapter: Adapter, rank: int, size: int, virtual: int, rule: str,
-                split_points: list[int] | None) -> StageLayout:
-    """Prune `model` to this rank's layers; returns what the schedule needs to run it."""
+                split_points: list[int] | None, costs: "LayerCosts | None" = None) -> StageLayout:
+    """Prune `model` to this rank's layers; returns what the schedule needs to run it.
+    `costs` (rule "time"): measured per-layer weights instead of parameter counts."""
     layers = adapter.layers(model)
     first = [model.get_submodule(path) for path in adapter.first_modules]
     last = [model.get_submodule(path) for path in adapter.last_modules]
     embedding, head = model.get_submodule(adapter.embedding_path), model.get_submodule(adapter.head_path)
     tied = getattr(head, "weight", None) is not None and head.weight is getattr(embedding, "weight", None)
-    runs = partition(
-        [_numel(layer) for layer in layers], size * virtual,
-        first_extra=sum(_numel(module) for module in first),
-        last_extra=sum(_numel(module) for module in last) - (_numel(head) if tied else 0),
-        rule=rule, split_points=split_points,
-    )
+    if costs is None:
+        costs = LayerCosts([_numel(layer) for layer in layers], sum(_numel(module) for module in first),
+                           sum(_numel(module) for module in last) - (_numel(head) if tied else 0))
+    runs = partition(costs.layers, size * virtual, first_extra=costs.first, last_extra=costs.last,
+                     rule="parameters" if rule == "time" else rule, split_points=split_points)
     chunks = [runs[chunk * size + rank] for chunk in range(virtual)]
     layout = StageLayout(rank, size, virtual, chunks, rank == 0, rank == size - 1, tied, runs=runs)
     kept = {index for chunk in chunks for index in chunk}
