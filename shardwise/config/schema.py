@@ -212,15 +212,17 @@ class PipelineParallelConfig(Section):
     """shardwise addition. A pipeline step runs one micro-batch per accumulation step,
     as in DeepSpeed, so `micro_batches` defaults to gradient_accumulation_steps.
     `virtual_stages` chunks per rank are for the interleaved schedule; layers are split
-    by `partition` (balanced by parameter count, or uniform) unless `split_points` gives
-    the first layer index of every stage after the first."""
+    by `partition` (balanced by parameter count, by forward + backward time measured on a
+    synthetic micro-batch of `profile_seq_len` tokens, or uniform) unless `split_points`
+    gives the first layer index of every stage after the first."""
 
     size: Int = Field(1, ge=1)
     schedule: Literal["gpipe", "1f1b", "interleaved"] = "1f1b"
     micro_batches: Int | None = Field(None, ge=1, json_schema_extra={"default_doc": "gradient_accumulation_steps"})
     virtual_stages: Int = Field(1, ge=1)
-    partition: Literal["parameters", "uniform"] = "parameters"
+    partition: Literal["parameters", "uniform", "time"] = "parameters"
     split_points: list[Int] | None = None
+    profile_seq_len: Int = Field(512, ge=1)
 
 
 class TensorBoardConfig(Section):
