@@ -67,7 +67,7 @@ class OneBitAdam(OneBitOptimizer):
             for param in group["params"]:
                 if param.grad is None and not frozen:
                     continue
-                update = self.state[param]["exp_avg"] / variance_denominator(group, self.state[param]["exp_avg_sq"])
+                update = adam_update_(self.state[param]["exp_avg"], group, self.state[param]["exp_avg_sq"])
                 if group["weight_decay"]:
                     update.add_(param, alpha=group["weight_decay"])
                 param.add_(update, alpha=-step_size)
@@ -91,6 +91,12 @@ def variance_denominator(group: dict, exp_avg_sq: torch.Tensor) -> torch.Tensor:
     if group["eps_inside_sqrt"]:
         return (exp_avg_sq + group["eps"]).sqrt_()
     return exp_avg_sq.sqrt().add_(group["eps"])
+
+
+def adam_update_(exp_avg: torch.Tensor, group: dict, exp_avg_sq: torch.Tensor) -> torch.Tensor:
+    """m / (√v + eps) in one new tensor (the denominator's, divided into in place)."""
+    denominator = variance_denominator(group, exp_avg_sq)
+    return torch.div(exp_avg, denominator, out=denominator)
 
 
 def adam_step_size(group: dict, step: int, freeze_step: int) -> float:

@@ -29,7 +29,8 @@ import torch
 import torch.distributed as dist
 
 from shardwise.optim.onebit import OneBitOptimizer
-from shardwise.optim.onebit_adam import refuse_unsupported, adam_step_size, variance_denominator, warm_up_moments
+from shardwise.optim.onebit_adam import (adam_step_size, adam_update_, refuse_unsupported, variance_denominator,
+                                         warm_up_moments)
 
 
 class OneBitLamb(OneBitOptimizer):
@@ -91,7 +92,7 @@ class OneBitLamb(OneBitOptimizer):
                 if param.grad is None:
                     continue
                 state = self.state[param]
-                update = state["exp_avg"] / variance_denominator(group, state["exp_avg_sq"])
+                update = adam_update_(state["exp_avg"], group, state["exp_avg_sq"])
                 if group["weight_decay"]:
                     update.add_(param, alpha=group["weight_decay"])
                 updates.append((param, update, group))
@@ -141,7 +142,7 @@ class OneBitLamb(OneBitOptimizer):
             for param in group["params"]:
                 state = self.state[param]
                 index = self.shard_of(param).index
-                update = state["exp_avg"] / variance_denominator(group, state["exp_avg_sq"])
+                update = adam_update_(state["exp_avg"], group, state["exp_avg_sq"])
                 share = 1.0
                 if group["weight_decay"]:
                     update.add_(param, alpha=group["weight_decay"])
