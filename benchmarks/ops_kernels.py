@@ -6,6 +6,9 @@ region): one for the time, one for memory with MALLOC_MMAP_THRESHOLD_=65536, so 
 tensors are returned to the system when freed and the peak resident memory above the
 inputs (VmHWM, reset through /proc/self/clear_refs before the measured step) is the peak of
 live tensors. Warm-up steps (which include Inductor's compilation) are not measured.
+Times are wall clock and the process's CPU time (time.process_time), each the best of the
+repeats: with one thread and a loaded machine, the CPU time is what the step itself costs,
+the wall time adds the waits for a core.
 
     unfused    the plain torch code the operator replaces, eager
     fused      shardwise.ops' operator, its bodies compiled by Inductor (C++ on CPU)
@@ -138,13 +141,14 @@ def measure(case: str, variant: str, repeats: int) -> dict:
         step()
     Path("/proc/self/clear_refs").write_text("5")
     before = _status("VmRSS")
-    times = []
+    times, cpu_times = [], []
     for _ in range(repeats):
-        start = time.perf_counter()
+        start, cpu_start = time.perf_counter(), time.process_time()
         step()
         times.append(time.perf_counter() - start)
-    return {"case": case, "variant": variant, "ms": 1000 * min(times), "peak_mib": _status("VmHWM") - before,
-            "threads": torch.get_num_threads()}
+        cpu_times.append(time.process_time() - cpu_start)
+    return {"case": case, "variant": variant, "ms": 1000 * min(times), "cpu_ms": 1000 * min(cpu_times),
+            "peak_mib": _status("VmHWM") - before, "threads": torch.get_num_threads()}
 
 
 def profile_seed_example() -> list[str]:
@@ -194,18 +198,24 @@ def main() -> None:
         for variant in VARIANTS[case]:
             timed = one(case, variant, args.repeats, dict(os.environ))
             memory = one(case, variant, 1, {**os.environ, "MALLOC_MMAP_THRESHOLD_": "65536"})
-            rows.append({**memory, "ms": timed["ms"]})
+            rows.append({**memory, "ms": timed["ms"], "cpu_ms": timed["cpu_ms"]})
     print(machine_line() + "; 1 intra-op thread per measurement")
-    print("| case | variant | ms (best of repeats) | speed-up vs unfused | peak MiB above inputs | memory vs unfused |")
-    print("|---|---|---|---|---|---|")
+    print("| case | variant | ms (best of repeats) | speed-up vs unfused | CPU ms | CPU speed-up "
+          "| peak MiB above inputs | memory vs unfused |")
+    print("|---|---|---|---|---|---|---|---|")
     for row in rows:
         base = next(r for r in rows if r["case"] == row["case"] and r["variant"] == "unfused")
         print(f"| {row['case']} | {row['variant']} | {row['ms']:.1f} | {base['ms'] / row['ms']:.2f}x "
+              f"| {row['cpu_ms']:.1f} | {base['cpu_ms'] / row['cpu_ms']:.2f}x "
               f"| {row['peak_mib']:.0f} | {row['peak_mib'] / max(base['peak_mib'], 1e-9):.2f} |")
     print("\nThe seed's example through the profiler (linear + batch norm + ReLU, evaluation):\n")
     print("\n".join(profile_seed_example()))
     RESULTS.mkdir(exist_ok=True)
-    (RESULTS / "ops_kernels.json").write_text(json.dumps(rows, indent=1) + "\n")
+    path = RESULTS / "ops_kernels.json"  # rows of cases not run this time are kept
+    measured = {(row["case"], row["variant"]) for row in rows}
+    kept = [row for row in (json.loads(path.read_text()) if path.exists() else [])
+            if (row["case"], row["variant"]) not in measured]
+    path.write_text(json.dumps(kept + rows, indent=1) + "\n")
 
 
 if __name__ == "__main__":
