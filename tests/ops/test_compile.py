@@ -10,7 +10,7 @@ import pytest
 import torch
 from torch import nn
 
-from shardwise.parallel.compile import compile_blocks, find_blocks
+from shardwise.parallel.compile import compile_blocks, find_blocks, traceable_hook
 from shardwise.testing import run_distributed
 from tests.ops.compile_workers import train_counting_graphs
 from tests.zero.workers import Case, assert_matches_reference, build_model, train_reference
@@ -81,3 +81,13 @@ def test_hooks_inside_a_compiled_block_run_at_its_boundary_in_order():
     assert seen == [("pre", "ln_1"), ("pre", "attn.qkv"), ("pre", "mlp.fc"),
                     ("post", "mlp.fc", block_output), ("post", "attn.qkv", block_output),
                     ("post", "ln_1", block_output)]
+
+
+def test_a_traceable_hook_stays_on_its_module_and_may_replace_its_input():
+    """Tensor parallelism's region entry is such a hook (a replacement input, traced)."""
+    model, reference = build_model("gpt"), build_model("gpt")
+    for m in (model, reference):
+        m.blocks[0].mlp.fc.register_forward_pre_hook(traceable_hook(lambda module, args: (args[0] * 2,)))
+    compile_blocks(model, backend="eager")
+    tokens = torch.arange(8).view(2, 4)
+    assert torch.equal(model(tokens), reference(tokens))
