@@ -125,3 +125,14 @@ def bslongformer(heads, blocks, per_head=False, window=3, global_starts=(0,), gl
         if attention == "unidirectional":
             _lower_triangle(head)
     return _finish(grid, heads, per_head)
+
+
+def local_sliding(heads, blocks, window=3, attention="unidirectional") -> torch.Tensor:
+    """Each row keeps the blocks within window // 2 of it, only earlier ones if unidirectional."""
+    grid = _empty(heads, blocks)
+    head = grid[0]
+    for row in range(blocks):
+        for col in range(blocks):
+            if row - window // 2 <= col <= (row if attention == "unidirectional" else row + window // 2):
+                head[row][col] = 1
+    return _finish(grid, heads, False)

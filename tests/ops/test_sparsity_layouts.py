@@ -72,6 +72,14 @@ CASES = [
      lambda: ds.bigbird(4, 23, per_head=True, random_blocks=3, window=5, global_=2)),
     (lambda: BigBirdSparsityConfig(2, block=1, attention="unidirectional"),
      lambda: ds.bigbird(2, 23, attention="unidirectional")),
+    # a global index past the last block is skipped, as DeepSpeed's `idx < num_blocks` does
+    (lambda: BSLongformerSparsityConfig(2, block=1, num_sliding_window_blocks=5, global_block_indices=[3, 30]),
+     lambda: ds.bslongformer(2, 23, window=5, global_starts=[3, 30])),
+    (lambda: VariableSparsityConfig(2, block=1), lambda: ds.variable(2, 23)),
+    (lambda: LocalSlidingWindowSparsityConfig(2, block=1, num_sliding_window_blocks=5),
+     lambda: ds.local_sliding(2, 23, window=5)),
+    (lambda: LocalSlidingWindowSparsityConfig(2, block=1, num_sliding_window_blocks=4, attention="bidirectional"),
+     lambda: ds.local_sliding(2, 23, window=4, attention="bidirectional")),
     (lambda: BSLongformerSparsityConfig(2, block=1, num_sliding_window_blocks=7, global_block_indices=[0, 10],
                                         global_block_end_indices=[2, 30], attention="unidirectional"),
      lambda: ds.bslongformer(2, 23, window=7, global_starts=[0, 10], global_ends=[2, 30], attention="unidirectional")),
@@ -85,6 +93,14 @@ def test_layouts_equal_deepspeeds_algorithm_random_blocks_under_a_fixed_seed(mak
     random.seed(7)
     assert torch.equal(layout, expected())
     assert layout.dtype == torch.int64 and layout.shape[1:] == (23, 23)
+
+
+def test_the_layout_is_over_blocks_of_the_sequence():
+    """block 16 at 368 tokens: the 23 x 23 layout of block 1 at 23 tokens."""
+    random.seed(3)
+    layout = BigBirdSparsityConfig(2, block=16, num_random_blocks=2).make_layout(368)
+    random.seed(3)
+    assert torch.equal(layout, ds.bigbird(2, 23, random_blocks=2))
 
 
 def test_random_layouts_change_with_the_seed_and_repeat_with_it():
