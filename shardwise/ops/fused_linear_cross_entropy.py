@@ -81,7 +81,10 @@ class _FusedLinearCrossEntropy(torch.autograd.Function):
                 continue
             grad = _grad_logits_(log_probs, targets[part], valid[part], all_valid).to(h.dtype)
             torch.mm(grad, weight, out=grad_h[part])
-            grad_w.addmm_(grad.t(), h[part])
+            if grad.dtype == grad_w.dtype:
+                grad_w.addmm_(grad.t(), h[part])
+            else:  # 16-bit products summed in fp32 (addmm_ takes one dtype)
+                grad_w += grad.t() @ h[part]
             if grad_b is not None:
                 grad_b += grad.sum(0)
         # The mean's 1/count is applied once, in backward, to the summed gradients.
