@@ -1,7 +1,7 @@
 """shardwise's 1F1B pipeline beside torch.distributed.pipelining's Schedule1F1B (issue 11).
 
-    .venv/bin/python benchmarks/pipeline.py                 # pp=2 on 2 ranks, CPU/gloo
-    .venv/bin/python benchmarks/pipeline.py --data 2        # pp=2 x dp=2 on 4 ranks
+    .venv/bin/python benchmarks/pipeline.py --deepspeed-python /tmp/dsvenv/bin/python            # pp=2, 2 ranks
+    .venv/bin/python benchmarks/pipeline.py --data 2 --deepspeed-python /tmp/dsvenv/bin/python   # pp=2 x dp=2
 
 Both sides train the same untied GPT (shardwise.models, torch pipelining cannot tie a
 weight across stages), from the same seed, on the same batches, split after the same
@@ -14,9 +14,15 @@ layer, with m micro-batches per step, fp32 and AdamW:
 
 Reported per variant: median step time (the slowest rank's), peak RSS per rank, the final
 loss, and for shardwise the measured bubble (idle share of its schedule) beside the
-formula (p-1)/(m+p-1). DeepSpeed's PipelineModule is not run: no DeepSpeed installation
-exists on this machine (BENCHMARKS.md §2 describes one in /tmp/ds-venv; absent here). The
-machine is shared with other jobs, so timings are noisy: compare within one run.
+formula (p-1)/(m+p-1).
+
+    deepspeed  DeepSpeed's PipelineModule over [embedding, blocks..., final norm + output
+               layer] split uniformly (the same 2 + 2 blocks), its own 1F1B TrainSchedule
+               and data parallelism, `engine.train_batch`; run by torchrun under the
+               interpreter of a DeepSpeed install (--deepspeed-python, the one
+               benchmarks/zero3_vs_fsdp2_deepspeed.py describes), left out if absent.
+
+The machine is shared with other jobs, so timings are noisy: compare within one run.
 """
 
 from __future__ import annotations
@@ -26,7 +32,11 @@ import json
 import os
 import resource
 import statistics
+import subprocess
+import sys
+import tempfile
 import time
+from pathlib import Path
 
 import torch
 import torch.nn.functional as F
@@ -48,7 +58,9 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--data", type=int, default=1, help="data-parallel size (world = 2 x data)")
     parser.add_argument("--steps", type=int, default=5)
     parser.add_argument("--warmup", type=int, default=1)
-    parser.add_argument("--variants", default="torch,shardwise")
+    parser.add_argument("--variants", default="torch,shardwise,deepspeed")
+    parser.add_argument("--deepspeed-python", default=os.environ.get("DEEPSPEED_PYTHON", "/tmp/ds-venv/bin/python"))
+    parser.add_argument("--deepspeed-worker", type=Path, help=argparse.SUPPRESS)  # result directory of a rank
     return parser.parse_args()
 
 
@@ -157,13 +169,84 @@ def run_shardwise(rank: int, world: int, args: argparse.Namespace) -> dict:
             "bubble": statistics.median(bubbles)}
 
 
+class Embedding(nn.Module):
+    def __init__(self, model: GPT):
+        super().__init__()
+        self.wte, self.wpe, self.drop = model.wte, model.wpe, model.drop
+
+    def forward(self, idx: torch.Tensor) -> torch.Tensor:
+        return self.drop(self.wte(idx) + self.wpe(torch.arange(idx.shape[1])))
+
+
+class Head(nn.Module):
+    def __init__(self, model: GPT):
+        super().__init__()
+        self.ln_f, self.lm_head = model.ln_f, model.lm_head
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.lm_head(self.ln_f(x))
+
+
+def deepspeed_rank(args: argparse.Namespace) -> None:
+    """One torchrun rank of the DeepSpeed variant; writes its result beside the others'."""
+    import deepspeed
+    import torch.distributed as dist
+    from deepspeed.pipe import PipelineModule
+
+    torch.set_num_threads(1)
+    deepspeed.init_distributed(dist_backend="gloo")
+    model = build(args)
+    net = PipelineModule(layers=[Embedding(model), *model.blocks, Head(model)], loss_fn=loss_fn, num_stages=2,
+                         partition_method="uniform")
+    config = {"train_micro_batch_size_per_gpu": args.micro_batch, "gradient_accumulation_steps": args.micro_batches,
+              "steps_per_print": 10_000, "zero_optimization": {"stage": 1}}
+    engine, _, _, _ = deepspeed.initialize(model=net, optimizer=torch.optim.AdamW(net.parameters(), lr=1e-4),
+                                           config=config)
+    data_rank = engine.grid.get_data_parallel_rank()
+    times, loss = [], float("nan")
+    for step in range(args.warmup + args.steps):
+        parts = batches(args, step, data_rank)
+        started = time.perf_counter()
+        loss = engine.train_batch(iter(parts)).item()
+        if step >= args.warmup:
+            times.append(time.perf_counter() - started)
+    result = {"times": times, "rss_mib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024, "loss": loss}
+    (args.deepspeed_worker / f"{dist.get_rank()}.json").write_text(json.dumps(result))
+
+
+def run_deepspeed(args: argparse.Namespace, world: int) -> list[dict] | None:
+    """The DeepSpeed variant's per-rank results, or None (said why) when it cannot run."""
+    if not Path(args.deepspeed_python).exists():
+        print(f"deepspeed left out: no interpreter at {args.deepspeed_python}", file=sys.stderr)
+        return None
+    with tempfile.TemporaryDirectory(prefix="pipeline-deepspeed-") as directory:
+        argv = [f"--{name.replace('_', '-')}={value}" for name, value in vars(args).items()
+                if name not in ("variants", "deepspeed_python", "deepspeed_worker")]
+        command = [args.deepspeed_python, "-m", "torch.distributed.run", f"--nproc_per_node={world}",
+                   "--master_port=29533", str(Path(__file__).resolve()), *argv, "--deepspeed-worker", directory]
+        environment = os.environ | {"PYTHONPATH": str(Path(__file__).resolve().parent.parent), "OMP_NUM_THREADS": "1"}
+        done = subprocess.run(command, env=environment, capture_output=True, text=True, timeout=1200)
+        if done.returncode != 0:
+            print(f"deepspeed failed and is left out:\n{done.stderr[-3000:]}", file=sys.stderr)
+            return None
+        return [json.loads((Path(directory) / f"{rank}.json").read_text()) for rank in range(world)]
+
+
 def main() -> None:
     args = parse_args()
+    if args.deepspeed_worker is not None:
+        deepspeed_rank(args)
+        return
     world = 2 * args.data
     summary = {}
     for variant in args.variants.split(","):
-        fn = {"torch": run_torch, "shardwise": run_shardwise}[variant]
-        results = run_distributed(fn, world, args, timeout=1200)
+        if variant == "deepspeed":
+            results = run_deepspeed(args, world)
+            if results is None:
+                continue
+        else:
+            fn = {"torch": run_torch, "shardwise": run_shardwise}[variant]
+            results = run_distributed(fn, world, args, timeout=1200)
         step_times = [max(r["times"][i] for r in results) for i in range(args.steps)]
         summary[variant] = {
             "step_s": round(statistics.median(step_times), 4),
