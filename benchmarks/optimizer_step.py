@@ -5,9 +5,16 @@ same shard, in one run (issue 14, C16-C18).
 
 The shard is the main job's GPT's fp32 parameters (whole, as at ZeRO stage 0 or one
 rank's view of them), with fixed random gradients. Each optimizer takes warm-up steps
-(its state exists, 1-bit ones are past their freeze), then the median of `--repeats`
-timed steps is reported per million parameters, beside torch's AdamW (foreach and fused
-kernels) on the same tensors, with the bytes of optimizer state per parameter.
+(its state exists, 1-bit ones are past their freeze, compiled ones compiled), then the
+median of `--repeats` timed steps is reported per million parameters, beside torch's
+AdamW (foreach and fused kernels) on the same tensors, with the bytes of optimizer state
+per parameter and the wall time of the three warm-up steps (for "(compiled)" rows, mostly
+torch.compile's: long with Inductor's cache cold, seconds with it warm).
+
+Step times are the process's CPU time, not the wall clock: on a shared machine a
+wall-clock step also counts the time other processes held the core (at load 10 on two
+cores, several times the step itself), the CPU time does not (memory-bandwidth contention
+still shows in it).
 
 The 1-bit optimizers run as one rank of two: a loopback group stands in for the peer
 (what this rank sends comes back as the peer's), so the time is the compression,
@@ -62,11 +69,14 @@ def optimizers(lr: float) -> dict[str, Callable[[list[torch.nn.Parameter]], torc
         "torch AdamW (foreach)": lambda p: torch.optim.AdamW(p, lr=lr, foreach=True),
         "torch AdamW (fused)": lambda p: torch.optim.AdamW(p, lr=lr, fused=True),
         "Lamb": lambda p: Lamb(p, lr=lr),
+        "Lamb (compiled)": lambda p: Lamb(p, lr=lr, compile=True),
         "Lars": lambda p: Lars(p, lr=lr, momentum=0.9),
+        "Lars (compiled)": lambda p: Lars(p, lr=lr, momentum=0.9, compile=True),
         "Adafactor": lambda p: Adafactor(p, lr=lr),
         "torch Adafactor": lambda p: torch.optim.Adafactor(p, lr=lr),
         "Adam8bit": lambda p: Adam8bit(p, lr=lr),
         "Muon": lambda p: Muon(p, lr=lr),
+        "Muon (fp32 Newton-Schulz)": lambda p: Muon(p, lr=lr, ns_dtype="float32"),
         "OneBitAdam (warm-up)": onebit(OneBitAdam, freeze_step=10**6),
         "OneBitAdam": onebit(OneBitAdam),
         "OneBitLamb (warm-up)": onebit(OneBitLamb, freeze_step=10**6),
@@ -81,20 +91,25 @@ def state_bytes(optimizer: torch.optim.Optimizer) -> int:
     return total + (exchange() if exchange else 0)
 
 
-def measure(build: Callable, shapes: list[torch.Size], grads: list[torch.Tensor], repeats: int) -> tuple[float, int]:
+def measure(build: Callable, shapes: list[torch.Size], grads: list[torch.Tensor],
+            repeats: int) -> tuple[float, int, float]:
+    """(median CPU seconds per step, state bytes, wall seconds of the three warm-up steps:
+    state created and, for compiled optimizers, their kernels compiled)."""
     torch.manual_seed(0)
     params = [torch.nn.Parameter(torch.randn(shape) * 0.02) for shape in shapes]
     for param, grad in zip(params, grads):
         param.grad = grad.clone()
     optimizer = build(params)
-    for _ in range(3):  # state created; 1-bit optimizers past freeze_step
+    started = time.perf_counter()
+    for _ in range(3):  # state created; 1-bit optimizers past freeze_step; compiled ones compiled
         optimizer.step()
+    warm_up = time.perf_counter() - started
     times = []
     for _ in range(repeats):
-        started = time.perf_counter()
+        started = time.process_time()
         optimizer.step()
-        times.append(time.perf_counter() - started)
-    return statistics.median(times), state_bytes(optimizer)
+        times.append(time.process_time() - started)
+    return statistics.median(times), state_bytes(optimizer), warm_up
 
 
 def main() -> None:
@@ -114,11 +129,11 @@ def main() -> None:
     fused = results["torch AdamW (fused)"][0]
     print(f"{numel / 1e6:.2f}M parameters in {len(shapes)} tensors, fp32, {args.threads} thread(s), "
           f"median of {args.repeats} steps")
-    print("| optimizer | ms per step | ms per M params | vs fused AdamW | state bytes / param |")
-    print("|---|---|---|---|---|")
-    for name, (seconds, nbytes) in results.items():
+    print("| optimizer | ms per step | ms per M params | vs fused AdamW | state bytes / param | warm-up, s |")
+    print("|---|---|---|---|---|---|")
+    for name, (seconds, nbytes, warm_up) in results.items():
         print(f"| {name} | {seconds * 1e3:.1f} | {seconds * 1e3 / (numel / 1e6):.2f} | {seconds / fused:.2f}x | "
-              f"{nbytes / numel:.3f} |")
+              f"{nbytes / numel:.3f} | {warm_up:.1f} |")
 
 
 if __name__ == "__main__":

@@ -6,7 +6,8 @@ Each step dequantises a piece's moments to fp32, takes Adam's step with them exa
 bitsandbytes' CPU code does (the update uses the new, not yet quantised, moments), then
 quantises them again: blocks of 256 elements of the parameter's flattened coordinates,
 one fp32 absmax per block, a signed dynamic code for the first moment and an unsigned one
-for the second (optim/quantization.py). A piece boundary inside a block is handled by
+for the second (optim/quantization.py: the nearest code found by a table lookup on the
+value's top bits, not a binary search). A piece boundary inside a block is handled by
 taking that block's absmax over the shard group (optim/shared_blocks.py), so a
 partitioned run quantises every block exactly as one process does.
 
@@ -23,12 +24,12 @@ reshard like Adam's; a loaded piece keeps fp32 moments until its next step quant
 from __future__ import annotations
 
 import math
-from typing import Any, Iterable
+from typing import Any, Iterable, NamedTuple
 
 import torch
 
 from shardwise.optim.layout import PaddedRows, flat, parameter_shapes, params_with_grad
-from shardwise.optim.quantization import BLOCK, block_absmax, dequantize_piece, quantize
+from shardwise.optim.quantization import BLOCK, Codebook, block_absmax, codebook, dequantize_piece, quantize
 from shardwise.optim.sharded import ShardAwareOptimizer
 from shardwise.optim.shared_blocks import SharedBlocks, partial_blocks
 
@@ -45,7 +46,7 @@ class Adam8bitCodec:
                 elements[key] = state[key]
             else:
                 elements[key] = dequantize_piece(state[f"{key}_codes"], state[f"{key}_absmax"],
-                                                 state["piece_start"], signed)
+                                                 state["piece_start"], codebook(signed).to(state[f"{key}_absmax"].device))
         return elements, {"step": state["step"]}
 
     def decode(self, elements: dict[str, torch.Tensor], scalars: dict[str, Any]) -> dict[str, Any]:
@@ -103,42 +104,48 @@ class Adam8bit(ShardAwareOptimizer):
                 state["exp_avg_sq"] = torch.zeros_like(state["exp_avg"])
             state["piece_start"] = shard.start
             state["step"] += 1
-            exp_avg, exp_avg_sq = self._moments(state)
-            quantised = shard.full_numel >= group["min_8bit_size"]
-            _adam_step(flat(param), flat(param.grad), exp_avg, exp_avg_sq, group, state["step"].item(), quantised)
-            if not quantised:  # fp32 moments (also when min_8bit_size grew since they were quantised)
+            step = state["step"].item()
+            if shard.full_numel < group["min_8bit_size"]:  # fp32 moments (also if min_8bit_size grew)
+                exp_avg, exp_avg_sq = self._moments(state)
+                _adam_step(flat(param), flat(param.grad), exp_avg, exp_avg_sq, _Hyper.of(group, step), quantised=False)
                 for (key, _), moment in zip(MOMENTS, (exp_avg, exp_avg_sq)):
                     state[key] = moment
                     state.pop(f"{key}_codes", None)
                     state.pop(f"{key}_absmax", None)
                 continue
+            exp_avg, exp_avg_sq = self._moments(state)
+            quantised = _step_and_quantise(flat(param), flat(param.grad), exp_avg, exp_avg_sq, shard.start,
+                                           _Hyper.of(group, step), _codebooks(param.device))
             blocks = PaddedRows.of(shard, BLOCK)
-            for k, ((key, signed), moment) in enumerate(zip(MOMENTS, (exp_avg, exp_avg_sq))):
-                rows = blocks.pad(moment)
-                absmax = block_absmax(rows)
-                state[f"{key}_codes"] = blocks.unpad(quantize(rows, absmax, signed)).clone()
+            for k, (key, _) in enumerate(MOMENTS):
+                codes, absmax, edges = quantised[3 * k : 3 * k + 3]
+                state[f"{key}_codes"] = codes if blocks.whole else codes.clone()  # not the padded buffer
                 state[f"{key}_absmax"] = absmax
                 state.pop(key, None)
                 for block in partial_blocks(shard):
                     row = block - blocks.first_row
-                    cut.append(_CutRow(state, k, self._shared.slot(shard.index, block), row, rows[row].clone(), blocks))
+                    values = edges[0 if row == 0 else 1]
+                    cut.append(_CutRow(state, k, self._shared.slot(shard.index, block), row, values, blocks))
         maxima = self._shared.maxima(self, [(c.slot, c.k, c.values) for c in cut], len(MOMENTS), _device(trained))
         for row in cut:
             row.requantise(maxima[row.slot, row.k])
         return loss
 
+    @staticmethod
+    def _coded(state: dict, key: str) -> tuple[torch.Tensor, torch.Tensor]:
+        """A moment's codes (as bytes: torch's load_state_dict casts state to the
+        parameter's dtype) and block scales."""
+        if state[f"{key}_codes"].dtype != torch.uint8:
+            state[f"{key}_codes"] = state[f"{key}_codes"].to(torch.uint8)
+        return state[f"{key}_codes"], state[f"{key}_absmax"]
+
     def _moments(self, state: dict) -> tuple[torch.Tensor, torch.Tensor]:
         """fp32 moments of a piece: the stored ones (fresh, loaded, or a small parameter's),
         else the quantised ones dequantised."""
-        moments = []
-        for key, signed in MOMENTS:
-            if key in state:
-                moments.append(state[key])
-                continue
-            codes = state[f"{key}_codes"]
-            if codes.dtype != torch.uint8:  # torch's load_state_dict casts state to the parameter's dtype
-                codes = state[f"{key}_codes"] = codes.to(torch.uint8)
-            moments.append(dequantize_piece(codes, state[f"{key}_absmax"], state["piece_start"], signed))
+        moments = [state[key] if key in state
+                   else dequantize_piece(*self._coded(state, key), state["piece_start"],
+                                         codebook(signed).to(state[f"{key}_absmax"].device))
+                   for key, signed in MOMENTS]
         return moments[0], moments[1]
 
 
@@ -156,9 +163,14 @@ class _CutRow:
     def requantise(self, absmax: torch.Tensor) -> None:
         key, signed = MOMENTS[self.k]
         absmax = absmax.reshape(1).to(self.values.device)
-        codes = quantize(self.values.unsqueeze(0), absmax, signed)[0]
+        codes = quantize(self.values.unsqueeze(0), absmax, codebook(signed).to(absmax.device))[0]
         self.state[f"{key}_codes"][self.in_piece] = codes[self.in_row]
         self.state[f"{key}_absmax"][self.row] = absmax[0]
+
+
+def _codebooks(device: torch.device) -> tuple[Codebook, Codebook]:
+    """The first moment's (signed) and the second's (unsigned) codebooks, on `device`."""
+    return codebook(True).to(device), codebook(False).to(device)
 
 
 def _device(trained: list[tuple[torch.Tensor, dict]]) -> torch.device:
@@ -173,16 +185,47 @@ class AdamW8bit(Adam8bit):
         super().__init__(params, lr, betas, eps, weight_decay, min_8bit_size)
 
 
+class _Hyper(NamedTuple):
+    """A step's scalars."""
+
+    lr: float
+    beta1: float
+    beta2: float
+    eps: float
+    decay: float
+    correction1: float  # 1 - beta1^t
+    correction2: float  # sqrt(1 - beta2^t)
+
+    @classmethod
+    def of(cls, group: dict, step: float) -> "_Hyper":
+        beta1, beta2 = group["betas"]
+        return cls(group["lr"], beta1, beta2, group["eps"], group["weight_decay"],
+                   1.0 - beta1**step, math.sqrt(1.0 - beta2**step))
+
+
+def _step_and_quantise(param: torch.Tensor, grad: torch.Tensor, exp_avg: torch.Tensor, exp_avg_sq: torch.Tensor,
+                       start: int, hyper: _Hyper, books: tuple[Codebook, Codebook]) -> tuple[torch.Tensor, ...]:
+    """Adam's step on fp32 moments of the piece [start, start + numel), then per moment:
+    its codes (padded rows, or the piece's own when it is whole rows), its block scales
+    from this piece alone, and its first and last padded rows in fp32 (a block cut by a
+    piece boundary is quantised again from them once its whole absmax is known)."""
+    _adam_step(param, grad, exp_avg, exp_avg_sq, hyper, quantised=True)
+    blocks = PaddedRows(start, param.numel(), BLOCK)
+    result: list[torch.Tensor] = []
+    for book, moment in zip(books, (exp_avg, exp_avg_sq)):
+        rows = blocks.pad(moment)
+        absmax = block_absmax(rows)
+        result += [blocks.unpad(quantize(rows, absmax, book)), absmax, torch.stack([rows[0], rows[-1]])]
+    return tuple(result)
+
+
 def _adam_step(param: torch.Tensor, grad: torch.Tensor, exp_avg: torch.Tensor, exp_avg_sq: torch.Tensor,
-               group: dict, step: float, quantised: bool) -> None:
+               hyper: _Hyper, quantised: bool) -> None:
     """bitsandbytes' arithmetic: its 8-bit blockwise update when `quantised`, its 32-bit
     update otherwise (the same mathematics, rounded differently)."""
-    beta1, beta2 = group["betas"]
-    lr, eps, decay = group["lr"], group["eps"], group["weight_decay"]
+    lr, beta1, beta2, eps, decay, correction1, correction2 = hyper
     exp_avg.mul_(beta1).add_(grad, alpha=1.0 - beta1)
     exp_avg_sq.mul_(beta2).addcmul_(grad, grad, value=1.0 - beta2)
-    correction1 = 1.0 - beta1**step
-    correction2 = math.sqrt(1.0 - beta2**step)
     if decay > 0.0:
         param.mul_(1.0 - lr * decay)
     if quantised:

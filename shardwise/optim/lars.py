@@ -19,6 +19,10 @@ BYOL and VISSL exclude them). Set it False for the paper's rule.
 
 Under ZeRO the two norms are of whole parameters: the pieces' squared norms are summed
 over the shard group in one small reduction (optim/sharded.py).
+
+Speed: multi-tensor (foreach) kernels by default; `compile=True` (optim/compiled.py)
+makes the step after the norms one compiled loop per tensor (decay, trust ratio,
+momentum and weight update in one pass), once the momentum buffers exist.
 """
 
 from __future__ import annotations
@@ -27,6 +31,7 @@ from typing import Iterable
 
 import torch
 
+from shardwise.optim.compiled import kernel
 from shardwise.optim.layout import params_with_grad
 from shardwise.optim.sharded import ShardAwareOptimizer
 
@@ -43,6 +48,7 @@ class Lars(ShardAwareOptimizer):
         trust_coefficient: float = 0.001,
         eps: float = 1e-8,
         exclude_vectors: bool = True,
+        compile: bool = False,
     ):
         if min(lr, momentum, weight_decay, trust_coefficient, eps) < 0:
             raise ValueError(f"lr {lr}, momentum {momentum}, weight_decay {weight_decay}, trust_coefficient "
@@ -50,7 +56,7 @@ class Lars(ShardAwareOptimizer):
         if nesterov and (momentum <= 0 or dampening != 0):
             raise ValueError(f"nesterov needs momentum > 0 and dampening 0, got {momentum} and {dampening}")
         defaults = dict(lr=lr, momentum=momentum, dampening=dampening, weight_decay=weight_decay, nesterov=nesterov,
-                        trust_coefficient=trust_coefficient, eps=eps, exclude_vectors=exclude_vectors)
+                        trust_coefficient=trust_coefficient, eps=eps, exclude_vectors=exclude_vectors, compile=compile)
         super().__init__(params, defaults)
         self.last_trust_ratios: torch.Tensor | None = None  # per parameter, for logging
 
@@ -67,20 +73,31 @@ class Lars(ShardAwareOptimizer):
             params = [p for p in group["params"] if p.grad is not None]
             if not params:
                 continue
-            ratios = []
-            for param in params:
-                shard = self.shard_of(param)
-                ratio = 1.0
-                if not (group["exclude_vectors"] and len(shard.shape) < 2):
-                    ratio = _trust_ratio(norms[shard.index, 0].item(), norms[shard.index, 1].item(), group)
-                self.last_trust_ratios[shard.index] = ratio
-                ratios.append(ratio)
+            ratios = self._trust_ratios(params, norms, group)
+            started = all("momentum_buffer" in self.state[p] for p in params)
+            if group.get("compile", False) and (started or group["momentum"] == 0):  # optim/compiled.py
+                self._compiled_step(params, ratios, group)
+                continue
             directions = torch._foreach_add([p.grad for p in params], params, alpha=group["weight_decay"])
             torch._foreach_mul_(directions, ratios)
             if group["momentum"] > 0:
                 directions = self._momentum(params, directions, group)
             torch._foreach_add_(params, directions, alpha=-group["lr"])
         return loss
+
+    def _trust_ratios(self, params: list[torch.Tensor], norms: torch.Tensor, group: dict) -> list[float]:
+        """Per parameter: its trust ratio (1 for vectors when they are excluded), also
+        recorded in `last_trust_ratios`."""
+        index = torch.tensor([self.shard_of(p).index for p in params])
+        weight_norm, grad_norm = norms[index, 0], norms[index, 1]
+        decay, eps = group["weight_decay"], group["eps"]
+        ratios = group["trust_coefficient"] * weight_norm / (grad_norm + decay * weight_norm + eps)
+        adapted = (weight_norm != 0) & (grad_norm != 0)
+        if group["exclude_vectors"]:
+            adapted &= torch.tensor([len(self.shard_of(p).shape) >= 2 for p in params])
+        ratios = torch.where(adapted, ratios, 1.0)
+        self.last_trust_ratios[index] = ratios
+        return ratios.tolist()
 
     def _momentum(self, params: list[torch.Tensor], directions: list[torch.Tensor], group: dict) -> list[torch.Tensor]:
         """torch.optim.SGD's momentum: the buffer starts as the first direction."""
@@ -89,16 +106,40 @@ class Lars(ShardAwareOptimizer):
             state = self.state[param]
             if "momentum_buffer" not in state:
                 state["momentum_buffer"] = direction.clone()
+                buffers.append(None)
             else:
-                state["momentum_buffer"].mul_(group["momentum"]).add_(direction, alpha=1 - group["dampening"])
-            buffers.append(state["momentum_buffer"])
+                buffers.append(state["momentum_buffer"])
+        started = [(b, d) for b, d in zip(buffers, directions) if b is not None]
+        if started:
+            torch._foreach_mul_([b for b, _ in started], group["momentum"])
+            torch._foreach_add_([b for b, _ in started], [d for _, d in started], alpha=1 - group["dampening"])
+        buffers = [self.state[param]["momentum_buffer"] for param in params]
         if group["nesterov"]:
             torch._foreach_add_(directions, buffers, alpha=group["momentum"])
             return directions
         return buffers
 
+    def _compiled_step(self, params: list[torch.Tensor], ratios: list[float], group: dict) -> None:
+        """The same step, one compiled loop per tensor (momentum buffers already exist)."""
+        step = _momentum_step if group["momentum"] > 0 else _plain_step
+        lr = torch.tensor(group["lr"], dtype=torch.float64)
+        constants = (group["weight_decay"], group["momentum"], group["dampening"], group["nesterov"])
+        for param, ratio in zip(params, ratios):
+            buffer = self.state[param].get("momentum_buffer", param)  # unused without momentum
+            ratio = torch.tensor(ratio, dtype=torch.float64)
+            # detached: Dynamo would compile for each nn.Parameter's shape
+            kernel(step, True, param)(param.detach(), param.grad, buffer, ratio, lr, *constants)
 
-def _trust_ratio(weight_norm: float, grad_norm: float, group: dict) -> float:
-    if weight_norm == 0 or grad_norm == 0:
-        return 1.0
-    return group["trust_coefficient"] * weight_norm / (grad_norm + group["weight_decay"] * weight_norm + group["eps"])
+
+def _momentum_step(param: torch.Tensor, grad: torch.Tensor, buffer: torch.Tensor, ratio: torch.Tensor,
+                   lr: torch.Tensor, weight_decay: float, momentum: float, dampening: float, nesterov: bool) -> None:
+    """`Lars.step`'s arithmetic for one tensor whose momentum buffer exists (compiled)."""
+    direction = (grad + weight_decay * param) * ratio
+    buffer.mul_(momentum).add_(direction, alpha=1 - dampening)
+    param.sub_((direction + momentum * buffer if nesterov else buffer) * lr)
+
+
+def _plain_step(param: torch.Tensor, grad: torch.Tensor, buffer: torch.Tensor, ratio: torch.Tensor,
+                lr: torch.Tensor, weight_decay: float, momentum: float, dampening: float, nesterov: bool) -> None:
+    """`Lars.step`'s arithmetic for one tensor without momentum (compiled)."""
+    param.sub_((grad + weight_decay * param) * ratio * lr)

@@ -14,7 +14,6 @@ rank's partial contribution and the zeros add nothing.
 
 from __future__ import annotations
 
-import math
 from typing import Iterator
 
 import torch
@@ -73,14 +72,22 @@ class PaddedRows:
         self.start, self.numel, self.width = start, numel, width
         self.first_row = start // width
         self.offset = start - self.first_row * width
-        self.rows = math.ceil((self.offset + numel) / width) if numel else 0
+        self.rows = -(-(self.offset + numel) // width) if numel else 0  # integer ceil: traceable
 
     @classmethod
     def of(cls, shard: ParameterShard, width: int) -> "PaddedRows":
         return cls(shard.start, shard.numel, width)
 
+    @property
+    def whole(self) -> bool:
+        """The piece is whole rows: padding adds nothing."""
+        return self.offset == 0 and self.numel == self.rows * self.width
+
     def pad(self, values: torch.Tensor) -> torch.Tensor:
-        """`values` (the piece, flattened) in its rows: a (rows, width) tensor, zeros elsewhere."""
+        """`values` (the piece, flattened) in its rows: a (rows, width) tensor, zeros
+        elsewhere; a view of `values` when the piece is whole rows (not to be written)."""
+        if self.whole:
+            return flat(values).view(self.rows, self.width)
         buffer = values.new_zeros(self.rows * self.width)
         buffer[self.offset : self.offset + self.numel] = flat(values)
         return buffer.view(self.rows, self.width)

@@ -8,7 +8,9 @@ Matrices (torch.optim.Muon's update, operation for operation):
     u = g + momentum · (B − g) if nesterov else B
     O = NS(u): five quintic Newton-Schulz iterations in bfloat16 (≈ the nearest
         semi-orthogonal matrix), after dividing u by max(||u||_F, ns_eps)
-        (`ns_dtype` "float32" runs them in fp32, as DeepSpeed does without bf16 support)
+        (`ns_dtype` "float32" runs them in fp32, as DeepSpeed does without bf16 support;
+        bfloat16 stays the default on CPUs too: with AVX512-BF16, as here, its matrix
+        products are about twice as fast as fp32's, BENCHMARKS.md)
     w <- w (1 − lr · weight_decay) − lr' · O,  lr' = lr · √max(1, rows/cols)
         ("original") or 0.2 · lr · √max(rows, cols) ("match_rms_adamw")
 

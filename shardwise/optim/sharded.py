@@ -93,9 +93,26 @@ class ShardAwareOptimizer(torch.optim.Optimizer):
         """Whole-parameter L2 norms, several kinds at once: each column lists (param, value)
         pairs; the result's [i, k] is the norm of column k's values over every piece of
         parameter i. One reduction for all parameters and columns."""
-        device = next((value.device for column in columns for _, value in column), torch.device("cpu"))
-        squares = torch.zeros(self.parameter_count, len(columns), dtype=torch.float64, device=device)
-        for k, column in enumerate(columns):
-            for param, value in column:
-                squares[self.shard_of(param).index, k] += torch.linalg.vector_norm(value, dtype=torch.float64).square()
-        return self.sum_over_shards(squares).sqrt()
+        params = [param for param, _ in columns[0]] if columns else []
+        if any([param for param, _ in column] != params for column in columns):
+            raise ValueError("parameter_norms: every column must list the same parameters in the same order")
+        return self.parameter_norms_of_squares(params, piece_squares(*[[v for _, v in c] for c in columns]))
+
+    def parameter_norms_of_squares(self, params: list[torch.Tensor], squares: torch.Tensor) -> torch.Tensor:
+        """As `parameter_norms`, from each piece's squared norms ((pieces, kinds), computed
+        by the caller, e.g. in the same compiled loop as its update)."""
+        device = squares.device if params else torch.device("cpu")
+        total = torch.zeros(self.parameter_count, squares.size(1), dtype=torch.float64, device=device)
+        if params:
+            index = torch.tensor([self.shard_of(param).index for param in params], device=device)
+            total.index_add_(0, index, squares.to(torch.float64))
+        return self.sum_over_shards(total).sqrt()
+
+
+def piece_squares(*columns: list[torch.Tensor]) -> torch.Tensor:
+    """(pieces, columns) float64 squared L2 norms: one multi-tensor kernel per column in the
+    values' dtype (asking it for float64 would copy every tensor first), squared in float64."""
+    if not columns or not columns[0]:
+        return torch.zeros(0, len(columns), dtype=torch.float64)
+    norms = torch.stack([torch.stack(torch._foreach_norm(column)) for column in columns], 1)
+    return norms.double().square_()

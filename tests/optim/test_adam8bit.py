@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from shardwise.optim.adam8bit import Adam8bit, AdamW8bit
-from shardwise.optim.quantization import BLOCK, dynamic_code, quantize
+from shardwise.optim.quantization import BLOCK, codebook, dynamic_code, quantize
 from shardwise.planner.formulas import adam_8bit_state_bytes
 from shardwise.testing import run_distributed
 from tests.optim.pieces import train_in_pieces, train_whole
@@ -52,7 +52,23 @@ def test_dynamic_codes_and_nearest_rounding():
         absmax = data.abs().amax(dim=1)
         scaled = data * absmax.reciprocal().unsqueeze(1)
         nearest = (scaled.unsqueeze(-1) - code).abs().argmin(dim=-1)
-        assert torch.equal(quantize(data, absmax, signed_code).long(), nearest)
+        assert torch.equal(quantize(data, absmax, codebook(signed_code)).long(), nearest)
+
+
+def test_rounding_table_equals_a_binary_search_at_every_midpoint():
+    """The table lookup against torch.bucketize where it is hardest: at each midpoint
+    between two code values (a tie goes to the smaller code), one ulp either side, the
+    code values themselves, zeros, denormals, values past 1, infinities and NaN."""
+    for signed in (True, False):
+        code = dynamic_code(signed)
+        midpoints = (code[:-1] + code[1:]) / 2
+        specials = torch.tensor([0.0, -0.0, 1e-45, -1e-45, 1e-30, 1.0000001, -1.0000001, 3.0, -3.0,
+                                 float("inf"), -float("inf"), float("nan")])
+        values = torch.cat([midpoints, torch.nextafter(midpoints, torch.tensor(2.0)),
+                            torch.nextafter(midpoints, torch.tensor(-2.0)), code, specials,
+                            torch.randn(100_000) * torch.rand(100_000) ** 8])
+        codes = quantize(values.view(1, -1), torch.ones(1), codebook(signed)).view(-1)
+        assert torch.equal(codes, torch.bucketize(values, midpoints).to(torch.uint8))
 
 
 @pytest.mark.parametrize("boundaries", [[500, 700, 1500], [100, 2000], [2200, 2300, 2400]])
