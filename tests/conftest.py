@@ -7,6 +7,8 @@ in that folder's own conftest.py; helpers for multi-rank tests live in `shardwis
 
 import os
 
+import pytest
+
 # Variables through which a launcher tells a process it is one rank of a job. Inherited
 # from a shell that ran under torchrun, they would make single-process tests try to join a
 # job that does not exist. `run_distributed` sets its own for each rank it starts.
@@ -32,3 +34,16 @@ LAUNCHER_VARIABLES = (
 def pytest_configure(config):
     for name in LAUNCHER_VARIABLES:
         os.environ.pop(name, None)
+    config.addinivalue_line("markers", "slow: extra variants of a capability whose equivalence test runs by "
+                                       "default (more stages, Inductor); run with -m slow or SHARDWISE_SLOW_TESTS=1")
+
+
+def pytest_collection_modifyitems(config, items):
+    """`slow` tests are skipped unless asked for. Every capability keeps an equivalence
+    test that runs by default; `slow` marks only further variants of it."""
+    if os.environ.get("SHARDWISE_SLOW_TESTS") == "1" or "slow" in (config.option.markexpr or ""):
+        return
+    skip = pytest.mark.skip(reason="slow: run with -m slow or SHARDWISE_SLOW_TESTS=1")
+    for item in items:
+        if "slow" in item.keywords:
+            item.add_marker(skip)

@@ -65,11 +65,9 @@ class _Region:
         return output
 
     def follower(self, index: int) -> Callable[..., Any]:
-        original = self.originals[index]
-
         def forward(*args: Any, **kwargs: Any) -> Any:
             if self.running or self.pass_through == 0:
-                return original(*args, **kwargs)
+                return self.originals[index](*args, **kwargs)  # looked up now: compile may replace it
             self.pass_through -= 1
             hidden = args[0] if args else kwargs["hidden_states"]
             return hidden if self.rest is None else (hidden, *self.rest)

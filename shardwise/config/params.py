@@ -72,6 +72,7 @@ class LambParams(Section):
     max_coeff: Float = Field(10.0, ge=0)
     min_coeff: Float = Field(0.01, ge=0)
     amsgrad: Bool = False
+    compile: Bool = Field(False, description="torch.compile the step's per-tensor loops (optim/compiled.py)")
 
     @field_validator("betas")
     @classmethod
@@ -104,6 +105,7 @@ class LarsParams(Section):
     eps: Float = Field(1e-8, ge=0)
     exclude_vectors: Bool = Field(
         True, description="parameters with fewer than 2 dimensions (biases, norms) take trust ratio 1")
+    compile: Bool = Field(False, description="torch.compile the step's per-tensor loops (optim/compiled.py)")
 
     @model_validator(mode="after")
     def _nesterov_needs_momentum(self) -> "LarsParams":

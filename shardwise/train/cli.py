@@ -57,7 +57,7 @@ examples:
   shardwise train --stage 2 --steps 50 --bf16
   shardwise train --model-size 1m --nproc 4 --profile
   shardwise train --config ds_config.json          a DeepSpeed config laid over the defaults
-  shardwise train --optimizer onebitadam           1-bit Adam (ZeRO stage 0, warm-up 20% of the steps)
+  shardwise train --optimizer onebitadam           1-bit Adam (ZeRO stage 2, warm-up 20% of the steps)
   shardwise train --activation-checkpointing full  recompute every layer; activation bytes vs the formulas
   shardwise train --compare-stages                 stages 0-3 side by side: zero_stages.png
 Results go to OUT_DIR/NAME/: metrics.jsonl, loss.png, memory.png, TensorBoard events,
@@ -97,7 +97,7 @@ def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParse
                         "a config's \"auto\" learning rates")
     parser.add_argument("--optimizer", choices=OPTIMIZER_NAMES, default=None,
                         help="optimizer, with settings for this job (default: the config's, else adamw); "
-                        f"{' and '.join(ONEBIT_OPTIMIZERS)} run at ZeRO stage 0 unless --stage or the config says "
+                        f"{' and '.join(ONEBIT_OPTIMIZERS)} run at ZeRO stage 2 (they support 0-2) unless --stage or the config says "
                         "otherwise")
     parser.add_argument("--activation-checkpointing", choices=RECOMPUTE_POLICIES, default=None, metavar="POLICY",
                         help="recomputation policy: " + ", ".join(RECOMPUTE_POLICIES) + " (config: "
@@ -191,7 +191,7 @@ def prepare_run(args: argparse.Namespace) -> tuple[TrainOptions, int]:
     optimizer = optimizer_block(args.optimizer, steps) if args.optimizer else None
     stage = args.stage
     if stage is None and args.optimizer in ONEBIT_OPTIMIZERS and "stage" not in user_config.get("zero_optimization", {}):
-        stage = 0  # the 1-bit optimizers exchange the whole model's momentum themselves
+        stage = 2  # the highest stage the 1-bit optimizers support (optim/onebit.py: why not 3)
     config = apply_flags(merge_config(default_config(steps), user_config), stage, args.bf16, seed, args.lr,
                          args.compile, optimizer, args.activation_checkpointing)
     config = fill_auto(config, auto_values(steps, args.lr))

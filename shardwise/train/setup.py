@@ -61,6 +61,7 @@ def run_shape(engine: Engine, num_params: int) -> RunShape:
         optimizer_state_bytes=optimizer_state_bytes(optimizer.type if optimizer else "AdamW", dtype, momentum),
         persistent_params=engine.persistent_numel(),
         accumulation_steps=engine.gradient_accumulation_steps,
+        optimizer_type=optimizer.type if optimizer else "AdamW",
     )
 
 

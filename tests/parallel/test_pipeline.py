@@ -153,7 +153,6 @@ def test_pp2_dp2_with_zero(stage):
         assert result["comm_by_group"][0]["shard"]["reduce_scatter"] > 0
 
 
-@pytest.mark.slow
 def test_dp2_tp2_pp2_on_eight_processes():
     """Tensor parallelism inside each stage, ZeRO-1 over the data-parallel pair."""
     case = PipeCase(tensor=2, stage=1, optimizer="sgd", lr=0.05)

@@ -29,6 +29,7 @@ from __future__ import annotations
 import torch
 
 from shardwise.distributed.collectives import Communicator
+from shardwise.ops.region_collectives import apply_region, register_region_functions
 from shardwise.parallel.tensor.sequence_gather import mark_gathered
 
 SEQUENCE_DIM = 1
@@ -152,36 +153,40 @@ class _JoinSequence(torch.autograd.Function):
         return _own_chunk(grad, ctx.comm, SEQUENCE_DIM, "gradient of the joined sequence"), None
 
 
+register_region_functions(_CopyToRegion, _ReduceFromRegion, _GatherFromRegion, _ScatterToRegion, _GatherSequence,
+                          _ReduceScatterSequence, _SplitSequence, _JoinSequence)  # traceable when compiled
+
+
 def copy_to_region(x: torch.Tensor, comm: Communicator) -> torch.Tensor:
-    return _CopyToRegion.apply(x, comm) if comm.size > 1 else x
+    return apply_region("_CopyToRegion", x, comm) if comm.size > 1 else x
 
 
 def reduce_from_region(x: torch.Tensor, comm: Communicator) -> torch.Tensor:
-    return _ReduceFromRegion.apply(x, comm) if comm.size > 1 else x
+    return apply_region("_ReduceFromRegion", x, comm) if comm.size > 1 else x
 
 
 def gather_from_region(x: torch.Tensor, comm: Communicator) -> torch.Tensor:
-    return _GatherFromRegion.apply(x, comm) if comm.size > 1 else x
+    return apply_region("_GatherFromRegion", x, comm) if comm.size > 1 else x
 
 
 def scatter_to_region(x: torch.Tensor, comm: Communicator) -> torch.Tensor:
-    return _ScatterToRegion.apply(x, comm) if comm.size > 1 else x
+    return apply_region("_ScatterToRegion", x, comm) if comm.size > 1 else x
 
 
 def gather_sequence(x: torch.Tensor, comm: Communicator) -> torch.Tensor:
-    return _GatherSequence.apply(x, comm) if comm.size > 1 else x
+    return apply_region("_GatherSequence", x, comm) if comm.size > 1 else x
 
 
 def reduce_scatter_sequence(x: torch.Tensor, comm: Communicator) -> torch.Tensor:
-    return _ReduceScatterSequence.apply(x, comm) if comm.size > 1 else x
+    return apply_region("_ReduceScatterSequence", x, comm) if comm.size > 1 else x
 
 
 def split_sequence(x: torch.Tensor, comm: Communicator) -> torch.Tensor:
-    return _SplitSequence.apply(x, comm) if comm.size > 1 else x
+    return apply_region("_SplitSequence", x, comm) if comm.size > 1 else x
 
 
 def join_sequence(x: torch.Tensor, comm: Communicator) -> torch.Tensor:
-    return _JoinSequence.apply(x, comm) if comm.size > 1 else x
+    return apply_region("_JoinSequence", x, comm) if comm.size > 1 else x
 
 
 def enter_region(x: torch.Tensor, comm: Communicator, sequence_parallel: bool) -> torch.Tensor:

@@ -32,6 +32,7 @@ from shardwise.parallel.tensor.layers import (
     VocabParallelEmbedding,
     VocabParallelHead,
 )
+from shardwise.parallel.compile import traceable_hook
 from shardwise.parallel.tensor.regions import enter_region
 
 Style = Callable[[nn.Module, TensorRegion, ShardCache], nn.Module]
@@ -50,7 +51,7 @@ def _region_input(module: nn.Module, region: TensorRegion, cache: ShardCache) ->
             raise TypeError(f"{type(_module).__name__}: no hidden_states input to enter the tensor region with")
         return args, kwargs
 
-    module.register_forward_pre_hook(enter, with_kwargs=True)
+    module.register_forward_pre_hook(traceable_hook(enter), with_kwargs=True)  # compiled with its block
     return module
 
 
