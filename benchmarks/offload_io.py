@@ -6,6 +6,8 @@
    pieces, as the host tier runs it. Bytes touched per element: read parameter, gradient
    and both moments (16), write parameter and moments (12). Compared with the memory
    bandwidth measured on the same machine by copying a large buffer (read + write).
+   When `deepspeed` imports (a separate environment with DeepSpeed's CPU Adam built,
+   `DS_BUILD_CPU_ADAM=1`; see BENCHMARKS.md), DeepSpeedCPUAdam runs the same step beside it.
 2. NVMe: the swap file's paging bandwidth (write then read every page, as the optimizer
    phase does) against the disk's sequential direct-I/O bandwidth measured with `dd
    oflag=direct` / `iflag=direct` on the same path.
@@ -32,7 +34,7 @@ REPO = SCRIPT.parent.parent
 GB = 1e9
 
 
-def memory_bandwidth(elements: int, repeats: int = 5) -> float:
+def memory_bandwidth(elements: int, repeats: int = 10) -> float:
     source = torch.randn(elements)
     target = torch.empty_like(source)
     target.copy_(source)
@@ -40,13 +42,29 @@ def memory_bandwidth(elements: int, repeats: int = 5) -> float:
     return 2 * source.numel() * 4 / best  # read + write
 
 
-def optimizer_bandwidth(elements: int, sub_group_size: int, repeats: int = 5) -> tuple[float, float]:
+def optimizer_bandwidth(elements: int, sub_group_size: int, repeats: int = 10) -> tuple[float, float]:
     params = torch.nn.Parameter(torch.randn(elements))
     params.grad = torch.randn(elements)
     pieces = [torch.nn.Parameter(piece) for piece in params.detach().split(sub_group_size)]
     for piece, grad in zip(pieces, params.grad.split(sub_group_size)):
         piece.grad = grad
     optimizer = torch.optim.AdamW(pieces, lr=1e-4, fused=True)
+    optimizer.step()  # creates the state
+    seconds = min(_timed(optimizer.step) for _ in range(repeats))
+    return 28 * elements / seconds, seconds
+
+
+def deepspeed_bandwidth(elements: int, sub_group_size: int, repeats: int = 10) -> tuple[float, float] | None:
+    """DeepSpeed's CPU Adam (AdamW mode) over the same pieces, or None where it is not installed."""
+    try:
+        from deepspeed.ops.adam import DeepSpeedCPUAdam
+    except ImportError:
+        return None
+    params = torch.randn(elements)
+    pieces = [torch.nn.Parameter(piece) for piece in params.split(sub_group_size)]
+    for piece in pieces:
+        piece.grad = torch.randn_like(piece)
+    optimizer = DeepSpeedCPUAdam(pieces, lr=1e-4, adamw_mode=True)
     optimizer.step()  # creates the state
     seconds = min(_timed(optimizer.step) for _ in range(repeats))
     return 28 * elements / seconds, seconds
@@ -71,7 +89,7 @@ def _dd(command: list[str]) -> float:
 def swap_bandwidth(path: Path, megabytes: int, page_elements: int) -> tuple[float, float]:
     from shardwise.offload.swap import SwapFile
 
-    swap = SwapFile(path, rank=0, threads=1)
+    swap = SwapFile(path, rank=0, threads=1, queue_depth=8)  # DeepSpeed's aio defaults, as the engine's
     regions = [swap.region(page_elements, torch.float32) for _ in range(megabytes * 2**20 // (4 * page_elements))]
     swap.reserve()
     for region in regions:
@@ -100,7 +118,8 @@ def rss_worker(preset: str, device: str, nvme_path: str) -> None:
     model = GPT(GPTConfig.preset(preset))
     offload = {"device": device, "nvme_path": nvme_path} if device != "none" else {"device": "none"}
     config = {"train_micro_batch_size_per_gpu": 1, "optimizer": {"type": "AdamW", "params": {"lr": 1e-4}},
-              "zero_optimization": {"stage": 2, "offload_optimizer": offload, "sub_group_size": 10_000_000}}
+              # 1M-element sub-groups: at most three 12 MB pages in memory (master + two moments)
+              "zero_optimization": {"stage": 2, "offload_optimizer": offload, "sub_group_size": 1_000_000}}
     engine = shardwise.initialize(model, config)
     tokens = torch.randint(0, 256, (1, 129))
     for _ in range(3):
@@ -138,6 +157,10 @@ def main() -> None:
         optimizer, seconds = optimizer_bandwidth(args.elements, args.sub_group_size)
         print(f"| CPU optimizer step (fused AdamW, {args.elements:,} fp32 elements) | {seconds:.3f} s | "
               f"{optimizer / GB:.1f} GB/s | memory copy {memory / GB:.1f} GB/s | {optimizer / memory:.0%} |")
+        deepspeed = deepspeed_bandwidth(args.elements, args.sub_group_size)
+        if deepspeed is not None:
+            print(f"| DeepSpeedCPUAdam step (same elements) | {deepspeed[1]:.3f} s | {deepspeed[0] / GB:.1f} GB/s | "
+                  f"memory copy {memory / GB:.1f} GB/s | {deepspeed[0] / memory:.0%} |")
         dd_write, dd_read = dd_bandwidth(path, args.megabytes)
         swap_write, swap_read = swap_bandwidth(path, args.megabytes, args.sub_group_size // 4)
         print(f"| NVMe write (swap file vs dd oflag=direct) | {swap_write / GB:.2f} GB/s | {dd_write / GB:.2f} GB/s | "

@@ -246,8 +246,6 @@ RULES: dict[str, dict[str, KeyRule]] = {
         "pipeline_write": Accepted("shardwise always writes the previous sub-group behind"),
     },
     "zero_optimization.offload_param": {
-        "buffer_size": Accepted("sizes DeepSpeed's NVMe parameter buffers; shardwise pages each unit's shard "
-                                "through a page of its own, given back after the gather"),
         "max_in_cpu": Accepted("the size of DeepSpeed's host cache of NVMe parameters; shardwise keeps no "
                                "cache (a shard is read at each gather)"),
     },

@@ -84,9 +84,12 @@ class OffloadOptimizerConfig(OffloadConfig):
 
 
 class OffloadParamConfig(OffloadConfig):
-    """Parameter offload (stage 3), whose NVMe buffer pool DeepSpeed sizes at 5 by default."""
+    """Parameter offload (stage 3), whose NVMe buffer pool DeepSpeed sizes at 5 by default.
+    With NVMe, at most `buffer_count` x `buffer_size` elements of shards are in host
+    memory at once (offload/param_home.py); a buffer must hold the largest shard."""
 
     buffer_count: Int = Field(5, ge=0)
+    buffer_size: Int = Field(100_000_000, ge=1)
 
 
 class ZeroConfig(Section):

@@ -23,7 +23,7 @@ import torch
 
 from shardwise.accounting import MemoryLedger, tensor_bytes
 from shardwise.zero.layout import FlatUnit
-from shardwise.zero.shard_store import ShardStore, copy_into_flat
+from shardwise.zero.shard_store import ShardStore
 from shardwise.zero.strategy import ParameterStrategy
 
 HOST = torch.device("cpu")
@@ -54,6 +54,23 @@ def host_gradients(units: list[FlatUnit], chunk: int, keeps_full_gradients: bool
     return HostGradients(partition_flat, list(torch.split(partition_flat, sizes)), full_flat, full)
 
 
+def masters_from_chunks(units: list[FlatUnit], strategy: ParameterStrategy,
+                        pin: bool) -> tuple[torch.Tensor, list[torch.Tensor]]:
+    """fp32 host copies of this rank's parameter chunks, one unit at a time (a paging
+    parameter home keeps only a few chunks in memory at once)."""
+    sizes = [unit.chunk_numel for unit in units]
+    flat = torch.empty(sum(sizes), dtype=torch.float32, device=HOST, pin_memory=pin)
+    views = list(torch.split(flat, sizes))
+    for unit, view in zip(units, views):
+        view.copy_(strategy.owned_chunk(unit))
+    return flat, views
+
+
+def training_device(units: list[FlatUnit], strategy: ParameterStrategy) -> torch.device:
+    """Where the model computes: stages 0-1 accumulate their full gradients there."""
+    return strategy.owned_chunk(units[0]).device
+
+
 class HostShardStore(ShardStore):
     tier = "host"
     state_tier = "host"
@@ -70,15 +87,15 @@ class HostShardStore(ShardStore):
         per_parameter: bool = False,
         pin_memory: bool = False,
     ):
-        param_chunks = [strategy.owned_chunk(unit) for unit in units]
         pin = pin_memory and torch.cuda.is_available()
         # an optimizer on the host needs its own fp32 copy, whatever the training dtype
-        self.master_flat, masters = copy_into_flat(param_chunks, torch.float32, HOST, pin)
-        gradients = host_gradients(units, chunk, keeps_full_gradients, grad_dtype, param_chunks[0].device,
+        self.master_flat, masters = masters_from_chunks(units, strategy, pin)
+        gradients = host_gradients(units, chunk, keeps_full_gradients, grad_dtype, training_device(units, strategy),
                                    ledger, pin_memory)
         self.grad_flat, self.full_flat = gradients.partition_flat, gradients.full_flat
-        self._organise(units, chunk, param_chunks, masters, gradients.full, gradients.partition,
+        self._organise(units, chunk, strategy, masters, gradients.full, gradients.partition,
                        per_parameter, sub_group_size)
+        self.param_bytes = torch.empty((), dtype=grad_dtype).element_size()
         self.moved = Counter()
 
     def receive_gradient(self, unit: FlatUnit, reduced: torch.Tensor) -> None:
@@ -87,7 +104,7 @@ class HostShardStore(ShardStore):
 
     def publish(self, sub_group=None) -> None:
         if sub_group is not None:
-            self.moved["host_to_device"] += sum(s.numel for s in sub_group) * self._param_chunks[0].element_size()
+            self.moved["host_to_device"] += sum(s.numel for s in sub_group) * self.param_bytes
         super().publish(sub_group)
 
     def transfers(self) -> dict[str, int]:

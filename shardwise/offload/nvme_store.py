@@ -16,6 +16,8 @@ then on it is paged like the masters.
 
 from __future__ import annotations
 
+import ctypes
+import ctypes.util
 import dataclasses
 from collections import Counter
 from concurrent.futures import Future
@@ -25,7 +27,7 @@ from typing import Iterator
 import torch
 
 from shardwise.accounting import MemoryLedger
-from shardwise.offload.host_store import host_gradients
+from shardwise.offload.host_store import host_gradients, training_device
 from shardwise.offload.swap import Region, SwapFile
 from shardwise.zero.layout import FlatUnit
 from shardwise.zero.policy import OffloadPolicy
@@ -47,6 +49,23 @@ class _Page:
         return sum(region.nbytes for region in self.regions)
 
 
+def return_freed_memory() -> None:
+    """Give the heap's freed pages back to the operating system (glibc's `malloc_trim`).
+
+    Why: once a freed block of a few MB has raised glibc's mmap threshold, later blocks of
+    that size (the state an optimizer creates for one sub-group, freed once copied into
+    the page) come from the heap and stay counted in the process's memory after `free`:
+    on the 100M GPT, 240 MB of such garbage after the first step, a third of what paging
+    the optimizer state saves. Elsewhere (no glibc) nothing is done."""
+    if _LIBC is not None:
+        _LIBC.malloc_trim(0)
+
+
+_LIBC = ctypes.CDLL(ctypes.util.find_library("c")) if ctypes.util.find_library("c") else None
+if _LIBC is not None and not hasattr(_LIBC, "malloc_trim"):
+    _LIBC = None
+
+
 class NvmeShardStore(ShardStore):
     tier = "host"  # where the gradient partition lives
     state_tier = "nvme"
@@ -64,34 +83,38 @@ class NvmeShardStore(ShardStore):
         offload: OffloadPolicy,
         rank: int,
     ):
-        param_chunks = [strategy.owned_chunk(unit) for unit in units]
-        gradients = host_gradients(units, chunk, keeps_full_gradients, grad_dtype, param_chunks[0].device,
+        gradients = host_gradients(units, chunk, keeps_full_gradients, grad_dtype, training_device(units, strategy),
                                    ledger, offload.pin_memory)
         self.grad_flat, self.full_flat = gradients.partition_flat, gradients.full_flat
-        # masters start as the parameter chunks, to cut segments; then move into the pages
-        self._organise(units, chunk, param_chunks, param_chunks, gradients.full, gradients.partition,
+        # segments are cut over placeholders (no memory), then their masters become the
+        # pages' views, filled from the parameter chunks
+        placeholders = [torch.empty(unit.chunk_numel, device="meta") for unit in units]
+        self._organise(units, chunk, strategy, placeholders, gradients.full, gradients.partition,
                        per_parameter, sub_group_size)
+        self.param_bytes = torch.empty((), dtype=grad_dtype).element_size()
         self.ledger = ledger
         self.moved: Counter = Counter()
-        self.swap = SwapFile(offload.nvme_path, rank, offload.thread_count, offload.block_size)
+        self.swap = SwapFile(offload.nvme_path, rank, offload.thread_count, offload.block_size,
+                             offload.queue_depth)
         self.pages: list[_Page] = []
         segments = []
-        for group in self.sub_groups:
+        for group in self.sub_groups:  # regions first: untouched mappings hold no memory
             numel = sum(segment.numel for segment in group)
             masters = self.swap.region(numel, torch.float32)
-            page = _Page([masters], spare=[self.swap.region(numel, torch.float32)
-                                           for _ in range(offload.state_tensors)])
+            self.pages.append(_Page([masters], spare=[self.swap.region(numel, torch.float32)
+                                                      for _ in range(offload.state_tensors)]))
             position = 0
             for segment in group:
                 view = masters.tensor[position : position + segment.numel]
-                view.copy_(segment.master)
                 segments.append(dataclasses.replace(segment, master=view))
                 position += segment.numel
-            self.pages.append(page)
         self._regroup(segments)
         self.swap.reserve()
-        self.ledger.hold("buffers", sum(page.nbytes for page in self.pages), tier="host")
-        for index in range(len(self.pages)):
+        for index, (page, group) in enumerate(zip(self.pages, self.sub_groups)):
+            # fill one page and write it out behind the next: a few pages in memory at once
+            self.ledger.hold("buffers", page.nbytes, tier="host")
+            for segment in group:
+                segment.master.copy_(self._param_chunk(segment.unit)[segment.start : segment.stop])
             self._page_out(index)
         self._wait_all()
 
@@ -170,7 +193,7 @@ class NvmeShardStore(ShardStore):
         if not sub_group:
             return
         page = self.pages[self._sub_group_index[id(sub_group[0])]]
-        position = 0
+        position, moved = 0, False
         for segment in sub_group:
             values = state.get(segment.master, {})
             for key, value in list(values.items()):
@@ -181,7 +204,10 @@ class NvmeShardStore(ShardStore):
                 if view.data_ptr() != value.data_ptr():
                     view.copy_(value)
                     values[key] = view
+                    moved = True
             position += segment.numel
+        if moved:  # the optimizer's own copies are freed now
+            return_freed_memory()
 
     def _state_region(self, page: _Page, key: str, dtype: torch.dtype, numel: int) -> Region:
         if key not in page.state:
@@ -211,7 +237,7 @@ class NvmeShardStore(ShardStore):
 
     def publish(self, sub_group=None) -> None:
         if sub_group is not None:
-            self.moved["host_to_device"] += sum(s.numel for s in sub_group) * self._param_chunks[0].element_size()
+            self.moved["host_to_device"] += sum(s.numel for s in sub_group) * self.param_bytes
         super().publish(sub_group)
 
     def transfers(self) -> dict[str, int]:

@@ -1,9 +1,11 @@
 """A rank's private swap file on NVMe, and the memory regions paged through it (C12).
 
 Asynchronous I/O without a compiled extension: a small thread pool runs `os.preadv` /
-`os.pwritev`, which release the GIL, on page-aligned buffers, with `O_DIRECT` where the
-file system supports it (bypassing the page cache, so the bytes really leave memory and
-reads measure the disk). io_uring would need a binding that is not in the standard
+`os.pwritev`, which release the GIL, in `aio.block_size` calls with `aio.queue_depth` of
+them in flight (one at a time left the disk idle between calls: 59% of `dd`'s direct-read
+bandwidth here, against 117% with 8; BENCHMARKS.md), on page-aligned buffers, with
+`O_DIRECT` where the file system supports it (bypassing the page cache, so the bytes
+really leave memory and reads measure the disk). io_uring would need a binding that is not in the standard
 library; libaio a compiled extension; threads reach the disk's sequential bandwidth with
 large blocks, which is what paging optimizer sub-groups needs.
 
@@ -58,7 +60,11 @@ class Region:
 
 
 class SwapFile:
-    def __init__(self, directory: str | os.PathLike, rank: int, threads: int = 1, block_size: int = 1 << 20):
+    def __init__(self, directory: str | os.PathLike, rank: int, threads: int = 1, block_size: int = 1 << 20,
+                 queue_depth: int = 1):
+        """`threads` run region reads and writes (aio.thread_count); each splits its region
+        into `block_size` calls, `queue_depth` of them in flight at once (aio.queue_depth):
+        one call at a time leaves the disk idle between calls."""
         self.directory = Path(directory)
         self.block_size = round_up(block_size)
         self.path = self.directory / f".shardwise-swap-rank{rank}-{uuid.uuid4().hex[:8]}"
@@ -68,6 +74,7 @@ class SwapFile:
         self.bytes_read = 0  # counted when a read or write is issued, for comm_volume()
         self.bytes_written = 0
         self.pool = ThreadPoolExecutor(max_workers=max(1, threads), thread_name_prefix="shardwise-swap")
+        self.blocks = ThreadPoolExecutor(max_workers=max(1, queue_depth), thread_name_prefix="shardwise-swap-io")
 
     def region(self, numel: int, dtype: torch.dtype) -> Region:
         """A new region at the end of the file (its space is reserved by `reserve`)."""
@@ -94,27 +101,31 @@ class SwapFile:
 
     def _write(self, region: Region, release: bool) -> None:
         view = memoryview(region.memory)
-        for start in range(0, region.nbytes, self.block_size):
-            stop = min(start + self.block_size, region.nbytes)
-            done = start
+
+        def block(start: int) -> None:
+            stop, done = min(start + self.block_size, region.nbytes), start
             while done < stop:
                 try:
                     done += os.pwritev(self.fd, [view[done:stop]], region.offset + done)
                 except OSError as error:
                     raise self._error(error, region.nbytes) from None
+
+        list(self.blocks.map(block, range(0, region.nbytes, self.block_size)))
         if release:
             region.release()
 
     def _read(self, region: Region) -> None:
         view = memoryview(region.memory)
-        for start in range(0, region.nbytes, self.block_size):
-            stop = min(start + self.block_size, region.nbytes)
-            done = start
+
+        def block(start: int) -> None:
+            stop, done = min(start + self.block_size, region.nbytes), start
             while done < stop:
                 count = os.preadv(self.fd, [view[done:stop]], region.offset + done)
                 if count == 0:
                     raise SwapError(f"swap file {self.path} ended at byte {region.offset + done}")
                 done += count
+
+        list(self.blocks.map(block, range(0, region.nbytes, self.block_size)))
 
     def _error(self, error: OSError, needed: int) -> SwapError:
         if error.errno in (errno.ENOSPC, errno.EDQUOT):
@@ -125,6 +136,7 @@ class SwapFile:
 
     def close(self) -> None:
         self.pool.shutdown(wait=True)
+        self.blocks.shutdown(wait=True)
         if self.fd >= 0:
             os.close(self.fd)
             self.fd = -1

@@ -63,7 +63,7 @@ class ShardStore:
         self,
         units: list[FlatUnit],
         chunk: int,
-        param_chunks: list[torch.Tensor],
+        strategy: ParameterStrategy,
         masters: list[torch.Tensor],
         full_grads: list[torch.Tensor] | None,
         grads: list[torch.Tensor],
@@ -72,11 +72,14 @@ class ShardStore:
     ) -> None:
         """`per_parameter`: one segment per owned parameter piece, for optimizers whose
         update depends on whole parameters (they also step all segments at once, since each
-        step reduces statistics over the shard group and every rank must take part once)."""
+        step reduces statistics over the shard group and every rank must take part once).
+        Parameter chunks are asked of `strategy` at each use, never kept: a paging home
+        (NVMe, offload/param_home.py) may write a chunk out and give its memory back
+        between two uses."""
         self.units = units
         self.chunk = chunk
         self.keeps_full_gradients = full_grads is not None
-        self._param_chunks = param_chunks
+        self._strategy = strategy
         self._masters = masters
         self._full_grads = full_grads
         self._grads = grads
@@ -98,6 +101,7 @@ class ShardStore:
                 for segment in unit.segments(chunk)
             ]
             self.sub_groups = _split_sub_groups(self.segments, sub_group_size)
+            self.segments = [segment for group in self.sub_groups for segment in group]
         self._sub_group_index = {id(seg): i for i, group in enumerate(self.sub_groups) for seg in group}
 
     # -- what the reducer, optimizer and checkpoints read ------------------------------------
@@ -154,18 +158,22 @@ class ShardStore:
                     self.publish(group)
             return
         for segment in sub_group:
-            param = self._param_chunks[self._position[segment.unit]][segment.start : segment.stop]
+            param = self._param_chunk(segment.unit)[segment.start : segment.stop]
             if param.data_ptr() != segment.master.data_ptr():
                 param.copy_(segment.master, non_blocking=True)
 
     def refresh_master(self, unit: FlatUnit) -> None:
         """The parameter chunk of `unit` was edited (gathered_parameters, a checkpoint load
         of 16-bit values): take the master from it."""
-        chunk = self._param_chunks[self._position[unit.index]]
         for segment in (s for s in self.segments if s.unit == unit.index):
             with self.resident(self.sub_group_of(segment)):
-                if segment.master.data_ptr() != chunk[segment.start : segment.stop].data_ptr():
-                    segment.master.copy_(chunk[segment.start : segment.stop])
+                param = self._param_chunk(unit.index)[segment.start : segment.stop]
+                if segment.master.data_ptr() != param.data_ptr():
+                    segment.master.copy_(param)
+
+    def _param_chunk(self, unit_index: int) -> torch.Tensor:
+        """This rank's parameter chunk of a unit, valid until the strategy is next asked."""
+        return self._strategy.owned_chunk(self.units[self._position[unit_index]])
 
 
 class DeviceShardStore(ShardStore):
@@ -184,7 +192,9 @@ class DeviceShardStore(ShardStore):
         ledger: MemoryLedger,
         per_parameter: bool = False,
     ):
-        """`chunk`: which chunk of every unit this rank owns (its shard-group rank)."""
+        """`chunk`: which chunk of every unit this rank owns (its shard-group rank). Its
+        parameter chunks are never paged (a paging home comes with an offloaded optimizer),
+        so they can be held."""
         param_chunks = [strategy.owned_chunk(unit) for unit in units]
         device = param_chunks[0].device
         self.master_flat = None
@@ -199,7 +209,7 @@ class DeviceShardStore(ShardStore):
             grads = [full[slice(*unit.chunk_bounds(chunk))] for unit, full in zip(units, unit_grads)]
         else:
             grads = unit_grads
-        self._organise(units, chunk, param_chunks, masters, unit_grads if keeps_full_gradients else None,
+        self._organise(units, chunk, strategy, masters, unit_grads if keeps_full_gradients else None,
                        grads, per_parameter, sub_group_size)
 
     def start_window(self) -> None:
@@ -229,12 +239,28 @@ def copy_into_flat(tensors: list[torch.Tensor], dtype: torch.dtype, device: torc
 
 
 def _split_sub_groups(segments: list[SegmentState], sub_group_size: int) -> list[list[SegmentState]]:
+    """Sub-groups of `sub_group_size` elements (the last one fewer). A segment that does
+    not fit in what is left of the current sub-group is cut there, so a sub-group (what a
+    paging tier holds in memory at once) is bounded by the setting, not by the largest
+    parameter; 0 or less: one sub-group."""
     groups: list[list[SegmentState]] = [[]]
-    numel = 0
+    room = sub_group_size
     for segment in segments:
-        if groups[-1] and numel + segment.numel > sub_group_size:
+        while sub_group_size > 0 and segment.numel > room:
+            if room:
+                head, segment = _cut(segment, room)
+                groups[-1].append(head)
             groups.append([])
-            numel = 0
+            room = sub_group_size
         groups[-1].append(segment)
-        numel += segment.numel
-    return groups
+        room -= segment.numel
+    return [group for group in groups if group] or [[]]
+
+
+def _cut(segment: SegmentState, numel: int) -> tuple[SegmentState, SegmentState]:
+    """The first `numel` elements of a segment, and the rest (per-element optimizers only)."""
+    middle = segment.start + numel
+    return (SegmentState(segment.unit, segment.start, middle, segment.group, segment.master[:numel],
+                         segment.grad[:numel]),
+            SegmentState(segment.unit, middle, segment.stop, segment.group, segment.master[numel:],
+                         segment.grad[numel:]))
