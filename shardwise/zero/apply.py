@@ -22,6 +22,7 @@ from shardwise.distributed.collectives import Communicator
 from shardwise.offload.host_store import HostShardStore
 from shardwise.offload.param_home import merge_transfers
 from shardwise.offload.nvme_store import NvmeShardStore
+from shardwise.offload.split_store import make_split_store
 from shardwise.optim.codec import StateCodec
 from shardwise.zero.gradients import GradientReducer
 from shardwise.zero.layout import FlatUnit, align_elements, pack_units
@@ -94,6 +95,8 @@ def _make_store(policy: ZeroPolicy, params: ParameterStrategy, chunk: int, ledge
     arguments = (params.units, chunk, params, policy.param_dtype, policy.keeps_full_gradients,
                  policy.sub_group_size, ledger, per_parameter)
     offload = policy.offload_optimizer
+    if offload.enabled and offload.ratio < 1:
+        return make_split_store(*arguments, offload=offload, rank=rank)
     if offload.device == "cpu":
         return HostShardStore(*arguments, pin_memory=offload.pin_memory)
     if offload.device == "nvme":

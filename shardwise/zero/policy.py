@@ -39,6 +39,9 @@ class OffloadPolicy:
     thread_count: int = 1  # aio.thread_count: threads doing NVMe reads and writes
     block_size: int = 1 << 20  # aio.block_size: bytes per read or write call
     state_tensors: int = 2  # fp32 state tensors per parameter the optimizer will create
+    ratio: float = 1.0  # offload_optimizer.ratio: the fraction of the partition offloaded
+    buffer_size: int = 100_000_000  # offload_param.buffer_size: elements per NVMe staging buffer
+    queue_depth: int = 8  # aio.queue_depth: reads or writes of one region in flight at once
 
     @property
     def enabled(self) -> bool:
@@ -99,9 +102,12 @@ def _offload(section, config: ShardwiseConfig) -> OffloadPolicy:
     aio = config.aio
     optimizer = config.optimizer
     states = optimizer_spec(optimizer.type).fp32_states(optimizer.params) if optimizer is not None else 2
+    defaults = OffloadPolicy()
     return OffloadPolicy(
         section.device, section.nvme_path, section.pin_memory, section.buffer_count,
-        aio.thread_count if aio else 1, aio.block_size if aio else 1 << 20, states,
+        aio.thread_count if aio else defaults.thread_count, aio.block_size if aio else defaults.block_size, states,
+        getattr(section, "ratio", defaults.ratio), getattr(section, "buffer_size", defaults.buffer_size),
+        aio.queue_depth if aio else defaults.queue_depth,
     )
 
 

@@ -90,19 +90,21 @@ def global_runs(
 def owned_ranges(
     units: list[FlatUnit], store: ShardStore, chunk: int, group: GroupHandle
 ) -> list[OwnedRange]:
-    """Every trained element this rank owns (padding excluded), unit by unit."""
+    """Every trained element this rank owns (padding excluded), unit by unit; a piece that
+    spans segments (a large parameter cut at sub-group boundaries) gives one range each."""
     segments: dict[int, list[SegmentState]] = {}
     for segment in store.segments:
         segments.setdefault(segment.unit, []).append(segment)
     ranges = []
     for unit in units:
         for piece in unit.owned_pieces(chunk):
-            segment = next(s for s in segments[unit.index] if s.start <= piece.chunk_offset < s.stop)
-            offset = piece.chunk_offset - segment.start
             shape = tuple(piece.slot.shape)
-            ranges.append(OwnedRange(
-                piece.slot.name, shape, (0,) * len(shape), shape, piece.start, piece.stop,
-                segment.master[offset : offset + piece.numel], segment.grad[offset : offset + piece.numel],
-                segment, offset, group,
-            ))
+            first, last = piece.chunk_offset, piece.chunk_offset + piece.numel
+            for segment in (s for s in segments[unit.index] if s.start < last and first < s.stop):
+                lo, hi = max(first, segment.start), min(last, segment.stop)
+                ranges.append(OwnedRange(
+                    piece.slot.name, shape, (0,) * len(shape), shape, piece.start + lo - first,
+                    piece.start + hi - first, segment.master[lo - segment.start : hi - segment.start],
+                    segment.grad[lo - segment.start : hi - segment.start], segment, lo - segment.start, group,
+                ))
     return ranges

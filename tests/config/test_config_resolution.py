@@ -136,8 +136,10 @@ def test_defaults_match_deepspeed_code():
         "stage3_prefetch_bucket_size": 50_000_000, "stage3_param_persistence_threshold": 100_000,
         "stage3_max_live_parameters": 1_000_000_000, "stage3_max_reuse_distance": 1_000_000_000,
         "stage3_gather_16bit_weights_on_model_save": False, "sub_group_size": 1_000_000_000, "mics_shard_size": -1,
-        "offload_optimizer": {"device": "none", "nvme_path": None, "pin_memory": False, "buffer_count": 4},
-        "offload_param": {"device": "none", "nvme_path": None, "pin_memory": False, "buffer_count": 5},
+        "offload_optimizer": {"device": "none", "nvme_path": None, "pin_memory": False, "buffer_count": 4,
+                              "ratio": 1.0},
+        "offload_param": {"device": "none", "nvme_path": None, "pin_memory": False, "buffer_count": 5,
+                          "buffer_size": 100_000_000},
     }
     assert cfg.aio is None
     assert (cfg.tensorboard.enabled, cfg.tensorboard.output_path, cfg.tensorboard.job_name) == (
