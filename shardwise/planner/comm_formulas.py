@@ -258,22 +258,44 @@ def pipeline_p2p_total_bytes(shape: PipelineCommShape) -> int:
 
 
 # -- 1-bit Adam / 1-bit LAMB (C18) ----------------------------------------------------------
-# After the warm-up the data-parallel group (stage 0: the replicate group, N ranks) exchanges
-# the momentum instead of all-reducing gradients: L = Ψ rounded up to a multiple of 8N,
-# sent as sign bits with one fp32 scale per chunk of L/N, in two collectives per step:
+# After the warm-up the exchange group (stage 0: the replicate group; stages 1-2: the shard
+# group, N ranks) exchanges the momentum instead of reducing gradients, in two collectives
+# per step, L elements cut into N chunks of L/N, each sent as sign bits and one fp32 scale:
 #
 #     all-to-all   (L/8 + 4N)(N−1)/N     each rank's N chunks to their servers
 #     all-gather   (L/8 + 4N)(N−1)/N     each server's averaged chunk to every rank
 #
-# against 2·4Ψ(N−1)/N for an fp32 all-reduce: 1/32 of it, plus 8(N−1) bytes of scales.
-def onebit_exchange_bytes(num_params: int, ranks: int) -> dict[str, int]:
-    """Bytes one rank sends per compressed momentum exchange of `num_params` elements."""
+# Stage 0: L = Ψ rounded up to a multiple of 8N. Stages 1-2: chunk r is rank r's ZeRO
+# partition, Ψ/N (Ψ padded as the units pad it) rounded up to whole bytes, L = N·that;
+# and ZeRO's all-gather of the updated parameters follows, Ψp(N−1)/N. Against 2·4Ψ(N−1)/N
+# for an fp32 all-reduce, the momentum costs 1/32 of it, plus 8(N−1) bytes of scales.
+# The first compressed step at stages 1-2 (and the first after a load) also all-gathers
+# the momentum partitions once in fp32, 4Ψ(N−1)/N: until then the momentum is partitioned.
+def onebit_exchange_bytes(num_params: int, ranks: int, stage: int = 0, param_bytes: int = 0) -> dict[str, int]:
+    """Bytes one rank sends per compressed step of `num_params` elements (stages 1-2: the
+    units' padded total, a multiple of `ranks`) with `param_bytes`-byte parameters."""
     volume = {"all_to_all": 0, "all_gather": 0}
     if ranks == 1:
         return volume
-    unit = 8 * ranks
-    padded = (num_params + unit - 1) // unit * unit
+    if stage == 0:
+        padded = (num_params + 8 * ranks - 1) // (8 * ranks) * 8 * ranks
+    else:
+        padded = ranks * ((num_params // ranks + 7) // 8 * 8)
     framed = padded // 8 + 4 * ranks  # every chunk's packed signs and its fp32 scale
     volume["all_to_all"] = _ring("all_to_all", framed, ranks)
     volume["all_gather"] = _ring("all_gather", framed, ranks)
+    if stage in (1, 2):
+        volume["all_gather"] += ring_share(num_params, param_bytes, ranks)
     return volume
+
+
+# -- recomputation under ZeRO-3 (C9) -------------------------------------------------------
+# A checkpointed layer re-runs its forward in backward, and ZeRO-3 gathers its units for
+# that recomputation; they are then kept for the layer's backward, which would otherwise
+# gather them itself. So the recomputation moves the backward half of stage 3's
+# 2(Ψ−P)p(S−1)/S forward it and adds nothing: per micro-batch, for the ℓ layers it re-runs,
+# ℓ·Ψ_layer·p(S−1)/S of the all-gather term above happen in recomputations.
+def recompute_gather_bytes(layer_params: int, recomputed_layers: int, param_bytes: int, shard_size: int) -> int:
+    """Bytes one rank sends in the gathers of `recomputed_layers` layer recomputations of
+    `layer_params` parameters each: part of the stage-3 all-gather term, not extra."""
+    return recomputed_layers * ring_share(layer_params, param_bytes, shard_size)

@@ -58,7 +58,7 @@ def explain(estimate: Estimate) -> list[str]:
     """Inputs, usable memory, activation formulas, rejected options, the recommendation."""
     lines = [_inputs_line(estimate), _headroom_line(estimate)]
     lines += _activation_lines(estimate)
-    if estimate.parallel.pipeline == 1:  # no stage 3 with pipeline parallelism
+    if any(option.stage == 3 for option in estimate.options):  # none with pipeline parallelism or 1-bit optimizers
         lines.append(_gather_line(estimate))
     recommendation = estimate.recommendation
     if estimate.ruled_out:
@@ -237,7 +237,8 @@ def _why_not(estimate: Estimate, option: OptionEstimate) -> str:
 
 def _placement_lines(estimate: Estimate, option: OptionEstimate, recompute: RecomputeMode) -> list[str]:
     hw, psi, n = estimate.hardware, estimate.params_per_rank, estimate.zero_ranks
-    terms = model_state_terms(option.stage, option.offload, estimate.dtype, estimate.optimizer_state_bytes)
+    terms = model_state_terms(option.stage, option.offload, estimate.dtype, estimate.optimizer_state_bytes,
+                              estimate.optimizer)
     gpu_sym, gpu_num = render_terms([t for t in terms if t.device == "gpu"], psi, n)
     activations = estimate.activation(recompute)
     total = option.gpu_total(activations)

@@ -16,6 +16,8 @@ from dataclasses import dataclass
 from math import ceil, prod
 from typing import Literal
 
+from shardwise.planner.activation_formulas import LayerShape, activation_peak_bytes, selective_kept_bytes
+
 Device = Literal["gpu", "cpu", "nvme"]
 OffloadDevice = Literal["none", "cpu", "nvme"]
 Category = Literal["params", "grads", "optimizer_states"]
@@ -122,6 +124,65 @@ def onebit_state_bytes(numel: int, ranks: int, lamb: bool = False) -> int:
     return moments + 4 * ((padded - numel) + padded + padded // ranks)
 
 
+def onebit_partitioned_state_bytes(owned: int, partition: int, ranks: int, lamb: bool = False) -> int:
+    """1-bit Adam's (`lamb`: 1-bit LAMB's) fp32 state at ZeRO stages 1-2 after the warm-up,
+    without the master copy: the frozen variance (LAMB: also the fresh one) of the rank's
+    `owned` trained elements, the whole momentum (`ranks` rows of `partition` elements, a
+    rank's partition padded to whole bytes: the momentum is not partitioned, each worker
+    compresses all of it), the worker's error buffer (as long) and the server's (one row)."""
+    return 4 * ((2 if lamb else 1) * owned + 2 * ranks * partition + partition)
+
+
+ONEBIT_OPTIMIZERS = ("onebitadam", "onebitlamb")
+
+
+def onebit_state_terms(stage: int, dtype: str, lamb: bool = False) -> list[StateTerm]:
+    """`onebit_model_state_bytes` as summands (padding aside), for the estimator: stage 0
+    every state whole but the server's error; stages 1-2 the momentum and the worker's
+    error (8 bytes) whole, the master, the variance(s) and the server's error sharded;
+    stage 2's gradients its partition plus the whole local gradient."""
+    if stage not in (0, 1, 2):
+        raise ValueError(f"1-bit Adam / LAMB run at ZeRO stages 0-2, not {stage}")
+    p = element_bytes(dtype)
+    master = 0 if p == MASTER_WEIGHT_BYTES else MASTER_WEIGHT_BYTES
+    variances = 8 if lamb else 4
+    terms = [StateTerm("params", "params", "gpu", p, sharded=False),
+             StateTerm("grads", "grads", "gpu", p, sharded=False)]
+    if stage == 2:
+        terms.append(StateTerm("grad partition", "grads", "gpu", p, sharded=True))
+    if stage == 0:
+        terms.append(StateTerm("optimizer + momentum + worker error", "optimizer_states", "gpu",
+                               master + variances + 8, sharded=False))
+    else:
+        terms.append(StateTerm("momentum + worker error", "optimizer_states", "gpu", 8, sharded=False))
+        terms.append(StateTerm("optimizer", "optimizer_states", "gpu", master + variances, sharded=True))
+    terms.append(StateTerm("server error", "optimizer_states", "gpu", 4, sharded=True))
+    return terms
+
+
+def onebit_model_state_bytes(num_params: int, ranks: int, stage: int, dtype: str = "bf16",
+                             lamb: bool = False) -> dict[str, int]:
+    """Model-state bytes per rank with 1-bit Adam / LAMB after the warm-up (padding aside),
+    per category as `memory_breakdown()` reports them. Stage 0 keeps everything whole plus
+    the server's 1/N error; stages 1-2 partition the master, the variance(s) and the server
+    error but keep the momentum and the worker's error whole: optimizer states
+    (4 + 4 + 4 [+4 LAMB] + 4)Ψ/N + 8Ψ with 16-bit training (no master in fp32), i.e. K
+    per partitioned element plus 8 bytes per parameter on every rank. Stage 2's gradients:
+    its partition and, from the freeze on, the whole local gradient the exchange folds
+    (stage 1's full buffer serves both). Stage 3 is not supported (optim/onebit.py)."""
+    if stage not in (0, 1, 2):
+        raise ValueError(f"1-bit Adam / LAMB run at ZeRO stages 0-2, not {stage}")
+    p = element_bytes(dtype)
+    master = 0 if p == MASTER_WEIGHT_BYTES else MASTER_WEIGHT_BYTES
+    if stage == 0 or ranks == 1:
+        states = master * num_params + onebit_state_bytes(num_params, ranks, lamb)
+        return {"params": p * num_params, "grads": p * num_params, "optimizer_states": states}
+    part = num_params // ranks
+    states = master * part + onebit_partitioned_state_bytes(part, ceil(part / 8) * 8, ranks, lamb)
+    grads = p * num_params + (p * part if stage == 2 else 0)
+    return {"params": p * num_params, "grads": grads, "optimizer_states": states}
+
+
 @dataclass(frozen=True)
 class Offload:
     """Where the optimizer (fp32 master, states, fp32 gradients) and the 16-bit parameters
@@ -173,7 +234,8 @@ def validate_placement(stage: int, offload: Offload) -> None:
         raise ValueError("parameter offload needs the optimizer offloaded too")
 
 
-def model_state_terms(stage: int, offload: Offload, dtype: str, optimizer_state_bytes: int) -> list[StateTerm]:
+def model_state_terms(stage: int, offload: Offload, dtype: str, optimizer_state_bytes: int,
+                      optimizer: str = "adam") -> list[StateTerm]:
     """The per-rank model-state formula as summands, each placed on a device.
 
     Without offload these are exactly the SPEC §4 rows. With the optimizer offloaded
@@ -186,6 +248,10 @@ def model_state_terms(stage: int, offload: Offload, dtype: str, optimizer_state_
     training has no master copy on the GPU, but an offloaded optimizer needs its own fp32
     copy of the weight partition to update, so one is added beside it.
     """
+    if optimizer in ONEBIT_OPTIMIZERS:
+        if offload != NO_OFFLOAD:
+            raise ValueError(f"{optimizer} keeps its state on the device: no offload")
+        return onebit_state_terms(stage, dtype, lamb=optimizer == "onebitlamb")
     validate_placement(stage, offload)
     p = element_bytes(dtype)
     gpu: Device = "gpu"
@@ -217,22 +283,69 @@ def placed_model_state_bytes(
     dtype: str = "bf16",
     optimizer_state_bytes_per_param: int | None = None,
     persistent_params: int = 0,
+    optimizer: str = "adam",
 ) -> dict[Device, dict[Category, int]]:
     """Model-state bytes one rank holds, per device and category.
 
     Stage-3 persistent parameters (small ones the engine never partitions, so it need not
     gather them) are held in full by every rank, on the GPU even when the rest is offloaded.
+    `optimizer`: the 1-bit optimizers have terms of their own (`onebit_state_terms`).
     """
     _check_counts(num_params, world_size, persistent_params)
     k = _resolve_k(dtype, optimizer_state_bytes_per_param)
     placed: dict[Device, dict[Category, int]] = {d: dict.fromkeys(CATEGORIES, 0) for d in ("gpu", "cpu", "nvme")}
-    for term in model_state_terms(stage, offload, dtype, k):
+    for term in model_state_terms(stage, offload, dtype, k, optimizer):
         if term.category == "params" and term.sharded:
             placed[term.device]["params"] += term.bytes_per_param * partition_elements(num_params - persistent_params, world_size)
             placed["gpu"]["params"] += term.bytes_per_param * persistent_params
             continue
         elements = partition_elements(num_params, world_size) if term.sharded else num_params
         placed[term.device][term.category] += term.bytes_per_param * elements
+    return placed
+
+
+def offloaded_partition_elements(unit_partitions: list[int], ratio: float) -> int:
+    """`offload_optimizer.ratio` (ZeRO-Offload++ Twin-Flow): elements of a rank's partition
+    updated in the offload tier. The units keep their order: the leading ones stay on the
+    device up to the unit boundary nearest to (1 - ratio)·partition (ties: more offloaded),
+    the trailing ones are offloaded, so the offloaded fraction is `ratio` to within a unit."""
+    if not 0 <= ratio <= 1:
+        raise ValueError(f"ratio must be in [0, 1], got {ratio}")
+    total = sum(unit_partitions)
+    target = (1 - ratio) * total
+    prefixes = [0]
+    for numel in unit_partitions:
+        prefixes.append(prefixes[-1] + numel)
+    kept = min(prefixes, key=lambda prefix: (abs(prefix - target), prefix))
+    return total - kept
+
+
+def placed_partial_offload_bytes(
+    num_params: int,
+    world_size: int,
+    stage: int,
+    offload: Offload,
+    offloaded_elements: int,
+    dtype: str = "bf16",
+    optimizer_state_bytes_per_param: int | None = None,
+    persistent_params: int = 0,
+) -> dict[Device, dict[Category, int]]:
+    """Model-state bytes per device and category when only `offloaded_elements` of the
+    ceil(Ψ/N) partition are offloaded: that part is placed as with full offload, the rest
+    as without (its gradient partition, stage ≥ 2, and its K bytes of state stay on the
+    GPU; fp32 training updates it in place, with no master copy)."""
+    k = _resolve_k(dtype, optimizer_state_bytes_per_param)
+    partition = partition_elements(num_params, world_size)
+    if not 0 <= offloaded_elements <= partition:
+        raise ValueError(f"offloaded_elements must be in [0, {partition}], got {offloaded_elements}")
+    placed = placed_model_state_bytes(num_params, world_size, stage, offload, dtype, k, persistent_params)
+    kept = partition - offloaded_elements
+    for term in model_state_terms(stage, offload, dtype, k):
+        if term.category != "params" and term.sharded:
+            placed[term.device][term.category] -= term.bytes_per_param * kept
+    if stage >= 2:
+        placed["gpu"]["grads"] += element_bytes(dtype) * kept
+    placed["gpu"]["optimizer_states"] += k * kept
     return placed
 
 
@@ -312,23 +425,26 @@ def activation_bytes(
 ) -> int:
     """Activation bytes per GPU at the peak of backward (start of backward).
 
-    none: every layer's full activations. selective: every layer without its attention
-    core. full: each layer keeps only its input (e·s·b·h), and the layer being
-    back-propagated is recomputed in full, so one layer's full activations come back.
-    Plus the fp32 log-softmax of the logits (4·s·b·V) when the vocabulary is known.
+    none: every layer's full activations. selective and full are shardwise's policies of
+    the same names, by the formulas its measured bytes are tested against
+    (activation_formulas.activation_peak_bytes): every layer keeps its input (e·s·b·h),
+    selective also its linear layers' outputs (9e·s·b·h), and backward brings back one
+    layer's full activations at a time while the layers below it are still kept:
+    (L − 1)·kept + one layer. Plus the fp32 log-softmax of the logits (4·s·b·V) when the
+    vocabulary is known.
     """
     if recompute not in RECOMPUTE_MODES:
         raise ValueError(f"recompute must be one of {RECOMPUTE_MODES}, got {recompute!r}")
     for name, value in (("num_layers", num_layers), ("hidden", hidden), ("heads", heads), ("seq_len", seq_len), ("micro_batch", micro_batch)):
         if value <= 0:
             raise ValueError(f"{name} must be positive, got {value}")
-    full_layer = layer_activation_bytes(seq_len, micro_batch, hidden, heads, dtype)
     if recompute == "none":
-        layers = num_layers * full_layer
-    elif recompute == "selective":
-        layers = num_layers * layer_activation_bytes(seq_len, micro_batch, hidden, heads, dtype, attention_core=False)
+        layers = num_layers * layer_activation_bytes(seq_len, micro_batch, hidden, heads, dtype)
     else:
-        layers = num_layers * element_bytes(dtype) * seq_len * micro_batch * hidden + full_layer
+        layer = LayerShape(seq_len, micro_batch, hidden, heads, element_bytes(dtype))
+        cached = selective_kept_bytes(layer) if recompute == "selective" else 0
+        layers = activation_peak_bytes(layer, num_layers, [range(i, i + 1) for i in range(num_layers)],
+                                       cached_per_layer=cached)
     logits = LOGITS_BYTES * seq_len * micro_batch * vocab_size if vocab_size else 0
     return layers + logits
 

@@ -31,6 +31,7 @@ from typing import Iterator
 from shardwise.planner.explain import explain_with_suggestion
 from shardwise.planner.formulas import (
     NO_OFFLOAD,
+    ONEBIT_OPTIMIZERS,
     RECOMPUTE_MODES,
     Device,
     Offload,
@@ -103,10 +104,13 @@ def estimate(
     modes = RECOMPUTE_MODES if activations is not None else ("none",)
     local = ceil(shape.params_per_tensor_rank(parallel.tensor) / parallel.pipeline)
     zero_ranks = hardware.num_gpus // (parallel.tensor * parallel.pipeline)
+    onebit = optimizer in ONEBIT_OPTIMIZERS  # stages 0-2, no offload (optim/onebit.py)
     options = tuple(
-        _evaluate_option(stage, offload, shape, hardware, dtype, k, activations, modes, local, zero_ranks, parallel)
+        _evaluate_option(stage, offload, shape, hardware, dtype, k, activations, modes, local, zero_ranks, parallel,
+                         optimizer)
         for stage, offload in OPTIONS
-        if stage < 3 or parallel.pipeline == 1  # the engine refuses ZeRO-3 with pipeline parallelism
+        if (stage < 3 or parallel.pipeline == 1)  # the engine refuses ZeRO-3 with pipeline parallelism
+        and not (onebit and (stage == 3 or offload != NO_OFFLOAD))
     )
     partial = Estimate(shape, hardware, micro_batch, seq_len, dtype, optimizer, k, activations, options, None,
                        parallel=parallel, params_per_rank=local)
@@ -186,8 +190,9 @@ def _evaluate_option(
     local_params: int,
     zero_ranks: int,
     parallel: ModelParallel,
+    optimizer: str = "adam",
 ) -> OptionEstimate:
-    per_rank = placed_model_state_bytes(local_params, zero_ranks, stage, offload, dtype, k)
+    per_rank = placed_model_state_bytes(local_params, zero_ranks, stage, offload, dtype, k, optimizer=optimizer)
     largest = shape.largest_layer_params
     gather = stage3_gather_bytes(ceil(largest / parallel.tensor), dtype) if stage == 3 and largest else 0
     cpu = hardware.ranks_per_node * sum(per_rank["cpu"].values())
@@ -211,7 +216,10 @@ def _recommend(
 ) -> tuple[Recommendation | None, tuple[OptionEstimate, ...]]:
     """The first (option, recomputation) pair that fits, and the other options tried before it."""
     tried: list[OptionEstimate] = []
+    offered = {(option.stage, option.offload) for option in partial.options}
     for (stage, offload), mode in preference_order(modes):
+        if (stage, offload) not in offered:
+            continue
         option = partial.option(stage, offload)
         if mode in option.fitting_modes:
             recommendation = Recommendation(option, mode, option.gpu_total(partial.activation(mode)))
