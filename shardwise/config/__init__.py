@@ -1,5 +1,6 @@
 """shardwise's configuration: DeepSpeed's JSON format, validated and resolved in one pass."""
 
+from shardwise.config.defaults_table import default_config_table
 from shardwise.config.errors import ConfigError
 from shardwise.config.loader import load_config, read_config
 from shardwise.config.resolve import fill_auto
@@ -19,7 +20,6 @@ from shardwise.config.schema import (
     TensorBoardConfig,
     TensorParallelConfig,
     ZeroConfig,
-    default_config_table,
 )
 
 __all__ = [

@@ -25,6 +25,7 @@ from shardwise.config.deepspeed_keys import (
     is_comment,
     rule_for,
 )
+from shardwise.config.defaults_table import section_model
 from shardwise.config.errors import join_key
 from shardwise.config.fields import Section
 from shardwise.config.params import (
@@ -34,7 +35,7 @@ from shardwise.config.params import (
     OPTIMIZERS_NOT_YET,
     SCHEDULER_PARAMS,
 )
-from shardwise.config.schema import OptimizerConfig, SchedulerConfig, ShardwiseConfig, section_model
+from shardwise.config.schema import OptimizerConfig, SchedulerConfig, ShardwiseConfig
 
 # Older names DeepSpeed still accepts. The zero_optimization ones are its pydantic field
 # names, which it accepts beside the stage3_-prefixed aliases.

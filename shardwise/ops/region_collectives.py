@@ -106,12 +106,24 @@ def apply_region(function: str, x: torch.Tensor, comm: Any) -> torch.Tensor:
     every region collective)."""
     if not torch.compiler.is_compiling():
         return _FUNCTIONS[function].apply(x, comm)
-    return torch.ops.shardwise.tensor_region(x, function, _register(comm))
+    return torch.ops.shardwise.tensor_region(x, function, _traced_register(comm))
 
 
-@torch._dynamo.assume_constant_result
 def _register(comm: Any) -> int:
     """The communicator's key, registered; run by Dynamo while tracing (not traced), so
     that the operator's fake implementation finds it."""
     _COMMUNICATORS.setdefault(id(comm), comm)
     return id(comm)
+
+
+_traced_register: Any = None
+
+
+def prepare_for_tracing() -> None:
+    """Mark `_register` as a constant result for Dynamo. Called by whatever compiles (the
+    compile stage, compile_blocks) before tracing starts, not at import: the decorator
+    imports torch._dynamo, which brings sympy and Inductor (about 80 MiB and a second of
+    start-up) into every process that merely uses tensor parallelism."""
+    global _traced_register
+    if _traced_register is None:
+        _traced_register = torch._dynamo.assume_constant_result(_register)

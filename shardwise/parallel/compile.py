@@ -148,6 +148,9 @@ def compile_blocks(model: nn.Module, backend: str | Callable = "inductor", mode:
     replay, timers) cannot be traced, so compiling it would break the graph at every step
     and compile nothing. The compiled forward then runs twice, in forward and in the
     recomputation, with ZeRO-3's hoisted gathers before each run."""
+    from shardwise.ops.region_collectives import prepare_for_tracing
+
+    prepare_for_tracing()  # tensor-parallel region collectives become one traced operator
     blocks = find_blocks(model)
     if not blocks:
         raise ValueError(f"compile.enabled: found no repeated blocks in {type(model).__name__} to compile (looked for "
