@@ -17,6 +17,9 @@ virtual env at /tmp/ds-venv, created with:
     /tmp/ds-venv/bin/pip install -c /tmp/ds-constraints.txt torch==2.13.0
     DS_BUILD_OPS=0 /tmp/ds-venv/bin/pip install -c /tmp/ds-constraints.txt deepspeed
 
+With `--offload-optimizer cpu|nvme` shardwise and DeepSpeed run ZeRO-Offload / ZeRO-Infinity
+from the same config (FSDP2 has no counterpart and is left out).
+
 Targets: step time ≤ 1.0× FSDP2 and ≤ 0.7× DeepSpeed; per-rank peak RSS lower than both;
 fp32 losses equal to DeepSpeed's to 1e-5 (relative).
 """
@@ -70,6 +73,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                         help="stage3_max_reuse_distance for shardwise and DeepSpeed (default: DeepSpeed's "
                         "1e9, which keeps a small model gathered from forward to backward; 0 re-gathers "
                         "in backward, as FSDP2's reshard_after_forward does)")
+    parser.add_argument("--offload-optimizer", choices=("none", "cpu", "nvme"), default="none",
+                        help="offload_optimizer.device for shardwise and DeepSpeed (ZeRO-Offload / ZeRO-Infinity); "
+                        "FSDP2 has no equivalent and is left out when set")
+    parser.add_argument("--nvme-path", default="runs/nvme_bench", help="offload_optimizer.nvme_path with nvme")
     parser.add_argument("--variants", default=",".join(VARIANTS), help="comma-separated subset")
     parser.add_argument("--deepspeed-python", default=os.environ.get("DEEPSPEED_PYTHON", DEFAULT_DEEPSPEED_PYTHON),
                         help="interpreter with deepspeed installed (default: $DEEPSPEED_PYTHON or %(default)s)")
@@ -89,8 +96,9 @@ def adamw(model: torch.nn.Module, args: argparse.Namespace) -> torch.optim.AdamW
 
 def zero3_config(args: argparse.Namespace, world_size: int) -> dict[str, Any]:
     """The DeepSpeed config both shardwise and DeepSpeed read; stage-3 sizes are
-    DeepSpeed's defaults except the reduce bucket (25 MiB, as DDP and the ZeRO-1/2 run)."""
-    return {
+    DeepSpeed's defaults except the reduce bucket (25 MiB, as DDP and the ZeRO-1/2 run);
+    with --offload-optimizer, both offload the optimizer the same way."""
+    config = {
         "train_batch_size": args.micro_batch * world_size,
         "train_micro_batch_size_per_gpu": args.micro_batch,
         "gradient_accumulation_steps": 1,
@@ -106,6 +114,11 @@ def zero3_config(args: argparse.Namespace, world_size: int) -> dict[str, Any]:
             "stage3_max_reuse_distance": args.max_reuse_distance,
         },
     }
+    if args.offload_optimizer != "none":  # DeepSpeed then takes the client AdamW instead of its CPU Adam
+        config["zero_optimization"]["offload_optimizer"] = {"device": args.offload_optimizer,
+                                                            "nvme_path": args.nvme_path, "pin_memory": False}
+        config["zero_force_ds_cpu_optimizer"] = False
+    return config
 
 
 def train_shardwise(args: argparse.Namespace, rank: int, world_size: int) -> dict[str, Any]:
@@ -209,7 +222,8 @@ def worker(args: argparse.Namespace) -> None:
 # -- the parent ----------------------------------------------------------------------------
 def worker_argv(args: argparse.Namespace, preset: str, variant: str) -> list[str]:
     argv = ["--worker", variant, "--preset", preset]
-    for key in ("micro_batch", "seq_len", "warmup", "steps", "lr", "clip", "seed", "max_reuse_distance"):
+    for key in ("micro_batch", "seq_len", "warmup", "steps", "lr", "clip", "seed", "max_reuse_distance",
+                "offload_optimizer", "nvme_path"):
         argv += [f"--{key.replace('_', '-')}", str(getattr(args, key))]
     return argv
 
@@ -223,6 +237,9 @@ def chosen_variants(args: argparse.Namespace) -> list[str]:
             flush=True,
         )
         variants.remove("deepspeed")
+    if args.offload_optimizer != "none" and "fsdp2" in variants:
+        print("FSDP2 left out: it has no optimizer offload to compare with", flush=True)
+        variants.remove("fsdp2")
     return variants
 
 
