@@ -43,7 +43,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from shardwise.models import GPT, GPTConfig
-from shardwise.planner.formulas import pipeline_bubble_fraction
+from shardwise.planner.layer_formulas import pipeline_bubble_fraction
 from shardwise.testing import run_distributed
 
 

@@ -3,11 +3,11 @@ and the fastest stage / offload / recomputation that fits the given hardware."""
 
 from shardwise.planner.formulas import (
     Offload,
-    activation_bytes,
     model_state_bytes,
     optimizer_state_bytes_for,
     placed_model_state_bytes,
 )
+from shardwise.planner.layer_formulas import activation_bytes
 from shardwise.planner.recommend import Estimate, Hardware, OptionEstimate, Recommendation, estimate
 from shardwise.planner.shapes import ModelShape
 

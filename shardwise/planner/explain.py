@@ -5,15 +5,14 @@ from __future__ import annotations
 
 from shardwise.planner.formulas import (
     GB,
-    LOGITS_BYTES,
     MASTER_WEIGHT_BYTES,
     Device,
     RecomputeMode,
     StateTerm,
     element_bytes,
-    layer_activation_coefficients,
     model_state_terms,
 )
+from shardwise.planner.layer_formulas import LOGITS_BYTES, layer_activation_coefficients
 from shardwise.planner.results import Estimate, OptionEstimate
 
 DEVICE_NAMES: dict[Device, str] = {"gpu": "GPU", "cpu": "CPU", "nvme": "NVMe"}

@@ -29,13 +29,11 @@ from dataclasses import dataclass
 
 from shardwise.planner.activation_formulas import LayerShape, checkpoint_bytes, selective_kept_bytes
 from shardwise.planner.formulas import (
-    LOGITS_BYTES,
     RECOMPUTE_MODES,
     RecomputeMode,
-    activation_bytes,
     element_bytes,
-    layer_activation_coefficients,
 )
+from shardwise.planner.layer_formulas import LOGITS_BYTES, activation_bytes, layer_activation_coefficients
 
 
 def sequence_region_activation_bytes(batch: int, seq_len: int, hidden: int, tensor_size: int, layers: int,

@@ -38,8 +38,8 @@ from shardwise.planner.formulas import (
     RecomputeMode,
     optimizer_state_bytes_for,
     placed_model_state_bytes,
-    stage3_gather_bytes,
 )
+from shardwise.planner.layer_formulas import stage3_gather_bytes
 from shardwise.planner.parallel_activation import NO_MODEL_PARALLEL, ModelParallel, parallel_activation_bytes
 from shardwise.planner.results import DEFAULT_HEADROOM, Estimate, Hardware, OptionEstimate, Recommendation
 from shardwise.planner.shapes import ModelShape

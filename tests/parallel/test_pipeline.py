@@ -11,7 +11,7 @@ from functools import lru_cache
 import pytest
 
 from shardwise.planner.comm_formulas import PipelineCommShape, pipeline_p2p_bytes
-from shardwise.planner.formulas import pipeline_micro_batches_in_flight
+from shardwise.planner.layer_formulas import pipeline_micro_batches_in_flight
 from shardwise.testing import run_distributed
 from tests.parallel.pipeline_workers import (
     SEQ_LEN,

@@ -8,7 +8,7 @@ from shardwise.config import load_config
 from shardwise.parallel.pipeline import schedule_actions, simulate
 from shardwise.parallel.pipeline.split import partition
 from shardwise.planner.comm_formulas import PipelineCommShape, pipeline_p2p_bytes, pipeline_p2p_total_bytes
-from shardwise.planner.formulas import pipeline_bubble_fraction, pipeline_micro_batches_in_flight
+from shardwise.planner.layer_formulas import pipeline_bubble_fraction, pipeline_micro_batches_in_flight
 
 CASES = [("gpipe", 1), ("1f1b", 1), ("interleaved", 2), ("interleaved", 3)]
 

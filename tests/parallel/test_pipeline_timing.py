@@ -6,7 +6,7 @@ import re
 
 import pytest
 
-from shardwise.planner.formulas import pipeline_bubble_fraction
+from shardwise.planner.layer_formulas import pipeline_bubble_fraction
 from shardwise.testing import run_distributed
 from tests.parallel.pipeline_workers import PipeCase, failing_pipeline, train_pipeline
 

@@ -8,7 +8,8 @@ from functools import lru_cache
 import pytest
 
 from shardwise.planner.comm_formulas import CommShape, ParallelCommShape, comm_bytes_by_group, tensor_parallel_comm_bytes
-from shardwise.planner.formulas import model_state_bytes, tensor_parallel_params
+from shardwise.planner.formulas import model_state_bytes
+from shardwise.planner.layer_formulas import tensor_parallel_params
 from shardwise.testing import run_distributed
 from tests.parallel.workers import assert_equivalent, build_model, parallel_case, train_parallel, train_reference
 from tests.zero.workers import SEQ_LEN

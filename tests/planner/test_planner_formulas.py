@@ -3,7 +3,8 @@
 import pytest
 
 from shardwise.planner import Offload, activation_bytes, model_state_bytes, placed_model_state_bytes
-from shardwise.planner.formulas import optimizer_state_bytes_for, stage3_gather_bytes
+from shardwise.planner.formulas import optimizer_state_bytes_for
+from shardwise.planner.layer_formulas import stage3_gather_bytes
 
 PSI = 7_500_000_000
 N = 64

@@ -3,7 +3,7 @@
 import pytest
 
 from shardwise.planner import Hardware, ModelShape, Offload, estimate
-from shardwise.planner.formulas import activation_bytes
+from shardwise.planner.layer_formulas import activation_bytes
 from shardwise.planner.recommend import preference_order
 
 LLAMA_70B_PARAMS = 68_976_648_192

@@ -4,7 +4,8 @@ item 5)."""
 
 import pytest
 
-from shardwise.planner.formulas import layer_activation_bytes, placed_model_state_bytes
+from shardwise.planner.formulas import placed_model_state_bytes
+from shardwise.planner.layer_formulas import layer_activation_bytes
 from shardwise.planner.parallel_activation import (
     ModelParallel,
     parallel_activation_bytes,
