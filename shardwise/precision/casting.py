@@ -1,6 +1,6 @@
-"""Inputs in the compute dtype: floating-point tensors in a forward's arguments are cast,
-as DeepSpeed's engine does for 16-bit training; integer tensors (token ids) and anything
-that is not a tensor pass through, however deeply nested."""
+"""Inputs in the compute dtype and on the training device: floating-point tensors in a
+forward's arguments are cast, as DeepSpeed's engine does for 16-bit training; integer
+tensors (token ids) and anything that is not a tensor pass through, however deeply nested."""
 
 from __future__ import annotations
 
@@ -20,4 +20,13 @@ def cast_floating(value: Any, dtype: torch.dtype) -> Any:
         return type(value)(cast_floating(item, dtype) for item in value)
     if isinstance(value, dict):
         return {key: cast_floating(item, dtype) for key, item in value.items()}
+    return value
+
+
+def to_device(value: Any, device: torch.device) -> Any:
+    """Every tensor in `value` (a tensor, or tuples and lists of them and other values) on `device`."""
+    if torch.is_tensor(value):
+        return value.to(device)
+    if isinstance(value, (list, tuple)) and not hasattr(value, "_fields"):
+        return type(value)(to_device(item, device) for item in value)
     return value

@@ -27,3 +27,9 @@ def test_two_stages_equal_plain_torch(tmp_path):
 @pytest.mark.slow
 def test_two_stages_by_type_times_two_data_ranks_equal_plain_torch(tmp_path):
     run_both(tmp_path, 4, "--partition", "type:linear")
+
+
+def test_one_stage_trains_as_data_parallel_equal_plain_torch(tmp_path):
+    """num_stages=1: DeepSpeed still trains a PipelineModule with train_batch(); here that
+    is gradient accumulation over the same micro-batches on 2 data-parallel ranks."""
+    run_both(tmp_path, 2, "--pipeline-parallel-size", "1")

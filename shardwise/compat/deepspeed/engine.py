@@ -24,6 +24,7 @@ from shardwise.checkpoint.manifest import write_synced
 from shardwise.checkpoint.state import capture_rng_state, restore_rng_state
 from shardwise.compat.deepspeed.utils import RepeatingLoader
 from shardwise.engine import Engine
+from shardwise.precision.casting import to_device
 from shardwise.parallel.pipeline.sequential import SequentialStages
 
 log = logging.getLogger("shardwise")
@@ -202,7 +203,7 @@ class DeepSpeedEngine(Engine):
         try:
             for _ in range(self.gradient_accumulation_steps):
                 inputs, labels = next(data_iter)
-                inputs, labels = (_to(self.device, value) for value in (inputs, labels))
+                inputs, labels = to_device((inputs, labels), self.device)
                 with torch.enable_grad() if train else torch.no_grad():
                     output = self(inputs)
                     loss = output if loss_fn is None else loss_fn(output, labels)
@@ -215,9 +216,3 @@ class DeepSpeedEngine(Engine):
         mean = torch.stack(losses).mean().reshape(1).double().cpu()
         self.comm.control_all_reduce(mean, "the batch's loss over the data-parallel group")
         return (mean / self.comm.size)[0].float()
-
-
-def _to(device: torch.device, value: Any) -> Any:
-    if torch.is_tensor(value):
-        return value.to(device)
-    return type(value)(_to(device, item) for item in value) if isinstance(value, (tuple, list)) else value

@@ -39,7 +39,7 @@ from shardwise.parallel.pipeline.p2p import (
 )
 from shardwise.parallel.pipeline.schedules import Action, schedule_actions
 from shardwise.parallel.pipeline.split import StageLayout
-from shardwise.precision.casting import cast_floating
+from shardwise.precision.casting import cast_floating, to_device
 
 
 class PipelineRunner:
@@ -137,8 +137,8 @@ class PipelineRunner:
                             f"pair; next(data_iter) gave {type(micro_batch).__name__}")
         device, dtype = self.engine.device, self.engine.dtype
         kwargs, labels = cast_floating((kwargs, labels), dtype)
-        kwargs = {key: _to_device(value, device) for key, value in kwargs.items()}
-        labels = _to_device(labels, device)
+        kwargs = {key: to_device(value, device) for key, value in kwargs.items()}
+        labels = to_device(labels, device)
         context = StageContext(kwargs, labels, {})
         if self.adapter.input_name not in kwargs:
             raise ValueError(f"a pipeline micro-batch needs `{self.adapter.input_name}`: every stage reads its shape")
@@ -265,15 +265,6 @@ class PipelineRunner:
             total /= self.micro_batches * self.data.size
         self.pipeline.control_all_reduce(total, "the batch's loss from the last stage")
         return total[0].float()
-
-
-def _to_device(value: Any, device: torch.device) -> Any:
-    """A tensor, or a tuple of tensors and other values, on `device`."""
-    if torch.is_tensor(value):
-        return value.to(device)
-    if isinstance(value, (tuple, list)):
-        return type(value)(_to_device(item, device) for item in value)
-    return value
 
 
 def _count_saved(tensor: torch.Tensor, saved: dict[int, int], parameter_storage: set[int]) -> torch.Tensor:
