@@ -24,7 +24,7 @@ from typing import Any, Callable, Iterator
 import torch
 from torch import nn
 
-from shardwise.accounting import MemoryLedger, tensor_bytes
+from shardwise.accounting import MemoryLedger
 from shardwise.activation.accounting import ActivationTracker
 from shardwise.config import ShardwiseConfig, load_config
 from shardwise.distributed.agreement import check_ranks_agree, describe_config, describe_model
@@ -54,11 +54,11 @@ from shardwise.parallel.sequence import ulysses  # noqa: F401  (registers its ap
 from shardwise.parallel.tensor import transform as _tensor_parallel  # noqa: F401  (registers its apply step)
 from shardwise.parallel.tensor.grad_norm import tensor_parallel_norm
 from shardwise.precision import LossScaler
-from shardwise.precision.casting import cast_floating
+from shardwise.precision.casting import cast_floating, cast_unheld_state
 from shardwise.reliability.step_guard import StepGuard
 from shardwise.zero.apply import ZeroGroups, apply_zero
 from shardwise.zero.policy import ZeroPolicy
-from shardwise.zero.trainable import trainable_parameters
+from shardwise.zero.trainable import evaluated_parameters, trainable_parameters
 
 log = logging.getLogger("shardwise")
 
@@ -123,31 +123,33 @@ class Engine(PipelineEngineMethods, DeepSpeedEngineAPI, nn.Module):
             )
         if not any(param.is_meta for param in model.parameters()):
             model.to(self.device)
-        named = trainable_parameters(model, optimizer)
+        self.trains = optimizer is not None or cfg.optimizer is not None  # else forward only (evaluation)
+        named = trainable_parameters(model, optimizer) if self.trains else evaluated_parameters(model)
         spec = optimizer_spec(cfg.optimizer.type) if cfg.optimizer is not None else None
         self.zero = apply_zero(
             model, named, self.policy, groups, self.ledger, self.device,
-            make_optimizer=optimizer_factory(optimizer, cfg),
+            make_optimizer=optimizer_factory(optimizer, cfg) if self.trains else None,
             codec=spec.codec if spec is not None else getattr(optimizer, "state_codec", None),
             param_init_fn=param_init_fn,
             per_parameter=spec.per_parameter if spec is not None else isinstance(optimizer, ShardAwareOptimizer),
         )
         self.optimizer = self.zero.optimizer
-        self.tensor_norm = tensor_parallel_norm(self.mesh, self.zero, self.comm_stats)
+        self.tensor_norm = tensor_parallel_norm(self.mesh, self.zero, self.comm_stats) if self.trains else None
         self.pipeline = attach_pipeline(self)  # train_batch / eval_batch (shardwise/parallel/pipeline)
         self.units = self.zero.units
-        self._cast_frozen_state(model)
         self.unit_of_param = {id(slot.param): unit for unit in self.units for slot in unit.slots}
+        self.ledger.hold("params", cast_unheld_state(model, self.dtype, held=set(self.unit_of_param)))
+        hooked = self.zero.reducer if self.trains else self.zero.params  # what holds hooks on the parameters
         for param in model.parameters():
             param._shardwise_engine = weakref.ref(self)
-            param._shardwise_reducer = weakref.ref(self.zero.reducer)
+            param._shardwise_hooks = weakref.ref(hooked)
 
         self.gradient_accumulation_steps = cfg.gradient_accumulation_steps
         self.micro_steps = 0
         self.global_steps = 0
         self.skipped_steps = 0
         self.last_grad_norm: float | None = None
-        self.lr_scheduler = make_scheduler(lr_scheduler, cfg, self.optimizer.optimizer)
+        self.lr_scheduler = make_scheduler(lr_scheduler, cfg, self.optimizer.optimizer) if self.trains else None
         self.loss_scaler = LossScaler.from_config(cfg.fp16)
         self.guard = StepGuard(self.comm, groups.replicate.size, cfg.max_consecutive_skipped_steps)
         self._backward_pending = False  # backward() ran and step() has not yet
@@ -180,6 +182,7 @@ class Engine(PipelineEngineMethods, DeepSpeedEngineAPI, nn.Module):
         this rank without communicating; the first backward after the block reduces all of
         them, and `step()` follows it. Stages 0-1 only: stages 2-3 keep a gradient
         partition, which needs a reduction every micro-batch."""
+        self._require_training("no_sync")
         if not self.policy.keeps_full_gradients:
             raise RuntimeError(f"engine.no_sync() needs ZeRO stage 0 or 1: stage {self.stage} keeps only a "
                                "partition of the gradients, so every backward must reduce (DeepSpeed refuses it too)")
@@ -193,7 +196,7 @@ class Engine(PipelineEngineMethods, DeepSpeedEngineAPI, nn.Module):
         """Backward of `loss` averaged over accumulation steps and scaled for fp16. Called
         several times before one step() (one call per loss, as DeepSpeedExamples' GAN
         does), the gradients add up, as they would for the sum of the losses."""
-        self._require_alive("backward")
+        self._require_training("backward")
         if not self.zero.reducer.sync_in_backward:  # inside no_sync: accumulate only
             self._local_backward(loss)
             return
@@ -244,7 +247,7 @@ class Engine(PipelineEngineMethods, DeepSpeedEngineAPI, nn.Module):
 
     def step(self) -> None:
         """Apply the update at an accumulation boundary; otherwise only count the micro-step."""
-        self._require_alive("step")
+        self._require_training("step")
         if not self.zero.reducer.sync_in_backward:
             raise RuntimeError("engine.step() inside engine.no_sync(): the gradients there are not reduced yet; "
                                "call backward() inside the block and backward() + step() after it")
@@ -345,37 +348,32 @@ class Engine(PipelineEngineMethods, DeepSpeedEngineAPI, nn.Module):
         return getattr(module, name)
 
     def get_lr(self) -> list[float]:
-        return [group["lr"] for group in self.optimizer.optimizer.param_groups]
+        return [group["lr"] for group in self.optimizer.optimizer.param_groups] if self.trains else []
 
     @property
     def loss_scale(self) -> float:
         return self.loss_scaler.scale
-
-    def _cast_frozen_state(self, model: nn.Module) -> None:
-        """Frozen parameters and floating-point buffers (e.g. BatchNorm statistics) take
-        the compute dtype, as DeepSpeed casts the whole module; frozen parameters are
-        held whole on every rank and counted as parameters."""
-        for param in model.parameters():
-            if not param.requires_grad and param.is_floating_point():
-                param.data = param.data.to(self.dtype)
-                self.ledger.hold("params", tensor_bytes(param))
-        for module in model.modules():
-            for name, buffer in module.named_buffers(recurse=False):
-                if buffer.is_floating_point():
-                    module._buffers[name] = buffer.to(self.dtype)
 
     def _require_alive(self, call: str) -> None:
         if self._destroyed:
             raise RuntimeError(f"engine.{call}() after engine.destroy(): this engine no longer trains "
                                "its model; build a new one with shardwise.initialize")
 
+    def _require_training(self, call: str) -> None:
+        self._require_alive(call)
+        if not self.trains:
+            raise RuntimeError(f"engine.{call}(): this engine was given no optimizer, so it only runs forward "
+                               "(evaluation, a reference model); pass an optimizer to initialize() or add an "
+                               "'optimizer' block to the config to train")
+
     def destroy(self) -> None:
         """Detach from the model (hooks removed); the model can then get a new engine."""
-        self.zero.reducer.remove_hooks()
+        if self.trains:
+            self.zero.reducer.remove_hooks()
         self.zero.params.remove_hooks()
         self.zero.close()
         for param in self.module.parameters():
-            for attribute in ("_shardwise_engine", "_shardwise_reducer"):
+            for attribute in ("_shardwise_engine", "_shardwise_hooks"):
                 if hasattr(param, attribute):
                     delattr(param, attribute)
         self._destroyed = True
@@ -396,5 +394,10 @@ def initialize(
     default: `module.reset_parameters()`). `auto_values` fills the config's "auto" entries
     by dotted key (e.g. {"optimizer.params.lr": 3e-4, "train_micro_batch_size_per_gpu": 8}),
     as Hugging Face's trainer does from its arguments.
+
+    Without an optimizer (none passed, no `optimizer` block) the engine runs forward only:
+    a reference or reward model beside a trained one, or evaluation. Its parameters are
+    held as ZeRO holds trained ones (1/N each at stage 3, gathered per module), with no
+    fp32 masters, gradients or optimizer state; backward() and step() raise.
     """
     return Engine(model, config, optimizer, lr_scheduler, param_init_fn, auto_values)

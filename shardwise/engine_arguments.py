@@ -18,7 +18,7 @@ def refuse_second_engine(model: nn.Module) -> None:
     """A second engine on the same parameters would add a second set of gradient hooks:
     every gradient reduced twice, silently."""
     for param in model.parameters():
-        reference = getattr(param, "_shardwise_reducer", None)
+        reference = getattr(param, "_shardwise_hooks", None)
         if reference is not None and reference() is not None:
             raise RuntimeError(
                 "this model is already trained by a shardwise engine (initialize was called on "
@@ -32,8 +32,9 @@ def check_arguments(cfg: ShardwiseConfig, optimizer: Any, lr_scheduler: Any) -> 
             "an optimizer was passed to initialize() and the config has an 'optimizer' "
             "block; keep one of them"
         )
-    if optimizer is None and cfg.optimizer is None:
-        raise ValueError("no optimizer: pass one to initialize() or add an 'optimizer' block")
+    if optimizer is None and cfg.optimizer is None and (lr_scheduler is not None or cfg.scheduler is not None):
+        raise ValueError("a learning-rate scheduler without an optimizer: pass an optimizer to initialize() or "
+                         "add an 'optimizer' block (an engine without one only runs forward)")
     if lr_scheduler is not None and cfg.scheduler is not None:
         raise ValueError(
             "an lr_scheduler was passed to initialize() and the config has a 'scheduler' "

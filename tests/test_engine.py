@@ -23,9 +23,10 @@ def test_optimizer_in_both_places_is_rejected():
         shardwise.initialize(model, {**BASE, "optimizer": ADAMW}, optimizer=torch.optim.SGD(model.parameters(), lr=0.1))
 
 
-def test_missing_optimizer_is_rejected():
-    with pytest.raises(ValueError, match="no optimizer"):
-        shardwise.initialize(build_model("gpt"), BASE)
+def test_scheduler_without_optimizer_is_rejected():
+    config = {**BASE, "scheduler": {"type": "WarmupLR", "params": {"warmup_num_steps": 10}}}
+    with pytest.raises(ValueError, match="scheduler without an optimizer"):
+        shardwise.initialize(build_model("gpt"), config)
 
 
 def test_scheduler_in_both_places_is_rejected():

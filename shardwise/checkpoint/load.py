@@ -62,6 +62,10 @@ def load_checkpoint(engine: Any, load_dir: str | os.PathLike, tag: str | None = 
     tensors would share a step count they never took), so a load that lacks any of the
     model's trained parameters must keep this engine's state (`optimizer_states` False).
     """
+    if not engine.trains:
+        raise RuntimeError("load_checkpoint: this engine was given no optimizer (forward only); load the weights "
+                           "into the model before initialize (a checkpoint converted with `shardwise convert`, "
+                           "or from_pretrained), or build the engine with an optimizer")
     directory = resolve_tag(Path(load_dir), tag)
     verify_checkpoint(engine, directory)
     meta = read_json(directory / META)

@@ -58,6 +58,9 @@ def save_checkpoint(
 
     `client_state` (rank 0's is kept) must be JSON: str keys; tuples come back as lists.
     """
+    if not engine.trains:
+        raise RuntimeError("save_checkpoint: this engine was given no optimizer (forward only), so it has no "
+                           "training state to resume; write its weights with engine.save_16bit_model(dir)")
     tag = f"global_step{engine.global_steps}" if tag is None else tag
     check_tag(tag)
     client_state = {} if client_state is None else client_state

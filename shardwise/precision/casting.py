@@ -30,3 +30,20 @@ def to_device(value: Any, device: torch.device) -> Any:
     if isinstance(value, (list, tuple)) and not hasattr(value, "_fields"):
         return type(value)(to_device(item, device) for item in value)
     return value
+
+
+def cast_unheld_state(model: torch.nn.Module, dtype: torch.dtype, held: set[int]) -> int:
+    """Floating-point parameters ZeRO does not hold (frozen ones, by id not in `held`) and
+    floating-point buffers (e.g. BatchNorm statistics) take the compute dtype, as DeepSpeed
+    casts the whole module. Those parameters stay whole on every rank; returns their bytes
+    (counted as parameters)."""
+    nbytes = 0
+    for param in model.parameters():
+        if id(param) not in held and param.is_floating_point():
+            param.data = param.data.to(dtype)
+            nbytes += param.numel() * param.element_size()
+    for module in model.modules():
+        for name, buffer in module.named_buffers(recurse=False):
+            if buffer.is_floating_point():
+                module._buffers[name] = buffer.to(dtype)
+    return nbytes

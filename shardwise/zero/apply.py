@@ -49,9 +49,9 @@ class ZeroState:
     policy: ZeroPolicy
     groups: ZeroGroups
     params: ParameterStrategy
-    store: ShardStore
-    reducer: GradientReducer
-    optimizer: ShardedOptimizer
+    store: ShardStore | None  # the three training parts; None in an engine without an optimizer
+    reducer: GradientReducer | None
+    optimizer: ShardedOptimizer | None
 
     @property
     def units(self) -> list[FlatUnit]:
@@ -76,10 +76,11 @@ class ZeroState:
 
     def transfers(self) -> dict[str, int]:
         """Bytes moved between memory tiers: optimizer paging and parameter paging."""
-        return merge_transfers(self.store.transfers(), self.params.transfers())
+        return merge_transfers(self.store.transfers() if self.store is not None else {}, self.params.transfers())
 
     def close(self) -> None:
-        self.store.close()
+        if self.store is not None:
+            self.store.close()
         self.params.close()
 
     def refresh_from_masters(self) -> None:
@@ -111,13 +112,16 @@ def apply_zero(
     groups: ZeroGroups,
     ledger: MemoryLedger,
     device: torch.device,
-    make_optimizer: Callable[[list[list[torch.Tensor]]], torch.optim.Optimizer],
+    make_optimizer: Callable[[list[list[torch.Tensor]]], torch.optim.Optimizer] | None,
     codec: StateCodec | None = None,
     param_init_fn: Callable[[nn.Module], None] | None = None,
     per_parameter: bool = False,
 ) -> ZeroState:
     """Partition `named` (name, parameter, param group) of `model` as `policy` says.
-    `per_parameter`: the optimizer works on whole parameters (optim/sharded.py)."""
+    `per_parameter`: the optimizer works on whole parameters (optim/sharded.py).
+    `make_optimizer=None`: forward only (an engine without an optimizer, e.g. an RLHF
+    reference model): the parameters are held as for training (1/N each at stage 3), but
+    no fp32 masters, gradient buffers or optimizer state exist."""
     align = align_elements(policy.param_dtype)
     params: ParameterStrategy
     if policy.partitions_parameters:
@@ -130,6 +134,9 @@ def apply_zero(
             units, policy.param_dtype, device, groups.shard, groups.replicas, ledger, policy.allgather_bucket_size
         )
         params.broadcast_initial()
+    if make_optimizer is None:
+        params.settle()
+        return ZeroState(policy, groups, params, None, None, None)
     store = _make_store(policy, params, groups.shard.rank, ledger, per_parameter, groups.shard.global_rank)
     params.settle()
     reducer = GradientReducer(params.units, policy, store, groups.shard, groups.replicate, ledger, device)

@@ -173,6 +173,8 @@ class GatherSchedule:
                 )
         if module is self.root and not torch.is_grad_enabled():
             self._free_unused()  # no backward will follow this forward
+            if not self.trace:  # e.g. an engine without an optimizer: forward-only passes prefetch too
+                self.end_backward()
 
     def _pre_backward(self, units: list[FlatUnit]) -> None:
         self._use(units)
@@ -208,7 +210,8 @@ class GatherSchedule:
             self.params.free(unit)
 
     def end_backward(self) -> None:
-        """Free everything, keep the step's order as the trace, check ranks agreed."""
+        """Free everything, keep the step's order as the trace, check ranks agreed (also
+        after the first forward run without gradients, when there is no trace yet)."""
         self._free_unused()
         if self.record and self.record != self.trace:
             self._set_trace(self.record)

@@ -46,3 +46,14 @@ def trainable_parameters(
     if not trainable:
         raise ValueError("the model has no parameter with requires_grad=True")
     return trainable
+
+
+def evaluated_parameters(model: nn.Module) -> list[tuple[str, nn.Parameter, int]]:
+    """(name, parameter, 0) for every floating-point parameter, trainable or not: an
+    engine without an optimizer only runs forward, and holds all of them the way ZeRO
+    holds trained ones (whole at stages 0-2, 1/N each at stage 3), as DeepSpeed does for
+    a model it was given no optimizer for."""
+    named = [(name, param, 0) for name, param in model.named_parameters() if param.is_floating_point()]
+    if not named:
+        raise ValueError("the model has no floating-point parameter")
+    return named

@@ -15,6 +15,9 @@ What DeepSpeed does with each argument, and what this does:
 - `args.local_rank` is set to this process's LOCAL_RANK.
 It returns (engine, optimizer, training_dataloader, lr_scheduler): the optimizer is the
 torch optimizer that steps this rank's fp32 partition (the one passed in, re-pointed).
+With no optimizer (none passed, no `optimizer` block), the engine runs forward only, as
+DeepSpeed-Chat's and OpenRLHF's reference and reward models use it, and the optimizer
+returned is None (zero/trainable.py: `evaluated_parameters`).
 """
 
 from __future__ import annotations
@@ -95,11 +98,13 @@ def _pipeline_block(raw: dict, model: nn.Module) -> None:
         block.setdefault(key, value)
 
 
-def _clearing_model_gradients(engine: DeepSpeedEngine) -> torch.optim.Optimizer:
+def _clearing_model_gradients(engine: DeepSpeedEngine) -> torch.optim.Optimizer | None:
     """The torch optimizer over this rank's fp32 partition, whose `zero_grad()` also clears
     the model's gradients: a script's `optimizer.zero_grad()` means that, as on DeepSpeed's
     optimizer and on a plain torch optimizer over the model (a GAN clears the other
     model's gradients with it). The engine never calls it; it drops master gradients itself."""
+    if engine.optimizer is None:  # no optimizer given: a forward-only engine, None as in DeepSpeed
+        return None
     optimizer = engine.optimizer.optimizer
     clear_masters = optimizer.zero_grad
 
