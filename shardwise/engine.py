@@ -58,7 +58,7 @@ from shardwise.precision.casting import cast_floating, cast_unheld_state
 from shardwise.reliability.step_guard import StepGuard
 from shardwise.zero.apply import ZeroGroups, apply_zero
 from shardwise.zero.policy import ZeroPolicy
-from shardwise.zero.trainable import evaluated_parameters, trainable_parameters
+from shardwise.zero.trainable import evaluated_parameters, frozen_parameters, trainable_parameters
 
 log = logging.getLogger("shardwise")
 
@@ -132,12 +132,14 @@ class Engine(PipelineEngineMethods, DeepSpeedEngineAPI, nn.Module):
             codec=spec.codec if spec is not None else getattr(optimizer, "state_codec", None),
             param_init_fn=param_init_fn,
             per_parameter=spec.per_parameter if spec is not None else isinstance(optimizer, ShardAwareOptimizer),
+            frozen=frozen_parameters(model, named),
         )
         self.optimizer = self.zero.optimizer
         self.tensor_norm = tensor_parallel_norm(self.mesh, self.zero, self.comm_stats) if self.trains else None
         self.pipeline = attach_pipeline(self)  # train_batch / eval_batch (shardwise/parallel/pipeline)
         self.units = self.zero.units
-        self.unit_of_param = {id(slot.param): unit for unit in self.units for slot in unit.slots}
+        self.unit_of_param = {id(slot.param): unit for unit in [*self.units, *self.zero.params.frozen_units]
+                              for slot in unit.slots}
         self.ledger.hold("params", cast_unheld_state(model, self.dtype, held=set(self.unit_of_param)))
         hooked = self.zero.reducer if self.trains else self.zero.params  # what holds hooks on the parameters
         for param in model.parameters():

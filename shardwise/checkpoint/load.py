@@ -34,6 +34,7 @@ from shardwise.checkpoint.index import PieceIndex
 from shardwise.checkpoint.manifest import check_file, read_manifest, resolve_tag
 from shardwise.checkpoint.pieces import (
     describe_whole_model,
+    frozen_owned,
     module_extras,
     owned_runs,
     tensor_shards,
@@ -78,10 +79,16 @@ def load_checkpoint(engine: Any, load_dir: str | os.PathLike, tag: str | None = 
         engine.zero.release_gathered()  # forwards must gather the loaded values
         _load_trained(engine, index, meta, records, optimizer_states and not module_only, absent)
         with torch.no_grad():
-            for name, tensor in module_extras(engine.module):
+            for name, tensor in module_extras(engine):
                 if name in absent:
                     continue
                 tensor.copy_(index.read(name, VALUE, 0, tensor.numel(), tensor.dtype).view(tensor.shape))
+            shards = tensor_shards(engine.module)
+            for name, low, high, values in frozen_owned(engine):  # into this rank's shards (stage 3)
+                if name in absent:
+                    continue
+                for start, stop, at in owned_runs(low, high, shards.get(name)):
+                    index.read_into(name, VALUE, start, values[at : at + stop - start])
     engine.zero.refresh_from_masters()
     if module_only:
         return meta["client_state"]
@@ -207,7 +214,7 @@ def _load_trained(engine: Any, index: PieceIndex, meta: dict, records: list[dict
             for owned in owned_in_group:
                 if owned.name in absent:
                     continue
-                for start, stop, at in owned_runs(owned, shards.get(owned.name)):
+                for start, stop, at in owned_runs(owned.start, owned.stop, shards.get(owned.name)):
                     index.read_into(owned.name, VALUE, start, owned.master[at : at + stop - start])
                     for key, tensor in parts.get(id(owned.segment), {}).items():
                         index.read_into(owned.name, key, start, owned.state_view(tensor)[at : at + stop - start])

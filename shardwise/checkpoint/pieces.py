@@ -12,17 +12,35 @@ from typing import Any
 import torch
 
 from shardwise.parallel.tensor.placement import TensorShard, tensor_shard
-from shardwise.zero.shard_view import OwnedRange
 
 
-def module_extras(module: torch.nn.Module) -> list[tuple[str, torch.Tensor]]:
-    """Frozen parameters and persistent buffers (BatchNorm statistics...): not trained, so
-    not partitioned, and whole on every rank. Non-persistent buffers (rotary tables,
-    causal masks) are rebuilt by the model and, as in `state_dict()`, not saved."""
+def module_extras(engine: Any) -> list[tuple[str, torch.Tensor]]:
+    """Frozen parameters that ZeRO does not hold (all of them at stages 0-2, those under
+    the persistence threshold at stage 3) and persistent buffers (BatchNorm statistics...):
+    whole on every rank, written by rank 0. Non-persistent buffers (rotary tables, causal
+    masks) are rebuilt by the model and, as in `state_dict()`, not saved."""
+    module = engine.module
+    held = {id(slot.param) for unit in engine.zero.params.frozen_units for slot in unit.slots}
     persistent = set(module.state_dict(keep_vars=True))
-    extras = [(name, param) for name, param in module.named_parameters() if not param.requires_grad]
+    extras = [(name, param) for name, param in module.named_parameters()
+              if not param.requires_grad and id(param) not in held]
     extras += [(name, buffer) for name, buffer in module.named_buffers() if name in persistent]
     return extras
+
+
+def frozen_owned(engine: Any) -> list[tuple[str, int, int, torch.Tensor]]:
+    """Stage 3's partitioned frozen parameters: this rank's pieces, as (name, start, stop,
+    values) in the local tensor's flat coordinates; the values are views of its shards,
+    so a load writes straight into them."""
+    strategy = engine.zero.params
+    rank = engine.zero.groups.shard.rank
+    owned = []
+    for unit in strategy.frozen_units:
+        chunk = strategy.owned_chunk(unit)
+        for piece in unit.owned_pieces(rank):
+            values = chunk[piece.chunk_offset : piece.chunk_offset + piece.numel]
+            owned.append((piece.slot.name, piece.start, piece.stop, values))
+    return owned
 
 
 def tensor_shards(module: torch.nn.Module) -> dict[str, TensorShard]:
@@ -35,15 +53,15 @@ def tensor_shards(module: torch.nn.Module) -> dict[str, TensorShard]:
     return shards
 
 
-def owned_runs(owned: OwnedRange, shard: TensorShard | None) -> list[tuple[int, int, int]]:
-    """An owned range in the whole parameter's flat coordinates: (global start, global
-    stop, position inside the owned range) runs. A tensor-parallel rank's local block is
+def owned_runs(start: int, stop: int, shard: TensorShard | None) -> list[tuple[int, int, int]]:
+    """An owned range [start, stop) of the local tensor in the whole parameter's flat
+    coordinates: (global start, global stop, position inside the owned range) runs. A tensor-parallel rank's local block is
     not one range of the whole parameter; its placement (`TensorShard`) maps it, so every
     piece a checkpoint stores names elements of the whole parameter, whatever the tensor,
     data or pipeline sizes that save or load it."""
     if shard is None:
-        return [(owned.start, owned.stop, 0)]
-    return shard.global_runs(owned.start, owned.stop)
+        return [(start, stop, 0)]
+    return shard.global_runs(start, stop)
 
 
 def strided_pieces(runs: list[tuple[int, int, int]]) -> list[tuple[int, int, int, int, int]]:
@@ -79,11 +97,13 @@ def describe_model(engine: Any) -> dict[str, Any]:
     placeholders between forwards, so trained shapes come from the layout; a
     tensor-parallel parameter is described by its whole shape)."""
     trained = {slot.name: list(slot.shape) for unit in engine.units for slot in unit.slots}
-    trained.update({name: list(shard.global_shape) for name, shard in tensor_shards(engine.module).items()
-                    if name in trained})
+    held_frozen = {slot.name: list(slot.shape) for unit in engine.zero.params.frozen_units for slot in unit.slots}
+    shapes = {**trained, **held_frozen}
+    shapes.update({name: list(shard.global_shape) for name, shard in tensor_shards(engine.module).items()
+                   if name in shapes})
     module = engine.module
     parameters = [  # dtype: of the stored values (fp32 masters for trained parameters)
-        {"name": name, "shape": trained.get(name, list(param.shape)), "trainable": name in trained,
+        {"name": name, "shape": shapes.get(name, list(param.shape)), "trainable": name in trained,
          "dtype": "float32" if name in trained else _dtype_name(param.dtype)}
         for name, param in module.named_parameters()
     ]

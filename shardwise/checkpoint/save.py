@@ -41,6 +41,7 @@ from shardwise.checkpoint.manifest import file_digest, publish, write_manifest, 
 from shardwise.checkpoint.pieces import (
     describe_tensor_parallel,
     describe_whole_model,
+    frozen_owned,
     module_extras,
     owned_runs,
     strided_pieces,
@@ -134,13 +135,20 @@ def _write_rank_files(engine: Any, staging: Path) -> None:
                 continue  # replicated over the tensor group: its first rank writes it
             states = element_states.get(id(owned.segment), {})
             named = {VALUE: owned.master, **{key: owned.state_view(state) for key, state in states.items()}}
-            for start, run, stride, count, at in strided_pieces(owned_runs(owned, shards.get(owned.name))):
+            runs = owned_runs(owned.start, owned.stop, shards.get(owned.name))
+            for start, run, stride, count, at in strided_pieces(runs):
                 stored = {key: view[at : at + run * count] for key, view in named.items()}
                 stop = start + (count - 1) * stride + run
                 add(owned.name, start, stop, stored, store.sub_group_index(owned.segment),
                     *((run, stride) if count > 1 else ()))
+        for name, low, high, values in frozen_owned(engine):  # stage 3: frozen weights are partitioned too
+            if name not in shards and not first_tensor_rank:
+                continue
+            for start, run, stride, count, at in strided_pieces(owned_runs(low, high, shards.get(name))):
+                add(name, start, start + (count - 1) * stride + run, {VALUE: values[at : at + run * count]}, -1,
+                    *((run, stride) if count > 1 else ()))
     if engine.rank == 0:
-        for name, tensor in module_extras(engine.module):
+        for name, tensor in module_extras(engine):
             add(name, 0, tensor.numel(), {VALUE: tensor.detach().reshape(-1)}, -1)
 
     files: dict[str, tuple[int, str]] = {}

@@ -116,17 +116,19 @@ def apply_zero(
     codec: StateCodec | None = None,
     param_init_fn: Callable[[nn.Module], None] | None = None,
     per_parameter: bool = False,
+    frozen: list[tuple[str, nn.Parameter]] = (),
 ) -> ZeroState:
     """Partition `named` (name, parameter, param group) of `model` as `policy` says.
     `per_parameter`: the optimizer works on whole parameters (optim/sharded.py).
     `make_optimizer=None`: forward only (an engine without an optimizer, e.g. an RLHF
     reference model): the parameters are held as for training (1/N each at stage 3), but
-    no fp32 masters, gradient buffers or optimizer state exist."""
+    no fp32 masters, gradient buffers or optimizer state exist. `frozen`: parameters that
+    are not trained; stage 3 partitions them too (others keep them whole)."""
     align = align_elements(policy.param_dtype)
     params: ParameterStrategy
     if policy.partitions_parameters:
         params = PartitionedParameters(
-            model, named, policy, device, groups.shard, groups.replicas, ledger, align, param_init_fn
+            model, named, policy, device, groups.shard, groups.replicas, ledger, align, param_init_fn, frozen
         )
     else:
         units = pack_units(reversed(named), policy.reduce_bucket_size, groups.shard.size, align)

@@ -7,7 +7,9 @@ Hooks on every module that owns partitioned parameters drive four events:
                    other elements are gathered (0: always release);
                    hook the outputs' gradients so that, in backward,
     pre-backward   the units are gathered again before the module's backward runs
-    grads ready    (reported by GradientReducer) the units are freed for good this step
+    grads ready    (reported by GradientReducer) the units are freed for good this step;
+                   a frozen unit has no gradient: it is freed once the gradients of the
+                   module's inputs are done, the last thing backward needs it for
 
 The first step records the sequence of unit uses (forward, then backward) as a *trace*.
 Later steps, as long as they follow the trace, prefetch the units ahead of the current
@@ -67,6 +69,7 @@ class GatherSchedule:
         prefetch_bucket_size: int,
         max_live_parameters: int,
         max_reuse_distance: int,
+        frozen: set[int] = frozenset(),
     ):
         self.root = root
         self.module_units = module_units
@@ -75,6 +78,8 @@ class GatherSchedule:
         self.prefetch_bucket_size = prefetch_bucket_size
         self.max_live_parameters = max_live_parameters
         self.max_reuse_distance = max_reuse_distance
+        self.frozen = frozen  # indices of units without gradients
+        self.backward_uses: dict[int, int] = {}  # frozen unit -> forward uses whose backward is pending
         self.units = {unit.index: unit for units in module_units.values() for unit in units}
         self.trace: list[int] = []
         self.next_use_distance: list[float] = []
@@ -83,7 +88,7 @@ class GatherSchedule:
         self.gather_log: list[int] = []
         self.prefetched = 0  # units gathered ahead of their use, since start
         self.recompute_gathers = 0  # unit uses by recomputations (each gathered again), since start
-        self.backward_use_callbacks: list = []  # called with each unit about to run backward
+        self.backward_use_callbacks: list = []  # called with each trained unit about to run backward
         self.positions: dict[nn.Module, list[list[int]]] = defaultdict(list)
         self.handles = []
         for module in module_units:
@@ -150,6 +155,7 @@ class GatherSchedule:
             units = self.module_units.get(module, [])
             self._use(units)
             self.recompute_gathers += len(units)
+            self._free_frozen_after_input_grads(units, args, counted=False)
             return
         if module is self.root:
             self._begin_pass()
@@ -166,19 +172,45 @@ class GatherSchedule:
             if self.params.release_use(unit) == 0 and not self._reused_soon(position):
                 self.params.free(unit)
         if units and torch.is_grad_enabled():
-            tensors = [t for t in tree_flatten(output)[0] if torch.is_tensor(t) and t.requires_grad]
+            tensors = _needing_grad(output)
             if tensors:
                 torch.autograd.graph.register_multi_grad_hook(
                     tensors, lambda grads: self._pre_backward(units), mode="any"
                 )
+                self._free_frozen_after_input_grads(units, args, counted=True)
         if module is self.root and not torch.is_grad_enabled():
             self._free_unused()  # no backward will follow this forward
             if not self.trace:  # e.g. an engine without an optimizer: forward-only passes prefetch too
                 self.end_backward()
 
+    def _free_frozen_after_input_grads(self, units: list[FlatUnit], args: tuple, counted: bool) -> None:
+        """Backward needs a frozen unit only to pass gradients through to the module's
+        inputs: free it when those are complete for every use of the step (`counted`:
+        a forward use, whose backward is pending until then). A recomputation's own hook
+        fires only under reentrant checkpointing, whose first forward ran without
+        gradients and so counted no use; otherwise the first forward's hook frees."""
+        frozen = [unit for unit in units if unit.index in self.frozen]
+        inputs = _needing_grad(args)
+        if not (frozen and inputs):
+            return
+        if counted:
+            for unit in frozen:
+                self.backward_uses[unit.index] = self.backward_uses.get(unit.index, 0) + 1
+        torch.autograd.graph.register_multi_grad_hook(inputs, lambda grads: self._release_frozen(frozen, counted))
+
+    def _release_frozen(self, units: list[FlatUnit], counted: bool) -> None:
+        for unit in units:
+            pending = self.backward_uses.pop(unit.index, 0) - counted
+            if pending > 0:
+                self.backward_uses[unit.index] = pending
+            elif not self.params.users.get(unit.index):
+                self.params.free(unit)
+
     def _pre_backward(self, units: list[FlatUnit]) -> None:
         self._use(units)
         for unit in units:
+            if unit.index in self.frozen:
+                continue
             for callback in self.backward_use_callbacks:
                 callback(unit)
 
@@ -198,6 +230,7 @@ class GatherSchedule:
                 for unit in self.module_units.get(module, []):
                     self.params.release_use(unit)
         self.positions.clear()
+        self.backward_uses.clear()
         self._free_unused()
         self.record = []
         self.gather_log = []
@@ -213,6 +246,7 @@ class GatherSchedule:
         """Free everything, keep the step's order as the trace, check ranks agreed (also
         after the first forward run without gradients, when there is no trace yet)."""
         self._free_unused()
+        self.backward_uses.clear()
         if self.record and self.record != self.trace:
             self._set_trace(self.record)
         log, record = self.gather_log, self.record
@@ -270,3 +304,7 @@ class GatherSchedule:
         for handle in self.handles:
             handle.remove()
         self.handles.clear()
+
+
+def _needing_grad(value: object) -> list[torch.Tensor]:
+    return [t for t in tree_flatten(value)[0] if torch.is_tensor(t) and t.requires_grad]

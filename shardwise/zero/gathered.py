@@ -47,8 +47,9 @@ def gathered_parameters(
 
 @contextmanager
 def _gathered_of_engine(engine, params: list[nn.Parameter], modifier_rank: int | None) -> Iterator[None]:
-    units = list({id(u): u for u in (engine.unit_of_param[id(p)] for p in params)}.values())
-    units.sort(key=lambda unit: unit.index)  # the same order on every rank
+    held = [engine.unit_of_param[id(p)] for p in params if id(p) in engine.unit_of_param]
+    units = sorted({id(u): u for u in held}.values(), key=lambda unit: unit.index)  # the same order on every rank
+    whole = [p for p in params if id(p) not in engine.unit_of_param]  # frozen, held whole on every rank
     strategy = engine.zero.params
     strategy.acquire(units)
     try:
@@ -56,9 +57,13 @@ def _gathered_of_engine(engine, params: list[nn.Parameter], modifier_rank: int |
     finally:
         if modifier_rank is not None:
             source = _group_rank(engine.zero.groups.replicas.handle.ranks, modifier_rank)
+            for param in whole:
+                engine.zero.groups.replicas.broadcast(param.data, source, "edited frozen parameter")
+            trained = {id(unit) for unit in engine.units} if engine.zero.store is not None else set()
             for unit in units:
                 strategy.broadcast_edits(unit, source)
-                engine.zero.store.refresh_master(unit)
+                if id(unit) in trained:  # frozen units (and a forward-only engine's) have no master
+                    engine.zero.store.refresh_master(unit)
         strategy.release(units)
 
 

@@ -7,6 +7,11 @@ engine, checkpoints and `gathered_parameters` use.
   stage 2: packed into buckets, gradients reduce-scattered, updated chunks all-gathered.
 - Every other parameter belongs to the unit of the first module that owns it; a unit is
   gathered whenever any module using it runs (tied weights join both modules).
+- Frozen parameters (requires_grad False: a LoRA model's base weights, a frozen encoder)
+  of that size are partitioned the same way, in units of their own (`frozen_units`) that
+  the shard store, gradient reducer and optimizer never see: 1/N of them per rank, no
+  fp32 master, no gradient. Backward gathers them again for the input gradients it
+  computes through them and frees them once those are done (gather_schedule.py).
 - Units are numbered in reverse module order, roughly the order in which backward
   finishes their gradients, so reductions launch in order while backward runs.
 
@@ -55,39 +60,34 @@ class PartitionedParameters(ParameterStrategy):
         ledger: MemoryLedger,
         align: int,
         param_init_fn: Callable[[nn.Module], None] | None = None,
+        frozen: list[tuple[str, nn.Parameter]] = (),
     ):
         """`shard`: the group each unit is split over; `replicas`: every rank holding the
-        same model (initial values are broadcast over it)."""
+        same model (initial values are broadcast over it); `frozen`: parameters held but
+        not trained (those under the persistence threshold stay whole, outside ZeRO)."""
         world = shard.size
         dtype = policy.param_dtype
         prefetch = policy.prefetch
         threshold = prefetch.persistence_threshold
         persistent = [(n, p, g) for n, p, g in named if p.numel() < threshold]
         partitioned = {id(p): (n, p, g) for n, p, g in named if p.numel() >= threshold}
-
-        owners: list[tuple[str, list[tuple[str, nn.Parameter, int]]]] = []
-        claimed: set[int] = set()
-        for module_name, module in model.named_modules():
-            own = [
-                partitioned[id(p)]
-                for p in module.parameters(recurse=False)
-                if id(p) in partitioned and id(p) not in claimed
-            ]
-            claimed.update(id(entry[1]) for entry in own)
-            if own:
-                owners.append((module_name or "<root>", own))
-        self.module_units_list = [
-            make_unit(index, own, world, align, label=name)
-            for index, (name, own) in enumerate(reversed(owners))
-        ]
-        unit_of = {id(slot.param): unit for unit in self.module_units_list for slot in unit.slots}
+        held_frozen = {id(p): (n, p, 0) for n, p in frozen if p.numel() >= threshold}
+        self.module_units_list = _module_units(model, partitioned, world, align, first_index=0)
+        self.frozen_units = _module_units(
+            model, held_frozen, world, align, first_index=len(self.module_units_list) + len(persistent)
+        )
+        unit_of = {
+            id(slot.param): unit for unit in self.module_units_list + self.frozen_units for slot in unit.slots
+        }
         module_units: dict[nn.Module, list[FlatUnit]] = {}
         for module in model.modules():
             units = list({id(u): u for p in module.parameters(recurse=False) if (u := unit_of.get(id(p)))}.values())
             if units:
                 module_units[module] = units
 
-        self.sharded = ShardedParameters(self.module_units_list, dtype, device, shard, ledger, policy.offload_param)
+        self.sharded = ShardedParameters(
+            self.module_units_list + self.frozen_units, dtype, device, shard, ledger, policy.offload_param
+        )
         self.replicas = replicas
         _materialize_and_shard(model, self.sharded, unit_of, replicas, device, param_init_fn or _default_init)
         persistent_units = pack_units(
@@ -104,10 +104,11 @@ class PartitionedParameters(ParameterStrategy):
             prefetch.prefetch_bucket_size,
             prefetch.max_live_parameters,
             prefetch.max_reuse_distance,
+            frozen={unit.index for unit in self.frozen_units},
         )
 
     def _is_partitioned(self, unit: FlatUnit) -> bool:
-        return unit.index < len(self.module_units_list)
+        return unit.index in self.sharded.flats
 
     def owned_chunk(self, unit: FlatUnit) -> torch.Tensor:
         if self._is_partitioned(unit):
@@ -169,6 +170,23 @@ class PartitionedParameters(ParameterStrategy):
 
     def remove_hooks(self) -> None:
         self.schedule.remove_hooks()
+
+
+def _module_units(
+    model: nn.Module, held: dict[int, tuple[str, nn.Parameter, int]], world: int, align: int, first_index: int
+) -> list[FlatUnit]:
+    """One unit per module that first owns some of `held`, numbered in reverse module order."""
+    owners: list[tuple[str, list[tuple[str, nn.Parameter, int]]]] = []
+    claimed: set[int] = set()
+    for module_name, module in model.named_modules():
+        own = [held[id(p)] for p in module.parameters(recurse=False) if id(p) in held and id(p) not in claimed]
+        claimed.update(id(entry[1]) for entry in own)
+        if own:
+            owners.append((module_name or "<root>", own))
+    return [
+        make_unit(first_index + index, own, world, align, label=name)
+        for index, (name, own) in enumerate(reversed(owners))
+    ]
 
 
 def _materialize_and_shard(

@@ -22,6 +22,7 @@ The contract, in the order a training step uses it:
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
+from collections.abc import Sequence
 
 import torch
 
@@ -29,7 +30,8 @@ from shardwise.zero.layout import FlatUnit
 
 
 class ParameterStrategy(ABC):
-    units: list[FlatUnit]
+    units: list[FlatUnit]  # trained: the shard store, reducer and optimizer work on these
+    frozen_units: Sequence[FlatUnit] = ()  # held, not trained (stage 3 partitions frozen parameters)
 
     @abstractmethod
     def owned_chunk(self, unit: FlatUnit) -> torch.Tensor:

@@ -48,6 +48,14 @@ def trainable_parameters(
     return trainable
 
 
+def frozen_parameters(
+    model: nn.Module, trained: list[tuple[str, nn.Parameter, int]]
+) -> list[tuple[str, nn.Parameter]]:
+    """(name, parameter) of every floating-point parameter not in `trained`."""
+    ids = {id(param) for _, param, _ in trained}
+    return [(name, param) for name, param in model.named_parameters() if param.is_floating_point() and id(param) not in ids]
+
+
 def evaluated_parameters(model: nn.Module) -> list[tuple[str, nn.Parameter, int]]:
     """(name, parameter, 0) for every floating-point parameter, trainable or not: an
     engine without an optimizer only runs forward, and holds all of them the way ZeRO

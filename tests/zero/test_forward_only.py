@@ -50,6 +50,14 @@ def rlhf_parallel(rank: int, world_size: int, stage: int, dtype: str) -> dict:
         actor_engine.backward(loss)
         actor_engine.step()
         losses.append(loss.item())
+    reference.reset_comm_volume()
+    with torch.no_grad():
+        reference(x[rows])
+    forward_volume = reference.comm_volume()
+    partitioned = [unit for unit in reference.units if unit.index in reference.zero.params.sharded.flats] \
+        if stage == 3 else []
+    expected_volume = sum(unit.padded_numel for unit in partitioned) * reference.dtype.itemsize * (world_size - 1) \
+        // world_size
     refused = []
     for call in (lambda: reference.backward(ref.sum()), reference.step):
         try:
@@ -61,7 +69,7 @@ def rlhf_parallel(rank: int, world_size: int, stage: int, dtype: str) -> dict:
     breakdown = reference.memory_breakdown()
     return {"losses": losses, "reference_logits": torch.cat(reference_logits), "refused": refused,
             "memory": breakdown, "numel": numel, "reference_weights": reference_weights,
-            "optimizer": reference.optimizer}
+            "optimizer": reference.optimizer, "forward_volume": forward_volume, "expected_volume": expected_volume}
 
 
 def rlhf_reference(world_size: int) -> dict:
@@ -105,6 +113,9 @@ def test_reference_engine_equals_plain_torch(stage):
         assert len(result["refused"]) == 2
         assert all("no optimizer, so it only runs forward" in text for text in result["refused"])
         assert result["optimizer"] is None
+        # stage 3: one all-gather of every partitioned unit per forward, b·Ψ(N-1)/N; nothing else
+        sent = {key: value for key, value in result["forward_volume"].items() if value}
+        assert sent == ({"all_gather": result["expected_volume"]} if stage == 3 else {}), result["forward_volume"]
         memory = result["memory"]
         assert not memory.get("optimizer_states") and not memory.get("gradients"), memory
         if stage == 3:  # 1/N of the weights, plus alignment padding and the small persistent ones
