@@ -53,6 +53,7 @@ from shardwise.parallel.pipeline.engine_methods import (  # (and registers its a
 from shardwise.parallel.sequence import ulysses  # noqa: F401  (registers its apply step)
 from shardwise.parallel.tensor import transform as _tensor_parallel  # noqa: F401  (registers its apply step)
 from shardwise.parallel.tensor.grad_norm import tensor_parallel_norm
+from shardwise.parallel.tensor.layers import gather_vocab_logits
 from shardwise.precision import LossScaler
 from shardwise.precision.casting import cast_floating, cast_unheld_state
 from shardwise.reliability.step_guard import StepGuard
@@ -124,6 +125,8 @@ class Engine(PipelineEngineMethods, DeepSpeedEngineAPI, nn.Module):
         if not any(param.is_meta for param in model.parameters()):
             model.to(self.device)
         self.trains = optimizer is not None or cfg.optimizer is not None  # else forward only (evaluation)
+        if not self.trains:
+            gather_vocab_logits(model)  # its callers sample or take log-probabilities: whole logits
         named = trainable_parameters(model, optimizer) if self.trains else evaluated_parameters(model)
         spec = optimizer_spec(cfg.optimizer.type) if cfg.optimizer is not None else None
         self.zero = apply_zero(
@@ -364,9 +367,8 @@ class Engine(PipelineEngineMethods, DeepSpeedEngineAPI, nn.Module):
     def _require_training(self, call: str) -> None:
         self._require_alive(call)
         if not self.trains:
-            raise RuntimeError(f"engine.{call}(): this engine was given no optimizer, so it only runs forward "
-                               "(evaluation, a reference model); pass an optimizer to initialize() or add an "
-                               "'optimizer' block to the config to train")
+            raise RuntimeError(f"engine.{call}(): this engine was given no optimizer, so it only runs forward; "
+                               "pass an optimizer to initialize() or add an 'optimizer' block to train")
 
     def destroy(self) -> None:
         """Detach from the model (hooks removed); the model can then get a new engine."""
@@ -397,9 +399,7 @@ def initialize(
     by dotted key (e.g. {"optimizer.params.lr": 3e-4, "train_micro_batch_size_per_gpu": 8}),
     as Hugging Face's trainer does from its arguments.
 
-    Without an optimizer (none passed, no `optimizer` block) the engine runs forward only:
-    a reference or reward model beside a trained one, or evaluation. Its parameters are
-    held as ZeRO holds trained ones (1/N each at stage 3, gathered per module), with no
-    fp32 masters, gradients or optimizer state; backward() and step() raise.
+    Without an optimizer (none passed, no `optimizer` block) the engine runs forward only
+    (a reference model, evaluation): parameters held as ZeRO holds trained ones, nothing else.
     """
     return Engine(model, config, optimizer, lr_scheduler, param_init_fn, auto_values)

@@ -13,7 +13,7 @@ from torch import nn
 import shardwise
 from shardwise.models import GPT, GPTConfig
 from shardwise.testing import run_distributed
-from tests.zero.workers import global_batch
+from tests.zero.workers import build_model, global_batch, model_loss
 
 MICRO, STEPS, LR, RANK = 2, 3, 5e-2, 4
 
@@ -32,10 +32,20 @@ class LoraLinear(nn.Module):
         return self.base_layer(x) + self.lora_B(self.lora_A(x))
 
 
-def build_lora_gpt(layers: int = 4) -> nn.Module:
-    torch.manual_seed(1234)
-    model = GPT(dataclasses.replace(GPTConfig.preset("tiny"), bias=False, n_layer=layers))
-    linears = [(parent, name, child) for block in model.blocks for parent in block.modules()
+def build_lora(kind: str = "gpt") -> nn.Module:
+    """shardwise's GPT (4 layers), or a Hugging Face Llama with its own gradient
+    checkpointing (reentrant, as `gradient_checkpointing_enable()` defaults to, with
+    `enable_input_require_grads()` as PEFT scripts call it)."""
+    if kind == "gpt":
+        torch.manual_seed(1234)
+        model = GPT(dataclasses.replace(GPTConfig.preset("tiny"), bias=False, n_layer=4))
+        blocks = model.blocks
+    else:
+        model = build_model("llama")
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": True})
+        model.enable_input_require_grads()
+        blocks = model.model.layers
+    linears = [(parent, name, child) for block in blocks for parent in block.modules()
                for name, child in parent.named_children() if isinstance(child, nn.Linear)]
     for parent, name, child in linears:
         setattr(parent, name, LoraLinear(child))
@@ -53,15 +63,16 @@ def _config(stage: int, recompute: bool) -> dict:
     return config
 
 
-def train_parallel(rank: int, world_size: int, stage: int, recompute: bool, checkpoint_dir: str | None) -> dict:
-    model = build_lora_gpt()
+def train_parallel(rank: int, world_size: int, stage: int, recompute: bool, checkpoint_dir: str | None,
+                   kind: str = "gpt") -> dict:
+    model = build_lora(kind)
     total_bytes = sum(param.numel() for param in model.parameters()) * 4
     trained = [param for param in model.parameters() if param.requires_grad]
     engine = shardwise.initialize(model, _config(stage, recompute), optimizer=torch.optim.SGD(trained, lr=LR))
     losses = []
     for step in range(STEPS):
         x, y = global_batch(step, MICRO * world_size)
-        loss = engine(x[rank * MICRO:(rank + 1) * MICRO], y[rank * MICRO:(rank + 1) * MICRO])
+        loss = model_loss(engine, kind, x[rank * MICRO:(rank + 1) * MICRO], y[rank * MICRO:(rank + 1) * MICRO])
         engine.backward(loss)
         engine.step()
         losses.append(loss.item())
@@ -78,7 +89,7 @@ def train_parallel(rank: int, world_size: int, stage: int, recompute: bool, chec
 
 def load_parallel(rank: int, world_size: int, stage: int, checkpoint_dir: str) -> dict:
     torch.manual_seed(99)  # different starting weights: everything must come from the checkpoint
-    model = build_lora_gpt()
+    model = build_lora()
     for param in model.parameters():
         param.data.normal_()
     trained = [param for param in model.parameters() if param.requires_grad]
@@ -88,13 +99,14 @@ def load_parallel(rank: int, world_size: int, stage: int, checkpoint_dir: str) -
         return {name: param.detach().clone() for name, param in engine.module.named_parameters()}
 
 
-def train_reference(world_size: int) -> dict:
-    model = build_lora_gpt()
+def train_reference(world_size: int, kind: str = "gpt") -> dict:
+    model = build_lora(kind)
     optimizer = torch.optim.SGD([param for param in model.parameters() if param.requires_grad], lr=LR)
     losses = []
     for step in range(STEPS):
         x, y = global_batch(step, MICRO * world_size)
-        per_rank = [model(x[r * MICRO:(r + 1) * MICRO], y[r * MICRO:(r + 1) * MICRO]) for r in range(world_size)]
+        per_rank = [model_loss(model, kind, x[r * MICRO:(r + 1) * MICRO], y[r * MICRO:(r + 1) * MICRO])
+                    for r in range(world_size)]
         optimizer.zero_grad()
         torch.stack(per_rank).mean().backward()
         optimizer.step()
@@ -109,10 +121,11 @@ def _assert_equal_weights(actual: dict, expected: dict) -> None:
         assert error < 1e-5, (name, error)
 
 
-@pytest.mark.parametrize("recompute", [False, True], ids=["plain", "recompute"])
-def test_lora_at_stage_3_equals_plain_torch_with_frozen_weights_partitioned(recompute):
-    results = run_distributed(train_parallel, 2, 3, recompute, None, timeout=240)
-    expected = train_reference(2)
+@pytest.mark.parametrize("kind, recompute", [("gpt", False), ("gpt", True), ("llama", False)],
+                         ids=["gpt", "gpt-recompute", "hf-llama-reentrant-checkpointing"])
+def test_lora_at_stage_3_equals_plain_torch_with_frozen_weights_partitioned(kind, recompute):
+    results = run_distributed(train_parallel, 2, 3, recompute, None, kind, timeout=240)
+    expected = train_reference(2, kind)
     for rank, result in enumerate(results):
         for step in range(STEPS):
             want = expected["losses"][step][rank]

@@ -16,6 +16,7 @@ from shardwise.compat.deepspeed import (
     accelerator,
     checkpointing,
     comm,
+    inference,
     moe,
     ops,
     pipe,
@@ -27,17 +28,21 @@ from shardwise.compat.deepspeed.accelerator import get_accelerator
 from shardwise.compat.deepspeed.arguments import add_config_arguments
 from shardwise.compat.deepspeed.comm import init_distributed
 from shardwise.compat.deepspeed.engine import DeepSpeedEngine
+from shardwise.compat.deepspeed.inference import InferenceEngine, init_inference
 from shardwise.compat.deepspeed.init_engine import initialize
 from shardwise.compat.deepspeed.utils import log_dist, logger
 
 __all__ = [
     "DeepSpeedEngine",
+    "InferenceEngine",
     "accelerator",
     "add_config_arguments",
     "checkpointing",
     "comm",
     "get_accelerator",
+    "inference",
     "init_distributed",
+    "init_inference",
     "initialize",
     "log_dist",
     "logger",

@@ -151,7 +151,11 @@ class VocabParallelEmbedding(nn.Module):
 class VocabParallelHead(nn.Module):
     """The output layer, split over the vocabulary. Its logits stay sharded
     (`VocabShardedLogits`): `F.cross_entropy` on them, or the Hugging Face loss that
-    shardwise installs, computes the loss without gathering them."""
+    shardwise installs, computes the loss without gathering them. With `gather_logits`
+    (an engine without an optimizer: its callers sample, or take log-probabilities) every
+    rank gets the whole logits."""
+
+    gather_logits = False
 
     def __init__(self, module: nn.Module, region: TensorRegion, cache: ShardCache):
         super().__init__()
@@ -166,7 +170,17 @@ class VocabParallelHead(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         x = enter_region(x, self.region.comm, self.region.sequence_parallel)
         weight = self.weight.t() if self.conv1d else self.weight
-        return VocabShardedLogits.wrap(F.linear(x, weight, self.bias), self.shard)
+        logits = F.linear(x, weight, self.bias)
+        if self.gather_logits:
+            return gather_from_region(logits, self.region.comm)
+        return VocabShardedLogits.wrap(logits, self.shard)
 
     def extra_repr(self) -> str:
         return f"vocabulary {self.shard.start}-{self.shard.start + self.local_vocab} of {self.shard.vocab_size}"
+
+
+def gather_vocab_logits(model: nn.Module) -> None:
+    """Make every vocabulary-parallel output layer of `model` hand back whole logits."""
+    for module in model.modules():
+        if isinstance(module, VocabParallelHead):
+            module.gather_logits = True
