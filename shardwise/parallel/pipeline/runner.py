@@ -38,6 +38,7 @@ from shardwise.parallel.pipeline.p2p import (
     message_tensors,
 )
 from shardwise.parallel.pipeline.schedules import Action, schedule_actions
+from shardwise.parallel.pipeline.shared import SharedExchange
 from shardwise.parallel.pipeline.split import StageLayout
 from shardwise.precision.casting import cast_floating, to_device
 
@@ -57,6 +58,7 @@ class PipelineRunner:
         self.layers = adapter.layers(self.model)
         self.tied = layout.tied
         self.tied_leaf: torch.Tensor | None = None
+        self.shared = SharedExchange(self.model, layout.shared, self.channel, layout.rank) if layout.shared else None
         self.last_timing: dict[str, float] = {}  # total_s, busy_s and bubble (idle share) of the last batch
         self.synced_at = 0.0
         self.peak_in_flight = 0  # micro-batches whose activations were held at once, last batch
@@ -146,7 +148,12 @@ class PipelineRunner:
         return context
 
     def _exchange_tied_weight(self) -> None:
-        """The first stage's current embedding weight becomes the last stage's output weight."""
+        """The first stage's current embedding weight becomes the last stage's output weight,
+        and the owners' values of shared layers' parameters replace the other stages' (shared.py)."""
+        if self.shared is not None:
+            self.shared.send_values()
+            for leaf in self.shared.receive_values(self.engine.dtype, self.engine.device):
+                self.parameter_storage.add(leaf.untyped_storage().data_ptr())
         if not self.tied:
             return
         layout = self.layout
@@ -230,6 +237,10 @@ class PipelineRunner:
             tensors.append(weight)
             grads.append(self.channel.receive(weight.shape, weight.dtype, engine.device, "tied gradient",
                                               layout.last_stage, 0, 0))
+        if final_backward and self.shared is not None:  # what the other stages' uses of owned layers gave
+            params, shared_grads = self.shared.receive_gradients(engine.device)
+            tensors += params
+            grads += shared_grads
         begin = time.perf_counter()
         self._zero_backward(tensors, grads, final_backward, loss)
         self.busy += time.perf_counter() - begin
@@ -240,6 +251,8 @@ class PipelineRunner:
                 self.channel.send(grad, "gradient", stage - 1, stage, i, part)
         if stage == layout.last_stage and self.tied and i == self.micro_batches - 1:
             self.channel.send(self.tied_leaf.grad, "tied gradient", 0, stage, 0)
+        if self.shared is not None and i == self.micro_batches - 1:
+            self.shared.send_gradients()
 
     def _zero_backward(self, tensors: list[torch.Tensor], grads: list[torch.Tensor | None], boundary: bool,
                        loss: torch.Tensor) -> None:

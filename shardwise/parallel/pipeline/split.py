@@ -20,6 +20,12 @@ An embedding tied to the output layer lives on the first stage. The last stage's
 layer gets a plain tensor in its place, refreshed from the first stage every batch
 (runner.py); its accumulated gradient goes back and is added to the embedding's in the
 first stage's last backward, so the pair is summed once, as one parameter would be.
+
+The same holds for any module that layers of several stages share (DeepSpeed's
+`TiedLayerSpec`: one module object in several places of the layer list): the first stage
+using it owns its parameters; on every other rank using it they become plain tensors,
+views of one buffer received from the owner every batch, whose gradient goes back to the
+owner's last backward (`SharedParameters`).
 """
 
 from __future__ import annotations
@@ -55,6 +61,7 @@ class StageLayout:
     tied: bool = False  # the first stage's embedding is the last stage's output weight
     tied_shape: torch.Size | None = None  # the tied output weight the last stage receives
     runs: list[list[int]] = field(default_factory=list)  # every virtual stage's layers
+    shared: "SharedParameters | None" = None  # parameters of layers on several ranks
 
     def stage(self, chunk: int) -> int:
         return chunk * self.size + self.rank
@@ -62,6 +69,47 @@ class StageLayout:
     @property
     def last_stage(self) -> int:
         return self.size * self.virtual - 1
+
+
+@dataclass
+class SharedParameters:
+    """Parameters that layers on several ranks use, per pair of stages: this rank sends
+    the values of `sends[user stage]` (paths in its model, in order) to that stage every
+    batch and adds the gradients coming back; it receives `receives[owner stage]` (paths
+    and shapes) into one buffer whose views replace those parameters here."""
+
+    sends: dict[int, list[str]] = field(default_factory=dict)
+    receives: dict[int, list[tuple[str, torch.Size]]] = field(default_factory=dict)
+    requires_grad: dict[int, bool] = field(default_factory=dict)  # per peer stage: whether gradients return
+
+
+def find_shared_parameters(layers: list[nn.Module], runs: list[list[int]], size: int, rank: int,
+                           layers_path: str) -> SharedParameters | None:
+    """Which parameters cross ranks, and this rank's part in moving them (see above)."""
+    stage_of = {index: stage for stage, run in enumerate(runs) for index in run}
+    uses: dict[int, dict[int, str]] = {}  # parameter -> {virtual stage: its path in that stage's first layer}
+    params: dict[int, nn.Parameter] = {}
+    for index, layer in enumerate(layers):
+        for name, param in layer.named_parameters():
+            params[id(param)] = param
+            uses.setdefault(id(param), {}).setdefault(stage_of[index], f"{layers_path}.{index}.{name}")
+    crossing = {key: by_stage for key, by_stage in uses.items() if len({stage % size for stage in by_stage}) > 1}
+    if crossing and len(runs) != size:
+        raise ValueError("pipeline_parallel.virtual_stages > 1 with a module that layers of several ranks share "
+                         "(DeepSpeed's TiedLayerSpec) is not supported; use one stage per rank")
+    shared = SharedParameters()
+    for key, by_stage in crossing.items():
+        owner = min(by_stage)
+        for stage, path in sorted(by_stage.items()):
+            if stage == owner:
+                continue
+            if owner == rank:
+                shared.sends.setdefault(stage, []).append(by_stage[owner])
+                shared.requires_grad[stage] = shared.requires_grad.get(stage, False) or params[key].requires_grad
+            elif stage == rank:
+                shared.receives.setdefault(owner, []).append((path, params[key].shape))
+                shared.requires_grad[owner] = shared.requires_grad.get(owner, False) or params[key].requires_grad
+    return shared if shared.sends or shared.receives else None
 
 
 def partition(weights: list[int], parts: int, first_extra: int = 0, last_extra: int = 0,
@@ -125,10 +173,17 @@ def split_model(model: nn.Module, adapter: Adapter, rank: int, size: int, virtua
                      rule="parameters" if rule == "time" else rule, split_points=split_points)
     chunks = [runs[chunk * size + rank] for chunk in range(virtual)]
     layout = StageLayout(rank, size, virtual, chunks, rank == 0, rank == size - 1, tied, runs=runs)
+    layout.shared = find_shared_parameters(list(layers), runs, size, rank, adapter.layers_path)
     kept = {index for chunk in chunks for index in chunk}
     parent_path, _, name = adapter.layers_path.rpartition(".")
     parent = model.get_submodule(parent_path) if parent_path else model
     setattr(parent, name, nn.ModuleDict({str(index): layers[index] for index in sorted(kept)}))
+    for paths in (layout.shared.receives.values() if layout.shared else ()):
+        for path, _ in paths:  # the owner's values arrive every batch (runner.py)
+            module_path, _, name = path.rpartition(".")
+            module = model.get_submodule(module_path)
+            del module._parameters[name]
+            setattr(module, name, torch.empty(0))
     if tied and layout.last:
         layout.tied_shape = head.weight.shape
         del head._parameters["weight"]

@@ -15,11 +15,18 @@ balance the layers whose class name matches. `LayerSpec`s are built when the mod
 uses `torch.utils.checkpoint` whatever `activation_checkpoint_func` names; `dynamic_shape`
 needs nothing (every activation travels with a header of its shapes).
 
-Not supported, each refused with its reason: `TiedLayerSpec` (layers shared between
-stages; shardwise ties an embedding to its output layer only for the GPT, Llama-family and
-GPT-2 models it splits itself), `topology` (the config's parallel sizes define the mesh)
-and `checkpointable_layers` (every run of `activation_checkpoint_interval` layers is
-recomputed).
+`TiedLayerSpec(key, ...)`: every spec with the same key is one module, built once (at
+its first place) and used again wherever the key recurs, through `forward_fn(module,
+inputs)` when given (an embedding reused as the output layer). On one stage that is plain
+weight sharing; across stages the first stage using it owns the parameters and the later
+ones get their values every batch and send their gradients back (parallel/pipeline/
+shared.py), which sums the gradients of every use before the step, as DeepSpeed's tied
+all-reduce does. The whole module is shared (DeepSpeed synchronises only
+`tied_weight_attr`; the other parameters of its copies would otherwise drift apart).
+
+Not supported, each refused with its reason: `topology` (the config's parallel sizes
+define the mesh) and `checkpointable_layers` (every run of `activation_checkpoint_interval`
+layers is recomputed).
 """
 
 from __future__ import annotations
@@ -52,7 +59,7 @@ class LayerSpec:
 
 
 class TiedLayerSpec(LayerSpec):
-    """Accepted as a name so scripts import; refused by `PipelineModule` (see the module docstring)."""
+    """A layer shared with every other `TiedLayerSpec` of the same `key` (see the module docstring)."""
 
     def __init__(self, key: str, typename: type, *args: Any, forward_fn: Callable | None = None,
                  tied_weight_attr: str | list[str] = "weight", **kwargs: Any):
@@ -76,12 +83,6 @@ class PipelineModule(SequentialStages):
         if num_stages is None or num_stages < 1:
             raise ValueError(f"PipelineModule needs num_stages >= 1, got {num_stages!r}")
         layers = list(layers)
-        tied = [layer for layer in layers if isinstance(layer, TiedLayerSpec)]
-        if tied:
-            raise ValueError(f"PipelineModule: TiedLayerSpec (key {tied[0].key!r}) is not supported: shardwise ties an "
-                             "embedding to its output layer only for the GPT, Llama-family and GPT-2 models it "
-                             "splits itself; pass a Hugging Face or shardwise GPT model with pipeline_parallel.size "
-                             "instead, or untie the layers")
         super().__init__(_build(layers, seed_layers, seed_fn, base_seed), loss_fn, activation_checkpoint_interval)
         self.num_stages = num_stages
         self.partition_method = partition_method
@@ -103,12 +104,31 @@ class PipelineModule(SequentialStages):
                          "or 'type:REGEX'")
 
 
+class TiedForward(nn.Module):
+    """A tied module used through its spec's `forward_fn(module, inputs)`."""
+
+    def __init__(self, module: nn.Module, forward_fn: Callable[[nn.Module, Any], Any]):
+        super().__init__()
+        self.module = module
+        self.forward_fn = forward_fn
+
+    def forward(self, inputs: Any) -> Any:
+        return self.forward_fn(self.module, inputs)
+
+
 def _build(layers: list[Any], seed_layers: bool, seed_fn: Callable[[int], None] | None, base_seed: int) -> list:
-    built = []
+    built, tied = [], {}
     for index, layer in enumerate(layers):
-        if isinstance(layer, LayerSpec):
+        if isinstance(layer, TiedLayerSpec) and layer.key in tied:
+            module = tied[layer.key]
+        elif isinstance(layer, LayerSpec):
             if seed_layers:
                 (seed_fn or torch.manual_seed)(base_seed + index)
-            layer = layer.build()
-        built.append(layer)
+            module = layer.build()
+            if isinstance(layer, TiedLayerSpec):
+                tied[layer.key] = module
+        else:
+            built.append(layer)
+            continue
+        built.append(TiedForward(module, layer.forward_fn) if getattr(layer, "forward_fn", None) else module)
     return built

@@ -1,0 +1,73 @@
+"""Moving the parameters that layers on several pipeline ranks share (split.py,
+`SharedParameters`; DeepSpeed's `TiedLayerSpec`).
+
+Before each batch the owner sends, to every other stage using them, their current values
+as one flat message; that stage makes the message a leaf tensor and points its modules at
+views of it, so its forward and backward use the owner's values and its gradient gathers
+in the leaf. After its last backward of the batch it sends that gradient back; the owner
+adds it to its own parameters' gradients in its last backward, before the step reduces
+them, as if every use had run on one rank.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from shardwise.parallel.pipeline.p2p import PipelineChannel
+from shardwise.parallel.pipeline.split import SharedParameters
+
+PART = 1  # the message part: part 0 is the tied embedding's (runner.py)
+
+
+class SharedExchange:
+    def __init__(self, model: nn.Module, shared: SharedParameters, channel: PipelineChannel, stage: int):
+        self.model = model
+        self.shared = shared
+        self.channel = channel
+        self.stage = stage
+        self.leaves: dict[int, torch.Tensor] = {}  # owner stage -> the leaf this rank's views read
+
+    def send_values(self) -> None:
+        for user, paths in self.shared.sends.items():
+            flat = torch.cat([self.model.get_parameter(path).detach().reshape(-1) for path in paths])
+            self.channel.send(flat, "tied weight", user, self.stage, 0, PART)
+
+    def receive_values(self, dtype: torch.dtype, device: torch.device) -> list[torch.Tensor]:
+        """Point this rank's modules at the owners' values; returns the leaves (weights,
+        not activations, for the caller's accounting)."""
+        for owner, entries in self.shared.receives.items():
+            numel = sum(shape.numel() for _, shape in entries)
+            leaf = self.channel.receive((numel,), dtype, device, "tied weight", owner, self.stage, 0, PART)
+            leaf.requires_grad_(self.shared.requires_grad[owner])
+            offset = 0
+            for path, shape in entries:
+                module_path, _, name = path.rpartition(".")
+                setattr(self.model.get_submodule(module_path), name, leaf[offset : offset + shape.numel()].view(shape))
+                offset += shape.numel()
+            self.leaves[owner] = leaf
+        return list(self.leaves.values())
+
+    def send_gradients(self) -> None:
+        for owner, leaf in self.leaves.items():
+            if self.shared.requires_grad[owner]:
+                grad = leaf.grad if leaf.grad is not None else torch.zeros_like(leaf)
+                self.channel.send(grad, "tied gradient", owner, self.stage, 0, PART)
+
+    def receive_gradients(self, device: torch.device) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+        """The owned parameters and the gradients the other stages computed for them,
+        summed per parameter: roots to add to the owner's last backward."""
+        summed: dict[str, torch.Tensor] = {}
+        for user, paths in self.shared.sends.items():
+            if not self.shared.requires_grad[user]:
+                continue
+            params = [self.model.get_parameter(path) for path in paths]
+            numel = sum(param.numel() for param in params)
+            flat = self.channel.receive((numel,), params[0].dtype, device, "tied gradient", user, self.stage, 0, PART)
+            offset = 0
+            for path, param in zip(paths, params):
+                grad = flat[offset : offset + param.numel()].view(param.shape)
+                offset += param.numel()
+                if param.requires_grad:
+                    summed[path] = summed[path] + grad if path in summed else grad
+        return [self.model.get_parameter(path) for path in summed], list(summed.values())
