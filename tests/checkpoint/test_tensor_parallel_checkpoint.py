@@ -11,7 +11,6 @@ ranges of the output dimension), which exercises pieces that are not one slice.
 import json
 
 import pytest
-import torch
 
 from shardwise.checkpoint import convert_checkpoint
 from shardwise.checkpoint.format import META

@@ -1,5 +1,6 @@
-"""`deepspeed.utils`: the `logger` and `log_dist` scripts use to print from some ranks, and
-`RepeatingLoader`, which pipeline scripts wrap their loaders in."""
+"""`deepspeed.utils`: the `logger` and `log_dist` scripts use to print from some ranks,
+`RepeatingLoader`, which pipeline scripts wrap their loaders in, and `zero_to_fp32`
+(whole fp32 weights from a checkpoint, the functions scripts import from it)."""
 
 from __future__ import annotations
 
