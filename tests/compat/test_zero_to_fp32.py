@@ -2,6 +2,9 @@
 2 ranks saved equals its gathered fp32 weights, under every tied name; the model loads it
 back; the file and safetensors conversions write the same values."""
 
+import subprocess
+import sys
+
 import pytest
 import torch
 from safetensors.torch import load_file
@@ -67,3 +70,23 @@ def test_conversions_write_the_same_weights(saved, tmp_path):
     tensors = load_file(tmp_path / "safe" / "model.safetensors")
     for name, tensor in tensors.items():
         assert torch.equal(tensor, state[name]), name
+
+
+def save_with_deepspeed_api(rank: int, world_size: int, directory: str) -> None:
+    import shardwise.compat.deepspeed as deepspeed
+
+    config = {"train_micro_batch_size_per_gpu": 2, "zero_optimization": {"stage": 2},
+              "optimizer": {"type": "AdamW", "params": {"lr": 1e-2}}}
+    engine, *_ = deepspeed.initialize(model=build_model("gpt"), config=config)
+    engine.save_checkpoint(directory, tag="step0")
+
+
+def test_save_checkpoint_leaves_the_recovery_script_and_it_runs(tmp_path):
+    directory = tmp_path / "checkpoints"
+    run_distributed(save_with_deepspeed_api, 2, str(directory), timeout=240)
+    script = directory / "zero_to_fp32.py"
+    assert script.is_file()
+    subprocess.run([sys.executable, str(script), str(directory), str(tmp_path / "out.bin"), "-t", "step0"],
+                   check=True, capture_output=True, timeout=120)
+    written = torch.load(tmp_path / "out.bin")
+    assert all(torch.equal(written[k], v) for k, v in get_fp32_state_dict_from_zero_checkpoint(directory).items())

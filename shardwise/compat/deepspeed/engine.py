@@ -23,6 +23,7 @@ from shardwise.checkpoint.format import LATEST
 from shardwise.checkpoint.manifest import write_synced
 from shardwise.checkpoint.state import capture_rng_state, restore_rng_state
 from shardwise.compat.deepspeed.utils import RepeatingLoader
+from shardwise.compat.deepspeed.utils.zero_to_fp32 import RECOVERY_SCRIPT
 from shardwise.engine import Engine
 from shardwise.precision.casting import to_device
 from shardwise.parallel.pipeline.sequential import SequentialStages
@@ -122,6 +123,10 @@ class DeepSpeedEngine(Engine):
                 temporary = Path(save_dir) / f".{LATEST}.partial"
                 write_synced(temporary, previous)
                 os.replace(temporary, latest)
+        if self.stage > 0 and self.rank == 0:  # DeepSpeed leaves its recovery script beside the tags
+            script = Path(save_dir) / "zero_to_fp32.py"
+            write_synced(script.with_name(script.name + ".partial"), RECOVERY_SCRIPT)
+            os.replace(script.with_name(script.name + ".partial"), script)
         if not save_latest:
             self.world.barrier("save_checkpoint(save_latest=False)")  # no rank reads `latest` before it is put back
         return True

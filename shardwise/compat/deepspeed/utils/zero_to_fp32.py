@@ -5,6 +5,11 @@
     model = load_state_dict_from_zero_checkpoint(model, "checkpoints", tag="global_step100")
     convert_zero_checkpoint_to_fp32_state_dict("checkpoints", "consolidated")   # a folder or a file
 
+As DeepSpeed's engine does, the compatibility engine's `save_checkpoint` leaves a
+`zero_to_fp32.py` beside the tags (`python zero_to_fp32.py CHECKPOINT_DIR OUTPUT [-t TAG]
+[--safe_serialization] [--max_shard_size 5GB] [--exclude_frozen_parameters]`), which
+calls `main` here.
+
 The checkpoint is shardwise's (shardwise/checkpoint; `shardwise convert` writes the same
 weights as safetensors); its files' checksums are verified first. As in DeepSpeed, a tied
 parameter appears under every name the model gives it, floating-point tensors come back
@@ -13,6 +18,7 @@ in fp32, and `exclude_frozen_parameters` leaves out the parameters that were not
 
 from __future__ import annotations
 
+import argparse
 import math
 import os
 from pathlib import Path
@@ -26,7 +32,7 @@ from shardwise.checkpoint.index import PieceIndex
 from shardwise.checkpoint.manifest import check_file, read_manifest, resolve_tag
 
 __all__ = ["convert_zero_checkpoint_to_fp32_state_dict", "get_fp32_state_dict_from_zero_checkpoint",
-           "load_state_dict_from_zero_checkpoint"]
+           "load_state_dict_from_zero_checkpoint", "main"]
 
 FILE_SUFFIXES = (".bin", ".pt", ".pth")
 
@@ -90,3 +96,26 @@ def convert_zero_checkpoint_to_fp32_state_dict(checkpoint_dir: str | os.PathLike
     partial = path.with_name(path.name + ".partial")
     torch.save(state, partial)
     os.replace(partial, path)  # a reader never sees half a file
+
+
+RECOVERY_SCRIPT = (
+    '"""Written by shardwise: DeepSpeed\'s zero_to_fp32.py for this checkpoint folder. Run\n'
+    'python zero_to_fp32.py CHECKPOINT_DIR OUTPUT [-t TAG] [--safe_serialization] [--max_shard_size 5GB]"""\n'
+    "from shardwise.compat.deepspeed.utils.zero_to_fp32 import main\n\n"
+    'if __name__ == "__main__":\n    main()\n'
+)
+
+
+def main(argv: list[str] | None = None) -> None:
+    """DeepSpeed's zero_to_fp32.py command line."""
+    parser = argparse.ArgumentParser(description="Whole fp32 weights from a checkpoint folder")
+    parser.add_argument("checkpoint_dir", help="the folder holding `latest` and the tag folders")
+    parser.add_argument("output_dir", help="a folder, or a .bin / .pt / .pth file")
+    parser.add_argument("-t", "--tag", default=None, help="the checkpoint tag (default: the one `latest` names)")
+    parser.add_argument("--max_shard_size", default="5GB")
+    parser.add_argument("--safe_serialization", action="store_true")
+    parser.add_argument("--exclude_frozen_parameters", action="store_true")
+    parser.add_argument("-d", "--debug", action="store_true", help="accepted; changes nothing")
+    args = parser.parse_args(argv)
+    convert_zero_checkpoint_to_fp32_state_dict(args.checkpoint_dir, args.output_dir, args.max_shard_size,
+                                               args.safe_serialization, args.tag, args.exclude_frozen_parameters)
