@@ -10,8 +10,11 @@ from deepspeed/runtime/constants.py, runtime/config.py and the section models un
 deepspeed/runtime; they name what DeepSpeed accepts, not what it documents.
 """
 
+import copy
 import difflib
 import json
+import logging
+import math
 from collections.abc import Iterable, Mapping
 from typing import Any, NamedTuple
 
@@ -36,6 +39,9 @@ from shardwise.config.params import (
     SCHEDULER_PARAMS,
 )
 from shardwise.config.schema import OptimizerConfig, SchedulerConfig, ShardwiseConfig
+
+log = logging.getLogger("shardwise")
+COUNT_SUFFIXES = ("_size", "_threshold", "_parameters", "_distance")
 
 # Older names DeepSpeed still accepts. The zero_optimization ones are its pydantic field
 # names, which it accepts beside the stage3_-prefixed aliases.
@@ -93,6 +99,30 @@ _TYPED_BLOCKS = {
     "optimizer": _TypedBlock(OptimizerConfig, OPTIMIZER_PARAMS, OPTIMIZERS_NOT_YET, DEEPSPEED_OPTIMIZERS_UNSUPPORTED),
     "scheduler": _TypedBlock(SchedulerConfig, SCHEDULER_PARAMS, (), DEEPSPEED_SCHEDULERS_UNSUPPORTED),
 }
+
+
+def expand_dotted_keys(raw: Mapping[str, Any]) -> dict[str, Any]:
+    """A top-level key written as a path ("zero_optimization.reduce_bucket_size", as TRL's
+    `prepare_deepspeed` adds for its reference model) set at that path, over the nested
+    value: what its writer meant (DeepSpeed itself skips such keys; they only size
+    buckets and prefetching, never change results). An element count given there as a
+    product with a fraction (TRL's 0.9·h² prefetch size) is rounded down. A path whose
+    parent is not a block stays as written, for check_keys to report."""
+    expanded = copy.deepcopy(dict(raw))
+    blocks = {name for name, field in ShardwiseConfig.model_fields.items() if section_model(field.annotation)}
+    for key in [key for key in raw if isinstance(key, str) and key.split(".")[0] in blocks and "." in key]:
+        *parents, leaf = key.split(".")
+        block = expanded
+        for name in parents:
+            block = block.setdefault(name, {}) if isinstance(block.get(name, {}), dict) else None
+            if block is None:
+                break
+        if block is not None:
+            value = expanded.pop(key)
+            counts = isinstance(value, float) and leaf.endswith(COUNT_SUFFIXES) and math.isfinite(value)
+            block[leaf] = math.floor(value) if counts else value
+            log.info("config key '%s' read as that path", key)
+    return expanded
 
 
 def check_keys(raw: Mapping[str, Any], problems: list[str]) -> dict[str, Any]:

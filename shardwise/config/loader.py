@@ -17,7 +17,7 @@ from pydantic import ValidationError
 
 from shardwise.config.checks import find_contradictions, find_unsupported
 from shardwise.config.errors import ConfigError, describe_validation_error
-from shardwise.config.keys import check_keys
+from shardwise.config.keys import check_keys, expand_dotted_keys
 from shardwise.config.params import resolve_params
 from shardwise.config.resolve import (
     BATCH_KEYS,
@@ -48,7 +48,7 @@ def load_config(
     if hidden_size is not None:
         _require_positive_int("hidden_size", hidden_size)
     problems: list[str] = []
-    cleaned = fill_auto(check_keys(read_config(config), problems), auto_values or {})
+    cleaned = fill_auto(check_keys(expand_dotted_keys(read_config(config)), problems), auto_values or {})
     batch_auto = batch_left_to_auto(cleaned)
     resolve_auto(cleaned, hidden_size, problems)
     data_parallel = resolve_data_parallel_size(cleaned, world_size, problems)

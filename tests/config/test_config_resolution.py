@@ -4,7 +4,7 @@ import json
 
 import pytest
 
-from shardwise.config import ShardwiseConfig, default_config_table, load_config
+from shardwise.config import ConfigError, ShardwiseConfig, default_config_table, load_config
 
 # DeepSpeed's ZeRO-2 setup as its documentation writes it (config-json page and ZeRO tutorial):
 # sizes as 5e8 floats, a fully spelled-out fp16 block, Adam with DeepSpeed's scheduler.
@@ -221,3 +221,25 @@ def test_later_capability_blocks_that_stay_off_pass():
     assert (cfg.sequence_parallel.mode, cfg.pipeline_parallel.schedule) == ("megatron", "gpipe")
     assert (cfg.tensorboard.enabled, cfg.tensorboard.output_path, cfg.tensorboard.job_name) == (True, "runs/tb", "gpt")
     assert cfg.zero_optimization.offload_param.device == "none"
+
+
+def test_dotted_top_level_keys_set_their_path_as_trl_writes_them_for_a_reference_model():
+    """TRL's prepare_deepspeed copies the trainer's config and adds bucket sizes as
+    top-level dotted keys (0.9·h² a float); they override the nested values."""
+    hidden = 64
+    config = {"train_micro_batch_size_per_gpu": 2, "bf16": {"enabled": True},
+              "zero_optimization": {"stage": 3, "reduce_bucket_size": "auto", "stage3_prefetch_bucket_size": "auto"},
+              "zero_optimization.reduce_bucket_size": hidden * hidden,
+              "zero_optimization.stage3_param_persistence_threshold": 10 * hidden,
+              "zero_optimization.stage3_prefetch_bucket_size": 0.9 * hidden * hidden}
+    zero = load_config(config, world_size=2, hidden_size=hidden).zero_optimization
+    assert (zero.reduce_bucket_size, zero.stage3_param_persistence_threshold,
+            zero.stage3_prefetch_bucket_size) == (4096, 640, 3686)
+
+
+def test_a_dotted_key_outside_a_block_or_to_an_unknown_field_is_named():
+    with pytest.raises(ConfigError) as caught:
+        load_config({"train_micro_batch_size_per_gpu": 1, "train_batch_size.x": 3,
+                     "zero_optimization.nonsense": 1}, world_size=1)
+    assert any("unknown key 'train_batch_size.x'" in line for line in caught.value.problems)
+    assert any("unknown key 'zero_optimization.nonsense'" in line for line in caught.value.problems)
