@@ -62,11 +62,10 @@ def load_checkpoint(engine: Any, load_dir: str | os.PathLike, tag: str | None = 
     is still an error. The optimizer state then cannot be restored whole (the new
     tensors would share a step count they never took), so a load that lacks any of the
     model's trained parameters must keep this engine's state (`optimizer_states` False).
+
+    An engine without an optimizer takes the weights only (as `module_only`), into the
+    parameters it holds.
     """
-    if not engine.trains:
-        raise RuntimeError("load_checkpoint: this engine was given no optimizer (forward only); load the weights "
-                           "into the model before initialize (a checkpoint converted with `shardwise convert`, "
-                           "or from_pretrained), or build the engine with an optimizer")
     directory = resolve_tag(Path(load_dir), tag)
     verify_checkpoint(engine, directory)
     meta = read_json(directory / META)
@@ -75,9 +74,11 @@ def load_checkpoint(engine: Any, load_dir: str | os.PathLike, tag: str | None = 
                               f"this shardwise reads format {FORMAT_VERSION}")
     records = [read_json(directory / rank_json(rank)) for rank in range(meta["world_size"])]
     with PieceIndex(directory, records) as index:
+        module_only = module_only or not engine.trains  # an engine without an optimizer takes the weights
         absent = check_model(engine, meta, index, strict, optimizer_states and not module_only)
         engine.zero.release_gathered()  # forwards must gather the loaded values
-        _load_trained(engine, index, meta, records, optimizer_states and not module_only, absent)
+        if engine.trains:
+            _load_trained(engine, index, meta, records, optimizer_states and not module_only, absent)
         with torch.no_grad():
             for name, tensor in module_extras(engine):
                 if name in absent:
@@ -179,6 +180,8 @@ def check_model(engine: Any, meta: dict, index: PieceIndex, strict: bool = True,
                               f"{tuple(saved[unknown[0]]['shape'])}), which the model does not have")
     for _, entry in wanted:
         index.check_complete(entry["name"], math.prod(entry["shape"]))
+    if not engine.trains:
+        return absent
     saved_class = meta["optimizer"]["class"]
     optimizer = engine.optimizer.optimizer
     if saved_class != type(optimizer).__name__:

@@ -29,13 +29,15 @@ def module_extras(engine: Any) -> list[tuple[str, torch.Tensor]]:
 
 
 def frozen_owned(engine: Any) -> list[tuple[str, int, int, torch.Tensor]]:
-    """Stage 3's partitioned frozen parameters: this rank's pieces, as (name, start, stop,
-    values) in the local tensor's flat coordinates; the values are views of its shards,
-    so a load writes straight into them."""
+    """The parameters ZeRO holds without training them (stage 3's partitioned frozen
+    ones; every parameter of an engine without an optimizer): this rank's pieces, as
+    (name, start, stop, values) in the local tensor's flat coordinates; the values are
+    views of its shards (or of its chunk of the whole parameters), so a load writes
+    straight into them."""
     strategy = engine.zero.params
     rank = engine.zero.groups.shard.rank
     owned = []
-    for unit in strategy.frozen_units:
+    for unit in [*strategy.frozen_units, *(() if engine.trains else engine.units)]:
         chunk = strategy.owned_chunk(unit)
         for piece in unit.owned_pieces(rank):
             values = chunk[piece.chunk_offset : piece.chunk_offset + piece.numel]

@@ -84,10 +84,13 @@ class ZeroState:
         self.params.close()
 
     def refresh_from_masters(self) -> None:
-        """Masters were rewritten (a checkpoint load): make parameters match, as after a step."""
-        self.store.publish()
+        """Masters were rewritten (a checkpoint load): make parameters match, as after a step.
+        Without an optimizer the owned chunks themselves were rewritten: gather those."""
+        if self.store is not None:
+            self.store.publish()
         self.params.after_update()
-        self.reducer.zero_grads()
+        if self.reducer is not None:
+            self.reducer.zero_grads()
 
 
 def _make_store(policy: ZeroPolicy, params: ParameterStrategy, chunk: int, ledger: MemoryLedger,

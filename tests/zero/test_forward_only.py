@@ -131,3 +131,36 @@ def test_reference_engine_in_bf16_holds_16_bit_shards():
         rows = torch.cat([expected["reference_logits"][s * MICRO * 2 + rank * MICRO:][:MICRO] for s in range(STEPS)])
         assert _relative(result["reference_logits"], rows) < 2e-2
         assert result["memory"]["params"] < 0.6 * result["numel"] * 2, result["memory"]
+
+
+def load_into_reference(rank: int, world_size: int, stage: int, directory: str) -> dict:
+    trained_model = build_model("gpt")
+    trainer = shardwise.initialize(trained_model, _config(2, "fp32"),
+                                   optimizer=torch.optim.SGD(trained_model.parameters(), lr=LR))
+    for step in range(2):
+        x, y = global_batch(step, MICRO * world_size)
+        rows = slice(rank * MICRO, (rank + 1) * MICRO)
+        trainer.backward(_penalised_loss(trainer(x[rows]).float(), torch.zeros(()), y[rows]))
+        trainer.step()
+    trainer.save_checkpoint(directory, tag="trained")
+    probe = global_batch(9, MICRO)[0]
+    trainer.eval()
+    with torch.no_grad():
+        expected = trainer(probe)
+    torch.manual_seed(rank + 50)
+    fresh = build_model("gpt")
+    for param in fresh.parameters():
+        param.data.normal_()  # nothing of these survives the load
+    reference = shardwise.initialize(fresh, _config(stage, "fp32"))
+    reference.eval()
+    client_state = reference.load_checkpoint(directory, tag="trained")
+    with torch.no_grad():
+        loaded = reference(probe)
+    return {"expected": expected, "loaded": loaded, "client_state": client_state}
+
+
+@pytest.mark.parametrize("stage", [0, 3])
+def test_reference_engine_loads_the_weights_of_a_training_checkpoint(stage, tmp_path):
+    for result in run_distributed(load_into_reference, 2, stage, str(tmp_path / "ckpt"), timeout=240):
+        assert torch.equal(result["loaded"], result["expected"])
+        assert result["client_state"] == {}
