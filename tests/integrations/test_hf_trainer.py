@@ -86,6 +86,15 @@ def test_losses_equal_plain_trainer(runs, stage):
         assert sorted(result["eval_loss"]) == [3, 6]
 
 
+def test_lora_at_stage_3_with_recomputation_equals_plain_trainer(runs):
+    """PEFT's shape (frozen base layers, trainable adapters): ZeRO-3 partitions the frozen
+    weights too; the Trainer's optimizer holds only the adapters."""
+    reference = runs.get("lora_reference", train_reference, 1, lora=True)[0]
+    for result in runs.get("lora_stage3", train_shardwise, 2, stage=3, lora=True, activation_checkpointing=True):
+        assert_logs_match(result, reference, STEPS)
+        assert relative_error(result["logits"], reference["logits"]) < TOLERANCE
+
+
 BLOCKS = dict(load_best=True, mean_loss=True)  # and the Trainer divides each loss by the window's length
 
 

@@ -42,6 +42,7 @@ class Run:
     # instead of normalised by the window's token count (num_items_in_batch).
     mean_loss: bool = False
     config: dict = field(default_factory=dict)  # laid over the HF-style config
+    lora: bool = False  # low-rank adapters beside frozen linear layers, PEFT's shape (only they train)
 
     def micro(self, world_size: int) -> int:
         return self.global_micro // world_size
@@ -80,7 +81,21 @@ class TokenDataset(torch.utils.data.Dataset):
         return {"input_ids": self.tokens[index], "labels": self.tokens[index]}
 
 
-def build_model(mean_loss: bool = False):
+class LoraLinear(torch.nn.Module):
+    """PEFT's layout: the frozen layer as `base_layer`, trainable low-rank factors beside it."""
+
+    def __init__(self, base: torch.nn.Linear, rank: int = 4):
+        super().__init__()
+        self.base_layer = base
+        self.lora_A = torch.nn.Linear(base.in_features, rank, bias=False)
+        self.lora_B = torch.nn.Linear(rank, base.out_features, bias=False)
+        torch.nn.init.normal_(self.lora_B.weight, std=0.02)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.base_layer(x) + self.lora_B(self.lora_A(x))
+
+
+def build_model(mean_loss: bool = False, lora: bool = False):
     """Random-init tiny Llama, identical on every rank; nothing downloaded."""
     from transformers import LlamaConfig, LlamaForCausalLM
 
@@ -91,6 +106,13 @@ def build_model(mean_loss: bool = False):
     ))
     if mean_loss:
         model.accepts_loss_kwargs = False  # what the Trainer reads to pass num_items_in_batch or not
+    if lora:
+        linears = [(parent, name, child) for parent in model.model.layers.modules()
+                   for name, child in parent.named_children() if isinstance(child, torch.nn.Linear)]
+        for parent, name, child in linears:
+            setattr(parent, name, LoraLinear(child))
+        for name, param in model.named_parameters():
+            param.requires_grad = "lora_" in name
     return model
 
 
@@ -130,7 +152,7 @@ def train_reference(rank: int, world_size: int, run: Run) -> dict:
     """Plain transformers.Trainer in one process (world_size 1), the micro-batches of all ranks at once."""
     from transformers import Trainer
 
-    model = build_model()
+    model = build_model(lora=run.lora)
     trainer = Trainer(model=model, args=arguments(run, 1), train_dataset=TokenDataset(SAMPLES, 0),
                       eval_dataset=TokenDataset(8, 1))
     trainer.train(resume_from_checkpoint=run.resume)
@@ -146,7 +168,7 @@ def train_shardwise(rank: int, world_size: int, run: Run) -> dict:
     config = hf_style_config(run.stage)
     for key, value in run.config.items():
         config[key] = {**config.get(key, {}), **value} if isinstance(value, dict) else value
-    model = build_model(run.mean_loss)
+    model = build_model(run.mean_loss, run.lora)
     if run.activation_checkpointing:  # the model's own recomputation (newer releases renamed the method)
         enable = getattr(model, "activation_checkpointing_enable", None) or model.gradient_checkpointing_enable
         enable()
