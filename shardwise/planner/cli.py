@@ -10,6 +10,7 @@ from __future__ import annotations
 import argparse
 import math
 import sys
+from dataclasses import replace
 from typing import Any
 
 from rich.console import Console
@@ -65,6 +66,9 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
     training.add_argument("--seq-len", type=int, default=2048, help="default 2048")
     training.add_argument("--dtype", choices=list(ELEMENT_BYTES), default="bf16", help="default bf16")
     training.add_argument("--optimizer", choices=list(OPTIMIZER_FP32_STATES), default="adam", help="default adam")
+    training.add_argument("--trainable-params", type=float, default=None, metavar="COUNT",
+                          help="parameters that train (e.g. LoRA adapters, 4.2e7); the rest is frozen: its 16-bit "
+                               "weights only, partitioned at stage 3 (default: every parameter trains)")
 
     parallel = parser.add_argument_group("model parallelism (--gpus counts every GPU; ZeRO shards over GPUs / tp)")
     parallel.add_argument("--tp", type=int, default=1, help="tensor_parallel.size (default 1: the estimate then "
@@ -82,7 +86,7 @@ def main(args: argparse.Namespace) -> int:
     try:
         _check_hardware(args)
         result = estimate(
-            _shape(args),
+            _with_trainable(_shape(args), args.trainable_params),
             Hardware(args.gpus, args.gpus_per_node, args.gpu_memory, args.cpu_memory, args.nvme, args.headroom),
             micro_batch=args.micro_batch,
             seq_len=args.seq_len,
@@ -116,6 +120,15 @@ def _shape(args: argparse.Namespace) -> ModelShape:
         raise ValueError(f"--hidden-size {args.hidden_size} is not divisible by --heads {args.heads}: each "
                          "attention head gets hidden-size / heads dimensions")
     return ModelShape.from_params(args.params, *layout)
+
+
+def _with_trainable(shape: ModelShape, count: float | None) -> ModelShape:
+    if count is None:
+        return shape
+    if not math.isfinite(count) or not count.is_integer() or not 0 < count <= shape.num_params:
+        raise ValueError(f"--trainable-params {count:g} must be a whole number between 1 and the model's "
+                         f"{shape.num_params:,} parameters")
+    return replace(shape, trainable_params=int(count))
 
 
 def _check_params(count: float) -> None:

@@ -10,6 +10,7 @@ from shardwise.planner.formulas import (
     RecomputeMode,
     StateTerm,
     element_bytes,
+    frozen_state_term,
     model_state_terms,
 )
 from shardwise.planner.layer_formulas import LOGITS_BYTES, layer_activation_coefficients
@@ -238,7 +239,8 @@ def _placement_lines(estimate: Estimate, option: OptionEstimate, recompute: Reco
     hw, psi, n = estimate.hardware, estimate.params_per_rank, estimate.zero_ranks
     terms = model_state_terms(option.stage, option.offload, estimate.dtype, estimate.optimizer_state_bytes,
                               estimate.optimizer)
-    gpu_sym, gpu_num = render_terms([t for t in terms if t.device == "gpu"], psi, n)
+    gpu_sym, gpu_num = _with_frozen(render_terms([t for t in terms if t.device == "gpu"], psi, n), estimate, option,
+                                    "gpu")
     activations = estimate.activation(recompute)
     total = option.gpu_total(activations)
     activation_label = recompute if estimate.activations is not None else "not counted"
@@ -251,9 +253,21 @@ def _placement_lines(estimate: Estimate, option: OptionEstimate, recompute: Reco
     for device, per_node in (("cpu", option.cpu_per_node), ("nvme", option.nvme_per_node)):
         device_terms = [t for t in terms if t.device == device]
         if device_terms:
-            sym, num = render_terms(device_terms, psi, n)
+            sym, num = _with_frozen(render_terms(device_terms, psi, n), estimate, option, device)
             lines.append(
                 f"  {DEVICE_NAMES[device]} per node = ranks × ({sym}) = {hw.ranks_per_node} × ({num}) = "
                 f"{format_bytes(per_node)} ≤ {format_bytes(hw.usable_bytes(device))} usable"
             )
     return lines
+
+
+def _with_frozen(rendered: tuple[str, str], estimate: Estimate, option: OptionEstimate, device: str) -> tuple[str, str]:
+    """The formula with the frozen parameters' term added where they live (Ψ_f per rank)."""
+    if not estimate.frozen_per_rank:
+        return rendered
+    term = frozen_state_term(option.stage, option.offload, estimate.dtype)
+    if term.device != device:
+        return rendered
+    divide = ("/N", f" / {estimate.zero_ranks}") if term.sharded else ("", "")
+    return (f"{rendered[0]} + {term.label} {term.bytes_per_param}Ψ_f{divide[0]}",
+            f"{rendered[1]} + {term.bytes_per_param} × {format_count(estimate.frozen_per_rank)}{divide[1]}")

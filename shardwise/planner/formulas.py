@@ -279,8 +279,11 @@ def placed_model_state_bytes(
     optimizer_state_bytes_per_param: int | None = None,
     persistent_params: int = 0,
     optimizer: str = "adam",
+    frozen_params: int = 0,
 ) -> dict[Device, dict[Category, int]]:
-    """Model-state bytes one rank holds, per device and category.
+    """Model-state bytes one rank holds, per device and category. `num_params` are the
+    trained parameters; `frozen_params` more (LoRA's base weights) take their b bytes
+    only, whole at stages 0-2 and 1/N at stage 3, where the parameters live.
 
     Stage-3 persistent parameters (small ones the engine never partitions, so it need not
     gather them) are held in full by every rank, on the GPU even when the rest is offloaded.
@@ -296,7 +299,17 @@ def placed_model_state_bytes(
             continue
         elements = partition_elements(num_params, world_size) if term.sharded else num_params
         placed[term.device][term.category] += term.bytes_per_param * elements
+    if frozen_params:
+        frozen = frozen_state_term(stage, offload, dtype)
+        elements = partition_elements(frozen_params, world_size) if frozen.sharded else frozen_params
+        placed[frozen.device]["params"] += frozen.bytes_per_param * elements
     return placed
+
+
+def frozen_state_term(stage: int, offload: Offload, dtype: str) -> StateTerm:
+    """Frozen parameters: b bytes each where the parameters live, 1/N at stage 3."""
+    device: Device = "gpu" if offload.params == "none" else offload.params
+    return StateTerm("frozen params", "params", device, element_bytes(dtype), sharded=stage == 3)
 
 
 def offloaded_partition_elements(unit_partitions: list[int], ratio: float) -> int:

@@ -103,17 +103,21 @@ def estimate(
     activations = _activations(shape, micro_batch, seq_len, dtype, parallel)
     modes = RECOMPUTE_MODES if activations is not None else ("none",)
     local = ceil(shape.params_per_tensor_rank(parallel.tensor) / parallel.pipeline)
+    frozen_local = 0
+    if shape.frozen_params:  # the trained share is spread over the model like the rest
+        trained_local = max(1, ceil(shape.trainable_params / (parallel.tensor * parallel.pipeline)))
+        local, frozen_local = trained_local, max(0, local - trained_local)
     zero_ranks = hardware.num_gpus // (parallel.tensor * parallel.pipeline)
     onebit = optimizer in ONEBIT_OPTIMIZERS  # stages 0-2, no offload (optim/onebit.py)
     options = tuple(
         _evaluate_option(stage, offload, shape, hardware, dtype, k, activations, modes, local, zero_ranks, parallel,
-                         optimizer)
+                         optimizer, frozen_local)
         for stage, offload in OPTIONS
         if (stage < 3 or parallel.pipeline == 1)  # the engine refuses ZeRO-3 with pipeline parallelism
         and not (onebit and (stage == 3 or offload != NO_OFFLOAD))
     )
     partial = Estimate(shape, hardware, micro_batch, seq_len, dtype, optimizer, k, activations, options, None,
-                       parallel=parallel, params_per_rank=local)
+                       parallel=parallel, params_per_rank=local, frozen_per_rank=frozen_local)
     recommendation, ruled_out = _recommend(partial, modes)
     partial = replace(partial, recommendation=recommendation, ruled_out=ruled_out)
     if parallel == NO_MODEL_PARALLEL and (recommendation is None or recommendation.option.offload != NO_OFFLOAD):
@@ -191,8 +195,10 @@ def _evaluate_option(
     zero_ranks: int,
     parallel: ModelParallel,
     optimizer: str = "adam",
+    frozen_params: int = 0,
 ) -> OptionEstimate:
-    per_rank = placed_model_state_bytes(local_params, zero_ranks, stage, offload, dtype, k, optimizer=optimizer)
+    per_rank = placed_model_state_bytes(local_params, zero_ranks, stage, offload, dtype, k, optimizer=optimizer,
+                                        frozen_params=frozen_params)
     largest = shape.largest_layer_params
     gather = stage3_gather_bytes(ceil(largest / parallel.tensor), dtype) if stage == 3 and largest else 0
     cpu = hardware.ranks_per_node * sum(per_rank["cpu"].values())

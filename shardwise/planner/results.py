@@ -118,7 +118,8 @@ class Estimate:
     ruled_out: tuple[OptionEstimate, ...] = ()
     explanation: tuple[str, ...] = ()
     parallel: ModelParallel = NO_MODEL_PARALLEL
-    params_per_rank: int = 0  # Ψ of one tensor rank's shard (Ψ without tensor parallelism)
+    params_per_rank: int = 0  # Ψ of one tensor rank's shard (Ψ without tensor parallelism); trained ones only
+    frozen_per_rank: int = 0  # Ψ_f: frozen parameters of that shard (b bytes each, no other state)
     tensor_suggestion: "Estimate | None" = None  # the smallest T that fits without offload, when ZeRO alone does not
 
     @property

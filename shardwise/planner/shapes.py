@@ -48,10 +48,14 @@ class ModelShape:
     vocab_size: int | None = None
     intermediate_size: int | None = None
     largest_layer_params: int | None = None
+    trainable_params: int | None = None  # None: all of them; fewer: the rest is frozen (LoRA's base weights)
 
     def __post_init__(self) -> None:
         if self.num_params <= 0:
             raise ValueError(f"num_params must be positive, got {self.num_params}")
+        if self.trainable_params is not None and not 0 < self.trainable_params <= self.num_params:
+            raise ValueError(f"trainable_params must be in 1..num_params ({self.num_params:,}), "
+                             f"got {self.trainable_params}")
         for field in ("hidden_size", "num_layers", "num_heads", "vocab_size", "intermediate_size", "largest_layer_params"):
             value = getattr(self, field)
             if value is not None and value <= 0:
@@ -72,6 +76,11 @@ class ModelShape:
         return -(-(self.num_params - replicated) // tensor_size) + replicated
 
     @property
+    def frozen_params(self) -> int:
+        """Ψ_f: parameters held but not trained (no gradient, master or optimizer state)."""
+        return 0 if self.trainable_params is None else self.num_params - self.trainable_params
+
+    @property
     def has_layout(self) -> bool:
         """Whether activation memory can be computed (needs h, L and a)."""
         return None not in (self.hidden_size, self.num_layers, self.num_heads)
@@ -81,7 +90,9 @@ class ModelShape:
         if self.has_layout:
             layout = f" (h={self.hidden_size}, L={self.num_layers}, a={self.num_heads}"
             layout += f", V={self.vocab_size})" if self.vocab_size else ")"
-        return f"{self.name}: Ψ = {self.num_params:,} parameters{layout}"
+        frozen = (f", of which Ψ_t = {self.trainable_params:,} trained and Ψ_f = {self.frozen_params:,} frozen"
+                  if self.frozen_params else "")
+        return f"{self.name}: Ψ = {self.num_params:,} parameters{frozen}{layout}"
 
     @classmethod
     def from_params(

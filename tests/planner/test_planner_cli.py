@@ -94,3 +94,22 @@ def test_reachable_from_the_shardwise_entry_point(capsys: pytest.CaptureFixture[
 
     assert main(["estimate", "--params", "7.5e9", "--gpus", "64"]) == 0
     assert table_rows(capsys.readouterr().out)[("3", "none")][0] == "1.9 GB"
+
+
+def test_lora_counts_frozen_weights_at_two_bytes_and_partitions_them_at_stage_3(capsys) -> None:
+    """Llama-2 70B with 2e8 trained (LoRA) parameters on 8 GPUs: model states are
+    16 bytes × Ψ_t (/N by stage) + 2 bytes × Ψ_f (whole, or /N at stage 3)."""
+    code, out, _ = run_estimate(["--preset", "llama-70b", "--gpus", "8", "--trainable-params", "2e8"], capsys)
+    assert code == 0
+    frozen = 68_976_648_192 - 200_000_000
+    rows = table_rows(out)
+    gb = lambda n: f"{n / 1e9:.3g} GB"  # noqa: E731
+    assert rows[("0", "none")][0] == gb(16 * 200_000_000 + 2 * frozen)
+    assert rows[("3", "none")][0] == gb(16 * 200_000_000 / 8 + 2 * frozen / 8)
+    assert "frozen params 2Ψ_f/N" in out and "Ψ_t = 200,000,000 trained" in out
+
+
+@pytest.mark.parametrize("count", ["0", "1.5", "1e12"])
+def test_trainable_params_out_of_range_is_an_error(count, capsys) -> None:
+    code, _, err = run_estimate(["--preset", "gpt2", "--trainable-params", count], capsys)
+    assert code == 2 and "--trainable-params" in err

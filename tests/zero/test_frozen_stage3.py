@@ -12,6 +12,7 @@ from torch import nn
 
 import shardwise
 from shardwise.models import GPT, GPTConfig
+from shardwise.planner.formulas import placed_model_state_bytes
 from shardwise.testing import run_distributed
 from tests.zero.workers import build_model, global_batch, model_loss
 
@@ -82,7 +83,11 @@ def train_parallel(rank: int, world_size: int, stage: int, recompute: bool, chec
     with shardwise.gathered_parameters(list(engine.module.parameters())):
         weights = {name: param.detach().clone() for name, param in engine.module.named_parameters()}
     units = [*engine.units, *engine.zero.params.frozen_units]
-    return {"losses": losses, "weights": weights, "memory": memory, "total_bytes": total_bytes,
+    formula = placed_model_state_bytes(  # the planner's, on the padded counts (SPEC §4)
+        sum(unit.padded_numel for unit in engine.units), world_size, 3, dtype="fp32",
+        optimizer_state_bytes_per_param=0, frozen_params=sum(u.padded_numel for u in engine.zero.params.frozen_units),
+    )["gpu"]
+    return {"losses": losses, "weights": weights, "memory": memory, "total_bytes": total_bytes, "formula": formula,
             "shard_bytes": sum(unit.chunk_numel for unit in units) * 4,
             "frozen_units": len(engine.zero.params.frozen_units)}
 
@@ -134,7 +139,8 @@ def test_lora_at_stage_3_equals_plain_torch_with_frozen_weights_partitioned(kind
         memory = result["memory"]
         assert result["frozen_units"] > 0
         # the frozen base is split like the trained adapters: 4(Ψ_trained + Ψ_frozen)/N, as padded
-        assert memory["params"] == result["shard_bytes"] < 0.6 * result["total_bytes"], memory
+        assert memory["params"] == result["shard_bytes"] == result["formula"]["params"] < 0.6 * result["total_bytes"]
+        assert memory["grads"] == result["formula"]["grads"]  # the adapters' gradient partition only
         # freed once backward has passed through them: never the whole model gathered at once
         assert memory["buffers"] < 0.5 * result["total_bytes"], memory
 
