@@ -8,6 +8,7 @@ as a plain single process (no environment at all: no process group, world size 1
 
 from __future__ import annotations
 
+import atexit
 import datetime
 import math
 import os
@@ -80,6 +81,19 @@ def _pick_device(local_rank: int) -> torch.device:
     return torch.device("cpu")
 
 
+def destroy_at_exit() -> None:
+    """Destroy the process group this process created when it exits normally, before the
+    interpreter tears down the modules: scripts written for DeepSpeed never call
+    `destroy_process_group`, and a gloo group destroyed during interpreter teardown can
+    abort the process (std::terminate) after its work is done."""
+    atexit.register(_destroy_if_initialized)
+
+
+def _destroy_if_initialized() -> None:
+    if dist.is_available() and dist.is_initialized():
+        dist.destroy_process_group()
+
+
 def init_distributed() -> DistributedContext:
     """Return the data-parallel context, creating the default process group if needed.
 
@@ -101,6 +115,7 @@ def init_distributed() -> DistributedContext:
         timeout=timeout,
         device_id=device if device.type == "cuda" else None,
     )
+    destroy_at_exit()
     return DistributedContext(
         dist.get_rank(), dist.get_world_size(), local_rank, device, dist.group.WORLD, timeout
     )

@@ -17,7 +17,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed import ReduceOp
 
-from shardwise.distributed.setup import collective_timeout
+from shardwise.distributed.setup import collective_timeout, destroy_at_exit
 
 DEFAULT_PORT = 29500  # DeepSpeed's TORCH_DISTRIBUTED_DEFAULT_PORT
 LAUNCHER_VARIABLES = ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT", "LOCAL_RANK")
@@ -54,6 +54,7 @@ def init_distributed(dist_backend: str | None = None, auto_mpi_discovery: bool =
     kwargs: dict[str, Any] = {"rank": rank, "world_size": world_size} if init_method is not None else {}
     dist.init_process_group(backend=backend, init_method=init_method, timeout=timeout or collective_timeout(),
                             **kwargs)
+    destroy_at_exit()
 
 
 def is_initialized() -> bool:
