@@ -40,10 +40,23 @@ def init_process_group() -> tuple[int, int]:
     return rank, world_size
 
 
-def build_gpt(preset: str, seed: int) -> GPT:
-    """The same initial weights in every variant and on every rank."""
+def build_gpt(preset: str, seed: int, lora_rank: int = 0) -> GPT:
+    """The same initial weights in every variant and on every rank. `lora_rank` > 0:
+    PEFT's LoRA adapters (that rank) on every linear layer of the blocks, and everything
+    else frozen, as a LoRA fine-tuning run has it."""
     torch.manual_seed(seed)
-    return GPT(GPTConfig.preset(preset))
+    model = GPT(GPTConfig.preset(preset))
+    if lora_rank:
+        from peft import LoraConfig, inject_adapter_in_model
+
+        targets = sorted({name.rsplit(".", 1)[-1] for name, module in model.blocks.named_modules()
+                          if isinstance(module, torch.nn.Linear)})
+        torch.manual_seed(seed + 1)
+        model = inject_adapter_in_model(LoraConfig(r=lora_rank, lora_alpha=2 * lora_rank, target_modules=targets,
+                                                   init_lora_weights="gaussian"), model)
+        for name, param in model.named_parameters():
+            param.requires_grad = "lora_" in name
+    return model
 
 
 class ByteBatches:

@@ -77,6 +77,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                         help="offload_optimizer.device for shardwise and DeepSpeed (ZeRO-Offload / ZeRO-Infinity); "
                         "FSDP2 has no equivalent and is left out when set")
     parser.add_argument("--nvme-path", default="runs/nvme_bench", help="offload_optimizer.nvme_path with nvme")
+    parser.add_argument("--lora-rank", type=int, default=0,
+                        help="> 0: PEFT LoRA adapters of this rank on the blocks' linear layers, the rest frozen "
+                        "(every framework partitions the frozen weights too)")
     parser.add_argument("--variants", default=",".join(VARIANTS), help="comma-separated subset")
     parser.add_argument("--deepspeed-python", default=os.environ.get("DEEPSPEED_PYTHON", DEFAULT_DEEPSPEED_PYTHON),
                         help="interpreter with deepspeed installed (default: $DEEPSPEED_PYTHON or %(default)s)")
@@ -90,7 +93,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 # -- inside a rank -------------------------------------------------------------------------
 def adamw(model: torch.nn.Module, args: argparse.Namespace) -> torch.optim.AdamW:
     return torch.optim.AdamW(
-        model.parameters(), lr=args.lr, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.1, fused=True
+        [param for param in model.parameters() if param.requires_grad], lr=args.lr, betas=(0.9, 0.95), eps=1e-8,
+        weight_decay=0.1, fused=True
     )
 
 
@@ -127,7 +131,7 @@ def train_shardwise(args: argparse.Namespace, rank: int, world_size: int) -> dic
     from workload import ByteBatches, build_gpt, engine_step, rss_bytes, timed_steps
 
     baseline = rss_bytes()
-    model = build_gpt(args.preset, args.seed)
+    model = build_gpt(args.preset, args.seed, args.lora_rank)
     engine = shardwise.initialize(model, zero3_config(args, world_size), optimizer=adamw(model, args))
     batches = ByteBatches(args.seed, world_size, args.micro_batch, args.seq_len)
     record = timed_steps(engine_step(engine), batches, rank, args.warmup, args.steps)
@@ -150,7 +154,7 @@ def train_fsdp2(args: argparse.Namespace, rank: int, world_size: int) -> dict[st
     from workload import ByteBatches, TorchLoopStep, build_gpt, local_bytes, optimizer_state_bytes, rss_bytes, timed_steps
 
     baseline = rss_bytes()
-    model = build_gpt(args.preset, args.seed)
+    model = build_gpt(args.preset, args.seed, args.lora_rank)
     mesh = init_device_mesh("cpu", (world_size,))
     for block in model.blocks:
         fully_shard(block, mesh=mesh)
@@ -178,7 +182,7 @@ def train_deepspeed(args: argparse.Namespace, rank: int, world_size: int) -> dic
 
     baseline = rss_bytes()
     deepspeed.init_distributed(dist_backend="gloo")
-    model = build_gpt(args.preset, args.seed)
+    model = build_gpt(args.preset, args.seed, args.lora_rank)
     engine, _, _, _ = deepspeed.initialize(
         model=model, optimizer=adamw(model, args), config=zero3_config(args, world_size)
     )
@@ -186,13 +190,15 @@ def train_deepspeed(args: argparse.Namespace, rank: int, world_size: int) -> dic
     record = timed_steps(engine_step(engine), batches, rank, args.warmup, args.steps)
     zero = engine.optimizer
     persistent = [p for p in model.parameters() if getattr(p, "ds_persist", False)]
+    frozen = [p.ds_tensor for p in model.parameters() if not p.requires_grad and not getattr(p, "ds_persist", False)]
     master_is_param = all(
         master.data_ptr() == flat.data_ptr()
         for master, flat in zip(zero.fp32_partitioned_groups_flat, zero.fp16_partitioned_groups_flat)
     )
     result = {
         "model_state": {
-            "params": local_bytes(zero.fp16_partitioned_groups_flat) + local_bytes(p.data for p in persistent),
+            "params": local_bytes(zero.fp16_partitioned_groups_flat) + local_bytes(p.data for p in persistent)
+            + local_bytes(frozen),
             "grads": local_bytes([zero.grad_partitions_flat_buffer]),
             "optimizer_states": optimizer_state_bytes(zero.optimizer)
             + (0 if master_is_param else local_bytes(zero.fp32_partitioned_groups_flat)),
@@ -223,7 +229,7 @@ def worker(args: argparse.Namespace) -> None:
 def worker_argv(args: argparse.Namespace, preset: str, variant: str) -> list[str]:
     argv = ["--worker", variant, "--preset", preset]
     for key in ("micro_batch", "seq_len", "warmup", "steps", "lr", "clip", "seed", "max_reuse_distance",
-                "offload_optimizer", "nvme_path"):
+                "offload_optimizer", "nvme_path", "lora_rank"):
         argv += [f"--{key.replace('_', '-')}", str(getattr(args, key))]
     return argv
 

@@ -42,7 +42,7 @@ class Run:
     # instead of normalised by the window's token count (num_items_in_batch).
     mean_loss: bool = False
     config: dict = field(default_factory=dict)  # laid over the HF-style config
-    lora: bool = False  # low-rank adapters beside frozen linear layers, PEFT's shape (only they train)
+    lora: bool = False  # a PEFT LoRA model: only the adapters train
 
     def micro(self, world_size: int) -> int:
         return self.global_micro // world_size
@@ -81,20 +81,6 @@ class TokenDataset(torch.utils.data.Dataset):
         return {"input_ids": self.tokens[index], "labels": self.tokens[index]}
 
 
-class LoraLinear(torch.nn.Module):
-    """PEFT's layout: the frozen layer as `base_layer`, trainable low-rank factors beside it."""
-
-    def __init__(self, base: torch.nn.Linear, rank: int = 4):
-        super().__init__()
-        self.base_layer = base
-        self.lora_A = torch.nn.Linear(base.in_features, rank, bias=False)
-        self.lora_B = torch.nn.Linear(rank, base.out_features, bias=False)
-        torch.nn.init.normal_(self.lora_B.weight, std=0.02)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.base_layer(x) + self.lora_B(self.lora_A(x))
-
-
 def build_model(mean_loss: bool = False, lora: bool = False):
     """Random-init tiny Llama, identical on every rank; nothing downloaded."""
     from transformers import LlamaConfig, LlamaForCausalLM
@@ -106,13 +92,13 @@ def build_model(mean_loss: bool = False, lora: bool = False):
     ))
     if mean_loss:
         model.accepts_loss_kwargs = False  # what the Trainer reads to pass num_items_in_batch or not
-    if lora:
-        linears = [(parent, name, child) for parent in model.model.layers.modules()
-                   for name, child in parent.named_children() if isinstance(child, torch.nn.Linear)]
-        for parent, name, child in linears:
-            setattr(parent, name, LoraLinear(child))
-        for name, param in model.named_parameters():
-            param.requires_grad = "lora_" in name
+    if lora:  # a PEFT model: LoRA on every projection, the rest frozen
+        from peft import LoraConfig, get_peft_model
+
+        torch.manual_seed(4321)
+        targets = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+        model = get_peft_model(model, LoraConfig(r=4, lora_alpha=8, target_modules=targets,
+                                                 init_lora_weights="gaussian"))
     return model
 
 

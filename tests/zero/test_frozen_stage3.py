@@ -34,19 +34,23 @@ class LoraLinear(nn.Module):
 
 
 def build_lora(kind: str = "gpt") -> nn.Module:
-    """shardwise's GPT (4 layers), or a Hugging Face Llama with its own gradient
+    """shardwise's GPT (4 layers) with the adapters above, or a Hugging Face Llama made a
+    PEFT model (`get_peft_model`, LoRA on every projection) with its own gradient
     checkpointing (reentrant, as `gradient_checkpointing_enable()` defaults to, with
     `enable_input_require_grads()` as PEFT scripts call it)."""
-    if kind == "gpt":
-        torch.manual_seed(1234)
-        model = GPT(dataclasses.replace(GPTConfig.preset("tiny"), bias=False, n_layer=4))
-        blocks = model.blocks
-    else:
+    if kind != "gpt":
+        from peft import LoraConfig, get_peft_model
+
         model = build_model("llama")
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": True})
         model.enable_input_require_grads()
-        blocks = model.model.layers
-    linears = [(parent, name, child) for block in blocks for parent in block.modules()
+        torch.manual_seed(4321)
+        targets = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+        return get_peft_model(model, LoraConfig(r=RANK, lora_alpha=8, target_modules=targets,
+                                                init_lora_weights="gaussian"))
+    torch.manual_seed(1234)
+    model = GPT(dataclasses.replace(GPTConfig.preset("tiny"), bias=False, n_layer=4))
+    linears = [(parent, name, child) for block in model.blocks for parent in block.modules()
                for name, child in parent.named_children() if isinstance(child, nn.Linear)]
     for parent, name, child in linears:
         setattr(parent, name, LoraLinear(child))
