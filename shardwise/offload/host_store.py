@@ -21,9 +21,9 @@ from dataclasses import dataclass
 
 import torch
 
-from shardwise.accounting import MemoryLedger, tensor_bytes
+from shardwise.accounting import tensor_bytes
 from shardwise.zero.layout import FlatUnit
-from shardwise.zero.shard_store import ShardStore
+from shardwise.zero.shard_store import ShardStore, StoreSpec
 from shardwise.zero.strategy import ParameterStrategy
 
 HOST = torch.device("cpu")
@@ -37,14 +37,14 @@ class HostGradients:
     full: list[torch.Tensor] | None
 
 
-def host_gradients(units: list[FlatUnit], chunk: int, keeps_full_gradients: bool, grad_dtype: torch.dtype,
-                   device: torch.device, ledger: MemoryLedger, pin_memory: bool) -> HostGradients:
+def host_gradients(spec: StoreSpec, pin_memory: bool) -> HostGradients:
     """The gradient buffers of an offloaded optimizer: an fp32 partition in host memory
     and, for stages 0-1, the full accumulation buffer on the device."""
+    units, ledger = spec.units, spec.ledger
     full_flat = full = None
-    if keeps_full_gradients:
+    if spec.keeps_full_gradients:
         sizes = [unit.padded_numel for unit in units]
-        full_flat = torch.zeros(sum(sizes), dtype=grad_dtype, device=device)
+        full_flat = torch.zeros(sum(sizes), dtype=spec.grad_dtype, device=training_device(units, spec.strategy))
         ledger.hold("grads", tensor_bytes(full_flat))
         full = list(torch.split(full_flat, sizes))
     sizes = [unit.chunk_numel for unit in units]
@@ -75,27 +75,14 @@ class HostShardStore(ShardStore):
     tier = "host"
     state_tier = "host"
 
-    def __init__(
-        self,
-        units: list[FlatUnit],
-        chunk: int,
-        strategy: ParameterStrategy,
-        grad_dtype: torch.dtype,
-        keeps_full_gradients: bool,
-        sub_group_size: int,
-        ledger: MemoryLedger,
-        per_parameter: bool = False,
-        pin_memory: bool = False,
-    ):
+    def __init__(self, spec: StoreSpec, pin_memory: bool = False):
         pin = pin_memory and torch.cuda.is_available()
         # an optimizer on the host needs its own fp32 copy, whatever the training dtype
-        self.master_flat, masters = masters_from_chunks(units, strategy, pin)
-        gradients = host_gradients(units, chunk, keeps_full_gradients, grad_dtype, training_device(units, strategy),
-                                   ledger, pin_memory)
+        self.master_flat, masters = masters_from_chunks(spec.units, spec.strategy, pin)
+        gradients = host_gradients(spec, pin_memory)
         self.grad_flat, self.full_flat = gradients.partition_flat, gradients.full_flat
-        self._organise(units, chunk, strategy, masters, gradients.full, gradients.partition,
-                       per_parameter, sub_group_size)
-        self.param_bytes = torch.empty((), dtype=grad_dtype).element_size()
+        self._organise(spec, masters, gradients.full, gradients.partition)
+        self.param_bytes = torch.empty((), dtype=spec.grad_dtype).element_size()
         self.moved = Counter()
 
     def receive_gradient(self, unit: FlatUnit, reduced: torch.Tensor) -> None:

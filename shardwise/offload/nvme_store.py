@@ -26,13 +26,11 @@ from typing import Iterator
 
 import torch
 
-from shardwise.accounting import MemoryLedger
-from shardwise.offload.host_store import host_gradients, training_device
+from shardwise.offload.host_store import host_gradients
 from shardwise.offload.swap import Region, SwapFile
 from shardwise.zero.layout import FlatUnit
 from shardwise.zero.policy import OffloadPolicy
-from shardwise.zero.shard_store import SegmentState, ShardStore
-from shardwise.zero.strategy import ParameterStrategy
+from shardwise.zero.shard_store import SegmentState, ShardStore, StoreSpec
 
 
 @dataclasses.dataclass
@@ -70,29 +68,15 @@ class NvmeShardStore(ShardStore):
     tier = "host"  # where the gradient partition lives
     state_tier = "nvme"
 
-    def __init__(
-        self,
-        units: list[FlatUnit],
-        chunk: int,
-        strategy: ParameterStrategy,
-        grad_dtype: torch.dtype,
-        keeps_full_gradients: bool,
-        sub_group_size: int,
-        ledger: MemoryLedger,
-        per_parameter: bool,
-        offload: OffloadPolicy,
-        rank: int,
-    ):
-        gradients = host_gradients(units, chunk, keeps_full_gradients, grad_dtype, training_device(units, strategy),
-                                   ledger, offload.pin_memory)
+    def __init__(self, spec: StoreSpec, offload: OffloadPolicy, rank: int):
+        gradients = host_gradients(spec, offload.pin_memory)
         self.grad_flat, self.full_flat = gradients.partition_flat, gradients.full_flat
         # segments are cut over placeholders (no memory), then their masters become the
         # pages' views, filled from the parameter chunks
-        placeholders = [torch.empty(unit.chunk_numel, device="meta") for unit in units]
-        self._organise(units, chunk, strategy, placeholders, gradients.full, gradients.partition,
-                       per_parameter, sub_group_size)
-        self.param_bytes = torch.empty((), dtype=grad_dtype).element_size()
-        self.ledger = ledger
+        placeholders = [torch.empty(unit.chunk_numel, device="meta") for unit in spec.units]
+        self._organise(spec, placeholders, gradients.full, gradients.partition)
+        self.param_bytes = torch.empty((), dtype=spec.grad_dtype).element_size()
+        self.ledger = spec.ledger
         self.moved: Counter = Counter()
         self.swap = SwapFile(offload.nvme_path, rank, offload.thread_count, offload.block_size,
                              offload.queue_depth)

@@ -28,13 +28,11 @@ from typing import Callable, Iterator
 
 import torch
 
-from shardwise.accounting import MemoryLedger
 from shardwise.offload.host_store import HostShardStore
 from shardwise.offload.nvme_store import NvmeShardStore
 from shardwise.zero.layout import FlatUnit
 from shardwise.zero.policy import OffloadPolicy
-from shardwise.zero.shard_store import DeviceShardStore, SegmentState, ShardStore
-from shardwise.zero.strategy import ParameterStrategy
+from shardwise.zero.shard_store import DeviceShardStore, SegmentState, ShardStore, StoreSpec
 
 
 def device_unit_count(partitions: list[int], ratio: float) -> int:
@@ -133,33 +131,22 @@ class SplitShardStore(ShardStore):
         self.offloaded.close()
 
 
-def make_split_store(
-    units: list[FlatUnit],
-    chunk: int,
-    strategy: ParameterStrategy,
-    grad_dtype: torch.dtype,
-    keeps_full_gradients: bool,
-    sub_group_size: int,
-    ledger: MemoryLedger,
-    per_parameter: bool,
-    offload: OffloadPolicy,
-    rank: int,
-) -> ShardStore:
+def make_split_store(spec: StoreSpec, offload: OffloadPolicy, rank: int) -> ShardStore:
     """The store for `offload.ratio` < 1 of an offloaded optimizer ("cpu" or "nvme")."""
+    units = spec.units
     count = device_unit_count([unit.chunk_numel for unit in units], offload.ratio)
 
     def store_for(tier_units: list[FlatUnit], tier: str) -> ShardStore:
-        arguments = (tier_units, chunk, strategy, grad_dtype, keeps_full_gradients, sub_group_size, ledger,
-                     per_parameter)
+        tier_spec = spec.with_units(tier_units)
         if tier == "device":
-            return DeviceShardStore(*arguments)
+            return DeviceShardStore(tier_spec)
         if tier == "cpu":
-            return HostShardStore(*arguments, pin_memory=offload.pin_memory)
-        return NvmeShardStore(*arguments, offload=offload, rank=rank)
+            return HostShardStore(tier_spec, pin_memory=offload.pin_memory)
+        return NvmeShardStore(tier_spec, offload=offload, rank=rank)
 
     if count == len(units):
         return store_for(units, "device")
     if count == 0:
         return store_for(units, offload.device)
     return SplitShardStore(store_for(units[:count], "device"), store_for(units[count:], offload.device),
-                           per_parameter)
+                           spec.per_parameter)

@@ -29,7 +29,7 @@ from shardwise.zero.layout import FlatUnit, align_elements, pack_units
 from shardwise.zero.partitioned_params import PartitionedParameters
 from shardwise.zero.policy import ZeroPolicy
 from shardwise.zero.replicated_params import ReplicatedParameters
-from shardwise.zero.shard_store import DeviceShardStore, ShardStore
+from shardwise.zero.shard_store import DeviceShardStore, ShardStore, StoreSpec
 from shardwise.zero.shard_view import OwnedRange, owned_ranges
 from shardwise.zero.sharded_optimizer import ShardedOptimizer
 from shardwise.zero.strategy import ParameterStrategy
@@ -96,16 +96,16 @@ class ZeroState:
 def _make_store(policy: ZeroPolicy, params: ParameterStrategy, chunk: int, ledger: MemoryLedger,
                 per_parameter: bool, rank: int) -> ShardStore:
     """The shard store of the tier `offload_optimizer.device` names."""
-    arguments = (params.units, chunk, params, policy.param_dtype, policy.keeps_full_gradients,
-                 policy.sub_group_size, ledger, per_parameter)
+    spec = StoreSpec(params.units, chunk, params, policy.param_dtype, policy.keeps_full_gradients,
+                     policy.sub_group_size, ledger, per_parameter)
     offload = policy.offload_optimizer
     if offload.enabled and offload.ratio < 1:
-        return make_split_store(*arguments, offload=offload, rank=rank)
+        return make_split_store(spec, offload=offload, rank=rank)
     if offload.device == "cpu":
-        return HostShardStore(*arguments, pin_memory=offload.pin_memory)
+        return HostShardStore(spec, pin_memory=offload.pin_memory)
     if offload.device == "nvme":
-        return NvmeShardStore(*arguments, offload=offload, rank=rank)
-    return DeviceShardStore(*arguments)
+        return NvmeShardStore(spec, offload=offload, rank=rank)
+    return DeviceShardStore(spec)
 
 
 def apply_zero(

@@ -24,7 +24,7 @@ ZeRO-Infinity (NVMe files) are further stores, not further branches in the engin
 from __future__ import annotations
 
 from contextlib import contextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Callable, Iterator
 
 import torch
@@ -32,6 +32,24 @@ import torch
 from shardwise.accounting import MemoryLedger, tensor_bytes
 from shardwise.zero.layout import FlatUnit, OwnedPiece
 from shardwise.zero.strategy import ParameterStrategy
+
+
+@dataclass(frozen=True)
+class StoreSpec:
+    """What every store is built from, whatever its tier (zero/apply.py fills it from the
+    policy; a split store gives each tier its own `units`)."""
+
+    units: list[FlatUnit]
+    chunk: int  # which chunk of every unit this rank owns (its shard-group rank)
+    strategy: ParameterStrategy  # where the masters are copied from and published to
+    grad_dtype: torch.dtype
+    keeps_full_gradients: bool  # stages 0-1: the whole unit's accumulation buffer
+    sub_group_size: int  # elements the optimizer steps (and a paging tier holds) at once
+    ledger: MemoryLedger
+    per_parameter: bool = False  # one segment per parameter piece (optimizers of whole parameters)
+
+    def with_units(self, units: list[FlatUnit]) -> "StoreSpec":
+        return replace(self, units=units)
 
 
 @dataclass(frozen=True)
@@ -61,21 +79,18 @@ class ShardStore:
 
     def _organise(
         self,
-        units: list[FlatUnit],
-        chunk: int,
-        strategy: ParameterStrategy,
+        spec: StoreSpec,
         masters: list[torch.Tensor],
         full_grads: list[torch.Tensor] | None,
         grads: list[torch.Tensor],
-        per_parameter: bool,
-        sub_group_size: int,
     ) -> None:
-        """`per_parameter`: one segment per owned parameter piece, for optimizers whose
+        """`spec.per_parameter`: one segment per owned parameter piece, for optimizers whose
         update depends on whole parameters (they also step all segments at once, since each
         step reduces statistics over the shard group and every rank must take part once).
         Parameter chunks are asked of `strategy` at each use, never kept: a paging home
         (NVMe, offload/param_home.py) may write a chunk out and give its memory back
         between two uses."""
+        units, chunk, strategy = spec.units, spec.chunk, spec.strategy
         self.units = units
         self.chunk = chunk
         self.keeps_full_gradients = full_grads is not None
@@ -84,7 +99,7 @@ class ShardStore:
         self._full_grads = full_grads
         self._grads = grads
         self._position = {unit.index: position for position, unit in enumerate(units)}
-        if per_parameter:
+        if spec.per_parameter:
             self.segments = [
                 SegmentState(unit.index, p.chunk_offset, p.chunk_offset + p.numel, p.slot.group,
                              master[p.chunk_offset : p.chunk_offset + p.numel],
@@ -100,7 +115,7 @@ class ShardStore:
                 for unit, master, grad in zip(units, masters, grads)
                 for segment in unit.segments(chunk)
             ]
-            self.sub_groups = _split_sub_groups(self.segments, sub_group_size)
+            self.sub_groups = _split_sub_groups(self.segments, spec.sub_group_size)
             self.segments = [segment for group in self.sub_groups for segment in group]
         self._sub_group_index = {id(seg): i for i, group in enumerate(self.sub_groups) for seg in group}
 
@@ -181,36 +196,25 @@ class DeviceShardStore(ShardStore):
     separate fp32 master copy; fp32 training trains the parameters' own chunks in place
     (K = 8 instead of 12, SPEC §4)."""
 
-    def __init__(
-        self,
-        units: list[FlatUnit],
-        chunk: int,
-        strategy: ParameterStrategy,
-        grad_dtype: torch.dtype,
-        keeps_full_gradients: bool,
-        sub_group_size: int,
-        ledger: MemoryLedger,
-        per_parameter: bool = False,
-    ):
-        """`chunk`: which chunk of every unit this rank owns (its shard-group rank). Its
-        parameter chunks are never paged (a paging home comes with an offloaded optimizer),
-        so they can be held."""
-        param_chunks = [strategy.owned_chunk(unit) for unit in units]
+    def __init__(self, spec: StoreSpec):
+        """Its parameter chunks are never paged (a paging home comes with an offloaded
+        optimizer), so they can be held."""
+        units, keeps_full_gradients = spec.units, spec.keeps_full_gradients
+        param_chunks = [spec.strategy.owned_chunk(unit) for unit in units]
         device = param_chunks[0].device
         self.master_flat = None
         masters = param_chunks
         if param_chunks[0].dtype != torch.float32:
             self.master_flat, masters = copy_into_flat(param_chunks, torch.float32, device)
         sizes = [unit.padded_numel if keeps_full_gradients else unit.chunk_numel for unit in units]
-        self.grad_flat = torch.zeros(sum(sizes), dtype=grad_dtype, device=device)
-        ledger.hold("grads", tensor_bytes(self.grad_flat))
+        self.grad_flat = torch.zeros(sum(sizes), dtype=spec.grad_dtype, device=device)
+        spec.ledger.hold("grads", tensor_bytes(self.grad_flat))
         unit_grads = list(torch.split(self.grad_flat, sizes))
         if keeps_full_gradients:
-            grads = [full[slice(*unit.chunk_bounds(chunk))] for unit, full in zip(units, unit_grads)]
+            grads = [full[slice(*unit.chunk_bounds(spec.chunk))] for unit, full in zip(units, unit_grads)]
         else:
             grads = unit_grads
-        self._organise(units, chunk, strategy, masters, unit_grads if keeps_full_gradients else None,
-                       grads, per_parameter, sub_group_size)
+        self._organise(spec, masters, unit_grads if keeps_full_gradients else None, grads)
 
     def start_window(self) -> None:
         """A new accumulation window: stages 2-3 zero their partition (stages 0-1 overwrite
