@@ -41,11 +41,11 @@ def rlhf_parallel(rank: int, world_size: int, stage: int, dtype: str) -> dict:
     reference.eval()
     losses, reference_logits = [], []
     for step in range(STEPS):
-        x, y = global_batch(step, MICRO * world_size)
+        x, y = (tensor.to(actor_engine.device) for tensor in global_batch(step, MICRO * world_size))
         rows = slice(rank * MICRO, (rank + 1) * MICRO)
         with torch.no_grad():
             ref = reference(x[rows])
-        reference_logits.append(ref.float())
+        reference_logits.append(ref.float().cpu())
         loss = _penalised_loss(actor_engine(x[rows]).float(), ref.float(), y[rows])
         actor_engine.backward(loss)
         actor_engine.step()
@@ -65,7 +65,8 @@ def rlhf_parallel(rank: int, world_size: int, stage: int, dtype: str) -> dict:
         except RuntimeError as error:
             refused.append(str(error))
     with shardwise.gathered_parameters(list(reference.module.parameters())):
-        reference_weights = {name: param.detach().float().clone() for name, param in reference.module.named_parameters()}
+        reference_weights = {name: param.detach().to("cpu", torch.float32, copy=True)
+                             for name, param in reference.module.named_parameters()}
     breakdown = reference.memory_breakdown()
     return {"losses": losses, "reference_logits": torch.cat(reference_logits), "refused": refused,
             "memory": breakdown, "numel": numel, "reference_weights": reference_weights,

@@ -77,7 +77,8 @@ def train_parallel(rank: int, world_size: int, stage: int, recompute: bool, chec
     losses = []
     for step in range(STEPS):
         x, y = global_batch(step, MICRO * world_size)
-        loss = model_loss(engine, kind, x[rank * MICRO:(rank + 1) * MICRO], y[rank * MICRO:(rank + 1) * MICRO])
+        rows = slice(rank * MICRO, (rank + 1) * MICRO)
+        loss = model_loss(engine, kind, x[rows].to(engine.device), y[rows].to(engine.device))
         engine.backward(loss)
         engine.step()
         losses.append(loss.item())
@@ -85,7 +86,7 @@ def train_parallel(rank: int, world_size: int, stage: int, recompute: bool, chec
     if checkpoint_dir is not None:
         engine.save_checkpoint(checkpoint_dir, tag="lora")
     with shardwise.gathered_parameters(list(engine.module.parameters())):
-        weights = {name: param.detach().clone() for name, param in engine.module.named_parameters()}
+        weights = {name: param.detach().to("cpu", copy=True) for name, param in engine.module.named_parameters()}
     units = [*engine.units, *engine.zero.params.frozen_units]
     formula = placed_model_state_bytes(  # the planner's, on the padded counts (SPEC §4)
         sum(unit.padded_numel for unit in engine.units), world_size, 3, dtype="fp32",
