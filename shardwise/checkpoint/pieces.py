@@ -57,10 +57,10 @@ def tensor_shards(module: torch.nn.Module) -> dict[str, TensorShard]:
 
 def owned_runs(start: int, stop: int, shard: TensorShard | None) -> list[tuple[int, int, int]]:
     """An owned range [start, stop) of the local tensor in the whole parameter's flat
-    coordinates: (global start, global stop, position inside the owned range) runs. A tensor-parallel rank's local block is
-    not one range of the whole parameter; its placement (`TensorShard`) maps it, so every
-    piece a checkpoint stores names elements of the whole parameter, whatever the tensor,
-    data or pipeline sizes that save or load it."""
+    coordinates: (global start, global stop, position inside the owned range) runs. A
+    tensor-parallel rank's local block is not one range of the whole parameter; its
+    placement (`TensorShard`) maps it, so every piece a checkpoint stores names elements of
+    the whole parameter, whatever the tensor, data or pipeline sizes that save or load it."""
     if shard is None:
         return [(start, stop, 0)]
     return shard.global_runs(start, stop)
