@@ -119,3 +119,29 @@ def test_sequential_stages_equal_one_process(world_size, pipeline, stage, interv
     assert set(merged) == set(want["params"])
     for name, expected in want["params"].items():
         assert relative_error(merged[name], expected) < 1e-5, name
+
+
+def evaluate_forward_only(rank: int, world_size: int) -> dict:
+    """An engine without an optimizer (an evaluation job) split over 2 stages."""
+    model = SequentialStages(build_layers(), loss_fn=nn.CrossEntropyLoss())
+    engine = shardwise.initialize(model, {"train_micro_batch_size_per_gpu": MICRO_BATCH,
+                                          "gradient_accumulation_steps": MICRO_BATCHES,
+                                          "pipeline_parallel": {"size": 2, "split_points": [9]}})
+    images, labels = global_batches(1)[0]
+    loss = engine.eval_batch(iter(micro_batches(images, labels, MICRO_BATCH))).item()
+    try:
+        engine.train_batch(iter(micro_batches(images, labels, MICRO_BATCH)))
+    except RuntimeError as error:
+        return {"loss": loss, "refused": str(error)}
+    return {"loss": loss, "refused": None}
+
+
+def test_forward_only_pipeline_evaluates_like_one_process():
+    images, labels = global_batches(1)[0]
+    model = SequentialStages(build_layers())
+    with torch.no_grad():
+        want = sum(nn.functional.cross_entropy(model(x), y).item()
+                   for x, y in micro_batches(images, labels, MICRO_BATCH)) / MICRO_BATCHES
+    for result in run_distributed(evaluate_forward_only, 2, timeout=120):
+        assert abs(result["loss"] - want) < 1e-5 * want
+        assert result["refused"] is not None and "only runs forward" in result["refused"]

@@ -82,6 +82,7 @@ class PipelineEngineMethods:
                     loss_fn: Callable[..., torch.Tensor] | None = None) -> torch.Tensor:
         """Run `pipeline_parallel.micro_batches` micro-batches through the schedule, then one
         optimizer step; returns the batch's mean loss on every rank."""
+        self._require_training("train_batch")  # before any stage starts: every rank refuses alike
         return self._pipeline_runner("train_batch").run(_iterator(data_iter, "train_batch"), loss_fn, train=True)
 
     def eval_batch(self, data_iter: Iterable[Any] | None = None,
