@@ -352,13 +352,6 @@ class Engine(PipelineEngineMethods, DeepSpeedEngineAPI, nn.Module):
                 raise AttributeError(f"neither the engine nor its model has an attribute {name!r}") from None
         return getattr(module, name)
 
-    def get_lr(self) -> list[float]:
-        return [group["lr"] for group in self.optimizer.optimizer.param_groups] if self.trains else []
-
-    @property
-    def loss_scale(self) -> float:
-        return self.loss_scaler.scale
-
     def _require_alive(self, call: str) -> None:
         if self._destroyed:
             raise RuntimeError(f"engine.{call}() after engine.destroy(): this engine no longer trains "

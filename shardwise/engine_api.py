@@ -40,6 +40,14 @@ class DeepSpeedEngineAPI:
     def fp16_enabled(self) -> bool:
         return self.config.fp16.enabled
 
+    def get_lr(self) -> list[float]:
+        """Each param group's learning rate; [] for an engine without an optimizer, as DeepSpeed."""
+        return [group["lr"] for group in self.optimizer.optimizer.param_groups] if self.trains else []
+
+    @property
+    def loss_scale(self) -> float:
+        return self.loss_scaler.scale
+
     def bfloat16_enabled(self) -> bool:
         return self.config.bf16.enabled
 
