@@ -154,13 +154,15 @@ def test_zero_init_builds_the_same_model_and_gathering_untrained_parameters_does
     assert model.weight.abs().sum() == 0  # not an engine's parameter: the block is plain code
 
 
-def test_moe_param_groups_without_experts_are_returned_as_a_list():
+def test_moe_param_groups_put_experts_in_groups_of_their_own():
     from shardwise.compat.deepspeed.moe.utils import split_params_into_different_moe_groups_for_optimizer as split
 
     params = list(nn.Linear(2, 2).parameters())
     groups = split({"params": iter(params), "name": "parameters"})
     assert len(groups) == 1 and groups[0]["params"] == params and groups[0]["name"] == "parameters"
-    expert = nn.Parameter(torch.zeros(1))
-    expert.allreduce = False
-    with pytest.raises(ValueError, match="expert"):
-        split([{"params": [expert], "name": "experts"}])
+    experts = [nn.Parameter(torch.zeros(3)) for _ in range(3)]
+    for expert in experts:
+        expert.allreduce, expert.group_name = False, "ep_size_1"
+    groups = split([{"params": params + experts, "name": "parameters", "weight_decay": 0.1}], max_group_size=6)
+    assert [(g["name"], g.get("moe", False), len(g["params"]), g["weight_decay"]) for g in groups] == [
+        ("parameters", False, 2, 0.1), ("ep_size_1", True, 2, 0.1), ("ep_size_1", True, 1, 0.1)]

@@ -1,5 +1,7 @@
-"""`deepspeed.moe`: what scripts import from it without using experts (`moe.utils`)."""
+"""`deepspeed.moe`: the mixture-of-experts layer (`moe.layer.MoE`, routing in
+`moe.sharded_moe`) with every expert on every rank, and the param-group helpers
+(`moe.utils`)."""
 
-from shardwise.compat.deepspeed.moe import utils
+from shardwise.compat.deepspeed.moe import layer, sharded_moe, utils
 
-__all__ = ["utils"]
+__all__ = ["layer", "sharded_moe", "utils"]
