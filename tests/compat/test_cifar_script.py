@@ -36,3 +36,12 @@ def test_other_stages_equal_plain_torch(stage, tmp_path, reference):
 @pytest.mark.parametrize("dtype", ["bf16", "fp16"])
 def test_16_bit_within_16_bit_tolerance(dtype, tmp_path, reference):
     assert_losses_match(run_at(3, tmp_path, "--dtype", dtype), reference, tolerance=BF16_TOLERANCE)
+
+
+def test_moe_layers_with_expert_param_groups_equal_plain_torch(tmp_path):
+    """The script's `--moe` path as DeepSpeedExamples runs it (expert param groups, two MoE
+    layers of 2 experts sharing one residual MLP), with every expert on every rank; a
+    capacity of every token on the rank, so Random Token Selection drops none."""
+    extra = ("--moe", "--moe-param-group", "--num-experts", "2", "2", "--mlp-type", "residual", "--min-capacity", "4")
+    run_plain(SCRIPT, "--loss-file", str(tmp_path / "plain"), *extra, cwd=tmp_path)
+    assert_losses_match(run_at(2, tmp_path, *extra), tmp_path / "plain")

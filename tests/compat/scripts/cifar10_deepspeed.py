@@ -27,6 +27,15 @@ def add_argument():
                         help="Datatype used for training")
     parser.add_argument("--stage", default=0, type=int, choices=[0, 1, 2, 3], help="ZeRO stage")
     parser.add_argument("--moe", default=False, action="store_true", help="use deepspeed mixture of experts (moe)")
+    parser.add_argument("--ep-world-size", default=1, type=int, help="(moe) expert parallel world size")
+    parser.add_argument("--num-experts", type=int, nargs="+", default=[1], help="number of experts list, MoE related.")
+    parser.add_argument("--mlp-type", type=str, default="standard",
+                        help="Only applicable when num-experts > 1, accepts [standard, residual]")
+    parser.add_argument("--top-k", default=1, type=int, help="(moe) gating top 1 and 2 supported")
+    parser.add_argument("--min-capacity", default=0, type=int,
+                        help="(moe) minimum capacity of an expert regardless of the capacity_factor")
+    parser.add_argument("--noisy-gate-policy", default=None, type=str,
+                        help="(moe) noisy gating (only supported with top-1). Valid values are None, RSample, and Jitter")
     parser.add_argument("--moe-param-group", default=False, action="store_true",
                         help="(moe) create separate moe param groups, required when using ZeRO w. MoE")
     parser.add_argument("--train-batch-size", type=int, default=8)
@@ -94,7 +103,22 @@ class Net(nn.Module):
         self.moe = args.moe
         if self.moe:
             fc3 = nn.Linear(84, 84)
-            self.moe_layer_list = nn.ModuleList([deepspeed.moe.layer.MoE(hidden_size=84, expert=fc3, num_experts=1)])
+            self.moe_layer_list = []
+            for n_e in args.num_experts:
+                # Create moe layers based on the number of experts.
+                self.moe_layer_list.append(
+                    deepspeed.moe.layer.MoE(
+                        hidden_size=84,
+                        expert=fc3,
+                        num_experts=n_e,
+                        ep_size=args.ep_world_size,
+                        use_residual=args.mlp_type == "residual",
+                        k=args.top_k,
+                        min_capacity=args.min_capacity,
+                        noisy_gate_policy=args.noisy_gate_policy,
+                    )
+                )
+            self.moe_layer_list = nn.ModuleList(self.moe_layer_list)
             self.fc4 = nn.Linear(84, 10)
         else:
             self.fc3 = nn.Linear(84, 10)
