@@ -75,17 +75,10 @@ def convert_checkpoint(
     if hf and stem != "model":
         raise ValueError("--hf writes a folder; give a directory as the output, not a .safetensors file")
     earlier = _check_output(folder, stem, hf, overwrite)
-    directory = resolve_tag(Path(checkpoint_dir), tag)
-    files = read_manifest(directory)
-    for name in sorted(files):
-        problem = check_file(directory, name, files[name])
-        if problem is not None:
-            raise CheckpointError(problem)
-    meta = read_json(directory / META)
+    directory, meta, records = open_verified(checkpoint_dir, tag)
     if hf and meta.get("hf") is None:
         raise CheckpointError(f"checkpoint {directory} has no Hugging Face config: the model "
                               "was not a transformers PreTrainedModel, so --hf cannot apply")
-    records = [read_json(directory / rank_json(rank)) for rank in range(meta["world_size"])]
     target = OUTPUT_DTYPES[dtype]
     with _writing(folder):
         folder.mkdir(parents=True, exist_ok=True)
@@ -117,6 +110,19 @@ def convert_checkpoint(
         with _writing(written[-1]):
             written[-1].write_text(json.dumps(_hf_config(meta["hf"], target), indent=2))
     return written
+
+
+def open_verified(checkpoint_dir: str | os.PathLike, tag: str | None) -> tuple[Path, dict, list[dict]]:
+    """(the tag's directory, its meta, every rank's record) after checking every file
+    against the manifest, in one process (no engine: conversions and zero_to_fp32)."""
+    directory = resolve_tag(Path(checkpoint_dir), tag)
+    files = read_manifest(directory)
+    for name in sorted(files):
+        problem = check_file(directory, name, files[name])
+        if problem is not None:
+            raise CheckpointError(problem)
+    meta = read_json(directory / META)
+    return directory, meta, [read_json(directory / rank_json(rank)) for rank in range(meta["world_size"])]
 
 
 def _check_output(folder: Path, stem: str, hf: bool, overwrite: bool) -> list[Path]:

@@ -189,9 +189,11 @@ class GatherSchedule:
         a forward use, whose backward is pending until then). A recomputation's own hook
         fires only under reentrant checkpointing, whose first forward ran without
         gradients and so counted no use; otherwise the first forward's hook frees."""
-        frozen = [unit for unit in units if unit.index in self.frozen]
+        frozen = [unit for unit in units if unit.index in self.frozen] if self.frozen else []
+        if not frozen:  # every training step passes here: no work for modules without frozen units
+            return
         inputs = _needing_grad(args)
-        if not (frozen and inputs):
+        if not inputs:
             return
         if counted:
             for unit in frozen:

@@ -61,13 +61,14 @@ class SharedExchange:
         for user, paths in self.shared.sends.items():
             if not self.shared.requires_grad[user]:
                 continue
-            params = [self.model.get_parameter(path) for path in paths]
-            numel = sum(param.numel() for param in params)
-            flat = self.channel.receive((numel,), params[0].dtype, device, "tied gradient", user, self.stage, 0, PART)
+            params = {path: self.model.get_parameter(path) for path in paths}
+            numel = sum(param.numel() for param in params.values())
+            flat = self.channel.receive((numel,), next(iter(params.values())).dtype, device, "tied gradient", user,
+                                        self.stage, 0, PART)
             offset = 0
-            for path, param in zip(paths, params):
+            for path, param in params.items():
                 grad = flat[offset : offset + param.numel()].view(param.shape)
                 offset += param.numel()
                 if param.requires_grad:
-                    summed[path] = summed[path] + grad if path in summed else grad
-        return [self.model.get_parameter(path) for path in summed], list(summed.values())
+                    summed[param] = summed[param] + grad if param in summed else grad
+        return list(summed), list(summed.values())

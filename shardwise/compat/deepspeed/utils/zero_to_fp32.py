@@ -26,10 +26,9 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from shardwise.checkpoint.convert import convert_checkpoint
-from shardwise.checkpoint.format import META, VALUE, CheckpointError, rank_json, read_json
+from shardwise.checkpoint.convert import convert_checkpoint, open_verified
+from shardwise.checkpoint.format import VALUE
 from shardwise.checkpoint.index import PieceIndex
-from shardwise.checkpoint.manifest import check_file, read_manifest, resolve_tag
 
 __all__ = ["convert_zero_checkpoint_to_fp32_state_dict", "get_fp32_state_dict_from_zero_checkpoint",
            "load_state_dict_from_zero_checkpoint", "main"]
@@ -40,15 +39,9 @@ FILE_SUFFIXES = (".bin", ".pt", ".pth")
 def get_fp32_state_dict_from_zero_checkpoint(checkpoint_dir: str | os.PathLike, tag: str | None = None,
                                              exclude_frozen_parameters: bool = False,
                                              lazy_mode: bool = False) -> dict[str, torch.Tensor]:
-    """The model's state_dict from `checkpoint_dir/tag` (tag None: the one `latest` names)."""
-    directory = resolve_tag(Path(checkpoint_dir), tag)
-    files = read_manifest(directory)
-    for name in sorted(files):
-        problem = check_file(directory, name, files[name])
-        if problem is not None:
-            raise CheckpointError(problem)
-    meta = read_json(directory / META)
-    records = [read_json(directory / rank_json(rank)) for rank in range(meta["world_size"])]
+    """The model's state_dict from `checkpoint_dir/tag` (tag None: the one `latest` names).
+    `lazy_mode` (DeepSpeed's deferred loading) is accepted; the tensors are read at once."""
+    directory, meta, records = open_verified(checkpoint_dir, tag)
     state: dict[str, torch.Tensor] = {}
     with PieceIndex(directory, records) as index:
         entries = [entry for entry in meta["parameters"] if entry["trainable"] or not exclude_frozen_parameters]
