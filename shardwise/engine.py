@@ -312,12 +312,12 @@ class Engine(PipelineEngineMethods, DeepSpeedEngineAPI, nn.Module):
 
     # -- accounting ----------------------------------------------------------------------
     def memory_breakdown(self, by_tier: bool = False) -> dict:
-        """Bytes this rank held per category at that category's peak (SPEC §4), on the
+        """Bytes this rank held per category at that category's peak (docs/formulas.md#model-states-per-rank), on the
         training device; `by_tier=True`: {"device" | "host" | "nvme": {category: bytes}}."""
         return self.ledger.breakdown_by_tier() if by_tier else self.ledger.breakdown()
 
     def comm_volume(self, per_group: bool = False) -> dict:
-        """Bytes this rank sent per collective since the last reset (ring model, SPEC §4);
+        """Bytes this rank sent per collective since the last reset (ring model, docs/formulas.md#the-ring-model);
         `per_group=True`: {group purpose: {collective: bytes}}, plus "offload": bytes moved
         device -> host, host -> device, and read from / written to NVMe."""
         if not per_group:
@@ -385,7 +385,7 @@ def initialize(
     *,
     auto_values: Mapping[str, Any] | None = None,
 ) -> Engine:
-    """Wrap `model` for (ZeRO) data-parallel training; see SPEC §2.
+    """Wrap `model` for (ZeRO) data-parallel training; see docs/getting-started.md#the-engine.
 
     `param_init_fn(module)` initialises a module built on the meta device (stage 3 only;
     default: `module.reset_parameters()`). `auto_values` fills the config's "auto" entries

@@ -1,4 +1,4 @@
-"""The engine's own count of the bytes it holds, by category and memory tier (SPEC §4, C6).
+"""The engine's own count of the bytes it holds, by category and memory tier (docs/formulas.md#model-states-per-rank, C6).
 
 Allocator statistics cannot say *what* memory is for, and on CPU there are none; so every
 buffer the engine creates is registered here when allocated and released when freed.

@@ -1,4 +1,4 @@
-"""Sharded, atomic, reshardable checkpoints and their export (SPEC C8).
+"""Sharded, atomic, reshardable checkpoints and their export (C8).
 
 `save_checkpoint` / `load_checkpoint` back `engine.save_checkpoint` / `engine.load_checkpoint`;
 `convert_checkpoint` backs `shardwise convert`. The on-disk layout is described in format.py.

@@ -39,7 +39,7 @@ class Accepted:
 @dataclass(frozen=True)
 class AcceptedWhen:
     harmless: Callable[[Any], bool]
-    harmless_doc: str  # the values accepted, as the README shows them
+    harmless_doc: str  # the values accepted, as docs/reference/config.md shows them
     why_not: str  # why other values are refused, and what to use instead
 
 
@@ -269,7 +269,7 @@ def rule_for(path: str, key: str) -> KeyRule | None:
 
 
 def classification_rows() -> list[tuple[str, str, str]]:
-    """(dotted key, how shardwise treats it, why) for the README's table."""
+    """(dotted key, how shardwise treats it, why) for docs/reference/config.md's table."""
     rows = []
     for path, rules in RULES.items():
         for key, rule in rules.items():

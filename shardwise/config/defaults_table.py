@@ -1,6 +1,6 @@
 """The table of every supported config key and its default, read off the schema, so the
-README's configuration reference is generated, not copied (scripts/update_readme_defaults.py;
-tests/test_readme.py checks it)."""
+configuration reference, docs/reference/config.md, is generated, not copied
+(scripts/update_docs_tables.py; tests/docs/test_config_reference.py checks it)."""
 
 import types
 from typing import Any, Union, get_args, get_origin

@@ -77,7 +77,7 @@ KEY_HINTS: dict[str, str] = {
 
 def deepspeed_key_table() -> list[tuple[str, str, str]]:
     """(dotted key, treatment, why) for every DeepSpeed key without a schema field: the
-    accepted and translated ones, then those still rejected (the README's table)."""
+    accepted and translated ones, then those still rejected (docs/reference/config.md's table)."""
     rows = classification_rows()
     for path, keys in DEEPSPEED_KEYS_NOT_SUPPORTED.items():
         for key in sorted(keys):

@@ -1,7 +1,7 @@
 """Every collective the engine issues goes through a `Communicator`, one per group, for
 three reasons.
 
-1. Accounting (SPEC §4, C6): each call adds the bytes this rank sends in a
+1. Accounting (docs/formulas.md#the-ring-model, C6): each call adds the bytes this rank sends in a
    bandwidth-optimal ring, per (group, operation), so `engine.comm_volume()` is measured,
    not estimated: all-reduce of S bytes = 2S(N-1)/N, all-gather / reduce-scatter /
    all-to-all of a full S = S(N-1)/N, with N the size of the group it runs in.

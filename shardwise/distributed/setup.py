@@ -97,7 +97,7 @@ def _destroy_if_initialized() -> None:
 def init_distributed() -> DistributedContext:
     """Return the data-parallel context, creating the default process group if needed.
 
-    Backend: NCCL when CUDA is available, else gloo (as SPEC §2 says).
+    Backend: NCCL when CUDA is available, else gloo (docs/getting-started.md#launching).
     """
     timeout = collective_timeout()
     local_rank = int(os.environ.get("LOCAL_RANK", 0))

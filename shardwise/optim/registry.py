@@ -2,7 +2,7 @@
 
 An entry says how to build the optimizer over the rank's fp32 segments, how many fp32
 tensors of state it keeps per parameter (K = 4 x that, plus 4 for the master copy in
-16-bit training: SPEC §4), and how its state is saved and resharded (its codec). Adding
+16-bit training: docs/formulas.md#optimizer-state-bytes-k), and how its state is saved and resharded (its codec). Adding
 an optimizer is one `register_optimizer` call in the module that implements it, not a
 branch in the engine.
 

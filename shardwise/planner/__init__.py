@@ -1,4 +1,4 @@
-"""Memory estimator and planner (SPEC C7): ZeRO model states, offload placement, activations,
+"""Memory estimator and planner (C7): ZeRO model states, offload placement, activations,
 and the fastest stage / offload / recomputation that fits the given hardware."""
 
 from shardwise.planner.formulas import (

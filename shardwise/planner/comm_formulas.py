@@ -1,4 +1,4 @@
-"""Communication formulas: bytes one rank sends per optimizer step, per group (SPEC §4).
+"""Communication formulas: bytes one rank sends per optimizer step, per group (docs/formulas.md#communication-per-step).
 
 Plain integer arithmetic, no torch: the estimator, the main job's report and the tests
 that check the engine's own count (`engine.comm_volume(per_group=True)`) to the byte all

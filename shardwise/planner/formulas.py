@@ -3,7 +3,7 @@
 Everything here is integer arithmetic with no torch import, so the engine's measured
 `memory_breakdown()` can be checked against the very numbers `shardwise estimate` prints.
 
-Notation (SPEC §4): Ψ parameters, N data-parallel ranks, K bytes of optimizer state per
+Notation (docs/formulas.md#notation): Ψ parameters, N data-parallel ranks, K bytes of optimizer state per
 parameter. ZeRO (Rajbhandari et al., 2020) removes the data-parallel redundancy one model
 state at a time: stage 1 partitions the optimizer states (KΨ → KΨ/N), stage 2 also the
 gradients, stage 3 also the 16-bit parameters. A partition is ceil(Ψ/N) elements: the
@@ -233,7 +233,7 @@ def model_state_terms(stage: int, offload: Offload, dtype: str, optimizer_state_
                       optimizer: str = "adam") -> list[StateTerm]:
     """The per-rank model-state formula as summands, each placed on a device.
 
-    Without offload these are exactly the SPEC §4 rows. With the optimizer offloaded
+    Without offload these are exactly the rows of docs/formulas.md#model-states-per-rank. With the optimizer offloaded
     (ZeRO-Offload, Ren et al. 2021) the optimizer partition and an fp32 gradient partition
     live on the host and the step runs there; stage 1 still accumulates the full 16-bit
     gradient on the GPU because it reduces only at the boundary, while stages 2-3 stream
@@ -365,7 +365,7 @@ def model_state_bytes(
     optimizer_state_bytes_per_param: int | None = None,
     persistent_params: int = 0,
 ) -> dict[str, int]:
-    """Per-rank bytes of {"params", "grads", "optimizer_states"} with no offload: SPEC §4.
+    """Per-rank bytes of {"params", "grads", "optimizer_states"} with no offload: docs/formulas.md#model-states-per-rank.
 
     `optimizer_state_bytes_per_param` is K; it defaults to Adam's (12 mixed, 8 fp32).
     """

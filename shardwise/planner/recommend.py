@@ -1,6 +1,6 @@
 """Which ZeRO stage, offload and recomputation to use: evaluate every option, pick the fastest that fits.
 
-Speed order. Stages 0-2 move the same bytes per step as plain data parallelism (SPEC §4),
+Speed order. Stages 0-2 move the same bytes per step as plain data parallelism (docs/formulas.md#communication-per-step),
 so among them the lower stage wins, and none of them is given up for recomputation
 before the others were tried without it. Every later option costs real time: stage 3
 gathers parameters again (1.5x the traffic), optimizer offload adds PCIe transfers and a

@@ -135,7 +135,7 @@ def regather_note(summary: dict[str, Any]) -> str | None:
         f"{regather['layers_per_step']} layers re-run × {regather['units_per_layer']} units = "
         f"{regather['formula_units_per_step']}, {regather['bytes_per_step'] / MB:,.3f} MB of ring all-gather for "
         f"{regather['layer_params']:,} parameters per layer); each layer's backward then uses them without gathering "
-        "again, so recomputation adds no all-gather bytes to §4's term above."
+        "again, so recomputation adds no all-gather bytes to the formula's term above."
     )
 
 

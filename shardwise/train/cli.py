@@ -1,4 +1,4 @@
-"""`shardwise train`: the main job (SPEC §5, C23).
+"""`shardwise train`: the main job (docs/getting-started.md#the-main-job, C23).
 
 With no arguments it trains the ≈10M-parameter GPT on the standard library's source, in
 2 CPU processes (gloo) or one per GPU (NCCL), with ZeRO-3, for about two minutes on two

@@ -2,9 +2,9 @@
 
 The same model (same seed, same batches) is trained for a few steps at each stage 0-3;
 after each, the rank's model-state bytes by category and the bytes it sent in the last
-step are recorded beside the SPEC §4 formulas. Stage 3 runs with no persistent
+step are recorded beside the formulas (docs/formulas.md#model-states-per-rank). Stage 3 runs with no persistent
 parameters and no reuse window (`stage3_param_persistence_threshold` and
-`stage3_max_reuse_distance` 0), the setting in which §4's 3Ψ·b(N−1)/N holds, so the
+`stage3_max_reuse_distance` 0), the setting in which the formula's 3Ψ·b(N−1)/N holds, so the
 figure shows the formulas themselves rather than their tuned variants.
 """
 

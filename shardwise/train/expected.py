@@ -1,4 +1,4 @@
-"""What SPEC §4 predicts for a run: model-state bytes per rank and collective bytes per step.
+"""What the formulas (docs/formulas.md) predict for a run: model-state bytes per rank and collective bytes per step.
 
 The report and the stage-comparison figure put these beside the engine's measured
 numbers. Plain arithmetic over the planner's formulas, no torch, so the parent process
@@ -72,7 +72,7 @@ def optimizer_state_bytes(optimizer_type: str, dtype: str, momentum: float = 0.0
 
 
 def expected_memory(shape: RunShape) -> dict[str, int]:
-    """Model-state bytes per rank by category (SPEC §4 table, N = the shard group's size;
+    """Model-state bytes per rank by category (docs/formulas.md#model-states-per-rank, N = the shard group's size;
     1-bit Adam / LAMB: after their warm-up, planner/formulas.py `onebit_model_state_bytes`)."""
     if shape.onebit:
         return onebit_model_state_bytes(shape.num_params, shape.world_size, shape.stage, shape.dtype,
@@ -88,7 +88,7 @@ def expected_memory(shape: RunShape) -> dict[str, int]:
 
 
 def expected_comm(shape: RunShape) -> dict[str, int]:
-    """Collective bytes per rank per optimizer step (SPEC §4, planner/comm_formulas.py);
+    """Collective bytes per rank per optimizer step (docs/formulas.md#communication-per-step, planner/comm_formulas.py);
     1-bit Adam / LAMB: a step after the warm-up (no gradient reduced, the compressed
     momentum exchange, and at stages 1-2 the parameters' all-gather)."""
     if shape.onebit:
@@ -104,7 +104,7 @@ def expected_comm_by_group(shape: RunShape) -> dict[str, dict[str, int]]:
 
 
 def memory_expressions(shape: RunShape) -> dict[str, str]:
-    """The §4 term behind each memory category, e.g. "4Ψ/N" or "2Ψ/N + 2P"."""
+    """The formula's term behind each memory category, e.g. "4Ψ/N" or "2Ψ/N + 2P"."""
     p, k = element_bytes(shape.dtype), shape.optimizer_state_bytes
     if shape.onebit:
         return _onebit_memory_expressions(shape, p)
@@ -119,7 +119,7 @@ def memory_expressions(shape: RunShape) -> dict[str, str]:
 
 
 def comm_expressions(shape: RunShape) -> dict[str, str]:
-    """The §4 term behind each collective's bytes per step ("" where nothing is sent);
+    """The formula's term behind each collective's bytes per step ("" where nothing is sent);
     A is the number of micro-batches per step."""
     if shape.onebit:
         framed = "(L/8 + 4N)(N−1)/N"

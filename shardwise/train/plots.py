@@ -1,7 +1,7 @@
 """PNG figures of a run, drawn from its files with matplotlib's headless Agg backend.
 
 - loss.png: training loss per step (validation loss at the end) and the learning rate.
-- memory.png: model states per rank, measured beside §4, and process memory over steps.
+- memory.png: model states per rank, measured beside the formulas, and process memory over steps.
 - zero_stages.png (--compare-stages): the ZeRO paper's figure 1 from a real run: bytes
   per rank of parameters, gradients and optimizer states at each stage, measured beside
   the formula, and the bytes each rank sends per step.
@@ -58,7 +58,7 @@ def plot_memory(records: list[dict[str, Any]], summary: dict[str, Any], path: Pa
     width = 0.38
     states_axis.bar([p - width / 2 for p in positions], measured, width, label="measured",
                     color=[COLOURS[c] for c in categories])
-    states_axis.bar([p + width / 2 for p in positions], formula, width, label="§4 formula",
+    states_axis.bar([p + width / 2 for p in positions], formula, width, label="formula",
                     color="white", edgecolor=[COLOURS[c] for c in categories], hatch="//")
     states_axis.set_xticks(list(positions), categories)
     states_axis.set_ylabel("MB per rank")
@@ -95,7 +95,7 @@ def plot_stage_comparison(comparison: dict[str, Any], path: Path) -> None:
     comm_axis.set_title("Bytes sent per rank per step")
     comm_axis.set_ylabel("MB per rank per step")
     for axis in (memory_axis, comm_axis):
-        axis.set_xticks(stages, [f"stage {s}\nmeasured | §4" for s in stages])
+        axis.set_xticks(stages, [f"stage {s}\nmeasured | formula" for s in stages])
         axis.legend(fontsize=8)
         axis.grid(axis="y", alpha=0.3)
     _save(figure, path)
@@ -110,7 +110,7 @@ def _stacked_pairs(axis, entries: list[dict[str, Any]], key: str, parts: tuple[s
             axis.bar(
                 [entry["stage"] + offset for entry in entries], heights, width, bottom=bottoms,
                 color=COLOURS[part], edgecolor="black", linewidth=0.4,
-                label=f"{part} ({'measured' if source == 'measured' else '§4'})", **style,
+                label=f"{part} ({source})", **style,
             )
             bottoms = [b + h for b, h in zip(bottoms, heights)]
 

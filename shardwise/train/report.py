@@ -1,4 +1,5 @@
-"""The tables printed after a run: measured memory and communication beside SPEC §4.
+"""The tables printed after a run: measured memory and communication beside the formulas
+(docs/formulas.md#model-states-per-rank, docs/formulas.md#communication-per-step).
 
 Drawn by the parent process from the files the ranks wrote (summary.json,
 metrics.jsonl, zero_stages.json), so a finished run can be re-reported at any time.
@@ -100,22 +101,23 @@ def comm_table(summary: dict[str, Any]) -> Table:
 def _add_columns(table: Table, first: str) -> None:
     table.add_column(first, no_wrap=True)
     table.add_column("measured", justify="right")
-    table.add_column("§4 formula", justify="right")
+    table.add_column("formula", justify="right")
     table.add_column("term", no_wrap=True)
     table.add_column("difference", justify="right")
 
 
 def tied_weight_note(stage: int, extra_gathered: int, tied_params: int, world_size: int, dtype: str) -> str | None:
-    """Why stage 3 gathers more than §4 says, when the difference is whole re-gathers of
-    the tied embedding: §4 assumes each parameter is used once per forward, but the GPT's
-    embedding is also its output layer, so it is gathered again for its second use."""
+    """Why stage 3 gathers more than the formula says, when the difference is whole
+    re-gathers of the tied embedding: the formula assumes each parameter is used once per
+    forward, but the GPT's embedding is also its output layer, so it is gathered again for
+    its second use."""
     share = ring_share(tied_params, element_bytes(dtype), world_size)
     if stage != 3 or extra_gathered <= 0 or share == 0 or extra_gathered % share:
         return None
     count = extra_gathered // share
     return (
-        f"all_gather exceeds §4 by {count} gather(s) of the tied embedding (wte = lm_head, "
-        f"{tied_params:,} elements, {share:,} B each): it is used twice per forward, §4 counts one use."
+        f"all_gather exceeds the formula by {count} gather(s) of the tied embedding (wte = lm_head, "
+        f"{tied_params:,} elements, {share:,} B each): it is used twice per forward, the formula counts one use."
     )
 
 
@@ -164,7 +166,7 @@ def print_training_report(run_dir: Path, console: Console) -> None:
 
 def comparison_table(comparison: dict[str, Any]) -> Table:
     table = Table(
-        title=f"ZeRO stages, measured / §4 MB per rank: GPT {comparison['model_size']}, "
+        title=f"ZeRO stages, measured / formula MB per rank: GPT {comparison['model_size']}, "
         f"Ψ = {comparison['num_params']:,}, N = {comparison['world_size']}, {comparison['dtype']}, "
         f"K = {comparison['optimizer_state_bytes']}",
         title_justify="left",

@@ -47,7 +47,7 @@ def build_model(options: TrainOptions) -> tuple[GPT, ModelFacts]:
 
 
 def run_shape(engine: Engine, num_params: int) -> RunShape:
-    """The §4 formula's inputs for this engine's settings."""
+    """The formulas' inputs for this engine's settings (docs/formulas.md)."""
     cfg = engine.config
     dtype = DTYPE_NAMES[engine.dtype]
     optimizer = cfg.optimizer

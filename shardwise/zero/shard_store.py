@@ -194,7 +194,7 @@ class ShardStore:
 class DeviceShardStore(ShardStore):
     """Everything in the training device's memory, no paging. Mixed precision keeps a
     separate fp32 master copy; fp32 training trains the parameters' own chunks in place
-    (K = 8 instead of 12, SPEC §4)."""
+    (K = 8 instead of 12, docs/formulas.md#optimizer-state-bytes-k)."""
 
     def __init__(self, spec: StoreSpec):
         """Its parameter chunks are never paged (a paging home comes with an offloaded

@@ -37,7 +37,7 @@ def test_each_policy_equals_no_recomputation(stage):
 
 def test_stage3_recomputation_gathers_are_counted_and_add_no_volume():
     """The recomputation gathers each checkpointed layer's units; backward then uses them
-    without a second gather, so the all-gather volume is exactly no recomputation's (SPEC §4)."""
+    without a second gather, so the all-gather volume is exactly no recomputation's (docs/formulas.md#recomputation-under-zero-3)."""
     (result, _) = run_distributed(train_policies, 2, 3, ["none", "full", "every_k"])
     assert result["none"]["recompute_gathers"] == 0
     # 6 units per layer (ln_1, qkv, attention proj, ln_2, fc, MLP proj): 3 layers, 2 steps;

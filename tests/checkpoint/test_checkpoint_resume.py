@@ -1,4 +1,4 @@
-"""Resuming from a checkpoint continues the run exactly (same layout) or within SPEC §6
+"""Resuming from a checkpoint continues the run exactly (same layout) or within docs/development.md#how-shardwise-is-tested
 tolerances (another world size or ZeRO stage), optimizer state included (issue 4, C8)."""
 
 from functools import lru_cache

@@ -1,4 +1,4 @@
-"""The parallel layout: sizes from the config, rank order, groups by purpose (SPEC §4: with a
+"""The parallel layout: sizes from the config, rank order, groups by purpose (docs/formulas.md#notation: with a
 mesh, N in the ZeRO formulas is the size of the group ZeRO shards over)."""
 
 import pytest

@@ -1,4 +1,4 @@
-"""GPU checks (SPEC §6): skipped without CUDA; run them whenever a GPU machine is lent
+"""GPU checks (docs/development.md#how-shardwise-is-tested): skipped without CUDA; run them whenever a GPU machine is lent
 and record what they show in BENCHMARKS.md.
 
 On one GPU they train every stage on CUDA tensors (NCCL group of one, gloo control group)

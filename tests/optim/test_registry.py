@@ -1,4 +1,4 @@
-"""Optimizers by config name with their K (bytes of state per parameter, SPEC §4), and the
+"""Optimizers by config name with their K (bytes of state per parameter, docs/formulas.md#optimizer-state-bytes-k), and the
 codec through which their state is checkpointed."""
 
 import pytest

@@ -1,4 +1,4 @@
-"""Model-state, offload and activation formulas against hand-computed numbers (SPEC §4)."""
+"""Model-state, offload and activation formulas against hand-computed numbers (docs/formulas.md)."""
 
 import pytest
 

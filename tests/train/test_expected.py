@@ -1,4 +1,4 @@
-"""The §4 numbers the report prints beside the measured ones."""
+"""The formulas' numbers (docs/formulas.md) the report prints beside the measured ones."""
 
 import pytest
 

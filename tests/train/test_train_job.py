@@ -87,7 +87,7 @@ def test_summary_memory_equals_the_formula_and_comm_is_explained(trained):
         assert abs(measured - formula) <= padding * 8, category
     comm = summary["comm_per_step"]
     assert comm["measured"]["reduce_scatter"] == comm["formula"]["reduce_scatter"]
-    # One more gather of the tied embedding than §4's one-use-per-forward count.
+    # One more gather of the tied embedding than the formula's one-use-per-forward count.
     tied_gather = ring_share(model["tied_params"], element_bytes("fp32"), 2)
     assert comm["measured"]["all_gather"] == comm["formula"]["all_gather"] + tied_gather
     assert summary["final"]["val_loss"] > 0 and summary["train_seconds"] > 0
@@ -169,4 +169,4 @@ def test_compare_stages_matches_section_4(tmp_path):
     params = [entry["memory"]["measured"]["params"] for entry in comparison["stages"]]
     assert params[0] == params[1] == params[2] == 2 * params[3]
     check_png(run_dir / "zero_stages.png")
-    assert "ZeRO stages, measured / §4 MB per rank" in result.stdout
+    assert "ZeRO stages, measured / formula MB per rank" in result.stdout

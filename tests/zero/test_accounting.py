@@ -1,4 +1,5 @@
-"""memory_breakdown() and comm_volume() equal the ZeRO formulas of SPEC §4.
+"""memory_breakdown() and comm_volume() equal the ZeRO formulas of docs/formulas.md#model-states-per-rank
+and docs/formulas.md#communication-per-step.
 
 Counts use the padded element count Ψ' the engine really holds; Ψ' - Ψ is bounded by
 the alignment padding (units × N × alignment elements), which is asserted too.

@@ -88,7 +88,7 @@ def train_parallel(rank: int, world_size: int, stage: int, recompute: bool, chec
     with shardwise.gathered_parameters(list(engine.module.parameters())):
         weights = {name: param.detach().to("cpu", copy=True) for name, param in engine.module.named_parameters()}
     units = [*engine.units, *engine.zero.params.frozen_units]
-    formula = placed_model_state_bytes(  # the planner's, on the padded counts (SPEC §4)
+    formula = placed_model_state_bytes(  # the planner's, on the padded counts (docs/formulas.md#frozen-parameters-and-forward-only-engines)
         sum(unit.padded_numel for unit in engine.units), world_size, 3, dtype="fp32",
         optimizer_state_bytes_per_param=0, frozen_params=sum(u.padded_numel for u in engine.zero.params.frozen_units),
     )["gpu"]

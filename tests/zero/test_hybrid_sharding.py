@@ -2,7 +2,7 @@
 groups of that size and replicated across groups; gradients reduce-scattered inside a
 group and all-reduced across groups; parameters gathered only inside a group.
 
-World 4 with shard groups of 2, stages 1-3: the same result as one process (SPEC §6), the
+World 4 with shard groups of 2, stages 1-3: the same result as one process (docs/development.md#how-shardwise-is-tested), the
 memory of plain ZeRO with N = 2, and the communication of the two-level formula
 (planner/comm_formulas.py), per group and to the byte.
 """

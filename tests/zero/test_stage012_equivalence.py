@@ -1,4 +1,4 @@
-"""Stages 0-2 train exactly like one process on the same global batch (SPEC §6)."""
+"""Stages 0-2 train exactly like one process on the same global batch (docs/development.md#how-shardwise-is-tested)."""
 
 from functools import lru_cache
 

@@ -1,4 +1,4 @@
-"""Stage 3 trains exactly like one process, and like stage 0 (SPEC §6, issue: ZeRO-3)."""
+"""Stage 3 trains exactly like one process, and like stage 0 (docs/development.md#how-shardwise-is-tested, issue: ZeRO-3)."""
 
 from functools import lru_cache
 

@@ -1,5 +1,5 @@
 """Training runs shared by the ZeRO tests: a parallel run (one call per rank) and the
-single-process reference it must match (SPEC §6: same global batch, same losses, same
+single-process reference it must match (docs/development.md#how-shardwise-is-tested: same global batch, same losses, same
 final weights).
 
 Both start from the same seeded model and see the same global batches: at step s the
