@@ -7,6 +7,7 @@ run that silently skipped them cannot pass.
 """
 
 import pytest
+import torch
 
 from tests.gpu.ranks import train_cases
 from tests.gpu.target import DEVICE, LR, TOLERANCE, WORLD, launch_once, needs_target, run_ranks
@@ -77,8 +78,6 @@ def test_lora_with_frozen_weights_partitioned_on_cuda():
 @pytest.mark.parametrize("dtype", ["fp32", "bf16"])
 def test_forward_only_reference_engine_on_cuda(dtype):
     """An engine without an optimizer beside a trained one (tests/zero/test_forward_only.py), ZeRO-3, on CUDA."""
-    import torch
-
     from tests.zero.test_forward_only import MICRO, STEPS as REFERENCE_STEPS, rlhf_parallel, rlhf_reference
 
     expected = rlhf_reference(WORLD)

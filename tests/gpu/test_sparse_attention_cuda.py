@@ -102,8 +102,8 @@ def test_additive_masks_and_relative_position_bias_on_cuda():
     key_bias = torch.zeros(2, length).masked_fill(~keep_keys, -torch.inf)
     pair_bias = torch.zeros(length, length).masked_fill(~keep_pairs, -torch.inf)
     tensors = qkv(length, 16, seed=4)
-    sparse = forward_backward(lambda q, k, v: attention(q, k, v, rpe=rpe.to(DEVICE), key_padding_mask=key_bias.to(DEVICE),
-                                                        attn_mask=pair_bias.to(DEVICE)), tensors)
+    masks = {"rpe": rpe.to(DEVICE), "key_padding_mask": key_bias.to(DEVICE), "attn_mask": pair_bias.to(DEVICE)}
+    sparse = forward_backward(lambda q, k, v: attention(q, k, v, **masks), tensors)
     mask = dense_mask(attention.get_layout(length), length, False, keep_keys) & keep_pairs
     expected = dense_reference(tensors, rpe.double().masked_fill(~mask, -torch.inf))
     for what, got, want in zip(("output", "dq", "dk", "dv"), sparse, expected):
