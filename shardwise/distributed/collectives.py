@@ -27,6 +27,7 @@ behind a large in-flight gather, and on GPUs it needs no device synchronisation 
 from __future__ import annotations
 
 import datetime
+import os
 import time
 import zlib
 from collections import Counter
@@ -39,6 +40,9 @@ from shardwise.accounting import MemoryLedger
 from shardwise.distributed import point_to_point
 from shardwise.distributed.mesh import GroupHandle
 from shardwise.distributed.peers import PeerDirectory
+
+# Test-only (see `Communicator`): "1" makes groups of one issue their data collectives.
+COLLECTIVES_AT_SIZE_ONE_VARIABLE = "SHARDWISE_COLLECTIVES_AT_WORLD_SIZE_1"
 
 
 class CollectiveError(RuntimeError):
@@ -105,7 +109,21 @@ class PendingCollective:
 
 
 class Communicator:
-    """Counted, error-naming collectives over one group of the mesh."""
+    """Counted, error-naming collectives over one group of the mesh.
+
+    A group of one skips every collective: there is nothing to exchange. Test-only switch:
+    with SHARDWISE_COLLECTIVES_AT_WORLD_SIZE_1=1 in the environment when the communicator
+    is built, and a process group to run on (the group's own, or a default group of one),
+    a group of one still issues the real torch.distributed call of each data collective
+    (all-reduce, reduce-scatter, all-gather, all-to-all, broadcast), asynchronously, and
+    `wait()` waits on its handle. One GPU cannot host two NCCL ranks, so this is how a
+    single-GPU machine runs the NCCL call paths: in-place reduce-scatter and all-gather
+    into aliasing buffers, async handles, device tensors handed to NCCL. The results are
+    the same (a sum over one rank is the identity) and so is the accounting (a ring over
+    one rank sends nothing, and nothing is recorded). Control collectives stay skipped:
+    they run on gloo, which the multi-rank CPU tests cover. Never set it for training:
+    the calls only cost time.
+    """
 
     def __init__(
         self,
@@ -129,6 +147,7 @@ class Communicator:
         # gloo's own reduce-scatter / all-gather copy and all-reduce the whole input
         self.point_to_point = self.size > 1 and dist.get_backend(self.group) == "gloo"
         self._sequence = 0  # tags point-to-point collectives; advances alike on every rank
+        self.skips_collectives = self.size == 1 and not _issues_at_size_one(self.group)
 
     @property
     def world_size(self) -> int:
@@ -151,6 +170,8 @@ class Communicator:
 
     # -- accounting ---------------------------------------------------------------
     def _count(self, op: str, nbytes: int, category: str | None = None) -> None:
+        if self.size == 1:  # a ring over one rank sends nothing (collectives issued by the test-only switch)
+            return
         self.stats.volume[(self.name, category or op)] += ring_bytes(op, nbytes, self.size)
 
     @staticmethod
@@ -171,7 +192,7 @@ class Communicator:
     # -- data collectives -----------------------------------------------------------
     def all_reduce(self, tensor: torch.Tensor, what: str) -> PendingCollective:
         """Sum `tensor` in place over the group."""
-        if self.size == 1:
+        if self.skips_collectives:
             return self._pending(None, "all_reduce", what)
         self._count("all_reduce", self._bytes(tensor))
         return self._issue("all_reduce", what, lambda: dist.all_reduce(tensor, group=self.group, async_op=True))
@@ -181,7 +202,7 @@ class Communicator:
 
         `output` may alias `full`'s own chunk (in place), which saves a buffer.
         """
-        if self.size == 1:
+        if self.skips_collectives:
             if output.data_ptr() != full.data_ptr():
                 output.copy_(full)
             return self._pending(None, "reduce_scatter", what)
@@ -198,7 +219,7 @@ class Communicator:
 
     def all_gather(self, full: torch.Tensor, shard: torch.Tensor, what: str) -> PendingCollective:
         """Concatenate every rank's `shard` into `full` (`shard` may be `full`'s own chunk)."""
-        if self.size == 1:
+        if self.skips_collectives:
             if shard.data_ptr() != full.data_ptr():
                 full.copy_(shard)
             return self._pending(None, "all_gather", what)
@@ -210,7 +231,7 @@ class Communicator:
 
     def all_gather_pieces(self, pieces: list[torch.Tensor], shard: torch.Tensor, what: str) -> PendingCollective:
         """All-gather into `pieces[r]` (views anywhere) from each rank's `shard`."""
-        if self.size == 1:
+        if self.skips_collectives:
             if shard.data_ptr() != pieces[0].data_ptr():
                 pieces[0].copy_(shard)
             return self._pending(None, "all_gather", what)
@@ -224,7 +245,7 @@ class Communicator:
     def all_to_all(self, output: torch.Tensor, tensor: torch.Tensor, what: str) -> PendingCollective:
         """Chunk r of `tensor` goes to rank r; chunk r of `output` comes from rank r
         (Ulysses sequence parallelism, compressed communication)."""
-        if self.size == 1:
+        if self.skips_collectives:
             if output.data_ptr() != tensor.data_ptr():
                 output.copy_(tensor)
             return self._pending(None, "all_to_all", what)
@@ -234,7 +255,7 @@ class Communicator:
 
     def broadcast(self, tensor: torch.Tensor, source: int, what: str) -> None:
         """Copy group rank `source`'s `tensor` to every member (blocking)."""
-        if self.size == 1:
+        if self.skips_collectives:
             return
         self._count("broadcast", self._bytes(tensor))
         self._issue("broadcast", what, lambda: dist.broadcast(
@@ -308,3 +329,10 @@ class Communicator:
                 f"{self.handle.describe()} must call it, but another rank called something else "
                 "at the same point"
             )
+
+
+def _issues_at_size_one(group: dist.ProcessGroup | None) -> bool:
+    """The test-only switch (see `Communicator`): on, and a group of one to issue on."""
+    if os.environ.get(COLLECTIVES_AT_SIZE_ONE_VARIABLE) != "1" or not dist.is_initialized():
+        return False
+    return group is not None or dist.get_world_size() == 1  # None: the default group

@@ -384,7 +384,7 @@ class GradientReducer(OptimizerExchangeMixin):
     def _across_replicas(self, unit: FlatUnit, owned: torch.Tensor, what: str, then: Callable[[], None]) -> None:
         """Second hop: at the end of a window, sum the owned chunk over the replicate
         group; `then` runs once the chunk is final."""
-        if self.replicate.size == 1 or not self._window_ends:
+        if self.replicate.skips_collectives or not self._window_ends:
             then()
             return
         self._enqueue(_Launched(unit, self.replicate.all_reduce(owned, what), then))

@@ -57,7 +57,7 @@ class ReplicatedParameters(ParameterStrategy):
 
     def after_update(self) -> None:
         """All-gather every unit's updated chunks into the full parameters."""
-        if self.shard.size == 1:
+        if self.shard.skips_collectives:
             return
         pending: list[PendingCollective] = []
         world = self.shard.size

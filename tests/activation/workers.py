@@ -62,12 +62,12 @@ def _train(rank: int, world_size: int, stage: int, policy: str, steps: int, drop
     for step in range(steps):
         x, y = batch(step, 2 * data_size)
         rows = slice(2 * data_rank, 2 * data_rank + 2)
-        loss = engine(x[rows], y[rows])
+        loss = engine(x[rows].to(engine.device), y[rows].to(engine.device))
         engine.backward(loss)
         engine.step()
         losses.append(loss.item())
     with shardwise.gathered_parameters(list(model.parameters())):
-        params = {name: p.detach().clone() for name, p in model.named_parameters()}
+        params = {name: p.detach().to("cpu", copy=True) for name, p in model.named_parameters()}
     schedule = getattr(engine.zero.params, "schedule", None)
     result = {
         "losses": losses,

@@ -61,7 +61,8 @@ def train(engine, kind: str, rank: int, world_size: int, rows: int, steps: range
         step_loss = 0.0
         for micro in range(accumulation):
             start = (micro * world_size + rank) * per_micro
-            loss = model_loss(engine, kind, x[start:start + per_micro], y[start:start + per_micro])
+            rows_here = slice(start, start + per_micro)
+            loss = model_loss(engine, kind, x[rows_here].to(engine.device), y[rows_here].to(engine.device))
             engine.backward(loss)
             engine.step()
             step_loss = step_loss + loss.detach().float() / accumulation
@@ -77,12 +78,15 @@ def train(engine, kind: str, rank: int, world_size: int, rows: int, steps: range
 def full_weights(engine) -> dict[str, torch.Tensor]:
     params = list(engine.module.parameters())
     with shardwise.gathered_parameters(params):
-        return {name: p.detach().float().clone() for name, p in engine.module.named_parameters()}
+        return {name: p.detach().to("cpu", torch.float32, copy=True) for name, p in engine.module.named_parameters()}
 
 
 def rng_draws() -> list[float]:
-    """One draw from each generator a checkpoint restores."""
-    return [torch.rand(()).item(), random.random(), float(np.random.rand())]
+    """One draw from each generator a checkpoint restores (with CUDA, the device's too)."""
+    draws = [torch.rand(()).item(), random.random(), float(np.random.rand())]
+    if torch.cuda.is_available():
+        draws.append(torch.rand((), device="cuda").item())
+    return draws
 
 
 def seed_per_rank(rank: int) -> None:

@@ -1,44 +1,73 @@
-"""GPU checks (docs/development.md#how-shardwise-is-tested): skipped without CUDA; run them whenever a GPU machine is lent
-and record what they show in BENCHMARKS.md.
+"""The engine on CUDA (docs/development.md#how-shardwise-is-tested): every ZeRO stage, gradient accumulation, LoRA's frozen
+units and a forward-only engine, each against the single-process fp32 CPU reference.
 
-On one GPU they train every stage on CUDA tensors (NCCL group of one, gloo control group)
-against the single-process reference; with two or more GPUs, across GPUs over NCCL.
+On one GPU the ranks are a world of one whose collectives are real NCCL calls (the
+test-only switch, see conftest.py); the collectives each stage issued are asserted, so a
+run that silently skipped them cannot pass.
 """
 
 import pytest
 import torch
 
-from shardwise.testing import run_distributed
-from tests.zero.workers import Case, assert_matches_reference, train_parallel, train_reference
+from tests.gpu.ranks import train_cases
+from tests.gpu.target import DEVICE, LR, TOLERANCE, WORLD, launch_once, needs_target, run_ranks
+from tests.zero.workers import Case, assert_matches_reference, train_reference
 
-pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+pytestmark = needs_target
 
-GPUS = torch.cuda.device_count() if torch.cuda.is_available() else 0
 STAGE3 = {"zero_optimization": {"stage3_param_persistence_threshold": 0}}
+
+
+def case(stage: int, dtype: str = "fp32", **changes) -> Case:
+    return Case(stage=stage, dtype=dtype, lr=LR, extra_config=STAGE3 if stage == 3 else {}, **changes)
+
+
+@launch_once
+def stage_runs(dtype: str) -> list[list[dict]]:
+    """Per rank, the runs of stages 0-3, one launch."""
+    return run_ranks(train_cases, [case(stage, dtype) for stage in range(4)])
+
+
+@launch_once
+def accumulation_runs() -> list[list[dict]]:
+    return run_ranks(train_cases, [case(stage, accumulation=2) for stage in (1, 2, 3)])
 
 
 @pytest.mark.parametrize("dtype", ["fp32", "bf16"])
 @pytest.mark.parametrize("stage", [0, 1, 2, 3])
 def test_stages_on_cuda_match_the_reference(stage, dtype):
-    world = min(GPUS, 2)
-    lr = 1e-2 if dtype == "fp32" else 1e-3
-    case = Case(stage=stage, dtype=dtype, lr=lr, extra_config=STAGE3 if stage == 3 else {})
-    results = run_distributed(train_parallel, world, case, backend="nccl")
-    expected = train_reference(Case(lr=lr), world)
-    for result in results:
-        assert_matches_reference(result, expected, 1e-5 if dtype == "fp32" else 2e-2)
+    expected = train_reference(Case(lr=LR), WORLD)
+    for runs in stage_runs(dtype):
+        run = runs[stage]
+        assert run["device"] == DEVICE
+        assert_matches_reference(run, expected, TOLERANCE[dtype])
+        issued = run["collectives"]
+        # gradients summed over the shard group and the replicas; initial weights broadcast
+        assert issued.get("reduce_scatter", 0) > 0 and issued.get("all_reduce", 0) > 0, issued
+        assert issued.get("broadcast", 0) > 0, issued
+        if stage > 0:  # updated partitions (1-2) or units before use (3) gathered
+            assert issued.get("all_gather", 0) > 0, issued
+
+
+@pytest.mark.parametrize("stage", [1, 2, 3])
+def test_gradient_accumulation_on_cuda_matches_the_reference(stage):
+    """Two micro-batches per step: the window's gradients accumulate on the device (stage
+    1) or in the reduced partition (2-3) before one update. The reference sums the
+    micro-batches in the same order."""
+    expected = train_reference(Case(lr=LR, accumulation=2), WORLD, per_micro_batch=True)
+    for runs in accumulation_runs():
+        assert_matches_reference(runs[stage - 1], expected, TOLERANCE["fp32"])
 
 
 def test_lora_with_frozen_weights_partitioned_on_cuda():
     """LoRA at ZeRO-3 (tests/zero/test_frozen_stage3.py) on CUDA: frozen units gathered,
-    freed after their input gradients, checkpoint-free run equal to plain torch."""
+    freed after their input gradients, training equal to plain torch."""
     from tests.zero.test_frozen_stage3 import STEPS as LORA_STEPS
     from tests.zero.test_frozen_stage3 import train_parallel as train_lora
     from tests.zero.test_frozen_stage3 import train_reference as lora_reference
 
-    world = min(GPUS, 2)
-    expected = lora_reference(world)
-    for rank, result in enumerate(run_distributed(train_lora, world, 3, False, None, backend="nccl")):
+    expected = lora_reference(WORLD)
+    for rank, result in enumerate(run_ranks(train_lora, 3, False, None)):
         for step in range(LORA_STEPS):
             want = expected["losses"][step][rank]
             assert abs(result["losses"][step] - want) < 1e-5 * abs(want)
@@ -51,11 +80,10 @@ def test_forward_only_reference_engine_on_cuda(dtype):
     """An engine without an optimizer beside a trained one (tests/zero/test_forward_only.py), ZeRO-3, on CUDA."""
     from tests.zero.test_forward_only import MICRO, STEPS as REFERENCE_STEPS, rlhf_parallel, rlhf_reference
 
-    world = min(GPUS, 2)
-    expected = rlhf_reference(world)
-    for rank, result in enumerate(run_distributed(rlhf_parallel, world, 3, dtype, backend="nccl")):
-        rows = torch.cat([expected["reference_logits"][s * MICRO * world + rank * MICRO:][:MICRO]
+    expected = rlhf_reference(WORLD)
+    for rank, result in enumerate(run_ranks(rlhf_parallel, 3, dtype)):
+        rows = torch.cat([expected["reference_logits"][s * MICRO * WORLD + rank * MICRO:][:MICRO]
                           for s in range(REFERENCE_STEPS)])
         error = ((result["reference_logits"] - rows).norm() / rows.norm()).item()
-        assert error < (1e-5 if dtype == "fp32" else 2e-2)
+        assert error < TOLERANCE[dtype]
         assert len(result["refused"]) == 2 and result["optimizer"] is None

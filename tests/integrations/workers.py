@@ -169,7 +169,7 @@ def train_shardwise(rank: int, world_size: int, run: Run) -> dict:
     trainer.save_model(final)
     trainer.engine.eval()
     with torch.no_grad():
-        logits = trainer.engine(input_ids=probe_batch()).logits
+        logits = trainer.engine(input_ids=probe_batch().to(trainer.engine.device)).logits.cpu()
     result = {**history(trainer), "logits": logits, "stage": trainer.engine.stage,
               "world_size": trainer.engine.world_size, "recomputes": model.is_gradient_checkpointing}
     if rank == 0:

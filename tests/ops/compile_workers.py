@@ -36,7 +36,7 @@ def train_counting_graphs(rank: int, world_size: int, case: Case, eager_kernels:
         for step in range(case.steps):
             x, y = global_batch(step, data_size * case.micro_batch)
             rows = slice(data_rank * case.micro_batch, (data_rank + 1) * case.micro_batch)
-            loss = model_loss(engine, case.model, x[rows], y[rows])
+            loss = model_loss(engine, case.model, x[rows].to(engine.device), y[rows].to(engine.device))
             engine.backward(loss)
             engine.step()
             losses.append(loss.detach())
@@ -45,7 +45,8 @@ def train_counting_graphs(rank: int, world_size: int, case: Case, eager_kernels:
     losses = engine.comm.control_all_reduce(torch.stack(losses), "test losses") / engine.comm.size
     tensor = Communicator(engine.mesh["tensor"])
     with shardwise.gathered_parameters(list(model.parameters())):
-        params = {n: gather_full(p.detach(), tensor_shard(p), tensor).clone() for n, p in model.named_parameters()}
+        params = {n: gather_full(p.detach(), tensor_shard(p), tensor).to("cpu", copy=True)
+                  for n, p in model.named_parameters()}
     return {
         "losses": losses.tolist(),
         "params": params,

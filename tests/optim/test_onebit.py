@@ -37,10 +37,11 @@ def train_engine(rank: int, world_size: int, settings: OneBitSettings, steps: ra
         step_loss = torch.zeros(())
         for micro in range(settings.accumulation):
             start = (micro * world_size + rank) * settings.rows
-            loss = model_loss(engine, "gpt", x[start : start + settings.rows], y[start : start + settings.rows])
+            rows = slice(start, start + settings.rows)
+            loss = model_loss(engine, "gpt", x[rows].to(engine.device), y[rows].to(engine.device))
             engine.backward(loss)
             engine.step()
-            step_loss += loss.detach() / settings.accumulation
+            step_loss += loss.detach().float().cpu() / settings.accumulation
         volumes.append(engine.comm_volume())
         losses.append(step_loss)
         if step + 1 == settings.freeze_step:
@@ -51,7 +52,7 @@ def train_engine(rank: int, world_size: int, settings: OneBitSettings, steps: ra
     optimizer = engine.optimizer.optimizer
     return {
         "losses": losses.tolist(),
-        "params": {name: p.detach().clone() for name, p in engine.module.named_parameters()},
+        "params": {name: p.detach().to("cpu", copy=True) for name, p in engine.module.named_parameters()},
         "order": [slot.name for unit in engine.units for slot in unit.slots],
         "units": [(unit.padded_numel, [(slot.name, slot.offset) for slot in unit.slots]) for unit in engine.units],
         "volumes": volumes,
@@ -72,9 +73,9 @@ def _state_pieces(engine: shardwise.Engine) -> dict[str, list]:
     pieces: dict[str, list] = {}
     for segment in engine.optimizer.segments:
         shard = optimizer.shard_of(segment.master)
-        state = {key: value.clone() if torch.is_tensor(value) else value
+        state = {key: value.to("cpu", copy=True) if torch.is_tensor(value) else value
                  for key, value in optimizer.state[segment.master].items()}
-        state["weight"] = segment.master.detach().clone()
+        state["weight"] = segment.master.detach().to("cpu", copy=True)
         pieces.setdefault(shard.name, []).append((shard.start, shard.stop, state))
     return pieces
 

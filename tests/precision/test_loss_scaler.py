@@ -45,8 +45,8 @@ def test_state_round_trip():
     assert restored.state_dict() == scaler.state_dict()
 
 
-def _train_fp16_with_overflow(rank: int, world_size: int, stage: int, bad_step: int) -> dict:
-    """fp16 training where only rank 1 overflows at `bad_step` (an injected inf)."""
+def _train_fp16_with_overflow(rank: int, world_size: int, stage: int, bad_step: int, bad_rank: int = 1) -> dict:
+    """fp16 training where only `bad_rank` overflows at `bad_step` (an injected inf)."""
     model = build_model("gpt")
     config = {
         "train_micro_batch_size_per_gpu": 2,
@@ -58,12 +58,13 @@ def _train_fp16_with_overflow(rank: int, world_size: int, stage: int, bad_step: 
     snapshots, scales = [], []
     for step in range(4):
         x, y = global_batch(step, 2 * world_size)
-        loss = engine(x[2 * rank : 2 * rank + 2], y[2 * rank : 2 * rank + 2])
-        if step == bad_step and rank == 1:
+        rows = slice(2 * rank, 2 * rank + 2)
+        loss = engine(x[rows].to(engine.device), y[rows].to(engine.device))
+        if step == bad_step and rank == bad_rank:
             loss = loss * math.inf
         engine.backward(loss)
         engine.step()
-        snapshots.append(torch.cat([p.detach().float().flatten() for p in model.parameters()]))
+        snapshots.append(torch.cat([p.detach().float().flatten() for p in model.parameters()]).cpu())
         scales.append(engine.loss_scale)
     return {"snapshots": snapshots, "scales": scales, "skipped": engine.skipped_steps}
 
