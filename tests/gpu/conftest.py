@@ -1,4 +1,4 @@
-"""tests/gpu: the CUDA-specific code paths (SPEC §6), run whenever a GPU machine is lent.
+"""tests/gpu: the CUDA-specific code paths (docs/development.md#how-shardwise-is-tested), run whenever a GPU machine is lent.
 
 Without CUDA every test here is skipped, unless SHARDWISE_GPU_TESTS_ON_CPU=1 is set: then
 the same test bodies run on CPU with gloo (target.py: device "cpu", backend "gloo", CUDA
