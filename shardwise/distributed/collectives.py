@@ -128,6 +128,7 @@ class Communicator:
         self.peers = peers
         # gloo's own reduce-scatter / all-gather copy and all-reduce the whole input
         self.point_to_point = self.size > 1 and dist.get_backend(self.group) == "gloo"
+        self.device_only = self.size > 1 and dist.get_backend(self.group) == "nccl"  # CUDA tensors only
         self._sequence = 0  # tags point-to-point collectives; advances alike on every rank
 
     @property
@@ -148,6 +149,18 @@ class Communicator:
             "If ranks run different modules or a different number of steps "
             "(data-dependent branches, uneven data), their collectives no longer pair up."
         )
+
+    def _require_device(self, op: str, what: str, *tensors: torch.Tensor) -> None:
+        """NCCL takes CUDA tensors only; anything else fails deep inside it, or hangs the
+        peers that did enter the collective. One attribute read when the group is gloo's."""
+        if self.device_only:
+            for tensor in tensors:
+                if tensor.device.type != "cuda":
+                    raise ValueError(
+                        f"rank {self.global_rank}: {op} of {what} in the {self.handle.describe()}: the group is "
+                        f"NCCL's, which moves CUDA tensors only, but this one is on {tensor.device}; move it to "
+                        "the device first (distributed/staging.py stages host tensors through it)"
+                    )
 
     # -- accounting ---------------------------------------------------------------
     def _count(self, op: str, nbytes: int, category: str | None = None) -> None:
@@ -173,6 +186,7 @@ class Communicator:
         """Sum `tensor` in place over the group."""
         if self.size == 1:
             return self._pending(None, "all_reduce", what)
+        self._require_device("all_reduce", what, tensor)
         self._count("all_reduce", self._bytes(tensor))
         return self._issue("all_reduce", what, lambda: dist.all_reduce(tensor, group=self.group, async_op=True))
 
@@ -185,6 +199,7 @@ class Communicator:
             if output.data_ptr() != full.data_ptr():
                 output.copy_(full)
             return self._pending(None, "reduce_scatter", what)
+        self._require_device("reduce_scatter", what, output, full)
         self._count("reduce_scatter", self._bytes(full))
         if not self.point_to_point:
             return self._issue("reduce_scatter", what,
@@ -202,6 +217,7 @@ class Communicator:
             if shard.data_ptr() != full.data_ptr():
                 full.copy_(shard)
             return self._pending(None, "all_gather", what)
+        self._require_device("all_gather", what, full, shard)
         if self.point_to_point:
             return self.all_gather_pieces(list(full.chunk(self.size)), shard, what)
         self._count("all_gather", self._bytes(full))
@@ -214,6 +230,7 @@ class Communicator:
             if shard.data_ptr() != pieces[0].data_ptr():
                 pieces[0].copy_(shard)
             return self._pending(None, "all_gather", what)
+        self._require_device("all_gather", what, shard, *pieces)
         self._count("all_gather", sum(self._bytes(piece) for piece in pieces))
         if self.point_to_point:
             return self._issue("all_gather", what, lambda: point_to_point.all_gather(
@@ -228,6 +245,7 @@ class Communicator:
             if output.data_ptr() != tensor.data_ptr():
                 output.copy_(tensor)
             return self._pending(None, "all_to_all", what)
+        self._require_device("all_to_all", what, output, tensor)
         self._count("all_to_all", self._bytes(tensor))
         return self._issue("all_to_all", what,
                            lambda: dist.all_to_all_single(output, tensor, group=self.group, async_op=True))
@@ -236,6 +254,7 @@ class Communicator:
         """Copy group rank `source`'s `tensor` to every member (blocking)."""
         if self.size == 1:
             return
+        self._require_device("broadcast", what, tensor)
         self._count("broadcast", self._bytes(tensor))
         self._issue("broadcast", what, lambda: dist.broadcast(
             tensor, group=self.group, group_src=source, async_op=True)).wait()
