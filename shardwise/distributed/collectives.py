@@ -60,10 +60,16 @@ def ring_bytes(op: str, full_bytes: int, world_size: int) -> int:
 @dataclass
 class CommStats:
     """Shared by all communicators of an engine: bytes per (group, operation) and the
-    seconds the training thread spent blocked waiting on collectives."""
+    seconds the training thread spent blocked waiting on collectives.
+
+    On an NCCL group `wait()` returns at once, having only ordered the current stream
+    after the collective, so host time says nothing there: while a step timer asks
+    (`device_waits` a list, not None) each such wait is bracketed by CUDA events on the
+    current stream, read when the timer reports (profiling/step_timer.py)."""
 
     volume: Counter = field(default_factory=Counter)
     wait_seconds: float = 0.0
+    device_waits: list[tuple[torch.cuda.Event, torch.cuda.Event]] | None = None
 
     def totals(self) -> dict[str, int]:
         keys = ("all_reduce", "all_gather", "reduce_scatter", "all_to_all", "broadcast", "control")
@@ -93,6 +99,11 @@ class PendingCollective:
         if self.work is None:
             return
         work, self.work = self.work, None
+        stats = self.communicator.stats
+        timed_on_device = stats.device_waits is not None and self.communicator.device_only
+        if timed_on_device:
+            stalled_from = torch.cuda.Event(enable_timing=True)
+            stalled_from.record()
         blocked_from = time.perf_counter()
         try:
             finished = work.wait() if timeout is None else work.wait(timeout)
@@ -101,7 +112,11 @@ class PendingCollective:
         except Exception as error:  # gloo/NCCL raise RuntimeError subclasses
             raise self.communicator.error(self.op, self.what, error, self.started) from error
         finally:
-            self.communicator.stats.wait_seconds += time.perf_counter() - blocked_from
+            stats.wait_seconds += time.perf_counter() - blocked_from
+            if timed_on_device:
+                stalled_until = torch.cuda.Event(enable_timing=True)
+                stalled_until.record()
+                stats.device_waits.append((stalled_from, stalled_until))
 
 
 class Communicator:
