@@ -60,9 +60,10 @@ def test_an_nccl_group_refuses_host_tensors_naming_the_operation(monkeypatch):
         "all_to_all": lambda: comm.all_to_all(torch.empty(4), host, "gradients of unit 3"),
         "broadcast": lambda: comm.broadcast(host, 0, "gradients of unit 3"),
     }
+    refusal = r"the group is NCCL's, which moves CUDA tensors only, but this one is on cpu"
     for op, call in calls.items():
         with pytest.raises(ValueError, match=rf"rank 0: {op} of gradients of unit 3 in the shard group \(ranks 0-1\): "
-                                             r"the group is NCCL's, which moves CUDA tensors only, but this one is on cpu"):
+                                             + refusal):
             call()
     with pytest.raises(ValueError, match="all_gather of pieces"):
         comm.all_gather_pieces([torch.empty(2), torch.empty(2)], host[:2], "pieces")
