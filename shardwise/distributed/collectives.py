@@ -64,8 +64,10 @@ class CommStats:
 
     On an NCCL group `wait()` returns at once, having only ordered the current stream
     after the collective, so host time says nothing there: while a step timer asks
-    (`device_waits` a list, not None) each such wait is bracketed by CUDA events on the
-    current stream, read when the timer reports (profiling/step_timer.py)."""
+    (`device_waits` a list, not None) each wait of such a communicator (its control
+    collectives' too: the device idles while the host blocks in them) is bracketed by
+    CUDA events on the current stream, read when the timer reports
+    (profiling/step_timer.py)."""
 
     volume: Counter = field(default_factory=Counter)
     wait_seconds: float = 0.0
