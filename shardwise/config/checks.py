@@ -48,6 +48,7 @@ def find_contradictions(
     problems += _onebit_contradictions(cfg)
     problems += _activation_contradictions(cfg)
     problems += _pipeline_contradictions(cfg, batch_known)
+    problems += _compile_contradictions(cfg)
     micro_batches = cfg.pipeline_parallel.micro_batches
     if batch_known and micro_batches != cfg.gradient_accumulation_steps:
         problems.append(
@@ -186,3 +187,26 @@ def _activation_contradictions(cfg: ShardwiseConfig) -> list[str]:
                         "segments run several layers at once, past the per-layer sequence hooks; use 'full', "
                         "'every_k' or 'selective'")
     return problems
+
+
+CUDA_GRAPH_MODES = ("reduce-overhead", "max-autotune")  # torch.compile modes that turn Inductor's CUDA graphs on
+
+
+def _compile_contradictions(cfg: ShardwiseConfig) -> list[str]:
+    """CUDA graphs replay kernels on the addresses they were captured with, and ZeRO-3
+    frees each module's gathered parameters after use and gathers them into storage
+    allocated anew: a replay would read freed memory, or another tensor's."""
+    block = cfg.compile
+    if not block.enabled or cfg.zero_optimization.stage != 3:
+        return []
+    mode = block.kwargs.get("mode", block.mode)
+    asks = [f"compile.mode '{mode}'"] if mode in CUDA_GRAPH_MODES else []
+    options = block.kwargs.get("options") or {}
+    asks += [f"compile.kwargs.options['{key}'] {value!r}" for key, value in options.items()
+             if key.split(".")[-1] == "cudagraphs" and value]
+    if block.backend == "cudagraphs":
+        asks.append("compile.backend 'cudagraphs'")
+    return [f"{ask} uses CUDA graphs, which zero_optimization.stage 3 cannot run: a graph replays kernels on the "
+            "addresses it captured, and stage 3 frees each module's parameters after use and gathers them into "
+            "newly allocated storage; use compile.mode 'max-autotune-no-cudagraphs' or 'default' (no CUDA graph "
+            "options), or zero_optimization.stage 2 or lower" for ask in asks]

@@ -64,10 +64,18 @@ def ring_bytes(op: str, full_bytes: int, world_size: int) -> int:
 @dataclass
 class CommStats:
     """Shared by all communicators of an engine: bytes per (group, operation) and the
-    seconds the training thread spent blocked waiting on collectives."""
+    seconds the training thread spent blocked waiting on collectives.
+
+    On an NCCL group `wait()` returns at once, having only ordered the current stream
+    after the collective, so host time says nothing there: while a step timer asks
+    (`device_waits` a list, not None) each wait of such a communicator (its control
+    collectives' too: the device idles while the host blocks in them) is bracketed by
+    CUDA events on the current stream, read when the timer reports
+    (profiling/step_timer.py)."""
 
     volume: Counter = field(default_factory=Counter)
     wait_seconds: float = 0.0
+    device_waits: list[tuple[torch.cuda.Event, torch.cuda.Event]] | None = None
 
     def totals(self) -> dict[str, int]:
         keys = ("all_reduce", "all_gather", "reduce_scatter", "all_to_all", "broadcast", "control")
@@ -97,6 +105,11 @@ class PendingCollective:
         if self.work is None:
             return
         work, self.work = self.work, None
+        stats = self.communicator.stats
+        timed_on_device = stats.device_waits is not None and self.communicator.device_only
+        if timed_on_device:
+            stalled_from = torch.cuda.Event(enable_timing=True)
+            stalled_from.record()
         blocked_from = time.perf_counter()
         try:
             finished = work.wait() if timeout is None else work.wait(timeout)
@@ -105,7 +118,11 @@ class PendingCollective:
         except Exception as error:  # gloo/NCCL raise RuntimeError subclasses
             raise self.communicator.error(self.op, self.what, error, self.started) from error
         finally:
-            self.communicator.stats.wait_seconds += time.perf_counter() - blocked_from
+            stats.wait_seconds += time.perf_counter() - blocked_from
+            if timed_on_device:
+                stalled_until = torch.cuda.Event(enable_timing=True)
+                stalled_until.record()
+                stats.device_waits.append((stalled_from, stalled_until))
 
 
 class Communicator:
@@ -146,6 +163,7 @@ class Communicator:
         self.peers = peers
         # gloo's own reduce-scatter / all-gather copy and all-reduce the whole input
         self.point_to_point = self.size > 1 and dist.get_backend(self.group) == "gloo"
+        self.device_only = self.size > 1 and dist.get_backend(self.group) == "nccl"  # CUDA tensors only
         self._sequence = 0  # tags point-to-point collectives; advances alike on every rank
         self.skips_collectives = self.size == 1 and not _issues_at_size_one(self.group)
 
@@ -167,6 +185,18 @@ class Communicator:
             "If ranks run different modules or a different number of steps "
             "(data-dependent branches, uneven data), their collectives no longer pair up."
         )
+
+    def _require_device(self, op: str, what: str, *tensors: torch.Tensor) -> None:
+        """NCCL takes CUDA tensors only; anything else fails deep inside it, or hangs the
+        peers that did enter the collective. One attribute read when the group is gloo's."""
+        if self.device_only:
+            for tensor in tensors:
+                if tensor.device.type != "cuda":
+                    raise ValueError(
+                        f"rank {self.global_rank}: {op} of {what} in the {self.handle.describe()}: the group is "
+                        f"NCCL's, which moves CUDA tensors only, but this one is on {tensor.device}; move it to "
+                        "the device first (distributed/staging.py stages host tensors through it)"
+                    )
 
     # -- accounting ---------------------------------------------------------------
     def _count(self, op: str, nbytes: int, category: str | None = None) -> None:
@@ -194,6 +224,7 @@ class Communicator:
         """Sum `tensor` in place over the group."""
         if self.skips_collectives:
             return self._pending(None, "all_reduce", what)
+        self._require_device("all_reduce", what, tensor)
         self._count("all_reduce", self._bytes(tensor))
         return self._issue("all_reduce", what, lambda: dist.all_reduce(tensor, group=self.group, async_op=True))
 
@@ -206,6 +237,7 @@ class Communicator:
             if output.data_ptr() != full.data_ptr():
                 output.copy_(full)
             return self._pending(None, "reduce_scatter", what)
+        self._require_device("reduce_scatter", what, output, full)
         self._count("reduce_scatter", self._bytes(full))
         if not self.point_to_point:
             return self._issue("reduce_scatter", what,
@@ -223,6 +255,7 @@ class Communicator:
             if shard.data_ptr() != full.data_ptr():
                 full.copy_(shard)
             return self._pending(None, "all_gather", what)
+        self._require_device("all_gather", what, full, shard)
         if self.point_to_point:
             return self.all_gather_pieces(list(full.chunk(self.size)), shard, what)
         self._count("all_gather", self._bytes(full))
@@ -235,6 +268,7 @@ class Communicator:
             if shard.data_ptr() != pieces[0].data_ptr():
                 pieces[0].copy_(shard)
             return self._pending(None, "all_gather", what)
+        self._require_device("all_gather", what, shard, *pieces)
         self._count("all_gather", sum(self._bytes(piece) for piece in pieces))
         if self.point_to_point:
             return self._issue("all_gather", what, lambda: point_to_point.all_gather(
@@ -249,6 +283,7 @@ class Communicator:
             if output.data_ptr() != tensor.data_ptr():
                 output.copy_(tensor)
             return self._pending(None, "all_to_all", what)
+        self._require_device("all_to_all", what, output, tensor)
         self._count("all_to_all", self._bytes(tensor))
         return self._issue("all_to_all", what,
                            lambda: dist.all_to_all_single(output, tensor, group=self.group, async_op=True))
@@ -257,6 +292,7 @@ class Communicator:
         """Copy group rank `source`'s `tensor` to every member (blocking)."""
         if self.skips_collectives:
             return
+        self._require_device("broadcast", what, tensor)
         self._count("broadcast", self._bytes(tensor))
         self._issue("broadcast", what, lambda: dist.broadcast(
             tensor, group=self.group, group_src=source, async_op=True)).wait()

@@ -74,11 +74,27 @@ def world_handle(context: DistributedContext) -> GroupHandle:
 
 
 def _pick_device(local_rank: int) -> torch.device:
-    if torch.cuda.is_available():
-        index = local_rank % torch.cuda.device_count()
-        torch.cuda.set_device(index)
-        return torch.device("cuda", index)
-    return torch.device("cpu")
+    """GPU `local_rank` when CUDA is available, else the CPU. Each process needs a GPU of
+    its own: NCCL refuses two ranks on one device ("Duplicate GPU detected") only once
+    their first collective runs, deep in start-up, so a node given more processes than
+    it has GPUs is refused here, with the counts."""
+    if not torch.cuda.is_available():
+        return torch.device("cpu")
+    gpus = torch.cuda.device_count()
+    per_node = os.environ.get("LOCAL_WORLD_SIZE", "")
+    processes = int(per_node) if per_node.isdigit() else local_rank + 1
+    if processes > gpus or local_rank >= gpus:
+        visible = os.environ.get("CUDA_VISIBLE_DEVICES")
+        shown = f" (CUDA_VISIBLE_DEVICES={visible})" if visible is not None else ""
+        raise RuntimeError(
+            f"{max(processes, local_rank + 1)} processes on this node (LOCAL_RANK {local_rank}"
+            f"{', LOCAL_WORLD_SIZE ' + per_node if per_node.isdigit() else ''}) but {gpus} visible GPU(s)"
+            f"{shown}: ranks would share a GPU, which NCCL refuses. Start at most {gpus} process(es) per node "
+            f"(shardwise run --nproc {gpus}, torchrun --nproc-per-node {gpus}) or make more GPUs visible "
+            "(CUDA_VISIBLE_DEVICES)"
+        )
+    torch.cuda.set_device(local_rank)
+    return torch.device("cuda", local_rank)
 
 
 def destroy_at_exit() -> None:

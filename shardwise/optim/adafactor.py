@@ -117,10 +117,23 @@ class Adafactor(ShardAwareOptimizer):
             piece.advance(totals, self._offsets[piece.shard.index])
             update_squares[piece.shard.index] += _square(piece.update())
         self.sum_over_shards(update_squares)
-        for piece in pieces:
-            piece.apply(math.sqrt(totals[self._offsets[piece.shard.index]].item()),
-                        math.sqrt(update_squares[piece.shard.index].item()))
+        for piece, (weight_square, update_square) in zip(pieces, self._read_norms(pieces, totals, update_squares)):
+            piece.apply(math.sqrt(weight_square), math.sqrt(update_square))
         return loss
+
+    def _read_norms(self, pieces: list[_Piece], totals: torch.Tensor,
+                    update_squares: torch.Tensor) -> list[tuple[float, float]]:
+        """Every piece's whole-parameter squared norms of weight and update, brought to
+        the host in one transfer per step (not two per parameter). The step size must be
+        a host number: torch.optim.Adafactor's `add_(update, alpha=step size)` fuses the
+        multiply into the add, which a step size kept on the device (a multiply, then an
+        add) would not reproduce bit for bit."""
+        if not pieces:
+            return []
+        weights = [totals[self._offsets[piece.shard.index]] for piece in pieces]
+        updates = [update_squares[piece.shard.index] for piece in pieces]
+        values = torch.stack(weights + updates).tolist()
+        return list(zip(values[: len(pieces)], values[len(pieces) :]))
 
     def _lay_out(self, shapes: list[tuple[int, ...] | None]) -> None:
         """Per parameter: its squared norm, then (matrices) squared row and column sums and
@@ -223,7 +236,8 @@ class _Piece:
         flat(self.param).add_(self.update(), alpha=-alpha / denominator)
 
 
-def _square(values: torch.Tensor) -> float:
-    """Squared L2 norm in float64 of the fp32 norm, so one piece that is the whole
-    parameter gives back exactly torch's `tensor.norm()`."""
-    return float(torch.linalg.vector_norm(values).item()) ** 2
+def _square(values: torch.Tensor) -> torch.Tensor:
+    """Squared L2 norm in float64 of the fp32 norm (exact: a float's square fits a double),
+    so one piece that is the whole parameter gives back exactly torch's `tensor.norm()`.
+    Stays on the device: the sums it enters are read once, in `_read_norms`."""
+    return torch.linalg.vector_norm(values).double().square()

@@ -96,10 +96,10 @@ class OneBitLamb(OneBitOptimizer):
                 if group["weight_decay"]:
                     update.add_(param, alpha=group["weight_decay"])
                 updates.append((param, update, group))
-        norms = self._whole_norms([(p, p) for p, _, _ in updates], [(p, u) for p, u, _ in updates]).cpu()
+        norms = self._whole_norms([(p, p) for p, _, _ in updates], [(p, u) for p, u, _ in updates]).tolist()
         for param, update, group in updates:
             index = self.shard_of(param).index
-            ratio = _trust_ratio(norms[index, 0].item(), norms[index, 1].item(), group)
+            ratio = _trust_ratio(norms[index][0], norms[index][1], group)
             state = self.state[param]
             state["lamb_coeff_freeze"] = group["coeff_beta"] * state["lamb_coeff_freeze"] + (
                 1 - group["coeff_beta"]) * ratio
@@ -112,7 +112,7 @@ class OneBitLamb(OneBitOptimizer):
         own, _ = self.own_momentum()
         previous = own.clone()  # m_{t-1}: the gradient is reconstructed from it
         self.fold_and_exchange()
-        maxima = torch.zeros(self.parameter_count, dtype=torch.float64)
+        maxima = torch.zeros(self.parameter_count, dtype=torch.float64, device=own.device)  # read once, below
         pieces = []
         for group in self.param_groups:
             beta1, beta2 = group["betas"]
@@ -127,15 +127,16 @@ class OneBitLamb(OneBitOptimizer):
                 gradient = (momentum - beta1 * last) / (1 - beta1)
                 state["exp_avg_sq_fresh"].mul_(beta2).addcmul_(gradient, gradient, value=1 - beta2)
                 denominator = variance_denominator(group, state["exp_avg_sq"])
-                ratio = (denominator / variance_denominator(group, state["exp_avg_sq_fresh"])).max().item()
+                ratio = (denominator / variance_denominator(group, state["exp_avg_sq_fresh"])).max().double()
                 index = self.shard_of(param).index
-                maxima[index] = max(maxima[index].item(), ratio)
+                maxima[index] = torch.maximum(maxima[index], ratio)
                 if group["weight_decay"]:
                     preliminary = momentum / denominator
                     pieces.append((param, preliminary, preliminary.add(param, alpha=group["weight_decay"])))
         if self._partitions is not None:  # pieces of one parameter on several ranks
             self._communicator.control_all_reduce(maxima, "1-bit LAMB variance factors (maxima)", op=dist.ReduceOp.MAX)
-        norms = self._whole_norms([(p, m) for p, m, _ in pieces], [(p, u) for p, _, u in pieces]).cpu()
+        maxima = maxima.tolist()  # with the norms, the step's reads of the device, whatever the parameter count
+        norms = self._whole_norms([(p, m) for p, m, _ in pieces], [(p, u) for p, _, u in pieces]).tolist()
         del pieces
         for group in self.param_groups:
             step_size = adam_step_size(group, step, self.freeze_step)
@@ -146,9 +147,9 @@ class OneBitLamb(OneBitOptimizer):
                 share = 1.0
                 if group["weight_decay"]:
                     update.add_(param, alpha=group["weight_decay"])
-                    update_norm = norms[index, 1].item()
-                    share = min(1.0, norms[index, 0].item() / update_norm) if update_norm else 1.0
-                factor = _bounded_factor(maxima[index].item(), share, state["last_factor"], group)
+                    update_norm = norms[index][1]
+                    share = min(1.0, norms[index][0] / update_norm) if update_norm else 1.0
+                factor = _bounded_factor(maxima[index], share, state["last_factor"], group)
                 state["last_factor"] = factor
                 param.add_(update, alpha=-step_size * state["lamb_coeff_freeze"] * factor)
 

@@ -7,7 +7,8 @@ One small all-reduce over the data-parallel ranks carries, per rank:
     how many micro-batches it ran since the step  -> ranks that skipped a batch
     how many forward/backward passes raised       -> ranks that caught an exception alone
 
-so ranks agree on everything below without a second collective:
+so ranks agree on everything below without a second collective. Reading this rank's norm
+and loss flag for it is the one device synchronisation of a step (`_read_local`).
 
 - A non-finite global norm skips the step on every rank, in every precision (before, only
   fp16 skipped: with fp32/bf16, clipping computed min(1, max_norm / nan) = 1 and NaN
@@ -52,15 +53,18 @@ class StepGuard:
         self.max_consecutive_skips = max_consecutive_skips
         self.consecutive_skips = 0
         self.nonfinite_steps = 0
-        self.loss_nonfinite = torch.zeros((), dtype=torch.bool)
+        self.loss_nonfinite: torch.Tensor | None = None  # on the loss's device; None: no loss since the step
         self.micro_batches = 0
         self.failed_passes = 0
 
     # -- what a rank notes between steps ----------------------------------------------------
     def note_loss(self, loss: torch.Tensor) -> None:
-        """Remember whether this micro-batch's loss was finite (no device sync here)."""
-        finite = torch.isfinite(loss.detach()).all()
-        self.loss_nonfinite = self.loss_nonfinite.to(finite.device) | ~finite
+        """Remember whether this micro-batch's loss was finite (no device sync here: the
+        flag stays where the loss is, and is read with the norm at the step)."""
+        nonfinite = ~torch.isfinite(loss.detach()).all()
+        if self.loss_nonfinite is not None:
+            nonfinite = nonfinite | self.loss_nonfinite.to(nonfinite.device)
+        self.loss_nonfinite = nonfinite
         self.micro_batches += 1
 
     def note_failed_pass(self) -> None:
@@ -68,7 +72,7 @@ class StepGuard:
 
     def forget_window(self) -> None:
         """The window's gradients were discarded (a backward raised): so is what we noted."""
-        self.loss_nonfinite = torch.zeros((), dtype=torch.bool)
+        self.loss_nonfinite = None
         self.micro_batches = 0
 
     # -- the check ---------------------------------------------------------------------------
@@ -78,20 +82,21 @@ class StepGuard:
         n = self.replicas.size
         rank = self.replicas.rank
         payload = torch.zeros(1 + 3 * n, dtype=torch.float64)
-        payload[0] = norm_squared.double().cpu() / self.replicate_size
-        payload[1 + rank] = float(self.loss_nonfinite.cpu())
+        local_norm_squared, loss_nonfinite = self._read_local(norm_squared)
+        payload[0] = local_norm_squared / self.replicate_size
+        payload[1 + rank] = loss_nonfinite
         payload[1 + n + rank] = self.micro_batches
         payload[1 + 2 * n + rank] = self.failed_passes
         self.replicas.control_all_reduce(payload, "the step check (gradient norm, finiteness, batch counts)")
+        total_norm_squared, *summed = payload.tolist()
+        flags, counts, failures = summed[:n], summed[n : 2 * n], summed[2 * n :]
         members = self.replicas.handle.ranks
-        counts = payload[1 + n : 1 + 2 * n].tolist()
-        failures = payload[1 + 2 * n :].tolist()
         self._require_same_work(step, members, counts, failures)
         self.micro_batches = 0
         self.failed_passes = 0
-        nonfinite_ranks = tuple(members[r] for r in range(n) if payload[1 + r] > 0)
-        self.loss_nonfinite = torch.zeros((), dtype=torch.bool)
-        norm = math.sqrt(payload[0].item()) / scaler.scale if math.isfinite(payload[0].item()) else math.nan
+        nonfinite_ranks = tuple(members[r] for r in range(n) if flags[r] > 0)
+        self.loss_nonfinite = None
+        norm = math.sqrt(total_norm_squared) / scaler.scale if math.isfinite(total_norm_squared) else math.nan
         if math.isfinite(norm):
             self.consecutive_skips = 0
             return StepVerdict(norm, True, nonfinite_ranks)
@@ -100,6 +105,22 @@ class StepGuard:
             self.consecutive_skips += 1
             self._report(step, nonfinite_ranks)
         return StepVerdict(norm, False, nonfinite_ranks)
+
+    def _read_local(self, norm_squared: torch.Tensor) -> tuple[float, float]:
+        """This rank's squared gradient norm and loss flag, in one device-to-host transfer.
+
+        It is the one device synchronisation a step needs, and cannot do without: whether
+        the update applies and how far it is clipped are decided on the host, and agreed
+        over the control group, which works in host memory. Everything before it (loss
+        checks, norms, reductions) stays queued on the device."""
+        norm_squared = norm_squared.detach().double().reshape(())
+        if self.loss_nonfinite is None:
+            return norm_squared.item(), 0.0
+        values = [norm_squared, self.loss_nonfinite.double().reshape(())]
+        if values[0].device == values[1].device:
+            first, second = torch.stack(values).tolist()
+            return first, second
+        return values[0].item(), values[1].item()  # an offloaded norm is in host memory already
 
     def _require_same_work(self, step: int, members: tuple[int, ...], counts: list, failures: list) -> None:
         if len(set(counts)) > 1:

@@ -69,7 +69,7 @@ def measure_stage(options: TrainOptions, stage: int, stop: StopRequest) -> Stage
     model, facts = build_model(options)
     engine = shardwise.initialize(model, stage_config(options.config, stage))
     train_sampler, _ = samplers(options, engine.config.train_batch_size)
-    timer = StepTimer(lambda: engine.comm.wait_seconds, engine.device)
+    timer = StepTimer(engine.comm_stats, engine.device)
     for step in range(options.steps):
         local_loss, times, comm = train_step(engine, train_sampler, step, timer)
         if stop.agreed(engine):

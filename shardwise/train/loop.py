@@ -54,8 +54,9 @@ class StepsRun:
 
 def train_step(
     engine: Engine, sampler: BlockSampler, step: int, timer: StepTimer
-) -> tuple[float, StepTimes, dict[str, int]]:
-    """One optimizer step over this rank's micro-batches: (mean local loss, times, bytes sent)."""
+) -> tuple[float, StepTimes | None, dict[str, int]]:
+    """One optimizer step over this rank's micro-batches: (mean local loss, times (None
+    when `timer` is disabled), bytes sent)."""
     engine.reset_comm_volume()
     timer.start_step()
     with timer.phase("data"):
@@ -157,7 +158,7 @@ def run_steps(
     or the step at which the ranks agree to stop (checkpointed before returning)."""
     is_rank0 = engine.rank == 0
     tokens_per_step = engine.config.train_batch_size * options.seq_len
-    timer = StepTimer(lambda: engine.comm.wait_seconds, engine.device)
+    timer = StepTimer(engine.comm_stats, engine.device, enabled=is_rank0)  # only rank 0 writes metrics
     with ExitStack() as stack:
         profile_dir = options.path / PROFILE_DIR if options.profile else None
         profiler_step = stack.enter_context(profile_steps(profile_dir, f"rank{engine.rank}"))

@@ -19,6 +19,7 @@ from torch import nn
 
 from shardwise.accounting import MemoryLedger
 from shardwise.distributed.collectives import Communicator
+from shardwise.distributed.staging import group_device, staged_on
 from shardwise.offload.host_store import HostShardStore
 from shardwise.offload.param_home import merge_transfers
 from shardwise.offload.nvme_store import NvmeShardStore
@@ -146,8 +147,12 @@ def apply_zero(
     params.settle()
     reducer = GradientReducer(params.units, policy, store, groups.shard, groups.replicate, ledger, device)
     params.connect(reducer)
+    shard_device = group_device(groups.shard.group)
+
     def sum_data(tensor: torch.Tensor) -> torch.Tensor:
-        groups.shard.all_reduce(tensor, "whole parameters the optimizer assembles").wait()
+        """An offloaded optimizer assembles in host memory, which NCCL cannot move."""
+        with staged_on(tensor, shard_device) as staged:
+            groups.shard.all_reduce(staged, "whole parameters the optimizer assembles").wait()
         return tensor
 
     optimizer = ShardedOptimizer(

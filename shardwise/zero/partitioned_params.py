@@ -31,6 +31,7 @@ from torch import nn
 
 from shardwise.accounting import MemoryLedger
 from shardwise.distributed.collectives import Communicator
+from shardwise.random_state import seeded_rng
 from shardwise.zero.gather_schedule import GatherSchedule
 from shardwise.zero.layout import FlatUnit, make_unit, pack_units
 from shardwise.zero.policy import ZeroPolicy
@@ -199,16 +200,22 @@ def _materialize_and_shard(
 ) -> None:
     """Give every partitioned unit its shard; meta modules are built one at a time.
 
-    Only a model with meta tensors draws an initialisation seed: a model built whole
-    leaves the caller's random stream exactly where plain PyTorch would (a script's later
-    draws, its data order or a GAN's noise, must not depend on the ZeRO stage)."""
+    A model with meta tensors is initialised from a seed rank 0 reads off the caller's
+    CPU stream without advancing it, so initial weights follow the caller's
+    `torch.manual_seed`, while every generator the caller sees (CPU and CUDA) is left
+    exactly where plain PyTorch would leave it: a script's later draws, its data order or
+    a GAN's noise, must not depend on the ZeRO stage (random_state.py)."""
     has_meta = any(t.is_meta for t in chain(model.parameters(), model.buffers()))
-    seed = torch.randint(0, 2**62, (1,), dtype=torch.int64) if has_meta else torch.zeros(1, dtype=torch.int64)
+    seed = 0
     if has_meta:  # every rank has the same model (checked at start-up), so all or none broadcast
-        comm.broadcast(seed, 0, "initialisation seed")
+        with torch.random.fork_rng(devices=[]):  # a peek: the caller's stream does not advance
+            drawn = torch.randint(0, 2**62, (1,), dtype=torch.int64)
+        drawn = drawn.to(device)  # the replicas group may be NCCL's, which moves device tensors only
+        comm.broadcast(drawn, 0, "initialisation seed")
+        seed = int(drawn.item())
+        _move_materialised(model, device)
     done: set[int] = set()
-    with torch.random.fork_rng(devices=[]):
-        torch.manual_seed(int(seed.item()))
+    with seeded_rng(seed, device):
         for module in model.modules():
             direct = list(module.parameters(recurse=False))
             meta_buffers = [name for name, b in module.named_buffers(recurse=False) if b.is_meta]
@@ -230,3 +237,18 @@ def _materialize_and_shard(
                 if unit is not None and unit.index not in done:
                     done.add(unit.index)
                     sharded.take_shard_from_full(unit)
+
+
+def _move_materialised(model: nn.Module, device: torch.device) -> None:
+    """A model built partly on the meta device cannot be moved by `model.to` (a meta
+    tensor has no data to copy), so the engine leaves it where it was built; its real
+    parameters and buffers move to `device` here, before any is broadcast (NCCL moves
+    device tensors only) or used by forward."""
+    with torch.no_grad():
+        for module in model.modules():
+            for param in module.parameters(recurse=False):
+                if not param.is_meta and param.device != device:
+                    param.data = param.data.to(device)
+            for name, buffer in module.named_buffers(recurse=False):
+                if not buffer.is_meta and buffer.device != device:
+                    module._buffers[name] = buffer.to(device)

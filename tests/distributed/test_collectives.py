@@ -4,6 +4,12 @@ name the group (issue: engine architecture, deliverable 2)."""
 
 import time
 
+import pytest
+import torch
+import torch.distributed as dist
+
+from shardwise.distributed.collectives import Communicator
+from shardwise.distributed.mesh import GroupHandle
 from shardwise.testing import run_distributed
 from tests.distributed.workers import exercise_groups, stall_in_subgroup
 
@@ -28,3 +34,45 @@ def test_a_stalled_collective_names_its_group():
     message = run_distributed(stall_in_subgroup, 4, timeout=60, env={"SHARDWISE_COLLECTIVE_TIMEOUT": "2"})[1]
     assert message.startswith("rank 1: all_reduce of a payload in the replicate group (ranks [1, 3]) failed after")
     assert time.monotonic() - started < 30
+
+
+class NcclStandIn:
+    """A stand-in for an NCCL group (this machine has no GPU): `dist.get_backend` reports
+    `backend` for it, and `dist.all_reduce` records what reached it instead of sending."""
+
+    def __init__(self, monkeypatch: pytest.MonkeyPatch, backend: str):
+        self.group = object()
+        self.issued: list[torch.Tensor] = []
+        monkeypatch.setattr(dist, "get_backend", lambda group=None: backend)
+        monkeypatch.setattr(dist, "all_reduce", lambda tensor, **kwargs: self.issued.append(tensor))
+
+    def communicator(self) -> Communicator:
+        return Communicator(GroupHandle("shard", (0, 1), 0, self.group, None))
+
+
+def test_an_nccl_group_refuses_host_tensors_naming_the_operation(monkeypatch):
+    comm = NcclStandIn(monkeypatch, "nccl").communicator()
+    host = torch.ones(4)
+    calls = {
+        "all_reduce": lambda: comm.all_reduce(host, "gradients of unit 3"),
+        "reduce_scatter": lambda: comm.reduce_scatter(host[:2], host, "gradients of unit 3"),
+        "all_gather": lambda: comm.all_gather(host, host[:2], "gradients of unit 3"),
+        "all_to_all": lambda: comm.all_to_all(torch.empty(4), host, "gradients of unit 3"),
+        "broadcast": lambda: comm.broadcast(host, 0, "gradients of unit 3"),
+    }
+    refusal = r"the group is NCCL's, which moves CUDA tensors only, but this one is on cpu"
+    for op, call in calls.items():
+        with pytest.raises(ValueError, match=rf"rank 0: {op} of gradients of unit 3 in the shard group \(ranks 0-1\): "
+                                             + refusal):
+            call()
+    with pytest.raises(ValueError, match="all_gather of pieces"):
+        comm.all_gather_pieces([torch.empty(2), torch.empty(2)], host[:2], "pieces")
+    assert not comm.stats.volume  # refused before anything was counted or issued
+
+
+def test_a_gloo_group_takes_host_tensors(monkeypatch):
+    stand_in = NcclStandIn(monkeypatch, "gloo")
+    comm = stand_in.communicator()
+    host = torch.ones(4)
+    comm.all_reduce(host, "ones").wait()
+    assert stand_in.issued == [host]

@@ -60,3 +60,36 @@ def test_the_train_commands_compile_flag_enables_the_compile_block():
     config = apply_flags(default_config(10), None, False, 1, compile_blocks=True)
     assert load_config(config, world_size=2, hidden_size=384).compile.enabled
     assert not load_config(apply_flags(default_config(10), None, False, 1), world_size=2, hidden_size=384).compile.enabled
+
+
+STAGE3 = {"zero_optimization": {"stage": 3}}
+
+
+@pytest.mark.parametrize("compile_block, named", [
+    ({"mode": "reduce-overhead"}, "compile.mode 'reduce-overhead'"),
+    ({"mode": "max-autotune"}, "compile.mode 'max-autotune'"),
+    ({"kwargs": {"mode": "reduce-overhead"}}, "compile.mode 'reduce-overhead'"),
+    ({"kwargs": {"options": {"triton.cudagraphs": True}}}, "compile.kwargs.options['triton.cudagraphs'] True"),
+    ({"backend": "cudagraphs"}, "compile.backend 'cudagraphs'"),
+])
+def test_cuda_graphs_with_stage_3_are_refused_with_the_reason_and_the_fix(compile_block, named):
+    message = problems(compile={"enabled": True, **compile_block}, **STAGE3)
+    assert f"{named} uses CUDA graphs, which zero_optimization.stage 3 cannot run" in message
+    assert "stage 3 frees each module's parameters after use" in message
+    assert "use compile.mode 'max-autotune-no-cudagraphs' or 'default'" in message
+    assert "or zero_optimization.stage 2 or lower" in message
+
+
+@pytest.mark.parametrize("mode", ["reduce-overhead", "max-autotune"])
+@pytest.mark.parametrize("stage", [0, 1, 2])
+def test_cuda_graphs_below_stage_3_are_accepted(mode, stage):
+    assert load(compile={"enabled": True, "mode": mode}, zero_optimization={"stage": stage}).compile.mode == mode
+
+
+@pytest.mark.parametrize("compile_block", [
+    {"mode": "max-autotune-no-cudagraphs"}, {"mode": "default"}, {},
+    {"kwargs": {"options": {"triton.cudagraphs": False, "triton.cudagraph_trees": True}}},
+])
+def test_stage_3_compiles_without_cuda_graphs(compile_block):
+    assert load(compile={"enabled": True, **compile_block}, **STAGE3).compile.enabled
+    assert load(compile={"enabled": False, "mode": "reduce-overhead"}, **STAGE3).compile.mode == "reduce-overhead"

@@ -25,6 +25,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
+from shardwise.distributed.staging import group_device, staged_on
 from shardwise.ops.sparse_attention.block_sparse import BlockPlan, Masks, block_sparse_attention, build_plan
 from shardwise.ops.sparse_attention.flex import flex_sparse_attention
 from shardwise.ops.sparse_attention.sparsity_config import SparsityConfig
@@ -71,7 +72,8 @@ class SparseSelfAttention(nn.Module):
     def get_layout(self, length: int) -> torch.Tensor:
         """The master layout cut to the blocks `length` tokens occupy."""
         if self._need_layout_synchronization and dist.is_initialized() and dist.get_world_size() > 1:
-            dist.broadcast(self.master_layout, src=0)
+            with staged_on(self.master_layout, group_device(dist.group.WORLD)) as layout:  # built on the CPU
+                dist.broadcast(layout, src=0)
         self._need_layout_synchronization = False
         blocks = _round_up(length, self.sparsity_config.block) // self.sparsity_config.block
         if blocks > self.master_layout.shape[-1]:

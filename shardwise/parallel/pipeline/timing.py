@@ -6,8 +6,9 @@ its loss, element-wise layers. Here every rank runs one synthetic micro-batch
 (`train_micro_batch_size_per_gpu` x `profile_seq_len` random token ids) through the whole
 unsplit model, piece by piece, timing each piece's forward and backward (the median of a
 few repeats after a warm-up), then every rank takes rank 0's numbers, so all pipelines
-split alike however their timings differ. The random generators are restored afterwards
-and the gradients dropped, so training starts exactly as it would have without it.
+split alike however their timings differ. Every random generator (CPU and CUDA) is
+restored afterwards, the token ids' draw included, and the gradients dropped, so
+training starts exactly as it would have without it.
 """
 
 from __future__ import annotations
@@ -21,6 +22,7 @@ from torch import nn
 
 from shardwise.parallel.pipeline.adapters import Adapter, StageContext
 from shardwise.parallel.pipeline.split import LayerCosts
+from shardwise.random_state import preserved_rng
 
 REPEATS = 3
 
@@ -36,9 +38,9 @@ def measure_layer_costs(model: nn.Module, adapter: Adapter, micro_batch: int, se
     positions = (getattr(config, "block_size", None) or getattr(config, "n_positions", None)
                  or getattr(config, "max_position_embeddings", None) or seq_len)
     device = next(model.parameters()).device
-    ids = torch.randint(0, config.vocab_size, (micro_batch, min(seq_len, positions))).to(device)
-    context = StageContext({adapter.input_name: ids, adapter.label_name: ids}, None, {})
-    with torch.random.fork_rng(devices=[]):
+    with preserved_rng(device):  # the token ids and dropout masks come from no generator the caller sees
+        ids = torch.randint(0, config.vocab_size, (micro_batch, min(seq_len, positions))).to(device)
+        context = StageContext({adapter.input_name: ids, adapter.label_name: ids}, None, {})
         adapter.prepare(model, context, dtype)
         hidden = adapter.embed(model, context)
         embed = _time(lambda: adapter.embed(model, context))

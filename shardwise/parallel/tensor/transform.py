@@ -27,6 +27,7 @@ from torch import nn
 from shardwise.config import ShardwiseConfig
 from shardwise.distributed.collectives import CommStats, Communicator
 from shardwise.distributed.mesh import ParallelMesh
+from shardwise.distributed.staging import group_device, staged_on
 from shardwise.parallel.apply import ModelTransform, register_transform
 from shardwise.parallel.tensor.cross_entropy import causal_lm_loss
 from shardwise.parallel.tensor.layers import ShardCache, TensorRegion
@@ -45,10 +46,16 @@ def megatron_sequence_parallel(config: ShardwiseConfig) -> bool:
 
 
 def broadcast_parameters(model: nn.Module, comm: Communicator) -> None:
-    """Make every (materialised) parameter equal to the tensor group's first rank's."""
+    """Make every (materialised) parameter equal to the tensor group's first rank's.
+
+    `initialize` moves the model to its device after the apply stage, so that the full
+    model never sits on one device; over an NCCL group each weight still in host memory
+    goes through the device one at a time (distributed/staging.py)."""
+    device = group_device(comm.group)
     for name, param in model.named_parameters():
         if not param.is_meta:
-            comm.broadcast(param.data, 0, f"parameter {name} before tensor-parallel sharding")
+            with staged_on(param.data, device) as data:
+                comm.broadcast(data, 0, f"parameter {name} before tensor-parallel sharding")
 
 
 def apply_tensor_parallel(

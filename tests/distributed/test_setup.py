@@ -1,0 +1,48 @@
+"""Which device a process trains on: one GPU per process, refused with the counts when a
+node has more processes than GPUs. CUDA is a stand-in here (this machine has none):
+`torch.cuda.is_available`, `device_count` and `set_device` are monkeypatched."""
+
+import pytest
+import torch
+
+from shardwise.distributed import setup
+
+
+@pytest.fixture
+def two_gpus(monkeypatch):
+    chosen = []
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)
+    monkeypatch.setattr(torch.cuda, "set_device", chosen.append)
+    monkeypatch.delenv("LOCAL_WORLD_SIZE", raising=False)
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "0,1")
+    return chosen
+
+
+def test_each_local_rank_gets_its_own_gpu(two_gpus, monkeypatch):
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "2")
+    assert setup._pick_device(1) == torch.device("cuda", 1)
+    assert two_gpus == [1]
+
+
+def test_more_processes_per_node_than_gpus_is_refused_on_every_rank(two_gpus, monkeypatch):
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "4")
+    for local_rank in range(4):  # rank 0 too: no rank goes on to wait for the refused ones
+        with pytest.raises(RuntimeError) as refused:
+            setup._pick_device(local_rank)
+        message = str(refused.value)
+        assert message.startswith(f"4 processes on this node (LOCAL_RANK {local_rank}, LOCAL_WORLD_SIZE 4) but 2 "
+                                  "visible GPU(s) (CUDA_VISIBLE_DEVICES=0,1): ranks would share a GPU")
+        assert "shardwise run --nproc 2" in message and "make more GPUs visible (CUDA_VISIBLE_DEVICES)" in message
+    assert two_gpus == []
+
+
+def test_a_local_rank_past_the_gpus_is_refused_without_local_world_size(two_gpus):
+    with pytest.raises(RuntimeError, match=r"^3 processes on this node \(LOCAL_RANK 2\) but 2 visible GPU"):
+        setup._pick_device(2)
+
+
+def test_without_cuda_every_rank_uses_the_cpu(monkeypatch):
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "8")
+    assert setup._pick_device(5) == torch.device("cpu")
