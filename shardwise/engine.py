@@ -101,6 +101,7 @@ class Engine(PipelineEngineMethods, DeepSpeedEngineAPI, nn.Module):
             describe_config(cfg.model_dump(), optimizer),
             describe_model(model, group_lookup(optimizer)),
             sizes.groups("replicas"),
+            device=self.device,
         )
         self.world.peers = peers
         self.mesh = ParallelMesh(sizes, self.rank, self.device, self.context.timeout)

@@ -63,11 +63,14 @@ def check_ranks_agree(
     config_lines: list[str],
     model_lines: list[str],
     model_groups: list[list[int]],
+    device: torch.device | None = None,
 ) -> PeerDirectory:
-    """Raise `RankMismatchError` on every rank when ranks differ; returns every rank's
-    host and pid. `model_groups` lists the global ranks that must hold the same model."""
+    """Raise `RankMismatchError` on every rank when ranks differ, or when two ranks of one
+    host train on the same GPU; returns every rank's host and pid. `model_groups` lists
+    the global ranks that must hold the same model."""
     mine = torch.tensor(
-        [_digest(config_lines), _digest(model_lines), host_fingerprint(), os.getpid(), local_address()],
+        [_digest(config_lines), _digest(model_lines), host_fingerprint(), os.getpid(), local_address(),
+         gpu_identity(device)],
         dtype=torch.int64,
     )
     if world.size == 1:
@@ -75,6 +78,7 @@ def check_ranks_agree(
     gathered = torch.zeros(world.size * mine.numel(), dtype=torch.int64)
     world.all_gather_control(gathered, mine, "the start-up check that ranks agree on config and model")
     rows = gathered.view(world.size, -1).tolist()
+    _refuse_shared_gpus(rows)
     config_differs = len({row[0] for row in rows}) > 1
     model_differs = any(len({rows[rank][1] for rank in group}) > 1 for group in model_groups)
     if config_differs or model_differs:
@@ -91,6 +95,32 @@ def check_ranks_agree(
             "from a set, no rank-dependent sizes)",
         ))
     return PeerDirectory(tuple(row[2] for row in rows), tuple(row[3] for row in rows), tuple(row[4] for row in rows))
+
+
+def gpu_identity(device: torch.device | None) -> int:
+    """A digest of the CUDA device's UUID (0 off CUDA): two processes that see their GPU
+    under different indices (per-process CUDA_VISIBLE_DEVICES) still compare equal."""
+    if device is None or device.type != "cuda":
+        return 0
+    uuid = str(torch.cuda.get_device_properties(device).uuid)
+    return int.from_bytes(hashlib.sha256(uuid.encode()).digest()[:7], "big")
+
+
+def _refuse_shared_gpus(rows: list[list[int]]) -> None:
+    """NCCL refuses two ranks on one GPU only in their first collective ("Duplicate GPU
+    detected"), deep in start-up; here the ranks sharing one are named."""
+    owner: dict[tuple[int, int], int] = {}
+    for rank, row in enumerate(rows):
+        host, gpu = row[2], row[5]
+        if gpu == 0:
+            continue
+        if (host, gpu) in owner:
+            raise RankMismatchError(
+                f"ranks {owner[host, gpu]} and {rank} run on the same GPU of one host: NCCL needs a GPU per "
+                "rank. Start at most as many processes per node as it has GPUs, and when a launcher sets "
+                "CUDA_VISIBLE_DEVICES per process, give each process a different GPU"
+            )
+        owner[host, gpu] = rank
 
 
 def _first_difference(descriptions: list[list[str]], ranks: list[int], what: str, fix: str) -> str:

@@ -81,6 +81,13 @@ def _pick_device(local_rank: int) -> torch.device:
     if not torch.cuda.is_available():
         return torch.device("cpu")
     gpus = torch.cuda.device_count()
+    if gpus == 1 and os.environ.get("CUDA_VISIBLE_DEVICES"):
+        # one GPU per process, bound by the launcher (SLURM's --gpus-per-task, a job script
+        # setting CUDA_VISIBLE_DEVICES per rank): every rank's GPU is its device 0. Ranks
+        # given the same GPU this way are caught when ranks compare GPU identities
+        # (distributed/agreement.py).
+        torch.cuda.set_device(0)
+        return torch.device("cuda", 0)
     per_node = os.environ.get("LOCAL_WORLD_SIZE", "")
     processes = int(per_node) if per_node.isdigit() else local_rank + 1
     if processes > gpus or local_rank >= gpus:

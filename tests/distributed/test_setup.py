@@ -46,3 +46,26 @@ def test_without_cuda_every_rank_uses_the_cpu(monkeypatch):
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
     monkeypatch.setenv("LOCAL_WORLD_SIZE", "8")
     assert setup._pick_device(5) == torch.device("cpu")
+
+
+def test_one_gpu_bound_per_process_by_the_launcher_is_device_0(monkeypatch):
+    """SLURM's --gpus-per-task (or a job script) gives each process its own GPU through
+    CUDA_VISIBLE_DEVICES: local rank 3 sees one GPU, its device 0."""
+    chosen = []
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
+    monkeypatch.setattr(torch.cuda, "set_device", chosen.append)
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "4")
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "3")
+    assert setup._pick_device(3) == torch.device("cuda", 0)
+    assert chosen == [0]
+
+
+def test_two_ranks_of_one_host_on_the_same_gpu_are_named():
+    """Rows as check_ranks_agree gathers them: config, model, host, pid, address, GPU."""
+    from shardwise.distributed.agreement import RankMismatchError, _refuse_shared_gpus
+
+    _refuse_shared_gpus([[1, 1, 7, 10, 0, 55], [1, 1, 7, 11, 0, 56], [1, 1, 8, 12, 0, 55]])  # other host: fine
+    _refuse_shared_gpus([[1, 1, 7, 10, 0, 0], [1, 1, 7, 11, 0, 0]])  # CPU ranks share no GPU
+    with pytest.raises(RankMismatchError, match="ranks 0 and 2 run on the same GPU of one host"):
+        _refuse_shared_gpus([[1, 1, 7, 10, 0, 55], [1, 1, 7, 11, 0, 56], [1, 1, 7, 12, 0, 55]])
