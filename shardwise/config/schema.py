@@ -63,7 +63,11 @@ class Bf16Config(Section):
 
 
 class OffloadConfig(Section):
-    """Where a ZeRO partition lives between uses; "none" keeps it on the accelerator."""
+    """Where a ZeRO partition lives between uses; "none" keeps it on the accelerator.
+    `pin_memory`, as in DeepSpeed: the host buffers of the offloaded state are page-locked
+    (optimizer offload: the fp32 masters, the gradient partition and the staging buffers
+    reduced gradients are copied into; parameter offload: the host shards), so copies
+    between device and host run asynchronously; it applies only when CUDA is available."""
 
     device: Literal["none", "cpu", "nvme"] = "none"
     nvme_path: str | None = None

@@ -19,18 +19,16 @@ from __future__ import annotations
 import ctypes
 import ctypes.util
 import dataclasses
-from collections import Counter
 from concurrent.futures import Future
 from contextlib import contextmanager
 from typing import Iterator
 
 import torch
 
-from shardwise.offload.host_store import host_gradients
+from shardwise.offload.host_store import HostGradientStore
 from shardwise.offload.swap import Region, SwapFile
-from shardwise.zero.layout import FlatUnit
 from shardwise.zero.policy import OffloadPolicy
-from shardwise.zero.shard_store import SegmentState, ShardStore, StoreSpec
+from shardwise.zero.shard_store import SegmentState, StoreSpec
 
 
 @dataclasses.dataclass
@@ -64,20 +62,17 @@ if _LIBC is not None and not hasattr(_LIBC, "malloc_trim"):
     _LIBC = None
 
 
-class NvmeShardStore(ShardStore):
-    tier = "host"  # where the gradient partition lives
+class NvmeShardStore(HostGradientStore):
     state_tier = "nvme"
 
     def __init__(self, spec: StoreSpec, offload: OffloadPolicy, rank: int):
-        gradients = host_gradients(spec, offload.pin_memory)
-        self.grad_flat, self.full_flat = gradients.partition_flat, gradients.full_flat
+        gradients = self._host_gradients(spec, offload.pin_memory)
         # segments are cut over placeholders (no memory), then their masters become the
         # pages' views, filled from the parameter chunks
         placeholders = [torch.empty(unit.chunk_numel, device="meta") for unit in spec.units]
         self._organise(spec, placeholders, gradients.full, gradients.partition)
         self.param_bytes = torch.empty((), dtype=spec.grad_dtype).element_size()
         self.ledger = spec.ledger
-        self.moved: Counter = Counter()
         self.swap = SwapFile(offload.nvme_path, rank, offload.thread_count, offload.block_size,
                              offload.queue_depth)
         self.pages: list[_Page] = []
@@ -117,6 +112,7 @@ class NvmeShardStore(ShardStore):
             return
         index = self._sub_group_index[id(sub_group[0])]
         page = self.pages[index]
+        self.settle(sub_group)
         self._page_in(index)
         page.users += 1
         if index + 1 < len(self.pages):
@@ -206,19 +202,7 @@ class NvmeShardStore(ShardStore):
             page.regions.append(spare)
         return page.state[key]
 
-    # -- gradients (in host memory, as in the host tier) -------------------------------------------
-    def start_window(self) -> None:
-        self.grad_flat.zero_()
-
-    def zero_gradients(self) -> None:
-        self.grad_flat.zero_()
-        if self.full_flat is not None:
-            self.full_flat.zero_()
-
-    def receive_gradient(self, unit: FlatUnit, reduced: torch.Tensor) -> None:
-        self.moved["device_to_host"] += reduced.numel() * reduced.element_size()
-        super().receive_gradient(unit, reduced)
-
+    # -- gradients: in host memory, as in the host tier (HostGradientStore) -----------------------
     def publish(self, sub_group=None) -> None:
         if sub_group is not None:
             self.moved["host_to_device"] += sum(s.numel for s in sub_group) * self.param_bytes

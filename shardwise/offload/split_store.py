@@ -24,7 +24,7 @@ from __future__ import annotations
 
 from collections import Counter
 from contextlib import ExitStack, contextmanager
-from typing import Callable, Iterator
+from typing import Any, Callable, Iterator
 
 import torch
 
@@ -82,8 +82,8 @@ class SplitShardStore(ShardStore):
     def gradients(self) -> list[torch.Tensor]:
         return self.device.gradients() + self.offloaded.gradients()
 
-    def receive_gradient(self, unit: FlatUnit, reduced: torch.Tensor) -> None:
-        self._owner_of_unit[unit.index].receive_gradient(unit, reduced)
+    def receive_gradient(self, unit: FlatUnit, reduced: torch.Tensor) -> Any:
+        return self._owner_of_unit[unit.index].receive_gradient(unit, reduced)
 
     def start_window(self) -> None:
         self.device.start_window()

@@ -24,6 +24,14 @@ Reductions that need transient memory (buckets, gloo reduce-scatter receive buff
 double-buffered: one unit fills while MAX_IN_FLIGHT (one) reduces, and launching another
 first finishes the oldest. Stage 0 all-reduces in place, so its reductions are not limited.
 
+A host tier (ZeRO-Offload) copies each reduced chunk to host memory on a side stream and
+returns the copy's event (offload/gradient_copies.py): a bucket goes back to the pool with
+it, and is written again only after the current stream has waited for it, a wait on the
+device that leaves backward running. The full buffers of stages 0-1 need no such wait:
+they are written again only after the host has waited for their copies (the step reads
+every gradient for its norm first; a second backward sets the reduced chunks aside, which
+reads them; a discarded window waits for the copies it drops).
+
 Stages 0-1 accumulate micro-batches locally and reduce only at the accumulation boundary.
 A window starts with `.grad` unset (nothing is zeroed): a parameter's first gradient is
 copied into the buffer and `.grad` becomes a view of it, so autograd accumulates later
@@ -38,7 +46,7 @@ partition.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Callable
+from typing import Any, Callable
 
 import torch
 
@@ -99,7 +107,7 @@ class GradientReducer(OptimizerExchangeMixin):
             for slot in unit.slots:
                 slot.param.grad = None  # a gradient from before initialize() is not ours
 
-        self._free_buckets: list[torch.Tensor] = []
+        self._free_buckets: list[tuple[torch.Tensor, Any]] = []  # with the event of a copy still reading it
         self._bucket_count = 0
         self._bucket_numel = max(unit.padded_numel for unit in units)
         self._hooks = [
@@ -262,7 +270,7 @@ class GradientReducer(OptimizerExchangeMixin):
                 self.ledger.release("buffers", tensor_bytes(carried))
             self._carried.clear()
             for buffer, _ in self._buckets.values():
-                self._free_buckets.append(buffer)
+                self._free_buckets.append((buffer, None))
             for unit in self.units:
                 for slot in unit.slots:
                     slot.param.grad = None
@@ -312,7 +320,9 @@ class GradientReducer(OptimizerExchangeMixin):
         if not self._free_buckets and self._launched and self._bucket_count > MAX_IN_FLIGHT:
             self._complete_oldest()
         if self._free_buckets:
-            buffer = self._free_buckets.pop()
+            buffer, read = self._free_buckets.pop()
+            if read is not None:  # a host copy of its last reduced chunk: the stream waits for it
+                read.wait()
         else:
             buffer = torch.empty(self._bucket_numel, dtype=self.comm_dtype, device=self.device)
             self.ledger.hold("buffers", tensor_bytes(buffer))
@@ -342,14 +352,14 @@ class GradientReducer(OptimizerExchangeMixin):
                 if wire.data_ptr() != grads.data_ptr():
                     grads[lo:hi].copy_(wire[lo:hi])
                     self.ledger.release("buffers", tensor_bytes(wire))
-                self.store.receive_gradient(unit, grads[lo:hi])
+                self.store.receive_gradient(unit, grads[lo:hi])  # read before any rewrite (see above)
                 carried = self._carried.pop(unit.index, None)
                 if carried is not None:
                     self.store.gradient(unit).add_(carried)
                     self.ledger.release("buffers", tensor_bytes(carried))
 
             def finalize() -> None:
-                self._across_replicas(unit, wire[lo:hi], what, copy_back)
+                self._across_replicas(unit, lambda: wire[lo:hi], what, copy_back)
 
         else:
             buffer, bucket = self._buckets.pop(unit.index)
@@ -359,9 +369,8 @@ class GradientReducer(OptimizerExchangeMixin):
             pending = self._reduce_to_owner(bucket, lo, hi, what)
 
             def finalize() -> None:
-                self.store.receive_gradient(unit, bucket[lo:hi])
-                self._free_buckets.append(buffer)
-                self._across_replicas(unit, self.store.gradient(unit), what, lambda: None)
+                self._free_buckets.append((buffer, self.store.receive_gradient(unit, bucket[lo:hi])))
+                self._across_replicas(unit, lambda: self.store.gradient(unit), what, lambda: None)
 
         self._enqueue(_Launched(unit, pending, finalize))
 
@@ -381,13 +390,15 @@ class GradientReducer(OptimizerExchangeMixin):
             return self.shard.reduce_scatter(full[lo:hi], full, what)
         return self.shard.all_reduce(full, what)
 
-    def _across_replicas(self, unit: FlatUnit, owned: torch.Tensor, what: str, then: Callable[[], None]) -> None:
-        """Second hop: at the end of a window, sum the owned chunk over the replicate
-        group; `then` runs once the chunk is final."""
+    def _across_replicas(self, unit: FlatUnit, owned: Callable[[], torch.Tensor], what: str,
+                         then: Callable[[], None]) -> None:
+        """Second hop: at the end of a window, sum the owned chunk (asked of `owned` only
+        then: a host tier waits for its copy) over the replicate group; `then` runs once
+        the chunk is final."""
         if self.replicate.skips_collectives or not self._window_ends:
             then()
             return
-        self._enqueue(_Launched(unit, self.replicate.all_reduce(owned, what), then))
+        self._enqueue(_Launched(unit, self.replicate.all_reduce(owned(), what), then))
 
     def _complete_oldest(self) -> None:
         launched = self._launched.pop(0)

@@ -34,7 +34,7 @@ class OffloadPolicy:
 
     device: str = "none"
     nvme_path: str | None = None
-    pin_memory: bool = False
+    pin_memory: bool = False  # page-locked host buffers (with CUDA): asynchronous copies (config/schema.py)
     buffer_count: int = 4
     thread_count: int = 1  # aio.thread_count: threads doing NVMe reads and writes
     block_size: int = 1 << 20  # aio.block_size: bytes per read or write call

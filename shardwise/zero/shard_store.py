@@ -12,7 +12,9 @@ ZeRO-Infinity (NVMe files) are further stores, not further branches in the engin
     receive_gradient(unit, reduced)
                           the reducer hands over this rank's reduced chunk of `unit`: added
                           into `gradient(unit)` (stages 2-3 every micro-batch), or, when it
-                          already is that memory (stages 0-1 on the device), nothing to do
+                          already is that memory (stages 0-1 on the device), nothing to do;
+                          returns None, or the event after which `reduced` may be written
+                          again (a host tier's copy still reading it)
     sub_groups            segments in pieces of about `sub_group_size` elements
     resident(sub_group)   the sub-group's masters and optimizer state are in memory for the
                           duration of the block (a paging tier reads them in and writes back)
@@ -25,7 +27,7 @@ from __future__ import annotations
 
 from contextlib import contextmanager
 from dataclasses import dataclass, replace
-from typing import Callable, Iterator
+from typing import Any, Callable, Iterator
 
 import torch
 
@@ -130,10 +132,11 @@ class ShardStore:
         """This rank's reduced gradient chunks, one per unit."""
         return self._grads
 
-    def receive_gradient(self, unit: FlatUnit, reduced: torch.Tensor) -> None:
+    def receive_gradient(self, unit: FlatUnit, reduced: torch.Tensor) -> Any:
         target = self.gradient(unit)
         if reduced.data_ptr() != target.data_ptr():
-            target.add_(reduced.to(target.device))
+            target.add_(reduced)
+        return None
 
     @contextmanager
     def resident(self, sub_group: list[SegmentState]) -> Iterator[list[SegmentState]]:

@@ -24,6 +24,7 @@ micro-batches and the data-parallel group and broadcasts it over the pipeline gr
 
 from __future__ import annotations
 
+import functools
 import time
 from typing import Any, Callable, Iterator
 
@@ -33,11 +34,14 @@ from torch import nn
 from shardwise.distributed.collectives import Communicator
 from shardwise.parallel.pipeline.adapters import Adapter, StageContext
 from shardwise.parallel.pipeline.p2p import (
+    Expect,
     PipelineChannel,
     PipelineError,
+    Shapes,
     message_tensors,
 )
-from shardwise.parallel.pipeline.schedules import Action, schedule_actions
+from shardwise.parallel.pipeline.plan import Message, MessagePlan
+from shardwise.parallel.pipeline.schedules import Action, schedule_actions, timeline
 from shardwise.parallel.pipeline.shared import SharedExchange
 from shardwise.parallel.pipeline.split import StageLayout
 from shardwise.precision.casting import cast_floating, to_device
@@ -52,13 +56,14 @@ class PipelineRunner:
         self.schedule = schedule
         self.micro_batches = micro_batches
         mesh, stats = engine.mesh, engine.comm_stats
-        self.channel = PipelineChannel(mesh["pipeline"], stats, layout.virtual, micro_batches, engine.context.timeout)
+        self.channel = PipelineChannel(mesh["pipeline"], stats, engine.device, engine.context.timeout)
         self.pipeline = Communicator(mesh["pipeline"], stats)
         self.data = Communicator(mesh["data"], stats)
         self.layers = adapter.layers(self.model)
         self.tied = layout.tied
         self.tied_leaf: torch.Tensor | None = None
-        self.shared = SharedExchange(self.model, layout.shared, self.channel, layout.rank) if layout.shared else None
+        self.shared = SharedExchange(self.model, layout.shared, layout.rank) if layout.shared else None
+        self.plans: dict[bool, MessagePlan] = {}  # by train (a schedule) or not (forwards only)
         self.last_timing: dict[str, float] = {}  # total_s, busy_s and bubble (idle share) of the last batch
         self.synced_at = 0.0
         self.peak_in_flight = 0  # micro-batches whose activations were held at once, last batch
@@ -92,8 +97,7 @@ class PipelineRunner:
             raise RuntimeError("engine.train_batch() in the middle of an accumulation window started with "
                                "engine.backward(): call engine.step() until the window ends first")
         contexts = [self._context(next(data_iter)) for _ in range(self.micro_batches)]
-        actions = (schedule_actions(self.schedule, self.layout.rank, self.layout.size, self.micro_batches,
-                                    self.layout.virtual) if train else self._forward_only())
+        plan = self._plan(train)
         losses: dict[int, torch.Tensor] = {}
         self.stash: dict[tuple[int, int], tuple[torch.Tensor | None, torch.Tensor]] = {}
         self.busy = 0.0
@@ -104,14 +108,19 @@ class PipelineRunner:
         was_training = self.model.training
         self.model.train(train and was_training)  # eval_batch runs in eval mode, as DeepSpeed's does
         started = time.perf_counter()
+        expect = functools.partial(self._expect, contexts=contexts)
         try:
-            self._exchange_tied_weight()
-            final_backward = max((k for k, a in enumerate(actions) if a.kind == "backward"), default=-1)
-            for position, action in enumerate(actions):
-                self._do(action, contexts, losses, loss_fn, train, position == final_backward)
-            self.channel.finish_sends()
+            self.channel.connect()
+            self._exchange_weights(plan, expect)
+            final_backward = max((k for k, a in enumerate(plan.mine) if a is not None and a.kind == "backward"),
+                                 default=-1)
+            for step, action in enumerate(plan.mine):
+                if action is not None:
+                    self._do(action, contexts, losses, loss_fn, train, step == final_backward)
+                self.channel.exchange(plan.at(step), expect)
+            self.channel.finish()
         except BaseException:
-            self.channel.abandon_sends()
+            self.channel.abandon()
             self.stash.clear()
             raise
         finally:
@@ -125,8 +134,39 @@ class PipelineRunner:
         self.last_timing = {"total_s": total, "busy_s": self.busy, "bubble": 1 - self.busy / total}
         return self._mean_loss(losses)
 
-    def _forward_only(self) -> list[Action]:
-        return [Action("forward", chunk, i) for i in range(self.micro_batches) for chunk in range(self.layout.virtual)]
+    def _plan(self, train: bool) -> MessagePlan:
+        """Every rank's passes on common steps, and this rank's messages at each (the
+        same for every batch)."""
+        if train in self.plans:
+            return self.plans[train]
+        layout, m = self.layout, self.micro_batches
+        if train:
+            queues = [schedule_actions(self.schedule, rank, layout.size, m, layout.virtual)
+                      for rank in range(layout.size)]
+        else:
+            forwards = [Action("forward", chunk, i) for i in range(m) for chunk in range(layout.virtual)]
+            queues = [forwards] * layout.size
+        self.plans[train] = MessagePlan(timeline(queues, layout.virtual), layout.rank, layout.virtual, m, self.tied,
+                                        layout.shared)
+        return self.plans[train]
+
+    def _expect(self, message: Message, contexts: list[StageContext]) -> Shapes | None:
+        """(shape, dtype) of every tensor of a message this rank receives; None for an
+        activation whose shape only a header can tell."""
+        engine, layout = self.engine, self.layout
+        if message.kind == "activation":
+            shape = self.adapter.activation_shape(self.model, contexts[message.micro_batch])
+            return None if shape is None else [(tuple(shape), engine.dtype)]
+        if message.kind == "gradient":  # one per floating tensor this stage sent forward
+            _, output = self.stash[(message.target // layout.size, message.micro_batch)]
+            return [(tuple(tensor.shape), tensor.dtype) for tensor in message_tensors(output)
+                    if tensor.is_floating_point()]
+        if message.kind == "tied weight":
+            return [(tuple(layout.tied_shape), engine.dtype)]
+        if message.kind == "tied gradient":
+            weight = self.model.get_submodule(self.adapter.embedding_path).weight
+            return [(tuple(weight.shape), weight.dtype)]
+        return self.shared.expect(message, engine.dtype)
 
     def _context(self, micro_batch: Any) -> StageContext:
         """A dict of forward keyword arguments, or (inputs, labels) as PipelineModule takes."""
@@ -147,22 +187,21 @@ class PipelineRunner:
         self.adapter.prepare(self.model, context, dtype)
         return context
 
-    def _exchange_tied_weight(self) -> None:
+    def _exchange_weights(self, plan: MessagePlan, expect: Expect) -> None:
         """The first stage's current embedding weight becomes the last stage's output weight,
         and the owners' values of shared layers' parameters replace the other stages' (shared.py)."""
-        if self.shared is not None:
-            self.shared.send_values()
-            for leaf in self.shared.receive_values(self.engine.dtype, self.engine.device):
-                self.parameter_storage.add(leaf.untyped_storage().data_ptr())
-        if not self.tied:
-            return
         layout = self.layout
-        if layout.first:
+        if self.shared is not None:
+            self.shared.post_values(self.channel)
+        if self.tied and layout.first:
             weight = self.model.get_submodule(self.adapter.embedding_path).weight
-            self.channel.send(weight, "tied weight", layout.last_stage, 0, 0)
-        if layout.last:
-            leaf = self.channel.receive(layout.tied_shape, self.engine.dtype, self.engine.device, "tied weight",
-                                        0, layout.last_stage, 0).requires_grad_()
+            self.channel.post(Message("tied weight", 0, layout.last_stage), weight)
+        self.channel.exchange(plan.prologue(), expect)
+        if self.shared is not None:
+            for leaf in self.shared.take_values(self.channel):
+                self.parameter_storage.add(leaf.untyped_storage().data_ptr())
+        if self.tied and layout.last:
+            leaf = self.channel.take(Message("tied weight", 0, layout.last_stage))[0].requires_grad_()
             self.model.get_submodule(self.adapter.head_path).weight = leaf
             self.tied_leaf = leaf
             self.parameter_storage.add(leaf.untyped_storage().data_ptr())  # a weight, not an activation
@@ -190,9 +229,7 @@ class PipelineRunner:
             begin = time.perf_counter()
             hidden = self.adapter.embed(self.model, context)
         else:
-            shape = self.adapter.activation_shape(self.model, context)
-            known = None if shape is None else (shape, self.engine.dtype)
-            received = self.channel.receive_output(self.engine.device, stage - 1, stage, i, known)
+            received = self.channel.take_output(Message("activation", stage - 1, stage, i))
             begin = time.perf_counter()
             for tensor in message_tensors(received):
                 tensor.requires_grad_(train and tensor.is_floating_point())
@@ -209,7 +246,7 @@ class PipelineRunner:
         self.busy += time.perf_counter() - begin
         if stage != self.layout.last_stage:
             described = self.adapter.activation_shape(self.model, context) is None
-            self.channel.send_output(hidden, stage + 1, stage, i, described)
+            self.channel.post(Message("activation", stage, stage + 1, i), hidden, described)
         if train:
             self.stash[(action.chunk, i)] = (received, hidden)
             self.held_bytes[(action.chunk, i)] = sum(saved.values())
@@ -227,18 +264,16 @@ class PipelineRunner:
             loss = output.detach()
         else:  # a gradient for every floating tensor sent; those that carry no graph here take none
             floating = [tensor for tensor in message_tensors(output) if tensor.is_floating_point()]
-            received_grads = [self.channel.receive(tensor.shape, tensor.dtype, engine.device, "gradient", stage + 1,
-                                                   stage, i, part) for part, tensor in enumerate(floating)]
+            received_grads = self.channel.take(Message("gradient", stage + 1, stage, i))
             tensors = [tensor for tensor in floating if tensor.requires_grad]
             grads = [grad for tensor, grad in zip(floating, received_grads) if tensor.requires_grad]
             loss = torch.zeros(())
         if stage == 0 and final_backward and self.tied:
             weight = self.model.get_submodule(self.adapter.embedding_path).weight
             tensors.append(weight)
-            grads.append(self.channel.receive(weight.shape, weight.dtype, engine.device, "tied gradient",
-                                              layout.last_stage, 0, 0))
+            grads.append(self.channel.take(Message("tied gradient", layout.last_stage, 0))[0])
         if final_backward and self.shared is not None:  # what the other stages' uses of owned layers gave
-            params, shared_grads = self.shared.receive_gradients(engine.device)
+            params, shared_grads = self.shared.take_gradients(self.channel)
             tensors += params
             grads += shared_grads
         begin = time.perf_counter()
@@ -246,13 +281,13 @@ class PipelineRunner:
         self.busy += time.perf_counter() - begin
         if stage > 0:
             floating = [tensor for tensor in message_tensors(received) if tensor.is_floating_point()]
-            for part, tensor in enumerate(floating):
-                grad = tensor.grad if tensor.grad is not None else torch.zeros_like(tensor)
-                self.channel.send(grad, "gradient", stage - 1, stage, i, part)
+            self.channel.post(Message("gradient", stage, stage - 1, i),
+                              [tensor.grad if tensor.grad is not None else torch.zeros_like(tensor)
+                               for tensor in floating])
         if stage == layout.last_stage and self.tied and i == self.micro_batches - 1:
-            self.channel.send(self.tied_leaf.grad, "tied gradient", 0, stage, 0)
+            self.channel.post(Message("tied gradient", stage, 0), self.tied_leaf.grad)
         if self.shared is not None and i == self.micro_batches - 1:
-            self.shared.send_gradients()
+            self.shared.post_gradients(self.channel)
 
     def _zero_backward(self, tensors: list[torch.Tensor], grads: list[torch.Tensor | None], boundary: bool,
                        loss: torch.Tensor) -> None:

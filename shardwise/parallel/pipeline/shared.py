@@ -14,31 +14,32 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from shardwise.parallel.pipeline.p2p import PipelineChannel
+from shardwise.parallel.pipeline.p2p import PipelineChannel, Shapes
+from shardwise.parallel.pipeline.plan import Message
 from shardwise.parallel.pipeline.split import SharedParameters
-
-PART = 1  # the message part: part 0 is the tied embedding's (runner.py)
 
 
 class SharedExchange:
-    def __init__(self, model: nn.Module, shared: SharedParameters, channel: PipelineChannel, stage: int):
+    """This rank's part in moving shared parameters; the messages go out and come in at
+    the steps plan.py gives them ("shared weights" before the first pass, "shared
+    gradients" after a user's last backward)."""
+
+    def __init__(self, model: nn.Module, shared: SharedParameters, stage: int):
         self.model = model
         self.shared = shared
-        self.channel = channel
         self.stage = stage
         self.leaves: dict[int, torch.Tensor] = {}  # owner stage -> the leaf this rank's views read
 
-    def send_values(self) -> None:
+    def post_values(self, channel: PipelineChannel) -> None:
         for user, paths in self.shared.sends.items():
             flat = torch.cat([self.model.get_parameter(path).detach().reshape(-1) for path in paths])
-            self.channel.send(flat, "tied weight", user, self.stage, 0, PART)
+            channel.post(Message("shared weights", self.stage, user), flat)
 
-    def receive_values(self, dtype: torch.dtype, device: torch.device) -> list[torch.Tensor]:
+    def take_values(self, channel: PipelineChannel) -> list[torch.Tensor]:
         """Point this rank's modules at the owners' values; returns the leaves (weights,
         not activations, for the caller's accounting)."""
         for owner, entries in self.shared.receives.items():
-            numel = sum(shape.numel() for _, shape in entries)
-            leaf = self.channel.receive((numel,), dtype, device, "tied weight", owner, self.stage, 0, PART)
+            leaf = channel.take(Message("shared weights", owner, self.stage))[0]
             leaf.requires_grad_(self.shared.requires_grad[owner])
             offset = 0
             for path, shape in entries:
@@ -48,13 +49,13 @@ class SharedExchange:
             self.leaves[owner] = leaf
         return list(self.leaves.values())
 
-    def send_gradients(self) -> None:
+    def post_gradients(self, channel: PipelineChannel) -> None:
         for owner, leaf in self.leaves.items():
             if self.shared.requires_grad[owner]:
                 grad = leaf.grad if leaf.grad is not None else torch.zeros_like(leaf)
-                self.channel.send(grad, "tied gradient", owner, self.stage, 0, PART)
+                channel.post(Message("shared gradients", self.stage, owner), grad)
 
-    def receive_gradients(self, device: torch.device) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+    def take_gradients(self, channel: PipelineChannel) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
         """The owned parameters and the gradients the other stages computed for them,
         summed per parameter: roots to add to the owner's last backward."""
         summed: dict[str, torch.Tensor] = {}
@@ -62,9 +63,7 @@ class SharedExchange:
             if not self.shared.requires_grad[user]:
                 continue
             params = {path: self.model.get_parameter(path) for path in paths}
-            numel = sum(param.numel() for param in params.values())
-            flat = self.channel.receive((numel,), next(iter(params.values())).dtype, device, "tied gradient", user,
-                                        self.stage, 0, PART)
+            flat = channel.take(Message("shared gradients", user, self.stage))[0]
             offset = 0
             for path, param in params.items():
                 grad = flat[offset : offset + param.numel()].view(param.shape)
@@ -72,3 +71,11 @@ class SharedExchange:
                 if param.requires_grad:
                     summed[param] = summed[param] + grad if param in summed else grad
         return list(summed), list(summed.values())
+
+    def expect(self, message: Message, dtype: torch.dtype) -> Shapes:
+        """(shape, dtype) of a shared-parameter message this rank receives: one flat
+        tensor, of the training dtype for values and of the parameters' for gradients."""
+        if message.kind == "shared weights":
+            return [((sum(shape.numel() for _, shape in self.shared.receives[message.source]),), dtype)]
+        params = [self.model.get_parameter(path) for path in self.shared.sends[message.source]]
+        return [((sum(param.numel() for param in params),), params[0].dtype)]
