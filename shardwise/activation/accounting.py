@@ -62,7 +62,10 @@ class ActivationTracker:
         self.recomputed_layers = 0
         self.recomputed_ops = 0
         self._storages: dict[int, list] = {}  # storage id -> [holders, bytes, kind, tier]
-        self._lock = threading.Lock()
+        # re-entrant: a holder's finalizer (`_drop`) can run inside `watch`'s locked section
+        # when a garbage collection starts there, on this thread; it may also run on a
+        # communication thread that drops the last reference to a tensor torch preserved
+        self._lock = threading.RLock()
 
     # -- the forward -----------------------------------------------------------------------
     @contextmanager

@@ -37,9 +37,15 @@ def test_buffers_peak_unchanged_when_the_model_grows_4x(stage, dtype, extra):
 
 def test_partitioned_checkpoint_gathers_unchanged_when_the_model_grows_4x():
     """TP = 2 with Pa: the checkpoints grow with depth (one half-input per layer), the
-    buffers and the recomputation working set, which holds the gathered input, do not."""
+    buffers and the recomputation working set, which holds the gathered input, do not.
+
+    The working set is one region's recomputation, plus at most the previous region's when
+    a gloo thread still holds a tensor of its tensor-parallel all-reduce for a moment after
+    the wait returned (how long depends on the machine's load): so it is bounded by twice
+    the smaller run's, where growing with depth would give four times."""
     extra = {"tensor_parallel": {"size": 2}, "activation_checkpointing": {"partition_activations": True}}
     small, large = run_distributed(buffers_for_depths, 2, 1, "fp32", "full", extra)[0]
     assert large["memory"]["buffers"] == small["memory"]["buffers"]
-    assert large["activations"]["recompute"] == small["activations"]["recompute"] > 0
+    assert 0 < large["activations"]["recompute"] <= 2 * small["activations"]["recompute"]
+    assert 0 < small["activations"]["recompute"] <= 2 * large["activations"]["recompute"]
     assert large["activations"]["checkpoints"] == 4 * small["activations"]["checkpoints"] > 0
