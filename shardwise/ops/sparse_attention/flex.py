@@ -31,6 +31,9 @@ from shardwise.ops.sparse_attention.block_sparse import Masks
 
 FLEX_BLOCK = 128  # flex_attention's tile: the block mask's granularity, whatever the layout's block
 CACHE_SIZE = 16
+# flex_attention's CUDA kernel refuses smaller heads; those run the gather path
+# (block_sparse.py), which has a backward on every device
+FLEX_MIN_HEAD_DIM = 16
 
 
 @functools.cache

@@ -27,7 +27,7 @@ from torch import nn
 
 from shardwise.distributed.staging import group_device, staged_on
 from shardwise.ops.sparse_attention.block_sparse import BlockPlan, Masks, block_sparse_attention, build_plan
-from shardwise.ops.sparse_attention.flex import flex_sparse_attention
+from shardwise.ops.sparse_attention.flex import FLEX_MIN_HEAD_DIM, flex_sparse_attention
 from shardwise.ops.sparse_attention.sparsity_config import SparsityConfig
 
 MASK_MODES = ("add", "mul")
@@ -100,7 +100,7 @@ class SparseSelfAttention(nn.Module):
             raise ValueError(f"query has {heads} heads but the sparsity config was built for "
                              f"num_heads={self.sparsity_config.num_heads}")
         masks = self._masks(query, length, is_causal, rpe, key_padding_mask, attn_mask)
-        if query.is_cuda:
+        if query.is_cuda and dim >= FLEX_MIN_HEAD_DIM:
             layout = self.get_layout(length)
             return flex_sparse_attention(query, key, value, layout, self.sparsity_config.block, masks, scale)
         return block_sparse_attention(query, key, value, self.plan(length, is_causal, dim), masks, scale)
