@@ -163,9 +163,10 @@ class Communicator:
         self.peers = peers
         # gloo's own reduce-scatter / all-gather copy and all-reduce the whole input
         self.point_to_point = self.size > 1 and dist.get_backend(self.group) == "gloo"
-        self.device_only = self.size > 1 and dist.get_backend(self.group) == "nccl"  # CUDA tensors only
         self._sequence = 0  # tags point-to-point collectives; advances alike on every rank
         self.skips_collectives = self.size == 1 and not _issues_at_size_one(self.group)
+        # CUDA tensors only (also a group of one whose NCCL calls the test switch issues)
+        self.device_only = not self.skips_collectives and dist.get_backend(self.group) == "nccl"
 
     @property
     def world_size(self) -> int:
