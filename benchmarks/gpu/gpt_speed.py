@@ -34,7 +34,8 @@ import gpt_sizes
 
 import torch  # noqa: E402  (after harness: the repository is on sys.path)
 
-ORDER = (("stage0", False), ("stage3", False), ("stage0", True), ("stage3", True), ("plain", False), ("plain", True))
+# compiled first: the goal's number, and the one compilation (the second run finds Inductor's cache)
+ORDER = (("stage0", True), ("stage3", True), ("stage0", False), ("stage3", False), ("plain", False), ("plain", True))
 MFU_GOAL = 0.5
 HOOK_OVERHEAD_GOAL = 0.05
 SUB_GROUP = gpt_sizes.DEFAULT_SUB_GROUP
@@ -120,16 +121,18 @@ def one_run(args: argparse.Namespace, device: torch.device) -> dict:
     variant, compiled = args.one[0], args.one[1] == "compiled"
     harness.reset_memory(device)
     started = time.perf_counter()
-    model = build_gpt(shape, args.layers, device)
-    num_params = sum(p.numel() for p in model.parameters())
-    flops_per_token = model.flops_per_token()
     losses: list[float] = []
     try:
+        model = build_gpt(shape, args.layers, device)
+        num_params = sum(p.numel() for p in model.parameters())
+        flops_per_token = model.flops_per_token()
         step, engine = training_step(variant, compiled, model, shape, args.accumulation, device)
         setup_s = time.perf_counter() - started
         warm = harness.time_call(lambda: losses.append(step().item()), device, 0, args.warmup)
         seconds = harness.time_call(lambda: losses.append(step().item()), device, 0, args.steps)
-    except torch.OutOfMemoryError as error:
+    except Exception as error:  # out of memory is a result (the formula was wrong); anything else a crash
+        if not harness.is_out_of_memory(error):
+            raise
         return {"outcome": "oom", "error": str(error).splitlines()[0][:300], "memory": harness.cuda_memory(device)}
     tokens = args.accumulation * shape.micro_batch * shape.seq_len
     step_s = harness.median(seconds)

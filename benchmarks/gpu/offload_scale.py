@@ -35,6 +35,7 @@ import dataclasses
 import json
 import math
 import shutil
+import subprocess
 import sys
 import tempfile
 import time
@@ -124,16 +125,16 @@ def choose_size(shape: gpt_sizes.Shape, kind: str, seconds: float, host: int, ho
     return Sizing(layers, shape.num_params(layers), bound, bounds)
 
 
-def offload_config(kind: str, nvme_path: str, micro_batch: int, accumulation: int, pin: bool) -> dict:
+def offload_config(kind: str, nvme_path: str, shape: gpt_sizes.Shape, accumulation: int, pin: bool) -> dict:
     offload = {"device": kind, "pin_memory": pin}
     if kind == "nvme":
         offload["nvme_path"] = nvme_path
     zero = {"stage": 3, "offload_optimizer": offload, "sub_group_size": gpt_sizes.DEFAULT_SUB_GROUP,
             "stage3_param_persistence_threshold": "auto", "stage3_prefetch_bucket_size": "auto",
             "reduce_bucket_size": "auto"}
-    if kind == "nvme":
-        zero["offload_param"] = dict(offload)
-    return {"train_micro_batch_size_per_gpu": micro_batch, "gradient_accumulation_steps": accumulation,
+    if kind == "nvme":  # a parameter buffer holds the largest shard: at one rank, the (tied) embedding
+        zero["offload_param"] = {**offload, "buffer_size": max(shape.vocab * shape.hidden, shape.block_params())}
+    return {"train_micro_batch_size_per_gpu": shape.micro_batch, "gradient_accumulation_steps": accumulation,
             "gradient_clipping": 1.0, "bf16": {"enabled": True},
             "optimizer": {"type": "AdamW", "params": {"lr": 1e-4, "weight_decay": 0.1}},
             "zero_optimization": zero, "activation_checkpointing": {"policy": "full"}}
@@ -153,8 +154,8 @@ def one_run(args: argparse.Namespace, device: torch.device) -> dict:
         model = GPT(config)
     flops_per_token = model.flops_per_token()
     num_params = sum(p.numel() for p in model.parameters())
-    engine = shardwise.initialize(model, offload_config(kind, args.nvme_path, shape.micro_batch, args.accumulation,
-                                                        not args.no_pin), param_init_fn=GPT.init_weights)
+    engine = shardwise.initialize(model, offload_config(kind, args.nvme_path, shape, args.accumulation, not args.no_pin),
+                                  param_init_fn=GPT.init_weights)
     setup_s = time.perf_counter() - started
     generator = torch.Generator(device=device).manual_seed(1)
     x, y = (torch.randint(0, shape.vocab, (shape.micro_batch, shape.seq_len), device=device, generator=generator)
@@ -232,12 +233,18 @@ def main() -> None:
         host = int(args.host_gib * harness.GIB) if args.host_gib else (
             TOY_HOST_MEMORY if args.toy else host_memory_bytes())
         numbers["host"] = {"memory": host, "copy_bandwidth": host_bandwidth(0.05 if args.toy else 1.0)}
-        if "nvme" in args.kinds:
-            numbers["disk"] = {"path": str(nvme_dir), "free": shutil.disk_usage(nvme_dir).free,
-                               "direct_io_bandwidth": disk_bandwidth(nvme_dir, 16 if args.toy else 512)}
         runs = {}
+        if "nvme" in args.kinds:
+            numbers["disk"] = {"path": str(nvme_dir), "free": shutil.disk_usage(nvme_dir).free}
+            try:
+                numbers["disk"]["direct_io_bandwidth"] = disk_bandwidth(nvme_dir, 16 if args.toy else 512)
+            except subprocess.CalledProcessError as error:  # e.g. tmpfs: no O_DIRECT, and no disk behind it
+                runs["nvme"] = {"outcome": "error", "error": f"no direct I/O at {nvme_dir} (dd: "
+                                f"{error.stderr.strip().splitlines()[-1][:120] if error.stderr else error}); "
+                                "give --nvme-path a folder on a local disk"}
         for kind in args.kinds:
-            runs[kind] = run_offloaded(args, device, kind, shape, baseline, numbers, nvme_dir, deadline)
+            if kind not in runs:
+                runs[kind] = run_offloaded(args, device, kind, shape, baseline, numbers, nvme_dir, deadline)
         numbers["runs"] = runs
     finally:
         shutil.rmtree(nvme_dir, ignore_errors=True)

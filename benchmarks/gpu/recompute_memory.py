@@ -96,8 +96,13 @@ def one_run(args: argparse.Namespace, device: torch.device, policy: str, contigu
         seconds = harness.time_call(step, device, 0, args.steps)
         states, activations = engine.memory_breakdown(), engine.activations.breakdown()
         memory = harness.cuda_memory(device)
-    except torch.OutOfMemoryError as error:
-        return {"outcome": "oom", "error": str(error).splitlines()[0][:300], "memory": harness.cuda_memory(device)}
+    except Exception as error:  # one policy's failure is its result; the others still run
+        import traceback
+
+        traceback.print_exc()
+        outcome = "oom" if harness.is_out_of_memory(error) else "error"
+        return {"outcome": outcome, "error": f"{type(error).__name__}: {str(error).splitlines()[0][:300]}",
+                "memory": harness.cuda_memory(device)}
     finally:
         if engine is not None:
             engine.destroy()
@@ -135,6 +140,9 @@ def main() -> None:
         runs[key] = one_run(args, device, policy, contiguous)
         run = runs[key]
         memory = run.get("memory") or {}
+        if run["outcome"] != "ok":
+            print(f"{key}: {run['outcome']}: {run['error']}", flush=True)
+            continue
         print(f"{key}: {run['outcome']}, peak allocated {memory.get('peak_allocated', 0) / MIB:,.0f} MiB, "
               f"reserved-allocated {memory.get('reserved_minus_allocated', 0) / MIB:,.0f} MiB, "
               f"engine activations {(run.get('engine_activations') or {}).get('total', 0) / MIB:,.1f} MiB, "
