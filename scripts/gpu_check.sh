@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# scripts/gpu_check.sh: shardwise's GPU checks on one lent GPU, within 8 minutes (SPEC §6, C35).
+# scripts/gpu_check.sh: shardwise's GPU checks on one lent GPU, within 8 minutes (docs/development.md#how-shardwise-is-tested, C35).
 #
 # What it does, in this order (each check has a time budget; one that overruns is stopped,
 # its line says TIMEOUT, and the next one starts; time a check does not use goes to the

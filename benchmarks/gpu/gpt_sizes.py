@@ -5,7 +5,7 @@ the lent GPU's minutes cannot pay for. The formulas the planner and the tests sh
 (shardwise/planner) give every term of a training step's peak for shardwise's GPT
 (shardwise/models/gpt.py: tied embedding, biases, flash attention, no dropout):
 
-    model states     placed_model_state_bytes (SPEC §4, offload placement): 16Ψ for bf16 +
+    model states     placed_model_state_bytes (docs/formulas.md, offload placement): 16Ψ for bf16 +
                      Adam without offload; plain PyTorch with autocast holds fp32 weights,
                      fp32 gradients, Adam's two fp32 moments and autocast's bf16 weight
                      copies: 18Ψ
