@@ -26,6 +26,20 @@ Moved APIs, the release they moved in, and what is used before it:
                                              compiled blocks under selective checkpointing
                                              are refused before 2.12
                                              (`require_selective_policy_outputs`).
+    torchrun --signals-to-handle             2.10: the agent installs its signal handlers
+                                             only for the signals named. Before, it installs
+                                             them for SIGTERM, SIGINT, SIGHUP and SIGQUIT
+                                             whenever it starts workers, replacing the
+                                             launcher's; `torchrun_leaves_signals` makes it
+                                             install, for the signals the launcher handles,
+                                             the handler the launcher had there.
+    DeviceMesh group timeouts                2.10: DeviceMesh passes its backend options'
+                                             timeout to new_group. Before, its groups got
+                                             new_group's default (30 minutes for gloo), so
+                                             a stalled collective hung that long.
+                                             `mesh_groups_time_out_after` sets that default
+                                             while the mesh is built (harmless from 2.10 on,
+                                             where the options' timeout is the same).
 
 Checked on 2.9.1, 2.13.0 and 2.15.0 by running the suite (scripts/test_torch.py); the
 releases named above come from reading the 2.10, 2.11 and 2.12 wheels' sources.
@@ -33,18 +47,23 @@ releases named above come from reading the 2.10, 2.11 and 2.12 wheels' sources.
 
 from __future__ import annotations
 
+import dataclasses
+import datetime
 import inspect
+import signal
 from contextlib import contextmanager
 from typing import Any, Callable, Iterator
 
 import torch
 import torch.distributed as dist
+from torch.distributed.launcher.api import LaunchConfig
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils.checkpoint import CheckpointPolicy, SelectiveCheckpointContext, create_selective_checkpoint_contexts
 
 all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
 reduce_scatter_single = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
 
+TORCHRUN_HANDLES_CHOSEN_SIGNALS = "signals_to_handle" in {field.name for field in dataclasses.fields(LaunchConfig)}
 SELECTIVE_POLICY_SEES_OUTPUT = "op_output" in inspect.signature(SelectiveCheckpointContext).parameters
 
 KeepRule = Callable[[Any, tuple, Any], bool]
@@ -119,3 +138,45 @@ class _KeptOutputs(TorchDispatchMode):
 def _entered_in_order(first: Any, second: Any) -> Iterator[None]:
     with first, second:
         yield
+
+
+def torchrun_signal_options(signals: str) -> list[str]:
+    """torchrun options that leave the agent handling only `signals` (comma-separated
+    names) itself; none before 2.10, where `torchrun_leaves_signals` does that job."""
+    return ["--signals-to-handle", signals] if TORCHRUN_HANDLES_CHOSEN_SIGNALS else []
+
+
+@contextmanager
+def torchrun_leaves_signals(signals: tuple[int, ...]) -> Iterator[None]:
+    """Around torchrun's agent: `signals` keep the handlers installed when the block is
+    entered, although an agent before 2.10 installs its own for them at each worker start."""
+    if TORCHRUN_HANDLES_CHOSEN_SIGNALS:
+        yield
+        return
+    from torch.distributed.elastic.multiprocessing import api
+
+    kept = {signum: signal.getsignal(signum) for signum in signals}
+    agents = api._terminate_process_handler
+
+    def handler(signum: int, frame: Any) -> None:
+        (kept[signum] if signum in kept else agents)(signum, frame)
+
+    api._terminate_process_handler = handler  # what the agent installs, looked up at each start
+    try:
+        yield
+    finally:
+        api._terminate_process_handler = agents
+
+
+@contextmanager
+def mesh_groups_time_out_after(timeout: datetime.timedelta) -> Iterator[None]:
+    """Process groups created in the block without a timeout of their own time out after
+    `timeout` (torch's defaults are restored afterwards)."""
+    from torch.distributed import distributed_c10d
+
+    saved = distributed_c10d.default_pg_timeout, distributed_c10d.default_pg_nccl_timeout
+    distributed_c10d.default_pg_timeout = distributed_c10d.default_pg_nccl_timeout = timeout
+    try:
+        yield
+    finally:
+        distributed_c10d.default_pg_timeout, distributed_c10d.default_pg_nccl_timeout = saved
