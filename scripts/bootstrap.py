@@ -133,7 +133,7 @@ def pip_install_command(python: str, missing: list[str], constraint: Path, wheel
     """pip installing `missing` without touching torch: `constraint` is a file pinning the
     torch found (`torch==<version>`), so a requirement that needs another torch fails
     instead of replacing it. Offline, from `wheels` alone, when given."""
-    command = [python, "-m", "pip", "install", "--disable-pip-version-check", "-c", str(constraint)]
+    command = [python, "-m", "pip", "install", "--disable-pip-version-check", "-q", "-c", str(constraint)]
     if wheels is not None:
         command += ["--no-index", "--find-links", str(wheels)]
     return [*command, *missing]
