@@ -5,41 +5,40 @@ range, it is detected here, once, by looking for the API itself rather than comp
 version strings (a nightly or a vendor build carries the API of its code, not of its
 number), and the rest of the package imports the name from here.
 
-Moved APIs, the release they moved in, and what is used before it:
+Moved APIs, the release they moved in, and the fallback before it:
 
     torch.distributed.all_gather_single      2.13: renamed from all_gather_into_tensor
                                              (same arguments; the old name stays as an
-                                             alias, deprecated in 2.13 and 2.14). Before:
-                                             all_gather_into_tensor.
+                                             alias, deprecated in 2.13 and 2.14).
+                                             Fallback: all_gather_into_tensor.
     torch.distributed.reduce_scatter_single  2.13: renamed from reduce_scatter_tensor, as
-                                             above. Before: reduce_scatter_tensor.
+                                             above. Fallback: reduce_scatter_tensor.
     SelectiveCheckpointContext.op_output     2.12: the selective-checkpoint policy is
                                              called once, after the operator ran, with its
-                                             output. Before, it is called before the
+                                             output; earlier torch calls it before the
                                              operator runs, in forward and again in the
-                                             recomputation, with no output. Before: the
-                                             rule decides from the operator and its
-                                             arguments, and a dispatch mode above torch's
-                                             caching mode sees the outputs the rule kept
-                                             (`selective_checkpoint_contexts`). Dynamo does
-                                             not compile beneath that extra mode, so
+                                             recomputation. Fallback: the rule decides from
+                                             the operator and its arguments, and a dispatch
+                                             mode above torch's caching mode sees the
+                                             outputs it kept (`selective_checkpoint_contexts`).
+                                             Dynamo does not compile beneath that mode, so
                                              compiled blocks under selective checkpointing
                                              are refused before 2.12
                                              (`require_selective_policy_outputs`).
     torchrun --signals-to-handle             2.10: the agent installs its signal handlers
-                                             only for the signals named. Before, it installs
-                                             them for SIGTERM, SIGINT, SIGHUP and SIGQUIT
-                                             whenever it starts workers, replacing the
-                                             launcher's; `torchrun_leaves_signals` makes it
-                                             install, for the signals the launcher handles,
-                                             the handler the launcher had there.
+                                             only for the signals named; earlier agents
+                                             install them for SIGTERM, SIGINT, SIGHUP and
+                                             SIGQUIT at each worker start, replacing the
+                                             launcher's. Fallback: `torchrun_leaves_signals`
+                                             has the agent install, for the launcher's
+                                             signals, the launcher's own handler.
     DeviceMesh group timeouts                2.10: DeviceMesh passes its backend options'
-                                             timeout to new_group. Before, its groups got
-                                             new_group's default (30 minutes for gloo), so
-                                             a stalled collective hung that long.
-                                             `mesh_groups_time_out_after` sets that default
-                                             while the mesh is built (harmless from 2.10 on,
-                                             where the options' timeout is the same).
+                                             timeout to new_group; earlier meshes' groups
+                                             got new_group's default (30 minutes for gloo),
+                                             so a stalled collective hung that long.
+                                             Fallback, used on every release (from 2.10 on
+                                             it changes nothing): `mesh_groups_time_out_after`
+                                             sets that default while the mesh is built.
 
 Checked on 2.9.1, 2.13.0 and 2.15.0 by running the suite (scripts/test_torch.py); the
 releases named above come from reading the 2.10, 2.11 and 2.12 wheels' sources.
@@ -155,7 +154,7 @@ def torchrun_leaves_signals(signals: tuple[int, ...]) -> Iterator[None]:
         return
     from torch.distributed.elastic.multiprocessing import api
 
-    kept = {signum: signal.getsignal(signum) for signum in signals}
+    kept = {signum: handler for signum in signals if callable(handler := signal.getsignal(signum))}
     agents = api._terminate_process_handler
 
     def handler(signum: int, frame: Any) -> None:

@@ -1,11 +1,14 @@
 """shardwise/torch_compat.py: both ways of selective checkpointing give the same cache and
 gradients on whichever torch runs the suite, the older way is refused where it cannot
-compile, and no other module looks at torch's version. The renamed collectives are
+compile, the launcher's signal handlers survive an old torchrun, mesh groups get the
+collective timeout, and no other module looks at torch's version. The renamed collectives are
 exercised by every ZeRO test (scripts/test_torch.py runs them on the oldest torch)."""
 
 from __future__ import annotations
 
+import datetime
 import re
+import signal
 from pathlib import Path
 
 import pytest
@@ -76,3 +79,30 @@ def test_no_module_but_torch_compat_reads_torch_version():
     readers = [path.relative_to(PACKAGE).as_posix() for path in PACKAGE.rglob("*.py")
                if re.search(r"torch\.(__version__|version\b)", path.read_text()) and path.name != "torch_compat.py"]
     assert readers == [], "detect moved torch APIs in shardwise/torch_compat.py, not by version"
+
+
+def test_torchrun_before_2_10_installs_the_launchers_own_handlers(monkeypatch):
+    from torch.distributed.elastic.multiprocessing import api
+
+    monkeypatch.setattr(torch_compat, "TORCHRUN_HANDLES_CHOSEN_SIGNALS", False)
+    assert torch_compat.torchrun_signal_options("SIGQUIT") == []
+    seen = []
+    previous = signal.signal(signal.SIGTERM, lambda signum, frame: seen.append(signum))
+    try:
+        agents = api._terminate_process_handler
+        with torch_compat.torchrun_leaves_signals((signal.SIGTERM,)):
+            api._terminate_process_handler(signal.SIGTERM, None)  # what the agent would install
+            with pytest.raises(api.SignalException):
+                api._terminate_process_handler(signal.SIGQUIT, None)  # not the launcher's: the agent's
+        assert seen == [signal.SIGTERM] and api._terminate_process_handler is agents
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+
+
+def test_mesh_groups_get_the_collective_timeout_and_torchs_default_comes_back():
+    from torch.distributed import distributed_c10d
+
+    before = distributed_c10d._get_default_timeout(distributed_c10d.Backend.GLOO)
+    with torch_compat.mesh_groups_time_out_after(datetime.timedelta(seconds=7)):
+        assert distributed_c10d._get_default_timeout(distributed_c10d.Backend.GLOO).total_seconds() == 7
+    assert distributed_c10d._get_default_timeout(distributed_c10d.Backend.GLOO) == before
