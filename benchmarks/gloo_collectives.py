@@ -20,6 +20,7 @@ import torch.distributed as dist
 from shardwise.distributed.collectives import Communicator
 from shardwise.distributed.setup import init_distributed
 from shardwise.testing import run_distributed
+from shardwise.torch_compat import all_gather_single, reduce_scatter_single
 
 REPEATS = 5
 
@@ -42,9 +43,9 @@ def _measure(rank: int, world: int, elements: int) -> dict[str, float]:
     out = torch.empty_like(chunk)
     return {
         "all_reduce (gloo)": _time(lambda: dist.all_reduce(full)),
-        "reduce_scatter (gloo)": _time(lambda: dist.reduce_scatter_single(out, full)),
+        "reduce_scatter (gloo)": _time(lambda: reduce_scatter_single(out, full)),
         "reduce_scatter (shardwise)": _time(lambda: comm.reduce_scatter(out, full, "bench").wait()),
-        "all_gather (gloo)": _time(lambda: dist.all_gather_single(full, chunk.clone())),
+        "all_gather (gloo)": _time(lambda: all_gather_single(full, chunk.clone())),
         "all_gather (shardwise)": _time(lambda: comm.all_gather(full, chunk, "bench").wait()),
     }
 

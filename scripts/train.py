@@ -2,6 +2,6 @@
 
 import sys
 
-from bootstrap import exec_in_venv
+from bootstrap import exec_in_python
 
-exec_in_venv(["-m", "shardwise.cli.main", "train", *sys.argv[1:]])
+exec_in_python(["-m", "shardwise.cli.main", "train", *sys.argv[1:]], extra="plots")

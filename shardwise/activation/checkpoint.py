@@ -23,13 +23,14 @@ from typing import Any, Callable, Iterator
 
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
-from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selective_checkpoint_contexts
+from torch.utils.checkpoint import checkpoint
 
 from shardwise.activation.accounting import ActivationTracker, current_tracker, is_parameter
 from shardwise.activation.rng import rng_tracker
 from shardwise.activation.selective import SaveRule
 from shardwise.activation.state import recomputation
 from shardwise.activation.store import CheckpointStore
+from shardwise.torch_compat import selective_checkpoint_contexts
 
 NOT_COUNTED = {torch.ops.aten.detach.default, torch.ops.aten.alias.default}
 
@@ -147,14 +148,7 @@ def _contexts(region: _Region, save_rule: SaveRule | None) -> tuple[Any, Any]:
     if save_rule is None:
         return nullcontext(), (region.counter if counting else nullcontext())
 
-    def policy(ctx, func, *args, **kwargs) -> CheckpointPolicy:
-        decision = save_rule(func, args, ctx.op_output)
-        if decision:
-            region.cache.add(ctx.op_output)
-            return CheckpointPolicy.MUST_SAVE
-        return CheckpointPolicy.PREFER_RECOMPUTE
-
-    forward, cached = create_selective_checkpoint_contexts(policy)
+    forward, cached = selective_checkpoint_contexts(save_rule, on_kept=region.cache.add)
     if not counting:
         return forward, cached
     stack = ExitStack()

@@ -20,7 +20,9 @@ recompute everything else from them. Per GPT block (e bytes per element, s·b·h
         every-other-matmul rule): with the unfused attention this includes the a·s² scores,
         so the block keeps about two thirds of what it would without checkpointing.
 
-A rule is `rule(func, args, output) -> bool` (True: keep), so a caller can pass its own.
+A rule is `rule(func, args, output) -> bool` (True: keep), so a caller can pass its own. On
+torch 2.9 the rule is asked before the operator runs, and reading `output` raises
+(shardwise/torch_compat.py); the named rules decide from `func` and `args` alone.
 What the named rules keep is the planner's `selective_kept_bytes` (activation_formulas.py).
 """
 
@@ -52,7 +54,7 @@ def widening_matmuls(func: Any, args: tuple, output: Any) -> bool:
     index = LINEAR_MATMULS.get(func)
     if index is None:
         return False
-    return output.shape[-1] > args[index].shape[-1]
+    return args[index + 1].shape[-1] > args[index].shape[-1]  # a @ b: the output is b's width
 
 
 def matmuls(func: Any, args: tuple, output: Any) -> bool:

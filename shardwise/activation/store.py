@@ -84,7 +84,8 @@ class CheckpointStore:
     def pack(self, tensor: torch.Tensor, tracker: ActivationTracker | None = None) -> Stored:
         value = tensor.detach()
         stored = Stored(value, value.shape, value.device)
-        if tensor.is_floating_point() and tensor.requires_grad and self.transforms:
+        # An empty tensor is left as it is: torch 2.9's checkpoint saves one beside the inputs.
+        if tensor.is_floating_point() and tensor.requires_grad and tensor.numel() and self.transforms:
             if self.partition is not None:
                 stored.data, stored.partitioned = self._piece(value), True
             if self.to_host:

@@ -40,6 +40,7 @@ from shardwise.accounting import MemoryLedger
 from shardwise.distributed import point_to_point
 from shardwise.distributed.mesh import GroupHandle
 from shardwise.distributed.peers import PeerDirectory
+from shardwise.torch_compat import all_gather_single, reduce_scatter_single
 
 # Test-only (see `Communicator`): "1" makes groups of one issue their data collectives.
 COLLECTIVES_AT_SIZE_ONE_VARIABLE = "SHARDWISE_COLLECTIVES_AT_WORLD_SIZE_1"
@@ -242,7 +243,7 @@ class Communicator:
         self._count("reduce_scatter", self._bytes(full))
         if not self.point_to_point:
             return self._issue("reduce_scatter", what,
-                               lambda: dist.reduce_scatter_single(output, full, group=self.group, async_op=True))
+                               lambda: reduce_scatter_single(output, full, group=self.group, async_op=True))
         receive_bytes = self._bytes(full) * (self.size - 1) // self.size
         self.ledger.hold("buffers", receive_bytes)
         return self._issue("reduce_scatter", what, lambda: point_to_point.reduce_scatter(
@@ -261,7 +262,7 @@ class Communicator:
             return self.all_gather_pieces(list(full.chunk(self.size)), shard, what)
         self._count("all_gather", self._bytes(full))
         return self._issue("all_gather", what,
-                           lambda: dist.all_gather_single(full, shard, group=self.group, async_op=True))
+                           lambda: all_gather_single(full, shard, group=self.group, async_op=True))
 
     def all_gather_pieces(self, pieces: list[torch.Tensor], shard: torch.Tensor, what: str) -> PendingCollective:
         """All-gather into `pieces[r]` (views anywhere) from each rank's `shard`."""
@@ -324,7 +325,7 @@ class Communicator:
             output.copy_(tensor)
             return
         self._count("all_gather", self._bytes(output), category="control")
-        self._issue("all_gather", what, lambda: dist.all_gather_single(
+        self._issue("all_gather", what, lambda: all_gather_single(
             output, tensor, group=self.control_group, async_op=True)).wait()
 
     def control_all_gather_object(self, value: object) -> list[object]:

@@ -40,6 +40,8 @@ from typing import TYPE_CHECKING
 import torch
 import torch.distributed as dist
 
+from shardwise.torch_compat import mesh_groups_time_out_after
+
 if TYPE_CHECKING:
     from shardwise.config import ShardwiseConfig
 
@@ -162,16 +164,16 @@ class ParallelMesh:
         from torch.distributed.device_mesh import init_device_mesh
 
         options = _group_options(device, timeout)
-        self.device_mesh = init_device_mesh(
-            device.type, sizes.shape, mesh_dim_names=DIMENSIONS,
-            backend_override=dict.fromkeys(DIMENSIONS, options),
-        )
+        with mesh_groups_time_out_after(timeout):
+            self.device_mesh = init_device_mesh(
+                device.type, sizes.shape, mesh_dim_names=DIMENSIONS,
+                backend_override=dict.fromkeys(DIMENSIONS, options),
+            )
+            flattened = {purpose: self.device_mesh[dims]._flatten(purpose, backend_override=options)
+                         for purpose, dims in PURPOSES.items() if len(dims) > 1}
         self.handles = {}
         for purpose, dims in PURPOSES.items():
-            if len(dims) == 1:
-                submesh = self.device_mesh[dims]
-            else:
-                submesh = self.device_mesh[dims]._flatten(purpose, backend_override=options)
+            submesh = flattened[purpose] if len(dims) > 1 else self.device_mesh[dims]
             ranks = tuple(sizes.group_of(purpose, rank))
             control = _control_group(sizes.groups(purpose), rank, timeout) if len(ranks) > 1 else None
             self.handles[purpose] = GroupHandle(purpose, ranks, ranks.index(rank), submesh.get_group(), control)

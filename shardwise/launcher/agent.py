@@ -12,8 +12,9 @@ import os
 from collections.abc import Iterator
 from contextlib import contextmanager
 
-from shardwise.launcher.interrupts import AGENT_SIGNALS, agent_signals
+from shardwise.launcher.interrupts import AGENT_SIGNALS, STOP_SIGNALS, agent_signals
 from shardwise.launcher.lifeline import launcher_environment
+from shardwise.torch_compat import torchrun_leaves_signals, torchrun_signal_options
 
 
 def run_agent(
@@ -31,10 +32,11 @@ def run_agent(
     """
     from torch.distributed.run import parse_args, run
 
-    config = parse_args([*torchrun_options, "--signals-to-handle", AGENT_SIGNALS, entrypoint])
+    config = parse_args([*torchrun_options, *torchrun_signal_options(AGENT_SIGNALS), entrypoint])
     config.training_script_args = list(entrypoint_args)
-    with agent_signals(), _environment({**environment, **launcher_environment()}):
-        run(config)
+    with agent_signals(), torchrun_leaves_signals(STOP_SIGNALS):
+        with _environment({**environment, **launcher_environment()}):
+            run(config)
 
 
 @contextmanager

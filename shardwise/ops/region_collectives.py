@@ -10,7 +10,10 @@ at run time it calls the same function's forward (and `tensor_region_backward` i
 backward), so results and counted bytes are those of eager.
 
 The operator takes the function by its registered class name and the communicator by a
-registry key (an operator's arguments are tensors and plain values). Shapes for tracing come from running
+registry key, its `id` (an operator's arguments are tensors and plain values; Dynamo
+evaluates `id(comm)` while tracing and guards on that object). A communicator is
+registered outside tracing (`register_communicator`, which `TensorRegion` calls), because
+a traced function cannot change Python state before the graph runs. Shapes for tracing come from running
 the function's own forward on fake tensors with a communicator that only has a size and a
 rank: its collectives move nothing, the output buffers they fill are allocated by the
 function itself.
@@ -18,13 +21,14 @@ function itself.
 
 from __future__ import annotations
 
+import weakref
 from types import SimpleNamespace
 from typing import Any
 
 import torch
 
 _FUNCTIONS: dict[str, type[torch.autograd.Function]] = {}
-_COMMUNICATORS: dict[int, Any] = {}
+_COMMUNICATORS: weakref.WeakValueDictionary[int, Any] = weakref.WeakValueDictionary()
 
 
 class _Done:
@@ -51,6 +55,21 @@ def register_region_functions(*functions: type[torch.autograd.Function]) -> None
             raise ValueError(f"two region functions are named {function.__name__}")
 
 
+def register_communicator(comm: Any) -> None:
+    """Make `comm` reachable from the operator by its `id` (held weakly: a registered
+    communicator lives as long as its owner)."""
+    _COMMUNICATORS[id(comm)] = comm
+
+
+def _communicator(key: int) -> Any:
+    comm = _COMMUNICATORS.get(key)
+    if comm is None:
+        raise RuntimeError("a tensor-parallel region collective ran inside a compiled block with a communicator "
+                           "that was never registered: pass it to shardwise.ops.region_collectives."
+                           "register_communicator (TensorRegion does) before compiling")
+    return comm
+
+
 def _function(name: str) -> type[torch.autograd.Function]:
     return _FUNCTIONS[name]
 
@@ -61,13 +80,13 @@ def _unaliased(output: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
 
 
 def _shape_only(key: int) -> _ShapeOnly:
-    comm = _COMMUNICATORS[key]
+    comm = _communicator(key)
     return _ShapeOnly(comm.size, comm.rank)
 
 
 @torch.library.custom_op("shardwise::tensor_region", mutates_args=())
 def _tensor_region(x: torch.Tensor, function: str, comm: int) -> torch.Tensor:
-    return _unaliased(_function(function).forward(SimpleNamespace(), x, _COMMUNICATORS[comm]), x)
+    return _unaliased(_function(function).forward(SimpleNamespace(), x, _communicator(comm)), x)
 
 
 @_tensor_region.register_fake
@@ -77,7 +96,7 @@ def _(x: torch.Tensor, function: str, comm: int) -> torch.Tensor:
 
 @torch.library.custom_op("shardwise::tensor_region_backward", mutates_args=())
 def _tensor_region_backward(grad: torch.Tensor, function: str, comm: int) -> torch.Tensor:
-    ctx = SimpleNamespace(comm=_COMMUNICATORS[comm])
+    ctx = SimpleNamespace(comm=_communicator(comm))
     return _unaliased(_function(function).backward(ctx, grad)[0], grad)
 
 
@@ -106,24 +125,4 @@ def apply_region(function: str, x: torch.Tensor, comm: Any) -> torch.Tensor:
     every region collective)."""
     if not torch.compiler.is_compiling():
         return _FUNCTIONS[function].apply(x, comm)
-    return torch.ops.shardwise.tensor_region(x, function, _traced_register(comm))
-
-
-def _register(comm: Any) -> int:
-    """The communicator's key, registered; run by Dynamo while tracing (not traced), so
-    that the operator's fake implementation finds it."""
-    _COMMUNICATORS.setdefault(id(comm), comm)
-    return id(comm)
-
-
-_traced_register: Any = None
-
-
-def prepare_for_tracing() -> None:
-    """Mark `_register` as a constant result for Dynamo. Called by whatever compiles (the
-    compile stage, compile_blocks) before tracing starts, not at import: the decorator
-    imports torch._dynamo, which brings sympy and Inductor (about 80 MiB and a second of
-    start-up) into every process that merely uses tensor parallelism."""
-    global _traced_register
-    if _traced_register is None:
-        _traced_register = torch._dynamo.assume_constant_result(_register)
+    return torch.ops.shardwise.tensor_region(x, function, id(comm))

@@ -41,6 +41,7 @@ from torch import nn
 from shardwise.config import ShardwiseConfig
 from shardwise.distributed.mesh import ParallelMesh
 from shardwise.parallel.apply import ModelTransform, register_transform
+from shardwise.torch_compat import require_selective_policy_outputs
 
 HOOK_TABLES = ("_forward_pre_hooks", "_forward_hooks")
 
@@ -148,9 +149,6 @@ def compile_blocks(model: nn.Module, backend: str | Callable = "inductor", mode:
     replay, timers) cannot be traced, so compiling it would break the graph at every step
     and compile nothing. The compiled forward then runs twice, in forward and in the
     recomputation, with ZeRO-3's hoisted gathers before each run."""
-    from shardwise.ops.region_collectives import prepare_for_tracing
-
-    prepare_for_tracing()  # tensor-parallel region collectives become one traced operator
     blocks = find_blocks(model)
     if not blocks:
         raise ValueError(f"compile.enabled: found no repeated blocks in {type(model).__name__} to compile (looked for "
@@ -178,6 +176,8 @@ def apply_compile_stage(model: nn.Module, config: ShardwiseConfig, mesh: Paralle
     if config.compile.fused_ops:
         model = model_rewrites.use_fused_ops(model)
     if config.compile.enabled:
+        if config.activation_checkpointing.policy == "selective":
+            require_selective_policy_outputs('compile.enabled with activation_checkpointing.policy "selective"')
         options = dict(config.compile.kwargs)
         mode = options.pop("mode", config.compile.mode)
         model = compile_blocks(model, config.compile.backend, mode, **options)

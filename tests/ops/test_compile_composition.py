@@ -17,6 +17,7 @@ from torch._dynamo.testing import CompileCounterWithBackend
 from shardwise.activation.apply import apply_activation_checkpointing
 from shardwise.parallel.compile import compile_blocks
 from shardwise.testing import run_distributed
+from shardwise.torch_compat import SELECTIVE_POLICY_SEES_OUTPUT
 from tests.ops.compile_workers import train_counting_graphs
 from tests.parallel import workers as parallel_workers
 from tests.zero.workers import Case, assert_matches_reference, build_model, global_batch, train_reference
@@ -38,7 +39,8 @@ def assert_one_graph_without_breaks(result: dict) -> None:
 
 
 @pytest.mark.parametrize("backend", ["aot_eager", pytest.param("inductor", marks=pytest.mark.slow)])
-@pytest.mark.parametrize("policy", ["full", "selective"])
+@pytest.mark.parametrize("policy", ["full", pytest.param("selective", marks=pytest.mark.skipif(
+    not SELECTIVE_POLICY_SEES_OUTPUT, reason="compiled blocks under selective checkpointing need torch 2.12"))])
 def test_compiled_blocks_with_zero3_and_recomputation_train_like_eager(policy, backend):
     extra = compiled(backend, zero_optimization=ZERO3, activation_checkpointing={"policy": policy})
     results = run_distributed(train_counting_graphs, 2, Case(stage=3, steps=3, lr=LR, extra_config=extra),

@@ -18,6 +18,7 @@ import torch.distributed as dist
 from torch.distributed import ReduceOp
 
 from shardwise.distributed.setup import collective_timeout, destroy_at_exit
+from shardwise.torch_compat import all_gather_single, reduce_scatter_single
 
 DEFAULT_PORT = 29500  # DeepSpeed's TORCH_DISTRIBUTED_DEFAULT_PORT
 LAUNCHER_VARIABLES = ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT", "LOCAL_RANK")
@@ -125,12 +126,12 @@ def all_gather_object(object_list: list[Any], obj: Any, group: Any = None) -> No
 
 def all_gather_into_tensor(output_tensor: torch.Tensor, tensor: torch.Tensor, group: Any = None,
                            async_op: bool = False) -> Any:
-    return dist.all_gather_into_tensor(output_tensor, tensor, group=group, async_op=async_op)
+    return all_gather_single(output_tensor, tensor, group=group, async_op=async_op)
 
 
 def reduce_scatter_tensor(output_tensor: torch.Tensor, tensor: torch.Tensor, op: ReduceOp = ReduceOp.SUM,
                           group: Any = None, async_op: bool = False) -> Any:
-    return dist.reduce_scatter_tensor(output_tensor, tensor, op=op, group=group, async_op=async_op)
+    return reduce_scatter_single(output_tensor, tensor, op=op, group=group, async_op=async_op)
 
 
 def all_to_all_single(output: torch.Tensor, tensor: torch.Tensor, output_split_sizes: list[int] | None = None,

@@ -24,6 +24,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from shardwise.distributed.collectives import Communicator
+from shardwise.ops.region_collectives import register_communicator
 from shardwise.parallel.tensor.cross_entropy import VocabShard, VocabShardedLogits
 from shardwise.parallel.tensor import sequence_gather
 from shardwise.parallel.tensor.placement import shard_parameter
@@ -37,6 +38,9 @@ class TensorRegion:
 
     comm: Communicator
     sequence_parallel: bool = False
+
+    def __post_init__(self) -> None:
+        register_communicator(self.comm)  # reachable from a compiled block's region operators
 
     @property
     def size(self) -> int:
