@@ -14,12 +14,12 @@ from __future__ import annotations
 import importlib.metadata
 from collections.abc import Mapping
 
-# Tested: transformers 5.18.0 and 5.23.0 (the Trainer methods replaced here first exist
+# Tested: transformers 5.17.0 (the GPU image's), 5.18.0 and 5.23.0 (the Trainer methods replaced here first exist
 # together in 5.x releases around 5.12; 5.0 lacks them); accelerate 1.10.1 and 1.15.0,
 # whose Accelerator methods used here are public. Widen only after running
 # tests/integrations with the new release.
 SUPPORTED = {
-    "transformers": ">=5.18,<5.24",
+    "transformers": ">=5.17,<5.24",
     "accelerate": ">=1.10,<2",
 }
 EXTRA = "pip install 'shardwise[transformers]'"

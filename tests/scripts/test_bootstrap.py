@@ -73,8 +73,9 @@ def test_only_the_missing_are_installed_with_torch_pinned_offline_from_the_wheel
     assert constraint == "torch==2.11.0+cu128\n"
     assert command[command.index("--find-links") + 1] == str(tmp_path) and "--no-index" in command
     requested = command[command.index(str(tmp_path)) + 1:]
-    assert "pydantic>=2.6" in requested and "transformers>=5.18,<5.24" in requested
-    assert not [r for r in requested if r.startswith(("torch", "accelerate", "numpy", "rich", "safetensors"))]
+    assert "pydantic>=2.6" in requested  # the image's transformers 5.17 and accelerate 1.15 are in range
+    assert not [r for r in requested
+                if r.startswith(("torch", "transformers", "accelerate", "numpy", "rich", "safetensors"))]
     assert str(ROOT) in bootstrap.os.environ["PYTHONPATH"].split(bootstrap.os.pathsep)
 
 
