@@ -40,10 +40,10 @@ REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
 import shardwise  # noqa: E402
-from shardwise.activation import ActivationTracker, apply_activation_checkpointing  # noqa: E402
-from shardwise.activation.apply import checkpoint_stats  # noqa: E402
+from shardwise.runtime.activation import ActivationTracker, apply_activation_checkpointing  # noqa: E402
+from shardwise.runtime.activation.apply import checkpoint_stats  # noqa: E402
 from shardwise.models import GPT, GPTConfig  # noqa: E402
-from shardwise.testing import run_distributed  # noqa: E402
+from shardwise.tools.testing import run_distributed  # noqa: E402
 
 POLICIES = ("none", "selective", "every_k", "full", "sqrt")
 PLOT = REPO / "benchmarks" / "results" / "activation_memory_layers.png"

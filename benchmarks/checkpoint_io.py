@@ -33,7 +33,7 @@ from report import machine_line  # noqa: E402
 
 import shardwise  # noqa: E402
 from shardwise.models import GPT, GPTConfig  # noqa: E402
-from shardwise.testing import run_distributed  # noqa: E402
+from shardwise.tools.testing import run_distributed  # noqa: E402
 
 MIB = 1024 * 1024
 

@@ -17,10 +17,10 @@ import time
 import torch
 import torch.distributed as dist
 
-from shardwise.distributed.collectives import Communicator
-from shardwise.distributed.setup import init_distributed
-from shardwise.testing import run_distributed
-from shardwise.torch_compat import all_gather_single, reduce_scatter_single
+from shardwise.runtime.distributed.collectives import Communicator
+from shardwise.runtime.distributed.setup import init_distributed
+from shardwise.tools.testing import run_distributed
+from shardwise.runtime.torch_compat import all_gather_single, reduce_scatter_single
 
 REPEATS = 5
 

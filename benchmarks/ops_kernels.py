@@ -1,4 +1,4 @@
-"""Fused kernels (shardwise.ops) and a compiled GPT block vs the unfused torch code, on CPU (issue 15).
+"""Fused kernels (shardwise.runtime.ops) and a compiled GPT block vs the unfused torch code, on CPU (issue 15).
 
 Each case runs forward + backward in fresh processes with one intra-op thread (the 2 cores
 are shared with other jobs; an unscheduled second OpenMP thread stalls every parallel
@@ -11,7 +11,7 @@ repeats: with one thread and a loaded machine, the CPU time is what the step its
 the wall time adds the waits for a core.
 
     unfused    the plain torch code the operator replaces, eager
-    fused      shardwise.ops' operator, its bodies compiled by Inductor (C++ on CPU)
+    fused      shardwise.runtime.ops' operator, its bodies compiled by Inductor (C++ on CPU)
     compiled   torch.compile of the unfused code (where a comparison with it is meaningful)
 
 Cases: RMSNorm, LayerNorm, bias + GeLU, SwiGLU, linear + batch norm + ReLU (training,
@@ -58,8 +58,8 @@ def build(case: str, variant: str) -> Callable[[], None]:
     import torch.nn.functional as F
     from torch import nn
 
-    from shardwise.ops import activations, linear_bn_act, norms
-    from shardwise.ops.fused_linear_cross_entropy import fused_linear_cross_entropy
+    from shardwise.runtime.ops import activations, linear_bn_act, norms
+    from shardwise.runtime.ops.fused_linear_cross_entropy import fused_linear_cross_entropy
 
     def backward_of(fn, inputs):
         def step():
@@ -113,7 +113,7 @@ def build(case: str, variant: str) -> Callable[[], None]:
         return backward_of(fns[variant], [h, w])
     if case == "gpt_block":
         from shardwise.models.gpt import Block, GPTConfig
-        from shardwise.parallel.compile import compile_blocks
+        from shardwise.runtime.compile import compile_blocks
 
         config = GPTConfig.preset("10m")
         model = nn.ModuleList([Block(config)])
@@ -157,7 +157,7 @@ def profile_seed_example() -> list[str]:
     from torch import nn
     from torch.profiler import ProfilerActivity, profile
 
-    from shardwise.ops.linear_bn_act import FusedLinearBatchNormAct
+    from shardwise.runtime.ops.linear_bn_act import FusedLinearBatchNormAct
 
     stack = nn.Sequential(nn.Linear(WIDTH, WIDTH), nn.BatchNorm1d(WIDTH), nn.ReLU()).eval()
     fused = FusedLinearBatchNormAct.from_modules(stack[0], stack[1], "relu").eval()

@@ -56,7 +56,7 @@ class _Loopback:
 
 
 def optimizers(lr: float) -> dict[str, Callable[[list[torch.nn.Parameter]], torch.optim.Optimizer]]:
-    from shardwise.optim import Adafactor, Adam8bit, Lamb, Lars, Muon, OneBitAdam, OneBitLamb
+    from shardwise.runtime.optim import Adafactor, Adam8bit, Lamb, Lars, Muon, OneBitAdam, OneBitLamb
 
     def onebit(cls: type, freeze_step: int = 1) -> Callable[[list[torch.nn.Parameter]], torch.optim.Optimizer]:
         def build(params: list[torch.nn.Parameter]) -> torch.optim.Optimizer:

@@ -43,8 +43,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from shardwise.models import GPT, GPTConfig
-from shardwise.planner.layer_formulas import pipeline_bubble_fraction
-from shardwise.testing import run_distributed
+from shardwise.formulas.layers import pipeline_bubble_fraction
+from shardwise.tools.testing import run_distributed
 
 
 def parse_args() -> argparse.Namespace:

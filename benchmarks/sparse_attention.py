@@ -1,4 +1,4 @@
-"""Block-sparse attention (shardwise.ops.sparse_attention) vs dense masked SDPA on CPU (issue 15).
+"""Block-sparse attention (shardwise.runtime.ops.sparse_attention) vs dense masked SDPA on CPU (issue 15).
 
 Forward + backward of one attention call, batch 1, 8 heads of width 64, BigBird's default
 layout (block 16, 1 random block, a 3-block window, 1 global block, bidirectional) at
@@ -49,7 +49,7 @@ def measure(impl: str, length: int, repeats: int) -> dict:
     import torch
     import torch.nn.functional as F
 
-    from shardwise.ops.sparse_attention import BigBirdSparsityConfig, SparseSelfAttention
+    from shardwise.runtime.ops.sparse_attention import BigBirdSparsityConfig, SparseSelfAttention
 
     torch.set_num_threads(1)
     random.seed(0)

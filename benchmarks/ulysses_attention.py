@@ -68,10 +68,10 @@ def worker(args: argparse.Namespace) -> None:
     import torch.distributed as dist
     from deepspeed.sequence.layer import DistributedAttention
 
-    from shardwise.distributed.collectives import CommStats, Communicator
-    from shardwise.distributed.mesh import ParallelMesh, ParallelSizes
-    from shardwise.distributed.setup import collective_timeout
-    from shardwise.parallel.sequence.all_to_all import heads_to_sequence, sequence_to_heads
+    from shardwise.runtime.distributed.collectives import CommStats, Communicator
+    from shardwise.runtime.distributed.mesh import ParallelMesh, ParallelSizes
+    from shardwise.runtime.distributed.setup import collective_timeout
+    from shardwise.runtime.parallel.sequence.all_to_all import heads_to_sequence, sequence_to_heads
 
     torch.set_num_threads(1)
     deepspeed.init_distributed(dist_backend="gloo")  # DeepSpeed's comm layer, over torch's default group

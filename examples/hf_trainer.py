@@ -24,7 +24,7 @@ from pathlib import Path
 import torch
 from transformers import AutoModelForCausalLM, LlamaConfig, LlamaForCausalLM, TrainingArguments
 
-from shardwise.integrations.transformers import ShardwiseTrainer
+from shardwise.frontends.hf_trainer.trainer import ShardwiseTrainer
 
 STDLIB_FILES = ("textwrap.py", "shlex.py", "fractions.py", "difflib.py")
 

@@ -5,7 +5,7 @@ The default suite runs on the pinned torch (scripts/bootstrap.py); this checks t
 end of the supported range. It creates (or reuses) `.venv-torch-VERSION/`, installs
 `torch==VERSION` there first, then `shardwise[dev]` under a constraint that pins that torch
 (so no dependency can replace it), and runs SUBSET: every ZeRO stage, offload, tensor and
-pipeline parallelism, checkpoints, one Hugging Face model, and what shardwise/torch_compat.py
+pipeline parallelism, checkpoints, one Hugging Face model, and what shardwise/runtime/torch_compat.py
 switches (selective checkpointing, compiled blocks, group timeouts, the launcher's
 signals), in a few minutes on 2 CPU cores;
 pytest arguments after the options replace SUBSET. `--venv` reuses an existing venv (one
@@ -27,26 +27,26 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 
 SUBSET = [
-    *(f"tests/zero/test_stage012_equivalence.py::test_matches_single_process_reference[{case}]"
+    *(f"tests/runtime/zero/test_stage012_equivalence.py::test_matches_single_process_reference[{case}]"
       for case in ("0-fp32-2-2", "1-fp32-2-2", "2-bf16-2-2")),
-    "tests/zero/test_stage3_equivalence.py::test_matches_single_process_reference[fp32-2-2-small]",
-    "tests/zero/test_stage3_equivalence.py::test_stage3_equals_stage0",
-    "tests/offload/test_host_offload.py::test_offload_trains_exactly_like_no_offload[2-none-2]",
-    "tests/offload/test_host_offload.py::test_offload_trains_exactly_like_no_offload[3-cpu-2]",
-    "tests/parallel/test_tensor_parallel.py::test_tp2_matches_single_process[gpt]",
-    "tests/parallel/test_tensor_parallel.py::test_tp2_with_zero_over_two_data_parallel_ranks[3]",
-    "tests/parallel/test_pipeline.py::test_pp2_matches_single_process[1f1b]",
-    "tests/parallel/test_pipeline.py::test_pp2_dp2_with_zero[2]",
-    "tests/checkpoint/test_checkpoint_resume.py::test_resume_at_same_layout_is_bit_identical[3-fp32]",
-    "tests/checkpoint/test_checkpoint_resume.py::test_resume_at_another_world_size_and_stage[2r-s2-to-4r-s3]",
-    "tests/zero/test_hf_models.py::test_hf_model_matches_single_process[llama-3]",
-    "tests/activation/test_policies.py::test_policy_equals_no_recomputation_with_dropout[selective]",
-    "tests/ops/test_compile_composition.py::test_compiled_tensor_parallel_blocks_train_like_eager[gpt-aot_eager]",
-    "tests/ops/test_compile_composition.py::test_compiled_blocks_with_zero3_and_recomputation_train_like_eager",
-    "tests/test_engine.py::test_a_collective_that_times_out_names_rank_and_operation",
-    "tests/launcher/test_launcher.py::test_launches_two_processes_that_all_reduce_and_get_the_script_arguments_untouched",
+    "tests/runtime/zero/test_stage3_equivalence.py::test_matches_single_process_reference[fp32-2-2-small]",
+    "tests/runtime/zero/test_stage3_equivalence.py::test_stage3_equals_stage0",
+    "tests/runtime/zero/stores/test_host_offload.py::test_offload_trains_exactly_like_no_offload[2-none-2]",
+    "tests/runtime/zero/stores/test_host_offload.py::test_offload_trains_exactly_like_no_offload[3-cpu-2]",
+    "tests/runtime/parallel/test_tensor_parallel.py::test_tp2_matches_single_process[gpt]",
+    "tests/runtime/parallel/test_tensor_parallel.py::test_tp2_with_zero_over_two_data_parallel_ranks[3]",
+    "tests/runtime/parallel/test_pipeline.py::test_pp2_matches_single_process[1f1b]",
+    "tests/runtime/parallel/test_pipeline.py::test_pp2_dp2_with_zero[2]",
+    "tests/runtime/checkpoint/test_checkpoint_resume.py::test_resume_at_same_layout_is_bit_identical[3-fp32]",
+    "tests/runtime/checkpoint/test_checkpoint_resume.py::test_resume_at_another_world_size_and_stage[2r-s2-to-4r-s3]",
+    "tests/runtime/zero/test_hf_models.py::test_hf_model_matches_single_process[llama-3]",
+    "tests/runtime/activation/test_policies.py::test_policy_equals_no_recomputation_with_dropout[selective]",
+    "tests/runtime/ops/test_compile_composition.py::test_compiled_tensor_parallel_blocks_train_like_eager[gpt-aot_eager]",
+    "tests/runtime/ops/test_compile_composition.py::test_compiled_blocks_with_zero3_and_recomputation_train_like_eager",
+    "tests/runtime/test_engine.py::test_a_collective_that_times_out_names_rank_and_operation",
+    "tests/tools/launcher/test_launcher.py::test_launches_two_processes_that_all_reduce_and_get_the_script_arguments_untouched",
     "tests/faults/test_interrupts.py::test_a_second_sigint_ends_train_at_once_even_with_ranks_that_cannot_finish",
-    "tests/test_torch_compat.py",
+    "tests/runtime/test_torch_compat.py",
     "tests/scripts/test_bootstrap.py",
 ]
 

@@ -4,4 +4,4 @@ import sys
 
 from bootstrap import exec_in_python
 
-exec_in_python(["-m", "shardwise.cli.main", "train", *sys.argv[1:]], extra="plots")
+exec_in_python(["-m", "shardwise.tools.cli.main", "train", *sys.argv[1:]], extra="plots")

@@ -1,6 +1,6 @@
 """Rewrite the tables in docs/ that are generated from the code: the config defaults (read
 off the config schema) and the classification of DeepSpeed's other keys
-(shardwise/config/deepspeed_keys.py), both in docs/reference/config.md.
+(shardwise/frontends/deepspeed/config/deepspeed_keys.py), both in docs/reference/config.md.
 
     .venv/bin/python scripts/update_docs_tables.py
 
@@ -11,8 +11,8 @@ script makes them agree.
 
 from pathlib import Path
 
-from shardwise.config import default_config_table
-from shardwise.config.keys import deepspeed_key_table
+from shardwise.frontends.deepspeed.config import default_config_table
+from shardwise.frontends.deepspeed.config.keys import deepspeed_key_table
 
 CONFIG_REFERENCE = Path(__file__).resolve().parent.parent / "docs" / "reference" / "config.md"
 

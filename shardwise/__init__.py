@@ -10,9 +10,9 @@ __version__ = "0.1.0"
 __all__ = ["Engine", "initialize", "gathered_parameters", "__version__"]
 
 _LAZY = {
-    "Engine": "shardwise.engine",
-    "initialize": "shardwise.engine",
-    "gathered_parameters": "shardwise.zero.gathered",
+    "Engine": "shardwise.runtime.engine",
+    "initialize": "shardwise.runtime.engine",
+    "gathered_parameters": "shardwise.runtime.zero.gathered",
 }
 
 

@@ -1,7 +1,7 @@
 """Suite-wide pytest setup.
 
 Belongs here: hooks and fixtures that test folders share. A fixture used by one folder goes
-in that folder's own conftest.py; helpers for multi-rank tests live in `shardwise.testing`
+in that folder's own conftest.py; helpers for multi-rank tests live in `shardwise.tools.testing`
 (`run_distributed`), not here.
 """
 

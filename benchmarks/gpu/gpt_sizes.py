@@ -12,7 +12,7 @@ the lent GPU's minutes cannot pay for. The formulas the planner and the tests sh
     optimizer step   the engine steps `sub_group_size` elements at a time: their fp32
                      gradient copy and foreach Adam's temporaries, 3 x 4 bytes x sub-group
     stage-3 gathers  stage3_gather_bytes: a block gathered, the next prefetched, its gradient
-    activations      activation_formulas per layer (flash attention keeps no s^2 term:
+    activations      shardwise/formulas/activation.py per layer (flash attention keeps no s^2 term:
                      32·sbh in bf16 without dropout), for the recomputation policy
     head             the final norm's and output layer's inputs, and the logits: bf16, their
                      fp32 copy and its log-softmax, the gradient in backward (14·sbV)
@@ -33,9 +33,9 @@ from dataclasses import asdict, dataclass, field
 
 import harness  # noqa: F401  (puts the repository on sys.path)
 
-from shardwise.planner.activation_formulas import LayerShape, activation_peak_bytes, head_bytes, layer_activation_bytes
-from shardwise.planner.formulas import Offload, placed_model_state_bytes
-from shardwise.planner.layer_formulas import stage3_gather_bytes
+from shardwise.formulas.activation import LayerShape, activation_peak_bytes, head_bytes, layer_activation_bytes
+from shardwise.formulas.memory import Offload, placed_model_state_bytes
+from shardwise.formulas.layers import stage3_gather_bytes
 
 GIB = 2**30
 BF16 = 2

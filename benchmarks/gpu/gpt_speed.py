@@ -15,7 +15,7 @@ allocator and CUDA context: one variant's cached blocks cannot starve the next) 
              run as on many ranks, so stage 3 / stage 0 - 1 is what the hooks cost
 
 MFU = model FLOPs per token (GPT.flops_per_token, PaLM's 6N + attention) x tokens/s over
-the device's dense bf16 peak (shardwise.profiling.flops: 989 TFLOP/s for an H100 SXM).
+the device's dense bf16 peak (shardwise.tools.profiling.flops: 989 TFLOP/s for an H100 SXM).
 Goals (the issue's): MFU >= 50% at stage 0 compiled; stage 3's hooks <= 5%.
 
     python3 benchmarks/gpu/gpt_speed.py --budget 150
@@ -80,7 +80,7 @@ def training_step(variant: str, compiled: bool, model, shape: gpt_sizes.Shape, a
     x = torch.randint(0, shape.vocab, (shape.micro_batch, shape.seq_len), device=device, generator=generator)
     y = torch.randint(0, shape.vocab, (shape.micro_batch, shape.seq_len), device=device, generator=generator)
     if variant == "plain":
-        from shardwise.parallel.compile import compile_blocks
+        from shardwise.runtime.compile import compile_blocks
 
         if compiled:
             compile_blocks(model)

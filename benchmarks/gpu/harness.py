@@ -149,7 +149,7 @@ def device_memory_bytes(device: torch.device, toy_bytes: int) -> int:
 
 def peak_flops(device: torch.device, dtype: torch.dtype) -> tuple[float, str]:
     """The device's dense peak FLOP/s for `dtype` (datasheet on known GPUs; measured on CPU)."""
-    from shardwise.profiling.flops import device_peak_flops
+    from shardwise.tools.profiling.flops import device_peak_flops
 
     peak = device_peak_flops(device, dtype)
     return peak.flops_per_second, peak.source

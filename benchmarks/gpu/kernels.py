@@ -4,7 +4,7 @@ eager, shardwise's fused operators against unfused torch (issue 24, check 5; C19
 1. Attention, forward + backward, bf16, batch 1, BigBird's layout (one random block, a
    3-block window, one global block, bidirectional) with blocks of `--block` tokens, at
    `--length` tokens (8k):
-     sparse        shardwise.ops.sparse_attention.SparseSelfAttention: on CUDA, flex_attention
+     sparse        shardwise.runtime.ops.sparse_attention.SparseSelfAttention: on CUDA, flex_attention
                    with a BlockMask built from the layout at every call (its cost, timed
                    alone as `mask_build`, is part of the call)
      dense_flash   scaled_dot_product_attention over all pairs (the kernel sparse replaces)
@@ -57,9 +57,9 @@ def relative_error(got: torch.Tensor, want: torch.Tensor) -> float:
 
 
 def attention_case(args: argparse.Namespace, device: torch.device, dtype: torch.dtype) -> dict:
-    from shardwise.ops.sparse_attention import BigBirdSparsityConfig, SparseSelfAttention
-    from shardwise.ops.sparse_attention.block_sparse import Masks
-    from shardwise.ops.sparse_attention.flex import layout_block_mask
+    from shardwise.runtime.ops.sparse_attention import BigBirdSparsityConfig, SparseSelfAttention
+    from shardwise.runtime.ops.sparse_attention.block_sparse import Masks
+    from shardwise.runtime.ops.sparse_attention.flex import layout_block_mask
 
     random.seed(0)
     torch.manual_seed(0)
@@ -102,7 +102,7 @@ def attention_case(args: argparse.Namespace, device: torch.device, dtype: torch.
 
 def block_case(args: argparse.Namespace, device: torch.device, dtype: torch.dtype) -> dict:
     from shardwise.models.gpt import Block, GPTConfig
-    from shardwise.parallel.compile import compile_blocks
+    from shardwise.runtime.compile import compile_blocks
 
     torch.manual_seed(0)
     config = GPTConfig(block_size=args.seq_len, n_layer=1, n_head=args.block_heads, n_embd=args.hidden, dropout=0.0)

@@ -16,7 +16,7 @@ such file is given. Reported: parameters as a multiple of the baseline's, model 
 Goal (the issue's): >= 4x the size at >= 40% of the TFLOP/s with CPU offload.
 
 Sizes come from the formulas, not from trials: the largest Ψ whose offloaded model states
-(planner/formulas.py placed_model_state_bytes) fit 75% of the host memory (cpu) or 70% of
+(shardwise/formulas/memory.py placed_model_state_bytes) fit 75% of the host memory (cpu) or 70% of
 the disk's free space and the host (nvme), and whose run is predicted to finish in the time
 given, from the host memory bandwidth (a copy, measured) and the disk's direct-I/O
 bandwidth (dd, measured): the budget, not the host, bounds the size in an 8-minute check.
@@ -46,7 +46,7 @@ import gpt_sizes
 
 import torch  # noqa: E402
 
-from shardwise.planner.formulas import Offload, placed_model_state_bytes  # noqa: E402
+from shardwise.formulas.memory import Offload, placed_model_state_bytes  # noqa: E402
 
 SIZE_GOAL = 4.0
 THROUGHPUT_GOAL = 0.4

@@ -15,7 +15,7 @@ and reports, from the caching allocator over the measured steps:
     alloc_retries             allocations that failed once and needed the cache flushed
 
 beside the engine's own count of activation bytes (saved-tensor hooks) and the formula's
-(planner/activation_formulas.py). The runs share one process, one after another, each
+(shardwise/formulas/activation.py). The runs share one process, one after another, each
 after `empty_cache()` so it starts from an empty cache; a byte vocabulary keeps the
 logits small, so the layers' activations dominate.
 
@@ -43,8 +43,8 @@ MIN_SECONDS_PER_RUN = 4.0
 def formula_activation_bytes(args: argparse.Namespace, policy: str, element_bytes: int) -> int:
     """The layers' activation peak under `policy` plus the head, by the planner's formulas
     (flash attention: no s^2 term; no dropout)."""
-    from shardwise.activation.policy import RecomputePolicy
-    from shardwise.planner.activation_formulas import (
+    from shardwise.runtime.activation.policy import RecomputePolicy
+    from shardwise.formulas.activation import (
         LayerShape,
         activation_peak_bytes,
         head_bytes,

@@ -1,6 +1,6 @@
 """The main job (`shardwise train`, C23) on the device, against the same job on the CPU.
 
-Runs `python3 -m shardwise.cli.main train --nproc 1 ...` from the repository (no virtual
+Runs `python3 -m shardwise.tools.cli.main train --nproc 1 ...` from the repository (no virtual
 environment needed: PYTHONPATH holds the repository) on the device, then the first
 `--cpu-steps` steps of the same job on this machine's CPU (CUDA hidden; the learning-rate
 schedule of the full run, given through `--config`), and reads both runs' metrics.jsonl.
@@ -48,13 +48,13 @@ COMPARED_EVERY = 50
 
 
 def job_command(model_size: str, steps: int, out_dir: Path, name: str, config: Path | None = None) -> list[str]:
-    command = [sys.executable, "-m", "shardwise.cli.main", "train", "--nproc", "1", "--model-size", model_size,
+    command = [sys.executable, "-m", "shardwise.tools.cli.main", "train", "--nproc", "1", "--model-size", model_size,
                "--steps", str(steps), "--out-dir", str(out_dir), "--name", name]
     return command + (["--config", str(config)] if config else [])
 
 
 def shown(command: list[str], hide_cuda: bool) -> str:
-    return ("CUDA_VISIBLE_DEVICES= " if hide_cuda else "") + "python3 -m shardwise.cli.main " + " ".join(command[3:])
+    return ("CUDA_VISIBLE_DEVICES= " if hide_cuda else "") + "python3 -m shardwise.tools.cli.main " + " ".join(command[3:])
 
 
 def run_job(command: list[str], timeout: float | None, hide_cuda: bool) -> tuple[int | None, str]:
@@ -106,7 +106,7 @@ def read_run(run_dir: Path) -> dict:
 def schedule_config(steps: int, path: Path) -> Path:
     """The full run's scheduler block, for a shorter run on the CPU to follow the same
     learning rates (the job's default schedule scales with --steps)."""
-    from shardwise.train.options import default_config
+    from shardwise.tools.train.options import default_config
 
     path.write_text(json.dumps({"scheduler": default_config(steps)["scheduler"]}))
     return path
@@ -199,7 +199,7 @@ def main() -> None:
 def record_reference(key: str, run: dict, torch_version: str) -> None:
     size, steps = key.split("-")
     references = json.loads(REFERENCE.read_text()) if REFERENCE.exists() else {}
-    references[key] = {"command": f"python3 -m shardwise.cli.main train --nproc 1 --model-size {size} --steps {steps}",
+    references[key] = {"command": f"python3 -m shardwise.tools.cli.main train --nproc 1 --model-size {size} --steps {steps}",
                        "python": platform.python_version(), "torch": torch_version, "machine": f"{os.cpu_count()} CPU cores",
                        **{k: run[k] for k in ("losses", "final_loss", "val_loss", "dtype", "stage", "num_params")}}
     REFERENCE.write_text(json.dumps(references, indent=1) + "\n")

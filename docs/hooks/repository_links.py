@@ -1,7 +1,7 @@
 """MkDocs hook: links from the docs to repository files outside docs/.
 
 A page links a source file or BENCHMARKS.md by its path relative to the page
-(`../shardwise/engine.py`, `../BENCHMARKS.md#4-the-main-job`), which works where the
+(`../shardwise/runtime/engine.py`, `../BENCHMARKS.md#4-the-main-job`), which works where the
 Markdown is read on its own (a repository browser, an editor). The built site holds only
 docs/, so MkDocs would call such a link broken. This hook checks that the file (and, for
 a Markdown file, the anchor) exists, warning otherwise so that `mkdocs build --strict`

@@ -122,7 +122,7 @@ class GPT(nn.Module):
             x = block(x)
         hidden = self.ln_f(x)
         if targets is not None and getattr(self.lm_head, "computes_loss", False):
-            return self.lm_head(hidden, targets)  # a fused output layer + loss (shardwise.ops) skips the logits
+            return self.lm_head(hidden, targets)  # a fused output layer + loss (shardwise.runtime.ops) skips the logits
         logits = self.lm_head(hidden)
         if targets is None:
             return logits

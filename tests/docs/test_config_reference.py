@@ -3,8 +3,8 @@ classification of DeepSpeed's other keys, exactly as scripts/update_docs_tables.
 
 from tests.docs.doc_files import DOCS, ROOT, load_module
 
-from shardwise.config import default_config_table
-from shardwise.config.keys import deepspeed_key_table
+from shardwise.frontends.deepspeed.config import default_config_table
+from shardwise.frontends.deepspeed.config.keys import deepspeed_key_table
 
 CONFIG_REFERENCE = DOCS / "reference" / "config.md"
 

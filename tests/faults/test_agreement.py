@@ -6,7 +6,7 @@ import time
 
 import pytest
 
-from shardwise.testing import DistributedTestError, run_distributed
+from shardwise.tools.testing import DistributedTestError, run_distributed
 from tests.faults.workers import initialize_differently
 
 CASES = {

@@ -5,9 +5,9 @@ at the next step, never a silent mix of batches."""
 
 import pytest
 
-from shardwise.testing import DistributedTestError, run_distributed
+from shardwise.tools.testing import DistributedTestError, run_distributed
 from tests.faults.workers import Plan, compare, run_plan
-from tests.zero.workers import Case
+from tests.runtime.zero.workers import Case
 
 
 def case_for(stage: int, accumulation: int = 1) -> Case:

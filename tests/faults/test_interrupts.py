@@ -24,9 +24,9 @@ import psutil
 import pytest
 
 import shardwise
-from shardwise.launcher.lifeline import LAUNCHER_PID_ENV
-from shardwise.train.options import TrainOptions
-from shardwise.train.setup import build_model
+from shardwise.tools.launcher.lifeline import LAUNCHER_PID_ENV
+from shardwise.tools.train.options import TrainOptions
+from shardwise.tools.train.setup import build_model
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 # OMP_NUM_THREADS set: torchrun would otherwise warn on stderr that it sets it to 1.
@@ -80,7 +80,7 @@ class Job:
 
     def __init__(self, argv: tuple[str, ...], cwd: Path) -> None:
         self.process = subprocess.Popen(
-            [sys.executable, "-m", "shardwise.cli.main", *argv],
+            [sys.executable, "-m", "shardwise.tools.cli.main", *argv],
             cwd=cwd, env=ENV, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
         )  # fmt: skip
         self.workers: list[int] = []
@@ -112,7 +112,7 @@ class Job:
 
 @contextmanager
 def launched(*argv: str, cwd: Path) -> Iterator[Job]:
-    """`python -m shardwise.cli.main ARGV` in the background; it and its workers are
+    """`python -m shardwise.tools.cli.main ARGV` in the background; it and its workers are
     killed on the way out, whatever happened."""
     job = Job(argv, cwd)
     try:
@@ -257,7 +257,7 @@ def test_a_worker_whose_launcher_is_already_gone_kills_itself(tmp_path):
     """The race the parent check closes: the launcher died before the death signal was set."""
     gone = subprocess.Popen([sys.executable, "-c", "pass"])
     gone.wait(timeout=EXIT_SECONDS)
-    code = "from shardwise.launcher.lifeline import die_with_launcher; die_with_launcher(); print('alive')"
+    code = "from shardwise.tools.launcher.lifeline import die_with_launcher; die_with_launcher(); print('alive')"
     orphan = subprocess.run(
         [sys.executable, "-c", code], env={**ENV, LAUNCHER_PID_ENV: str(gone.pid)},
         capture_output=True, text=True, timeout=EXIT_SECONDS,

@@ -5,8 +5,8 @@ timeout is refused by name."""
 import pytest
 
 import shardwise
-from shardwise.distributed.setup import collective_timeout
-from tests.zero.workers import build_model, global_batch
+from shardwise.runtime.distributed.setup import collective_timeout
+from tests.runtime.zero.workers import build_model, global_batch
 
 CONFIG = {"train_micro_batch_size_per_gpu": 2, "optimizer": {"type": "SGD", "params": {"lr": 0.1}}}
 

@@ -14,9 +14,9 @@ import pytest
 import torch
 
 import shardwise
-from shardwise.checkpoint import CheckpointError, convert_checkpoint, safetensors_io
-from shardwise.cli.main import main as shardwise_main
-from shardwise.config import ConfigError, load_config
+from shardwise.runtime.checkpoint import CheckpointError, convert_checkpoint, safetensors_io
+from shardwise.tools.cli.main import main as shardwise_main
+from shardwise.frontends.deepspeed.config import ConfigError, load_config
 
 NOT_FINITE = (
     "is not a finite number: NaN and Infinity (which Python's JSON reader accepts) are not valid settings; "

@@ -8,9 +8,9 @@ import time
 import pytest
 
 import shardwise
-from shardwise.testing import DistributedTestError, run_distributed
+from shardwise.tools.testing import DistributedTestError, run_distributed
 from tests.faults.workers import lose_a_peer, save_on_one_rank
-from tests.zero.workers import build_model, global_batch
+from tests.runtime.zero.workers import build_model, global_batch
 
 CONFIG = {"train_micro_batch_size_per_gpu": 2, "optimizer": {"type": "SGD", "params": {"lr": 0.1}}}
 

@@ -7,9 +7,9 @@ taken. Too many in a row stop the run with an error that names the ranks.
 
 import pytest
 
-from shardwise.testing import DistributedTestError, run_distributed
+from shardwise.tools.testing import DistributedTestError, run_distributed
 from tests.faults.workers import Plan, compare, run_plan
-from tests.zero.workers import Case
+from tests.runtime.zero.workers import Case
 
 
 @pytest.mark.parametrize("dtype", ["fp32", "bf16"])

@@ -15,7 +15,7 @@ from dataclasses import dataclass, field
 import torch
 
 import shardwise
-from tests.zero.workers import Case, build_model, global_batch, make_optimizer, model_loss
+from tests.runtime.zero.workers import Case, build_model, global_batch, make_optimizer, model_loss
 
 
 class InjectedFault(RuntimeError):

@@ -10,10 +10,10 @@ from __future__ import annotations
 import gc
 
 import shardwise
-from tests.distributed.workers import counted_collectives
+from tests.runtime.distributed.workers import counted_collectives
 from tests.gpu.target import pinned_host_bytes
-from tests.zero import workers as zero_workers
-from tests.zero.workers import Case
+from tests.runtime.zero import workers as zero_workers
+from tests.runtime.zero.workers import Case
 
 
 def train_cases(rank: int, world_size: int, cases: list[Case]) -> list[dict]:

@@ -17,9 +17,9 @@ from typing import Any
 import pytest
 import torch
 
-from shardwise.distributed.collectives import COLLECTIVES_AT_SIZE_ONE_VARIABLE
-from shardwise.testing import run_distributed
-from tests.distributed.workers import counted_collectives
+from shardwise.runtime.distributed.collectives import COLLECTIVES_AT_SIZE_ONE_VARIABLE
+from shardwise.tools.testing import run_distributed
+from tests.runtime.distributed.workers import counted_collectives
 
 REHEARSAL = os.environ.get("SHARDWISE_GPU_TESTS_ON_CPU") == "1"
 ON_CUDA = torch.cuda.is_available() and not REHEARSAL

@@ -3,12 +3,12 @@ layer input is copied to pinned host memory on a side stream and back for the
 recomputation. A missing stream dependency or an early reuse of the source shows as
 recomputed values that differ from the forward's; dropout checks that the recomputation
 replays the CUDA generator. Each policy must train as no recomputation does (the CPU
-suite's `train_policies`, tests/activation/workers.py), with a lower device peak."""
+suite's `train_policies`, tests/runtime/activation/workers.py), with a lower device peak."""
 
 import pytest
 import torch
 
-from tests.activation.workers import train_policies
+from tests.runtime.activation.workers import train_policies
 from tests.gpu.target import launch_once, needs_target, run_ranks
 
 pytestmark = needs_target

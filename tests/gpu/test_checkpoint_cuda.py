@@ -11,10 +11,10 @@ random draws, step counters, learning rate and loss scaler state must be exact.
 
 import pytest
 
-from shardwise.testing import run_distributed
-from tests.checkpoint.workers import KEEP_SMALL_WHOLE, Run, train_run
+from shardwise.tools.testing import run_distributed
+from tests.runtime.checkpoint.workers import KEEP_SMALL_WHOLE, Run, train_run
 from tests.gpu.target import DEVICE, LR, WORLD, needs_target, run_ranks
-from tests.zero.workers import Case, relative_error
+from tests.runtime.zero.workers import Case, relative_error
 
 pytestmark = needs_target
 
@@ -71,7 +71,7 @@ def test_resume_continues_the_run(name, resumed_runs):
         assert resumed["global_steps"] == 4 and resumed["lr"] == uninterrupted["lr"]
         if dtype == "fp16":  # dynamic loss scaling: its scale and counters carry over
             assert resumed["loss_scaler"] == uninterrupted["loss_scaler"]
-        # CPU, Python and NumPy generators, and on CUDA the device's (tests/checkpoint/workers.py)
+        # CPU, Python and NumPy generators, and on CUDA the device's (tests/runtime/checkpoint/workers.py)
         assert resumed["draws_after_load"] == uninterrupted["draws_after_save"]
         assert len(resumed["draws_after_load"]) == (4 if DEVICE == "cuda" else 3)
 

@@ -3,7 +3,7 @@ issues every data collective as a real NCCL call (distributed/collectives.py), o
 tensors: all-reduce, reduce-scatter and all-gather in place (output aliasing input) and
 into other buffers, all-gather into pieces, all-to-all, broadcast, each through its async
 handle and `wait()`. Calls are counted by wrapping torch.distributed's functions in the
-rank (tests/distributed/workers.py), which still run them.
+rank (tests/runtime/distributed/workers.py), which still run them.
 
 The engine-level runs of every other tests/gpu module issue theirs the same way
 (`run_ranks` fails a run that issued none). The engine's all-to-all (1-bit Adam's
@@ -13,12 +13,12 @@ momentum is not compressed, so on one GPU the all-to-all is checked here alone.
 
 import pytest
 
-from shardwise.distributed.collectives import COLLECTIVES_AT_SIZE_ONE_VARIABLE
-from shardwise.testing import run_distributed
-from tests.distributed.workers import exercise_group_of_one
+from shardwise.runtime.distributed.collectives import COLLECTIVES_AT_SIZE_ONE_VARIABLE
+from shardwise.tools.testing import run_distributed
+from tests.runtime.distributed.workers import exercise_group_of_one
 from tests.gpu.target import BACKEND, DEVICE, REHEARSAL, WORLD, needs_target, run_ranks
-from tests.optim.onebit_reference import OneBitSettings, Simulation
-from tests.optim.test_onebit import STEPS, assert_equal_to, train_engine, whole_state
+from tests.runtime.optim.onebit_reference import OneBitSettings, Simulation
+from tests.runtime.optim.test_onebit import STEPS, assert_equal_to, train_engine, whole_state
 
 pytestmark = needs_target
 

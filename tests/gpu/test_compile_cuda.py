@@ -1,6 +1,6 @@
 """torch.compile per block with Inductor on CUDA (Triton kernels), and the fused operators
 compiled on their own, through the engine (C19, C20), each equal to the eager fp32 CPU
-reference (tests/ops/test_compile.py's cases and worker, `train_counting_graphs`).
+reference (tests/runtime/ops/test_compile.py's cases and worker, `train_counting_graphs`).
 
 Inductor's Triton kernels sum in another order than eager torch (about 1e-7 relative);
 Adam at lr 1e-3 keeps that below 1e-5, as on CPU. The CPU rehearsal compiles with
@@ -9,8 +9,8 @@ on a small machine and is covered by the CPU suite's slow tests.
 """
 
 from tests.gpu.target import LR, ON_CUDA, WORLD, needs_target, run_ranks
-from tests.ops.compile_workers import train_counting_graphs
-from tests.zero.workers import Case, assert_matches_reference, train_reference
+from tests.runtime.ops.compile_workers import train_counting_graphs
+from tests.runtime.zero.workers import Case, assert_matches_reference, train_reference
 
 pytestmark = needs_target
 

@@ -11,7 +11,7 @@ import torch
 
 from tests.gpu.ranks import train_cases
 from tests.gpu.target import DEVICE, LR, TOLERANCE, WORLD, launch_once, needs_target, run_ranks
-from tests.zero.workers import Case, assert_matches_reference, train_reference
+from tests.runtime.zero.workers import Case, assert_matches_reference, train_reference
 
 pytestmark = needs_target
 
@@ -60,11 +60,11 @@ def test_gradient_accumulation_on_cuda_matches_the_reference(stage):
 
 
 def test_lora_with_frozen_weights_partitioned_on_cuda():
-    """LoRA at ZeRO-3 (tests/zero/test_frozen_stage3.py) on CUDA: frozen units gathered,
+    """LoRA at ZeRO-3 (tests/runtime/zero/test_frozen_stage3.py) on CUDA: frozen units gathered,
     freed after their input gradients, training equal to plain torch."""
-    from tests.zero.test_frozen_stage3 import STEPS as LORA_STEPS
-    from tests.zero.test_frozen_stage3 import train_parallel as train_lora
-    from tests.zero.test_frozen_stage3 import train_reference as lora_reference
+    from tests.runtime.zero.test_frozen_stage3 import STEPS as LORA_STEPS
+    from tests.runtime.zero.test_frozen_stage3 import train_parallel as train_lora
+    from tests.runtime.zero.test_frozen_stage3 import train_reference as lora_reference
 
     expected = lora_reference(WORLD)
     for rank, result in enumerate(run_ranks(train_lora, 3, False, None)):
@@ -77,8 +77,8 @@ def test_lora_with_frozen_weights_partitioned_on_cuda():
 
 @pytest.mark.parametrize("dtype", ["fp32", "bf16"])
 def test_forward_only_reference_engine_on_cuda(dtype):
-    """An engine without an optimizer beside a trained one (tests/zero/test_forward_only.py), ZeRO-3, on CUDA."""
-    from tests.zero.test_forward_only import MICRO, STEPS as REFERENCE_STEPS, rlhf_parallel, rlhf_reference
+    """An engine without an optimizer beside a trained one (tests/runtime/zero/test_forward_only.py), ZeRO-3, on CUDA."""
+    from tests.runtime.zero.test_forward_only import MICRO, STEPS as REFERENCE_STEPS, rlhf_parallel, rlhf_reference
 
     expected = rlhf_reference(WORLD)
     for rank, result in enumerate(run_ranks(rlhf_parallel, 3, dtype)):

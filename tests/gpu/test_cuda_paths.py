@@ -8,14 +8,14 @@ import pytest
 import torch
 
 import shardwise
-from shardwise.distributed.collectives import Communicator
-from shardwise.distributed.mesh import ParallelMesh, ParallelSizes
-from shardwise.distributed.setup import collective_timeout
-from shardwise.distributed.staging import staged_on
+from shardwise.runtime.distributed.collectives import Communicator
+from shardwise.runtime.distributed.mesh import ParallelMesh, ParallelSizes
+from shardwise.runtime.distributed.setup import collective_timeout
+from shardwise.runtime.distributed.staging import staged_on
 from shardwise.models import GPT, GPTConfig
-from shardwise.profiling import StepTimer
-from shardwise.random_state import seeded_rng
-from shardwise.testing import run_distributed
+from shardwise.tools.profiling import StepTimer
+from shardwise.runtime.random_state import seeded_rng
+from shardwise.tools.testing import run_distributed
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 

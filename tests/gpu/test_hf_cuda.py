@@ -1,15 +1,15 @@
 """A Hugging Face Llama on CUDA (C24, C27): trained by the engine at ZeRO-2 and 3 with
 gradient accumulation, in fp32 and bf16, against the fp32 CPU reference
-(tests/zero/test_hf_models.py's model and reference); and ShardwiseTrainer on CUDA
+(tests/runtime/zero/test_hf_models.py's model and reference); and ShardwiseTrainer on CUDA
 against plain transformers.Trainer on the CPU (tests/integrations' runs)."""
 
 import pytest
 
-from shardwise.testing import run_distributed
+from shardwise.tools.testing import run_distributed
 from tests.gpu.ranks import train_cases
 from tests.gpu.target import DEVICE, LR, TOLERANCE, WORLD, launch_once, needs_target, run_ranks
-from tests.zero.test_hf_models import PARTITION_EVERYTHING
-from tests.zero.workers import Case, assert_matches_reference, train_reference
+from tests.runtime.zero.test_hf_models import PARTITION_EVERYTHING
+from tests.runtime.zero.workers import Case, assert_matches_reference, train_reference
 
 pytestmark = needs_target
 pytest.importorskip("transformers", reason="the GPU machine has no network: transformers comes as a carried wheel")
@@ -29,7 +29,7 @@ def llama_runs() -> list[list[dict]]:
 
 @pytest.mark.parametrize("name", list(CASES))
 def test_llama_matches_the_fp32_reference(name):
-    """The reference sums the micro-batches in the engine's order (tests/zero/workers.py)."""
+    """The reference sums the micro-batches in the engine's order (tests/runtime/zero/workers.py)."""
     expected = train_reference(Case(model="llama", accumulation=2, lr=LR), WORLD, per_micro_batch=True)
     for runs in llama_runs():
         run = runs[list(CASES).index(name)]
@@ -38,10 +38,10 @@ def test_llama_matches_the_fp32_reference(name):
 
 
 def test_shardwise_trainer_on_cuda_equals_plain_trainer_on_cpu(tmp_path):
-    """ZeRO-3 with the model's own gradient checkpointing (tests/integrations/test_hf_trainer.py):
+    """ZeRO-3 with the model's own gradient checkpointing (tests/frontends/hf_trainer/test_hf_trainer.py):
     logged losses, learning rates, gradient norms and eval losses, and the final logits."""
-    from tests.integrations.test_hf_trainer import STEPS, assert_logs_match, relative_error
-    from tests.integrations.workers import Run, train_reference as trainer_reference, train_shardwise
+    from tests.frontends.hf_trainer.test_hf_trainer import STEPS, assert_logs_match, relative_error
+    from tests.frontends.hf_trainer.workers import Run, train_reference as trainer_reference, train_shardwise
 
     expected = run_distributed(trainer_reference, 1, Run(out_dir=str(tmp_path / "reference")), timeout=240,
                                env={"CUDA_VISIBLE_DEVICES": ""})[0]

@@ -1,6 +1,6 @@
 """fp16 with dynamic loss scaling on CUDA: training within fp16's precision of the fp32 CPU
 reference, and an overflow (an injected inf) found on the device, the step skipped and the
-scale halved (tests/precision/test_loss_scaler.py's worker). bf16 against the reference is
+scale halved (tests/runtime/precision/test_loss_scaler.py's worker). bf16 against the reference is
 in test_cuda_engine.py."""
 
 import pytest
@@ -8,8 +8,8 @@ import torch
 
 from tests.gpu.ranks import train_cases
 from tests.gpu.target import LR, WORLD, launch_once, needs_target, run_ranks
-from tests.precision.test_loss_scaler import _train_fp16_with_overflow
-from tests.zero.workers import Case, assert_matches_reference, train_reference
+from tests.runtime.precision.test_loss_scaler import _train_fp16_with_overflow
+from tests.runtime.zero.workers import Case, assert_matches_reference, train_reference
 
 pytestmark = needs_target
 

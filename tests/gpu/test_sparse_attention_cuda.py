@@ -1,6 +1,6 @@
 """Block-sparse attention on CUDA: SparseSelfAttention runs flex attention, compiled, with a
 block mask built from the layout (ops/sparse_attention/flex.py). Forward and all three
-gradients must equal dense attention under the same mask (tests/ops/test_sparse_attention.py's
+gradients must equal dense attention under the same mask (tests/runtime/ops/test_sparse_attention.py's
 layouts and masks), computed in float64 on the CPU.
 
 In the CPU rehearsal the same calls take the CPU path (block_sparse.py).
@@ -12,9 +12,9 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from shardwise.ops.sparse_attention import BigBirdSparsityConfig, SparseSelfAttention
+from shardwise.runtime.ops.sparse_attention import BigBirdSparsityConfig, SparseSelfAttention
 from tests.gpu.target import DEVICE, needs_target
-from tests.ops.test_sparse_attention import BLOCK, CONFIGS, HEADS, dense_mask
+from tests.runtime.ops.test_sparse_attention import BLOCK, CONFIGS, HEADS, dense_mask
 
 pytestmark = [needs_target, pytest.mark.filterwarnings("ignore:flex_attention called without torch.compile")]
 

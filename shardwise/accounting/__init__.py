@@ -1,3 +1,0 @@
-from shardwise.accounting.memory import CATEGORIES, TIERS, MemoryLedger, tensor_bytes
-
-__all__ = ["CATEGORIES", "TIERS", "MemoryLedger", "tensor_bytes"]

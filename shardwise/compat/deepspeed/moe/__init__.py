@@ -1,7 +1,0 @@
-"""`deepspeed.moe`: the mixture-of-experts layer (`moe.layer.MoE`, routing in
-`moe.sharded_moe`) with every expert on every rank, and the param-group helpers
-(`moe.utils`)."""
-
-from shardwise.compat.deepspeed.moe import layer, sharded_moe, utils
-
-__all__ = ["layer", "sharded_moe", "utils"]

@@ -1,5 +1,0 @@
-"""`deepspeed.runtime`: the learning-rate schedules (`lr_schedules`) and `utils.set_random_seed`."""
-
-from shardwise.compat.deepspeed.runtime import lr_schedules, utils
-
-__all__ = ["lr_schedules", "utils"]

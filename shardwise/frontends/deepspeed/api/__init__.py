@@ -1,0 +1,55 @@
+"""DeepSpeed's Python API on shardwise (C26): `import shardwise.frontends.deepspeed.api as deepspeed`,
+or run an unmodified script with `shardwise run --as-deepspeed`, which makes this
+package importable as `deepspeed` (and `deepspeed.X` as `shardwise.frontends.deepspeed.api.X`)
+for that run only.
+
+    engine, optimizer, loader, scheduler = deepspeed.initialize(args=args, model=model,
+                                                                model_parameters=model.parameters(),
+                                                                training_data=dataset)
+
+The engine is shardwise's (`Engine`, an nn.Module passing unknown attributes to the
+model) with DeepSpeed's method shapes (engine.py). What each argument of `initialize`
+does is in init_engine.py; what `zero.Init` does and does not do, in zero.py.
+"""
+
+from shardwise.frontends.deepspeed.api import (
+    accelerator,
+    checkpointing,
+    comm,
+    inference,
+    moe,
+    ops,
+    pipe,
+    runtime,
+    utils,
+    zero,
+)
+from shardwise.frontends.deepspeed.api.accelerator import get_accelerator
+from shardwise.frontends.deepspeed.api.arguments import add_config_arguments
+from shardwise.frontends.deepspeed.api.comm import init_distributed
+from shardwise.frontends.deepspeed.api.engine import DeepSpeedEngine
+from shardwise.frontends.deepspeed.api.inference import InferenceEngine, init_inference
+from shardwise.frontends.deepspeed.api.init_engine import initialize
+from shardwise.frontends.deepspeed.api.utils import log_dist, logger
+
+__all__ = [
+    "DeepSpeedEngine",
+    "InferenceEngine",
+    "accelerator",
+    "add_config_arguments",
+    "checkpointing",
+    "comm",
+    "get_accelerator",
+    "inference",
+    "init_distributed",
+    "init_inference",
+    "initialize",
+    "log_dist",
+    "logger",
+    "moe",
+    "ops",
+    "pipe",
+    "runtime",
+    "utils",
+    "zero",
+]

@@ -1,0 +1,223 @@
+"""The engine `deepspeed.initialize` returns: shardwise's `Engine` with the few methods
+whose DeepSpeed shape differs from shardwise's.
+
+Why a subclass and not the base engine: shardwise's own callers (the training job, the
+checkpoint tests) read `engine.gradient_accumulation_steps` as an int and get a dict
+from `load_checkpoint`; DeepSpeed scripts call `engine.gradient_accumulation_steps()`
+and unpack `path, client_state = engine.load_checkpoint(...)`. Each API keeps its
+shape on the engine built for it. Everything else (the accessors both share, the
+`nn.Module` pass-through to the model) is the base engine's.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from shardwise.runtime.checkpoint.format import LATEST
+from shardwise.runtime.checkpoint.manifest import write_synced
+from shardwise.runtime.checkpoint.state import capture_rng_state, restore_rng_state
+from shardwise.frontends.deepspeed.api.utils import RepeatingLoader
+from shardwise.frontends.deepspeed.api.utils.zero_to_fp32 import RECOVERY_SCRIPT
+from shardwise.runtime.engine import Engine
+from shardwise.runtime.precision.casting import to_device
+from shardwise.runtime.parallel.pipeline.sequential import SequentialStages
+
+log = logging.getLogger("shardwise")
+
+PARTIAL_LOAD_REFUSED = (
+    "a custom_load_fn is handed DeepSpeed's own checkpoint layout, which shardwise does not write; to "
+    "transform trained weights, export them with `shardwise convert`, change them, and load them into the "
+    "model before deepspeed.initialize"
+)
+
+
+class AccumulationSteps(int):
+    """The number of micro-batches per update: an int to shardwise's code, and callable
+    as DeepSpeed's `engine.gradient_accumulation_steps()`."""
+
+    def __call__(self) -> int:
+        return int(self)
+
+
+class ThroughputTimer:
+    """DeepSpeed's `engine.tput_timer`, as far as scripts use it: epochs counted by the
+    script (`update_epoch_count`), samples per second over the optimizer steps so far."""
+
+    def __init__(self, batch_size: int):
+        self.batch_size = batch_size
+        self.epoch_count = 0
+        self.global_step_count = 0
+        self._first_step_end: float | None = None
+        self._last_step_end: float | None = None
+
+    def update_epoch_count(self) -> None:
+        self.epoch_count += 1
+
+    def step_done(self) -> None:
+        now = time.perf_counter()
+        if self._first_step_end is None:
+            self._first_step_end = now
+        self._last_step_end = now
+        self.global_step_count += 1
+
+    def avg_samples_per_sec(self) -> float:
+        """Samples per second from the end of the first update to the end of the last;
+        0 before two updates."""
+        if self.global_step_count < 2:
+            return 0.0
+        return self.batch_size * (self.global_step_count - 1) / (self._last_step_end - self._first_step_end)
+
+
+class DeepSpeedEngine(Engine):
+    def __init__(self, *args: Any, **kwargs: Any):
+        super().__init__(*args, **kwargs)
+        self._step_applied = False
+        self.training_dataloader = None  # set by initialize when it builds one
+        self.tput_timer = ThroughputTimer(self.train_batch_size())
+
+    @property
+    def gradient_accumulation_steps(self) -> AccumulationSteps:
+        return AccumulationSteps(self.__dict__["_accumulation_steps"])
+
+    @gradient_accumulation_steps.setter
+    def gradient_accumulation_steps(self, value: int) -> None:
+        self.__dict__["_accumulation_steps"] = int(value)
+
+    def step(self, lr_kwargs: dict | None = None) -> None:
+        """shardwise's step; records whether it updated the weights (`was_step_applied`)."""
+        if lr_kwargs is not None:
+            raise ValueError("engine.step(lr_kwargs=...) is not supported: the engine steps the scheduler "
+                             "without arguments after each update")
+        updates, skipped = self.global_steps, self.skipped_steps
+        super().step()
+        self._step_applied = self.global_steps > updates and self.skipped_steps == skipped
+        if self.global_steps > updates:
+            self.tput_timer.step_done()
+
+    def was_step_applied(self) -> bool:
+        """Whether the last `step()` updated the weights: False between accumulation
+        boundaries and when an fp16 overflow skipped the update."""
+        return self._step_applied
+
+    def save_checkpoint(self, save_dir: str | os.PathLike, tag: str | None = None, client_state: dict | None = None,
+                        save_latest: bool = True, exclude_frozen_parameters: bool = False) -> bool:
+        """DeepSpeed's signature; returns True. `client_state` must be JSON (shardwise
+        checkpoints hold no pickles). `save_latest=False` leaves `save_dir/latest` naming
+        the checkpoint it named before (rank 0 puts it back once every rank has saved)."""
+        if exclude_frozen_parameters:
+            raise ValueError("save_checkpoint(exclude_frozen_parameters=True) is not supported: shardwise "
+                             "checkpoints hold the whole model, frozen parameters included")
+        latest = Path(save_dir) / LATEST
+        previous = latest.read_text() if not save_latest and latest.is_file() else None
+        super().save_checkpoint(save_dir, tag, client_state)
+        if not save_latest and self.rank == 0:
+            if previous is None:
+                latest.unlink()
+            else:
+                temporary = Path(save_dir) / f".{LATEST}.partial"
+                write_synced(temporary, previous)
+                os.replace(temporary, latest)
+        if self.stage > 0 and self.rank == 0:  # DeepSpeed leaves its recovery script beside the tags
+            script = Path(save_dir) / "zero_to_fp32.py"
+            write_synced(script.with_name(script.name + ".partial"), RECOVERY_SCRIPT)
+            os.replace(script.with_name(script.name + ".partial"), script)
+        if not save_latest:
+            self.world.barrier("save_checkpoint(save_latest=False)")  # no rank reads `latest` before it is put back
+        return True
+
+    def load_checkpoint(self, load_dir: str | os.PathLike, tag: str | None = None, load_module_strict: bool = True,
+                        load_optimizer_states: bool = True, load_lr_scheduler_states: bool = True,
+                        load_module_only: bool = False, custom_load_fn: Any = None) -> tuple[str | None, dict | None]:
+        """Resume from `load_dir/tag` (tag None: the one `latest` names); returns
+        (checkpoint directory, client_state), or (None, None) with a warning when there
+        is no `latest` to follow, as DeepSpeed does. As in DeepSpeed, the random number
+        generators keep their state (shardwise's own load_checkpoint restores the saved
+        one), so a script that seeds and then resumes draws what it drew under DeepSpeed.
+
+        `load_optimizer_states=False` loads the weights and keeps this engine's optimizer
+        state; `load_module_only=True` loads only the weights; `load_module_strict=False`
+        loads into a model with more or fewer tensors (those missing keep their values;
+        restoring the optimizer state then needs every trained parameter in the
+        checkpoint). A `custom_load_fn` is refused: it would receive DeepSpeed's own
+        checkpoint layout."""
+        if custom_load_fn is not None:
+            raise ValueError(f"load_checkpoint(custom_load_fn) is not supported: {PARTIAL_LOAD_REFUSED}")
+        if tag is None and not (Path(load_dir) / LATEST).is_file():
+            log.warning("load_checkpoint: no file %s: nothing loaded; pass tag= to load a particular checkpoint",
+                        Path(load_dir) / LATEST)
+            return None, None
+        scheduler_state = None
+        if not load_lr_scheduler_states and self.lr_scheduler is not None:
+            scheduler_state = self.lr_scheduler.state_dict()
+        random_state = capture_rng_state(self.device)
+        client_state = super().load_checkpoint(load_dir, tag, optimizer_states=load_optimizer_states,
+                                               module_only=load_module_only, strict=load_module_strict)
+        restore_rng_state(random_state, self.device)  # DeepSpeed leaves the random generators alone
+        if scheduler_state is not None:
+            self.lr_scheduler.load_state_dict(scheduler_state)
+        directory = Path(load_dir) / (tag if tag is not None else (Path(load_dir) / LATEST).read_text().strip())
+        return str(directory), client_state
+
+    # -- DeepSpeed's PipelineEngine ----------------------------------------------------------
+    def set_dataiterator(self, iterator: Any) -> None:
+        """The iterator `train_batch()` / `eval_batch()` pull micro-batches from when given none."""
+        self._data_iterator = iterator
+
+    def train_batch(self, data_iter: Any = None, loss_fn: Any = None) -> torch.Tensor:
+        """One global batch (gradient_accumulation_steps micro-batches) and one optimizer
+        step; without `data_iter`, from `set_dataiterator`'s iterator or, as DeepSpeed does,
+        from the loader `initialize` built from `training_data`, restarted when it ends."""
+        data_iter = self._micro_batches(data_iter, "train_batch")
+        if self.pipeline is not None:
+            return super().train_batch(data_iter, loss_fn)
+        return self._sequential_batch(data_iter, loss_fn, train=True)
+
+    def eval_batch(self, data_iter: Any = None, loss_fn: Any = None) -> torch.Tensor:
+        data_iter = self._micro_batches(data_iter, "eval_batch")
+        if self.pipeline is not None:
+            return super().eval_batch(data_iter, loss_fn)
+        return self._sequential_batch(data_iter, loss_fn, train=False)
+
+    def _micro_batches(self, data_iter: Any, call: str) -> Any:
+        if data_iter is not None:
+            return data_iter
+        if getattr(self, "_data_iterator", None) is None and self.training_dataloader is not None:
+            self._data_iterator = iter(RepeatingLoader(self.training_dataloader))
+        if getattr(self, "_data_iterator", None) is None:
+            raise ValueError(f"engine.{call}() without data_iter needs training_data passed to deepspeed.initialize "
+                             "or engine.set_dataiterator(iterator)")
+        return self._data_iterator
+
+    def _sequential_batch(self, data_iter: Any, loss_fn: Any, train: bool) -> torch.Tensor:
+        """A PipelineModule with one stage: DeepSpeed still trains it with train_batch; here
+        that is gradient accumulation over the same micro-batches."""
+        loss_fn = loss_fn if loss_fn is not None else getattr(self.module, "loss_fn", None)
+        if not isinstance(self.module, SequentialStages):
+            raise RuntimeError("engine.train_batch() runs a pipeline: pass a PipelineModule (or set "
+                               "pipeline_parallel.size > 1), or train with engine(batch), engine.backward(loss) "
+                               "and engine.step()")
+        was_training = self.module.training
+        self.module.train(train and was_training)
+        losses = []
+        try:
+            for _ in range(self.gradient_accumulation_steps):
+                inputs, labels = next(data_iter)
+                inputs, labels = to_device((inputs, labels), self.device)
+                with torch.enable_grad() if train else torch.no_grad():
+                    output = self(inputs)
+                    loss = output if loss_fn is None else loss_fn(output, labels)
+                if train:
+                    self.backward(loss)
+                    self.step()
+                losses.append(loss.detach().float())
+        finally:
+            self.module.train(was_training)
+        mean = torch.stack(losses).mean().reshape(1).double().cpu()
+        self.comm.control_all_reduce(mean, "the batch's loss over the data-parallel group")
+        return (mean / self.comm.size)[0].float()

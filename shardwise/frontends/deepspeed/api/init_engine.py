@@ -1,0 +1,178 @@
+"""`deepspeed.initialize`: DeepSpeed's entry point, resolved into shardwise's engine.
+
+What DeepSpeed does with each argument, and what this does:
+- the config comes from `config` (or its old name `config_params`), else from
+  `args.deepspeed_config` (or the deprecated `args.deepscale_config`); both at once is
+  an error, as in DeepSpeed;
+- an `optimizer` passed in (an instance, or a callable taking the parameters) wins over
+  the config's `optimizer` block, and an `lr_scheduler` over its `scheduler` block; the
+  block is dropped with a warning (shardwise.initialize would refuse the pair);
+- `model_parameters` (parameters, or param-group dicts with their own hyper-parameters)
+  are what the config's optimizer trains, in those groups;
+- `training_data` becomes a loader of micro-batches, each rank reading its own share
+  of every epoch (DeepSpeed's DistributedSampler: shuffled with seed 0, the same order
+  every epoch unless the script calls `loader.sampler.set_epoch`), through `collate_fn`;
+- `args.local_rank` is set to this process's LOCAL_RANK.
+It returns (engine, optimizer, training_dataloader, lr_scheduler): the optimizer is the
+torch optimizer that steps this rank's fp32 partition (the one passed in, re-pointed).
+With no optimizer (none passed, no `optimizer` block), the engine runs forward only, as
+DeepSpeed-Chat's and OpenRLHF's reference and reward models use it, and the optimizer
+returned is None (zero/trainable.py: `evaluated_parameters`).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from typing import Any, Callable, Iterable
+
+import torch
+from torch import nn
+from torch.utils.data import DataLoader, Dataset, DistributedSampler, IterableDataset
+
+from shardwise.frontends.deepspeed.api.comm import DEFAULT_PORT, init_distributed
+from shardwise.frontends.deepspeed.api.engine import DeepSpeedEngine
+from shardwise.frontends.deepspeed.api.pipe import PipelineModule
+from shardwise.frontends.deepspeed.config import load_config, read_config
+from shardwise.runtime.engine_arguments import hidden_size
+from shardwise.runtime.optim import build_optimizer
+
+log = logging.getLogger("shardwise")
+
+
+def initialize(
+    args: Any = None,
+    model: nn.Module | None = None,
+    optimizer: torch.optim.Optimizer | Callable[..., torch.optim.Optimizer] | None = None,
+    model_parameters: Iterable[Any] | None = None,
+    training_data: Dataset | None = None,
+    lr_scheduler: Any = None,
+    distributed_port: int = DEFAULT_PORT,
+    mpu: Any = None,
+    dist_init_required: bool | None = None,
+    collate_fn: Callable | None = None,
+    config: dict | str | os.PathLike | None = None,
+    mesh_param: Any = None,
+    config_params: dict | str | os.PathLike | None = None,
+) -> tuple[DeepSpeedEngine, torch.optim.Optimizer, DataLoader | None, Any]:
+    """DeepSpeed's `initialize` (see the module docstring for each argument)."""
+    if model is None:
+        raise ValueError("deepspeed.initialize requires a model")
+    if mpu is not None or mesh_param is not None:
+        raise ValueError("deepspeed.initialize(mpu=... / mesh_param=...) is not supported: shardwise builds its "
+                         "model-parallel groups from the config's tensor_parallel, sequence_parallel and "
+                         "pipeline_parallel blocks")
+    raw = read_config(_choose_config(args, config if config is not None else config_params))
+    init_distributed(distributed_port=distributed_port, dist_init_required=dist_init_required)
+    _align_local_rank(args)
+    if optimizer is not None and not isinstance(optimizer, torch.optim.Optimizer):
+        optimizer = optimizer(list(model_parameters if model_parameters is not None else model.parameters()))
+    _drop_overridden(raw, "optimizer", optimizer)
+    _drop_overridden(raw, "scheduler", lr_scheduler)
+    _pipeline_block(raw, model)
+    auto_values = {"scheduler.params.warmup_max_lr": optimizer.defaults["lr"]} if optimizer is not None else {}
+    world_size = torch.distributed.get_world_size()
+    cfg = load_config(raw, world_size=world_size, hidden_size=hidden_size(model), auto_values=auto_values)
+    if optimizer is None and cfg.optimizer is not None and model_parameters is not None:
+        groups = _param_groups(model, model_parameters)
+        if not _all_trainable_in_one_group(model, groups):  # else the engine builds the same from the config
+            optimizer = build_optimizer(groups, cfg.optimizer)
+            cfg = cfg.model_copy(update={"optimizer": None})
+    engine = DeepSpeedEngine(model, cfg, optimizer, lr_scheduler)
+    if training_data is not None:
+        engine.training_dataloader = _data_loader(engine, training_data, collate_fn)
+    return engine, _clearing_model_gradients(engine), engine.training_dataloader, engine.lr_scheduler
+
+
+def _pipeline_block(raw: dict, model: nn.Module) -> None:
+    """A PipelineModule sets the number of stages (and how to split), as in DeepSpeed,
+    where the config has no pipeline size of its own."""
+    if not isinstance(model, PipelineModule):
+        return
+    wanted = model.pipeline_config()
+    block = raw.setdefault("pipeline_parallel", {})
+    if block.get("size", wanted["size"]) != wanted["size"]:
+        raise ValueError(f"pipeline_parallel.size {block['size']} in the config, but the PipelineModule has "
+                         f"num_stages={wanted['size']}: remove the config's size or make them equal")
+    for key, value in wanted.items():
+        block.setdefault(key, value)
+
+
+def _clearing_model_gradients(engine: DeepSpeedEngine) -> torch.optim.Optimizer | None:
+    """The torch optimizer over this rank's fp32 partition, whose `zero_grad()` also clears
+    the model's gradients: a script's `optimizer.zero_grad()` means that, as on DeepSpeed's
+    optimizer and on a plain torch optimizer over the model (a GAN clears the other
+    model's gradients with it). The engine never calls it; it drops master gradients itself."""
+    if engine.optimizer is None:  # no optimizer given: a forward-only engine, None as in DeepSpeed
+        return None
+    optimizer = engine.optimizer.optimizer
+    clear_masters = optimizer.zero_grad
+
+    def zero_grad(set_to_none: bool = True) -> None:
+        clear_masters(set_to_none)
+        engine.module.zero_grad(set_to_none)
+
+    optimizer.zero_grad = zero_grad
+    return optimizer
+
+
+def _choose_config(args: Any, config: Any) -> Any:
+    if getattr(args, "deepscale_config", None) is not None:
+        log.warning("--deepscale_config is deprecated: use --deepspeed_config")
+        if getattr(args, "deepspeed_config", None) is not None:
+            raise ValueError("both --deepscale_config and --deepspeed_config are given: keep --deepspeed_config")
+        args.deepspeed_config, args.deepscale_config = args.deepscale_config, None
+    from_args = getattr(args, "deepspeed_config", None)
+    if from_args is not None and config is not None:
+        raise ValueError(f"two configs: --deepspeed_config {from_args} and the config passed to "
+                         "deepspeed.initialize(config=...); give one of them")
+    chosen = config if config is not None else from_args
+    if chosen is None:
+        raise ValueError("deepspeed.initialize needs a config: pass config=... or run the script with "
+                         "--deepspeed_config ds_config.json (after deepspeed.add_config_arguments(parser))")
+    return chosen
+
+
+def _align_local_rank(args: Any) -> None:
+    """DeepSpeed overwrites args.local_rank with LOCAL_RANK, after checking they agree."""
+    local_rank = int(os.environ.get("LOCAL_RANK", 0))
+    given = getattr(args, "local_rank", None)
+    if given is not None and given >= 0 and given != local_rank:
+        raise ValueError(f"args.local_rank is {given} but this process's LOCAL_RANK is {local_rank}: pass the "
+                         "--local_rank the launcher gives, or none")
+    if args is not None and hasattr(args, "local_rank"):
+        args.local_rank = local_rank
+
+
+def _drop_overridden(raw: dict, block: str, passed: Any) -> None:
+    if passed is not None and block in raw:
+        del raw[block]
+        log.warning("deepspeed.initialize: the %s passed in is used; the config's '%s' block is ignored",
+                    "optimizer" if block == "optimizer" else "lr_scheduler", block)
+
+
+def _param_groups(model: nn.Module, model_parameters: Iterable[Any] | None) -> list[dict[str, Any]]:
+    """`model_parameters` as param groups: a list of dicts (kept), or of tensors (one
+    group); None: every trainable parameter of the model."""
+    items = list(model_parameters) if model_parameters is not None else [p for p in model.parameters() if p.requires_grad]
+    if items and all(isinstance(item, dict) for item in items):
+        return [dict(group, params=list(group["params"])) for group in items]
+    if any(isinstance(item, dict) for item in items):
+        raise ValueError("model_parameters mixes param-group dicts and tensors: give one kind")
+    return [{"params": items}]
+
+
+def _all_trainable_in_one_group(model: nn.Module, groups: list[dict[str, Any]]) -> bool:
+    trainable = [id(param) for param in model.parameters() if param.requires_grad]
+    return len(groups) == 1 and set(groups[0]) == {"params"} and [id(p) for p in groups[0]["params"]] == trainable
+
+
+def _data_loader(engine: DeepSpeedEngine, dataset: Dataset, collate_fn: Callable | None) -> DataLoader:
+    if isinstance(dataset, IterableDataset) or not hasattr(dataset, "__len__"):
+        raise ValueError("training_data must be a map-style torch Dataset (with __len__ and __getitem__), as "
+                         "DeepSpeed's loader samples it by index; build a DataLoader for an iterable dataset "
+                         "yourself")
+    replicas = engine.comm  # the data-parallel ranks: each reads its own share
+    sampler = DistributedSampler(dataset, num_replicas=replicas.size, rank=replicas.rank)
+    return DataLoader(dataset, batch_size=engine.train_micro_batch_size_per_gpu(), sampler=sampler,
+                      collate_fn=collate_fn)

@@ -1,0 +1,212 @@
+"""Checks that need the whole validated config: capabilities shardwise has not built yet,
+and settings that are each valid but contradict one another.
+
+Blocks for later capabilities are part of the schema so that a DeepSpeed config naming
+them with everything switched off loads unchanged; only values that would switch such
+a capability on are refused, each with the key that does it.
+"""
+
+from shardwise.frontends.deepspeed.config.schema import OffloadConfig, ShardwiseConfig
+
+
+def find_unsupported(cfg: ShardwiseConfig) -> list[str]:
+    """One line per setting that asks for a capability shardwise does not have yet."""
+    problems = []
+    if cfg.fp16.auto_cast:
+        problems.append("fp16.auto_cast true is not supported yet: the model's own forward chooses dtypes")
+    return problems
+
+
+def find_contradictions(
+    cfg: ShardwiseConfig, batch_known: bool = True, data_parallel_size: int | None = None
+) -> list[str]:
+    """One line per pair of settings that cannot both hold, with the values involved.
+    `batch_known` False skips the checks against batch sizes that could not be resolved;
+    `data_parallel_size` None skips those against the data-parallel size."""
+    problems = []
+    shard = cfg.zero_optimization.mics_shard_size
+    if shard != -1 and cfg.zero_optimization.stage == 0:
+        problems.append(
+            f"zero_optimization.mics_shard_size {shard} needs zero_optimization.stage 1, 2 or 3: "
+            "stage 0 shards nothing, so there is no shard group to size"
+        )
+    elif shard != -1 and data_parallel_size is not None and data_parallel_size % shard:
+        problems.append(
+            f"zero_optimization.mics_shard_size {shard} does not divide the data-parallel size "
+            f"{data_parallel_size}: states are replicated over {data_parallel_size} / {shard} groups"
+        )
+    problems += _offload_contradictions(cfg)
+    if cfg.fp16.enabled and cfg.bf16.enabled:
+        problems.append("fp16.enabled and bf16.enabled are both true: choose one training precision")
+    for name in ("offload_optimizer", "offload_param"):
+        offload: OffloadConfig = getattr(cfg.zero_optimization, name)
+        if offload.device == "nvme" and not offload.nvme_path:
+            problems.append(
+                f"zero_optimization.{name}.device is 'nvme' but zero_optimization.{name}.nvme_path is not set"
+            )
+    problems += _sequence_parallel_contradictions(cfg)
+    problems += _onebit_contradictions(cfg)
+    problems += _activation_contradictions(cfg)
+    problems += _pipeline_contradictions(cfg, batch_known)
+    problems += _compile_contradictions(cfg)
+    micro_batches = cfg.pipeline_parallel.micro_batches
+    if batch_known and micro_batches != cfg.gradient_accumulation_steps:
+        problems.append(
+            f"pipeline_parallel.micro_batches {micro_batches} != gradient_accumulation_steps "
+            f"{cfg.gradient_accumulation_steps}: a pipeline step runs one micro-batch per accumulation step"
+        )
+    return problems
+
+
+def _offload_contradictions(cfg: ShardwiseConfig) -> list[str]:
+    """Offload needs partitioned states: optimizer offload a stage >= 1, parameter offload
+    stage 3 (and an offloaded optimizer, since the parameters' masters live beside it)."""
+    zero = cfg.zero_optimization
+    optimizer, param = zero.offload_optimizer.device, zero.offload_param.device
+    problems = []
+    if optimizer != "none" and zero.stage == 0:
+        problems.append(f"zero_optimization.offload_optimizer.device '{optimizer}' needs zero_optimization.stage "
+                        "1, 2 or 3: stage 0 keeps the whole optimizer state on every rank")
+    if param != "none" and zero.stage != 3:
+        problems.append(f"zero_optimization.offload_param.device '{param}' needs zero_optimization.stage 3: "
+                        f"stage {zero.stage} keeps the whole model on every rank's device")
+    elif param != "none" and optimizer == "none":
+        problems.append(f"zero_optimization.offload_param.device '{param}' needs "
+                        "zero_optimization.offload_optimizer.device set as well: the parameters' fp32 masters "
+                        "and their optimizer step live with the optimizer")
+    ratio = zero.offload_optimizer.ratio
+    if ratio < 1 and param != "none":
+        problems.append(f"zero_optimization.offload_optimizer.ratio {ratio} with zero_optimization.offload_param."
+                        f"device '{param}' is not supported: the part updated on the device trains the parameter "
+                        "shards in place, which then must stay on the device; offload the whole optimizer (ratio "
+                        "1.0) or keep the parameters on the device")
+    if optimizer != "none" and zero.mics_shard_size != -1:
+        problems.append("zero_optimization.mics_shard_size with an offloaded optimizer is not supported: the "
+                        "all-reduce across replica groups would run on host memory; use one or the other")
+    return problems
+
+
+def _onebit_contradictions(cfg: ShardwiseConfig) -> list[str]:
+    """1-bit Adam / LAMB exchange every rank's momentum of the whole model themselves
+    (optim/onebit.py): stages 0-2, one exchange group, the momentum on the device."""
+    if cfg.optimizer is None or cfg.optimizer.type not in ("OneBitAdam", "OneBitLamb"):
+        return []
+    name, problems, zero = cfg.optimizer.type, [], cfg.zero_optimization
+    if zero.stage == 3:
+        problems.append(f"optimizer.type '{name}' runs at zero_optimization.stage 0, 1 or 2, not 3: after "
+                        "freeze_step each rank folds its whole local gradient into the whole model's momentum and "
+                        "keeps a whole error-feedback buffer (10 bytes per parameter with 16-bit gradients, more "
+                        "than stage 3 saves by partitioning the 2-byte parameters), and stage 3 frees each "
+                        "module's gathered parameters when its gradients are reduced, which that phase never does; "
+                        "use stage 2 (masters, variance and server error partitioned)")
+    if zero.stage in (1, 2) and zero.mics_shard_size != -1:
+        problems.append(f"optimizer.type '{name}' with zero_optimization.mics_shard_size is not supported: the "
+                        "compressed momentum exchange runs over the shard group alone, and replicas would need a "
+                        "second exchange; leave mics_shard_size at -1")
+    if zero.offload_optimizer.device != "none":
+        problems.append(f"optimizer.type '{name}' with zero_optimization.offload_optimizer.device "
+                        f"'{zero.offload_optimizer.device}' is not supported: every step folds the whole momentum "
+                        "and exchanges it on the device; leave offload_optimizer.device 'none'")
+    parallel = {"tensor_parallel.size": cfg.tensor_parallel.size, "sequence_parallel.size": cfg.sequence_parallel.size,
+                "pipeline_parallel.size": cfg.pipeline_parallel.size}
+    for key, size in parallel.items():
+        if size > 1:
+            problems.append(f"optimizer.type '{name}' with {key} {size} is not supported yet: the compressed "
+                            "momentum exchange is built for data parallelism alone; use Adam/AdamW or size 1")
+    return problems
+
+
+def _sequence_parallel_contradictions(cfg: ShardwiseConfig) -> list[str]:
+    """Megatron sequence parallelism splits the sequence over the tensor group, so it needs
+    one and no sequence group of its own; Ulysses splits over the sequence group."""
+    tensor, sequence = cfg.tensor_parallel, cfg.sequence_parallel
+    megatron = tensor.sequence_parallel or sequence.mode == "megatron"
+    problems = []
+    if tensor.sequence_parallel and sequence.mode == "ulysses" and sequence.size > 1:
+        problems.append(f"tensor_parallel.sequence_parallel (Megatron) and sequence_parallel.mode 'ulysses' with "
+                        f"sequence_parallel.size {sequence.size} are both set: choose one sequence parallelism")
+    elif megatron and sequence.size > 1:
+        problems.append(f"sequence_parallel.size {sequence.size} with Megatron sequence parallelism: it splits the "
+                        "sequence over the tensor group (tensor_parallel.size), so leave sequence_parallel.size at 1")
+    if tensor.sequence_parallel and tensor.size == 1:
+        problems.append("tensor_parallel.sequence_parallel needs tensor_parallel.size > 1: Megatron sequence "
+                        "parallelism splits the sequence over the tensor group")
+    return problems
+
+
+def _pipeline_contradictions(cfg: ShardwiseConfig, batch_known: bool) -> list[str]:
+    """Schedule, virtual stages, split points and what pipeline parallelism composes with."""
+    pipe = cfg.pipeline_parallel
+    problems = []
+    if pipe.schedule == "interleaved" and pipe.virtual_stages < 2:
+        problems.append("pipeline_parallel.schedule 'interleaved' needs pipeline_parallel.virtual_stages >= 2 "
+                        "(model chunks per rank); with one chunk use schedule '1f1b'")
+    if pipe.virtual_stages > 1 and pipe.schedule != "interleaved":
+        problems.append(f"pipeline_parallel.virtual_stages {pipe.virtual_stages} needs pipeline_parallel.schedule "
+                        f"'interleaved': schedule '{pipe.schedule}' runs one chunk per rank")
+    if pipe.split_points is not None and len(pipe.split_points) != pipe.size * pipe.virtual_stages - 1:
+        problems.append(f"pipeline_parallel.split_points has {len(pipe.split_points)} entries: give "
+                        f"size x virtual_stages - 1 = {pipe.size * pipe.virtual_stages - 1} (the first layer of "
+                        "every stage after the first)")
+    if pipe.size == 1:
+        return problems
+    if batch_known and pipe.schedule == "interleaved" and (pipe.micro_batches or 0) % pipe.size:
+        problems.append(f"pipeline_parallel.micro_batches {pipe.micro_batches} is not a multiple of "
+                        f"pipeline_parallel.size {pipe.size}: the interleaved schedule moves micro-batches through "
+                        "the chunks in groups of size; raise gradient_accumulation_steps to a multiple")
+    if cfg.zero_optimization.stage == 3:
+        problems.append(f"zero_optimization.stage 3 with pipeline_parallel.size {pipe.size} is not supported: "
+                        "stage 3 gathers parameters for one forward and then its backward, which the pipeline "
+                        "schedules interleave across micro-batches; use zero_optimization.stage 1 or 2")
+    megatron = cfg.tensor_parallel.sequence_parallel or cfg.sequence_parallel.mode == "megatron"
+    if cfg.sequence_parallel.size > 1 or (megatron and cfg.tensor_parallel.size > 1):
+        problems.append(f"sequence parallelism with pipeline_parallel.size {pipe.size} is not supported yet: the "
+                        "stages exchange whole-sequence hidden states; use tensor parallelism without "
+                        "sequence_parallel, or pipeline_parallel.size 1")
+    return problems
+
+
+def _activation_contradictions(cfg: ShardwiseConfig) -> list[str]:
+    """`every_k` belongs to the every_k policy; Pa splits whole layer inputs over the tensor
+    group, which Megatron sequence parallelism has already split; a √n segment runs several
+    layers from its first, which the per-layer hooks of sequence parallelism do not expect."""
+    block = cfg.activation_checkpointing
+    tensor, sequence = cfg.tensor_parallel, cfg.sequence_parallel
+    megatron = tensor.sequence_parallel or sequence.mode == "megatron"
+    problems = []
+    if block.every_k != type(block).model_fields["every_k"].default and block.policy != "every_k":
+        problems.append(f"activation_checkpointing.every_k {block.every_k} only applies to policy 'every_k', but "
+                        f"activation_checkpointing.policy is '{block.policy}': set the policy to 'every_k' or "
+                        "remove every_k")
+    if block.partition_activations and megatron and tensor.size > 1:
+        problems.append("activation_checkpointing.partition_activations with Megatron sequence parallelism "
+                        "(tensor_parallel.sequence_parallel): the layer inputs are already split over the tensor "
+                        "group; leave partition_activations off")
+    if block.policy == "sqrt" and (sequence.size > 1 or (megatron and tensor.size > 1)):
+        problems.append("activation_checkpointing.policy 'sqrt' with sequence parallelism is not supported: its "
+                        "segments run several layers at once, past the per-layer sequence hooks; use 'full', "
+                        "'every_k' or 'selective'")
+    return problems
+
+
+CUDA_GRAPH_MODES = ("reduce-overhead", "max-autotune")  # torch.compile modes that turn Inductor's CUDA graphs on
+
+
+def _compile_contradictions(cfg: ShardwiseConfig) -> list[str]:
+    """CUDA graphs replay kernels on the addresses they were captured with, and ZeRO-3
+    frees each module's gathered parameters after use and gathers them into storage
+    allocated anew: a replay would read freed memory, or another tensor's."""
+    block = cfg.compile
+    if not block.enabled or cfg.zero_optimization.stage != 3:
+        return []
+    mode = block.kwargs.get("mode", block.mode)
+    asks = [f"compile.mode '{mode}'"] if mode in CUDA_GRAPH_MODES else []
+    options = block.kwargs.get("options") or {}
+    asks += [f"compile.kwargs.options['{key}'] {value!r}" for key, value in options.items()
+             if key.split(".")[-1] == "cudagraphs" and value]
+    if block.backend == "cudagraphs":
+        asks.append("compile.backend 'cudagraphs'")
+    return [f"{ask} uses CUDA graphs, which zero_optimization.stage 3 cannot run: a graph replays kernels on the "
+            "addresses it captured, and stage 3 frees each module's parameters after use and gathers them into "
+            "newly allocated storage; use compile.mode 'max-autotune-no-cudagraphs' or 'default' (no CUDA graph "
+            "options), or zero_optimization.stage 2 or lower" for ask in asks]

@@ -1,0 +1,251 @@
+"""Which keys a config may contain, and what to tell the user about the others.
+
+A key is one of: supported (a field of the schema), an older DeepSpeed name for a
+supported key (renamed), a DeepSpeed key that changes nothing shardwise computes or is
+switched off (accepted, or translated to shardwise's key: deepspeed_keys.py), a comment,
+a DeepSpeed key shardwise does not implement (rejected by name, so the user knows it was
+understood), or unknown (most likely a typo: rejected with the closest supported key at
+the same level). The lists of DeepSpeed keys come
+from deepspeed/runtime/constants.py, runtime/config.py and the section models under
+deepspeed/runtime; they name what DeepSpeed accepts, not what it documents.
+"""
+
+import copy
+import difflib
+import json
+import logging
+import math
+from collections.abc import Iterable, Mapping
+from typing import Any, NamedTuple
+
+from pydantic import BaseModel
+
+from shardwise.frontends.deepspeed.config.deepspeed_keys import (
+    AcceptedWhen,
+    KeyRule,
+    Translated,
+    classification_rows,
+    is_comment,
+    rule_for,
+)
+from shardwise.frontends.deepspeed.config.defaults_table import section_model
+from shardwise.frontends.deepspeed.config.errors import join_key
+from shardwise.frontends.deepspeed.config.fields import Section
+from shardwise.frontends.deepspeed.config.params import (
+    DEEPSPEED_OPTIMIZERS_UNSUPPORTED,
+    DEEPSPEED_SCHEDULERS_UNSUPPORTED,
+    OPTIMIZER_PARAMS,
+    OPTIMIZERS_NOT_YET,
+    SCHEDULER_PARAMS,
+)
+from shardwise.frontends.deepspeed.config.schema import OptimizerConfig, SchedulerConfig, ShardwiseConfig
+
+log = logging.getLogger("shardwise")
+COUNT_SUFFIXES = ("_size", "_threshold", "_parameters", "_distance")
+
+# Older names DeepSpeed still accepts. The zero_optimization ones are its pydantic field
+# names, which it accepts beside the stage3_-prefixed aliases.
+ALIASES: dict[str, dict[str, str]] = {
+    "": {"bfloat16": "bf16"},
+    "zero_optimization": {
+        "stage3_gather_fp16_weights_on_model_save": "stage3_gather_16bit_weights_on_model_save",
+        "gather_16bit_weights_on_model_save": "stage3_gather_16bit_weights_on_model_save",
+        "prefetch_bucket_size": "stage3_prefetch_bucket_size",
+        "param_persistence_threshold": "stage3_param_persistence_threshold",
+        "max_live_parameters": "stage3_max_live_parameters",
+        "max_reuse_distance": "stage3_max_reuse_distance",
+    },
+}
+
+DEEPSPEED_KEYS_NOT_SUPPORTED: dict[str, frozenset[str]] = {
+    "": frozenset({
+        "expert_parallel", "gradient_allreduce_op", "managed_gradient_accumulation",
+        "use_data_before_expert_parallelism", "vocabulary_size",
+    }),
+    "optimizer.params": frozenset({"max_grad_norm"}),
+    "tensor_parallel": frozenset({
+        "keep_module_on_host", "partition_config", "preset_model", "replace_with_kernel_inject",
+        "tp", "tp_overlap_comm",
+    }),
+}
+
+# Where shardwise has the capability under another key, say which.
+KEY_HINTS: dict[str, str] = {
+    "optimizer.params.max_grad_norm": "use the top-level 'gradient_clipping' (DeepSpeed rejects it too)",
+}
+
+
+def deepspeed_key_table() -> list[tuple[str, str, str]]:
+    """(dotted key, treatment, why) for every DeepSpeed key without a schema field: the
+    accepted and translated ones, then those still rejected (docs/reference/config.md's table)."""
+    rows = classification_rows()
+    for path, keys in DEEPSPEED_KEYS_NOT_SUPPORTED.items():
+        for key in sorted(keys):
+            full = join_key(path, key)
+            rows.append((full, "rejected: not supported yet", KEY_HINTS.get(full, "")))
+    return rows
+
+
+class _TypedBlock(NamedTuple):
+    """A block whose `params` keys depend on its `type`, with the types it cannot have."""
+
+    model: type[BaseModel]
+    params_by_type: dict[str, type[Section]]
+    types_not_yet: tuple[str, ...]
+    deepspeed_types_unsupported: tuple[str, ...]
+
+
+_TYPED_BLOCKS = {
+    "optimizer": _TypedBlock(OptimizerConfig, OPTIMIZER_PARAMS, OPTIMIZERS_NOT_YET, DEEPSPEED_OPTIMIZERS_UNSUPPORTED),
+    "scheduler": _TypedBlock(SchedulerConfig, SCHEDULER_PARAMS, (), DEEPSPEED_SCHEDULERS_UNSUPPORTED),
+}
+
+
+def expand_dotted_keys(raw: Mapping[str, Any]) -> dict[str, Any]:
+    """A top-level key written as a path ("zero_optimization.reduce_bucket_size", as TRL's
+    `prepare_deepspeed` adds for its reference model) set at that path, over the nested
+    value: what its writer meant (DeepSpeed itself skips such keys; they only size
+    buckets and prefetching, never change results). An element count given there as a
+    product with a fraction (TRL's 0.9·h² prefetch size) is rounded down. A path whose
+    parent is not a block stays as written, for check_keys to report."""
+    expanded = copy.deepcopy(dict(raw))
+    blocks = {name for name, field in ShardwiseConfig.model_fields.items() if section_model(field.annotation)}
+    for key in [key for key in raw if isinstance(key, str) and key.split(".")[0] in blocks and "." in key]:
+        *parents, leaf = key.split(".")
+        block = expanded
+        for name in parents:
+            block = block.setdefault(name, {}) if isinstance(block.get(name, {}), dict) else None
+            if block is None:
+                break
+        if block is not None:
+            value = expanded.pop(key)
+            counts = isinstance(value, float) and leaf.endswith(COUNT_SUFFIXES) and math.isfinite(value)
+            block[leaf] = math.floor(value) if counts else value
+            log.info("config key '%s' read as that path", key)
+    return expanded
+
+
+def check_keys(raw: Mapping[str, Any], problems: list[str]) -> dict[str, Any]:
+    """A copy of `raw` holding only supported keys under their current names; every other key
+    becomes a line in `problems`. Sections given as null count as absent, as in DeepSpeed."""
+    return _check_section(raw, ShardwiseConfig, "", problems)
+
+
+def _check_section(
+    raw: Mapping[str, Any], model: type[BaseModel], path: str, problems: list[str]
+) -> dict[str, Any]:
+    aliases = ALIASES.get(path, {})
+    cleaned: dict[str, Any] = {}
+    translations: dict[str, tuple[str, Any]] = {}
+    for key, value in raw.items():
+        name = aliases.get(key, key)
+        if name != key and name in raw:
+            problems.append(
+                f"'{join_key(path, key)}' and '{join_key(path, name)}' are both set; "
+                f"'{key}' is DeepSpeed's other name for '{name}', keep one"
+            )
+        elif name in model.model_fields:
+            checked = _check_value(value, model, name, join_key(path, name), problems)
+            if checked is not None or section_model(model.model_fields[name].annotation) is None:
+                cleaned[name] = checked
+        elif rule_for(path, key) is not None:
+            translations.update(_apply_rule(rule_for(path, key), key, value, path, problems))
+        elif not is_comment(key, path):
+            problems.append(_describe_unsupported(key, model, path))
+    _merge_translations(cleaned, translations, path, problems)
+    return cleaned
+
+
+def _apply_rule(rule: KeyRule, key: str, value: Any, path: str, problems: list[str]) -> dict[str, Any]:
+    """Accept, refuse or translate a DeepSpeed key without a schema field (deepspeed_keys.py)."""
+    full = join_key(path, key)
+    if isinstance(rule, AcceptedWhen) and not rule.harmless(value):
+        if isinstance(value, Mapping) and "enabled" in value:
+            full, value = f"{full}.enabled", value["enabled"]
+        problems.append(f"'{full}' {json.dumps(value)} is not supported: {rule.why_not} "
+                        f"(accepted: {rule.harmless_doc})")
+    elif isinstance(rule, Translated):
+        converted = rule.convert(value)
+        if isinstance(converted, str):
+            problems.append(f"'{full}' {converted}")
+            return {}
+        return {target: (full, setting) for target, setting in converted.items()}
+    return {}
+
+
+def _merge_translations(cleaned: dict[str, Any], translations: dict[str, tuple[str, Any]], path: str,
+                        problems: list[str]) -> None:
+    """Move translated values to shardwise's keys unless the config also sets those keys."""
+    for dotted, (source, value) in translations.items():
+        *parents, leaf = dotted.split(".")
+        node = cleaned
+        for part in parents:
+            node = node.setdefault(part, {})
+        if leaf in node and node[leaf] != value:
+            problems.append(f"'{source}' asks for {join_key(path, dotted)} {json.dumps(value)} but "
+                            f"'{join_key(path, dotted)}' is {json.dumps(node[leaf])}; keep one")
+        else:
+            node[leaf] = value
+
+
+def _check_value(value: Any, model: type[BaseModel], name: str, path: str, problems: list[str]) -> Any:
+    if not isinstance(value, Mapping):
+        return value
+    if path in _TYPED_BLOCKS:
+        return _check_typed_block(value, path, problems)
+    nested = section_model(model.model_fields[name].annotation)
+    return _check_section(value, nested, path, problems) if nested is not None else value
+
+
+def _check_typed_block(raw: Mapping[str, Any], path: str, problems: list[str]) -> dict[str, Any] | None:
+    """optimizer / scheduler: the valid `params` keys depend on `type`, so resolve `type` first.
+    A type shardwise cannot build drops the whole block after reporting it."""
+    block = _TYPED_BLOCKS[path]
+    cleaned = _check_section(raw, block.model, path, problems)
+    given = cleaned.get("type")
+    if not isinstance(given, str):
+        return cleaned
+    canonical = _canonical_type(given, block.params_by_type)
+    if canonical is None:
+        problems.append(_describe_bad_type(given, path, block))
+        return None
+    cleaned["type"] = canonical
+    if isinstance(cleaned.get("params"), Mapping):
+        params_model = block.params_by_type[canonical]
+        cleaned["params"] = _check_section(cleaned["params"], params_model, f"{path}.params", problems)
+    return cleaned
+
+
+def _canonical_type(given: str, names: Iterable[str]) -> str | None:
+    """DeepSpeed matches its own optimizer names case-insensitively; shardwise does so for all."""
+    return next((name for name in names if name.lower() == given.lower()), None)
+
+
+def _describe_bad_type(given: str, path: str, block: _TypedBlock) -> str:
+    choices = ", ".join(block.params_by_type)
+    if _canonical_type(given, block.types_not_yet) is not None:
+        return f"{path}.type '{given}' is not supported yet: use one of {choices}"
+    if _canonical_type(given, block.deepspeed_types_unsupported) is not None:
+        return f"{path}.type '{given}' is a DeepSpeed {path} that shardwise does not support yet: use one of {choices}"
+    closest = _closest(given, list(block.params_by_type))
+    if closest:
+        return f"{path}.type '{given}' is unknown; did you mean '{closest}'? (choices: {choices})"
+    return f"{path}.type '{given}' is unknown; use one of {choices}"
+
+
+def _describe_unsupported(key: str, model: type[BaseModel], path: str) -> str:
+    full = join_key(path, key)
+    if key in DEEPSPEED_KEYS_NOT_SUPPORTED.get(path, frozenset()):
+        hint = KEY_HINTS.get(full)
+        return f"'{full}' is a DeepSpeed key that shardwise does not support yet" + (f": {hint}" if hint else "")
+    closest = _closest(key, list(model.model_fields))
+    if closest:
+        return f"unknown key '{full}'; did you mean '{join_key(path, closest)}'?"
+    where = f"in '{path}'" if path else "at the top level"
+    return f"unknown key '{full}'; the keys accepted {where} are: {', '.join(model.model_fields)}"
+
+
+def _closest(key: str, choices: list[str]) -> str | None:
+    by_lower = {choice.lower(): choice for choice in choices}
+    matches = difflib.get_close_matches(key.lower(), list(by_lower), n=1, cutoff=0.6)
+    return by_lower[matches[0]] if matches else None

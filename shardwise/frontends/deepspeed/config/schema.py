@@ -1,0 +1,407 @@
+"""The configuration schema: DeepSpeed's JSON keys, resolved, with DeepSpeed's defaults.
+
+Defaults follow DeepSpeed's code, not its documentation where the two disagree:
+deepspeed/runtime/zero/config.py and zero/offload_config.py (ZeRO and offload),
+runtime/precision_config.py and runtime/constants.py (fp16, bf16, batch, clipping),
+runtime/activation_checkpointing/config.py, runtime/swap_tensor/constants.py (aio),
+monitor/config.py (tensorboard) and runtime/lr_schedules.py (schedulers, in params.py).
+`steps_per_print` keeps DeepSpeed's long-standing 10 although its newest code
+defaults to None (never print), because shardwise's progress output needs a period.
+
+These models describe a config that is already resolved: `load_config` turns
+"auto" into values, derives the batch sizes and reports every problem at once,
+so build configs through it rather than by instantiating these classes.
+"""
+
+import math
+from typing import Any, Literal
+
+from pydantic import Field, field_validator, model_validator
+
+from shardwise.frontends.deepspeed.config.fields import Bool, Float, Int, Section
+from shardwise.runtime.optim.registry import constructor_kwargs, torch_class_name
+
+# fp16's largest finite value is 65504, just under 2**16.
+FP16_MAX_EXPONENT = 16
+# 2**64 already overflows fp16 gradients for ~48 steps; fp32 itself ends near 2**128.
+MAX_INITIAL_SCALE_POWER = 64
+
+
+class Fp16Config(Section):
+    """fp16 mixed precision; `loss_scale` 0 selects dynamic loss scaling."""
+
+    enabled: Bool = False
+    auto_cast: Bool = False
+    loss_scale: Float = Field(0.0, ge=0)
+    initial_scale_power: Int = Field(16, ge=0)
+    loss_scale_window: Int = Field(1000, ge=1)
+    hysteresis: Int = Field(2, ge=1)
+    consecutive_hysteresis: Bool = False
+    min_loss_scale: Float = Field(1.0, gt=0)
+
+    @field_validator("initial_scale_power")
+    @classmethod
+    def _bounded_scale_power(cls, power: int) -> int:
+        """A scale far above what fp16 gradients hold is not an error DeepSpeed reports: it
+        costs one skipped step per halving, silently, and past 2**1023 Python cannot even
+        compute it. The bound keeps the cost of a poor guess to a few dozen steps."""
+        if power > MAX_INITIAL_SCALE_POWER:
+            raise ValueError(
+                f"{power} is above {MAX_INITIAL_SCALE_POWER}: the loss is multiplied by 2**{power} in fp32, "
+                f"and fp16 gradients overflow above 2**{FP16_MAX_EXPONENT}, so every step overflows and is skipped, "
+                "each overflow halving the scale once (after fp16.hysteresis overflows are tolerated): about "
+                f"{power - FP16_MAX_EXPONENT} steps would be skipped before the first update. Use at most "
+                f"{MAX_INITIAL_SCALE_POWER} (DeepSpeed's default is 16)"
+            )
+        return power
+
+
+class Bf16Config(Section):
+    """bf16 mixed precision; needs no loss scaling thanks to fp32's exponent range."""
+
+    enabled: Bool = False
+
+
+class OffloadConfig(Section):
+    """Where a ZeRO partition lives between uses; "none" keeps it on the accelerator.
+    `pin_memory`, as in DeepSpeed: the host buffers of the offloaded state are page-locked
+    (optimizer offload: the fp32 masters, the gradient partition and the staging buffers
+    reduced gradients are copied into; parameter offload: the host shards), so copies
+    between device and host run asynchronously; it applies only when CUDA is available."""
+
+    device: Literal["none", "cpu", "nvme"] = "none"
+    nvme_path: str | None = None
+    pin_memory: Bool = False
+
+
+class OffloadOptimizerConfig(OffloadConfig):
+    """Optimizer-state offload; 4 buffers hold Adam's parameter, gradient and two moments.
+    `ratio`: the fraction of the partition offloaded (ZeRO-Offload++ Twin-Flow); the rest
+    stays on the device and is updated there (offload/split_store.py)."""
+
+    buffer_count: Int = Field(4, ge=0)
+    ratio: Float = Field(1.0, ge=0, le=1)
+
+
+class OffloadParamConfig(OffloadConfig):
+    """Parameter offload (stage 3), whose NVMe buffer pool DeepSpeed sizes at 5 by default.
+    With NVMe, at most `buffer_count` x `buffer_size` elements of shards are in host
+    memory at once (offload/param_home.py); a buffer must hold the largest shard."""
+
+    buffer_count: Int = Field(5, ge=0)
+    buffer_size: Int = Field(100_000_000, ge=1)
+
+
+class ZeroConfig(Section):
+    """ZeRO stage and its bucket, prefetch and persistence sizes (in elements, not bytes)."""
+
+    stage: Int = 0
+    overlap_comm: Bool | None = Field(None, json_schema_extra={"default_doc": "true for stage 3, else false"})
+    contiguous_gradients: Bool = True
+    reduce_scatter: Bool = True
+    reduce_bucket_size: Int = 500_000_000
+    allgather_partitions: Bool = True
+    allgather_bucket_size: Int = 500_000_000
+    stage3_prefetch_bucket_size: Int = Field(50_000_000, ge=0)
+    stage3_param_persistence_threshold: Int = Field(100_000, ge=0)
+    stage3_max_live_parameters: Int = Field(1_000_000_000, ge=0)
+    stage3_max_reuse_distance: Int = Field(1_000_000_000, ge=0)
+    stage3_gather_16bit_weights_on_model_save: Bool = False
+    sub_group_size: Int = Field(1_000_000_000, ge=0)
+    mics_shard_size: Int = Field(
+        -1, json_schema_extra={"default_doc": "-1 (off: states sharded over the whole data-parallel group)"}
+    )
+    offload_optimizer: OffloadOptimizerConfig = Field(default_factory=OffloadOptimizerConfig)
+    offload_param: OffloadParamConfig = Field(default_factory=OffloadParamConfig)
+
+    @field_validator("stage")
+    @classmethod
+    def _known_stage(cls, stage: int) -> int:
+        if stage not in (0, 1, 2, 3):
+            raise ValueError(f"{stage} is not a ZeRO stage: use 0, 1, 2 or 3")
+        return stage
+
+    @field_validator("mics_shard_size")
+    @classmethod
+    def _shard_size(cls, size: int) -> int:
+        if size != -1 and size < 1:
+            raise ValueError(f"{size} is not a shard-group size: use a positive number of ranks, or -1 for off")
+        return size
+
+    @field_validator("reduce_bucket_size", "allgather_bucket_size")
+    @classmethod
+    def _positive_bucket(cls, size: int) -> int:
+        if size <= 0:
+            raise ValueError(f"bucket size {size} must be a positive number of elements")
+        return size
+
+    @model_validator(mode="after")
+    def _resolve_overlap_comm(self) -> "ZeroConfig":
+        """DeepSpeed leaves overlap_comm unset so that only stage 3 overlaps by default."""
+        if self.overlap_comm is None:
+            self.overlap_comm = self.stage == 3
+        return self
+
+
+class OptimizerConfig(Section):
+    """An optimizer built from the config; `params` holds every accepted key, defaults filled in."""
+
+    type: Literal["Adam", "AdamW", "SGD", "Lamb", "Lars", "Adafactor", "Adam8bit", "AdamW8bit", "Muon",
+                  "OneBitAdam", "OneBitLamb"]
+    params: dict[str, Any] = Field(default_factory=dict)
+
+    @property
+    def torch_class_name(self) -> str:
+        """The `torch.optim` class to build: DeepSpeed's Adam decouples weight decay unless told not to."""
+        return torch_class_name(self.type, self.params)
+
+    def torch_kwargs(self) -> dict[str, Any]:
+        """`params` minus the keys that select the class rather than configure it."""
+        return constructor_kwargs(self.params)
+
+
+class SchedulerConfig(Section):
+    """A learning-rate schedule stepped once per optimizer step."""
+
+    type: Literal["WarmupLR", "WarmupDecayLR", "WarmupCosineLR"]
+    params: dict[str, Any] = Field(default_factory=dict)
+
+
+class ActivationCheckpointingConfig(Section):
+    """DeepSpeed's activation-checkpointing switches, plus shardwise's `policy` (which layers
+    are recomputed: none / full / every_k with `every_k` / selective / sqrt, see
+    shardwise/runtime/activation/policy.py). DeepSpeed's switches say where checkpoints live (Pa,
+    CPU, contiguous buffer); without a policy they only configure deepspeed.checkpointing."""
+
+    partition_activations: Bool = False
+    cpu_checkpointing: Bool = False
+    contiguous_memory_optimization: Bool = False
+    number_checkpoints: Int | None = Field(None, ge=1)
+    synchronize_checkpoint_boundary: Bool = False
+    profile: Bool = False
+    policy: Literal["none", "full", "every_k", "selective", "sqrt"] = "none"
+    every_k: Int = Field(2, ge=1)
+
+
+class AioConfig(Section):
+    """Asynchronous NVMe I/O for ZeRO-Infinity; absent unless the config has an `aio` block."""
+
+    block_size: Int = Field(1_048_576, ge=1)
+    queue_depth: Int = Field(8, ge=1)
+    thread_count: Int = Field(1, ge=1)
+    single_submit: Bool = False
+    overlap_events: Bool = True
+
+
+class TensorParallelConfig(Section):
+    """shardwise addition: size of the tensor-parallel group. `sequence_parallel` is
+    Megatron's flag (the same as sequence_parallel.mode "megatron"); `plan` maps module-name
+    patterns to styles for architectures without a built-in plan (parallel/tensor/styles.py)."""
+
+    size: Int = Field(1, ge=1)
+    sequence_parallel: Bool = False
+    plan: dict[str, str] | None = None
+
+
+class SequenceParallelConfig(Section):
+    """shardwise addition. `size` matters to Ulysses (Megatron-style SP reuses the TP group),
+    hence Ulysses is the default mode."""
+
+    size: Int = Field(1, ge=1)
+    mode: Literal["megatron", "ulysses"] = "ulysses"
+
+
+class PipelineParallelConfig(Section):
+    """shardwise addition. A pipeline step runs one micro-batch per accumulation step,
+    as in DeepSpeed, so `micro_batches` defaults to gradient_accumulation_steps.
+    `virtual_stages` chunks per rank are for the interleaved schedule; layers are split
+    by `partition` (balanced by parameter count, by forward + backward time measured on a
+    synthetic micro-batch of `profile_seq_len` tokens, or uniform) unless `split_points`
+    gives the first layer index of every stage after the first."""
+
+    size: Int = Field(1, ge=1)
+    schedule: Literal["gpipe", "1f1b", "interleaved"] = "1f1b"
+    micro_batches: Int | None = Field(None, ge=1, json_schema_extra={"default_doc": "gradient_accumulation_steps"})
+    virtual_stages: Int = Field(1, ge=1)
+    partition: Literal["parameters", "uniform", "time"] = "parameters"
+    split_points: list[Int] | None = None
+    profile_seq_len: Int = Field(512, ge=1)
+
+
+class TensorBoardConfig(Section):
+    """TensorBoard event files, written under output_path/job_name."""
+
+    enabled: Bool = False
+    output_path: str = ""
+    job_name: str = "DeepSpeedJobName"
+
+
+class CompileConfig(Section):
+    """shardwise addition: `torch.compile` per block, in the apply stage's compile slot.
+    Also reads DeepSpeed's spelling of the block (runtime/compiler.py): `kwargs` passed to
+    `torch.compile`, and `deepcompile` (newer DeepSpeed), accepted when false. `fused_ops`
+    swaps in shardwise.runtime.ops' fused kernels (norms, bias+GeLU, SwiGLU, linear+cross-entropy)."""
+
+    enabled: Bool = False
+    mode: Literal["default", "reduce-overhead", "max-autotune", "max-autotune-no-cudagraphs"] | None = None
+    backend: str = "inductor"
+    kwargs: dict[str, Any] = Field(default_factory=dict)
+    fused_ops: Bool = False
+    deepcompile: Bool = False
+
+    @field_validator("deepcompile")
+    @classmethod
+    def _no_deepcompile(cls, value: bool) -> bool:
+        if value:
+            raise ValueError("true asks for DeepSpeed's own ZeRO graph passes, which shardwise does not have: set it "
+                             "false and use compile.enabled true (torch.compile per block, beside shardwise's ZeRO)")
+        return value
+
+    @model_validator(mode="after")
+    def _known_kwargs(self) -> "CompileConfig":
+        allowed = {"fullgraph", "dynamic", "mode", "options", "disable"}
+        unknown = sorted(set(self.kwargs) - allowed)
+        if unknown:
+            raise ValueError(f"compile.kwargs {unknown} are not torch.compile arguments shardwise passes on "
+                             f"(accepted: {sorted(allowed)}; the backend is compile.backend)")
+        if "mode" in self.kwargs and self.mode is not None and self.kwargs["mode"] != self.mode:
+            raise ValueError(f"compile.mode {self.mode!r} and compile.kwargs.mode {self.kwargs['mode']!r} differ: keep one")
+        return self
+
+
+# The keys DeepSpeed's runtime/config.py reads for each sparse_attention mode, plus `attention`
+# for bigbird and bslongformer, whose layout classes take it though DeepSpeed's reader drops it.
+SPARSE_ATTENTION_KEYS: dict[str, frozenset[str]] = {
+    "dense": frozenset({"block"}),
+    "fixed": frozenset({"block", "different_layout_per_head", "num_local_blocks", "num_global_blocks", "attention",
+                        "horizontal_global_attention", "num_different_global_patterns"}),
+    "variable": frozenset({"block", "different_layout_per_head", "num_random_blocks", "local_window_blocks",
+                           "global_block_indices", "global_block_end_indices", "attention",
+                           "horizontal_global_attention"}),
+    "bigbird": frozenset({"block", "different_layout_per_head", "num_random_blocks", "num_sliding_window_blocks",
+                          "num_global_blocks", "attention"}),
+    "bslongformer": frozenset({"block", "different_layout_per_head", "num_sliding_window_blocks",
+                               "global_block_indices", "global_block_end_indices", "attention"}),
+}
+
+
+class SparseAttentionConfig(Section):
+    """DeepSpeed's `sparse_attention` block: a block-sparse layout for every attention
+    layer (shardwise.runtime.ops.sparse_attention), defaults from DeepSpeed's runtime/constants.py.
+    DeepSpeed ignores the keys a mode does not read; shardwise names them as errors."""
+
+    mode: Literal["dense", "fixed", "variable", "bigbird", "bslongformer"] = "fixed"
+    block: Int = Field(16, ge=1)
+    different_layout_per_head: Bool = False
+    num_local_blocks: Int = Field(4, ge=1)
+    num_global_blocks: Int = Field(1, ge=1)
+    attention: Literal["unidirectional", "bidirectional"] = "bidirectional"
+    horizontal_global_attention: Bool = False
+    num_different_global_patterns: Int = Field(1, ge=1)
+    num_random_blocks: Int = Field(0, ge=0)
+    local_window_blocks: list[Int] = Field(default_factory=lambda: [4])
+    global_block_indices: list[Int] = Field(default_factory=lambda: [0])
+    global_block_end_indices: list[Int] | None = None
+    num_sliding_window_blocks: Int = Field(3, ge=1)
+
+    @model_validator(mode="after")
+    def _keys_of_the_mode(self) -> "SparseAttentionConfig":
+        unused = sorted(self.model_fields_set - SPARSE_ATTENTION_KEYS[self.mode] - {"mode"})
+        if unused:
+            raise ValueError(f"sparse_attention.mode {self.mode!r} does not use {unused} (DeepSpeed ignores them): "
+                             f"remove them; this mode reads {sorted(SPARSE_ATTENTION_KEYS[self.mode])}")
+        # The layout class's own checks, reported with the config's other problems; imported
+        # here so that torch loads only for configs with a sparse_attention block.
+        from shardwise.runtime.ops.sparse_attention.from_config import sparsity_config
+
+        sparsity_config(self, num_heads=1)
+        return self
+
+
+_COMMUNICATION_DTYPES = {
+    "fp32": "fp32", "float32": "fp32",
+    "fp16": "fp16", "float16": "fp16",
+    "bf16": "bf16", "bfloat16": "bf16", "bfp16": "bf16",
+}
+
+
+class ShardwiseConfig(Section):
+    """A whole training config with DeepSpeed's key names, every value resolved."""
+
+    train_batch_size: Int = Field(
+        ge=1,
+        json_schema_extra={
+            "default_doc": "train_micro_batch_size_per_gpu x gradient_accumulation_steps x data-parallel size"
+        },
+    )
+    train_micro_batch_size_per_gpu: Int = Field(
+        ge=1,
+        json_schema_extra={"default_doc": "train_batch_size / (gradient_accumulation_steps x data-parallel size)"},
+    )
+    gradient_accumulation_steps: Int = Field(
+        ge=1,
+        json_schema_extra={
+            "default_doc": "1, or train_batch_size / (train_micro_batch_size_per_gpu x data-parallel size)"
+        },
+    )
+    gradient_clipping: Float = 0.0
+    max_consecutive_skipped_steps: Int = Field(
+        3,
+        ge=0,
+        description="shardwise addition: stop with an error after this many consecutive optimizer "
+        "steps skipped for non-finite gradients that loss scaling cannot explain",
+    )
+    steps_per_print: Int = Field(10, ge=1)
+    dataloader_drop_last: Bool = Field(
+        False, description="for the data loader built by compat.deepspeed.initialize(training_data=...)"
+    )
+    seed: Int | None = Field(None, ge=0)
+    optimizer: OptimizerConfig | None = None
+    scheduler: SchedulerConfig | None = None
+    fp16: Fp16Config = Field(default_factory=Fp16Config)
+    bf16: Bf16Config = Field(default_factory=Bf16Config)
+    communication_data_type: Literal["fp32", "fp16", "bf16"] | None = Field(
+        None, json_schema_extra={"default_doc": "the gradients' dtype"}
+    )
+    zero_optimization: ZeroConfig = Field(default_factory=ZeroConfig)
+    activation_checkpointing: ActivationCheckpointingConfig = Field(default_factory=ActivationCheckpointingConfig)
+    aio: AioConfig | None = None
+    tensor_parallel: TensorParallelConfig = Field(default_factory=TensorParallelConfig)
+    sequence_parallel: SequenceParallelConfig = Field(default_factory=SequenceParallelConfig)
+    pipeline_parallel: PipelineParallelConfig = Field(default_factory=PipelineParallelConfig)
+    tensorboard: TensorBoardConfig = Field(default_factory=TensorBoardConfig)
+    compile: CompileConfig = Field(default_factory=CompileConfig)
+    sparse_attention: SparseAttentionConfig | None = None
+
+    @field_validator("gradient_clipping", mode="before")
+    @classmethod
+    def _finite_clipping(cls, max_norm: Any) -> Any:
+        """A NaN norm silently switches clipping off (every comparison with NaN is false) and
+        Infinity does the same under another name; 0 is the one spelling of "no clipping"."""
+        if isinstance(max_norm, float) and not math.isfinite(max_norm):
+            raise ValueError(
+                f"{max_norm} is not a finite gradient norm: give a maximum norm such as 1.0, or 0 to disable clipping"
+            )
+        return max_norm
+
+    @field_validator("gradient_clipping")
+    @classmethod
+    def _non_negative_clipping(cls, max_norm: float) -> float:
+        if max_norm < 0:
+            raise ValueError(f"{max_norm} is negative: give a maximum gradient norm, or 0 to disable clipping")
+        return max_norm
+
+    @field_validator("communication_data_type", mode="before")
+    @classmethod
+    def _normalise_dtype(cls, name: Any) -> Any:
+        if not isinstance(name, str):
+            return name
+        if name.lower() not in _COMMUNICATION_DTYPES:
+            raise ValueError(f"{name!r} is not a communication data type: use fp32, fp16 or bf16")
+        return _COMMUNICATION_DTYPES[name.lower()]
+
+    @model_validator(mode="after")
+    def _resolve_micro_batches(self) -> "ShardwiseConfig":
+        if self.pipeline_parallel.micro_batches is None:
+            self.pipeline_parallel.micro_batches = self.gradient_accumulation_steps
+        return self

@@ -1,6 +1,0 @@
-"""Integrations with other training frameworks.
-
-`shardwise.integrations.transformers.ShardwiseTrainer`: Hugging Face's `Trainer` training
-through a shardwise engine (needs the `transformers` extra). Nothing is imported here, so
-`import shardwise` never pulls in `transformers`.
-"""

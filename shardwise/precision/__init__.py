@@ -1,3 +1,0 @@
-from shardwise.precision.loss_scaler import LossScaler
-
-__all__ = ["LossScaler"]

@@ -1,0 +1,261 @@
+"""`engine.load_checkpoint`: resume from a checkpoint written at any world size and stage.
+
+Each rank reads the element ranges it owns *now* (pieces.py), from whichever saved
+pieces hold them (index.py), straight into its fp32 master chunk and into freshly built
+per-element optimizer state, so the optimizer state is re-partitioned rather than lost.
+The torch optimizer's state is then installed through its own `load_state_dict`, which
+applies torch's rules for each state's device and dtype (e.g. where `step` lives for
+fused or capturable Adam). Finally the live parameters are refreshed from the masters:
+the low-precision copy is rewritten and the updated chunks are all-gathered, as after a
+step.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import os
+from itertools import chain, groupby
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from shardwise.runtime.checkpoint.format import (
+    FORMAT_VERSION,
+    META,
+    VALUE,
+    CheckpointError,
+    rank_json,
+    read_json,
+)
+from shardwise.runtime.checkpoint.index import PieceIndex
+from shardwise.runtime.checkpoint.manifest import check_file, read_manifest, resolve_tag
+from shardwise.runtime.checkpoint.pieces import (
+    describe_whole_model,
+    frozen_owned,
+    module_extras,
+    owned_runs,
+    tensor_shards,
+)
+from shardwise.runtime.checkpoint.safetensors_io import DTYPES
+from shardwise.runtime.checkpoint.state import decode_value, restore_rng_state
+
+log = logging.getLogger("shardwise")
+
+
+def load_checkpoint(engine: Any, load_dir: str | os.PathLike, tag: str | None = None,
+                    optimizer_states: bool = True, module_only: bool = False, strict: bool = True) -> dict:
+    """Restore everything `save_checkpoint` wrote (tag None: the one `latest` names) and
+    return the saved client_state. Collective: every rank calls it.
+
+    Ranks beyond the saved world size keep their own RNG state; the others get theirs back.
+    `optimizer_states` False restores the weights (the fp32 masters) but keeps this
+    engine's optimizer state; `module_only` also keeps its schedule, counters, loss scale
+    and random state: a fine-tuning run that starts from a trained model (DeepSpeed's
+    `load_optimizer_states=False` and `load_module_only=True`).
+
+    `strict` False (DeepSpeed's `load_module_strict=False`, torch's `strict=False`): the
+    model's tensors the checkpoint lacks keep their current values and the checkpoint's
+    tensors the model lacks are skipped, both named in a warning; a shape that differs
+    is still an error. The optimizer state then cannot be restored whole (the new
+    tensors would share a step count they never took), so a load that lacks any of the
+    model's trained parameters must keep this engine's state (`optimizer_states` False).
+
+    An engine without an optimizer takes the weights only (as `module_only`), into the
+    parameters it holds.
+    """
+    directory = resolve_tag(Path(load_dir), tag)
+    verify_checkpoint(engine, directory)
+    meta = read_json(directory / META)
+    if meta.get("format") != FORMAT_VERSION:
+        raise CheckpointError(f"{directory / META} has format {meta.get('format')!r}; "
+                              f"this shardwise reads format {FORMAT_VERSION}")
+    records = [read_json(directory / rank_json(rank)) for rank in range(meta["world_size"])]
+    with PieceIndex(directory, records) as index:
+        module_only = module_only or not engine.trains  # an engine without an optimizer takes the weights
+        absent = check_model(engine, meta, index, strict, optimizer_states and not module_only)
+        engine.zero.release_gathered()  # forwards must gather the loaded values
+        if engine.trains:
+            _load_trained(engine, index, meta, records, optimizer_states and not module_only, absent)
+        with torch.no_grad():
+            for name, tensor in module_extras(engine):
+                if name in absent:
+                    continue
+                tensor.copy_(index.read(name, VALUE, 0, tensor.numel(), tensor.dtype).view(tensor.shape))
+            shards = tensor_shards(engine.module)
+            for name, low, high, values in frozen_owned(engine):  # into this rank's shards (stage 3)
+                if name in absent:
+                    continue
+                for start, stop, at in owned_runs(low, high, shards.get(name)):
+                    index.read_into(name, VALUE, start, values[at : at + stop - start])
+    engine.zero.refresh_from_masters()
+    if module_only:
+        return meta["client_state"]
+
+    if engine.lr_scheduler is not None and meta["lr_scheduler"] is not None:
+        engine.lr_scheduler.load_state_dict(decode_value(meta["lr_scheduler"]))
+    if engine.loss_scaler.dynamic and meta["loss_scaler"] is not None:
+        engine.loss_scaler.load_state_dict(meta["loss_scaler"])
+    counters = meta["counters"]
+    engine.global_steps = counters["global_steps"]
+    engine.micro_steps = _first_micro_step(engine, counters)
+    engine.skipped_steps = counters["skipped_steps"]
+    if engine.rank < len(records):
+        restore_rng_state(records[engine.rank]["rng"], engine.device)
+    return meta["client_state"]
+
+
+def _first_micro_step(engine: Any, counters: dict) -> int:
+    """Resume at the start of an accumulation window of the *current* accumulation: a
+    world size that changes `gradient_accumulation_steps` for the same global batch would
+    otherwise put the window boundaries where the saved run had them, and the first
+    update would apply a partial window. A checkpoint saved inside a window holds none of
+    that window's gradients: its micro-batches are run again, which is said once."""
+    saved_accumulation = counters.get("gradient_accumulation_steps")
+    into_window = counters["micro_steps"] % saved_accumulation if saved_accumulation else 0
+    if into_window and engine.rank == 0:
+        log.warning("shardwise: the checkpoint was saved %d micro-batch(es) into an accumulation window; "
+                    "their gradients are not in it, so training resumes at the start of that window",
+                    into_window)
+    return engine.global_steps * engine.gradient_accumulation_steps
+
+
+def verify_checkpoint(engine: Any, directory: Path) -> None:
+    """Check every file against the manifest before anything is read. The files are
+    split over the ranks; the first failure (by file order) is reported on every rank."""
+    files = read_manifest(directory)
+    names = sorted(files)
+    first_bad = len(names)
+    for position in range(engine.rank, len(names), engine.world_size):
+        if check_file(directory, names[position], files[names[position]]) is not None:
+            first_bad = position
+            break
+    flag = torch.tensor([first_bad], dtype=torch.int64, device=engine.device)
+    engine.world.control_all_reduce(flag, "checkpoint verification", op=dist.ReduceOp.MIN)
+    if flag.item() < len(names):
+        name = names[flag.item()]
+        raise CheckpointError(check_file(directory, name, files[name]) or f"checkpoint file "
+                              f"{directory / name} failed verification on another rank")
+
+
+def check_model(engine: Any, meta: dict, index: PieceIndex, strict: bool = True,
+                restoring_state: bool = False) -> set[str]:
+    """The checkpoint holds exactly the model's parameters and buffers, with its shapes
+    (`strict` False: a subset or superset of them, with its shapes, and when
+    `restoring_state` every trained parameter). Returns the names of the model's tensors
+    the checkpoint does not hold."""
+    saved = {entry["name"]: entry for entry in meta["parameters"] + meta["buffers"]}
+    current = describe_whole_model(engine)
+    wanted = [("parameter", entry) for entry in current["parameters"]]
+    wanted += [("buffer", entry) for entry in current["buffers"]]
+    absent = {entry["name"] for _, entry in wanted if entry["name"] not in saved}
+    known = {entry["name"] for _, entry in wanted}
+    unknown = [name for name in saved if name not in known]
+    if not strict:
+        trained_absent = sorted(entry["name"] for entry in current["parameters"]
+                                if entry["trainable"] and entry["name"] in absent)
+        if trained_absent and restoring_state:
+            raise CheckpointError(f"checkpoint {index.directory} lacks the model's trained parameter "
+                                  f"{trained_absent[0]}, so the optimizer state cannot be restored with it: "
+                                  "load the weights only (load_optimizer_states=False)")
+        if (absent or unknown) and engine.rank == 0:
+            log.warning("load_checkpoint(strict=False): %d tensor(s) of the model not in the checkpoint keep their "
+                        "values %s; %d tensor(s) of the checkpoint not in the model are skipped %s",
+                        len(absent), sorted(absent)[:5], len(unknown), unknown[:5])
+        wanted = [(kind, entry) for kind, entry in wanted if entry["name"] not in absent]
+        unknown = []
+    for kind, entry in wanted:
+        shape = tuple(entry["shape"])
+        if entry["name"] not in saved:
+            raise CheckpointError(f"the model's {kind} {entry['name']} (shape {shape}) is not in "
+                                  f"checkpoint {index.directory}")
+        saved_shape = tuple(saved[entry["name"]]["shape"])
+        if saved_shape != shape:
+            raise CheckpointError(f"{kind} {entry['name']} has shape {saved_shape} in checkpoint "
+                                  f"{index.directory} but shape {shape} in the model")
+    if unknown:
+        raise CheckpointError(f"checkpoint {index.directory} holds {unknown[0]} (shape "
+                              f"{tuple(saved[unknown[0]]['shape'])}), which the model does not have")
+    for _, entry in wanted:
+        index.check_complete(entry["name"], math.prod(entry["shape"]))
+    if not engine.trains:
+        return absent
+    saved_class = meta["optimizer"]["class"]
+    optimizer = engine.optimizer.optimizer
+    if saved_class != type(optimizer).__name__:
+        raise CheckpointError(f"checkpoint {index.directory} was trained with {saved_class}, "
+                              f"this engine uses {type(optimizer).__name__}")
+    saved_groups = len(meta["optimizer"]["param_groups"])
+    if saved_groups != len(optimizer.param_groups):
+        raise CheckpointError(f"checkpoint {index.directory} has {saved_groups} optimizer param "
+                              f"groups, this engine's optimizer has {len(optimizer.param_groups)}")
+    return absent
+
+
+def _load_trained(engine: Any, index: PieceIndex, meta: dict, records: list[dict], optimizer_states: bool,
+                  absent: set[str]) -> None:
+    """Fill the owned masters (but those of `absent` parameters) and (`optimizer_states`)
+    build the optimizer state of every owned segment."""
+    scalars, elements = _group_states(records) if optimizer_states else ({}, {})
+    if optimizer_states:
+        engine.optimizer.optimizer.state.clear()  # loading into a trained engine: not two copies
+    parts: dict[int, dict[str, torch.Tensor]] = {}
+    for segment in engine.optimizer.segments:
+        group = str(segment.group)
+        if group in scalars:
+            parts[id(segment)] = {
+                key: torch.zeros(segment.numel, dtype=DTYPES[dtype], device=segment.master.device)
+                for key, dtype in elements[group].items()
+            }
+    store = engine.zero.store
+    shards = tensor_shards(engine.module)
+    ranges = sorted(engine.zero.owned_ranges(), key=lambda owned: store.sub_group_index(owned.segment))
+    for sub_group, owned_in_group in groupby(ranges, key=lambda owned: store.sub_group_index(owned.segment)):
+        with store.resident(store.sub_groups[sub_group]):  # a paging store writes the masters back
+            for owned in owned_in_group:
+                if owned.name in absent:
+                    continue
+                for start, stop, at in owned_runs(owned.start, owned.stop, shards.get(owned.name)):
+                    index.read_into(owned.name, VALUE, start, owned.master[at : at + stop - start])
+                    for key, tensor in parts.get(id(owned.segment), {}).items():
+                        index.read_into(owned.name, key, start, owned.state_view(tensor)[at : at + stop - start])
+    if not optimizer_states:
+        return
+    codec = engine.zero.codec
+    states = {
+        id(segment): codec.decode(parts[id(segment)], {
+            key: decode_value(value) for key, value in scalars[str(segment.group)].items()})
+        for segment in engine.optimizer.segments if id(segment) in parts
+    }
+
+    optimizer = engine.optimizer.optimizer
+    position = {id(p): i for i, p in enumerate(chain.from_iterable(g["params"] for g in optimizer.param_groups))}
+    groups = []
+    for group, saved in zip(optimizer.param_groups, meta["optimizer"]["param_groups"]):
+        hyper = {key: value for key, value in group.items() if key != "params"}
+        hyper.update({key: decode_value(value) for key, value in saved.items()})
+        groups.append({**hyper, "params": [position[id(p)] for p in group["params"]]})
+    optimizer.load_state_dict({
+        "state": {position[id(s.master)]: states[id(s)] for s in engine.optimizer.segments if id(s) in states},
+        "param_groups": groups,
+    })
+    for sub_group in store.sub_groups:  # a paging store moves the new state into its pages
+        with store.resident(sub_group):
+            store.adopt_state(sub_group, optimizer.state)
+    engine.optimizer.record_state_bytes()
+
+
+def _group_states(records: list[dict]) -> tuple[dict[str, dict], dict[str, dict]]:
+    """Per param group: scalar state and per-element state dtypes (from any rank that
+    trained part of the group; they agree)."""
+    scalars: dict[str, dict] = {}
+    elements: dict[str, dict] = {}
+    for record in records:
+        for group, state in record["optimizer_groups"].items():
+            scalars.setdefault(group, state["scalars"])
+            elements.setdefault(group, state["elements"])
+    return scalars, elements
+
+

@@ -1,0 +1,376 @@
+"""Every collective the engine issues goes through a `Communicator`, one per group, for
+three reasons.
+
+1. Accounting (docs/formulas.md#the-ring-model, C6): each call adds the bytes this rank sends in a
+   bandwidth-optimal ring, per (group, operation), so `engine.comm_volume()` is measured,
+   not estimated: all-reduce of S bytes = 2S(N-1)/N, all-gather / reduce-scatter /
+   all-to-all of a full S = S(N-1)/N, with N the size of the group it runs in.
+2. Errors that say what went wrong: a failed or timed-out collective raises
+   `CollectiveError` naming the rank, the operation, what was being moved and the group
+   ("rank 0: reduce_scatter of gradients of unit 3 (layers.2.mlp) in the shard group
+   (ranks 0-1)"), and, when a connection was lost, which peer is gone.
+3. Overlap: every data collective is asynchronous and returns a `PendingCollective`;
+   the caller decides when to wait. With NCCL the work runs on the process group's own
+   communication stream and `wait()` only orders the current stream after it; with gloo
+   it runs on gloo's threads while the Python thread keeps computing.
+
+A communicator takes its rank and size from its group: rank r of a group is the r-th of
+its members, and that index is the chunk a rank owns, what `broadcast` sources name,
+and what errors report beside the global rank.
+
+Small synchronisation collectives (gradient norm, overflow flag, gather-order checks) run
+on the group's CPU-side gloo *control* group and are counted under "control", apart from
+the data volume the ZeRO formulas describe. Their own group means a check never queues
+behind a large in-flight gather, and on GPUs it needs no device synchronisation of its own.
+"""
+
+from __future__ import annotations
+
+import datetime
+import os
+import time
+import zlib
+from collections import Counter
+from dataclasses import dataclass, field
+
+import torch
+import torch.distributed as dist
+
+from shardwise.runtime.accounting import MemoryLedger
+from shardwise.runtime.distributed import point_to_point
+from shardwise.runtime.distributed.mesh import GroupHandle
+from shardwise.runtime.distributed.peers import PeerDirectory
+from shardwise.runtime.torch_compat import all_gather_single, reduce_scatter_single
+
+# Test-only (see `Communicator`): "1" makes groups of one issue their data collectives.
+COLLECTIVES_AT_SIZE_ONE_VARIABLE = "SHARDWISE_COLLECTIVES_AT_WORLD_SIZE_1"
+
+
+class CollectiveError(RuntimeError):
+    """A collective failed or timed out; the message names rank, operation, payload and group."""
+
+
+class MismatchedCallError(CollectiveError):
+    """Ranks entered different collective operations (e.g. one called save_checkpoint)."""
+
+
+def ring_bytes(op: str, full_bytes: int, world_size: int) -> int:
+    """Bytes one rank sends for `op` over a full tensor of `full_bytes`, ring algorithm."""
+    if world_size == 1:
+        return 0
+    share = full_bytes * (world_size - 1) // world_size
+    return 2 * share if op == "all_reduce" else share
+
+
+@dataclass
+class CommStats:
+    """Shared by all communicators of an engine: bytes per (group, operation) and the
+    seconds the training thread spent blocked waiting on collectives.
+
+    On an NCCL group `wait()` returns at once, having only ordered the current stream
+    after the collective, so host time says nothing there: while a step timer asks
+    (`device_waits` a list, not None) each wait of such a communicator (its control
+    collectives' too: the device idles while the host blocks in them) is bracketed by
+    CUDA events on the current stream, read when the timer reports
+    (profiling/step_timer.py)."""
+
+    volume: Counter = field(default_factory=Counter)
+    wait_seconds: float = 0.0
+    device_waits: list[tuple[torch.cuda.Event, torch.cuda.Event]] | None = None
+
+    def totals(self) -> dict[str, int]:
+        keys = ("all_reduce", "all_gather", "reduce_scatter", "all_to_all", "broadcast", "control")
+        totals = dict.fromkeys(keys, 0)
+        for (_, op), nbytes in self.volume.items():
+            totals[op] = totals.get(op, 0) + int(nbytes)
+        return totals
+
+    def by_group(self) -> dict[str, dict[str, int]]:
+        groups: dict[str, dict[str, int]] = {}
+        for (group, op), nbytes in sorted(self.volume.items()):
+            groups.setdefault(group, {})[op] = int(nbytes)
+        return groups
+
+
+@dataclass
+class PendingCollective:
+    """Handle to an in-flight collective; `wait()` re-raises failures with context."""
+
+    work: dist.Work | point_to_point.PointToPointWork | None
+    op: str
+    what: str
+    communicator: "Communicator"
+    started: float = field(default_factory=time.monotonic)
+
+    def wait(self, timeout: datetime.timedelta | None = None) -> None:
+        if self.work is None:
+            return
+        work, self.work = self.work, None
+        stats = self.communicator.stats
+        timed_on_device = stats.device_waits is not None and self.communicator.device_only
+        if timed_on_device:
+            stalled_from = torch.cuda.Event(enable_timing=True)
+            stalled_from.record()
+        blocked_from = time.perf_counter()
+        try:
+            finished = work.wait() if timeout is None else work.wait(timeout)
+            if finished is False:
+                raise RuntimeError(f"not finished within {timeout.total_seconds():g}s")
+        except Exception as error:  # gloo/NCCL raise RuntimeError subclasses
+            raise self.communicator.error(self.op, self.what, error, self.started) from error
+        finally:
+            stats.wait_seconds += time.perf_counter() - blocked_from
+            if timed_on_device:
+                stalled_until = torch.cuda.Event(enable_timing=True)
+                stalled_until.record()
+                stats.device_waits.append((stalled_from, stalled_until))
+
+
+class Communicator:
+    """Counted, error-naming collectives over one group of the mesh.
+
+    A group of one skips every collective: there is nothing to exchange. Test-only switch:
+    with SHARDWISE_COLLECTIVES_AT_WORLD_SIZE_1=1 in the environment when the communicator
+    is built, and a process group to run on (the group's own, or a default group of one),
+    a group of one still issues the real torch.distributed call of each data collective
+    (all-reduce, reduce-scatter, all-gather, all-to-all, broadcast), asynchronously, and
+    `wait()` waits on its handle. One GPU cannot host two NCCL ranks, so this is how a
+    single-GPU machine runs the NCCL call paths: in-place reduce-scatter and all-gather
+    into aliasing buffers, async handles, device tensors handed to NCCL. The results are
+    the same (a sum over one rank is the identity) and so is the accounting (a ring over
+    one rank sends nothing, and nothing is recorded). Control collectives stay skipped:
+    they run on gloo, which the multi-rank CPU tests cover. Never set it for training:
+    the calls only cost time.
+    """
+
+    def __init__(
+        self,
+        handle: GroupHandle,
+        stats: CommStats | None = None,
+        ledger: MemoryLedger | None = None,
+        peers: PeerDirectory | None = None,
+        global_rank: int | None = None,
+    ):
+        """`ledger` receives the receive buffers of gloo reduce-scatters as "buffers"."""
+        self.handle = handle
+        self.name = handle.purpose
+        self.group = handle.group
+        self.control_group = handle.control
+        self.rank = handle.rank
+        self.size = handle.size
+        self.global_rank = handle.ranks[handle.rank] if global_rank is None else global_rank
+        self.stats = stats if stats is not None else CommStats()
+        self.ledger = ledger if ledger is not None else MemoryLedger()
+        self.peers = peers
+        # gloo's own reduce-scatter / all-gather copy and all-reduce the whole input
+        self.point_to_point = self.size > 1 and dist.get_backend(self.group) == "gloo"
+        self._sequence = 0  # tags point-to-point collectives; advances alike on every rank
+        self.skips_collectives = self.size == 1 and not _issues_at_size_one(self.group)
+        # CUDA tensors only (also a group of one whose NCCL calls the test switch issues)
+        self.device_only = not self.skips_collectives and dist.get_backend(self.group) == "nccl"
+
+    @property
+    def world_size(self) -> int:
+        """The group's size (the name the ZeRO code reads as N)."""
+        return self.size
+
+    @property
+    def wait_seconds(self) -> float:
+        return self.stats.wait_seconds
+
+    def error(self, op: str, what: str, cause: BaseException, started: float) -> CollectiveError:
+        waited = time.monotonic() - started
+        lost = self.peers.describe_lost(self.handle.ranks, cause) if self.peers is not None else ""
+        return CollectiveError(
+            f"rank {self.global_rank}: {op} of {what} in the {self.handle.describe()} failed after "
+            f"{waited:.1f}s: {cause}{lost}. "
+            "If ranks run different modules or a different number of steps "
+            "(data-dependent branches, uneven data), their collectives no longer pair up."
+        )
+
+    def _require_device(self, op: str, what: str, *tensors: torch.Tensor) -> None:
+        """NCCL takes CUDA tensors only; anything else fails deep inside it, or hangs the
+        peers that did enter the collective. One attribute read when the group is gloo's."""
+        if self.device_only:
+            for tensor in tensors:
+                if tensor.device.type != "cuda":
+                    raise ValueError(
+                        f"rank {self.global_rank}: {op} of {what} in the {self.handle.describe()}: the group is "
+                        f"NCCL's, which moves CUDA tensors only, but this one is on {tensor.device}; move it to "
+                        "the device first (distributed/staging.py stages host tensors through it)"
+                    )
+
+    # -- accounting ---------------------------------------------------------------
+    def _count(self, op: str, nbytes: int, category: str | None = None) -> None:
+        if self.size == 1:  # a ring over one rank sends nothing (collectives issued by the test-only switch)
+            return
+        self.stats.volume[(self.name, category or op)] += ring_bytes(op, nbytes, self.size)
+
+    @staticmethod
+    def _bytes(tensor: torch.Tensor) -> int:
+        return tensor.numel() * tensor.element_size()
+
+    def _pending(self, work, op: str, what: str) -> PendingCollective:
+        return PendingCollective(work, op, what, self)
+
+    def _issue(self, op: str, what: str, start) -> PendingCollective:
+        """Start a collective; a failure at issue time is named like one at wait time."""
+        started = time.monotonic()
+        try:
+            return self._pending(start(), op, what)
+        except Exception as error:
+            raise self.error(op, what, error, started) from error
+
+    # -- data collectives -----------------------------------------------------------
+    def all_reduce(self, tensor: torch.Tensor, what: str) -> PendingCollective:
+        """Sum `tensor` in place over the group."""
+        if self.skips_collectives:
+            return self._pending(None, "all_reduce", what)
+        self._require_device("all_reduce", what, tensor)
+        self._count("all_reduce", self._bytes(tensor))
+        return self._issue("all_reduce", what, lambda: dist.all_reduce(tensor, group=self.group, async_op=True))
+
+    def reduce_scatter(self, output: torch.Tensor, full: torch.Tensor, what: str) -> PendingCollective:
+        """Sum `full` over the group; this rank receives chunk `rank` into `output`.
+
+        `output` may alias `full`'s own chunk (in place), which saves a buffer.
+        """
+        if self.skips_collectives:
+            if output.data_ptr() != full.data_ptr():
+                output.copy_(full)
+            return self._pending(None, "reduce_scatter", what)
+        self._require_device("reduce_scatter", what, output, full)
+        self._count("reduce_scatter", self._bytes(full))
+        if not self.point_to_point:
+            return self._issue("reduce_scatter", what,
+                               lambda: reduce_scatter_single(output, full, group=self.group, async_op=True))
+        receive_bytes = self._bytes(full) * (self.size - 1) // self.size
+        self.ledger.hold("buffers", receive_bytes)
+        return self._issue("reduce_scatter", what, lambda: point_to_point.reduce_scatter(
+            output, full, self.group, self.rank, self.size, self._next_tag(),
+            on_free=lambda nbytes: self.ledger.release("buffers", nbytes),
+        ))
+
+    def all_gather(self, full: torch.Tensor, shard: torch.Tensor, what: str) -> PendingCollective:
+        """Concatenate every rank's `shard` into `full` (`shard` may be `full`'s own chunk)."""
+        if self.skips_collectives:
+            if shard.data_ptr() != full.data_ptr():
+                full.copy_(shard)
+            return self._pending(None, "all_gather", what)
+        self._require_device("all_gather", what, full, shard)
+        if self.point_to_point:
+            return self.all_gather_pieces(list(full.chunk(self.size)), shard, what)
+        self._count("all_gather", self._bytes(full))
+        return self._issue("all_gather", what,
+                           lambda: all_gather_single(full, shard, group=self.group, async_op=True))
+
+    def all_gather_pieces(self, pieces: list[torch.Tensor], shard: torch.Tensor, what: str) -> PendingCollective:
+        """All-gather into `pieces[r]` (views anywhere) from each rank's `shard`."""
+        if self.skips_collectives:
+            if shard.data_ptr() != pieces[0].data_ptr():
+                pieces[0].copy_(shard)
+            return self._pending(None, "all_gather", what)
+        self._require_device("all_gather", what, shard, *pieces)
+        self._count("all_gather", sum(self._bytes(piece) for piece in pieces))
+        if self.point_to_point:
+            return self._issue("all_gather", what, lambda: point_to_point.all_gather(
+                pieces, shard, self.group, self.rank, self.size, self._next_tag()))
+        return self._issue("all_gather", what,
+                           lambda: dist.all_gather(pieces, shard, group=self.group, async_op=True))
+
+    def all_to_all(self, output: torch.Tensor, tensor: torch.Tensor, what: str) -> PendingCollective:
+        """Chunk r of `tensor` goes to rank r; chunk r of `output` comes from rank r
+        (Ulysses sequence parallelism, compressed communication)."""
+        if self.skips_collectives:
+            if output.data_ptr() != tensor.data_ptr():
+                output.copy_(tensor)
+            return self._pending(None, "all_to_all", what)
+        self._require_device("all_to_all", what, output, tensor)
+        self._count("all_to_all", self._bytes(tensor))
+        return self._issue("all_to_all", what,
+                           lambda: dist.all_to_all_single(output, tensor, group=self.group, async_op=True))
+
+    def broadcast(self, tensor: torch.Tensor, source: int, what: str) -> None:
+        """Copy group rank `source`'s `tensor` to every member (blocking)."""
+        if self.skips_collectives:
+            return
+        self._require_device("broadcast", what, tensor)
+        self._count("broadcast", self._bytes(tensor))
+        self._issue("broadcast", what, lambda: dist.broadcast(
+            tensor, group=self.group, group_src=source, async_op=True)).wait()
+
+    def _next_tag(self) -> int:
+        self._sequence = (self._sequence + 1) % (2**31 - 1)
+        return self._sequence
+
+    # -- control collectives ----------------------------------------------------------
+    def control_all_reduce(
+        self, tensor: torch.Tensor, what: str, op: dist.ReduceOp.RedOpType = dist.ReduceOp.SUM,
+        timeout: datetime.timedelta | None = None,
+    ) -> torch.Tensor:
+        """Blocking all-reduce of a small tensor (in place), counted under "control"."""
+        if self.size == 1:
+            return tensor
+        self._count("all_reduce", self._bytes(tensor), category="control")
+        on_cpu = tensor.cpu()
+        self._issue("all_reduce", what, lambda: dist.all_reduce(
+            on_cpu, op=op, group=self.control_group, async_op=True)).wait(timeout)
+        if on_cpu is not tensor:
+            tensor.copy_(on_cpu)
+        return tensor
+
+    def all_gather_control(self, output: torch.Tensor, tensor: torch.Tensor, what: str) -> None:
+        """Blocking all-gather of a small CPU tensor into `output`, counted under "control"."""
+        if self.size == 1:
+            output.copy_(tensor)
+            return
+        self._count("all_gather", self._bytes(output), category="control")
+        self._issue("all_gather", what, lambda: all_gather_single(
+            output, tensor, group=self.control_group, async_op=True)).wait()
+
+    def control_all_gather_object(self, value: object) -> list[object]:
+        """Every member's `value` (pickled): for error reports, never on the hot path."""
+        if self.size == 1:
+            return [value]
+        gathered: list[object] = [None] * self.size
+        dist.all_gather_object(gathered, value, group=self.control_group)
+        return gathered
+
+    def barrier(self, what: str) -> None:
+        if self.size > 1:
+            self.control_all_reduce(torch.zeros(1), what)
+
+    def agree_on_call(self, operation: str, timeout: datetime.timedelta) -> None:
+        """Check that every member is entering `operation` now, within `timeout`.
+
+        For collective API calls that user code may wrongly make on some ranks only
+        (`if rank == 0: engine.save_checkpoint(...)`): without this, the caller waits in
+        the operation's first collective until the collective timeout, or pairs it with
+        a different collective of the other ranks. Two codes are reduced with MAX, so
+        a difference shows on every rank at once.
+        """
+        if self.size == 1:
+            return
+        code = zlib.crc32(operation.encode())
+        both = torch.tensor([code, -code], dtype=torch.int64)
+        try:
+            self.control_all_reduce(both, f"the check that every rank calls {operation}", dist.ReduceOp.MAX, timeout)
+        except CollectiveError as error:
+            raise MismatchedCallError(
+                f"rank {self.global_rank}: {operation} is collective: every rank of the "
+                f"{self.handle.describe()} must call it, but not all did within "
+                f"{timeout.total_seconds():g}s ({error})"
+            ) from error
+        if both[0].item() != -both[1].item():
+            raise MismatchedCallError(
+                f"rank {self.global_rank}: {operation} is collective: every rank of the "
+                f"{self.handle.describe()} must call it, but another rank called something else "
+                "at the same point"
+            )
+
+
+def _issues_at_size_one(group: dist.ProcessGroup | None) -> bool:
+    """The test-only switch (see `Communicator`): on, and a group of one to issue on."""
+    if os.environ.get(COLLECTIVES_AT_SIZE_ONE_VARIABLE) != "1" or not dist.is_initialized():
+        return False
+    return group is not None or dist.get_world_size() == 1  # None: the default group

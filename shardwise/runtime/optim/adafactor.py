@@ -1,0 +1,243 @@
+"""Adafactor (Shazeer & Stern, 2018), with torch.optim.Adafactor's semantics and
+defaults (C17): a second moment that, for a matrix, keeps only row and column means of
+the squared gradient, so its state is O(rows + columns) instead of O(rows · columns).
+
+Per parameter, at step t (torch's formulation, which applies eps1 as a floor on the
+estimate rather than adding it to the squared gradient, and uses lr as the bound of the
+relative step and as the decoupled weight-decay coefficient):
+
+    β̂2 = 1 − t^beta2_decay,   ρ = min(lr, 1/√t),   α = max(eps2, RMS(w)) · ρ
+    w <- w (1 − lr · weight_decay)
+    matrices (last two dims factored):  R <- β̂2 R + (1 − β̂2) mean_cols(g²)
+                                        C <- β̂2 C + (1 − β̂2) mean_rows(g²)
+                                        V = R Cᵀ / max(mean(R), eps1)
+    other tensors:                      V <- β̂2 V + (1 − β̂2) g²
+    U = g / max(√V, eps1),   w <- w − α U / max(1, RMS(U) / d)
+
+eps1 None means the dtype's machine epsilon. There is no first moment (torch's has none).
+
+Under ZeRO every statistic is of the whole parameter: a rank sums its pieces' squared
+rows, columns and norms, one sum over the shard group completes them (with the stored
+row / column statistics, which each rank keeps only in part: optim/adafactor_layout.py),
+and a second sum completes RMS(U). On one process, whole parameters give torch's
+arithmetic operation for operation.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any, Iterable
+
+import torch
+
+from shardwise.runtime.optim.adafactor_layout import Factoring
+from shardwise.runtime.optim.layout import PaddedRows, flat, parameter_shapes, params_with_grad
+from shardwise.runtime.optim.sharded import ParameterShard, ShardAwareOptimizer
+
+FACTORED_KEYS = ("row_var", "col_var")
+LOADED = "loaded_"  # prefix of per-element statistics a checkpoint load left for the next step
+
+
+class AdafactorCodec:
+    """Checkpoint form, the same three per-element tensors for every parameter (so a param
+    group's saved keys agree): `variance`, and `row_var` / `col_var` written at their
+    rows' and columns' first elements (optim/adafactor_layout.py), zeros elsewhere."""
+
+    def encode(self, state: dict[str, Any], numel: int) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
+        device = state["step"].device
+        elements = {key: state.get(LOADED + key, torch.zeros(numel, device=device)) for key in FACTORED_KEYS}
+        elements["variance"] = state.get("variance", torch.zeros(numel, device=device))
+        if "row_var" in state:
+            start, shape = state["piece"]
+            factoring = Factoring.of(shape)
+            elements["row_var"][factoring.row_start_positions(start, start + numel)] = state["row_var"]
+            elements["col_var"][factoring.first_row_positions(start, start + numel)] = state["col_var"]
+        return elements, {"step": state["step"]}
+
+    def decode(self, elements: dict[str, torch.Tensor], scalars: dict[str, Any]) -> dict[str, Any]:
+        return {**scalars, "variance": elements["variance"],
+                **{LOADED + key: elements[key] for key in FACTORED_KEYS}}
+
+    def state_bytes(self, state: dict[str, Any], numel: int) -> int:
+        return sum(value.numel() * value.element_size() for value in state.values()
+                   if torch.is_tensor(value) and value.dim() > 0)
+
+
+class Adafactor(ShardAwareOptimizer):
+    state_codec = AdafactorCodec()  # how the engine should checkpoint this optimizer's state
+
+    def __init__(
+        self,
+        params: Iterable,
+        lr: float = 1e-2,
+        beta2_decay: float = -0.8,
+        eps: tuple[float | None, float] = (None, 1e-3),
+        d: float = 1.0,
+        weight_decay: float = 0.0,
+        *,
+        maximize: bool = False,
+    ):
+        if lr < 0:
+            raise ValueError(f"Learning rate should be >= 0 but is: {lr}")
+        if beta2_decay > 0:
+            raise ValueError(f"beta2_decay should be <= 0 but is: {beta2_decay}")
+        if eps[0] is not None and eps[0] < 0 or eps[1] < 0:
+            raise ValueError(f"eps {tuple(eps)}: epsilon1 (or None) and epsilon2 should be >= 0")
+        if d < 1:
+            raise ValueError(f"Clipping threshold d should be >= 1 but is: {d}")
+        if weight_decay < 0:
+            raise ValueError(f"weight_decay should be >= 0 but is: {weight_decay}")
+        defaults = dict(lr=lr, beta2_decay=beta2_decay, eps=tuple(eps), d=d, weight_decay=weight_decay,
+                        maximize=maximize)
+        super().__init__(params, defaults)
+        self._offsets: list[int] | None = None  # per parameter index, its statistics in the step's sum
+        self._factorings: list[Factoring | None] = []
+
+    def attach_shards(self, *args, **kwargs) -> None:
+        """New pieces (ZeRO took the parameters over): the model-wide layout is learnt anew."""
+        super().attach_shards(*args, **kwargs)
+        self._offsets = None
+
+    @torch.no_grad()
+    def step(self, closure=None):
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        if self._offsets is None:
+            self._lay_out(parameter_shapes(self))
+        pieces = [_Piece(self, param, group) for param, group in params_with_grad(self)]
+        device = pieces[0].param.device if pieces else torch.device("cpu")
+        totals = torch.zeros(self._offsets[-1], dtype=torch.float64, device=device)
+        for piece in pieces:
+            piece.contribute(totals, self._offsets[piece.shard.index])
+        self.sum_over_shards(totals)
+        update_squares = torch.zeros(self.parameter_count, dtype=torch.float64, device=device)
+        for piece in pieces:
+            piece.advance(totals, self._offsets[piece.shard.index])
+            update_squares[piece.shard.index] += _square(piece.update())
+        self.sum_over_shards(update_squares)
+        for piece, (weight_square, update_square) in zip(pieces, self._read_norms(pieces, totals, update_squares)):
+            piece.apply(math.sqrt(weight_square), math.sqrt(update_square))
+        return loss
+
+    def _read_norms(self, pieces: list[_Piece], totals: torch.Tensor,
+                    update_squares: torch.Tensor) -> list[tuple[float, float]]:
+        """Every piece's whole-parameter squared norms of weight and update, brought to
+        the host in one transfer per step (not two per parameter). The step size must be
+        a host number: torch.optim.Adafactor's `add_(update, alpha=step size)` fuses the
+        multiply into the add, which a step size kept on the device (a multiply, then an
+        add) would not reproduce bit for bit."""
+        if not pieces:
+            return []
+        weights = [totals[self._offsets[piece.shard.index]] for piece in pieces]
+        updates = [update_squares[piece.shard.index] for piece in pieces]
+        values = torch.stack(weights + updates).tolist()
+        return list(zip(values[: len(pieces)], values[len(pieces) :]))
+
+    def _lay_out(self, shapes: list[tuple[int, ...] | None]) -> None:
+        """Per parameter: its squared norm, then (matrices) squared row and column sums and
+        stored row and column statistics, at offsets every rank agrees on."""
+        self._factorings = [None if shape is None else Factoring.of(shape) for shape in shapes]
+        self._offsets = [0]
+        for factoring in self._factorings:
+            size = 1 + (0 if factoring is None else 2 * (factoring.rows + factoring.columns))
+            self._offsets.append(self._offsets[-1] + size)
+
+
+class _Piece:
+    """One trained tensor's step: what it adds to the shard group's sums, then its update."""
+
+    def __init__(self, optimizer: Adafactor, param: torch.Tensor, group: dict):
+        self.param, self.group = param, group
+        self.shard: ParameterShard = optimizer.shard_of(param)
+        self.factoring = optimizer._factorings[self.shard.index]
+        self.grad = flat(param.grad).neg() if group["maximize"] else flat(param.grad)
+        self.eps1 = group["eps"][0] if group["eps"][0] is not None else torch.finfo(param.dtype).eps
+        self.state = optimizer.state[param]
+        if not self.state:
+            self.state["step"] = torch.tensor(0.0)
+        self.state["step"] += 1
+        self.state["piece"] = (self.shard.start, self.shard.shape)
+        self._settle_state()
+        if self.factoring is not None:
+            self.padded = PaddedRows.of(self.shard, self.factoring.width)
+
+    def _settle_state(self) -> None:
+        """Fresh state, or statistics loaded per element, into this parameter's form."""
+        state, shard, factoring = self.state, self.shard, self.factoring
+        loaded = {key: state.pop(LOADED + key, None) for key in FACTORED_KEYS}
+        if factoring is None:
+            state.setdefault("variance", torch.zeros(shard.numel, device=self.param.device))
+            return
+        state.pop("variance", None)
+        for key, positions in (("row_var", factoring.row_start_positions(shard.start, shard.stop)),
+                               ("col_var", factoring.first_row_positions(shard.start, shard.stop))):
+            if loaded[key] is not None:
+                state[key] = loaded[key][positions.to(loaded[key].device)].clone()
+            elif key not in state:
+                state[key] = torch.zeros(positions.numel(), device=self.param.device)
+
+    def contribute(self, totals: torch.Tensor, offset: int) -> None:
+        totals[offset] += _square(flat(self.param))
+        if self.factoring is None:
+            return
+        factoring, shard = self.factoring, self.shard
+        rows = self.padded.pad(self.grad)
+        r, c = factoring.rows, factoring.columns
+        first = offset + 1
+        totals[first + self.padded.first_row : first + self.padded.first_row + self.padded.rows] += (
+            factoring.row_squares(rows).double())
+        first_matrix, columns = factoring.column_squares(rows, self.padded)
+        start = first + r + first_matrix * factoring.width
+        totals[start : start + columns.numel()] += columns.reshape(-1).double()
+        stored_rows = factoring.stored_rows(shard.start, shard.stop)
+        stored_columns = factoring.stored_columns(shard.start, shard.stop)
+        base = first + r + c
+        totals[base + stored_rows.start : base + stored_rows.stop] += self.state["row_var"].double()
+        totals[base + r + stored_columns.start : base + r + stored_columns.stop] += self.state["col_var"].double()
+
+    def advance(self, totals: torch.Tensor, offset: int) -> None:
+        """Update the second-moment statistics (the whole matrix's, on every rank holding a
+        piece of it) and keep this rank's stored part."""
+        step = self.state["step"].item()
+        self.weight = step ** self.group["beta2_decay"]
+        if self.factoring is None:
+            self.state["variance"].lerp_(self.grad * self.grad, self.weight)
+            return
+        factoring, shard = self.factoring, self.shard
+        r, c = factoring.rows, factoring.columns
+        device, first = self.param.device, offset + 1
+        sums = totals[first : first + 2 * (r + c)].to(device=device, dtype=torch.float32)
+        row_mean, col_mean = sums[:r].div_(factoring.width), sums[r : r + c].div_(factoring.height)
+        self.row_var = sums[r + c : 2 * r + c].lerp_(row_mean, self.weight)
+        self.col_var = sums[2 * r + c :].lerp_(col_mean, self.weight)
+        self.state["row_var"].copy_(self.row_var[factoring.stored_rows(shard.start, shard.stop)])
+        self.state["col_var"].copy_(self.col_var[factoring.stored_columns(shard.start, shard.stop)])
+
+    def update(self) -> torch.Tensor:
+        """U = g / max(√V, eps1), for this piece (computed again in `apply` rather than
+        kept, so only one piece's update is alive at a time)."""
+        if self.factoring is None:
+            estimate = self.state["variance"].clone()
+            return estimate.clamp_(min=self.eps1 * self.eps1).rsqrt_().mul_(self.grad)
+        estimate = self.factoring.variance(self.row_var, self.col_var, self.padded, self.eps1)
+        update = estimate.clamp_(min=self.eps1 * self.eps1).rsqrt_().mul_(self.padded.pad(self.grad))
+        return self.padded.unpad(update)
+
+    def apply(self, weight_norm: float, update_norm: float) -> None:
+        group, numel = self.group, self.shard.full_numel
+        step = self.state["step"].item()
+        rho = min(group["lr"], 1 / (step**0.5))
+        alpha = max(group["eps"][1], weight_norm / (numel**0.5)) * rho
+        if group["weight_decay"] != 0:
+            self.param.mul_(1 - group["lr"] * group["weight_decay"])
+        denominator = max(1.0, update_norm / ((numel**0.5) * group["d"]))
+        flat(self.param).add_(self.update(), alpha=-alpha / denominator)
+
+
+def _square(values: torch.Tensor) -> torch.Tensor:
+    """Squared L2 norm in float64 of the fp32 norm (exact: a float's square fits a double),
+    so one piece that is the whole parameter gives back exactly torch's `tensor.norm()`.
+    Stays on the device: the sums it enters are read once, in `_read_norms`."""
+    return torch.linalg.vector_norm(values).double().square()

@@ -1,0 +1,256 @@
+"""What 1-bit Adam and 1-bit LAMB share (C18): a full-precision warm-up, then a frozen
+variance and a momentum that crosses the network at one bit per element.
+
+For `freeze_step` steps the optimizer is its ordinary self on gradients reduced by ZeRO
+(all-reduced at stage 0, reduce-scattered to the partition owners at stages 1-2), and it
+estimates the variance. From then on the variance is frozen, which is what makes the
+momentum safe to compress (Tang et al., 2021: Adam's variance becomes stable early, and
+with it fixed the update is linear in the momentum, so error feedback works). Each rank
+folds its own, unreduced gradient into the momentum of the whole model,
+m_i = β1·m + (1 − β1)·g_i, and the compressed all-reduce (distributed/compressed.py)
+averages the m_i with error feedback on both sides: every rank ends with the same m.
+
+The optimizer owns that communication, so the engine must stop reducing gradients: the
+reducer hands it the exchange group and a switch (`GradientReducer.
+exchange_for_optimizer`) that, once on, makes backward only accumulate the rank's own
+gradients. The switch goes on after step `freeze_step`, and again after a checkpoint load
+past it.
+
+Stage 0: every rank trains every element; the momentum of all parameters lives in one
+flat buffer (each parameter's `exp_avg` a view of it, in param-group order), padded to
+whole bytes per rank's chunk, and the ranks exchange it over the data-parallel group.
+
+Stages 1-2: the momentum must still be whole on every rank (a worker's compressed
+contribution covers every element), so it is the one state that is not partitioned, and
+its layout (zero/onebit_momentum.py) makes each rank the exchange's server for exactly its
+ZeRO partition: it averages and error-corrects the momentum of the elements whose fp32
+masters, frozen variance and server error it holds, and updates those masters; the
+exchange's all-gather gives every rank the averaged momentum, and ZeRO's parameter
+all-gather the updated weights. The warm-up keeps the momentum partitioned like any ZeRO
+optimizer state; when it ends (or after a load) the ranks all-gather it once, in fp32.
+The optimizer reads every unit's whole local gradient from the reducer and the step's
+gradient scale from `step_on_local_gradients`.
+
+Stage 3 is refused (config/checks.py): the exchange needs the whole momentum, the
+worker's error and the whole local gradient on every rank (10 bytes per parameter with
+16-bit gradients, more than stage 3 saves by partitioning the 2-byte parameters), and
+stage 3 frees each module's gathered parameters when its gradients are reduced, which
+this phase never does.
+
+Checkpoints keep the momentum and the variances (each rank its partition; the codec
+reshards them); the error-feedback buffers are per rank and restart from zero after a
+load (as DeepSpeed's do), so a resume past `freeze_step` is not bit-exact.
+
+After the warm-up, `gradient_clipping` sees the root mean square of the ranks' local
+gradient norms: the average gradient is never formed.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any, Callable
+
+import torch
+
+from shardwise.runtime.distributed.collectives import Communicator
+from shardwise.runtime.distributed.compressed import CompressedAllReduce, padded_length
+from shardwise.runtime.optim.sharded import ShardAwareOptimizer
+
+if TYPE_CHECKING:
+    from shardwise.runtime.zero.onebit_momentum import PartitionedMomentum
+
+PER_PARAMETER_SCALARS = ("lamb_coeff_freeze", "last_factor")  # 1-bit LAMB's, one value per parameter
+COMM_BACKENDS = ("nccl", "gloo", "mpi", "hccl", "compressed")
+
+
+class OneBitOptimizer(ShardAwareOptimizer):
+    """Warm-up / compression phases, the flat momentum and the exchange."""
+
+    def __init__(self, params: Any, defaults: dict[str, Any], freeze_step: int, cuda_aware: bool,
+                 comm_backend_name: str):
+        """`cuda_aware` and `comm_backend_name` are DeepSpeed's transport switches, accepted
+        and kept: the exchange always runs on the data-parallel group's own backend."""
+        if freeze_step < 1:
+            raise ValueError(f"freeze_step must be >= 1 (the variance is estimated before it is frozen), "
+                             f"got {freeze_step}")
+        if comm_backend_name not in COMM_BACKENDS:
+            raise ValueError(f"comm_backend_name {comm_backend_name!r} is not one of {', '.join(COMM_BACKENDS)}")
+        super().__init__(params, {**defaults, "freeze_step": freeze_step, "cuda_aware": cuda_aware,
+                                  "comm_backend_name": comm_backend_name})
+        self.freeze_step = freeze_step
+        self._communicator: Communicator | None = None
+        self._use_local_gradients: Callable[[bool], None] = lambda on: None
+        self._exchange: CompressedAllReduce | None = None
+        self._momentum: torch.Tensor | None = None
+        self._first_view_ptr = -1
+        self._partitions: PartitionedMomentum | None = None  # stages 1-2: the whole momentum's layout
+        self._grad_scale = 1.0  # stages 1-2: the scale the local gradients are folded with
+
+    # -- the engine's side ------------------------------------------------------------------
+    def attach_gradient_exchange(self, communicator: Communicator, use_local_gradients: Callable[[bool], None],
+                                 partitions: PartitionedMomentum | None = None) -> None:
+        """Called by ZeRO: the group the momentum is exchanged over, the reducer's switch to
+        local gradients (which this optimizer turns on once its warm-up is over), and at
+        stages 1-2 the whole momentum's layout over the partitions."""
+        self._communicator = communicator
+        self._use_local_gradients = use_local_gradients
+        self._partitions = partitions
+        self._use_local_gradients(self._compressing(self.steps_taken() + 1))
+
+    def reads_local_gradients(self) -> bool:
+        """Stages 1-2 after the warm-up: the next step folds every unit's whole local
+        gradient (from the reducer), not the `.grad` of the trained pieces."""
+        return self._partitions is not None and self._compressing(self.steps_taken() + 1)
+
+    def step_on_local_gradients(self, grad_scale: float) -> None:
+        """One step of the compressed phase at stages 1-2, the local gradients scaled by
+        `grad_scale` (clip coefficient over loss scale) as they are folded."""
+        self._grad_scale = grad_scale
+        try:
+            self.step()
+        finally:
+            self._grad_scale = 1.0
+
+    def local_grad_norm_squared(self) -> torch.Tensor:
+        """Stages 1-2 after the warm-up: this rank's share of the clipping norm² (see
+        zero/onebit_momentum.py)."""
+        return self._partitions.local_norm_squared()
+
+    @property
+    def workers(self) -> int:
+        return 1 if self._communicator is None else self._communicator.size
+
+    def exchange_state_bytes(self) -> int:
+        """Error-feedback buffers and the momentum buffer beyond the trained elements' own
+        views of it (counted with their state): stage 0 its padding, stages 1-2 the other
+        ranks' partitions and the padding."""
+        if self._exchange is None or self._momentum is None:
+            return 0
+        return self._exchange.state_bytes + 4 * (self._momentum.numel() - self._trained_numel())
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        """Checkpointed momentum and variances; error feedback restarts from zero."""
+        super().load_state_dict(state_dict)
+        self._exchange = None
+        self._momentum = None
+        self._first_view_ptr = -1
+        self._use_local_gradients(self._compressing(self.steps_taken() + 1))
+
+    # -- the phases ------------------------------------------------------------------------------
+    def _compressing(self, step: int) -> bool:
+        """Whether step `step` (counted from 1) exchanges compressed momentum."""
+        return step > self.freeze_step and self.workers > 1
+
+    def steps_taken(self) -> int:
+        for param in self._params():
+            state = self.state.get(param)
+            if state:
+                return int(state["step"].item())
+        return 0
+
+    def _advance(self) -> int:
+        """Count one step on every parameter (a step exchanges all of them); the new count."""
+        for param in self._params():
+            state = self.state[param]
+            if not state:
+                self._init_state(param, state)
+            state["step"] += 1
+        return self.steps_taken()
+
+    def _init_state(self, param: torch.Tensor, state: dict[str, Any]) -> None:
+        state["step"] = torch.zeros((), dtype=torch.float32)
+        state["exp_avg"] = torch.zeros_like(param, memory_format=torch.contiguous_format)
+        state["exp_avg_sq"] = torch.zeros_like(param, memory_format=torch.contiguous_format)
+
+    def _finish_step(self, step: int) -> None:
+        if step == self.freeze_step:
+            self._use_local_gradients(self._compressing(step + 1))
+
+    # -- the momentum exchange --------------------------------------------------------------------
+    def _params(self) -> list[torch.Tensor]:
+        return [param for group in self.param_groups for param in group["params"]]
+
+    def _trained_numel(self) -> int:
+        return sum(param.numel() for param in self._params())
+
+    def momentum_flat(self) -> torch.Tensor:
+        """The flat momentum buffer, each trained tensor's `exp_avg` a view of it (built on
+        first use from the current `exp_avg`s: after the warm-up, a load, or new state)."""
+        params = self._params()
+        if self._momentum is None or self.state[params[0]]["exp_avg"].data_ptr() != self._first_view_ptr:
+            self._exchange = None
+            if self._partitions is not None:
+                self._momentum = self._partitioned_momentum(params)
+            else:
+                self._momentum = self._stage0_momentum(params)
+            self._first_view_ptr = self.state[params[0]]["exp_avg"].data_ptr()
+        return self._momentum
+
+    def _stage0_momentum(self, params: list[torch.Tensor]) -> torch.Tensor:
+        flat = torch.zeros(padded_length(self._trained_numel(), self.workers), dtype=torch.float32,
+                           device=params[0].device)
+        offset = 0
+        for param in params:
+            view = flat[offset : offset + param.numel()].view_as(param)
+            view.copy_(self.state[param]["exp_avg"])
+            self.state[param]["exp_avg"] = view
+            offset += param.numel()
+        return flat
+
+    def _partitioned_momentum(self, params: list[torch.Tensor]) -> torch.Tensor:
+        """Own partition from the optimizer state, the other rows from their owners."""
+        flat = self._partitions.allocate(params[0].device)
+        for param in params:
+            view = self._partitions.own_view(flat, param)
+            view.copy_(self.state[param]["exp_avg"])
+            self.state[param]["exp_avg"] = view
+        self._partitions.gather_rows_(flat)
+        return flat
+
+    def own_momentum(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """(the part of the flat momentum holding the trained tensors' views, the flat
+        momentum): stage 0 all of it, stages 1-2 this rank's row."""
+        momentum = self.momentum_flat()
+        return (momentum if self._partitions is None else self._partitions.own_row(momentum)), momentum
+
+    def fold_and_exchange(self) -> None:
+        """m_i = β1·m + (1 − β1)·g_i for every element (no gradient: g_i = 0), then the
+        compressed average over the exchange group: every rank's m is the result."""
+        momentum = self.momentum_flat()
+        if self._partitions is not None:
+            self._partitions.fold_(momentum, lambda group: self.param_groups[group]["betas"][0], self._grad_scale)
+        else:
+            for group in self.param_groups:
+                beta1 = group["betas"][0]
+                for param in group["params"]:  # (foreach's add with alpha is two passes on CPU)
+                    exp_avg = self.state[param]["exp_avg"].mul_(beta1)
+                    if param.grad is not None:
+                        exp_avg.add_(param.grad, alpha=1 - beta1)
+        if self.workers > 1:
+            if self._exchange is None:
+                self._exchange = CompressedAllReduce(self._communicator, momentum.numel(), momentum.device)
+            self._exchange.all_reduce_(momentum, "momentum")
+
+
+class OneBitCodec:
+    """Checkpoint form: the per-element moments; 1-bit LAMB's per-parameter scalars as
+    constant per-element tensors (a checkpoint keeps one scalar state per param group);
+    `step`. The flat momentum buffer is saved through its views."""
+
+    def encode(self, state: dict[str, Any], numel: int) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
+        elements = {key: value.reshape(-1) for key, value in state.items()
+                    if torch.is_tensor(value) and value.numel() == numel and value.dim() >= 1}
+        for key in PER_PARAMETER_SCALARS:
+            if key in state:
+                elements[key] = torch.full((numel,), float(state[key]), dtype=torch.float32)
+        return elements, {"step": state["step"]}
+
+    def decode(self, elements: dict[str, torch.Tensor], scalars: dict[str, Any]) -> dict[str, Any]:
+        state = {**scalars, **{key: value for key, value in elements.items() if key not in PER_PARAMETER_SCALARS}}
+        for key in PER_PARAMETER_SCALARS:
+            if key in elements:
+                state[key] = float(elements[key][0].item())
+        return state
+
+    def state_bytes(self, state: dict[str, Any], numel: int) -> int:
+        return sum(value.numel() * value.element_size() for value in state.values()
+                   if torch.is_tensor(value) and value.numel() == numel and value.dim() >= 1)

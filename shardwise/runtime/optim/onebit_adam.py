@@ -1,0 +1,114 @@
+"""1-bit Adam (Tang et al., 2021, "1-bit Adam: Communication Efficient Large-Scale Training
+with Adam's Convergence Speed"), with DeepSpeed's `OneBitAdam` parameters (C18).
+
+Steps 1 .. freeze_step (the warm-up), on the gradient g ZeRO averaged over the ranks
+(all-reduced at stage 0, reduce-scattered to each partition's owner at stages 1-2):
+
+    m <- β1·m + (1 − β1)·g          v <- β2·v + (1 − β2)·g²
+
+Later steps, on each rank's own gradient g_i, with v frozen (optim/onebit.py; at stages
+1-2 each rank then updates the masters of its own partition, whose momentum it served):
+
+    m <- compressed average over ranks of (β1·m + (1 − β1)·g_i)
+
+Every step: w <- w − step_size · (m / (√v + eps) + weight_decay · w), eps inside the square
+root if `eps_inside_sqrt`; weight decay decoupled, as DeepSpeed's. step_size is lr, times
+√(1 − β2^t_v) / (1 − β1^t) with `bias_correction` (t_v = min(t, freeze_step): the
+variance stops aging when it freezes). DeepSpeed accepts `bias_correction` and never
+applies it; give `bias_correction: false` for its arithmetic (the paper's update rule).
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Iterable
+
+import torch
+
+from shardwise.runtime.optim.onebit import OneBitOptimizer
+
+
+class OneBitAdam(OneBitOptimizer):
+    def __init__(
+        self,
+        params: Iterable,
+        lr: float = 1e-3,
+        freeze_step: int = 100000,
+        bias_correction: bool = True,
+        betas: tuple[float, float] = (0.9, 0.999),
+        eps: float = 1e-8,
+        eps_inside_sqrt: bool = False,
+        weight_decay: float = 0.0,
+        max_grad_norm: float = 0.0,
+        amsgrad: bool = False,
+        cuda_aware: bool = False,
+        comm_backend_name: str = "nccl",
+    ):
+        refuse_unsupported(amsgrad, max_grad_norm)
+        defaults = dict(lr=lr, bias_correction=bias_correction, betas=tuple(betas), eps=eps,
+                        eps_inside_sqrt=eps_inside_sqrt, weight_decay=weight_decay, max_grad_norm=max_grad_norm,
+                        amsgrad=amsgrad)
+        super().__init__(params, defaults, freeze_step, cuda_aware, comm_backend_name)
+
+    @torch.no_grad()
+    def step(self, closure=None):
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        step = self._advance()
+        frozen = step > self.freeze_step
+        if frozen:
+            self.fold_and_exchange()
+        else:
+            warm_up_moments(self)
+        for group in self.param_groups:
+            step_size = adam_step_size(group, step, self.freeze_step)
+            for param in group["params"]:
+                if param.grad is None and not frozen:
+                    continue
+                update = adam_update_(self.state[param]["exp_avg"], group, self.state[param]["exp_avg_sq"])
+                if group["weight_decay"]:
+                    update.add_(param, alpha=group["weight_decay"])
+                param.add_(update, alpha=-step_size)
+        self._finish_step(step)
+        return loss
+
+
+def warm_up_moments(optimizer: OneBitOptimizer) -> None:
+    """Adam's moments from the (all-reduced) gradient, for parameters that have one."""
+    for group in optimizer.param_groups:
+        beta1, beta2 = group["betas"]
+        for param in group["params"]:
+            if param.grad is None:
+                continue
+            state = optimizer.state[param]
+            state["exp_avg"].mul_(beta1).add_(param.grad, alpha=1 - beta1)
+            state["exp_avg_sq"].mul_(beta2).addcmul_(param.grad, param.grad, value=1 - beta2)
+
+
+def variance_denominator(group: dict, exp_avg_sq: torch.Tensor) -> torch.Tensor:
+    if group["eps_inside_sqrt"]:
+        return (exp_avg_sq + group["eps"]).sqrt_()
+    return exp_avg_sq.sqrt().add_(group["eps"])
+
+
+def adam_update_(exp_avg: torch.Tensor, group: dict, exp_avg_sq: torch.Tensor) -> torch.Tensor:
+    """m / (√v + eps) in one new tensor (the denominator's, divided into in place)."""
+    denominator = variance_denominator(group, exp_avg_sq)
+    return torch.div(exp_avg, denominator, out=denominator)
+
+
+def adam_step_size(group: dict, step: int, freeze_step: int) -> float:
+    if not group["bias_correction"]:
+        return group["lr"]
+    beta1, beta2 = group["betas"]
+    return group["lr"] * math.sqrt(1 - beta2 ** min(step, freeze_step)) / (1 - beta1**step)
+
+
+def refuse_unsupported(amsgrad: bool, max_grad_norm: float) -> None:
+    if amsgrad:
+        raise ValueError("amsgrad true: 1-bit Adam/LAMB have no AMSGrad variant (DeepSpeed refuses it too)")
+    if max_grad_norm:
+        raise ValueError(f"max_grad_norm {max_grad_norm}: clip with the config's gradient_clipping instead "
+                         "(DeepSpeed's 1-bit optimizers ignore max_grad_norm)")

@@ -1,0 +1,183 @@
+"""1-bit LAMB (Li et al., 2021, "1-bit LAMB: Communication Efficient Large-Scale
+Large-Batch Training with LAMB's Convergence Speed"), with DeepSpeed's `OneBitLamb`
+parameters (C18).
+
+Warm-up (steps 1 .. freeze_step): LAMB on the all-reduced gradient (optim/lamb.py's
+arithmetic: update u = m / (√v + eps) + weight_decay · w, trust ratio
+r = clamp(||w|| / ||u||, min_coeff, max_coeff), w <- w − step_size · r · u), and per
+parameter an exponential average of the trust ratios, c <- coeff_beta · c + (1 − coeff_beta) · r.
+
+Compression (later steps): the momentum is exchanged as in 1-bit Adam (optim/onebit.py),
+v is frozen, and a trust ratio cannot be computed from the compressed momentum alone, so
+the paper scales the frozen average c by a factor that tracks how the variance would
+have moved: the average gradient is reconstructed from two consecutive momenta,
+ĝ = (m_t − β1·m_{t−1}) / (1 − β1), feeds a fresh variance v' (a copy of v at the freeze),
+and
+
+    factor = max over the parameter's elements of (√v + eps) / (√v' + eps)
+
+(with weight decay, mixed with 1 in the proportion ||m/(√v+eps)|| / ||u||), clamped to
+[factor_min, factor_max] and to within ±factor_threshold of the previous step's factor;
+then w <- w − step_size · c · factor · u. step_size as in optim/onebit_adam.py.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Iterable
+
+import torch
+import torch.distributed as dist
+
+from shardwise.runtime.optim.onebit import OneBitOptimizer
+from shardwise.runtime.optim.onebit_adam import (adam_step_size, adam_update_, refuse_unsupported, variance_denominator,
+                                         warm_up_moments)
+
+
+class OneBitLamb(OneBitOptimizer):
+    def __init__(
+        self,
+        params: Iterable,
+        lr: float = 1e-3,
+        freeze_step: int = 100000,
+        bias_correction: bool = True,
+        betas: tuple[float, float] = (0.9, 0.999),
+        eps: float = 1e-8,
+        eps_inside_sqrt: bool = False,
+        weight_decay: float = 0.0,
+        max_grad_norm: float = 0.0,
+        max_coeff: float = 10.0,
+        min_coeff: float = 0.01,
+        amsgrad: bool = False,
+        cuda_aware: bool = False,
+        comm_backend_name: str = "nccl",
+        coeff_beta: float = 0.9,
+        factor_max: float = 4.0,
+        factor_min: float = 0.5,
+        factor_threshold: float = 0.1,
+    ):
+        refuse_unsupported(amsgrad, max_grad_norm)
+        if not 0.0 <= min_coeff <= max_coeff:
+            raise ValueError(f"need 0 <= min_coeff <= max_coeff, got {min_coeff} and {max_coeff}")
+        if not 0.0 < factor_min <= factor_max:
+            raise ValueError(f"need 0 < factor_min <= factor_max, got {factor_min} and {factor_max}")
+        defaults = dict(lr=lr, bias_correction=bias_correction, betas=tuple(betas), eps=eps,
+                        eps_inside_sqrt=eps_inside_sqrt, weight_decay=weight_decay, max_grad_norm=max_grad_norm,
+                        max_coeff=max_coeff, min_coeff=min_coeff, amsgrad=amsgrad, coeff_beta=coeff_beta,
+                        factor_max=factor_max, factor_min=factor_min, factor_threshold=factor_threshold)
+        super().__init__(params, defaults, freeze_step, cuda_aware, comm_backend_name)
+
+    def _init_state(self, param: torch.Tensor, state: dict[str, Any]) -> None:
+        super()._init_state(param, state)
+        state["lamb_coeff_freeze"] = 0.0
+
+    @torch.no_grad()
+    def step(self, closure=None):
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        step = self._advance()
+        if step > self.freeze_step:
+            self._compressed_step(step)
+        else:
+            self._warm_up_step(step)
+        self._finish_step(step)
+        return loss
+
+    def _warm_up_step(self, step: int) -> None:
+        warm_up_moments(self)
+        updates = []
+        for group in self.param_groups:
+            for param in group["params"]:
+                if param.grad is None:
+                    continue
+                state = self.state[param]
+                update = adam_update_(state["exp_avg"], group, state["exp_avg_sq"])
+                if group["weight_decay"]:
+                    update.add_(param, alpha=group["weight_decay"])
+                updates.append((param, update, group))
+        norms = self._whole_norms([(p, p) for p, _, _ in updates], [(p, u) for p, u, _ in updates]).tolist()
+        for param, update, group in updates:
+            index = self.shard_of(param).index
+            ratio = _trust_ratio(norms[index][0], norms[index][1], group)
+            state = self.state[param]
+            state["lamb_coeff_freeze"] = group["coeff_beta"] * state["lamb_coeff_freeze"] + (
+                1 - group["coeff_beta"]) * ratio
+            param.add_(update, alpha=-adam_step_size(group, step, self.freeze_step) * ratio)
+
+    def _compressed_step(self, step: int) -> None:
+        """Two passes over the trained tensors: the statistics of each parameter's factor
+        (its elements' maximum and, with weight decay, two norms), completed over the
+        ranks holding other pieces of it in one reduction each; then the update."""
+        own, _ = self.own_momentum()
+        previous = own.clone()  # m_{t-1}: the gradient is reconstructed from it
+        self.fold_and_exchange()
+        maxima = torch.zeros(self.parameter_count, dtype=torch.float64, device=own.device)  # read once, below
+        pieces = []
+        for group in self.param_groups:
+            beta1, beta2 = group["betas"]
+            for param in group["params"]:
+                state = self.state[param]
+                if "exp_avg_sq_fresh" not in state:
+                    state["exp_avg_sq_fresh"] = state["exp_avg_sq"].clone()
+                    state["last_factor"] = 1.0
+                momentum = state["exp_avg"]
+                offset = (momentum.data_ptr() - own.data_ptr()) // momentum.element_size()
+                last = previous[offset : offset + param.numel()].view_as(param)
+                gradient = (momentum - beta1 * last) / (1 - beta1)
+                state["exp_avg_sq_fresh"].mul_(beta2).addcmul_(gradient, gradient, value=1 - beta2)
+                denominator = variance_denominator(group, state["exp_avg_sq"])
+                ratio = (denominator / variance_denominator(group, state["exp_avg_sq_fresh"])).max().double()
+                index = self.shard_of(param).index
+                maxima[index] = torch.maximum(maxima[index], ratio)
+                if group["weight_decay"]:
+                    preliminary = momentum / denominator
+                    pieces.append((param, preliminary, preliminary.add(param, alpha=group["weight_decay"])))
+        if self._partitions is not None:  # pieces of one parameter on several ranks
+            self._communicator.control_all_reduce(maxima, "1-bit LAMB variance factors (maxima)", op=dist.ReduceOp.MAX)
+        maxima = maxima.tolist()  # with the norms, the step's reads of the device, whatever the parameter count
+        norms = self._whole_norms([(p, m) for p, m, _ in pieces], [(p, u) for p, _, u in pieces]).tolist()
+        del pieces
+        for group in self.param_groups:
+            step_size = adam_step_size(group, step, self.freeze_step)
+            for param in group["params"]:
+                state = self.state[param]
+                index = self.shard_of(param).index
+                update = adam_update_(state["exp_avg"], group, state["exp_avg_sq"])
+                share = 1.0
+                if group["weight_decay"]:
+                    update.add_(param, alpha=group["weight_decay"])
+                    update_norm = norms[index][1]
+                    share = min(1.0, norms[index][0] / update_norm) if update_norm else 1.0
+                factor = _bounded_factor(maxima[index], share, state["last_factor"], group)
+                state["last_factor"] = factor
+                param.add_(update, alpha=-step_size * state["lamb_coeff_freeze"] * factor)
+
+
+    def _whole_norms(self, *columns: list[tuple[torch.Tensor, torch.Tensor]]) -> torch.Tensor:
+        """As `parameter_norms`, from each piece's fp32 norm (a float64 norm is about 25x
+        slower on a CPU): the squares of the pieces' norms, summed in float64 over the
+        pieces and the ranks holding them. A whole parameter's norm is its fp32 norm."""
+        device = next((value.device for column in columns for _, value in column), torch.device("cpu"))
+        squares = torch.zeros(self.parameter_count, len(columns), dtype=torch.float64, device=device)
+        for k, column in enumerate(columns):
+            for param, value in column:
+                squares[self.shard_of(param).index, k] += torch.linalg.vector_norm(value).double().square()
+        return self.sum_over_shards(squares).sqrt()
+
+
+def _trust_ratio(weight_norm: float, update_norm: float, group: dict) -> float:
+    """||w|| / ||u|| clamped to [min_coeff, max_coeff]; 1 when either norm is zero."""
+    if weight_norm == 0 or update_norm == 0:
+        return 1.0
+    return min(max(weight_norm / update_norm, group["min_coeff"]), group["max_coeff"])
+
+
+def _bounded_factor(factor: float, share: float, last: float, group: dict) -> float:
+    """The paper's limits on the variance factor: weight decay's share of the update is not
+    rescaled (`share` = ||m/(√v+eps)|| / ||u||, 1 without weight decay), the factor stays
+    within [factor_min, factor_max], and moves by at most factor_threshold (relative) per step."""
+    factor = factor * share + (1 - share)
+    factor = min(max(factor, group["factor_min"]), group["factor_max"])
+    threshold = group["factor_threshold"]
+    return min(max(factor, last * (1 - threshold)), last * (1 + threshold))

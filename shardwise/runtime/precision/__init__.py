@@ -1,0 +1,3 @@
+from shardwise.runtime.precision.loss_scaler import LossScaler
+
+__all__ = ["LossScaler"]

@@ -1,0 +1,92 @@
+"""Loss scaling for fp16 (C5): keep small gradients representable, skip steps that overflow.
+
+The dynamic rule is DeepSpeed's: start at 2**initial_scale_power; on an overflow skip the
+step and halve the scale (after `hysteresis` tolerated overflows, never below
+`min_loss_scale`); after `loss_scale_window` clean steps double it. Overflow is decided
+on the global gradient norm, which every rank already all-reduces for clipping, so ranks
+agree on skipping without an extra collective.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from shardwise.frontends.deepspeed.config import Fp16Config
+
+
+class LossScaler:
+    """Static scale (`dynamic=False`) or DeepSpeed's dynamic schedule."""
+
+    def __init__(
+        self,
+        scale: float = 1.0,
+        dynamic: bool = False,
+        scale_window: int = 1000,
+        hysteresis: int = 2,
+        consecutive_hysteresis: bool = False,
+        min_scale: float = 1.0,
+    ):
+        self.scale = float(scale)
+        self.dynamic = dynamic
+        self.scale_window = scale_window
+        self.hysteresis = hysteresis
+        self.consecutive_hysteresis = consecutive_hysteresis
+        self.min_scale = min_scale
+        self.remaining_hysteresis = hysteresis
+        self.iteration = 0
+        self.last_overflow_iteration = -1
+
+    @classmethod
+    def from_config(cls, fp16: "Fp16Config") -> "LossScaler":
+        """Scale 1 without fp16; `loss_scale` > 0 is a static scale, 0 DeepSpeed's dynamic one."""
+        if not fp16.enabled:
+            return cls(1.0)
+        if fp16.loss_scale > 0:
+            return cls(fp16.loss_scale)
+        return cls(
+            2.0**fp16.initial_scale_power,
+            dynamic=True,
+            scale_window=fp16.loss_scale_window,
+            hysteresis=fp16.hysteresis,
+            consecutive_hysteresis=fp16.consecutive_hysteresis,
+            min_scale=fp16.min_loss_scale,
+        )
+
+    @property
+    def can_absorb_overflow(self) -> bool:
+        """An overflow now is part of finding the scale (it will be lowered), not a sign
+        that training went wrong."""
+        return self.dynamic and self.scale > self.min_scale
+
+    def update(self, overflow: bool) -> None:
+        """Record the outcome of one optimizer step (called on every boundary)."""
+        if self.dynamic:
+            if overflow:
+                if self.hysteresis == 1 or self.remaining_hysteresis == 1:
+                    self.scale = max(self.scale / 2, self.min_scale)
+                else:
+                    self.remaining_hysteresis -= 1
+                self.last_overflow_iteration = self.iteration
+            else:
+                if self.consecutive_hysteresis:
+                    self.remaining_hysteresis = self.hysteresis
+                if (self.iteration - self.last_overflow_iteration) % self.scale_window == 0:
+                    if not self.consecutive_hysteresis:
+                        self.remaining_hysteresis = self.hysteresis
+                    self.scale *= 2
+        self.iteration += 1
+
+    def state_dict(self) -> dict[str, Any]:
+        return {
+            "scale": self.scale,
+            "remaining_hysteresis": self.remaining_hysteresis,
+            "iteration": self.iteration,
+            "last_overflow_iteration": self.last_overflow_iteration,
+        }
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.scale = float(state["scale"])
+        self.remaining_hysteresis = int(state["remaining_hysteresis"])
+        self.iteration = int(state["iteration"])
+        self.last_overflow_iteration = int(state["last_overflow_iteration"])

@@ -1,0 +1,312 @@
+"""When stage-3 parameters are gathered, prefetched and released (C4).
+
+Hooks on every module that owns partitioned parameters drive four events:
+
+    pre-forward    gather the module's units (and prefetch the next ones)
+    post-forward   release them, unless they are used again before max_reuse_distance
+                   other elements are gathered (0: always release);
+                   hook the outputs' gradients so that, in backward,
+    pre-backward   the units are gathered again before the module's backward runs
+    grads ready    (reported by GradientReducer) the units are freed for good this step;
+                   a frozen unit has no gradient: it is freed once the gradients of the
+                   module's inputs are done, the last thing backward needs it for
+
+The first step records the sequence of unit uses (forward, then backward) as a *trace*.
+Later steps, as long as they follow the trace, prefetch the units ahead of the current
+position (up to stage3_prefetch_bucket_size elements, never more than
+stage3_max_live_parameters gathered). When a step departs from the trace (data-dependent
+control flow), prefetching stops for the rest of that step and units are fetched on
+demand, so a changed order costs speed, never correctness; the new order becomes the trace.
+
+Ranks must gather the same units in the same order: collectives pair up by position,
+so a rank-dependent branch would otherwise pair one rank's gather of module A with
+another's gather of module B (wrong weights, or gloo aborting on the size mismatch).
+Whenever a rank fetches off the trace (the first step, or after its order changed), the
+ranks first agree on the plan: a 16-byte all-reduce of its checksum on the control
+group. A disagreement raises `DivergentExecutionError` on every rank, naming what each
+rank was about to gather, before any mismatched gather is sent. At the end of backward
+the same check covers the step's whole record of uses and gathers, so all ranks hold the
+same trace, and fetches along it are identical on every rank without checking each one.
+If one rank leaves the trace while another follows it, the first blocks in its check and
+the second in a gather that is never answered: both fail at the collective timeout with
+an error naming the module, never hang.
+
+Activation recomputation re-runs a checkpointed layer's forward inside backward, and its
+modules' hooks fire again. There each unit is gathered again (on demand, or by prefetch
+along the trace; counted in `recompute_gathers`) and then kept: not counted as a user, not
+released after the module's forward. The layer's backward follows at once and needs the
+same units, which are freed when their gradients are complete (or at the end of
+backward). So a recomputation adds no gather to the backward's own, and never loses a
+unit it still needs (releasing after each recomputed module would free the unit under
+the backward that just gathered it).
+"""
+
+from __future__ import annotations
+
+import math
+import zlib
+from collections import defaultdict
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.utils._pytree import tree_flatten
+
+from shardwise.runtime.activation.state import recomputing
+from shardwise.runtime.distributed.collectives import Communicator
+from shardwise.runtime.reliability.errors import DivergentExecutionError
+from shardwise.runtime.zero.layout import FlatUnit
+from shardwise.runtime.zero.sharded_params import ShardedParameters
+
+
+class GatherSchedule:
+    def __init__(
+        self,
+        root: nn.Module,
+        module_units: dict[nn.Module, list[FlatUnit]],
+        params: ShardedParameters,
+        comm: Communicator,
+        prefetch_bucket_size: int,
+        max_live_parameters: int,
+        max_reuse_distance: int,
+        frozen: set[int] = frozenset(),
+    ):
+        self.root = root
+        self.module_units = module_units
+        self.params = params
+        self.comm = comm
+        self.prefetch_bucket_size = prefetch_bucket_size
+        self.max_live_parameters = max_live_parameters
+        self.max_reuse_distance = max_reuse_distance
+        self.frozen = frozen  # indices of units without gradients
+        self.backward_uses: dict[int, int] = {}  # frozen unit -> forward uses whose backward is pending
+        self.units = {unit.index: unit for units in module_units.values() for unit in units}
+        self.trace: list[int] = []
+        self.next_use_distance: list[float] = []
+        self.record: list[int] = []
+        self.on_trace = False
+        self.gather_log: list[int] = []
+        self.prefetched = 0  # units gathered ahead of their use, since start
+        self.recompute_gathers = 0  # unit uses by recomputations (each gathered again), since start
+        self.backward_use_callbacks: list = []  # called with each trained unit about to run backward
+        self.positions: dict[nn.Module, list[list[int]]] = defaultdict(list)
+        self.handles = []
+        for module in module_units:
+            self.handles.append(module.register_forward_pre_hook(self._pre_forward))
+            self.handles.append(module.register_forward_hook(self._post_forward))
+        if root not in module_units:
+            self.handles.append(root.register_forward_pre_hook(self._pre_forward))
+            self.handles.append(root.register_forward_hook(self._post_forward))
+
+    # -- uses, fetches and prefetches ------------------------------------------------------
+    def _use(self, units: list[FlatUnit]) -> list[int]:
+        """Record a use of `units`, make them available, prefetch along the trace."""
+        positions = []
+        for unit in units:
+            position = len(self.record)
+            if self.on_trace and (position >= len(self.trace) or self.trace[position] != unit.index):
+                self.on_trace = False
+            self.record.append(unit.index)
+            positions.append(position)
+        plan = [unit for unit in units if not self.params.is_available(unit)]
+        if self.on_trace:
+            ahead = self._prefetch_plan(len(self.record), plan)
+            self.prefetched += len(ahead)
+            plan += ahead
+        if plan:
+            if not self.on_trace:
+                names = ", ".join(str(unit) for unit in plan)
+                self._agree(str([unit.index for unit in plan]), f"was about to gather {names}")
+            for unit in plan:
+                self.gather_log.append(unit.index)
+                self.params.fetch(unit)
+        for unit in units:
+            self.params.wait(unit)
+        return positions
+
+    def _prefetch_plan(self, start: int, planned: list[FlatUnit]) -> list[FlatUnit]:
+        """Units ahead on the trace, within the prefetch and live-parameter limits."""
+        ahead, plan = 0, []
+        live = self.params.gathered_numel() + sum(unit.padded_numel for unit in planned)
+        for index in self.trace[start:]:
+            unit = self.units[index]
+            ahead += unit.numel
+            if ahead > self.prefetch_bucket_size:
+                break
+            if self.params.is_available(unit) or unit in planned or unit in plan:
+                continue
+            if live + unit.padded_numel > self.max_live_parameters:
+                break
+            live += unit.padded_numel
+            plan.append(unit)
+        return plan
+
+    def _reused_soon(self, position: int) -> bool:
+        return (
+            self.on_trace
+            and position < len(self.next_use_distance)
+            and self.next_use_distance[position] < self.max_reuse_distance
+            and self.params.gathered_numel() <= self.max_live_parameters
+        )
+
+    # -- module hooks -------------------------------------------------------------------------
+    def _pre_forward(self, module: nn.Module, args: tuple) -> None:
+        if recomputing():  # keep what a recomputation gathers: backward uses it next
+            units = self.module_units.get(module, [])
+            self._use(units)
+            self.recompute_gathers += len(units)
+            self._free_frozen_after_input_grads(units, args, counted=False)
+            return
+        if module is self.root:
+            self._begin_pass()
+        units = self.module_units.get(module, [])
+        self.positions[module].append(self._use(units))
+        for unit in units:
+            self.params.users[unit.index] = self.params.users.get(unit.index, 0) + 1
+
+    def _post_forward(self, module: nn.Module, args: tuple, output: object) -> None:
+        if recomputing():
+            return
+        units = self.module_units.get(module, [])
+        for unit, position in zip(units, self.positions[module].pop()):
+            if self.params.release_use(unit) == 0 and not self._reused_soon(position):
+                self.params.free(unit)
+        if units and torch.is_grad_enabled():
+            tensors = _needing_grad(output)
+            if tensors:
+                torch.autograd.graph.register_multi_grad_hook(
+                    tensors, lambda grads: self._pre_backward(units), mode="any"
+                )
+                self._free_frozen_after_input_grads(units, args, counted=True)
+        if module is self.root and not torch.is_grad_enabled():
+            self._free_unused()  # no backward will follow this forward
+            if not self.trace:  # e.g. an engine without an optimizer: forward-only passes prefetch too
+                self.end_backward()
+
+    def _free_frozen_after_input_grads(self, units: list[FlatUnit], args: tuple, counted: bool) -> None:
+        """Backward needs a frozen unit only to pass gradients through to the module's
+        inputs: free it when those are complete for every use of the step (`counted`:
+        a forward use, whose backward is pending until then). A recomputation's own hook
+        fires only under reentrant checkpointing, whose first forward ran without
+        gradients and so counted no use; otherwise the first forward's hook frees."""
+        frozen = [unit for unit in units if unit.index in self.frozen] if self.frozen else []
+        if not frozen:  # every training step passes here: no work for modules without frozen units
+            return
+        inputs = _needing_grad(args)
+        if not inputs:
+            return
+        if counted:
+            for unit in frozen:
+                self.backward_uses[unit.index] = self.backward_uses.get(unit.index, 0) + 1
+        torch.autograd.graph.register_multi_grad_hook(inputs, lambda grads: self._release_frozen(frozen, counted))
+
+    def _release_frozen(self, units: list[FlatUnit], counted: bool) -> None:
+        for unit in units:
+            pending = self.backward_uses.pop(unit.index, 0) - counted
+            if pending > 0:
+                self.backward_uses[unit.index] = pending
+            elif not self.params.users.get(unit.index):
+                self.params.free(unit)
+
+    def _pre_backward(self, units: list[FlatUnit]) -> None:
+        self._use(units)
+        for unit in units:
+            if unit.index in self.frozen:
+                continue
+            for callback in self.backward_use_callbacks:
+                callback(unit)
+
+    def _begin_pass(self) -> None:
+        """A new forward starts: forget an unfinished record (e.g. a forward without
+        backward, or one that raised) and free what it left gathered."""
+        self.abort()
+        self.on_trace = bool(self.trace)
+
+    def abort(self) -> None:
+        """Forget a pass that did not finish: a module whose forward raised never ran its
+        post-forward hook, so its units are still marked in use. Release those uses and
+        free every unit nobody else (gathered_parameters) holds, so the next forward
+        gathers fresh values instead of silently reusing a stale copy."""
+        for module, stack in self.positions.items():
+            for _ in stack:
+                for unit in self.module_units.get(module, []):
+                    self.params.release_use(unit)
+        self.positions.clear()
+        self.backward_uses.clear()
+        self._free_unused()
+        self.record = []
+        self.gather_log = []
+        self.on_trace = False
+
+    # -- backward --------------------------------------------------------------------------------
+    def on_grads_ready(self, unit: FlatUnit) -> None:
+        """Reducer callback: the unit's gradients are complete, so backward is done with it."""
+        if unit.index in self.units and not self.params.users.get(unit.index):
+            self.params.free(unit)
+
+    def end_backward(self) -> None:
+        """Free everything, keep the step's order as the trace, check ranks agreed (also
+        after the first forward run without gradients, when there is no trace yet)."""
+        self._free_unused()
+        self.backward_uses.clear()
+        if self.record and self.record != self.trace:
+            self._set_trace(self.record)
+        log, record = self.gather_log, self.record
+        self.gather_log, self.record = [], []
+        self.on_trace = False
+        self._check_ranks_agree(log, record)
+
+    def _free_unused(self) -> None:
+        for index in list(self.params.gathered):
+            if not self.params.users.get(index):
+                self.params.free(self.units[index])
+
+    def _set_trace(self, trace: list[int]) -> None:
+        """Store the trace and, per position, the elements used before the same unit recurs."""
+        self.trace = list(trace)
+        self.next_use_distance = [math.inf] * len(trace)
+        last_seen: dict[int, int] = {}
+        prefix = [0]
+        for index in trace:
+            prefix.append(prefix[-1] + self.units[index].numel)
+        for position in range(len(trace) - 1, -1, -1):
+            index = trace[position]
+            if index in last_seen:
+                following = last_seen[index]
+                self.next_use_distance[position] = prefix[following] - prefix[position + 1]
+            last_seen[index] = position
+
+    # -- rank agreement ------------------------------------------------------------------------------
+    def _check_ranks_agree(self, log: list[int], record: list[int]) -> None:
+        last = f", the last of {self.units[log[-1]]}" if log else ""
+        self._agree(f"end {log} {record}", f"finished backward after {len(log)} gathers{last}")
+
+    def _agree(self, signature: str, description: str) -> None:
+        """All ranks must pass the same `signature` here; otherwise raise on every rank."""
+        if self.comm.world_size == 1:
+            return
+        checksum = zlib.crc32(signature.encode())
+        both = torch.tensor([checksum, -checksum], dtype=torch.int64)
+        self.comm.control_all_reduce(
+            both, f"the stage-3 gather-order check (this rank {description})", op=dist.ReduceOp.MAX
+        )
+        if both[0].item() == -both[1].item():
+            return
+        descriptions = self.comm.control_all_gather_object(description)
+        members = self.comm.handle.ranks
+        seen = "; ".join(f"rank {members[rank]} {text}" for rank, text in enumerate(descriptions))
+        raise DivergentExecutionError(
+            f"rank {self.comm.global_rank}: ranks disagree on which parameters to gather ({seen}). "
+            "Stage 3 needs every rank to run the same modules in the same order; make the "
+            "branch depend on data that is equal on all ranks, or keep the branch's "
+            "parameters whole (raise stage3_param_persistence_threshold above their size)."
+        )
+
+    def remove_hooks(self) -> None:
+        for handle in self.handles:
+            handle.remove()
+        self.handles.clear()
+
+
+def _needing_grad(value: object) -> list[torch.Tensor]:
+    return [t for t in tree_flatten(value)[0] if torch.is_tensor(t) and t.requires_grad]

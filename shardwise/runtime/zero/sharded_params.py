@@ -1,0 +1,160 @@
+"""Parameters in stage 3: each rank stores 1/N of every unit and gathers on use (C4).
+
+Each unit owns one flat buffer for its gathered parameters, whose *storage* is allocated
+only while the unit is gathered (resized to zero bytes otherwise). Freeing the storage in
+place, rather than dropping the tensor, is what actually returns the memory: autograd
+keeps views of gathered weights for backward (a linear layer saves `weight.t()`), and a
+view holds its storage alive. When backward needs the unit again, it is gathered back
+into the same storage, so those saved views read valid weights again.
+
+Outside a gather each parameter's `.data` is an empty tensor, so user code that touches
+a released parameter fails with a shape error instead of reading freed memory.
+
+Gathers are asynchronous: `fetch` starts one, `wait` finishes it. A reference count per
+unit lets nested users (a module and `gathered_parameters`) share one gather.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from shardwise.runtime.accounting import MemoryLedger, tensor_bytes
+from shardwise.runtime.distributed.collectives import Communicator, PendingCollective
+from shardwise.runtime.zero.stores.param_home import NvmeParamHome, make_param_home
+from shardwise.runtime.zero.layout import FlatUnit
+from shardwise.runtime.zero.policy import OffloadPolicy
+
+
+class ShardedParameters:
+    def __init__(
+        self,
+        units: list[FlatUnit],
+        dtype: torch.dtype,
+        device: torch.device,
+        comm: Communicator,
+        ledger: MemoryLedger,
+        home: OffloadPolicy = OffloadPolicy(),
+    ):
+        """`comm`: the shard group; chunk r of every unit lives on its rank r. `home`:
+        where the shards live between gathers (`offload_param`: the device, host memory
+        or NVMe; offload/param_home.py); an offloaded shard is first copied into its
+        place in the gathered buffer."""
+        self.units = units
+        self.dtype = dtype
+        self.device = device
+        self.comm = comm
+        self.ledger = ledger
+        self.home = make_param_home(units, dtype, device, ledger, home, comm.rank)
+        self.offloaded = self.home.offloaded
+        self.flats: dict[int, torch.Tensor] = {}
+        self.views: dict[int, list[torch.Tensor]] = {}
+        for unit in units:
+            flat = torch.empty(unit.padded_numel, dtype=dtype, device=device)
+            self.views[unit.index] = [
+                flat[slot.offset : slot.offset + slot.numel].view(slot.shape) for slot in unit.slots
+            ]
+            flat.untyped_storage().resize_(0)
+            self.flats[unit.index] = flat
+        self.gathered: set[int] = set()
+        self.pending: dict[int, PendingCollective] = {}
+        self.users: dict[int, int] = {}
+        self.peak_gathered_numel = 0
+        self.empty = torch.empty(0, dtype=dtype, device=device)
+
+    # -- building the shards -------------------------------------------------------------
+    def take_shard_from_full(self, unit: FlatUnit) -> None:
+        """Copy this rank's chunk out of the parameters' current full values, then release.
+
+        Used once at start-up (every rank holds the same full weights: the model was
+        broadcast or initialised identically) and by `gathered_parameters` after edits.
+        """
+        shard = self.home.shard(unit)
+        with torch.no_grad():
+            for piece in unit.owned_pieces(self.comm.rank):
+                source = piece.slot.param.detach().reshape(-1)[piece.start : piece.stop]
+                shard[piece.chunk_offset : piece.chunk_offset + piece.numel].copy_(source)
+        self.home.written(unit)
+        if unit.index not in self.gathered:
+            for slot in unit.slots:
+                slot.param.data = self.empty
+
+    def owned_chunk(self, unit: FlatUnit) -> torch.Tensor:
+        """The shard, resident until the next `flush` (the step writes into it in place)."""
+        shard = self.home.shard(unit)
+        self.home.written(unit)
+        return shard
+
+    def flush(self, rewritten: bool = False) -> None:
+        """Let the home write changed shards out; `rewritten`: a step or a load wrote every
+        owned shard in place (through `owned_chunk`'s tensors)."""
+        if rewritten:
+            for unit in self.units:
+                self.home.written(unit)
+        self.home.flush()
+
+    # -- gather / release ----------------------------------------------------------------
+    def is_available(self, unit: FlatUnit) -> bool:
+        """Gathered or being gathered."""
+        return unit.index in self.gathered or unit.index in self.pending
+
+    def fetch(self, unit: FlatUnit) -> None:
+        """Start gathering `unit` unless it is already gathered or in flight."""
+        if self.is_available(unit):
+            return
+        flat = self.flats[unit.index]
+        flat.untyped_storage().resize_(tensor_bytes(flat))
+        self.ledger.hold("buffers", tensor_bytes(flat))
+        self.gathered.add(unit.index)
+        self.peak_gathered_numel = max(self.peak_gathered_numel, self.gathered_numel())
+        shard = self.home.shard(unit)
+        if self.offloaded:  # host -> this rank's place in the device buffer, then gather in place
+            lo, hi = unit.chunk_bounds(self.comm.rank)
+            shard = flat[lo:hi].copy_(shard, non_blocking=not isinstance(self.home, NvmeParamHome))
+            self.home.done_reading(unit)
+        self.pending[unit.index] = self.comm.all_gather(flat, shard, f"parameters of {unit}")
+
+    def wait(self, unit: FlatUnit) -> None:
+        """Finish the gather of `unit` and point its parameters at the result."""
+        pending = self.pending.pop(unit.index, None)
+        if pending is None:
+            return
+        pending.wait()
+        for slot, view in zip(unit.slots, self.views[unit.index]):
+            slot.param.data = view
+
+    def acquire(self, unit: FlatUnit) -> None:
+        self.fetch(unit)
+        self.wait(unit)
+        self.users[unit.index] = self.users.get(unit.index, 0) + 1
+
+    def release_use(self, unit: FlatUnit) -> int:
+        """Drop one user; returns how many remain."""
+        remaining = self.users.get(unit.index, 0) - 1
+        if remaining <= 0:
+            self.users.pop(unit.index, None)
+            return 0
+        self.users[unit.index] = remaining
+        return remaining
+
+    def free(self, unit: FlatUnit) -> None:
+        """Drop the gathered copy (waiting first if it is still in flight)."""
+        if unit.index not in self.gathered:
+            return
+        self.wait(unit)
+        self.gathered.discard(unit.index)
+        self.users.pop(unit.index, None)
+        for slot in unit.slots:
+            slot.param.data = self.empty
+        flat = self.flats[unit.index]
+        self.ledger.release("buffers", tensor_bytes(flat))
+        flat.untyped_storage().resize_(0)
+
+    def gathered_numel(self) -> int:
+        return sum(self.flats[index].numel() for index in self.gathered)
+
+    def full_buffer(self, unit: FlatUnit) -> torch.Tensor:
+        """The gathered flat buffer of `unit` (only valid while it is gathered)."""
+        if unit.index not in self.gathered:
+            raise RuntimeError(f"{unit} is not gathered")
+        self.wait(unit)
+        return self.flats[unit.index]

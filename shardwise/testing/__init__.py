@@ -1,5 +1,0 @@
-"""Test support: run a function on several local ranks and surface any rank's failure."""
-
-from shardwise.testing.harness import DistributedTestError, run_distributed
-
-__all__ = ["DistributedTestError", "run_distributed"]

@@ -1,0 +1,50 @@
+"""`shardwise convert`: a sharded checkpoint -> consolidated safetensors or a Hugging Face folder.
+
+The converter (and torch) is imported only when the command runs, so building the
+`shardwise` parser stays instant.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from typing import Any
+
+from shardwise.runtime.checkpoint.format import CheckpointError
+
+
+def add_parser(subparsers: Any) -> argparse.ArgumentParser:
+    parser = subparsers.add_parser(
+        "convert",
+        help="consolidate a checkpoint into safetensors (or a Hugging Face folder)",
+        description="Convert a sharded shardwise checkpoint into consolidated safetensors "
+        "(fp32 or bf16, sharded by size) or a folder transformers' from_pretrained loads.",
+    )
+    parser.add_argument("checkpoint_dir", help="the directory given to save_checkpoint (holds 'latest')")
+    parser.add_argument("output", help="output directory, or a .safetensors file path")
+    parser.add_argument("--tag", help="checkpoint tag (default: the one 'latest' names)")
+    parser.add_argument("--dtype", choices=["fp32", "bf16"], default="fp32", help="default fp32")
+    parser.add_argument("--max-shard-size", default="5GB", metavar="SIZE",
+                        help="split output files at this size, e.g. 5GB, 500MB (default 5GB)")
+    parser.add_argument("--hf", action="store_true",
+                        help="write a folder transformers' from_pretrained loads (config.json + weights)")
+    parser.add_argument("--overwrite", action="store_true",
+                        help="replace the files of an earlier conversion at the output (default: refuse)")
+    parser.set_defaults(handler=main)
+    return parser
+
+
+def main(args: argparse.Namespace) -> int:
+    from shardwise.runtime.checkpoint.convert import convert_checkpoint
+
+    try:
+        written = convert_checkpoint(
+            args.checkpoint_dir, args.output, tag=args.tag, dtype=args.dtype,
+            max_shard_size=args.max_shard_size, hf=args.hf, overwrite=args.overwrite,
+        )
+    except (CheckpointError, ValueError) as error:
+        print(f"shardwise convert: error: {error}", file=sys.stderr)
+        return 2
+    for path in written:
+        print(f"wrote {path} ({path.stat().st_size:,} bytes)")
+    return 0

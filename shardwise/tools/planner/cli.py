@@ -1,0 +1,196 @@
+"""`shardwise estimate`: memory per ZeRO stage and offload option, and what to run (with a
+tensor or sequence group when --tp / --sp are given, or a suggested --tp when ZeRO alone
+does not fit).
+
+Imports only the planner (plain arithmetic) and rich, so the command answers instantly.
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+import sys
+from dataclasses import replace
+from typing import Any
+
+from rich.console import Console
+from rich.table import Table
+
+from shardwise.tools.planner.explain import DEVICE_NAMES, format_bytes
+from shardwise.formulas.memory import ELEMENT_BYTES, OPTIMIZER_FP32_STATES
+from shardwise.formulas.parallel_activation import ModelParallel
+from shardwise.tools.planner.recommend import DEFAULT_HEADROOM, Estimate, Hardware, OptionEstimate, estimate
+from shardwise.tools.planner.shapes import PRESETS, ModelShape
+
+# Narrower consoles (pipes, CI logs) would squeeze the table into wrapped cells.
+MIN_WIDTH = 120
+
+LAYOUT_FLAGS = ("--hidden-size", "--layers", "--heads", "--vocab-size")
+HARDWARE_FLOAT_FLAGS = {
+    "--gpu-memory": "GB per GPU, e.g. 80",
+    "--cpu-memory": "GB per node, e.g. 512",
+    "--nvme": "GB per node, 0 for none",
+    "--headroom": f"a fraction in [0, 1), e.g. {DEFAULT_HEADROOM}",
+}
+
+
+def add_parser(subparsers: Any) -> argparse.ArgumentParser:
+    parser = subparsers.add_parser(
+        "estimate",
+        help="memory per GPU and node for every ZeRO stage and offload option, and a recommendation",
+        description=__doc__.splitlines()[0],
+    )
+    source = parser.add_mutually_exclusive_group(required=True)
+    source.add_argument("--params", type=float, help="parameter count, e.g. 7.5e9")
+    source.add_argument("--hf-config", metavar="PATH", help="Hugging Face config.json (or its directory)")
+    source.add_argument("--preset", choices=list(PRESETS), help="a built-in model shape")
+
+    layout = parser.add_argument_group("layout for --params (enables the activation estimate)")
+    layout.add_argument("--hidden-size", type=int)
+    layout.add_argument("--layers", type=int)
+    layout.add_argument("--heads", type=int)
+    layout.add_argument("--vocab-size", type=int)
+
+    hardware = parser.add_argument_group("hardware")
+    hardware.add_argument("--gpus", type=int, default=1, help="total GPUs = data-parallel size (default 1)")
+    hardware.add_argument("--gpus-per-node", type=int, default=8, help="default 8")
+    hardware.add_argument("--gpu-memory", type=float, default=80.0, metavar="GB", help="per GPU (default 80)")
+    hardware.add_argument("--cpu-memory", type=float, default=512.0, metavar="GB", help="per node (default 512)")
+    hardware.add_argument("--nvme", type=float, default=0.0, metavar="GB", help="per node, 0 = none (default)")
+    hardware.add_argument(
+        "--headroom", type=float, default=DEFAULT_HEADROOM, help=f"fraction held back (default {DEFAULT_HEADROOM})"
+    )
+
+    training = parser.add_argument_group("training")
+    training.add_argument("--micro-batch", type=int, default=1, help="per GPU (default 1)")
+    training.add_argument("--seq-len", type=int, default=2048, help="default 2048")
+    training.add_argument("--dtype", choices=list(ELEMENT_BYTES), default="bf16", help="default bf16")
+    training.add_argument("--optimizer", choices=list(OPTIMIZER_FP32_STATES), default="adam", help="default adam")
+    training.add_argument("--trainable-params", type=float, default=None, metavar="COUNT",
+                          help="parameters that train (e.g. LoRA adapters, 4.2e7); the rest is frozen: its 16-bit "
+                               "weights only, partitioned at stage 3 (default: every parameter trains)")
+
+    parallel = parser.add_argument_group("model parallelism (--gpus counts every GPU; ZeRO shards over GPUs / tp)")
+    parallel.add_argument("--tp", type=int, default=1, help="tensor_parallel.size (default 1: the estimate then "
+                          "suggests a size when ZeRO alone needs offload or does not fit)")
+    parallel.add_argument("--megatron-sp", action="store_true",
+                          help="Megatron sequence parallelism inside the tensor group (tensor_parallel.sequence_parallel)")
+    parallel.add_argument("--sp", type=int, default=1, help="Ulysses sequence_parallel.size (default 1)")
+    parallel.add_argument("--pp", type=int, default=1, help="pipeline_parallel.size (default 1): each stage holds "
+                          "1/pp of the layers; ZeRO shards over GPUs / (tp × pp)")
+    parser.set_defaults(handler=main)
+    return parser
+
+
+def main(args: argparse.Namespace) -> int:
+    try:
+        _check_hardware(args)
+        result = estimate(
+            _with_trainable(_shape(args), args.trainable_params),
+            Hardware(args.gpus, args.gpus_per_node, args.gpu_memory, args.cpu_memory, args.nvme, args.headroom),
+            micro_batch=args.micro_batch,
+            seq_len=args.seq_len,
+            dtype=args.dtype,
+            optimizer=args.optimizer,
+            parallel=ModelParallel(args.tp, args.sp, args.megatron_sp, args.pp),
+        )
+    except (ValueError, FileNotFoundError) as error:
+        print(f"shardwise estimate: error: {error}", file=sys.stderr)
+        return 2
+    console = Console(highlight=False)
+    if not console.is_terminal:
+        console.width = max(console.width, MIN_WIDTH)
+    render(result, console)
+    return 0
+
+
+def _shape(args: argparse.Namespace) -> ModelShape:
+    layout = (args.hidden_size, args.layers, args.heads, args.vocab_size)
+    if args.params is None and any(value is not None for value in layout):
+        raise ValueError("--hidden-size/--layers/--heads/--vocab-size go with --params; presets and configs carry their own")
+    if args.preset:
+        return ModelShape.preset(args.preset)
+    if args.hf_config:
+        return ModelShape.from_hf_config(args.hf_config)
+    _check_params(args.params)
+    for flag, value in zip(LAYOUT_FLAGS, layout, strict=True):
+        if value is not None and value <= 0:
+            raise ValueError(f"{flag} {value} must be a positive integer")
+    if args.hidden_size and args.heads and args.hidden_size % args.heads:
+        raise ValueError(f"--hidden-size {args.hidden_size} is not divisible by --heads {args.heads}: each "
+                         "attention head gets hidden-size / heads dimensions")
+    return ModelShape.from_params(args.params, *layout)
+
+
+def _with_trainable(shape: ModelShape, count: float | None) -> ModelShape:
+    if count is None:
+        return shape
+    if not math.isfinite(count) or not count.is_integer() or not 0 < count <= shape.num_params:
+        raise ValueError(f"--trainable-params {count:g} must be a whole number between 1 and the model's "
+                         f"{shape.num_params:,} parameters")
+    return replace(shape, trainable_params=int(count))
+
+
+def _check_params(count: float) -> None:
+    """argparse reads --params as a float (so 7.5e9 works), which also lets inf and nan in."""
+    if not math.isfinite(count) or count <= 0:
+        raise ValueError(f"--params {count:g} is not a parameter count: give the model's number of "
+                         "parameters, a positive finite number such as 7.5e9")
+    if not count.is_integer():
+        raise ValueError(f"--params {count:g} is not a whole number of parameters: give e.g. 7.5e9")
+
+
+def _check_hardware(args: argparse.Namespace) -> None:
+    """NaN passes every range check (each comparison is false), so finiteness is checked first."""
+    for flag, expected in HARDWARE_FLOAT_FLAGS.items():
+        value = getattr(args, flag.removeprefix("--").replace("-", "_"))
+        if not math.isfinite(value):
+            raise ValueError(f"{flag} {value:g} is not a finite number: give {expected}")
+
+
+def render(result: Estimate, console: Console) -> None:
+    """The first explanation line states the inputs, so it heads the output; the
+    arithmetic follows the tables it justifies."""
+    console.print(result.explanation[0], markup=False)
+    console.print(_options_table(result))
+    if result.activations is not None:
+        console.print(_activations_table(result))
+    for line in result.explanation[1:]:
+        console.print(line, markup=False)
+
+
+def _options_table(result: Estimate) -> Table:
+    chosen = result.recommendation.option if result.recommendation else None
+    table = Table(
+        title="Model states per GPU; host memory and NVMe per node (GB = 1e9 bytes)",
+        caption=("◀ recommended; " if chosen else "") + "gather = stage-3 working set per GPU",
+    )
+    for name in ("stage", "offload", "GPU states", "gather", "CPU/node", "NVMe/node", "fits"):
+        table.add_column(name, justify="left" if name in ("offload", "fits") else "right", no_wrap=True)
+    for option in result.options:
+        table.add_row(
+            str(option.stage),
+            option.offload.label,
+            format_bytes(option.gpu_model_states),
+            format_bytes(option.gather_bytes),
+            format_bytes(option.cpu_per_node),
+            format_bytes(option.nvme_per_node),
+            _fit_text(option) + (" ◀" if option == chosen else ""),
+            style="bold green" if option == chosen else None,
+        )
+    return table
+
+
+def _fit_text(option: OptionEstimate) -> str:
+    if option.shortfall is not None:
+        return f"no ({DEVICE_NAMES[option.shortfall]})"
+    return "yes" if option.fits_with == "none" else f"{option.fits_with} recompute"
+
+
+def _activations_table(result: Estimate) -> Table:
+    table = Table(title="Activations per GPU")
+    table.add_column("recomputation")
+    table.add_column(f"s = {result.seq_len}, b = {result.micro_batch}", justify="right")
+    for mode, value in (result.activations or {}).items():
+        table.add_row(mode, format_bytes(value))
+    return table

@@ -1,0 +1,140 @@
+"""What the formulas (docs/formulas.md) predict for a run: model-state bytes per rank and collective bytes per step.
+
+The report and the stage-comparison figure put these beside the engine's measured
+numbers. Plain arithmetic over the planner's formulas, no torch, so the parent process
+(which draws the report) and the ranks (which write the numbers) share one definition.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from shardwise.runtime.optim.registry import optimizer_spec, registered_optimizers
+from shardwise.formulas import communication
+from shardwise.formulas.communication import COLLECTIVES, ring_share
+from shardwise.formulas.memory import element_bytes, model_state_bytes, onebit_model_state_bytes
+
+__all__ = [  # COLLECTIVES and ring_share are re-exported for the report
+    "COLLECTIVES", "MODEL_STATES", "RunShape", "comm_expressions", "expected_comm", "expected_comm_by_group",
+    "expected_memory", "memory_expressions", "optimizer_state_bytes", "ring_share",
+]
+MODEL_STATES = ("params", "grads", "optimizer_states")
+ONEBIT = ("OneBitAdam", "OneBitLamb")  # their memory and communication have formulas of their own
+
+
+@dataclass(frozen=True)
+class RunShape:
+    """The quantities the formulas need. `world_size` is the data-parallel size N;
+    `shard_size` the ranks ZeRO shards over (None: N, as without hybrid sharding);
+    `dtype` is the compute dtype of parameters and gradients; `comm_dtype` the dtype
+    gradients are reduced in; `persistent_params` the stage-3 parameters kept whole on
+    every rank; `optimizer_state_bytes` is K; `accumulation_steps` the micro-batches per
+    optimizer step; `optimizer_type` the config's type (1-bit Adam / LAMB keep the
+    momentum and the worker's error whole and exchange compressed momentum: their memory
+    and their steps after the warm-up follow formulas of their own)."""
+
+    num_params: int
+    world_size: int
+    stage: int
+    dtype: str
+    comm_dtype: str
+    optimizer_state_bytes: int
+    persistent_params: int = 0
+    accumulation_steps: int = 1
+    shard_size: int | None = None
+    optimizer_type: str = "AdamW"
+
+    @property
+    def onebit(self) -> bool:
+        return self.optimizer_type in ONEBIT
+
+    @property
+    def shard(self) -> int:
+        """S: 1 at stage 0 (nothing is partitioned), else the shard group's size."""
+        if self.stage == 0:
+            return 1
+        return self.world_size if self.shard_size is None else self.shard_size
+
+    def comm_shape(self) -> communication.CommShape:
+        return communication.CommShape(
+            self.num_params, self.stage, self.shard, self.world_size // self.shard,
+            element_bytes(self.comm_dtype), element_bytes(self.dtype),
+            self.accumulation_steps, self.persistent_params if self.stage == 3 else 0,
+        )
+
+
+def optimizer_state_bytes(optimizer_type: str, dtype: str, momentum: float = 0.0) -> int:
+    """K for a config optimizer, from its registry entry (Adam's 8, +4 master when 16-bit;
+    SGD keeps a momentum buffer only when momentum is on)."""
+    if optimizer_type not in registered_optimizers():
+        raise ValueError(f"no state formula for optimizer {optimizer_type!r}; known: {registered_optimizers()}")
+    return optimizer_spec(optimizer_type).state_bytes_per_param({"momentum": momentum}, dtype)
+
+
+def expected_memory(shape: RunShape) -> dict[str, int]:
+    """Model-state bytes per rank by category (docs/formulas.md#model-states-per-rank, N = the shard group's size;
+    1-bit Adam / LAMB: after their warm-up, shardwise/formulas/memory.py `onebit_model_state_bytes`)."""
+    if shape.onebit:
+        return onebit_model_state_bytes(shape.num_params, shape.world_size, shape.stage, shape.dtype,
+                                        lamb=shape.optimizer_type == "OneBitLamb")
+    return model_state_bytes(
+        shape.num_params,
+        shape.shard if shape.stage > 0 else shape.world_size,
+        shape.stage,
+        shape.dtype,
+        shape.optimizer_state_bytes,
+        shape.persistent_params if shape.stage == 3 else 0,
+    )
+
+
+def expected_comm(shape: RunShape) -> dict[str, int]:
+    """Collective bytes per rank per optimizer step (docs/formulas.md#communication-per-step, planner/communication.py);
+    1-bit Adam / LAMB: a step after the warm-up (no gradient reduced, the compressed
+    momentum exchange, and at stages 1-2 the parameters' all-gather)."""
+    if shape.onebit:
+        volume = dict.fromkeys(COLLECTIVES, 0)
+        volume.update(communication.onebit_exchange_bytes(shape.num_params, shape.world_size, shape.stage,
+                                                          element_bytes(shape.dtype)))
+        return volume
+    return communication.comm_bytes(shape.comm_shape())
+
+
+def expected_comm_by_group(shape: RunShape) -> dict[str, dict[str, int]]:
+    return communication.comm_bytes_by_group(shape.comm_shape())
+
+
+def memory_expressions(shape: RunShape) -> dict[str, str]:
+    """The formula's term behind each memory category, e.g. "4Ψ/N" or "2Ψ/N + 2P"."""
+    p, k = element_bytes(shape.dtype), shape.optimizer_state_bytes
+    if shape.onebit:
+        return _onebit_memory_expressions(shape, p)
+    params = f"{p}Ψ"
+    if shape.stage == 3:
+        params = f"{p}(Ψ−P)/N + {p}P" if shape.persistent_params else f"{p}Ψ/N"
+    return {
+        "params": params,
+        "grads": f"{p}Ψ/N" if shape.stage >= 2 else f"{p}Ψ",
+        "optimizer_states": f"{k}Ψ/N" if shape.stage >= 1 else f"{k}Ψ",
+    }
+
+
+def comm_expressions(shape: RunShape) -> dict[str, str]:
+    """The formula's term behind each collective's bytes per step ("" where nothing is sent);
+    A is the number of micro-batches per step."""
+    if shape.onebit:
+        framed = "(L/8 + 4N)(N−1)/N"
+        gather = framed if shape.stage == 0 else f"{framed} + {element_bytes(shape.dtype)}Ψ(N−1)/N"
+        return {**dict.fromkeys(COLLECTIVES, ""), "all_to_all": framed, "all_gather": gather}
+    return communication.comm_expressions(shape.comm_shape())
+
+
+def _onebit_memory_expressions(shape: RunShape, p: int) -> dict[str, str]:
+    """1-bit Adam / LAMB after the warm-up: stage 0 every state whole and the server's error
+    1/N; stages 1-2 the momentum and the worker's error (8Ψ) whole, the master, variance(s)
+    and server error partitioned; stage 2's gradients add the whole local gradient."""
+    master = 0 if p == 4 else 4
+    variances = 8 if shape.optimizer_type == "OneBitLamb" else 4
+    if shape.stage == 0:
+        return {"params": f"{p}Ψ", "grads": f"{p}Ψ", "optimizer_states": f"{master + variances + 8}Ψ + 4Ψ/N"}
+    grads = f"{p}Ψ + {p}Ψ/N" if shape.stage == 2 else f"{p}Ψ"
+    return {"params": f"{p}Ψ", "grads": grads, "optimizer_states": f"8Ψ + {master + variances + 4}Ψ/N"}

@@ -1,0 +1,84 @@
+"""Building a rank's model, engine and data the same way for training and stage comparison."""
+
+from __future__ import annotations
+
+from collections import Counter
+from dataclasses import dataclass, replace
+
+import torch
+
+from shardwise.tools.data import BlockSampler, load_tokens, split_tokens
+from shardwise.runtime.engine import Engine
+from shardwise.models import GPT, GPTConfig
+from shardwise.tools.profiling import PeakFlops, device_peak_flops
+from shardwise.tools.train.expected import RunShape, optimizer_state_bytes
+from shardwise.tools.train.options import TrainOptions
+
+BYTE_VOCABULARY = 256
+DTYPE_NAMES = {torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16"}
+
+
+@dataclass(frozen=True)
+class ModelFacts:
+    """Counted on the whole model before the engine partitions it (in stage 3 a
+    partitioned parameter is empty afterwards). `tied_params` are elements of
+    parameters used by more than one module, e.g. the embedding shared with the output."""
+
+    num_params: int
+    flops_per_token: int
+    tied_params: int
+
+
+def model_config(options: TrainOptions) -> GPTConfig:
+    """The preset's depth and width, with a byte vocabulary and the training context."""
+    return replace(GPTConfig.preset(options.model_size), vocab_size=BYTE_VOCABULARY, block_size=options.seq_len)
+
+
+def build_model(options: TrainOptions) -> tuple[GPT, ModelFacts]:
+    torch.manual_seed(options.seed)
+    model = GPT(model_config(options))
+    owners = Counter(id(param) for module in model.modules() for param in module.parameters(recurse=False))
+    facts = ModelFacts(
+        num_params=sum(param.numel() for param in model.parameters()),
+        flops_per_token=model.flops_per_token(),
+        tied_params=sum(param.numel() for param in model.parameters() if owners[id(param)] > 1),
+    )
+    return model, facts
+
+
+def run_shape(engine: Engine, num_params: int) -> RunShape:
+    """The formulas' inputs for this engine's settings (docs/formulas.md)."""
+    cfg = engine.config
+    dtype = DTYPE_NAMES[engine.dtype]
+    optimizer = cfg.optimizer
+    momentum = optimizer.params.get("momentum", 0.0) if optimizer is not None else 0.0
+    return RunShape(
+        num_params=num_params,
+        world_size=engine.world_size,
+        stage=engine.stage,
+        dtype=dtype,
+        comm_dtype=cfg.communication_data_type or dtype,
+        optimizer_state_bytes=optimizer_state_bytes(optimizer.type if optimizer else "AdamW", dtype, momentum),
+        persistent_params=engine.persistent_numel(),
+        accumulation_steps=engine.gradient_accumulation_steps,
+        optimizer_type=optimizer.type if optimizer else "AdamW",
+    )
+
+
+def samplers(options: TrainOptions, global_batch: int) -> tuple[BlockSampler, BlockSampler]:
+    """(train, validation) samplers over the cached corpus; validation uses its own seed."""
+    train_tokens, val_tokens = split_tokens(load_tokens(options.corpus_path))
+    return (
+        BlockSampler(train_tokens, options.seq_len, global_batch, options.seed),
+        BlockSampler(val_tokens, options.seq_len, global_batch, options.seed + 1),
+    )
+
+
+def shared_peak_flops(engine: Engine) -> PeakFlops:
+    """Every rank measures at once (as they will train: sharing cores and memory
+    bandwidth), and the ranks agree on the mean."""
+    engine.comm.barrier("peak FLOP/s measurement")
+    peak = device_peak_flops(engine.device, engine.dtype)
+    total = torch.tensor([peak.flops_per_second], dtype=torch.float64, device=engine.device)
+    engine.comm.control_all_reduce(total, "peak FLOP/s")
+    return PeakFlops(float(total.item()) / engine.world_size, peak.source)

@@ -1,0 +1,172 @@
+"""`deepspeed.moe.layer.MoE` with every expert on every rank: its routing (capacity, token
+dropping, top-1 and top-2, the auxiliary loss) checked by hand on small cases, and a
+model with MoE layers trained by the engine at ZeRO stages 0-3 equal to plain PyTorch
+(the loss including the auxiliary loss)."""
+
+import os
+import subprocess
+
+import pytest
+import torch
+from torch import nn
+
+import shardwise
+from shardwise.frontends.deepspeed.api.moe.layer import MoE
+from shardwise.frontends.deepspeed.api.moe.sharded_moe import top1_gating, top2_gating
+from shardwise.frontends.deepspeed.api.moe.utils import split_params_into_different_moe_groups_for_optimizer
+from shardwise.tools.testing import run_distributed
+
+ROWS, STEPS, AUX = 8, 3, 0.01
+
+
+def test_top1_routes_to_the_best_expert_and_drops_over_capacity():
+    logits = torch.tensor([[2.0, 0.0], [1.0, 0.0], [3.0, 0.0], [0.0, 1.0]])  # three tokens want expert 0
+    l_aux, combine, dispatch, counts = top1_gating(logits, capacity_factor=1.0, min_capacity=0, used_token=None,
+                                                   noisy_gate_policy=None, drop_tokens=True, use_rts=False)
+    assert counts.tolist() == [3, 1]
+    assert combine.shape == (4, 2, 2)  # capacity ⌈4 / 2 · 1.0⌉ = 2 slots per expert
+    kept = dispatch.any(dim=(1, 2)).tolist()
+    assert sum(kept[:3]) == 2 and kept[3]  # two of the three fit expert 0 (DeepSpeed's topk picks which)
+    gates = torch.softmax(logits, dim=1)
+    assert torch.allclose(combine.sum(dim=(1, 2))[torch.tensor(kept)], gates.max(dim=1).values[torch.tensor(kept)])
+    assert torch.allclose(combine[3, 1, 0], gates[3, 1])  # the only token of expert 1, in its first slot
+    expected_aux = (gates.mean(0) * torch.tensor([3 / 4, 1 / 4])).sum() * 2
+    assert torch.allclose(l_aux, expected_aux)
+    _, combine, _, _ = top1_gating(logits, 1.0, 0, None, None, drop_tokens=False, use_rts=True)
+    assert combine.shape == (4, 2, 3)  # no dropping: capacity = the fullest expert's count
+
+
+def test_top2_renormalises_the_pair():
+    logits = torch.tensor([[2.0, 1.0, 0.0], [0.0, 1.0, 3.0]])
+    _, combine, _, counts = top2_gating(logits, capacity_factor=2.0, min_capacity=0, drop_tokens=True,
+                                        second_expert_sampling=False)
+    assert counts.tolist() == [1, 2, 1]
+    per_token = combine.sum(dim=(1, 2))
+    assert torch.allclose(per_token, torch.ones(2))
+    gates = torch.softmax(logits, dim=1)
+    assert torch.allclose(combine[0, 0].sum(), gates[0, 0] / (gates[0, 0] + gates[0, 1]))
+
+
+class MoeNet(nn.Module):
+    """DeepSpeedExamples' cifar MoE shape: dense layers around MoE layers of Linear experts."""
+
+    def __init__(self, k: int, residual: bool):
+        super().__init__()
+        torch.manual_seed(5)
+        self.inp = nn.Linear(6, 12)
+        self.moe = nn.ModuleList([MoE(12, nn.Linear(12, 12), num_experts=4, k=k, capacity_factor=4.0,
+                                      min_capacity=0, use_residual=residual) for _ in range(2)])
+        self.out = nn.Linear(12, 3)
+
+    def forward(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        x = torch.relu(self.inp(x))
+        aux = 0
+        for layer in self.moe:
+            x, l_aux, _ = layer(x)
+            aux = aux + l_aux
+        return nn.functional.cross_entropy(self.out(x), y) + AUX * aux
+
+
+def batch(step: int, rows: int) -> tuple[torch.Tensor, torch.Tensor]:
+    generator = torch.Generator().manual_seed(50 + step)
+    return torch.randn(rows, 6, generator=generator), torch.randint(0, 3, (rows,), generator=generator)
+
+
+def groups_of(model: nn.Module) -> list[dict]:
+    return split_params_into_different_moe_groups_for_optimizer({"params": list(model.parameters()),
+                                                                 "name": "parameters"})
+
+
+def train_parallel(rank: int, world_size: int, stage: int, k: int, residual: bool) -> dict:
+    model = MoeNet(k, residual)
+    config = {"train_micro_batch_size_per_gpu": ROWS, "zero_optimization": {"stage": stage,
+                                                                            "stage3_param_persistence_threshold": 0}}
+    engine = shardwise.initialize(model, config, optimizer=torch.optim.AdamW(groups_of(model), lr=1e-2))
+    losses = []
+    for step in range(STEPS):
+        x, y = batch(step, ROWS * world_size)
+        torch.manual_seed(1000 * step + rank)  # the noise of top-2's second choice, as the reference draws it
+        loss = engine(x[rank * ROWS:(rank + 1) * ROWS], y[rank * ROWS:(rank + 1) * ROWS])
+        engine.backward(loss)
+        engine.step()
+        losses.append(loss.item())
+    with shardwise.gathered_parameters(list(model.parameters())):
+        params = {name: param.detach().clone() for name, param in model.named_parameters()}
+    return {"losses": losses, "params": params}
+
+
+def train_reference(world_size: int, k: int, residual: bool) -> dict:
+    """Each rank's rows routed on their own (capacity is per rank), losses averaged."""
+    model = MoeNet(k, residual)
+    optimizer = torch.optim.AdamW(groups_of(model), lr=1e-2)
+    losses = []
+    for step in range(STEPS):
+        x, y = batch(step, ROWS * world_size)
+        per_rank = []
+        for r in range(world_size):
+            torch.manual_seed(1000 * step + r)
+            per_rank.append(model(x[r * ROWS:(r + 1) * ROWS], y[r * ROWS:(r + 1) * ROWS]))
+        optimizer.zero_grad()
+        torch.stack(per_rank).mean().backward()
+        optimizer.step()
+        losses.append([loss.item() for loss in per_rank])
+    return {"losses": losses, "params": {name: param.detach().clone() for name, param in model.named_parameters()}}
+
+
+@pytest.mark.parametrize("stage, k, residual", [(0, 1, False), (2, 2, True), (3, 1, True)],
+                         ids=["stage0-top1", "stage2-top2-residual", "stage3-top1-residual"])
+def test_moe_model_trains_like_plain_torch(stage, k, residual):
+    expected = train_reference(2, k, residual)
+    for rank, result in enumerate(run_distributed(train_parallel, 2, stage, k, residual, timeout=240)):
+        for step in range(STEPS):
+            want = expected["losses"][step][rank]
+            assert abs(result["losses"][step] - want) < 1e-5 * abs(want), (step, result["losses"], want)
+        for name, weight in expected["params"].items():
+            assert ((result["params"][name] - weight).norm() / weight.norm()).item() < 1e-5, name
+    assert any("deepspeed_moe.experts.deepspeed_experts.3" in name for name in expected["params"])
+
+
+def test_expert_parallelism_is_refused_with_the_reason():
+    with pytest.raises(ValueError, match="expert parallelism is not provided"):
+        MoE(8, nn.Linear(8, 8), num_experts=4, ep_size=2)
+
+
+DEEPSPEED_SIDE = """
+import os, sys, torch
+os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", MASTER_ADDR="127.0.0.1", MASTER_PORT="29677",
+                  DS_ACCELERATOR="cpu")
+import deepspeed
+from deepspeed.moe.layer import MoE
+deepspeed.init_distributed(dist_backend="gloo")
+given = torch.load(sys.argv[1])
+layer = MoE(12, torch.nn.Linear(12, 12), **given["arguments"])
+layer.set_deepspeed_parallelism()
+layer.load_state_dict(given["weights"], strict=True)
+out, l_aux, counts = layer(given["x"])
+torch.save({"out": out.detach(), "l_aux": l_aux.detach(), "counts": counts}, sys.argv[2])
+"""
+
+
+@pytest.mark.skipif(not os.environ.get("DEEPSPEED_PYTHON"), reason="set DEEPSPEED_PYTHON to an interpreter with "
+                    "DeepSpeed installed (benchmarks/zero3_vs_fsdp2_deepspeed.py's docstring shows one)")
+@pytest.mark.parametrize("arguments", [
+    {"num_experts": 4, "k": 1, "capacity_factor": 1.0},  # some tokens over capacity, dropped
+    {"num_experts": 4, "k": 2, "capacity_factor": 0.5, "top2_2nd_expert_sampling": False},
+    {"num_experts": 4, "k": 1, "use_residual": True},
+], ids=["top1-dropping", "top2-dropping", "residual"])
+def test_equals_deepspeeds_moe_layer(arguments, tmp_path):
+    """The same weights and tokens through DeepSpeed's own MoE layer (deterministic routing:
+    no random token selection or noise)."""
+    arguments = {**arguments, "min_capacity": 0, "use_rts": False}
+    torch.manual_seed(1)
+    layer = MoE(12, nn.Linear(12, 12), **arguments)
+    for param in layer.parameters():
+        param.data.normal_()
+    x = torch.randn(3, 10, 12)
+    torch.save({"arguments": arguments, "weights": layer.state_dict(), "x": x}, tmp_path / "given.pt")
+    subprocess.run([os.environ["DEEPSPEED_PYTHON"], "-c", DEEPSPEED_SIDE, str(tmp_path / "given.pt"),
+                    str(tmp_path / "theirs.pt")], check=True, capture_output=True, timeout=300)
+    theirs = torch.load(tmp_path / "theirs.pt")
+    out, l_aux, counts = layer(x)
+    assert ((out - theirs["out"]).norm() / theirs["out"].norm()).item() < 1e-6
+    assert torch.equal(l_aux, theirs["l_aux"]) and counts.tolist() == theirs["counts"].tolist()

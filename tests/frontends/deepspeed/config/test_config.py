@@ -1,0 +1,295 @@
+"""load_config on configs it must refuse: one ConfigError naming every problem, each with its key."""
+
+import pytest
+
+from shardwise.frontends.deepspeed.config import ConfigError, load_config
+
+# The ZeRO-2 config of Hugging Face's DeepSpeed guide: "auto" everywhere, CPU offload, wall_clock_breakdown.
+HF_ZERO2 = {
+    "fp16": {"enabled": "auto", "loss_scale": 0, "loss_scale_window": 1000, "initial_scale_power": 16,
+             "hysteresis": 2, "min_loss_scale": 1},
+    "optimizer": {"type": "AdamW", "params": {"lr": "auto", "betas": "auto", "eps": "auto", "weight_decay": "auto"}},
+    "scheduler": {"type": "WarmupLR",
+                  "params": {"warmup_min_lr": "auto", "warmup_max_lr": "auto", "warmup_num_steps": "auto"}},
+    "zero_optimization": {"stage": 2, "offload_optimizer": {"device": "cpu", "pin_memory": True},
+                          "allgather_partitions": True, "allgather_bucket_size": 2e8, "overlap_comm": True,
+                          "reduce_scatter": True, "reduce_bucket_size": 2e8, "contiguous_gradients": True},
+    "gradient_accumulation_steps": "auto",
+    "gradient_clipping": "auto",
+    "steps_per_print": 2000,
+    "train_batch_size": "auto",
+    "train_micro_batch_size_per_gpu": "auto",
+    "wall_clock_breakdown": False,
+}
+
+
+def problems_of(config: dict, world_size: int = 2, hidden_size: int | None = None) -> list[str]:
+    with pytest.raises(ConfigError) as caught:
+        load_config(config, world_size=world_size, hidden_size=hidden_size)
+    return caught.value.problems
+
+
+def test_unknown_nested_key_suggests_the_closest_supported_key():
+    assert problems_of({"train_batch_size": 8, "zero_optimization": {"stgae": 2}}) == [
+        "unknown key 'zero_optimization.stgae'; did you mean 'zero_optimization.stage'?"
+    ]
+
+
+def test_unknown_key_without_close_match_lists_the_keys_of_its_level():
+    (problem,) = problems_of({"train_batch_size": 8, "fp16": {"xyz": 1}})
+    assert problem.startswith("unknown key 'fp16.xyz'; the keys accepted in 'fp16' are: enabled, auto_cast,")
+
+
+def test_deepspeed_keys_shardwise_lacks_are_named_as_such():
+    problems = problems_of({"train_batch_size": 8, "expert_parallel": {"enabled": True},
+                            "zero_optimization": {"round_robin_gradients": False}})
+    assert problems == ["'expert_parallel' is a DeepSpeed key that shardwise does not support yet"]
+
+
+def test_max_grad_norm_points_to_gradient_clipping():
+    (problem,) = problems_of({"train_batch_size": 8, "optimizer": {"type": "Adam", "params": {"max_grad_norm": 1}}})
+    assert "'optimizer.params.max_grad_norm' is a DeepSpeed key" in problem
+    assert "use the top-level 'gradient_clipping'" in problem
+
+
+@pytest.mark.parametrize(
+    ("block", "expected"),
+    [
+        ({"fp16": {"enabled": True, "auto_cast": True}},
+         "fp16.auto_cast true is not supported yet: the model's own forward chooses dtypes"),
+    ],
+)
+def test_later_capabilities_switched_on_are_refused(block, expected):
+    assert problems_of({"train_batch_size": 8, **block}, world_size=8) == [expected]
+
+
+def test_batch_contradiction_shows_the_arithmetic():
+    config = {"train_batch_size": 64, "train_micro_batch_size_per_gpu": 4, "gradient_accumulation_steps": 4}
+    assert problems_of(config, world_size=2) == [
+        "train_batch_size 64 != train_micro_batch_size_per_gpu 4 * gradient_accumulation_steps 4 * world_size 2 = 32"
+    ]
+
+
+@pytest.mark.parametrize(
+    ("config", "expected"),
+    [
+        ({"train_batch_size": 30, "train_micro_batch_size_per_gpu": 4},
+         "train_batch_size 30 is not divisible by train_micro_batch_size_per_gpu 4 * world_size 2 = 8, "
+         "so gradient_accumulation_steps cannot be derived"),
+        ({"train_batch_size": 36, "gradient_accumulation_steps": 4},
+         "train_batch_size 36 is not divisible by gradient_accumulation_steps 4 * world_size 2 = 8, "
+         "so train_micro_batch_size_per_gpu cannot be derived"),
+        ({"train_batch_size": 7},
+         "train_batch_size 7 is not divisible by gradient_accumulation_steps 1 * world_size 2 = 2, "
+         "so train_micro_batch_size_per_gpu cannot be derived"),
+        ({"gradient_accumulation_steps": 2},
+         "set train_batch_size or train_micro_batch_size_per_gpu (or both): "
+         "gradient_accumulation_steps alone does not fix the batch size"),
+        ({}, "set train_batch_size or train_micro_batch_size_per_gpu (or both): neither is given"),
+        ({"pipeline_parallel": {"micro_batches": 4}},
+         "set train_batch_size or train_micro_batch_size_per_gpu (or both): neither is given"),
+        ({"train_batch_size": True}, "train_batch_size: must be a positive integer (got True)"),
+        ({"train_micro_batch_size_per_gpu": 0}, "train_micro_batch_size_per_gpu: must be a positive integer (got 0)"),
+    ],
+)
+def test_batch_sizes_that_cannot_be_derived(config, expected):
+    assert problems_of(config, world_size=2) == [expected]
+
+
+def test_fp16_and_bf16_together_contradict():
+    assert problems_of({"train_batch_size": 8, "fp16": {"enabled": True}, "bf16": {"enabled": True}}) == [
+        "fp16.enabled and bf16.enabled are both true: choose one training precision"
+    ]
+
+
+def test_stage_outside_zero_to_three():
+    assert problems_of({"train_batch_size": 8, "zero_optimization": {"stage": 4}}) == [
+        "zero_optimization.stage: 4 is not a ZeRO stage: use 0, 1, 2 or 3"
+    ]
+
+
+def test_ranges_and_types_are_checked_with_the_value_given():
+    problems = problems_of({
+        "train_batch_size": 8,
+        "gradient_clipping": -1.0,
+        "zero_optimization": {"reduce_bucket_size": 0, "stage3_prefetch_bucket_size": 5.5, "contiguous_gradients": 1},
+        "communication_data_type": "int8",
+    })
+    assert problems == [
+        "gradient_clipping: -1.0 is negative: give a maximum gradient norm, or 0 to disable clipping",
+        "communication_data_type: 'int8' is not a communication data type: use fp32, fp16 or bf16",
+        "zero_optimization.contiguous_gradients: Input should be a valid boolean (got 1)",
+        "zero_optimization.reduce_bucket_size: bucket size 0 must be a positive number of elements",
+        "zero_optimization.stage3_prefetch_bucket_size: Input should be a valid integer, "
+        "got a number with a fractional part (got 5.5)",
+    ]
+
+
+OPTIMIZER_CHOICES = "Adam, AdamW, SGD, Lamb, Lars, Adafactor, Adam8bit, AdamW8bit, Muon, OneBitAdam, OneBitLamb"
+
+
+@pytest.mark.parametrize(
+    ("given", "expected"),
+    [
+        ("ZeroOneAdam", f"optimizer.type 'ZeroOneAdam' is not supported yet: use one of {OPTIMIZER_CHOICES}"),
+        ("zerooneadam", f"optimizer.type 'zerooneadam' is not supported yet: use one of {OPTIMIZER_CHOICES}"),
+        ("Lion", "optimizer.type 'Lion' is a DeepSpeed optimizer that shardwise does not support yet: "
+                 f"use one of {OPTIMIZER_CHOICES}"),
+        ("Adamm", f"optimizer.type 'Adamm' is unknown; did you mean 'Adam'? (choices: {OPTIMIZER_CHOICES})"),
+    ],
+)
+def test_optimizer_types_shardwise_cannot_build(given, expected):
+    assert problems_of({"train_batch_size": 8, "optimizer": {"type": given, "params": {"lr": 1e-3}}}) == [expected]
+
+
+def test_bad_optimizer_params_are_named_under_optimizer_params():
+    problems = problems_of({"train_batch_size": 8,
+                            "optimizer": {"type": "AdamW", "params": {"betaz": [0.9, 0.99], "eps": 0}}})
+    assert problems == [
+        "unknown key 'optimizer.params.betaz'; did you mean 'optimizer.params.betas'?",
+        "optimizer.params.eps: Input should be greater than 0 (got 0)",
+    ]
+
+
+def test_params_of_one_optimizer_are_unknown_to_another():
+    assert problems_of({"train_batch_size": 8, "optimizer": {"type": "SGD", "params": {"betas": [0.9, 0.9]}}}) == [
+        "unknown key 'optimizer.params.betas'; the keys accepted in 'optimizer.params' are: "
+        "lr, momentum, dampening, weight_decay, nesterov"
+    ]
+
+
+def test_adamw_without_decoupled_weight_decay_contradicts():
+    (problem,) = problems_of({"train_batch_size": 8, "optimizer": {"type": "AdamW", "params": {"adam_w_mode": False}}})
+    assert problem.startswith("optimizer.params.adam_w_mode false contradicts optimizer.type 'AdamW'")
+
+
+def test_scheduler_ending_before_its_warmup_shows_both_step_counts():
+    config = {"train_batch_size": 8, "scheduler": {"type": "WarmupDecayLR",
+                                                   "params": {"total_num_steps": 100, "warmup_num_steps": 500}}}
+    assert problems_of(config) == [
+        "scheduler.params: total_num_steps 100 < warmup_num_steps 500: the schedule would end before its warmup does"
+    ]
+
+
+def test_unsupported_scheduler_and_missing_total_steps():
+    assert problems_of({"train_batch_size": 8, "scheduler": {"type": "OneCycle", "params": {}}}) == [
+        "scheduler.type 'OneCycle' is a DeepSpeed scheduler that shardwise does not support yet: "
+        "use one of WarmupLR, WarmupDecayLR, WarmupCosineLR"
+    ]
+    assert problems_of({"train_batch_size": 8, "scheduler": {"type": "WarmupCosineLR"}}) == [
+        "scheduler.params.total_num_steps: required key is missing"
+    ]
+
+
+def test_nvme_offload_needs_a_path():
+    problems = problems_of({"train_batch_size": 8, "zero_optimization": {
+        "stage": 3, "offload_optimizer": {"device": "cpu"}, "offload_param": {"device": "nvme"}}})
+    assert problems == [
+        "zero_optimization.offload_param.device is 'nvme' but zero_optimization.offload_param.nvme_path is not set",
+    ]
+
+
+@pytest.mark.parametrize(("zero", "expected"), [
+    ({"stage": 0, "offload_optimizer": {"device": "cpu"}},
+     "zero_optimization.offload_optimizer.device 'cpu' needs zero_optimization.stage 1, 2 or 3: stage 0 keeps "
+     "the whole optimizer state on every rank"),
+    ({"stage": 2, "offload_optimizer": {"device": "cpu"}, "offload_param": {"device": "cpu"}},
+     "zero_optimization.offload_param.device 'cpu' needs zero_optimization.stage 3: stage 2 keeps the whole "
+     "model on every rank's device"),
+    ({"stage": 3, "offload_param": {"device": "cpu"}},
+     "zero_optimization.offload_param.device 'cpu' needs zero_optimization.offload_optimizer.device set as "
+     "well: the parameters' fp32 masters and their optimizer step live with the optimizer"),
+])
+def test_offload_needs_partitioned_states(zero, expected):
+    assert problems_of({"train_batch_size": 8, "zero_optimization": zero}) == [expected]
+
+
+def test_auto_learning_rate_names_the_argument_that_fills_it():
+    assert problems_of({"train_batch_size": 8, "optimizer": {"type": "Adam", "params": {"lr": "auto"}}}) == [
+        "optimizer.params.lr: 'auto' needs the caller's value: pass auto_values={'optimizer.params.lr': ...} to "
+        "initialize() (shardwise train fills it from --lr), or write it"
+    ]
+
+
+def test_auto_where_nothing_can_derive_it():
+    assert problems_of({"train_batch_size": 8, "fp16": {"hysteresis": "auto"}}) == [
+        "fp16.hysteresis: 'auto' needs the caller's value: pass auto_values={'fp16.hysteresis': ...} to "
+        "initialize(), or write it"
+    ]
+
+
+def test_deepspeed_name_and_its_alias_together():
+    assert problems_of({"train_batch_size": 8, "bf16": {"enabled": True}, "bfloat16": {"enabled": True}}) == [
+        "'bfloat16' and 'bf16' are both set; 'bfloat16' is DeepSpeed's other name for 'bf16', keep one"
+    ]
+
+
+def test_hugging_face_zero2_config_reports_all_its_problems_at_once():
+    problems = problems_of(HF_ZERO2, world_size=2)
+    assert problems == [
+        "optimizer.params.lr: 'auto' needs the caller's value: pass auto_values={'optimizer.params.lr': ...} to "
+        "initialize() (shardwise train fills it from --lr), or write it",
+        "scheduler.params.warmup_num_steps: 'auto' needs the caller's value: pass "
+        "auto_values={'scheduler.params.warmup_num_steps': ...} to initialize() (shardwise train fills it from "
+        "--steps), or write it",
+        "set train_batch_size or train_micro_batch_size_per_gpu (or both): neither is given; the config says "
+        "'auto': pass auto_values={'train_micro_batch_size_per_gpu': ...} to initialize() (shardwise train fills "
+        "train_batch_size from its default), or write it",
+    ]
+    with pytest.raises(ConfigError, match=r"^3 problems in the shardwise config:\n  - optimizer.params.lr"):
+        load_config(HF_ZERO2, world_size=2)
+
+
+def test_hugging_face_zero2_config_loads_with_the_callers_values():
+    cfg = load_config(HF_ZERO2, world_size=2, hidden_size=64, auto_values={
+        "optimizer.params.lr": 3e-4, "optimizer.params.betas": [0.9, 0.95],
+        "scheduler.params.warmup_num_steps": 10, "train_micro_batch_size_per_gpu": 4,
+        "gradient_accumulation_steps": 2,
+    })
+    assert (cfg.train_batch_size, cfg.train_micro_batch_size_per_gpu, cfg.gradient_accumulation_steps) == (16, 4, 2)
+    assert cfg.optimizer.params["lr"] == 3e-4 and list(cfg.optimizer.params["betas"]) == [0.9, 0.95]
+    assert cfg.scheduler.params["warmup_num_steps"] == 10 and cfg.scheduler.params["warmup_max_lr"] == 3e-4
+    assert cfg.zero_optimization.reduce_bucket_size == 200_000_000  # the config's number, not auto
+    assert cfg.fp16.enabled is False
+
+
+def test_bad_files(tmp_path):
+    duplicated = tmp_path / "dup.json"
+    duplicated.write_text('{"train_batch_size": 8, "zero_optimization": {"stage": 1, "stage": 2}}')
+    broken = tmp_path / "broken.json"
+    broken.write_text('{"train_batch_size": 8,}')
+    with pytest.raises(ConfigError, match=r"dup.json sets 'stage' twice in the same object"):
+        load_config(duplicated, world_size=1)
+    with pytest.raises(ConfigError, match=r"broken.json is not valid JSON: .* at line 1, column 24"):
+        load_config(str(broken), world_size=1)
+    with pytest.raises(ConfigError, match=r"missing.json does not exist"):
+        load_config(tmp_path / "missing.json", world_size=1)
+    with pytest.raises(ConfigError, match="world_size must be a positive integer, got 0"):
+        load_config({"train_batch_size": 8}, world_size=0)
+    with pytest.raises(ConfigError, match="world_size must be a positive integer, got None"):
+        load_config({"train_batch_size": 8}, world_size=None)
+
+
+def test_older_deepspeed_spellings_are_translated_to_shardwise_keys():
+    cfg = load_config({"train_batch_size": 8, "fp32_allreduce": True, "sequence_parallel_size": 1,
+                       "zero_optimization": {"stage": 2, "cpu_offload": True, "cpu_offload_use_pin_memory": True}},
+                      world_size=2)
+    assert cfg.zero_optimization.offload_optimizer.device == "cpu"
+    assert cfg.zero_optimization.offload_optimizer.pin_memory is True
+    assert cfg.communication_data_type == "fp32"
+    assert cfg.sequence_parallel.size == 1
+
+
+def test_harmless_keys_load_and_switched_on_features_are_refused_with_the_fix():
+    harmless = {"train_batch_size": 8, "_comment": "notes", "wall_clock_breakdown": True, "prescale_gradients": False,
+                "zero_allow_untested_optimizer": True, "wandb": {"enabled": False, "project": "p"},
+                "zero_optimization": {"stage": 1, "round_robin_gradients": True, "ignore_unused_parameters": True}}
+    assert load_config(harmless, world_size=2).zero_optimization.stage == 1
+    assert problems_of({**harmless, "wandb": {"enabled": True}, "zero_optimization": {"zero_quantized_weights": True}}) == [
+        "'wandb.enabled' true is not supported: shardwise does not log to Weights & Biases: use the tensorboard "
+        "block (or read engine metrics in your script) (accepted: false (or a block with enabled false))",
+        "'zero_optimization.zero_quantized_weights' true is not supported: ZeRO++ weight quantization is not "
+        "supported (accepted: false)",
+    ]
+    # a comment is only a comment at the top level, where DeepSpeed never reads unknown keys
+    assert problems_of({"train_batch_size": 8, "fp16": {"_comment": "x"}})[0].startswith("unknown key 'fp16._comment'")

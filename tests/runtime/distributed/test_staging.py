@@ -1,0 +1,29 @@
+"""Host tensors through device-only groups: which device a group moves tensors on, and
+staging that is a no-op where none is needed (the copy through a CUDA device itself is
+checked in tests/gpu/test_cuda_paths.py)."""
+
+import torch
+import torch.distributed as dist
+
+from shardwise.runtime.distributed.staging import group_device, staged_on
+
+
+def test_only_an_nccl_group_has_a_device_of_its_own(monkeypatch):
+    """`dist.get_backend` and the current CUDA device are stand-ins (this machine has
+    neither NCCL nor a GPU)."""
+    group = object()
+    assert group_device(None) is None
+    monkeypatch.setattr(dist, "get_backend", lambda group=None: "gloo")
+    assert group_device(group) is None
+    monkeypatch.setattr(dist, "get_backend", lambda group=None: "nccl")
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 1)
+    assert group_device(group) == torch.device("cuda", 1)
+
+
+def test_a_tensor_already_in_place_is_used_as_it_is():
+    tensor = torch.zeros(3)
+    for device in (None, torch.device("cpu")):
+        with staged_on(tensor, device) as staged:
+            assert staged is tensor
+            staged.add_(1)
+    assert torch.equal(tensor, torch.full((3,), 2.0))

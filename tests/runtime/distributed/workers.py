@@ -1,0 +1,149 @@
+"""Rank functions for the communicator tests: a 2 x 2 mesh (replicate x shard) on 4 ranks,
+and groups of one that issue their collectives (the test-only switch)."""
+
+from __future__ import annotations
+
+import time
+from collections import Counter
+from collections.abc import Iterator
+from contextlib import contextmanager
+
+import torch
+import torch.distributed as dist
+import torch.distributed.distributed_c10d as c10d
+
+from shardwise.runtime.distributed.collectives import CollectiveError, CommStats, Communicator
+from shardwise.runtime.distributed.mesh import ParallelMesh, ParallelSizes
+from shardwise.runtime.distributed.setup import collective_timeout
+
+SIZES = ParallelSizes(data_replicate=2, data_shard=2)
+
+
+def communicators(rank: int) -> dict[str, Communicator]:
+    mesh = ParallelMesh(SIZES, rank, torch.device("cpu"), collective_timeout())
+    stats = CommStats()
+    return {purpose: Communicator(mesh[purpose], stats) for purpose in ("shard", "replicate", "replicas")}
+
+
+def exercise_groups(rank: int, world_size: int) -> dict:
+    comms = communicators(rank)
+    replicate = comms["replicate"]  # [0, 2] and [1, 3]
+    value = torch.tensor([float(rank)])
+    replicate.broadcast(value, 1, "a value from the second member")  # global rank 2 or 3
+    shard = comms["shard"]  # [0, 1] and [2, 3]
+    sent = torch.arange(4, dtype=torch.float32) + 10 * rank
+    received = torch.empty(4)
+    shard.all_to_all(received, sent, "a test exchange").wait()
+    total = torch.ones(8)
+    replicate.all_reduce(total, "ones").wait()
+    return {
+        "broadcast": value.item(),
+        "all_to_all": received.tolist(),
+        "group_rank": (shard.rank, replicate.rank),
+        "volume": shard.stats.by_group(),
+    }
+
+
+def stall_in_subgroup(rank: int, world_size: int) -> str:
+    comms = communicators(rank)
+    if rank == 3:
+        time.sleep(5)
+        return "stalled"
+    if rank == 1:
+        try:
+            comms["replicate"].all_reduce(torch.ones(4), "a payload").wait()
+        except CollectiveError as error:
+            return str(error)
+    return "not involved"
+
+
+# torch.distributed's Python entry points, by the collective they issue. The older and
+# newer names of one operation both count (one wraps the other: only the outer call counts).
+ENTRY_POINTS = {
+    "all_reduce": "all_reduce",
+    "reduce_scatter_single": "reduce_scatter", "reduce_scatter_tensor": "reduce_scatter",
+    "_reduce_scatter_base": "reduce_scatter",
+    "all_gather_single": "all_gather", "all_gather_into_tensor": "all_gather", "_all_gather_base": "all_gather",
+    "all_gather": "all_gather",
+    "all_to_all_single": "all_to_all",
+    "broadcast": "broadcast",
+}
+
+
+@contextmanager
+def counted_collectives() -> Iterator[Counter]:
+    """Count, per operation, the calls this process makes to torch.distributed's collective
+    functions (they still run). It sees calls made through `torch.distributed.<name>` or
+    `torch.distributed.distributed_c10d.<name>` looked up at call time, as shardwise's
+    communicators make them; a call made through a name bound before entering is not seen."""
+    counts: Counter = Counter()
+    inside = [False]
+    originals = [(module, name, getattr(module, name)) for module in (dist, c10d) for name in ENTRY_POINTS
+                 if hasattr(module, name)]
+
+    def counting(name: str, original):
+        def call(*args, **kwargs):
+            if inside[0]:
+                return original(*args, **kwargs)
+            inside[0] = True
+            try:
+                counts[ENTRY_POINTS[name]] += 1
+                return original(*args, **kwargs)
+            finally:
+                inside[0] = False
+        return call
+
+    for module, name, original in originals:
+        setattr(module, name, counting(name, original))
+    try:
+        yield counts
+    finally:
+        for module, name, original in originals:
+            setattr(module, name, original)
+
+
+def exercise_group_of_one(rank: int, world_size: int, device: str = "cpu") -> dict:
+    """Every data collective of a communicator over a group of one, on `device`: the
+    results, the collectives torch.distributed was asked for, and the bytes counted."""
+    from shardwise.runtime.distributed.mesh import GroupHandle
+
+    stats = CommStats()
+    comm = Communicator(GroupHandle("shard", (rank,), 0, None, None), stats)
+    values = torch.arange(8, dtype=torch.float32, device=device)
+    with counted_collectives() as counts:
+        summed = values.clone()
+        pending = comm.all_reduce(summed, "an all-reduce")
+        asynchronous = pending.work is not None  # a handle to wait on, not a finished no-op
+        pending.wait()
+        in_place = values.clone()
+        comm.reduce_scatter(in_place, in_place, "an in-place reduce-scatter").wait()  # output aliases input
+        scattered = torch.empty_like(values)
+        comm.reduce_scatter(scattered, values, "a reduce-scatter").wait()
+        gathered_in_place = values.clone()
+        comm.all_gather(gathered_in_place, gathered_in_place, "an in-place all-gather").wait()
+        gathered = torch.empty_like(values)
+        comm.all_gather(gathered, values, "an all-gather").wait()
+        pieces = torch.empty_like(values)
+        comm.all_gather_pieces([pieces], values, "an all-gather into pieces").wait()
+        exchanged = torch.empty_like(values)
+        comm.all_to_all(exchanged, values, "an all-to-all").wait()
+        broadcast = values.clone()
+        comm.broadcast(broadcast, 0, "a broadcast")
+    results = {name: tensor.cpu() for name, tensor in (
+        ("all_reduce", summed), ("reduce_scatter_in_place", in_place), ("reduce_scatter", scattered),
+        ("all_gather_in_place", gathered_in_place), ("all_gather", gathered), ("all_gather_pieces", pieces),
+        ("all_to_all", exchanged), ("broadcast", broadcast))}
+    return {"issues": not comm.skips_collectives, "results": results, "counts": dict(counts),
+            "volume": stats.by_group(), "asynchronous": asynchronous}
+
+
+def train_counting_collectives(rank: int, world_size: int, cases: list) -> list[dict]:
+    """tests/zero's `train_parallel` for each case in turn, with the collectives each issued."""
+    from tests.runtime.zero.workers import train_parallel
+
+    results = []
+    for case in cases:
+        with counted_collectives() as counts:
+            result = train_parallel(rank, world_size, case)
+        results.append({**result, "collectives": dict(counts)})
+    return results

@@ -1,0 +1,141 @@
+"""8-bit Adam (C17): block-wise quantised moments whose blocks are the parameter's own, so
+ZeRO's pieces quantise exactly as one process does; checkpoints hold fp32 moments."""
+
+import math
+
+import pytest
+import torch
+
+from shardwise.runtime.optim.adam8bit import Adam8bit, AdamW8bit
+from shardwise.runtime.optim.quantization import BLOCK, codebook, dynamic_code, quantize
+from shardwise.formulas.memory import adam_8bit_state_bytes
+from shardwise.tools.testing import run_distributed
+from tests.runtime.optim.pieces import train_in_pieces, train_whole
+from tests.runtime.optim.workers import (
+    STAGES_AND_WORLDS,
+    ConfigRun,
+    assert_resume_matches,
+    check_against_one_process,
+    parameter_shapes,
+    save_then_resume,
+    step_once_in_process,
+    train_from_config,
+)
+
+CONFIG = {"type": "Adam8bit", "params": {"lr": 0.01, "min_8bit_size": 1024}}
+SHAPES = [(40, 24), (3, 5, 70), (300,), (33, 17), ()]
+# A code flip (a moment a hair from the midpoint between two code values, rounded the other
+# way) changes that moment by one code step, up to 1.4% of its block's absmax. The
+# gradients of N ranks differ from one process's in their last bits (summation order),
+# which flips a few codes per run: measured ≤ 1.6e-4 relative on the weights after 3 steps
+# (stage 0 on 2 ranks, with no piece at all, already 3e-5). Given identical gradients the
+# pieces are exact (test_pieces_anywhere_quantise_exactly_like_one_process).
+WEIGHT_TOLERANCE = 1e-3
+
+
+def _random_run(steps: int = 4) -> tuple[list[torch.Tensor], list[list[torch.Tensor]]]:
+    generator = torch.Generator().manual_seed(0)
+    initial = [torch.randn(shape, generator=generator) for shape in SHAPES]
+    grads = [[torch.randn(shape, generator=generator) * 10.0 ** -(step % 3) for shape in SHAPES]
+             for step in range(steps)]
+    return initial, grads
+
+
+def test_dynamic_codes_and_nearest_rounding():
+    signed, unsigned = dynamic_code(True), dynamic_code(False)
+    assert signed.numel() == unsigned.numel() == 256
+    assert torch.all(signed[1:] > signed[:-1]) and torch.all(unsigned[1:] > unsigned[:-1])
+    assert signed.max() == unsigned.max() == 1.0 and unsigned.min() == 0.0 and 0.0 in signed
+    assert signed[signed > 0].min() == pytest.approx(1e-6 * 0.55)  # seven decades down to 1e-6
+    values = torch.randn(4, BLOCK) * torch.rand(4, BLOCK) ** 6
+    for code, data, signed_code in ((signed, values, True), (unsigned, values.abs(), False)):
+        absmax = data.abs().amax(dim=1)
+        scaled = data * absmax.reciprocal().unsqueeze(1)
+        nearest = (scaled.unsqueeze(-1) - code).abs().argmin(dim=-1)
+        assert torch.equal(quantize(data, absmax, codebook(signed_code)).long(), nearest)
+
+
+def test_rounding_table_equals_a_binary_search_at_every_midpoint():
+    """The table lookup against torch.bucketize where it is hardest: at each midpoint
+    between two code values (a tie goes to the smaller code), one ulp either side, the
+    code values themselves, zeros, denormals, values past 1, infinities and NaN."""
+    for signed in (True, False):
+        code = dynamic_code(signed)
+        midpoints = (code[:-1] + code[1:]) / 2
+        specials = torch.tensor([0.0, -0.0, 1e-45, -1e-45, 1e-30, 1.0000001, -1.0000001, 3.0, -3.0,
+                                 float("inf"), -float("inf"), float("nan")])
+        values = torch.cat([midpoints, torch.nextafter(midpoints, torch.tensor(2.0)),
+                            torch.nextafter(midpoints, torch.tensor(-2.0)), code, specials,
+                            torch.randn(100_000) * torch.rand(100_000) ** 8])
+        codes = quantize(values.view(1, -1), torch.ones(1), codebook(signed)).view(-1)
+        assert torch.equal(codes, torch.bucketize(values, midpoints).to(torch.uint8))
+
+
+@pytest.mark.parametrize("boundaries", [[500, 700, 1500], [100, 2000], [2200, 2300, 2400]])
+def test_pieces_anywhere_quantise_exactly_like_one_process(boundaries):
+    """Boundaries inside blocks, a piece inside two blocks, pieces smaller than a block:
+    with the same gradients, weights and quantised state equal one process bit for bit."""
+    initial, grads = _random_run()
+    make = lambda params: AdamW8bit(params, lr=0.01, min_8bit_size=100)
+    whole, whole_optimizer = train_whole(make, initial, grads)
+    pieces, optimizers = train_in_pieces(make, initial, grads, boundaries)
+    for mine, reference in zip(pieces, whole):
+        assert torch.equal(mine, reference)
+    for index, param in enumerate(whole[:4]):
+        for key in ("exp_avg_codes", "exp_avg_sq_codes"):
+            codes = torch.cat([state[key] for optimizer in optimizers for piece, state in optimizer.state.items()
+                               if optimizer.shard_of(piece).index == index])
+            assert torch.equal(codes, whole_optimizer.state[param][key])
+
+
+@pytest.mark.parametrize(("stage", "world_size"), STAGES_AND_WORLDS)
+def test_adam8bit_matches_single_process_at_every_stage(stage, world_size):
+    check_against_one_process("adam8bit", stage, world_size, WEIGHT_TOLERANCE)
+
+
+def test_adam8bit_against_bitsandbytes_cpu():
+    """bitsandbytes' CPU Adam8bit (weight decay decoupled in both classes, as here): the
+    same code tables and scales, the first step and the fp32 path (small parameters)
+    identical; later steps differ by its CPU quantiser, which picks a code by an
+    approximate search (e.g. -1e-9 becomes +2.1e-5) where this one takes the nearest."""
+    bnb = pytest.importorskip("bitsandbytes")
+    from bitsandbytes.functional import create_dynamic_map
+
+    assert torch.equal(create_dynamic_map(signed=True), dynamic_code(True))
+    assert torch.equal(create_dynamic_map(signed=False), dynamic_code(False))
+    initial, grads = _random_run(steps=5)
+    initial, grads = initial[:4], [step[:4] for step in grads]
+    for ours_class, their_class in ((Adam8bit, bnb.optim.Adam8bit), (AdamW8bit, bnb.optim.AdamW8bit)):
+        def run(cls: type, steps: int) -> list[torch.Tensor]:
+            return train_whole(lambda params: cls(params, lr=0.01, min_8bit_size=1000), initial, grads[:steps])[0]
+
+        assert all(torch.equal(mine, theirs) for mine, theirs in zip(run(ours_class, 1), run(their_class, 1)))
+        ours, theirs = run(ours_class, len(grads)), run(their_class, len(grads))
+        assert torch.equal(ours[2], theirs[2]) and torch.equal(ours[3], theirs[3])  # fp32 moments
+        for mine, reference in zip(ours[:2], theirs[:2]):
+            assert ((mine - reference).norm() / reference.norm()).item() < 2e-4
+
+
+def test_8bit_adams_from_a_deepspeed_config_hold_two_bytes_and_scales():
+    shapes = parameter_shapes()
+    for name, decay in (("Adam8bit", 0.0), ("AdamW8bit", 0.01)):
+        engine = step_once_in_process({"type": name, "params": {"lr": 0.01}})
+        optimizer = engine.optimizer.optimizer
+        assert type(optimizer).__name__ == name and optimizer.param_groups[0]["weight_decay"] == decay
+        expected = sum(adam_8bit_state_bytes(0, math.prod(s), math.prod(s), 4096) for s in shapes.values())
+        assert engine.memory_breakdown()["optimizer_states"] == expected
+
+
+def test_adam8bit_state_is_checkpointed_resumed_exactly_and_resharded(tmp_path):
+    saved, resumed, expected = save_then_resume(tmp_path / "resharded", CONFIG)
+    assert_resume_matches(saved[0], resumed, expected, WEIGHT_TOLERANCE)
+    for rank in saved:  # 2 ranks, stage 2: codes per element, scales per block each piece touches
+        shapes = {name: shape for name, shape, _, _ in rank["pieces"]}
+        assert rank["optimizer_states"] == sum(adam_8bit_state_bytes(start, stop, math.prod(shapes[name]), 1024)
+                                               for name, _, start, stop in rank["pieces"])
+    # at the same layout, resuming from the fp32 moments is exact
+    again = run_distributed(train_from_config, 2, ConfigRun(CONFIG, stage=2, first_step=1, steps=2,
+                                                            load_dir=str(tmp_path / "resharded")))
+    straight = run_distributed(train_from_config, 2, ConfigRun(CONFIG, stage=2, steps=3))
+    for name, want in straight[0]["params"].items():
+        assert torch.equal(again[0]["params"][name], want), name

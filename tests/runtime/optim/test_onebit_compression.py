@@ -1,0 +1,114 @@
+"""The 1-bit compressed all-reduce (shardwise/runtime/distributed/compressed.py): bit packing, and
+the exchange over gloo ranks against the single-process simulation of N workers, to the
+bit, with the bytes it sends counted exactly."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from shardwise.runtime.distributed.collectives import CommStats, Communicator
+from shardwise.runtime.distributed.compressed import (
+    CompressedAllReduce,
+    pack_signs,
+    padded_length,
+    unpack_signs,
+)
+from shardwise.formulas.communication import onebit_exchange_bytes
+from shardwise.tools.testing import run_distributed
+from tests.runtime.optim.onebit_reference import Exchange
+
+CALLS = 3
+LENGTH = 96  # a multiple of 8 x 4: whole bytes per chunk at 2 and 4 ranks
+
+
+def test_signs_pack_eight_per_byte_and_unpack_exactly():
+    generator = torch.Generator().manual_seed(0)
+    positive = torch.rand(3, 64, generator=generator) > 0.5
+    packed = pack_signs(positive)
+    assert packed.dtype == torch.uint8 and packed.shape == (3, 8)
+    assert torch.equal(unpack_signs(packed), positive)
+    first = torch.tensor([True, False, False, False, False, False, False, True])
+    assert pack_signs(first).item() == 0b10000001  # first element in the highest bit
+
+
+def test_packing_by_multiplication_equals_packing_bit_by_bit():
+    """The int64 multiply-and-shift packing (contiguous input) and the per-bit shifts it
+    replaced (the path a strided input takes) give the same bytes, and leave the input as
+    it was."""
+    generator = torch.Generator().manual_seed(1)
+    positive = torch.rand(4, 8 * 1000, generator=generator) > 0.5
+    kept = positive.clone()
+    strided = torch.stack([positive, ~positive], dim=-1)[..., 0]  # the same booleans, not contiguous
+    assert not strided.is_contiguous()
+    assert torch.equal(pack_signs(positive), pack_signs(strided))
+    assert torch.equal(positive, kept) and torch.equal(unpack_signs(pack_signs(positive)), positive)
+
+
+def test_padded_length_gives_whole_bytes_per_rank():
+    assert padded_length(27808, 2) == 27808
+    assert padded_length(27809, 2) == 27824
+    assert padded_length(1, 4) == 32
+
+
+def vectors(call: int, ranks: int) -> list[torch.Tensor]:
+    generator = torch.Generator().manual_seed(100 + call)
+    return [torch.randn(LENGTH, generator=generator) for _ in range(ranks)]
+
+
+def _exchange_on_ranks(rank: int, world_size: int) -> dict:
+    import torch.distributed as dist
+
+    from shardwise.runtime.distributed.mesh import GroupHandle
+
+    handle = GroupHandle("data", tuple(range(world_size)), rank, dist.group.WORLD, dist.group.WORLD)
+    communicator = Communicator(handle, CommStats())
+    exchange = CompressedAllReduce(communicator, LENGTH, torch.device("cpu"))
+    results = []
+    for call in range(CALLS):
+        results.append(exchange.all_reduce_(vectors(call, world_size)[rank].clone(), "test vector").clone())
+    return {"results": results, "volume": communicator.stats.totals(),
+            "errors": (exchange.worker_error.clone(), exchange.server_error.clone())}
+
+
+@pytest.mark.parametrize("ranks", [2, 4])
+def test_exchange_equals_simulation_bit_for_bit(ranks):
+    outputs = run_distributed(_exchange_on_ranks, ranks)
+    reference = Exchange(ranks, LENGTH)
+    for call in range(CALLS):
+        expected = reference.average(vectors(call, ranks))
+        for rank, output in enumerate(outputs):
+            assert torch.equal(output["results"][call], expected), f"call {call}, rank {rank}"
+    for rank, output in enumerate(outputs):
+        worker_error, server_error = output["errors"]
+        assert torch.equal(worker_error, reference.worker_errors[rank])
+        assert torch.equal(server_error, reference.server_errors[rank])
+        sent = onebit_exchange_bytes(LENGTH, ranks)
+        assert output["volume"]["all_to_all"] == CALLS * sent["all_to_all"]
+        assert output["volume"]["all_gather"] == CALLS * sent["all_gather"]
+        assert output["volume"]["all_reduce"] == 0
+
+
+def test_error_feedback_keeps_the_long_run_average():
+    """What error feedback is for: summed over many calls, the compressed averages equal the
+    true averages minus the error buffers left at the end (worker errors averaged, plus the
+    servers'): bounded, not a drift growing with the number of calls."""
+    reference = Exchange(2, LENGTH)
+    true_sum, compressed_sum = torch.zeros(LENGTH), torch.zeros(LENGTH)
+    for call in range(200):
+        pair = vectors(call, 2)
+        true_sum += (pair[0] + pair[1]) / 2
+        compressed_sum += reference.average(pair)
+    left = (reference.worker_errors[0] + reference.worker_errors[1]) / 2 + torch.cat(reference.server_errors)
+    assert torch.allclose(compressed_sum, true_sum - left, atol=1e-3)
+    assert left.norm() < 0.2 * true_sum.norm(), (left.norm(), true_sum.norm())
+
+
+def test_length_must_give_whole_bytes_per_chunk():
+    handle_size = 2
+
+    class _Group:
+        size = handle_size
+
+    with pytest.raises(ValueError, match="multiple of 16"):
+        CompressedAllReduce(_Group(), 40, torch.device("cpu"))

@@ -1,0 +1,53 @@
+"""ZeRO-Offload's host tier (C11): the same training, bit for bit, with fp32 masters,
+optimizer state and the gradient partition in host memory (and, at stage 3, the parameter
+shards too); every byte counted in the tier the planner's formulas put it in."""
+
+import pytest
+
+from shardwise.formulas.memory import Offload, optimizer_state_bytes_for, placed_model_state_bytes
+from shardwise.tools.testing import run_distributed
+from tests.runtime.zero.workers import Case, train_parallel
+
+PARTITION_EVERYTHING = {"stage3_param_persistence_threshold": 0}
+
+
+def case_for(stage: int, optimizer: str = "none", param: str = "none", dtype: str = "fp32",
+             accumulation: int = 1) -> Case:
+    zero = {"offload_optimizer": {"device": optimizer}, "offload_param": {"device": param},
+            "sub_group_size": 2000}  # several optimizer sub-groups
+    if stage == 3:
+        zero.update(PARTITION_EVERYTHING)
+    return Case(stage=stage, dtype=dtype, accumulation=accumulation, model="gpt-untied" if stage == 3 else "gpt",
+                extra_config={"zero_optimization": zero})
+
+
+@pytest.mark.parametrize(("stage", "param", "accumulation"), [
+    (1, "none", 1), (2, "none", 2), (3, "none", 1), (3, "cpu", 2),
+])
+def test_offload_trains_exactly_like_no_offload(stage, param, accumulation):
+    plain = run_distributed(train_parallel, 2, case_for(stage, accumulation=accumulation))
+    offloaded = run_distributed(train_parallel, 2, case_for(stage, "cpu", param, accumulation=accumulation))
+    for without, with_offload in zip(plain, offloaded):
+        assert with_offload["losses"] == without["losses"]
+        for name, tensor in without["params"].items():
+            assert with_offload["params"][name].equal(tensor), name
+
+
+@pytest.mark.parametrize("dtype", ["fp32", "bf16"])
+@pytest.mark.parametrize(("stage", "param"), [(1, "none"), (2, "none"), (3, "none"), (3, "cpu")])
+def test_bytes_live_in_the_tier_the_formulas_say(stage, param, dtype):
+    world = 2
+    result = run_distributed(train_parallel, world, case_for(stage, "cpu", param, dtype=dtype))[0]
+    padded = result["numel"] + result["padding"]
+    # K: Adam's moments (+ the fp32 master in 16-bit training); in fp32 the formula adds the
+    # host's own master copy, which an offloaded optimizer needs beside the device weights
+    expected = placed_model_state_bytes(padded, world, stage, Offload("cpu", param), dtype,
+                                        optimizer_state_bytes_for("adam", dtype))
+    measured = result["memory_by_tier"]
+    assert measured["device"]["params"] == expected["gpu"]["params"]
+    assert measured["device"]["grads"] == expected["gpu"]["grads"]
+    assert measured["device"]["optimizer_states"] == 0
+    host = measured["host"]
+    assert host["grads"] == expected["cpu"]["grads"]
+    assert host["optimizer_states"] == expected["cpu"]["optimizer_states"]
+    assert host["params"] == expected["cpu"]["params"]
