@@ -87,7 +87,7 @@ def _dd(command: list[str]) -> float:
 
 
 def swap_bandwidth(path: Path, megabytes: int, page_elements: int) -> tuple[float, float]:
-    from shardwise.runtime.zero.stores.swap import SwapFile
+    from shardwise.runtime.zero.swap import SwapFile
 
     swap = SwapFile(path, rank=0, threads=1, queue_depth=8)  # DeepSpeed's aio defaults, as the engine's
     regions = [swap.region(page_elements, torch.float32) for _ in range(megabytes * 2**20 // (4 * page_elements))]

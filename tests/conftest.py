@@ -8,6 +8,7 @@ in that folder's own conftest.py; helpers for multi-rank tests live in `shardwis
 import os
 
 import pytest
+import torch.distributed as dist
 
 # Variables through which a launcher tells a process it is one rank of a job. Inherited
 # from a shell that ran under torchrun, they would make single-process tests try to join a
@@ -47,3 +48,20 @@ def pytest_collection_modifyitems(config, items):
     for item in items:
         if "slow" in item.keywords:
             item.add_marker(skip)
+
+
+@pytest.fixture(autouse=True)
+def _no_job_left_behind():
+    """A test that joins a job in the pytest process itself (DeepSpeed's `init_distributed`
+    with no launcher sets RANK, WORLD_SIZE and MASTER_PORT, as DeepSpeed does, and starts a
+    one-process group) leaves neither behind: a later test, or a subprocess it starts,
+    would otherwise join that job or find its port taken."""
+    before = {name: os.environ.get(name) for name in LAUNCHER_VARIABLES}
+    yield
+    if dist.is_available() and dist.is_initialized():
+        dist.destroy_process_group()
+    for name, value in before.items():
+        if value is None:
+            os.environ.pop(name, None)
+        else:
+            os.environ[name] = value

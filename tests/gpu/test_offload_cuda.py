@@ -16,9 +16,9 @@ import pytest
 from shardwise.formulas.memory import Offload, optimizer_state_bytes_for, placed_model_state_bytes
 from tests.gpu.ranks import train_cases
 from tests.gpu.target import DEVICE, LR, TOLERANCE, WORLD, cuda_only, needs_target, run_ranks
-from tests.runtime.zero.stores.test_host_offload import case_for
-from tests.runtime.zero.stores.test_nvme_offload import nvme_case, nvme_params_case
-from tests.runtime.zero.stores.test_partial_offload import partial_case
+from tests.runtime.zero.test_host_offload import case_for
+from tests.runtime.zero.test_nvme_offload import nvme_case, nvme_params_case
+from tests.runtime.zero.test_partial_offload import partial_case
 from tests.runtime.zero.workers import Case, assert_matches_reference, train_reference
 
 pytestmark = needs_target

@@ -10,7 +10,7 @@ import torch
 import shardwise
 import shardwise.runtime.random_state as random_state
 from shardwise.models import GPT, GPTConfig
-from shardwise.runtime.parallel.pipeline.adapters import adapter_for
+from shardwise.models.gpt.parallelize import GPTAdapter
 from shardwise.runtime.parallel.pipeline.timing import measure_layer_costs
 from shardwise.tools.testing import run_distributed
 from tests.runtime.zero.workers import build_model
@@ -72,7 +72,7 @@ def test_ranks_build_the_same_meta_model_and_keep_their_own_streams():
 def test_timing_layers_for_a_pipeline_split_leaves_the_generator_where_it_was():
     model = GPT(dataclasses.replace(GPTConfig.preset("tiny"), dropout=0.1))
     before = torch.get_rng_state()
-    measure_layer_costs(model, adapter_for(model), micro_batch=2, seq_len=16)
+    measure_layer_costs(model, GPTAdapter(), micro_batch=2, seq_len=16)
     assert torch.equal(torch.get_rng_state(), before)
 
 

@@ -16,8 +16,11 @@ import torch
 from torch.utils.checkpoint import checkpoint
 
 from shardwise.runtime import torch_compat
-from shardwise.frontends.deepspeed.config import load_config
-from shardwise.runtime.compile import apply_compile_stage
+from shardwise.models.core.plan import ModelPlan
+from shardwise.models.core.steps import apply_kernel_and_compile_step
+from shardwise.runtime.activation.policy import ActivationPolicy, RecomputePolicy
+from shardwise.runtime.compile.policy import CompilePolicy
+from shardwise.runtime.engine.policies import Policies
 
 PACKAGE = Path(torch_compat.__file__).resolve().parent.parent
 ADDMM = torch.ops.aten.addmm.default
@@ -69,10 +72,9 @@ def test_a_rule_reading_the_output_before_it_exists_is_told_why(monkeypatch):
 
 def test_compiled_blocks_under_selective_checkpointing_are_refused_before_torch_2_12(monkeypatch):
     monkeypatch.setattr(torch_compat, "SELECTIVE_POLICY_SEES_OUTPUT", False)
-    config = load_config({"train_micro_batch_size_per_gpu": 1, "compile": {"enabled": True},
-                          "activation_checkpointing": {"policy": "selective"}}, world_size=1)
+    policies = Policies(compile=CompilePolicy(enabled=True), activation=ActivationPolicy(RecomputePolicy("selective")))
     with pytest.raises(ValueError, match=r'activation_checkpointing.policy "selective" needs torch 2\.12 or newer'):
-        apply_compile_stage(torch.nn.Linear(2, 2), config, None)
+        apply_kernel_and_compile_step(torch.nn.Linear(2, 2), ModelPlan(), policies=policies)
 
 
 def test_no_module_but_torch_compat_reads_torch_version():

@@ -179,10 +179,10 @@ class ShardwiseTrainer(Trainer):
         the shards, module by module, when stage3_gather_16bit_weights_on_model_save is on;
         otherwise, as with DeepSpeed, a shardwise checkpoint is written instead."""
         engine = self.engine
-        if engine is None or not engine.policy.partitions_parameters:
+        if engine is None or not engine.policies.zero.partitions_parameters:
             return super().save_model(output_dir, _internal_call)
         output_dir = self.args.output_dir if output_dir is None else output_dir
-        if not engine.config.zero_optimization.stage3_gather_16bit_weights_on_model_save:
+        if not engine.policies.zero.gather_16bit_weights_on_save:
             log.warning("shardwise: zero_optimization.stage3_gather_16bit_weights_on_model_save is off, so no "
                         "whole weights are written to %s; `shardwise convert %s OUT --hf` makes a Hugging Face "
                         "folder of its engine checkpoint", output_dir, output_dir)

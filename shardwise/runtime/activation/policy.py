@@ -49,3 +49,24 @@ class RecomputePolicy:
 def sqrt_segment(num_layers: int) -> int:
     """Layers per segment of the √n policy: ⌈√n⌉."""
     return math.isqrt(num_layers - 1) + 1 if num_layers > 1 else 1
+
+
+@dataclass(frozen=True)
+class ActivationPolicy:
+    """What recomputation does and where the inputs it keeps live (DeepSpeed's
+    activation-checkpointing settings): `partition_activations` splits each kept input over
+    the tensor group (ZeRO-R's Pa), `cpu_checkpointing` keeps it in host memory,
+    `contiguous_memory_optimization` in one preallocated buffer of `number_checkpoints`
+    slots (Md); `synchronize` waits for the device at region edges; `profile` times regions."""
+
+    recompute: RecomputePolicy = RecomputePolicy("none")
+    partition_activations: bool = False
+    cpu_checkpointing: bool = False
+    contiguous_memory_optimization: bool = False
+    number_checkpoints: int | None = None
+    synchronize: bool = False
+    profile: bool = False
+
+    @property
+    def recomputes(self) -> bool:
+        return self.recompute.name != "none"

@@ -31,6 +31,7 @@ import torch
 
 from shardwise.runtime.activation.accounting import ActivationTracker
 from shardwise.runtime.activation.contiguous import ContiguousArena
+from shardwise.runtime.activation.policy import ActivationPolicy
 from shardwise.runtime.distributed.collectives import Communicator
 
 
@@ -66,6 +67,12 @@ class CheckpointStore:
         self.number_checkpoints = number_checkpoints
         self.arenas: dict[torch.device, ContiguousArena] = {}
         self._stream: torch.cuda.Stream | None = None
+
+    @classmethod
+    def for_policy(cls, policy: ActivationPolicy, tensor: Communicator | None) -> "CheckpointStore":
+        """The store `policy` asks for; Pa splits over `tensor` (the tensor-parallel group)."""
+        return cls(tensor if policy.partition_activations else None, policy.cpu_checkpointing,
+                   policy.contiguous_memory_optimization, policy.number_checkpoints)
 
     @property
     def transforms(self) -> bool:

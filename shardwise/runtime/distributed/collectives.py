@@ -38,7 +38,7 @@ import torch.distributed as dist
 
 from shardwise.runtime.accounting import MemoryLedger
 from shardwise.runtime.distributed import point_to_point
-from shardwise.runtime.distributed.mesh import GroupHandle
+from shardwise.runtime.distributed.mesh import GroupHandle, ParallelMesh
 from shardwise.runtime.distributed.peers import PeerDirectory
 from shardwise.runtime.torch_compat import all_gather_single, reduce_scatter_single
 
@@ -374,3 +374,9 @@ def _issues_at_size_one(group: dist.ProcessGroup | None) -> bool:
     if os.environ.get(COLLECTIVES_AT_SIZE_ONE_VARIABLE) != "1" or not dist.is_initialized():
         return False
     return group is not None or dist.get_world_size() == 1  # None: the default group
+
+
+def mesh_communicator(mesh: ParallelMesh, purpose: str) -> Communicator:
+    """A communicator over one of the mesh's groups, counting into the job's statistics
+    (`mesh.comm_stats`), so `comm_volume()` shows its bytes."""
+    return Communicator(mesh[purpose], mesh.comm_stats)

@@ -43,7 +43,7 @@ import torch.distributed as dist
 from shardwise.runtime.torch_compat import mesh_groups_time_out_after
 
 if TYPE_CHECKING:
-    from shardwise.frontends.deepspeed.config import ShardwiseConfig
+    from shardwise.runtime.distributed.collectives import CommStats
 
 DIMENSIONS = ("pipeline", "data_replicate", "data_shard", "sequence", "tensor")
 PURPOSES = {
@@ -84,19 +84,21 @@ class ParallelSizes:
         return math.prod(getattr(self, name) for name in PURPOSES[purpose])
 
     @classmethod
-    def from_config(cls, config: "ShardwiseConfig", world_size: int) -> "ParallelSizes":
-        """The grid a resolved config asks for (load_config has checked the sizes divide)."""
-        tensor = config.tensor_parallel.size
-        sequence = config.sequence_parallel.size
-        pipeline = config.pipeline_parallel.size
-        data = world_size // (tensor * sequence * pipeline)
-        zero = config.zero_optimization
-        if zero.stage == 0:
-            shard = 1
-        elif zero.mics_shard_size > 0:
-            shard = zero.mics_shard_size
-        else:
-            shard = data
+    def of_job(cls, world_size: int, *, tensor: int = 1, sequence: int = 1, pipeline: int = 1,
+               shard_size: int | None = None) -> "ParallelSizes":
+        """The grid for `world_size` ranks: data parallelism is what tensor, sequence and
+        pipeline leave (world ÷ (tp·sp·pp)); ZeRO shards over `shard_size` of those data
+        ranks (hybrid sharding) and replicates over the rest, or over all of them (None)."""
+        model_parallel = tensor * sequence * pipeline
+        if world_size % model_parallel:
+            raise ValueError(f"{world_size} processes cannot hold tensor x sequence x pipeline = {tensor} x "
+                             f"{sequence} x {pipeline} = {model_parallel} ranks per model replica: the data-parallel "
+                             "size is world / (tp·sp·pp); start a multiple of it, or change the sizes")
+        data = world_size // model_parallel
+        shard = data if shard_size is None else shard_size
+        if data % shard:
+            raise ValueError(f"a shard group of {shard} ranks does not divide the {data} data-parallel ranks "
+                             "(hybrid sharding replicates whole shard groups)")
         return cls(pipeline, data // shard, shard, sequence, tensor)
 
     def coordinates(self, rank: int) -> dict[str, int]:
@@ -149,10 +151,16 @@ class GroupHandle:
 class ParallelMesh:
     """The grid of one job: sizes, this rank's coordinates and one `GroupHandle` per purpose."""
 
-    def __init__(self, sizes: ParallelSizes, rank: int, device: torch.device, timeout: datetime.timedelta):
+    def __init__(self, sizes: ParallelSizes, rank: int, device: torch.device, timeout: datetime.timedelta,
+                 comm_stats: CommStats | None = None):
+        """`comm_stats`: where communicators over the mesh's groups count their bytes (the
+        engine's, so `comm_volume()` shows every group's)."""
+        from shardwise.runtime.distributed.collectives import CommStats
+
         self.sizes = sizes
         self.rank = rank
         self.device = device
+        self.comm_stats = comm_stats if comm_stats is not None else CommStats()
         self.coordinates = sizes.coordinates(rank)
         self.device_mesh = None
         if sizes.world == 1 or not dist.is_initialized():

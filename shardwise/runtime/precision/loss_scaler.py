@@ -9,10 +9,9 @@ agree on skipping without an extra collective.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
-if TYPE_CHECKING:
-    from shardwise.frontends.deepspeed.config import Fp16Config
+from shardwise.runtime.precision.policy import LossScalingPolicy
 
 
 class LossScaler:
@@ -38,20 +37,13 @@ class LossScaler:
         self.last_overflow_iteration = -1
 
     @classmethod
-    def from_config(cls, fp16: "Fp16Config") -> "LossScaler":
-        """Scale 1 without fp16; `loss_scale` > 0 is a static scale, 0 DeepSpeed's dynamic one."""
-        if not fp16.enabled:
+    def from_policy(cls, policy: LossScalingPolicy | None) -> "LossScaler":
+        """Scale 1 without loss scaling (fp32, bf16)."""
+        if policy is None:
             return cls(1.0)
-        if fp16.loss_scale > 0:
-            return cls(fp16.loss_scale)
-        return cls(
-            2.0**fp16.initial_scale_power,
-            dynamic=True,
-            scale_window=fp16.loss_scale_window,
-            hysteresis=fp16.hysteresis,
-            consecutive_hysteresis=fp16.consecutive_hysteresis,
-            min_scale=fp16.min_loss_scale,
-        )
+        return cls(policy.initial_scale, dynamic=policy.dynamic, scale_window=policy.window,
+                   hysteresis=policy.hysteresis, consecutive_hysteresis=policy.consecutive_hysteresis,
+                   min_scale=policy.min_scale)
 
     @property
     def can_absorb_overflow(self) -> bool:

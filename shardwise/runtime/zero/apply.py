@@ -20,17 +20,18 @@ from torch import nn
 from shardwise.runtime.accounting import MemoryLedger
 from shardwise.runtime.distributed.collectives import Communicator
 from shardwise.runtime.distributed.staging import group_device, staged_on
-from shardwise.runtime.zero.stores.host_store import HostShardStore
-from shardwise.runtime.zero.stores.param_home import merge_transfers
-from shardwise.runtime.zero.stores.nvme_store import NvmeShardStore
-from shardwise.runtime.zero.stores.split_store import make_split_store
+from shardwise.runtime.zero.host_store import HostShardStore
+from shardwise.runtime.zero.param_home import merge_transfers
+from shardwise.runtime.zero.nvme_store import NvmeShardStore
+from shardwise.runtime.zero.split_store import make_split_store
 from shardwise.runtime.optim.codec import StateCodec
+from shardwise.runtime.precision.policy import PrecisionPolicy
 from shardwise.runtime.zero.gradients import GradientReducer
 from shardwise.runtime.zero.layout import FlatUnit, align_elements, pack_units
 from shardwise.runtime.zero.partitioned_params import PartitionedParameters
 from shardwise.runtime.zero.policy import ZeroPolicy
 from shardwise.runtime.zero.replicated_params import ReplicatedParameters
-from shardwise.runtime.zero.stores.shard_store import DeviceShardStore, ShardStore, StoreSpec
+from shardwise.runtime.zero.shard_store import DeviceShardStore, ShardStore, StoreSpec
 from shardwise.runtime.zero.shard_view import OwnedRange, owned_ranges
 from shardwise.runtime.zero.sharded_optimizer import ShardedOptimizer
 from shardwise.runtime.zero.strategy import ParameterStrategy
@@ -94,10 +95,10 @@ class ZeroState:
             self.reducer.zero_grads()
 
 
-def _make_store(policy: ZeroPolicy, params: ParameterStrategy, chunk: int, ledger: MemoryLedger,
-                per_parameter: bool, rank: int) -> ShardStore:
+def _make_store(policy: ZeroPolicy, params: ParameterStrategy, *, dtype: torch.dtype, chunk: int,
+                ledger: MemoryLedger, per_parameter: bool, rank: int) -> ShardStore:
     """The shard store of the tier `offload_optimizer.device` names."""
-    spec = StoreSpec(params.units, chunk, params, policy.param_dtype, policy.keeps_full_gradients,
+    spec = StoreSpec(params.units, chunk, params, dtype, policy.keeps_full_gradients,
                      policy.sub_group_size, ledger, per_parameter)
     offload = policy.offload_optimizer
     if offload.enabled and offload.ratio < 1:
@@ -112,7 +113,9 @@ def _make_store(policy: ZeroPolicy, params: ParameterStrategy, chunk: int, ledge
 def apply_zero(
     model: nn.Module,
     named: list[tuple[str, nn.Parameter, int]],
+    *,
     policy: ZeroPolicy,
+    precision: PrecisionPolicy,
     groups: ZeroGroups,
     ledger: MemoryLedger,
     device: torch.device,
@@ -122,30 +125,36 @@ def apply_zero(
     per_parameter: bool = False,
     frozen: list[tuple[str, nn.Parameter]] = (),
 ) -> ZeroState:
-    """Partition `named` (name, parameter, param group) of `model` as `policy` says.
-    `per_parameter`: the optimizer works on whole parameters (optim/sharded.py).
-    `make_optimizer=None`: forward only (an engine without an optimizer, e.g. an RLHF
-    reference model): the parameters are held as for training (1/N each at stage 3), but
-    no fp32 masters, gradient buffers or optimizer state exist. `frozen`: parameters that
-    are not trained; stage 3 partitions them too (others keep them whole)."""
-    align = align_elements(policy.param_dtype)
+    """Partition `named` (name, parameter, param group) of `model` as `policy` says, in
+    `precision.param_dtype`. `per_parameter`: the optimizer works on whole parameters
+    (optim/sharded.py). `make_optimizer=None`: forward only (an engine without an
+    optimizer, e.g. an RLHF reference model): the parameters are held as for training (1/N
+    each at stage 3), but no fp32 masters, gradient buffers or optimizer state exist.
+    `frozen`: parameters that are not trained; stage 3 partitions them too (others keep
+    them whole)."""
+    dtype = precision.param_dtype
+    align = align_elements(dtype)
     params: ParameterStrategy
     if policy.partitions_parameters:
         params = PartitionedParameters(
-            model, named, policy, device, groups.shard, groups.replicas, ledger, align, param_init_fn, frozen
+            model, named, policy, dtype=dtype, device=device, shard=groups.shard, replicas=groups.replicas,
+            ledger=ledger, align=align, param_init_fn=param_init_fn, frozen=frozen,
         )
     else:
         units = pack_units(reversed(named), policy.reduce_bucket_size, groups.shard.size, align)
         params = ReplicatedParameters(
-            units, policy.param_dtype, device, groups.shard, groups.replicas, ledger, policy.allgather_bucket_size
+            units, dtype, device, groups.shard, groups.replicas, ledger, policy.allgather_bucket_size
         )
         params.broadcast_initial()
     if make_optimizer is None:
         params.settle()
         return ZeroState(policy, groups, params, None, None, None)
-    store = _make_store(policy, params, groups.shard.rank, ledger, per_parameter, groups.shard.global_rank)
+    store = _make_store(policy, params, dtype=dtype, chunk=groups.shard.rank, ledger=ledger,
+                        per_parameter=per_parameter, rank=groups.shard.global_rank)
     params.settle()
-    reducer = GradientReducer(params.units, policy, store, groups.shard, groups.replicate, ledger, device)
+    reducer = GradientReducer(params.units, policy, grad_dtype=dtype, comm_dtype=precision.communication_dtype,
+                              store=store, shard=groups.shard, replicate=groups.replicate, ledger=ledger,
+                              device=device)
     params.connect(reducer)
     shard_device = group_device(groups.shard.group)
 

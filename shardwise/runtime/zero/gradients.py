@@ -55,7 +55,7 @@ from shardwise.runtime.distributed.collectives import Communicator, PendingColle
 from shardwise.runtime.zero.layout import FlatUnit, ParamSlot
 from shardwise.runtime.zero.optimizer_exchange import OptimizerExchangeMixin
 from shardwise.runtime.zero.policy import ZeroPolicy
-from shardwise.runtime.zero.stores.shard_store import ShardStore
+from shardwise.runtime.zero.shard_store import ShardStore
 
 MAX_IN_FLIGHT = 1
 
@@ -72,6 +72,9 @@ class GradientReducer(OptimizerExchangeMixin):
         self,
         units: list[FlatUnit],
         policy: ZeroPolicy,
+        *,
+        grad_dtype: torch.dtype,
+        comm_dtype: torch.dtype,
         store: ShardStore,
         shard: Communicator,
         replicate: Communicator,
@@ -85,8 +88,8 @@ class GradientReducer(OptimizerExchangeMixin):
         self.shard = shard
         self.replicate = replicate
         self.ledger = ledger
-        self.grad_dtype = policy.param_dtype
-        self.comm_dtype = policy.reduce_dtype
+        self.grad_dtype = grad_dtype
+        self.comm_dtype = comm_dtype
         self.device = device
         self.overlap = policy.overlap_comm
         self.use_reduce_scatter = policy.reduce_scatter

@@ -28,7 +28,7 @@ import torch
 from shardwise.runtime.distributed.collectives import Communicator
 from shardwise.runtime.distributed.compressed import BITS
 from shardwise.runtime.zero.layout import FlatUnit
-from shardwise.runtime.zero.stores.shard_store import SegmentState
+from shardwise.runtime.zero.shard_store import SegmentState
 
 
 class PartitionedMomentum:

@@ -55,6 +55,8 @@ class PartitionedParameters(ParameterStrategy):
         model: nn.Module,
         named: list[tuple[str, nn.Parameter, int]],
         policy: ZeroPolicy,
+        *,
+        dtype: torch.dtype,
         device: torch.device,
         shard: Communicator,
         replicas: Communicator,
@@ -63,11 +65,11 @@ class PartitionedParameters(ParameterStrategy):
         param_init_fn: Callable[[nn.Module], None] | None = None,
         frozen: list[tuple[str, nn.Parameter]] = (),
     ):
-        """`shard`: the group each unit is split over; `replicas`: every rank holding the
-        same model (initial values are broadcast over it); `frozen`: parameters held but
-        not trained (those under the persistence threshold stay whole, outside ZeRO)."""
+        """`dtype`: the parameters' compute dtype; `shard`: the group each unit is split
+        over; `replicas`: every rank holding the same model (initial values are broadcast
+        over it); `frozen`: parameters held but not trained (those under the persistence
+        threshold stay whole, outside ZeRO)."""
         world = shard.size
-        dtype = policy.param_dtype
         prefetch = policy.prefetch
         threshold = prefetch.persistence_threshold
         persistent = [(n, p, g) for n, p, g in named if p.numel() < threshold]

@@ -1,5 +1,6 @@
 """ZeRO's settings as small policy objects (as FSDP2 passes `MixedPrecisionPolicy`), built
-once from the config, instead of a long argument list threaded through every class.
+once by a front end (the DeepSpeed config's, or a user in Python) instead of a long
+argument list threaded through every class.
 
 The stage number is read in exactly one place, here: every part of the engine asks the
 policy the question it cares about (are parameters partitioned? does the gradient buffer
@@ -8,24 +9,18 @@ hold the full model?) rather than comparing stage numbers.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
-import torch
-
-from shardwise.frontends.deepspeed.config import ShardwiseConfig
-from shardwise.runtime.optim.registry import optimizer_spec
-
-DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+from dataclasses import dataclass, field
 
 
 @dataclass(frozen=True)
 class PrefetchPolicy:
-    """Stage 3: what is gathered ahead of use, and what is never partitioned."""
+    """Stage 3: what is gathered ahead of use, and what is never partitioned (DeepSpeed's
+    defaults)."""
 
-    prefetch_bucket_size: int
-    max_live_parameters: int
-    max_reuse_distance: int
-    persistence_threshold: int
+    prefetch_bucket_size: int = 50_000_000
+    max_live_parameters: int = 1_000_000_000
+    max_reuse_distance: int = 1_000_000_000
+    persistence_threshold: int = 100_000
 
 
 @dataclass(frozen=True)
@@ -50,41 +45,26 @@ class OffloadPolicy:
 
 @dataclass(frozen=True)
 class ZeroPolicy:
-    stage: int
-    param_dtype: torch.dtype  # compute dtype of parameters and gradients
-    reduce_dtype: torch.dtype  # dtype gradients are communicated in
-    reduce_bucket_size: int
-    allgather_bucket_size: int
-    overlap_comm: bool
-    reduce_scatter: bool
-    sub_group_size: int
-    prefetch: PrefetchPolicy
+    """What ZeRO partitions and how it moves it. Stage 0 is data parallelism: nothing
+    partitioned, gradients all-reduced (docs/formulas.md#model-states-per-rank)."""
+
+    stage: int = 0
+    reduce_bucket_size: int = 500_000_000
+    allgather_bucket_size: int = 500_000_000
+    overlap_comm: bool = False
+    reduce_scatter: bool = True
+    sub_group_size: int = 1_000_000_000
+    prefetch: PrefetchPolicy = field(default_factory=PrefetchPolicy)
     offload_optimizer: OffloadPolicy = OffloadPolicy()
     offload_param: OffloadPolicy = OffloadPolicy()
+    shard_size: int | None = None  # hybrid sharding (MiCS / HSDP): ranks per shard group; None: all data ranks
+    gather_16bit_weights_on_save: bool = False  # stage 3: a whole 16-bit model may be gathered to save it
 
-    @classmethod
-    def from_config(cls, config: ShardwiseConfig) -> "ZeroPolicy":
-        zero = config.zero_optimization
-        dtype = compute_dtype(config)
-        reduce_dtype = DTYPES[config.communication_data_type] if config.communication_data_type else dtype
-        return cls(
-            stage=zero.stage,
-            param_dtype=dtype,
-            reduce_dtype=reduce_dtype,
-            reduce_bucket_size=zero.reduce_bucket_size,
-            allgather_bucket_size=zero.allgather_bucket_size,
-            overlap_comm=bool(zero.overlap_comm),
-            reduce_scatter=zero.reduce_scatter,
-            sub_group_size=zero.sub_group_size,
-            prefetch=PrefetchPolicy(
-                zero.stage3_prefetch_bucket_size,
-                zero.stage3_max_live_parameters,
-                zero.stage3_max_reuse_distance,
-                zero.stage3_param_persistence_threshold,
-            ),
-            offload_optimizer=_offload(zero.offload_optimizer, config),
-            offload_param=_offload(zero.offload_param, config),
-        )
+    def __post_init__(self) -> None:
+        if self.stage not in (0, 1, 2, 3):
+            raise ValueError(f"ZeRO stage must be 0, 1, 2 or 3, got {self.stage}")
+        if self.shard_size is not None and self.shard_size < 1:
+            raise ValueError(f"shard_size must be at least 1, got {self.shard_size}")
 
     @property
     def partitions_parameters(self) -> bool:
@@ -97,23 +77,7 @@ class ZeroPolicy:
         stages 2-3 keep only their partition, so they reduce every micro-batch."""
         return self.stage <= 1
 
-
-def _offload(section, config: ShardwiseConfig) -> OffloadPolicy:
-    aio = config.aio
-    optimizer = config.optimizer
-    states = optimizer_spec(optimizer.type).fp32_states(optimizer.params) if optimizer is not None else 2
-    defaults = OffloadPolicy()
-    return OffloadPolicy(
-        section.device, section.nvme_path, section.pin_memory, section.buffer_count,
-        aio.thread_count if aio else defaults.thread_count, aio.block_size if aio else defaults.block_size, states,
-        getattr(section, "ratio", defaults.ratio), getattr(section, "buffer_size", defaults.buffer_size),
-        aio.queue_depth if aio else defaults.queue_depth,
-    )
-
-
-def compute_dtype(config: ShardwiseConfig) -> torch.dtype:
-    if config.bf16.enabled:
-        return torch.bfloat16
-    if config.fp16.enabled:
-        return torch.float16
-    return torch.float32
+    @property
+    def partitions_model_states(self) -> bool:
+        """Stages 1-3 shard optimizer state (and more) over the shard group; stage 0 shards nothing."""
+        return self.stage > 0

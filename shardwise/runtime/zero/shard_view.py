@@ -23,7 +23,7 @@ import torch
 
 from shardwise.runtime.distributed.mesh import GroupHandle
 from shardwise.runtime.zero.layout import FlatUnit
-from shardwise.runtime.zero.stores.shard_store import ShardStore, SegmentState
+from shardwise.runtime.zero.shard_store import ShardStore, SegmentState
 
 
 @dataclass(frozen=True)

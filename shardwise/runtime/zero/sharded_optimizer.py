@@ -25,7 +25,7 @@ from shardwise.runtime.optim.onebit import OneBitOptimizer
 from shardwise.runtime.optim.sharded import ParameterShard, ShardAwareOptimizer, SumOverShards
 from shardwise.runtime.zero.gradients import GradientReducer
 from shardwise.runtime.zero.onebit_momentum import PartitionedMomentum
-from shardwise.runtime.zero.stores.shard_store import SegmentState, ShardStore
+from shardwise.runtime.zero.shard_store import SegmentState, ShardStore
 
 
 class ShardedOptimizer:

@@ -20,7 +20,7 @@ import torch
 
 from shardwise.runtime.accounting import MemoryLedger, tensor_bytes
 from shardwise.runtime.distributed.collectives import Communicator, PendingCollective
-from shardwise.runtime.zero.stores.param_home import NvmeParamHome, make_param_home
+from shardwise.runtime.zero.param_home import NvmeParamHome, make_param_home
 from shardwise.runtime.zero.layout import FlatUnit
 from shardwise.runtime.zero.policy import OffloadPolicy
 

@@ -23,7 +23,7 @@ from shardwise.frontends.hf_trainer.versions import SUPPORTED, check_versions
 from shardwise.tools.testing import run_distributed
 from tests.frontends.hf_trainer.workers import CONFIG_BLOCKS, hf_style_config, refusals, train_from_deepspeed_argument
 
-ROOT = Path(__file__).resolve().parents[2]
+ROOT = Path(__file__).resolve().parents[3]
 
 
 def training_arguments(**overrides) -> SimpleNamespace:

@@ -6,7 +6,7 @@ import torch
 
 from shardwise.runtime.accounting import MemoryLedger
 from shardwise.runtime.activation import ActivationTracker, CheckpointStore
-from shardwise.frontends.deepspeed.api import checkpointing as deepspeed_api
+from shardwise.frontends.deepspeed import checkpointing as deepspeed_api
 from shardwise.runtime.activation.contiguous import ContiguousArena
 from shardwise.tools.testing import run_distributed
 from tests.runtime.activation.workers import SEQ, batch, measure, partitioned_checkpoints, tiny_gpt, with_policy

@@ -4,11 +4,14 @@ mesh, N in the ZeRO formulas is the size of the group ZeRO shards over)."""
 import pytest
 
 from shardwise.frontends.deepspeed.config import load_config
+from shardwise.frontends.deepspeed.config.policies import policies_from_config
 from shardwise.runtime.distributed.mesh import ParallelSizes
+from shardwise.runtime.engine.job import parallel_sizes
 
 
 def sizes_for(world: int, **config) -> ParallelSizes:
-    return ParallelSizes.from_config(load_config({"train_batch_size": 8 * world, **config}, world_size=world), world)
+    return parallel_sizes(policies_from_config(load_config({"train_batch_size": 8 * world, **config}, world_size=world)),
+                          world)
 
 
 def test_plain_zero_shards_over_every_data_parallel_rank():

@@ -74,12 +74,16 @@ ENTRY_POINTS = {
 def counted_collectives() -> Iterator[Counter]:
     """Count, per operation, the calls this process makes to torch.distributed's collective
     functions (they still run). It sees calls made through `torch.distributed.<name>` or
-    `torch.distributed.distributed_c10d.<name>` looked up at call time, as shardwise's
-    communicators make them; a call made through a name bound before entering is not seen."""
+    `torch.distributed.distributed_c10d.<name>` looked up at call time, and through the
+    names shardwise's torch compatibility module binds (as the communicators import them);
+    a call made through another name bound before entering is not seen."""
+    from shardwise.runtime import torch_compat
+    from shardwise.runtime.distributed import collectives
+
     counts: Counter = Counter()
     inside = [False]
-    originals = [(module, name, getattr(module, name)) for module in (dist, c10d) for name in ENTRY_POINTS
-                 if hasattr(module, name)]
+    originals = [(module, name, getattr(module, name)) for module in (dist, c10d, torch_compat, collectives)
+                 for name in ENTRY_POINTS if hasattr(module, name)]
 
     def counting(name: str, original):
         def call(*args, **kwargs):

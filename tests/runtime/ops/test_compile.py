@@ -10,7 +10,7 @@ import pytest
 import torch
 from torch import nn
 
-from shardwise.runtime.compile import compile_blocks, find_blocks, traceable_hook
+from shardwise.runtime.compile import CompilePolicy, compile_blocks, find_blocks, traceable_hook
 from shardwise.tools.testing import run_distributed
 from tests.runtime.ops.compile_workers import train_counting_graphs
 from tests.runtime.zero.workers import Case, assert_matches_reference, build_model, train_reference
@@ -57,12 +57,12 @@ def test_blocks_are_found_in_gpt_and_hugging_face_models():
     assert len(find_blocks(build_model("gpt"))) == 2
     assert [type(b).__name__ for b in find_blocks(build_model("llama"))] == ["LlamaDecoderLayer"] * 2
     with pytest.raises(ValueError, match="found no repeated blocks"):
-        compile_blocks(nn.Linear(2, 2), backend="eager")
+        compile_blocks(nn.Linear(2, 2), CompilePolicy(enabled=True, backend="eager"))
 
 
 def test_a_hook_that_replaces_a_value_inside_a_compiled_block_is_refused():
     model = build_model("gpt")
-    compile_blocks(model, backend="eager")
+    compile_blocks(model, CompilePolicy(enabled=True, backend="eager"))
     model.blocks[0].ln_1.register_forward_hook(lambda module, args, output: output * 2)
     with pytest.raises(RuntimeError, match="returns a replacement value"):
         model(torch.zeros(1, 4, dtype=torch.long))
@@ -70,7 +70,7 @@ def test_a_hook_that_replaces_a_value_inside_a_compiled_block_is_refused():
 
 def test_hooks_inside_a_compiled_block_run_at_its_boundary_in_order():
     model = build_model("gpt")
-    compile_blocks(model, backend="eager")
+    compile_blocks(model, CompilePolicy(enabled=True, backend="eager"))
     seen = []
     for name in ("ln_1", "attn.qkv", "mlp.fc"):
         module = model.blocks[0].get_submodule(name)
@@ -88,6 +88,6 @@ def test_a_traceable_hook_stays_on_its_module_and_may_replace_its_input():
     model, reference = build_model("gpt"), build_model("gpt")
     for m in (model, reference):
         m.blocks[0].mlp.fc.register_forward_pre_hook(traceable_hook(lambda module, args: (args[0] * 2,)))
-    compile_blocks(model, backend="eager")
+    compile_blocks(model, CompilePolicy(enabled=True, backend="eager"))
     tokens = torch.arange(8).view(2, 4)
     assert torch.equal(model(tokens), reference(tokens))

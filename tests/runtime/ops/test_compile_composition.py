@@ -15,7 +15,7 @@ import torch._dynamo.utils as dynamo_utils
 from torch._dynamo.testing import CompileCounterWithBackend
 
 from shardwise.runtime.activation.apply import apply_activation_checkpointing
-from shardwise.runtime.compile import compile_blocks
+from shardwise.runtime.compile import CompilePolicy, compile_blocks
 from shardwise.tools.testing import run_distributed
 from shardwise.runtime.torch_compat import SELECTIVE_POLICY_SEES_OUTPUT
 from tests.runtime.ops.compile_workers import train_counting_graphs
@@ -73,7 +73,7 @@ def test_compiled_blocks_inside_multi_layer_and_every_kth_regions_give_eager_gra
     reference, model = build_model("gpt"), build_model("gpt")
     apply_activation_checkpointing(model, policy)
     counter = CompileCounterWithBackend("aot_eager")
-    compile_blocks(model, backend=counter)
+    compile_blocks(model, CompilePolicy(enabled=True, backend=counter))
     for step in range(2):
         x, y = global_batch(step, 4)
         reference(x, y).backward()

@@ -4,8 +4,7 @@ and errors that name the key, the reason and the fix."""
 import pytest
 
 from shardwise.frontends.deepspeed.config import ConfigError, load_config
-from shardwise.runtime.apply import _TRANSFORMS
-from shardwise.runtime.compile import apply_compile_stage  # noqa: F401  (registers the compile slot)
+from shardwise.frontends.deepspeed.config.policies import policies_from_config
 
 
 def load(**blocks):
@@ -46,8 +45,11 @@ def test_bad_blocks_are_refused_naming_the_key(blocks, message):
     assert message in problems(**blocks)
 
 
-def test_the_compile_slot_runs_when_any_of_its_blocks_asks_for_it():
-    enabled = _TRANSFORMS["compile"].enabled
+def test_the_kernel_and_compile_step_runs_when_any_of_its_blocks_asks_for_it():
+    def enabled(config) -> bool:
+        policies = policies_from_config(config)
+        return policies.compile.enabled or policies.kernels.rewrites
+
     assert not enabled(load())
     assert enabled(load(compile={"enabled": True}))
     assert enabled(load(compile={"fused_ops": True}))

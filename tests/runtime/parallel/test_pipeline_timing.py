@@ -16,10 +16,15 @@ from tests.runtime.parallel.pipeline_workers import PipeCase, failing_pipeline, 
 # per pass here against a 90 ms pass (15-20 ms per step was measured on a loaded machine,
 # about 0.04 of a 450 ms step), so it moves a measured fraction by a few hundredths:
 # 0.05 absolute.
+# Still a measurement of time: on a machine whose two cores are shared with other work the
+# overhead grows past that (0.26 against 0.20 was seen), so it runs with the slow tests, on
+# a quiet machine; the default suite checks the schedule's bubble exactly at unit costs
+# (test_pipeline_parts.py) and the engine's messages step by step (test_pipeline_p2p.py).
 SLEEP = (0.03, 0.06)
 TOLERANCE = 0.05
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("schedule,virtual", [("1f1b", 1), ("gpipe", 1), ("interleaved", 2)])
 def test_measured_bubble_matches_the_formula(schedule, virtual):
     """Interleaved: 4 blocks, so each chunk costs half a stage, as the formula assumes."""

@@ -9,6 +9,7 @@ import shardwise
 from shardwise.runtime.distributed.collectives import Communicator
 from shardwise.runtime.distributed.mesh import ParallelMesh, ParallelSizes
 from shardwise.runtime.distributed.setup import collective_timeout
+from shardwise.models.families import plan_for
 from shardwise.runtime.parallel.tensor import TensorRegion, VocabShardedLogits, apply_tensor_parallel, gather_full, tensor_shard
 from shardwise.runtime.parallel.tensor.cross_entropy import VocabShard
 from tests.runtime.zero.workers import build_model, global_batch
@@ -44,7 +45,7 @@ def cross_entropy_pieces(rank: int, world_size: int) -> dict:
 def hf_labels_loss(rank: int, world_size: int, model_kind: str) -> dict:
     """`model(input_ids, labels=...).loss` under TP, with -100 labels and with num_items_in_batch."""
     model = build_model(model_kind)
-    apply_tensor_parallel(model, TensorRegion(tensor_communicator(rank, world_size)))
+    apply_tensor_parallel(model, TensorRegion(tensor_communicator(rank, world_size)), plan_for(model).tensor_plan())
     x, _ = global_batch(0, 3)
     labels = x.clone()
     labels[0, :5] = -100

@@ -17,7 +17,7 @@ from torch.distributed.run import parse_args as parse_torchrun_args
 
 from shardwise.tools.launcher.cli import add_parser, build_torchrun_args, main, resolve_nproc
 
-REPO_ROOT = Path(__file__).resolve().parents[2]
+REPO_ROOT = Path(__file__).resolve().parents[3]
 
 ALL_REDUCE_SCRIPT = textwrap.dedent(
     """

@@ -25,7 +25,7 @@ from shardwise.tools.train.expected import COLLECTIVES, MODEL_STATES, ring_share
 from shardwise.tools.train.options import TrainOptions
 from shardwise.tools.train.setup import build_model
 
-REPO_ROOT = Path(__file__).resolve().parents[2]
+REPO_ROOT = Path(__file__).resolve().parents[3]
 STEPS = 5
 PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
 

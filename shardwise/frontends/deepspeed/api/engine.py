@@ -1,5 +1,6 @@
-"""The engine `deepspeed.initialize` returns: shardwise's `Engine` with the few methods
-whose DeepSpeed shape differs from shardwise's.
+"""The engine `deepspeed.initialize` returns: the DeepSpeed-configured engine
+(frontends/deepspeed/engine.py) with the few methods whose DeepSpeed shape differs from
+shardwise's.
 
 Why a subclass and not the base engine: shardwise's own callers (the training job, the
 checkpoint tests) read `engine.gradient_accumulation_steps` as an int and get a dict
@@ -24,7 +25,7 @@ from shardwise.runtime.checkpoint.manifest import write_synced
 from shardwise.runtime.checkpoint.state import capture_rng_state, restore_rng_state
 from shardwise.frontends.deepspeed.api.utils import RepeatingLoader
 from shardwise.frontends.deepspeed.api.utils.zero_to_fp32 import RECOVERY_SCRIPT
-from shardwise.runtime.engine import Engine
+from shardwise.frontends.deepspeed.engine import ConfiguredEngine
 from shardwise.runtime.precision.casting import to_device
 from shardwise.runtime.parallel.pipeline.sequential import SequentialStages
 
@@ -74,7 +75,7 @@ class ThroughputTimer:
         return self.batch_size * (self.global_step_count - 1) / (self._last_step_end - self._first_step_end)
 
 
-class DeepSpeedEngine(Engine):
+class DeepSpeedEngine(ConfiguredEngine):
     def __init__(self, *args: Any, **kwargs: Any):
         super().__init__(*args, **kwargs)
         self._step_applied = False

@@ -37,7 +37,7 @@ import torch
 from torch import nn
 
 from shardwise.frontends.deepspeed.api.comm import init_distributed
-from shardwise.runtime.engine import Engine
+from shardwise.frontends.deepspeed.initialize import initialize
 
 log = logging.getLogger("shardwise")
 
@@ -70,7 +70,7 @@ class InferenceEngine(nn.Module):
 
     def __init__(self, model: nn.Module, config: dict):
         super().__init__()
-        self.engine = Engine(model, config)  # the mode stays the caller's, as in DeepSpeed (from_pretrained: eval)
+        self.engine = initialize(model, config)  # the mode stays the caller's, as in DeepSpeed (from_pretrained: eval)
 
     @property
     def module(self) -> nn.Module:

@@ -34,8 +34,9 @@ from shardwise.frontends.deepspeed.api.comm import DEFAULT_PORT, init_distribute
 from shardwise.frontends.deepspeed.api.engine import DeepSpeedEngine
 from shardwise.frontends.deepspeed.api.pipe import PipelineModule
 from shardwise.frontends.deepspeed.config import load_config, read_config
-from shardwise.runtime.engine_arguments import hidden_size
-from shardwise.runtime.optim import build_optimizer
+from shardwise.frontends.deepspeed.initialize import initialize as initialize_engine
+from shardwise.runtime.engine.arguments import hidden_size
+from shardwise.runtime.optim.registry import optimizer_spec
 
 log = logging.getLogger("shardwise")
 
@@ -76,9 +77,9 @@ def initialize(
     if optimizer is None and cfg.optimizer is not None and model_parameters is not None:
         groups = _param_groups(model, model_parameters)
         if not _all_trainable_in_one_group(model, groups):  # else the engine builds the same from the config
-            optimizer = build_optimizer(groups, cfg.optimizer)
+            optimizer = optimizer_spec(cfg.optimizer.type).build(groups, dict(cfg.optimizer.params))
             cfg = cfg.model_copy(update={"optimizer": None})
-    engine = DeepSpeedEngine(model, cfg, optimizer, lr_scheduler)
+    engine = initialize_engine(model, cfg, optimizer, lr_scheduler, engine_class=DeepSpeedEngine)
     if training_data is not None:
         engine.training_dataloader = _data_loader(engine, training_data, collate_fn)
     return engine, _clearing_model_gradients(engine), engine.training_dataloader, engine.lr_scheduler

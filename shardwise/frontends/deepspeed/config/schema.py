@@ -312,7 +312,7 @@ class SparseAttentionConfig(Section):
                              f"remove them; this mode reads {sorted(SPARSE_ATTENTION_KEYS[self.mode])}")
         # The layout class's own checks, reported with the config's other problems; imported
         # here so that torch loads only for configs with a sparse_attention block.
-        from shardwise.runtime.ops.sparse_attention.from_config import sparsity_config
+        from shardwise.frontends.deepspeed.config.sparse_attention import sparsity_config
 
         sparsity_config(self, num_heads=1)
         return self

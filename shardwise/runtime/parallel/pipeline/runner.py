@@ -32,7 +32,7 @@ import torch
 from torch import nn
 
 from shardwise.runtime.distributed.collectives import Communicator
-from shardwise.runtime.parallel.pipeline.adapters import Adapter, StageContext
+from shardwise.runtime.parallel.pipeline.adapter import Adapter, StageContext
 from shardwise.runtime.parallel.pipeline.p2p import (
     Expect,
     PipelineChannel,

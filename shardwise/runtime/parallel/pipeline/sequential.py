@@ -25,7 +25,7 @@ import torch
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
-from shardwise.runtime.parallel.pipeline.adapters import Adapter, StageContext
+from shardwise.runtime.parallel.pipeline.adapter import Adapter, StageContext
 
 
 class CallableLayer(nn.Module):

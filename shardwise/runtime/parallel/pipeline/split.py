@@ -35,7 +35,7 @@ from dataclasses import dataclass, field
 import torch
 from torch import nn
 
-from shardwise.runtime.parallel.pipeline.adapters import Adapter
+from shardwise.runtime.parallel.pipeline.adapter import Adapter
 
 
 @dataclass

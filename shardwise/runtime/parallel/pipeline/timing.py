@@ -20,7 +20,7 @@ from typing import Any, Callable
 import torch
 from torch import nn
 
-from shardwise.runtime.parallel.pipeline.adapters import Adapter, StageContext
+from shardwise.runtime.parallel.pipeline.adapter import Adapter, StageContext
 from shardwise.runtime.parallel.pipeline.split import LayerCosts
 from shardwise.runtime.random_state import preserved_rng
 

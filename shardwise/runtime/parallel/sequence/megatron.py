@@ -30,18 +30,18 @@ from torch import nn
 from shardwise.runtime.parallel.sequence.stack import decoder_layers, join_at_exit, split_at_entry
 from shardwise.runtime.parallel.tensor.layers import TensorRegion
 from shardwise.runtime.parallel.tensor.placement import is_tensor_sharded
-from shardwise.runtime.parallel.tensor.plans import ModelPlan
+from shardwise.runtime.parallel.tensor.plans import TensorPlan
 from shardwise.runtime.parallel.tensor.regions import join_sequence, split_sequence
 
 
-def sequence_region_parameters(model: nn.Module, plan: ModelPlan) -> list[tuple[str, nn.Parameter]]:
+def sequence_region_parameters(model: nn.Module, plan: TensorPlan) -> list[tuple[str, nn.Parameter]]:
     """Replicated parameters of the decoder layers: their gradients come from sequence shards."""
     layers, _ = decoder_layers(model, plan, "Megatron sequence parallelism")
     return [(f"{plan.layers}.{name}", param) for name, param in layers.named_parameters()
             if param.requires_grad and not is_tensor_sharded(param)]
 
 
-def apply_megatron_sequence_parallel(model: nn.Module, plan: ModelPlan, region: TensorRegion) -> None:
+def apply_megatron_sequence_parallel(model: nn.Module, plan: TensorPlan, region: TensorRegion) -> None:
     layers, _ = decoder_layers(model, plan, "Megatron sequence parallelism")
     split_at_entry(layers, lambda hidden: split_sequence(hidden, region.comm))
     join_at_exit(layers, lambda hidden: join_sequence(hidden, region.comm))

@@ -15,16 +15,16 @@ from typing import Callable
 import torch
 from torch import nn
 
-from shardwise.runtime.parallel.tensor.plans import ModelPlan
+from shardwise.runtime.parallel.tensor.plans import TensorPlan
 
 Cut = Callable[[torch.Tensor], torch.Tensor]
 
 
-def decoder_layers(model: nn.Module, plan: ModelPlan | None, what: str) -> tuple[nn.ModuleList, nn.Module | None]:
+def decoder_layers(model: nn.Module, plan: TensorPlan | None, what: str) -> tuple[nn.ModuleList, nn.Module | None]:
     """The plan's decoder layers and final norm; `what` names the feature for the error."""
     if plan is None or plan.layers is None:
-        raise ValueError(f"{what} needs to know where {type(model).__name__}'s decoder layers are; it knows shardwise "
-                         "GPT and Hugging Face llama, mistral, qwen2 and gpt2")
+        raise ValueError(f"{what} needs to know where {type(model).__name__}'s decoder layers are: give them in "
+                         "the model's plan (shardwise.models.ModelPlan(layers=...), docs/parallelism.md)")
     final = model.get_submodule(plan.final_norm) if plan.final_norm else None
     return model.get_submodule(plan.layers), final
 

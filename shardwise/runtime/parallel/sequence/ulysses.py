@@ -1,4 +1,5 @@
-"""Ulysses sequence parallelism (Jacobs et al., 2023): the apply stage's "sequence_parallel" step.
+"""Ulysses sequence parallelism (Jacobs et al., 2023): the "sequence" step of a model's
+`parallelize` (shardwise/models/).
 
 The user gives each data-parallel rank whole sequences, as without it. Inside forward,
 the decoder layers of each of the S ranks of the sequence group run on 1/S of the
@@ -14,11 +15,12 @@ decoder gradients are its positions' share, so the all-gather's backward scales 
 gradient by S: the average over S then gives the sum of shares for the decoder and the
 mean of S equal copies for the layers after the gather. No other change to ZeRO.
 
-Attention: shardwise GPT's attention module does the exchange itself; for Hugging Face
-models an attention function wrapping the model's own (sdpa, eager...) is registered with
-`AttentionInterface`, as DeepSpeed's UlyssesSPAttentionHF does. Grouped-query attention:
-KV heads divisible by S are exchanged as they are; fewer KV heads than S (S a multiple
-of them) are repeated to S heads first; anything else is an error with the numbers.
+Attention: the model family says how its attention does the exchange (shardwise GPT's
+attention module does it itself; Hugging Face models get an attention function wrapping
+the model's own through `AttentionInterface`, as DeepSpeed's UlyssesSPAttentionHF does),
+using `ulysses_attention` here. Grouped-query attention: KV heads divisible by S are
+exchanged as they are; fewer KV heads than S (S a multiple of them) are repeated to S
+heads first; anything else is an error with the numbers.
 
 With tensor parallelism (applied first) each tensor rank holds heads / T of the heads and
 its layers run on the positions of its sequence rank: Ulysses exchanges those local heads
@@ -28,24 +30,17 @@ inside the decoder layers. The two groups are disjoint dimensions of the mesh.
 
 from __future__ import annotations
 
-import itertools
-import sys
+from typing import Callable
 
 import torch
 from torch import nn
 
-from shardwise.frontends.deepspeed.config import ShardwiseConfig
 from shardwise.runtime.distributed.collectives import Communicator
-from shardwise.runtime.distributed.mesh import ParallelMesh
-from shardwise.runtime.apply import ModelTransform, register_transform
 from shardwise.runtime.parallel.sequence.all_to_all import heads_to_sequence, sequence_to_heads
 from shardwise.runtime.parallel.sequence.stack import decoder_layers, join_at_exit, split_at_entry
-from shardwise.runtime.parallel.tensor.gpt_attention import ParallelCausalSelfAttention
-from shardwise.runtime.parallel.tensor.plans import ModelPlan, builtin_plan
-from shardwise.runtime.parallel.tensor.transform import mesh_communicator
+from shardwise.runtime.parallel.tensor.plans import TensorPlan
 
 KEY = "sequence_parallel.size"
-_names = itertools.count()
 
 
 class _GatherScaled(torch.autograd.Function):
@@ -73,7 +68,7 @@ def own_positions(x: torch.Tensor, comm: Communicator) -> torch.Tensor:
     return x.chunk(comm.size, 1)[comm.rank]
 
 
-def check_heads(plan: ModelPlan, size: int, tensor_size: int = 1) -> None:
+def check_heads(plan: TensorPlan, size: int, tensor_size: int = 1) -> None:
     """Each tensor rank holds heads / T of the heads (tensor parallelism splits them first);
     Ulysses shares those over the sequence group."""
     heads = None if plan.heads is None else plan.heads // tensor_size
@@ -115,51 +110,18 @@ def ulysses_attention(inner, comm: Communicator):
     return attention
 
 
-def _install_hf_attention(model: nn.Module, comm: Communicator) -> None:
-    from transformers import AttentionInterface
-    from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, AttentionMaskInterface
-    from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
-
-    current = model.config._attn_implementation or "eager"
-    if current == "eager":  # the model's own module-level eager function
-        inner = sys.modules[type(model).__module__].eager_attention_forward
-    else:
-        inner = ALL_ATTENTION_FUNCTIONS[current]
-    name = f"shardwise_ulysses_{next(_names)}"
-    AttentionInterface.register(name, ulysses_attention(inner, comm))
-    AttentionMaskInterface.register(name, ALL_MASK_ATTENTION_FUNCTIONS[current])
-    model.config._attn_implementation = name
-
-
-def apply_ulysses(model: nn.Module, comm: Communicator, tensor_size: int = 1) -> nn.Module:
-    """Split `model`'s decoder over the sequence group `comm` (see the module docstring);
-    with tensor parallelism (applied before), over the heads each tensor rank holds."""
-    from shardwise.models.gpt import GPT
-
-    plan = builtin_plan(model)
+def apply_ulysses(model: nn.Module, comm: Communicator, plan: TensorPlan, *,
+                  exchange_in_attention: Callable[[nn.ModuleList, Communicator], None],
+                  split_kwargs: tuple[str, ...] = (), tensor_size: int = 1) -> nn.Module:
+    """Split `model`'s decoder (`plan.layers`) over the sequence group `comm` (see the
+    module docstring); `exchange_in_attention(layers, comm)` is the family's way of making
+    its attention exchange sequence for heads. `split_kwargs`: whole-sequence inputs every
+    layer receives (Hugging Face's rotary `position_embeddings`), cut to this rank's
+    positions. With tensor parallelism (applied before), over the heads each tensor rank holds."""
     layers, _ = decoder_layers(model, plan, "Ulysses sequence parallelism")
     check_heads(plan, comm.size, tensor_size)
-    if isinstance(model, GPT):
-        for block in layers:
-            if not isinstance(block.attn, ParallelCausalSelfAttention):
-                block.attn = ParallelCausalSelfAttention.replacing(block.attn, block.attn.qkv, block.attn.proj, 1)
-            block.attn.ulysses = comm
-        split_kwargs: tuple[str, ...] = ()
-    else:
-        _install_hf_attention(model, comm)
-        split_kwargs = ("position_embeddings",)
+    exchange_in_attention(layers, comm)
     split_at_entry(layers, lambda hidden: own_positions(hidden, comm), split_kwargs,
                    lambda value: own_positions(value, comm) if value.dim() >= 2 else value)
     join_at_exit(layers, lambda hidden: _GatherScaled.apply(hidden, comm))
     return model
-
-
-def _transform(model: nn.Module, config: ShardwiseConfig, mesh: ParallelMesh) -> nn.Module:
-    return apply_ulysses(model, mesh_communicator(mesh, "sequence"), mesh["tensor"].size)
-
-
-register_transform(ModelTransform(
-    "sequence_parallel",
-    lambda config: config.sequence_parallel.size > 1 and config.sequence_parallel.mode == "ulysses",
-    _transform,
-))

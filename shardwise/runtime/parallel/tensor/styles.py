@@ -12,8 +12,9 @@ to one of these styles, as torchtitan's plans and DeepSpeed's AutoTP do:
                        column-parallel layers inside it (q/k/v of an attention, gate/up of an MLP)
     vocab_embedding    embedding split over the vocabulary
     vocab_head         output layer split over the vocabulary; the loss never gathers its logits
-    gpt_attention      shardwise GPT's attention (gpt_attention.py)
-    gpt2_attention     Hugging Face GPT-2's attention: its width attributes become per-rank
+
+A module only one model family has (shardwise GPT's attention, GPT-2's) gets a `Style`
+function of that family's own (shardwise/models/) in place of a name.
 """
 
 from __future__ import annotations
@@ -23,7 +24,6 @@ from typing import Callable
 import torch
 from torch import nn
 
-from shardwise.runtime.parallel.tensor.gpt_attention import ParallelCausalSelfAttention
 from shardwise.runtime.parallel.tensor.layers import (
     ColumnParallelLinear,
     RowParallelLinear,
@@ -32,7 +32,7 @@ from shardwise.runtime.parallel.tensor.layers import (
     VocabParallelEmbedding,
     VocabParallelHead,
 )
-from shardwise.runtime.compile import traceable_hook
+from shardwise.runtime.compile.blocks import traceable_hook
 from shardwise.runtime.parallel.tensor.regions import enter_region
 
 Style = Callable[[nn.Module, TensorRegion, ShardCache], nn.Module]
@@ -55,19 +55,6 @@ def _region_input(module: nn.Module, region: TensorRegion, cache: ShardCache) ->
     return module
 
 
-def _gpt_attention(module: nn.Module, region: TensorRegion, cache: ShardCache) -> nn.Module:
-    qkv = ColumnParallelLinear(module.qkv, region, cache, blocks=3)
-    proj = RowParallelLinear(module.proj, region, cache)
-    return ParallelCausalSelfAttention.replacing(module, qkv, proj, region.size)
-
-
-def _gpt2_attention(module: nn.Module, region: TensorRegion, cache: ShardCache) -> nn.Module:
-    module.split_size //= region.size
-    module.embed_dim //= region.size
-    module.num_heads //= region.size
-    return module
-
-
 STYLES: dict[str, Style] = {
     "colwise": lambda m, r, c: ColumnParallelLinear(m, r, c),
     "colwise_in_region": lambda m, r, c: ColumnParallelLinear(m, r, c, enter=False),
@@ -78,13 +65,14 @@ STYLES: dict[str, Style] = {
     "vocab_embedding": lambda m, r, c: VocabParallelEmbedding(m, r, c),
     # after the decoder stack, where sequence parallelism has made the sequence whole again
     "vocab_head": lambda m, r, c: VocabParallelHead(m, TensorRegion(r.comm), c),
-    "gpt_attention": _gpt_attention,
-    "gpt2_attention": _gpt2_attention,
 }
 
 
-def style(name: str, key: str) -> Style:
-    """The style called `name`; `key` names where it came from, for the error."""
+def style(name: str | Style, key: str) -> Style:
+    """The style called `name` (or `name` itself, a family's own style function); `key`
+    names where it came from, for the error."""
+    if callable(name):
+        return name
     if name not in STYLES:
         raise ValueError(f"{key}: unknown tensor-parallel style {name!r}; the styles are {', '.join(STYLES)}")
     return STYLES[name]

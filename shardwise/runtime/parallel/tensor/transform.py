@@ -1,4 +1,4 @@
-"""`apply_tensor_parallel`: the apply stage's "tensor_parallel" step.
+"""`apply_tensor_parallel`: the first step of a model's `parallelize` (shardwise/models/).
 
 It rewrites the model in place, before ZeRO sees it:
 
@@ -8,9 +8,10 @@ It rewrites the model in place, before ZeRO sees it:
 2. each module a plan entry names gets its style (styles.py); a parameter tied between
    two modules becomes one local parameter;
 3. a Hugging Face model's `loss_function` becomes the vocabulary-parallel causal-LM loss,
-   so `model(input_ids, labels=labels).loss` stays right;
-4. with Megatron sequence parallelism, the decoder stack runs on 1/N of the sequence
-   (parallel/sequence/megatron.py).
+   so `model(input_ids, labels=labels).loss` stays right.
+
+Megatron sequence parallelism, which runs the decoder stack on 1/N of the sequence inside
+the tensor group, is the next step (parallel/sequence/megatron.py).
 
 Replicated parameters stay identical afterwards without further communication: their
 gradients are equal on every tensor rank (the backward all-reduces make them so, or, with
@@ -20,29 +21,14 @@ group (tensor_norm.py), and the optimizer is deterministic.
 
 from __future__ import annotations
 
-from typing import Mapping
-
 from torch import nn
 
-from shardwise.frontends.deepspeed.config import ShardwiseConfig
-from shardwise.runtime.distributed.collectives import CommStats, Communicator
-from shardwise.runtime.distributed.mesh import ParallelMesh
+from shardwise.runtime.distributed.collectives import Communicator
 from shardwise.runtime.distributed.staging import group_device, staged_on
-from shardwise.runtime.apply import ModelTransform, register_transform
 from shardwise.runtime.parallel.tensor.cross_entropy import causal_lm_loss
 from shardwise.runtime.parallel.tensor.layers import ShardCache, TensorRegion
-from shardwise.runtime.parallel.tensor.plans import ModelPlan, check_divisible, matches, require_plan
+from shardwise.runtime.parallel.tensor.plans import TensorPlan, check_divisible, matches
 from shardwise.runtime.parallel.tensor.styles import style
-
-
-def mesh_communicator(mesh: ParallelMesh, purpose: str) -> Communicator:
-    """A communicator over one of the mesh's groups, counting into the engine's statistics
-    when the engine provided them (`mesh.comm_stats`), so `comm_volume()` shows its bytes."""
-    return Communicator(mesh[purpose], getattr(mesh, "comm_stats", None) or CommStats())
-
-
-def megatron_sequence_parallel(config: ShardwiseConfig) -> bool:
-    return config.tensor_parallel.sequence_parallel or config.sequence_parallel.mode == "megatron"
 
 
 def broadcast_parameters(model: nn.Module, comm: Communicator) -> None:
@@ -58,26 +44,19 @@ def broadcast_parameters(model: nn.Module, comm: Communicator) -> None:
                 comm.broadcast(data, 0, f"parameter {name} before tensor-parallel sharding")
 
 
-def apply_tensor_parallel(
-    model: nn.Module, region: TensorRegion, plan: Mapping[str, str] | None = None,
-    key: str = "tensor_parallel.plan",
-) -> nn.Module:
-    """Split `model` over `region`'s tensor group by `plan` (module-name pattern -> style)
-    or its architecture's built-in plan; returns the same model, rewritten."""
-    model_plan = require_plan(model, plan, key)
-    check_divisible(model_plan, region.size, "tensor_parallel.size")
+def apply_tensor_parallel(model: nn.Module, region: TensorRegion, plan: TensorPlan,
+                          key: str = "tensor_parallel.plan") -> nn.Module:
+    """Split `model` over `region`'s tensor group by `plan`; returns the same model,
+    rewritten. `key` names where the plan came from, for errors."""
+    check_divisible(plan, region.size, "tensor_parallel.size")
     broadcast_parameters(model, region.comm)
-    _apply_styles(model, model_plan, region, key)
-    if model_plan.hf_loss and hasattr(model, "loss_function"):
+    _apply_styles(model, plan, region, key)
+    if plan.hf_loss and hasattr(model, "loss_function"):
         model.loss_function = causal_lm_loss
-    if region.sequence_parallel:
-        from shardwise.runtime.parallel.sequence.megatron import apply_megatron_sequence_parallel
-
-        apply_megatron_sequence_parallel(model, model_plan, region)
     return model
 
 
-def _apply_styles(model: nn.Module, plan: ModelPlan, region: TensorRegion, key: str) -> None:
+def _apply_styles(model: nn.Module, plan: TensorPlan, region: TensorRegion, key: str) -> None:
     cache = ShardCache()
     used = dict.fromkeys(plan.styles, False)
     for name, module in list(model.named_modules()):
@@ -95,12 +74,3 @@ def _apply_styles(model: nn.Module, plan: ModelPlan, region: TensorRegion, key: 
     unused = [pattern for pattern, hit in used.items() if not hit]
     if unused:
         raise ValueError(f"{key}: no module of {type(model).__name__} matches {', '.join(map(repr, unused))}")
-
-
-def _transform(model: nn.Module, config: ShardwiseConfig, mesh: ParallelMesh) -> nn.Module:
-    region = TensorRegion(mesh_communicator(mesh, "tensor"), megatron_sequence_parallel(config))
-    return apply_tensor_parallel(model, region, config.tensor_parallel.plan)
-
-
-register_transform(ModelTransform("tensor_parallel", lambda config: config.tensor_parallel.size > 1, _transform))
-

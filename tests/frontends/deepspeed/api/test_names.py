@@ -7,7 +7,7 @@ import sys
 import torch
 
 import shardwise.frontends.deepspeed.api as deepspeed
-from shardwise.frontends.deepspeed.api import checkpointing as deepspeed_api
+from shardwise.frontends.deepspeed import checkpointing as deepspeed_api
 from shardwise.runtime.ops import sparse_attention
 
 

@@ -1,7 +1,7 @@
 """`deepspeed.runtime.activation_checkpointing.checkpointing`, the module DeepSpeed also
 exports as `deepspeed.checkpointing`."""
 
-from shardwise.frontends.deepspeed.api.checkpointing import (
+from shardwise.frontends.deepspeed.checkpointing import (
     checkpoint,
     configure,
     get_cuda_rng_tracker,

@@ -1,0 +1,110 @@
+"""A resolved DeepSpeed config as the runtime's policies: the one place where config keys
+become typed settings (shardwise/runtime/engine/policies.py).
+
+Everything the config says was validated and filled by `load_config`; here each block
+maps onto its policy, with DeepSpeed's meaning: `fp16.loss_scale` 0 is dynamic scaling from
+2**initial_scale_power, `communication_data_type` is the gradients' wire dtype,
+`zero_optimization.mics_shard_size` is hybrid sharding, `sequence_parallel.mode` "megatron"
+is tensor parallelism's own sequence split, `pipeline_parallel.micro_batches` defaults to
+the accumulation steps.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from shardwise.frontends.deepspeed.config.schema import OffloadConfig, ShardwiseConfig
+from shardwise.frontends.deepspeed.config.sparse_attention import SparseLayout
+from shardwise.runtime.activation.policy import ActivationPolicy, RecomputePolicy
+from shardwise.runtime.compile.policy import CompilePolicy
+from shardwise.runtime.engine.policies import OptimizerPolicy, Policies, SchedulerPolicy, TrainingPolicy
+from shardwise.runtime.ops.policy import KernelPolicy
+from shardwise.runtime.optim.registry import optimizer_spec
+from shardwise.runtime.parallel.pipeline.policy import PipelinePolicy
+from shardwise.runtime.parallel.sequence.policy import SequencePolicy
+from shardwise.runtime.parallel.tensor.policy import TensorPolicy
+from shardwise.runtime.precision.policy import LossScalingPolicy, PrecisionPolicy
+from shardwise.runtime.zero.policy import OffloadPolicy, PrefetchPolicy, ZeroPolicy
+
+DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+
+
+def policies_from_config(cfg: ShardwiseConfig) -> Policies:
+    return Policies(
+        zero=zero_policy(cfg),
+        precision=precision_policy(cfg),
+        training=TrainingPolicy(cfg.train_micro_batch_size_per_gpu, cfg.gradient_accumulation_steps,
+                                cfg.gradient_clipping, cfg.max_consecutive_skipped_steps),
+        tensor=TensorPolicy(cfg.tensor_parallel.size,
+                            cfg.tensor_parallel.sequence_parallel or cfg.sequence_parallel.mode == "megatron"),
+        sequence=SequencePolicy(cfg.sequence_parallel.size),
+        pipeline=pipeline_policy(cfg),
+        activation=activation_policy(cfg),
+        compile=compile_policy(cfg),
+        kernels=KernelPolicy(cfg.compile.fused_ops,
+                             SparseLayout.from_section(cfg.sparse_attention) if cfg.sparse_attention else None,
+                             cfg.seed or 0),
+        optimizer=OptimizerPolicy(cfg.optimizer.type, dict(cfg.optimizer.params)) if cfg.optimizer else None,
+        scheduler=SchedulerPolicy(cfg.scheduler.type, dict(cfg.scheduler.params)) if cfg.scheduler else None,
+    )
+
+
+def zero_policy(cfg: ShardwiseConfig) -> ZeroPolicy:
+    zero = cfg.zero_optimization
+    return ZeroPolicy(
+        stage=zero.stage,
+        reduce_bucket_size=zero.reduce_bucket_size,
+        allgather_bucket_size=zero.allgather_bucket_size,
+        overlap_comm=bool(zero.overlap_comm),
+        reduce_scatter=zero.reduce_scatter,
+        sub_group_size=zero.sub_group_size,
+        prefetch=PrefetchPolicy(zero.stage3_prefetch_bucket_size, zero.stage3_max_live_parameters,
+                                zero.stage3_max_reuse_distance, zero.stage3_param_persistence_threshold),
+        offload_optimizer=offload_policy(zero.offload_optimizer, cfg),
+        offload_param=offload_policy(zero.offload_param, cfg),
+        shard_size=zero.mics_shard_size if zero.mics_shard_size > 0 else None,
+        gather_16bit_weights_on_save=zero.stage3_gather_16bit_weights_on_model_save,
+    )
+
+
+def offload_policy(section: OffloadConfig, cfg: ShardwiseConfig) -> OffloadPolicy:
+    """An offload block with the `aio` block's I/O settings and the optimizer's state count."""
+    aio, optimizer, defaults = cfg.aio, cfg.optimizer, OffloadPolicy()
+    states = optimizer_spec(optimizer.type).fp32_states(optimizer.params) if optimizer is not None else 2
+    return OffloadPolicy(
+        section.device, section.nvme_path, section.pin_memory, section.buffer_count,
+        aio.thread_count if aio else defaults.thread_count, aio.block_size if aio else defaults.block_size, states,
+        getattr(section, "ratio", defaults.ratio), getattr(section, "buffer_size", defaults.buffer_size),
+        aio.queue_depth if aio else defaults.queue_depth,
+    )
+
+
+def precision_policy(cfg: ShardwiseConfig) -> PrecisionPolicy:
+    dtype = torch.bfloat16 if cfg.bf16.enabled else torch.float16 if cfg.fp16.enabled else torch.float32
+    reduce = DTYPES[cfg.communication_data_type] if cfg.communication_data_type else None
+    fp16 = cfg.fp16
+    scaling = None
+    if fp16.enabled:
+        scaling = (LossScalingPolicy(fp16.loss_scale, dynamic=False) if fp16.loss_scale > 0 else
+                   LossScalingPolicy(2.0**fp16.initial_scale_power, True, fp16.loss_scale_window, fp16.hysteresis,
+                                     fp16.consecutive_hysteresis, fp16.min_loss_scale))
+    return PrecisionPolicy(dtype, reduce, scaling)
+
+
+def pipeline_policy(cfg: ShardwiseConfig) -> PipelinePolicy:
+    pipe = cfg.pipeline_parallel
+    return PipelinePolicy(pipe.size, pipe.schedule, pipe.micro_batches or cfg.gradient_accumulation_steps,
+                          pipe.virtual_stages, pipe.partition,
+                          tuple(pipe.split_points) if pipe.split_points is not None else None, pipe.profile_seq_len)
+
+
+def activation_policy(cfg: ShardwiseConfig) -> ActivationPolicy:
+    block = cfg.activation_checkpointing
+    return ActivationPolicy(RecomputePolicy(block.policy, block.every_k), block.partition_activations,
+                            block.cpu_checkpointing, block.contiguous_memory_optimization, block.number_checkpoints,
+                            block.synchronize_checkpoint_boundary, block.profile)
+
+
+def compile_policy(cfg: ShardwiseConfig) -> CompilePolicy:
+    block = cfg.compile
+    return CompilePolicy(block.enabled, block.backend, block.mode, dict(block.kwargs))

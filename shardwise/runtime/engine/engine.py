@@ -1,0 +1,403 @@
+"""The training engine: forward, backward and step, read top to bottom.
+
+    job = start_job(model, policies)                     # process group, agreement, mesh
+    model = parallelize(model, mesh=job.mesh, ...)       # the model family's steps (shardwise/models/)
+    engine = Engine(model, job=job, policies=policies, optimizer=...)
+    loss = engine(batch)        # the user's forward
+    engine.backward(loss)       # gradients reduced/sharded while backward runs
+    engine.step()               # at accumulation boundaries: check, clip, update, gather
+
+The engine is built from typed policies (engine/policies.py) and knows no config format;
+front ends (`shardwise.initialize` for DeepSpeed configs, `shardwise.build_engine` in
+Python) run the three lines above. The engine's own part is ZeRO, the last step of the
+apply order (tensor -> sequence -> activation checkpointing -> compile -> pipeline ->
+ZeRO): it takes over the parameters (zero/apply.py). Everything stage-specific lives
+behind `self.zero`: the parameter strategy, the shard store, the gradient reducer and the
+sharded optimizer. A model split into pipeline stages is run by `train_batch` /
+`eval_batch` (parallel/pipeline/runner.py).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import weakref
+from contextlib import contextmanager
+from typing import Any, Callable, Iterable, Iterator
+
+import torch
+from torch import nn
+
+from shardwise.runtime.accounting import MemoryLedger
+from shardwise.runtime.activation.accounting import ActivationTracker
+from shardwise.runtime.distributed.collectives import Communicator
+from shardwise.runtime.distributed.setup import call_check_timeout
+from shardwise.runtime.engine.arguments import make_scheduler, optimizer_factory, refuse_second_engine
+from shardwise.runtime.engine.job import Job
+from shardwise.runtime.engine.policies import Policies
+from shardwise.runtime.optim.registry import optimizer_spec
+from shardwise.runtime.optim.sharded import ShardAwareOptimizer
+from shardwise.runtime.parallel.pipeline.runner import PipelineRunner
+from shardwise.runtime.parallel.pipeline.split import StageLayout
+from shardwise.runtime.parallel.pipeline.stages import keep_stage_parameters, stage_of
+from shardwise.runtime.parallel.tensor.grad_norm import tensor_parallel_norm
+from shardwise.runtime.parallel.tensor.layers import gather_vocab_logits
+from shardwise.runtime.precision import LossScaler
+from shardwise.runtime.precision.casting import cast_floating, cast_unheld_state
+from shardwise.runtime.reliability.step_guard import StepGuard
+from shardwise.runtime.zero.apply import ZeroGroups, apply_zero
+from shardwise.runtime.zero.trainable import evaluated_parameters, frozen_parameters, trainable_parameters
+
+log = logging.getLogger("shardwise")
+
+
+class Engine(nn.Module):
+    """An nn.Module around the model (`engine.module`): train()/eval() set its mode, and
+    attributes the engine lacks are the model's (`engine.gradient_checkpointing_enable()`)."""
+
+    def __init__(
+        self,
+        model: nn.Module,
+        *,
+        job: Job,
+        policies: Policies,
+        optimizer: torch.optim.Optimizer | None = None,
+        lr_scheduler: Any = None,
+        param_init_fn: Callable[[nn.Module], None] | None = None,
+    ):
+        """`model` has been through its family's `parallelize` on `job.mesh`; `optimizer`
+        (any torch optimizer over its parameters) or `policies.optimizer` trains it, else
+        the engine runs forward only (front ends have checked they are not both given:
+        `shardwise.build_engine`). `param_init_fn(module)` materialises a module built on
+        the meta device (stage 3; default `module.reset_parameters()`)."""
+        super().__init__()
+        refuse_second_engine(model)
+        self.policies = policies
+        self.job = job
+        self.context = job.context
+        self.device = job.context.device
+        self.rank = job.context.rank
+        self.world_size = job.context.world_size
+        self.mesh = job.mesh
+        self.world = job.world
+        self.comm_stats = job.stats
+        self.ledger = MemoryLedger()
+        self.activations = ActivationTracker(self.ledger)  # "activations" in memory_breakdown()
+        groups = ZeroGroups(*(
+            Communicator(self.mesh[purpose], self.comm_stats, self.ledger, job.peers)
+            for purpose in ("shard", "replicate", "replicas")
+        ))
+        self.comm = groups.replicas  # the data-parallel group (losses, barriers)
+
+        self.module = model
+        optimizer = keep_stage_parameters(optimizer, model)  # a pipeline stage trains only its layers
+        zero = policies.zero
+        self.stage = zero.stage
+        self.dtype = policies.precision.param_dtype
+        if any(param.is_meta for param in model.parameters()) and not zero.partitions_parameters:
+            raise ValueError(
+                "the model has parameters on the meta device; only ZeRO stage 3 can build "
+                "it partitioned (set zero_optimization.stage to 3)"
+            )
+        if not any(param.is_meta for param in model.parameters()):
+            model.to(self.device)
+        self.trains = optimizer is not None or policies.optimizer is not None  # else forward only (evaluation)
+        if not self.trains:
+            gather_vocab_logits(model)  # its callers sample or take log-probabilities: whole logits
+        named = trainable_parameters(model, optimizer) if self.trains else evaluated_parameters(model)
+        spec = optimizer_spec(policies.optimizer.type) if policies.optimizer is not None else None
+        self.zero = apply_zero(
+            model, named, policy=zero, precision=policies.precision, groups=groups, ledger=self.ledger,
+            device=self.device,
+            make_optimizer=optimizer_factory(optimizer, policies.optimizer) if self.trains else None,
+            codec=spec.codec if spec is not None else getattr(optimizer, "state_codec", None),
+            param_init_fn=param_init_fn,
+            per_parameter=spec.per_parameter if spec is not None else isinstance(optimizer, ShardAwareOptimizer),
+            frozen=frozen_parameters(model, named),
+        )
+        self.optimizer = self.zero.optimizer
+        self.tensor_norm = tensor_parallel_norm(self.mesh, self.zero, self.comm_stats) if self.trains else None
+        self.units = self.zero.units
+        self.unit_of_param = {id(slot.param): unit for unit in [*self.units, *self.zero.params.frozen_units]
+                              for slot in unit.slots}
+        self.ledger.hold("params", cast_unheld_state(model, self.dtype, held=set(self.unit_of_param)))
+        hooked = self.zero.reducer if self.trains else self.zero.params  # what holds hooks on the parameters
+        for param in model.parameters():
+            param._shardwise_engine = weakref.ref(self)
+            param._shardwise_hooks = weakref.ref(hooked)
+
+        training = policies.training
+        self.gradient_accumulation_steps = training.gradient_accumulation_steps
+        self.micro_steps = 0
+        self.global_steps = 0
+        self.skipped_steps = 0
+        self.last_grad_norm: float | None = None
+        self.lr_scheduler = (make_scheduler(lr_scheduler, policies.scheduler, self.optimizer.optimizer)
+                             if self.trains else None)
+        self.loss_scaler = LossScaler.from_policy(policies.precision.loss_scaling)
+        self.guard = StepGuard(self.comm, groups.replicate.size, training.max_consecutive_skipped_steps)
+        self.pipeline = self._pipeline_runner_for(model)  # train_batch / eval_batch
+        self._backward_pending = False  # backward() ran and step() has not yet
+        self._destroyed = False
+        self.reset_comm_volume()
+
+    # -- the training step ---------------------------------------------------------------
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        return self.forward(*args, **kwargs)
+
+    def forward(self, *args: Any, **kwargs: Any) -> Any:
+        """The user's forward; floating-point inputs are cast to the compute dtype. If it
+        raises, whatever it left gathered or in use is released first."""
+        self._require_alive("forward")
+        args, kwargs = cast_floating((args, kwargs), self.dtype)
+        try:
+            with self.activations.track():
+                return self.module(*args, **kwargs)
+        except BaseException:
+            self.zero.params.abort_pass()
+            self.guard.note_failed_pass()
+            raise
+
+    def is_gradient_accumulation_boundary(self) -> bool:
+        return (self.micro_steps + 1) % self.gradient_accumulation_steps == 0
+
+    @contextmanager
+    def no_sync(self) -> Iterator[None]:
+        """DDP's and DeepSpeed's `no_sync`: backward passes inside accumulate gradients on
+        this rank without communicating; the first backward after the block reduces all of
+        them, and `step()` follows it. Stages 0-1 only: stages 2-3 keep a gradient
+        partition, which needs a reduction every micro-batch."""
+        self._require_training("no_sync")
+        if not self.policies.zero.keeps_full_gradients:
+            raise RuntimeError(f"engine.no_sync() needs ZeRO stage 0 or 1: stage {self.stage} keeps only a "
+                               "partition of the gradients, so every backward must reduce (DeepSpeed refuses it too)")
+        self.zero.reducer.sync_in_backward = False
+        try:
+            yield
+        finally:
+            self.zero.reducer.sync_in_backward = True
+
+    def backward(self, loss: torch.Tensor) -> None:
+        """Backward of `loss` averaged over accumulation steps and scaled for fp16. Called
+        several times before one step() (one call per loss, as DeepSpeedExamples' GAN
+        does), the gradients add up, as they would for the sum of the losses."""
+        self._require_training("backward")
+        if not self.zero.reducer.sync_in_backward:  # inside no_sync: accumulate only
+            self._local_backward(loss)
+            return
+        scale = self.loss_scaler.scale / self.gradient_accumulation_steps
+        self.zero.reducer.begin_backward(boundary=self.is_gradient_accumulation_boundary())
+        self.guard.note_loss(loss)
+        try:
+            (loss.float() * scale).backward()
+            self.zero.reducer.end_backward()
+        except BaseException:
+            self._abort_backward()
+            raise
+        self.zero.params.end_backward()
+        self._backward_pending = True
+
+    def _local_backward(self, loss: torch.Tensor) -> None:
+        self.zero.reducer.begin_backward(boundary=False)
+        self.guard.note_loss(loss)
+        try:
+            (loss.float() * self.loss_scaler.scale / self.gradient_accumulation_steps).backward()
+            self.zero.reducer.end_backward()
+        except BaseException:
+            self._abort_backward()
+            raise
+
+    def _abort_backward(self) -> None:
+        """A backward raised (on every rank alike, or the step check will say otherwise):
+        finish its collectives and drop its gradients. If it was the first micro-batch of
+        an accumulation window, training continues exactly as if the batch had never been
+        seen. Later in a window, the earlier micro-batches' gradients are mixed with
+        partial ones, so the whole window is dropped and the next micro-batch starts a new
+        one (counted in `skipped_steps`, and logged)."""
+        self.guard.note_failed_pass()
+        try:
+            self.zero.reducer.abort_backward()
+        finally:
+            self.zero.params.abort_pass()
+            self.zero.reducer.discard_window()
+            self.guard.forget_window()
+            into_window = self.micro_steps % self.gradient_accumulation_steps
+            if into_window:
+                self.micro_steps -= into_window
+                self.skipped_steps += 1
+                if self.rank == 0:
+                    log.warning("shardwise: backward raised in micro-batch %d of an accumulation window; "
+                                "the window's %d earlier micro-batch(es) are dropped with it",
+                                into_window + 1, into_window)
+
+    def step(self) -> None:
+        """Apply the update at an accumulation boundary; otherwise only count the micro-step."""
+        self._require_training("step")
+        if not self.zero.reducer.sync_in_backward:
+            raise RuntimeError("engine.step() inside engine.no_sync(): the gradients there are not reduced yet; "
+                               "call backward() inside the block and backward() + step() after it")
+        if not self._backward_pending:
+            raise RuntimeError(
+                "engine.step() was called without engine.backward() since the last step: there "
+                "is no gradient to apply. Call engine.backward(loss) first"
+            )
+        self._backward_pending = False
+        boundary = self.is_gradient_accumulation_boundary()
+        self.micro_steps += 1
+        if not boundary:
+            return
+        scale = self.loss_scaler.scale  # the scale this step's gradients carry
+        norm_squared = self.optimizer.local_grad_norm_squared()
+        if self.tensor_norm is not None:  # tensor shards summed, replicated parameters counted once
+            norm_squared = self.tensor_norm(norm_squared)
+        if self.pipeline is not None:  # stages hold disjoint parameters: their squares add up
+            norm_squared = self.pipeline.combine_norm(norm_squared)
+        verdict = self.guard.check(norm_squared, self.loss_scaler, self.global_steps)
+        self.last_grad_norm = verdict.norm
+        self.loss_scaler.update(not verdict.apply)
+        if verdict.apply:
+            clip = 1.0
+            max_norm = self.policies.training.gradient_clipping
+            if max_norm > 0:
+                clip = min(1.0, max_norm / (verdict.norm + 1e-6))
+            self.optimizer.step(grad_scale=clip / scale)
+            self.zero.params.after_update()
+            if self.lr_scheduler is not None:
+                self.lr_scheduler.step()
+        else:
+            self.skipped_steps += 1
+        self.zero.reducer.zero_grads()
+        self.global_steps += 1
+
+    # -- pipeline parallelism: DeepSpeed's PipelineEngine calls ------------------------------
+    def _pipeline_runner_for(self, model: nn.Module) -> PipelineRunner | None:
+        split = stage_of(model)
+        if split is None:
+            return None
+        adapter, layout = split
+        pipeline = self.policies.pipeline
+        micro_batches = pipeline.micro_batches or self.gradient_accumulation_steps
+        return PipelineRunner(self, adapter, layout, pipeline.schedule, micro_batches)
+
+    def train_batch(self, data_iter: Iterable[Any] | None = None,
+                    loss_fn: Callable[..., torch.Tensor] | None = None) -> torch.Tensor:
+        """Run the pipeline's micro-batches (`PipelinePolicy.micro_batches`, default the
+        accumulation steps) through the schedule, then one optimizer step; returns the
+        batch's mean loss on every rank."""
+        self._require_training("train_batch")  # before any stage starts: every rank refuses alike
+        return self._running_pipeline("train_batch").run(_iterator(data_iter, "train_batch"), loss_fn, train=True)
+
+    def eval_batch(self, data_iter: Iterable[Any] | None = None,
+                   loss_fn: Callable[..., torch.Tensor] | None = None) -> torch.Tensor:
+        """The mean loss of one batch of micro-batches, forward only, no update."""
+        return self._running_pipeline("eval_batch").run(_iterator(data_iter, "eval_batch"), loss_fn, train=False)
+
+    def is_first_stage(self) -> bool:
+        return self.pipeline is None or self.pipeline.layout.first
+
+    def is_last_stage(self) -> bool:
+        return self.pipeline is None or self.pipeline.layout.last
+
+    def pipeline_layout(self) -> StageLayout | None:
+        """This rank's stage: the layer indices of each chunk (None without a pipeline)."""
+        return None if self.pipeline is None else self.pipeline.layout
+
+    def _running_pipeline(self, call: str) -> PipelineRunner:
+        self._require_alive(call)
+        if self.pipeline is None:
+            raise RuntimeError(f"engine.{call}() runs the pipeline schedule: set pipeline_parallel.size > 1, or "
+                               "train with engine(batch), engine.backward(loss) and engine.step()")
+        return self.pipeline
+
+    # -- checkpoints (shardwise/checkpoint) ----------------------------------------------
+    def save_checkpoint(self, save_dir: str | os.PathLike, tag: str | None = None,
+                        client_state: dict | None = None) -> str:
+        """Write this rank's shard of everything needed to resume; returns the tag."""
+        from shardwise.runtime.checkpoint import save_checkpoint
+
+        self._require_alive("save_checkpoint")
+        self.world.agree_on_call("save_checkpoint", call_check_timeout(self.context.timeout))
+        return save_checkpoint(self, save_dir, tag, client_state)
+
+    def load_checkpoint(self, load_dir: str | os.PathLike, tag: str | None = None, *,
+                        optimizer_states: bool = True, module_only: bool = False, strict: bool = True) -> dict:
+        """Resume from a checkpoint (any world size or stage); returns its client_state.
+        `optimizer_states=False` / `module_only=True`: load the weights only; `strict=False`:
+        into a model with more or fewer tensors (see checkpoint/load.py)."""
+        from shardwise.runtime.checkpoint import load_checkpoint
+
+        self._require_alive("load_checkpoint")
+        self.world.agree_on_call("load_checkpoint", call_check_timeout(self.context.timeout))
+        return load_checkpoint(self, load_dir, tag, optimizer_states, module_only, strict)
+
+    # -- accounting ----------------------------------------------------------------------
+    def memory_breakdown(self, by_tier: bool = False) -> dict:
+        """Bytes this rank held per category at that category's peak (docs/formulas.md#model-states-per-rank), on the
+        training device; `by_tier=True`: {"device" | "host" | "nvme": {category: bytes}}."""
+        return self.ledger.breakdown_by_tier() if by_tier else self.ledger.breakdown()
+
+    def comm_volume(self, per_group: bool = False) -> dict:
+        """Bytes this rank sent per collective since the last reset (ring model, docs/formulas.md#the-ring-model);
+        `per_group=True`: {group purpose: {collective: bytes}}, plus "offload": bytes moved
+        device -> host, host -> device, and read from / written to NVMe."""
+        if not per_group:
+            return self.comm_stats.totals()
+        volume = self.comm_stats.by_group()
+        moved = {key: value - self._transfers_at_reset.get(key, 0) for key, value in self.zero.transfers().items()}
+        if any(moved.values()):
+            volume["offload"] = moved
+        return volume
+
+    def reset_comm_volume(self) -> None:
+        self.comm_stats.volume.clear()
+        self._transfers_at_reset = self.zero.transfers()
+
+    def num_parameters(self) -> int:
+        return sum(unit.numel for unit in self.units)
+
+    def persistent_numel(self) -> int:
+        """Stage 3: elements kept whole on every rank (under the persistence threshold)."""
+        return self.zero.params.persistent_numel()
+
+    def padding_elements(self) -> int:
+        return sum(unit.padded_numel - unit.numel for unit in self.units)
+
+    # -- conveniences DeepSpeed users expect ---------------------------------------------
+    def __getattr__(self, name: str) -> Any:
+        try:
+            return super().__getattr__(name)  # nn.Module's own: parameters, buffers, submodules
+        except AttributeError:
+            module = self.__dict__.get("_modules", {}).get("module")
+            if module is None or name.startswith("__") or not hasattr(module, name):
+                raise AttributeError(f"neither the engine nor its model has an attribute {name!r}") from None
+        return getattr(module, name)
+
+    def _require_alive(self, call: str) -> None:
+        if self._destroyed:
+            raise RuntimeError(f"engine.{call}() after engine.destroy(): this engine no longer trains "
+                               "its model; build a new one with shardwise.initialize")
+
+    def _require_training(self, call: str) -> None:
+        self._require_alive(call)
+        if not self.trains:
+            raise RuntimeError(f"engine.{call}(): this engine was given no optimizer, so it only runs forward; "
+                               "pass an optimizer to initialize() or add an 'optimizer' block to train")
+
+    def destroy(self) -> None:
+        """Detach from the model (hooks removed); the model can then get a new engine."""
+        if self.trains:
+            self.zero.reducer.remove_hooks()
+        self.zero.params.remove_hooks()
+        self.zero.close()
+        for param in self.module.parameters():
+            for attribute in ("_shardwise_engine", "_shardwise_hooks"):
+                if hasattr(param, attribute):
+                    delattr(param, attribute)
+        self._destroyed = True
+
+
+def _iterator(data_iter: Iterable[Any] | None, call: str) -> Iterator[Any]:
+    if data_iter is None:
+        raise ValueError(f"engine.{call}(data_iter=...) needs an iterator of micro-batches (shardwise has no "
+                         "training data loader of its own)")
+    return iter(data_iter)

@@ -1,0 +1,82 @@
+"""Every policy an engine is built from, in one frozen bundle.
+
+The runtime knows no JSON: a front end (the DeepSpeed config's,
+frontends/deepspeed/config/policies.py) or a user in Python (`shardwise.build_engine`)
+fills these, and the engine, the mesh and each model family's `parallelize` read them.
+
+    Policies(zero=ZeroPolicy(stage=3), precision=PrecisionPolicy(torch.bfloat16),
+             tensor=TensorPolicy(size=2), activation=ActivationPolicy(RecomputePolicy("selective")))
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Mapping
+
+from shardwise.runtime.activation.policy import ActivationPolicy
+from shardwise.runtime.compile.policy import CompilePolicy
+from shardwise.runtime.ops.policy import KernelPolicy
+from shardwise.runtime.parallel.pipeline.policy import PipelinePolicy
+from shardwise.runtime.parallel.sequence.policy import SequencePolicy
+from shardwise.runtime.parallel.tensor.policy import TensorPolicy
+from shardwise.runtime.precision.policy import PrecisionPolicy
+from shardwise.runtime.zero.policy import ZeroPolicy
+
+
+@dataclass(frozen=True)
+class OptimizerPolicy:
+    """An optimizer by its registered name (runtime/optim/registry.py) and its arguments;
+    the engine builds it over the rank's partitions. A torch optimizer passed to the
+    engine instead is re-pointed at them."""
+
+    type: str
+    params: Mapping[str, Any] = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
+class SchedulerPolicy:
+    """A learning-rate schedule by name (runtime/optim/schedulers.py), stepped after each update."""
+
+    type: str
+    params: Mapping[str, Any] = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
+class TrainingPolicy:
+    """The step: micro-batches per update, clipping, and how many non-finite steps in a row
+    loss scaling may not explain before training stops (runtime/reliability/step_guard.py)."""
+
+    micro_batch_size: int = 1
+    gradient_accumulation_steps: int = 1
+    gradient_clipping: float = 0.0  # max global norm; 0: no clipping
+    max_consecutive_skipped_steps: int = 3
+
+    def __post_init__(self) -> None:
+        if self.micro_batch_size < 1 or self.gradient_accumulation_steps < 1:
+            raise ValueError(f"micro_batch_size and gradient_accumulation_steps must be at least 1, got "
+                             f"{self.micro_batch_size} and {self.gradient_accumulation_steps}")
+        if self.gradient_clipping < 0:
+            raise ValueError(f"gradient_clipping must be >= 0 (0: no clipping), got {self.gradient_clipping}")
+
+
+@dataclass(frozen=True)
+class Policies:
+    zero: ZeroPolicy = field(default_factory=ZeroPolicy)
+    precision: PrecisionPolicy = field(default_factory=PrecisionPolicy)
+    training: TrainingPolicy = field(default_factory=TrainingPolicy)
+    tensor: TensorPolicy = field(default_factory=TensorPolicy)
+    sequence: SequencePolicy = field(default_factory=SequencePolicy)
+    pipeline: PipelinePolicy = field(default_factory=PipelinePolicy)
+    activation: ActivationPolicy = field(default_factory=ActivationPolicy)
+    compile: CompilePolicy = field(default_factory=CompilePolicy)
+    kernels: KernelPolicy = field(default_factory=KernelPolicy)
+    optimizer: OptimizerPolicy | None = None
+    scheduler: SchedulerPolicy | None = None
+
+    def __post_init__(self) -> None:
+        if self.zero.partitions_parameters and self.compile.cuda_graph_settings():
+            raise ValueError(
+                f"compile {', '.join(self.compile.cuda_graph_settings())} uses CUDA graphs, which ZeRO stage 3 "
+                "cannot run: a graph replays kernels on the addresses it captured, and stage 3 frees each "
+                "module's parameters after use and gathers them into new storage; use mode "
+                "'max-autotune-no-cudagraphs' or 'default', or ZeRO stage 2 or lower")
