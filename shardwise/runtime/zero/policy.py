@@ -12,6 +12,7 @@ from dataclasses import dataclass
 
 import torch
 
+from shardwise.formulas import stages
 from shardwise.frontends.deepspeed.config import ShardwiseConfig
 from shardwise.runtime.optim.registry import optimizer_spec
 
@@ -89,13 +90,13 @@ class ZeroPolicy:
     @property
     def partitions_parameters(self) -> bool:
         """Stage 3: each rank stores 1/N of the 16-bit parameters and gathers on use."""
-        return self.stage == 3
+        return stages.partitions_parameters(self.stage)
 
     @property
     def keeps_full_gradients(self) -> bool:
         """Stages 0-1 accumulate the whole model's gradient and reduce at the boundary;
         stages 2-3 keep only their partition, so they reduce every micro-batch."""
-        return self.stage <= 1
+        return stages.keeps_full_gradients(self.stage)
 
 
 def _offload(section, config: ShardwiseConfig) -> OffloadPolicy:
