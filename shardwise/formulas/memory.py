@@ -288,6 +288,7 @@ def placed_model_state_bytes(
     world_size: int,
     stage: int,
     offload: Offload = NO_OFFLOAD,
+    *,
     dtype: str = "bf16",
     optimizer_state_bytes_per_param: int | None = None,
     persistent_params: int = 0,
@@ -347,6 +348,7 @@ def placed_partial_offload_bytes(
     stage: int,
     offload: Offload,
     offloaded_elements: int,
+    *,
     dtype: str = "bf16",
     optimizer_state_bytes_per_param: int | None = None,
     persistent_params: int = 0,
@@ -359,7 +361,8 @@ def placed_partial_offload_bytes(
     partition = partition_elements(num_params, world_size)
     if not 0 <= offloaded_elements <= partition:
         raise ValueError(f"offloaded_elements must be in [0, {partition}], got {offloaded_elements}")
-    placed = placed_model_state_bytes(num_params, world_size, stage, offload, dtype, k, persistent_params)
+    placed = placed_model_state_bytes(num_params, world_size, stage, offload, dtype=dtype,
+                                      optimizer_state_bytes_per_param=k, persistent_params=persistent_params)
     kept = partition - offloaded_elements
     for term in model_state_terms(stage, offload, dtype, k):
         if term.category != "params" and term.sharded:
@@ -383,7 +386,8 @@ def model_state_bytes(
     `optimizer_state_bytes_per_param` is K; it defaults to Adam's (12 mixed, 8 fp32).
     """
     return dict(placed_model_state_bytes(
-        num_params, world_size, stage, NO_OFFLOAD, dtype, optimizer_state_bytes_per_param, persistent_params
+        num_params, world_size, stage, NO_OFFLOAD, dtype=dtype,
+        optimizer_state_bytes_per_param=optimizer_state_bytes_per_param, persistent_params=persistent_params,
     )["gpu"])
 
 
