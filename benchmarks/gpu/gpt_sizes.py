@@ -95,7 +95,7 @@ def predicted_terms(shape: Shape, layers: int, variant: str, recompute: str = "n
     else:
         stage = 0 if variant == "stage0" else 3
         offload = {"offload_cpu": Offload(optimizer="cpu"), "offload_nvme": Offload(optimizer="nvme", params="nvme")}
-        placed = placed_model_state_bytes(psi, 1, stage, offload.get(variant, Offload()), "bf16")
+        placed = placed_model_state_bytes(psi, 1, stage, offload.get(variant, Offload()), dtype="bf16")
         terms["model_states"] = sum(placed["gpu"].values())
         if variant in ("stage0", "stage3"):
             terms["optimizer_step"] = ADAM_TRANSIENT_COPIES * 4 * min(sub_group_size, psi)

@@ -94,7 +94,7 @@ def host_memory_bytes() -> int:
 
 def offload_bytes(num_params: int, kind: str) -> dict[str, int]:
     """Model-state bytes per tier (gpu / cpu / nvme) for `kind`, by the formulas."""
-    placed = placed_model_state_bytes(num_params, 1, 3, OFFLOADS[kind], "bf16")
+    placed = placed_model_state_bytes(num_params, 1, 3, OFFLOADS[kind], dtype="bf16")
     return {tier: sum(categories.values()) for tier, categories in placed.items()}
 
 

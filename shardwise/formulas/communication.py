@@ -29,6 +29,13 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from shardwise.formulas.stages import (
+    gathers_updated_parameters,
+    keeps_full_gradients,
+    partitions_optimizer,
+    partitions_parameters,
+)
+
 COLLECTIVES = ("all_reduce", "all_gather", "reduce_scatter")
 
 
@@ -56,8 +63,8 @@ def comm_bytes_by_group(shape: CommShape) -> dict[str, dict[str, int]]:
     shard = dict.fromkeys(COLLECTIVES, 0)
     replicate = dict.fromkeys(COLLECTIVES, 0)
     if s > 1:
-        shard["reduce_scatter"] = (1 if shape.stage <= 1 else a) * ring_share(psi, g, s)
-        if shape.stage == 3:
+        shard["reduce_scatter"] = (1 if keeps_full_gradients(shape.stage) else a) * ring_share(psi, g, s)
+        if partitions_parameters(shape.stage):
             persistent = shape.persistent_params
             shard["all_gather"] = a * 2 * ring_share(psi - persistent, p, s) + ring_share(persistent, p, s)
         else:
@@ -87,9 +94,9 @@ def comm_expressions(shape: CommShape) -> dict[str, str]:
         expressions["all_reduce"] = f"2·{g}Ψ(N−1)/N"
         return expressions
     per_micro = "A·" if shape.accumulation_steps > 1 else ""
-    expressions["reduce_scatter"] = f"{per_micro if shape.stage >= 2 else ''}{g}Ψ{shard_ring}"
+    expressions["reduce_scatter"] = f"{'' if keeps_full_gradients(shape.stage) else per_micro}{g}Ψ{shard_ring}"
     gather = f"{p}Ψ{shard_ring}"
-    if shape.stage == 3:
+    if partitions_parameters(shape.stage):
         gather = (f"({per_micro}2(Ψ−P) + P)·{p}{shard_ring}" if shape.persistent_params
                   else f"{per_micro}2·{p}Ψ{shard_ring}")
     expressions["all_gather"] = gather
@@ -109,7 +116,7 @@ def offload_transfer_bytes(partition: int, stage: int, grad_bytes: int, param_by
     fp32 master and the optimizer's state tensors read once and written once (each
     sub-group's region rounded up to the 4 KiB I/O block, not counted here).
     """
-    reductions = 1 if stage <= 1 else accumulation_steps
+    reductions = 1 if keeps_full_gradients(stage) else accumulation_steps
     moved = {"device_to_host": reductions * partition * grad_bytes, "host_to_device": partition * param_bytes}
     if state_tensors:
         pages = (1 + state_tensors) * 4 * partition
@@ -277,14 +284,14 @@ def onebit_exchange_bytes(num_params: int, ranks: int, stage: int = 0, param_byt
     volume = {"all_to_all": 0, "all_gather": 0}
     if ranks == 1:
         return volume
-    if stage == 0:
+    if not partitions_optimizer(stage):  # stage 0: no ZeRO partition for the chunks to follow
         padded = (num_params + 8 * ranks - 1) // (8 * ranks) * 8 * ranks
     else:
         padded = ranks * ((num_params // ranks + 7) // 8 * 8)
     framed = padded // 8 + 4 * ranks  # every chunk's packed signs and its fp32 scale
     volume["all_to_all"] = _ring("all_to_all", framed, ranks)
     volume["all_gather"] = _ring("all_gather", framed, ranks)
-    if stage in (1, 2):
+    if gathers_updated_parameters(stage):
         volume["all_gather"] += ring_share(num_params, param_bytes, ranks)
     return volume
 

@@ -52,6 +52,7 @@ def activation_bytes(
     hidden: int,
     heads: int,
     vocab_size: int | None,
+    *,
     seq_len: int,
     micro_batch: int,
     dtype: str,

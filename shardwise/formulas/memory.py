@@ -16,6 +16,14 @@ from dataclasses import dataclass
 from math import ceil, prod
 from typing import Literal
 
+from shardwise.formulas.stages import (
+    check_stage,
+    keeps_full_gradients,
+    partitions_gradients,
+    partitions_optimizer,
+    partitions_parameters,
+)
+
 Device = Literal["gpu", "cpu", "nvme"]
 OffloadDevice = Literal["none", "cpu", "nvme"]
 Category = Literal["params", "grads", "optimizer_states"]
@@ -24,7 +32,6 @@ RecomputeMode = Literal["none", "selective", "full"]
 GB = 10**9
 
 CATEGORIES: tuple[Category, ...] = ("params", "grads", "optimizer_states")
-STAGES = (0, 1, 2, 3)
 RECOMPUTE_MODES: tuple[RecomputeMode, ...] = ("none", "selective", "full")
 
 ELEMENT_BYTES = {"bf16": 2, "fp16": 2, "fp32": 4}
@@ -131,21 +138,28 @@ def onebit_partitioned_state_bytes(owned: int, partition: int, ranks: int, lamb:
 ONEBIT_OPTIMIZERS = ("onebitadam", "onebitlamb")
 
 
+def _check_onebit_stage(stage: int) -> None:
+    """1-bit Adam / LAMB keep the whole momentum, the worker's error and the whole local
+    gradient on every rank, more than partitioning the parameters would save: stages 0-2
+    (runtime/optim/onebit.py: why not 3)."""
+    if partitions_parameters(stage):
+        raise ValueError(f"1-bit Adam / LAMB run at ZeRO stages 0-2, not {stage}")
+
+
 def onebit_state_terms(stage: int, dtype: str, lamb: bool = False) -> list[StateTerm]:
     """`onebit_model_state_bytes` as summands (padding aside), for the estimator: stage 0
     every state whole but the server's error; stages 1-2 the momentum and the worker's
     error (8 bytes) whole, the master, the variance(s) and the server's error sharded;
     stage 2's gradients its partition plus the whole local gradient."""
-    if stage not in (0, 1, 2):
-        raise ValueError(f"1-bit Adam / LAMB run at ZeRO stages 0-2, not {stage}")
+    _check_onebit_stage(stage)
     p = element_bytes(dtype)
     master = 0 if p == MASTER_WEIGHT_BYTES else MASTER_WEIGHT_BYTES
     variances = 8 if lamb else 4
     terms = [StateTerm("params", "params", "gpu", p, sharded=False),
              StateTerm("grads", "grads", "gpu", p, sharded=False)]
-    if stage == 2:
+    if partitions_gradients(stage):
         terms.append(StateTerm("grad partition", "grads", "gpu", p, sharded=True))
-    if stage == 0:
+    if not partitions_optimizer(stage):
         terms.append(StateTerm("optimizer + momentum + worker error", "optimizer_states", "gpu",
                                master + variances + 8, sharded=False))
     else:
@@ -165,16 +179,15 @@ def onebit_model_state_bytes(num_params: int, ranks: int, stage: int, dtype: str
     per partitioned element plus 8 bytes per parameter on every rank. Stage 2's gradients:
     its partition and, from the freeze on, the whole local gradient the exchange folds
     (stage 1's full buffer serves both). Stage 3 is not supported (optim/onebit.py)."""
-    if stage not in (0, 1, 2):
-        raise ValueError(f"1-bit Adam / LAMB run at ZeRO stages 0-2, not {stage}")
+    _check_onebit_stage(stage)
     p = element_bytes(dtype)
     master = 0 if p == MASTER_WEIGHT_BYTES else MASTER_WEIGHT_BYTES
-    if stage == 0 or ranks == 1:
+    if not partitions_optimizer(stage) or ranks == 1:
         states = master * num_params + onebit_state_bytes(num_params, ranks, lamb)
         return {"params": p * num_params, "grads": p * num_params, "optimizer_states": states}
     part = num_params // ranks
     states = master * part + onebit_partitioned_state_bytes(part, ceil(part / 8) * 8, ranks, lamb)
-    grads = p * num_params + (p * part if stage == 2 else 0)
+    grads = p * num_params + (p * part if partitions_gradients(stage) else 0)
     return {"params": p * num_params, "grads": grads, "optimizer_states": states}
 
 
@@ -216,14 +229,13 @@ def validate_placement(stage: int, offload: Offload) -> None:
     """ZeRO-Offload needs partitioned optimizer states (stage ≥ 1), on the host or swapped
     to NVMe (shardwise's NVMe tier pages the optimizer partition at stages 1-3); parameter
     offload needs partitioned parameters (stage 3)."""
-    if stage not in STAGES:
-        raise ValueError(f"stage must be one of {STAGES}, got {stage!r}")
+    check_stage(stage)
     for name, device in (("optimizer", offload.optimizer), ("params", offload.params)):
         if device not in ("none", "cpu", "nvme"):
             raise ValueError(f"offload {name} device must be none, cpu or nvme, got {device!r}")
-    if stage == 0 and offload != NO_OFFLOAD:
+    if not partitions_optimizer(stage) and offload != NO_OFFLOAD:
         raise ValueError("offload needs ZeRO stage 1 or more; stage 0 keeps every state on the GPU")
-    if stage < 3 and offload.params != "none":
+    if not partitions_parameters(stage) and offload.params != "none":
         raise ValueError(f"parameter offload needs stage 3, got stage {stage}")
     if offload.params != "none" and offload.optimizer == "none":
         raise ValueError("parameter offload needs the optimizer offloaded too")
@@ -251,12 +263,13 @@ def model_state_terms(stage: int, offload: Offload, dtype: str, optimizer_state_
     p = element_bytes(dtype)
     gpu: Device = "gpu"
     param_device: Device = gpu if offload.params == "none" else offload.params
-    terms = [StateTerm("params", "params", param_device, p, sharded=stage == 3)]
+    terms = [StateTerm("params", "params", param_device, p, sharded=partitions_parameters(stage))]
     if offload.optimizer == "none":
-        terms.append(StateTerm("grads", "grads", gpu, p, sharded=stage >= 2))
-        terms.append(StateTerm("optimizer", "optimizer_states", gpu, optimizer_state_bytes, sharded=stage >= 1))
+        terms.append(StateTerm("grads", "grads", gpu, p, sharded=partitions_gradients(stage)))
+        terms.append(StateTerm("optimizer", "optimizer_states", gpu, optimizer_state_bytes,
+                                sharded=partitions_optimizer(stage)))
         return terms
-    if stage == 1:
+    if keeps_full_gradients(stage):  # stage 1: it reduces only at the boundary
         terms.append(StateTerm("grads", "grads", gpu, p, sharded=False))
     terms.append(StateTerm("fp32 grads", "grads", "cpu", HOST_GRADIENT_BYTES, sharded=True))
     if p == MASTER_WEIGHT_BYTES:
@@ -275,6 +288,7 @@ def placed_model_state_bytes(
     world_size: int,
     stage: int,
     offload: Offload = NO_OFFLOAD,
+    *,
     dtype: str = "bf16",
     optimizer_state_bytes_per_param: int | None = None,
     persistent_params: int = 0,
@@ -309,7 +323,7 @@ def placed_model_state_bytes(
 def frozen_state_term(stage: int, offload: Offload, dtype: str) -> StateTerm:
     """Frozen parameters: b bytes each where the parameters live, 1/N at stage 3."""
     device: Device = "gpu" if offload.params == "none" else offload.params
-    return StateTerm("frozen params", "params", device, element_bytes(dtype), sharded=stage == 3)
+    return StateTerm("frozen params", "params", device, element_bytes(dtype), sharded=partitions_parameters(stage))
 
 
 def offloaded_partition_elements(unit_partitions: list[int], ratio: float) -> int:
@@ -334,6 +348,7 @@ def placed_partial_offload_bytes(
     stage: int,
     offload: Offload,
     offloaded_elements: int,
+    *,
     dtype: str = "bf16",
     optimizer_state_bytes_per_param: int | None = None,
     persistent_params: int = 0,
@@ -346,12 +361,13 @@ def placed_partial_offload_bytes(
     partition = partition_elements(num_params, world_size)
     if not 0 <= offloaded_elements <= partition:
         raise ValueError(f"offloaded_elements must be in [0, {partition}], got {offloaded_elements}")
-    placed = placed_model_state_bytes(num_params, world_size, stage, offload, dtype, k, persistent_params)
+    placed = placed_model_state_bytes(num_params, world_size, stage, offload, dtype=dtype,
+                                      optimizer_state_bytes_per_param=k, persistent_params=persistent_params)
     kept = partition - offloaded_elements
     for term in model_state_terms(stage, offload, dtype, k):
         if term.category != "params" and term.sharded:
             placed[term.device][term.category] -= term.bytes_per_param * kept
-    if stage >= 2:
+    if partitions_gradients(stage):
         placed["gpu"]["grads"] += element_bytes(dtype) * kept
     placed["gpu"]["optimizer_states"] += k * kept
     return placed
@@ -370,7 +386,8 @@ def model_state_bytes(
     `optimizer_state_bytes_per_param` is K; it defaults to Adam's (12 mixed, 8 fp32).
     """
     return dict(placed_model_state_bytes(
-        num_params, world_size, stage, NO_OFFLOAD, dtype, optimizer_state_bytes_per_param, persistent_params
+        num_params, world_size, stage, NO_OFFLOAD, dtype=dtype,
+        optimizer_state_bytes_per_param=optimizer_state_bytes_per_param, persistent_params=persistent_params,
     )["gpu"])
 
 

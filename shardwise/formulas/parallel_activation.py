@@ -98,8 +98,8 @@ def parallel_layer_activation_bytes(seq_len: int, micro_batch: int, hidden: int,
     return (linear_part + core) // s_size
 
 
-def parallel_activation_bytes(num_layers: int, hidden: int, heads: int, vocab_size: int | None, seq_len: int,
-                              micro_batch: int, dtype: str, recompute: RecomputeMode,
+def parallel_activation_bytes(num_layers: int, hidden: int, heads: int, vocab_size: int | None, *,
+                              seq_len: int, micro_batch: int, dtype: str, recompute: RecomputeMode,
                               parallel: ModelParallel = NO_MODEL_PARALLEL) -> int:
     """`activation_bytes` on one rank of a tensor or Ulysses group: the layers as in
     `parallel_layer_activation_bytes`; with recomputation each layer keeps its input, split
@@ -110,7 +110,8 @@ def parallel_activation_bytes(num_layers: int, hidden: int, heads: int, vocab_si
     falls by T (the vocabulary-parallel loss never gathers them) but not by S (the sequence
     is whole again after the decoder stack)."""
     if parallel.tensor == parallel.sequence == 1:
-        return activation_bytes(num_layers, hidden, heads, vocab_size, seq_len, micro_batch, dtype, recompute)
+        return activation_bytes(num_layers, hidden, heads, vocab_size, seq_len=seq_len, micro_batch=micro_batch,
+                                dtype=dtype, recompute=recompute)
     if recompute not in RECOMPUTE_MODES:
         raise ValueError(f"recompute must be one of {RECOMPUTE_MODES}, got {recompute!r}")
     layer = parallel_layer_activation_bytes(seq_len, micro_batch, hidden, heads, dtype, parallel)

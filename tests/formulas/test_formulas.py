@@ -149,19 +149,21 @@ def test_activation_bytes_match_korthikanti_formula() -> None:
     per_layer = s * b * h * (34 + 5 * a * s // h)
     logits = 4 * s * b * vocab
     assert per_layer == 956_301_312
-    assert activation_bytes(layers, h, a, vocab, s, b, "bf16", "none") == layers * per_layer + logits
+    batch = {"seq_len": s, "micro_batch": b, "dtype": "bf16"}
+    assert activation_bytes(layers, h, a, vocab, **batch, recompute="none") == layers * per_layer + logits
     # shardwise's policies: each layer keeps its input (2·sbh), selective also its linear
     # outputs (9 × 2·sbh); backward brings back one layer at a time
     selective = (layers - 1) * 2 * (1 + 9) * s * b * h + per_layer + logits
-    assert activation_bytes(layers, h, a, vocab, s, b, "bf16", "selective") == selective
-    assert activation_bytes(layers, h, a, vocab, s, b, "bf16", "full") == (layers - 1) * 2 * s * b * h + per_layer + logits
-    assert activation_bytes(layers, h, a, None, s, b, "bf16", "none") == layers * per_layer
+    assert activation_bytes(layers, h, a, vocab, **batch, recompute="selective") == selective
+    assert activation_bytes(layers, h, a, vocab, **batch, recompute="full") == (layers - 1) * 2 * s * b * h + per_layer + logits
+    assert activation_bytes(layers, h, a, None, **batch, recompute="none") == layers * per_layer
 
 
 def test_fp32_activations_double_the_two_byte_tensors() -> None:
     # (16e + 2)·sbh + (2e + 1)·a·s²·b with e = 4: masks stay one byte
     s, b, h, a = 128, 2, 64, 4
-    assert activation_bytes(1, h, a, None, s, b, "fp32", "none") == 66 * s * b * h + 9 * a * s * s * b
+    fp32 = activation_bytes(1, h, a, None, seq_len=s, micro_batch=b, dtype="fp32", recompute="none")
+    assert fp32 == 66 * s * b * h + 9 * a * s * s * b
 
 
 def test_stage3_gather_working_set() -> None:

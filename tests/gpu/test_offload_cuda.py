@@ -79,8 +79,10 @@ def test_bytes_live_in_the_tier_the_formulas_say(name, offload_runs):
     offload = Offload(zero["offload_optimizer"]["device"], zero["offload_param"]["device"])
     for run in offload_runs["runs"][name]:
         padded = run["numel"] + run["padding"]
-        expected = placed_model_state_bytes(padded, WORLD, case.stage, offload, case.dtype,
-                                            optimizer_state_bytes_for("adam", case.dtype))
+        expected = placed_model_state_bytes(
+            padded, WORLD, case.stage, offload, dtype=case.dtype,
+            optimizer_state_bytes_per_param=optimizer_state_bytes_for("adam", case.dtype),
+        )
         for tier, device in (("device", "gpu"), ("host", "cpu")):
             for category in ("params", "grads", "optimizer_states"):
                 assert run["memory_by_tier"][tier][category] == expected[device][category], (tier, category)

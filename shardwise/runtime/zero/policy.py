@@ -2,14 +2,17 @@
 once by a front end (the DeepSpeed config's, or a user in Python) instead of a long
 argument list threaded through every class.
 
-The stage number is read in exactly one place, here: every part of the engine asks the
-policy the question it cares about (are parameters partitioned? does the gradient buffer
-hold the full model?) rather than comparing stage numbers.
+Every part of the engine asks the policy the question it cares about (are parameters
+partitioned? does the gradient buffer hold the full model?) rather than comparing stage
+numbers; what each stage partitions is written once, in shardwise/formulas/stages.py,
+which the planner shares.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+
+from shardwise.formulas import stages
 
 
 @dataclass(frozen=True)
@@ -61,23 +64,22 @@ class ZeroPolicy:
     gather_16bit_weights_on_save: bool = False  # stage 3: a whole 16-bit model may be gathered to save it
 
     def __post_init__(self) -> None:
-        if self.stage not in (0, 1, 2, 3):
-            raise ValueError(f"ZeRO stage must be 0, 1, 2 or 3, got {self.stage}")
+        stages.check_stage(self.stage)
         if self.shard_size is not None and self.shard_size < 1:
             raise ValueError(f"shard_size must be at least 1, got {self.shard_size}")
 
     @property
     def partitions_parameters(self) -> bool:
         """Stage 3: each rank stores 1/N of the 16-bit parameters and gathers on use."""
-        return self.stage == 3
+        return stages.partitions_parameters(self.stage)
 
     @property
     def keeps_full_gradients(self) -> bool:
         """Stages 0-1 accumulate the whole model's gradient and reduce at the boundary;
         stages 2-3 keep only their partition, so they reduce every micro-batch."""
-        return self.stage <= 1
+        return stages.keeps_full_gradients(self.stage)
 
     @property
     def partitions_model_states(self) -> bool:
         """Stages 1-3 shard optimizer state (and more) over the shard group; stage 0 shards nothing."""
-        return self.stage > 0
+        return stages.partitions_optimizer(self.stage)

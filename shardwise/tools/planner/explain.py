@@ -14,6 +14,7 @@ from shardwise.formulas.memory import (
     model_state_terms,
 )
 from shardwise.formulas.layers import LOGITS_BYTES, layer_activation_coefficients
+from shardwise.formulas.stages import partitions_parameters
 from shardwise.tools.planner.results import Estimate, OptionEstimate
 
 DEVICE_NAMES: dict[Device, str] = {"gpu": "GPU", "cpu": "CPU", "nvme": "NVMe"}
@@ -58,7 +59,8 @@ def explain(estimate: Estimate) -> list[str]:
     """Inputs, usable memory, activation formulas, rejected options, the recommendation."""
     lines = [_inputs_line(estimate), _headroom_line(estimate)]
     lines += _activation_lines(estimate)
-    if any(option.stage == 3 for option in estimate.options):  # none with pipeline parallelism or 1-bit optimizers
+    # no option partitions the parameters with pipeline parallelism or a 1-bit optimizer
+    if any(partitions_parameters(option.stage) for option in estimate.options):
         lines.append(_gather_line(estimate))
     recommendation = estimate.recommendation
     if estimate.ruled_out:

@@ -41,6 +41,7 @@ from shardwise.formulas.memory import (
 )
 from shardwise.formulas.layers import stage3_gather_bytes
 from shardwise.formulas.parallel_activation import NO_MODEL_PARALLEL, ModelParallel, parallel_activation_bytes
+from shardwise.formulas.stages import partitions_parameters
 from shardwise.tools.planner.results import DEFAULT_HEADROOM, Estimate, Hardware, OptionEstimate, Recommendation
 from shardwise.tools.planner.shapes import ModelShape
 
@@ -107,17 +108,14 @@ def estimate(
     if shape.frozen_params:  # the trained share is spread over the model like the rest
         trained_local = max(1, ceil(shape.trainable_params / (parallel.tensor * parallel.pipeline)))
         local, frozen_local = trained_local, max(0, local - trained_local)
-    zero_ranks = hardware.num_gpus // (parallel.tensor * parallel.pipeline)
-    onebit = optimizer in ONEBIT_OPTIMIZERS  # stages 0-2, no offload (optim/onebit.py)
+    inputs = Estimate(shape, hardware, micro_batch, seq_len, dtype, optimizer, k, activations, (), None,
+                      parallel=parallel, params_per_rank=local, frozen_per_rank=frozen_local)
     options = tuple(
-        _evaluate_option(stage, offload, shape, hardware, dtype, k, activations, modes, local, zero_ranks, parallel,
-                         optimizer, frozen_local)
+        _evaluate_option(stage, offload, inputs, modes)
         for stage, offload in OPTIONS
-        if (stage < 3 or parallel.pipeline == 1)  # the engine refuses ZeRO-3 with pipeline parallelism
-        and not (onebit and (stage == 3 or offload != NO_OFFLOAD))
+        if _offered(stage, offload, parallel, optimizer)
     )
-    partial = Estimate(shape, hardware, micro_batch, seq_len, dtype, optimizer, k, activations, options, None,
-                       parallel=parallel, params_per_rank=local, frozen_per_rank=frozen_local)
+    partial = replace(inputs, options=options)
     recommendation, ruled_out = _recommend(partial, modes)
     partial = replace(partial, recommendation=recommendation, ruled_out=ruled_out)
     if parallel == NO_MODEL_PARALLEL and (recommendation is None or recommendation.option.offload != NO_OFFLOAD):
@@ -170,37 +168,42 @@ def _suggest_tensor_parallel(single: Estimate) -> Estimate | None:
     return None
 
 
+def _offered(stage: int, offload: Offload, parallel: ModelParallel, optimizer: str) -> bool:
+    """Whether the engine would run this option: it refuses ZeRO-3 with pipeline
+    parallelism, and the 1-bit optimizers run at stages 0-2 without offload (optim/onebit.py)."""
+    if partitions_parameters(stage) and parallel.pipeline > 1:
+        return False
+    return optimizer not in ONEBIT_OPTIMIZERS or not (partitions_parameters(stage) or offload != NO_OFFLOAD)
+
+
 def _activations(shape: ModelShape, micro_batch: int, seq_len: int, dtype: str,
                  parallel: ModelParallel) -> dict[RecomputeMode, int] | None:
     layers, hidden, heads = shape.num_layers, shape.hidden_size, shape.num_heads
     if layers is None or hidden is None or heads is None:
         return None
     return {
-        mode: parallel_activation_bytes(layers, hidden, heads, shape.vocab_size, seq_len, micro_batch, dtype, mode,
-                                        parallel)
+        mode: parallel_activation_bytes(layers, hidden, heads, shape.vocab_size, seq_len=seq_len,
+                                        micro_batch=micro_batch, dtype=dtype, recompute=mode, parallel=parallel)
         for mode in RECOMPUTE_MODES
     }
 
 
 def _evaluate_option(
-    stage: int,
-    offload: Offload,
-    shape: ModelShape,
-    hardware: Hardware,
-    dtype: str,
-    k: int,
-    activations: dict[RecomputeMode, int] | None,
-    modes: tuple[RecomputeMode, ...],
-    local_params: int,
-    zero_ranks: int,
-    parallel: ModelParallel,
-    optimizer: str = "adam",
-    frozen_params: int = 0,
+    stage: int, offload: Offload, inputs: Estimate, modes: tuple[RecomputeMode, ...]
 ) -> OptionEstimate:
-    per_rank = placed_model_state_bytes(local_params, zero_ranks, stage, offload, dtype, k, optimizer=optimizer,
-                                        frozen_params=frozen_params)
-    largest = shape.largest_layer_params
-    gather = stage3_gather_bytes(ceil(largest / parallel.tensor), dtype) if stage == 3 and largest else 0
+    """One option's memory per device for the estimate's `inputs` (everything but its
+    options: the shape, hardware, dtype, K, activations and the per-rank parameter counts),
+    and which of the recomputation `modes` fit on the GPU."""
+    hardware, dtype = inputs.hardware, inputs.dtype
+    per_rank = placed_model_state_bytes(
+        inputs.params_per_rank, inputs.zero_ranks, stage, offload, dtype=dtype,
+        optimizer_state_bytes_per_param=inputs.optimizer_state_bytes, optimizer=inputs.optimizer,
+        frozen_params=inputs.frozen_per_rank,
+    )
+    largest = inputs.shape.largest_layer_params
+    gather = 0
+    if partitions_parameters(stage) and largest:
+        gather = stage3_gather_bytes(ceil(largest / inputs.parallel.tensor), dtype)
     cpu = hardware.ranks_per_node * sum(per_rank["cpu"].values())
     nvme = hardware.ranks_per_node * sum(per_rank["nvme"].values())
     gpu_states = sum(per_rank["gpu"].values())
@@ -212,7 +215,7 @@ def _evaluate_option(
         shortfall = "nvme"
     else:
         usable_gpu = hardware.usable_bytes("gpu")
-        fitting = tuple(m for m in modes if gpu_states + gather + (activations or {}).get(m, 0) <= usable_gpu)
+        fitting = tuple(m for m in modes if gpu_states + gather + inputs.activation(m) <= usable_gpu)
         shortfall = None if fitting else "gpu"
     return OptionEstimate(stage, offload, per_rank, gather, cpu, nvme, fitting, shortfall)
 

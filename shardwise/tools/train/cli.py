@@ -192,8 +192,8 @@ def prepare_run(args: argparse.Namespace) -> tuple[TrainOptions, int]:
     stage = args.stage
     if stage is None and args.optimizer in ONEBIT_OPTIMIZERS and "stage" not in user_config.get("zero_optimization", {}):
         stage = 2  # the highest stage the 1-bit optimizers support (optim/onebit.py: why not 3)
-    config = apply_flags(merge_config(default_config(steps), user_config), stage, args.bf16, seed, args.lr,
-                         args.compile, optimizer, args.activation_checkpointing)
+    config = apply_flags(merge_config(default_config(steps), user_config), stage, args.bf16, seed, lr=args.lr,
+                         compile_blocks=args.compile, optimizer=optimizer, recompute=args.activation_checkpointing)
     config = fill_auto(config, auto_values(steps, args.lr))
     load_config(config, world_size=nproc, hidden_size=GPTConfig.preset(args.model_size).n_embd)
 

@@ -18,6 +18,7 @@ from typing import Any
 from rich.console import Console
 
 import shardwise
+from shardwise.formulas.stages import STAGES, partitions_parameters
 from shardwise.tools.profiling import StepTimer
 from shardwise.tools.train.expected import RunShape, expected_comm, expected_memory
 from shardwise.tools.train.loop import mean_over_ranks, train_step
@@ -26,7 +27,6 @@ from shardwise.tools.train.run_files import COMPARISON_FILE
 from shardwise.tools.train.setup import ModelFacts, build_model, run_shape, samplers
 from shardwise.tools.train.stopping import StopRequest
 
-STAGES = (0, 1, 2, 3)
 STAGE3_EXACT = {"stage3_param_persistence_threshold": 0, "stage3_max_reuse_distance": 0}
 
 
@@ -58,7 +58,7 @@ def stage_config(config: dict[str, Any], stage: int) -> dict[str, Any]:
     config = copy.deepcopy(config)
     zero = config.setdefault("zero_optimization", {})
     zero["stage"] = stage
-    if stage == 3:
+    if partitions_parameters(stage):
         zero.update(STAGE3_EXACT)
     return config
 

@@ -13,6 +13,12 @@ from shardwise.runtime.optim.registry import optimizer_spec, registered_optimize
 from shardwise.formulas import communication
 from shardwise.formulas.communication import COLLECTIVES, ring_share
 from shardwise.formulas.memory import element_bytes, model_state_bytes, onebit_model_state_bytes
+from shardwise.formulas.stages import (
+    gathers_updated_parameters,
+    partitions_gradients,
+    partitions_optimizer,
+    partitions_parameters,
+)
 
 __all__ = [  # COLLECTIVES and ring_share are re-exported for the report
     "COLLECTIVES", "MODEL_STATES", "RunShape", "comm_expressions", "expected_comm", "expected_comm_by_group",
@@ -51,15 +57,21 @@ class RunShape:
     @property
     def shard(self) -> int:
         """S: 1 at stage 0 (nothing is partitioned), else the shard group's size."""
-        if self.stage == 0:
+        if not partitions_optimizer(self.stage):
             return 1
         return self.world_size if self.shard_size is None else self.shard_size
+
+    @property
+    def kept_whole(self) -> int:
+        """P: the persistent parameters, kept whole on every rank where the rest are
+        partitioned (stage 3); elsewhere every parameter is whole and P is not a term."""
+        return self.persistent_params if partitions_parameters(self.stage) else 0
 
     def comm_shape(self) -> communication.CommShape:
         return communication.CommShape(
             self.num_params, self.stage, self.shard, self.world_size // self.shard,
             element_bytes(self.comm_dtype), element_bytes(self.dtype),
-            self.accumulation_steps, self.persistent_params if self.stage == 3 else 0,
+            self.accumulation_steps, self.kept_whole,
         )
 
 
@@ -79,11 +91,11 @@ def expected_memory(shape: RunShape) -> dict[str, int]:
                                         lamb=shape.optimizer_type == "OneBitLamb")
     return model_state_bytes(
         shape.num_params,
-        shape.shard if shape.stage > 0 else shape.world_size,
+        shape.shard if partitions_optimizer(shape.stage) else shape.world_size,
         shape.stage,
         shape.dtype,
         shape.optimizer_state_bytes,
-        shape.persistent_params if shape.stage == 3 else 0,
+        shape.kept_whole,
     )
 
 
@@ -109,12 +121,12 @@ def memory_expressions(shape: RunShape) -> dict[str, str]:
     if shape.onebit:
         return _onebit_memory_expressions(shape, p)
     params = f"{p}Ψ"
-    if shape.stage == 3:
+    if partitions_parameters(shape.stage):
         params = f"{p}(Ψ−P)/N + {p}P" if shape.persistent_params else f"{p}Ψ/N"
     return {
         "params": params,
-        "grads": f"{p}Ψ/N" if shape.stage >= 2 else f"{p}Ψ",
-        "optimizer_states": f"{k}Ψ/N" if shape.stage >= 1 else f"{k}Ψ",
+        "grads": f"{p}Ψ/N" if partitions_gradients(shape.stage) else f"{p}Ψ",
+        "optimizer_states": f"{k}Ψ/N" if partitions_optimizer(shape.stage) else f"{k}Ψ",
     }
 
 
@@ -123,7 +135,8 @@ def comm_expressions(shape: RunShape) -> dict[str, str]:
     A is the number of micro-batches per step."""
     if shape.onebit:
         framed = "(L/8 + 4N)(N−1)/N"
-        gather = framed if shape.stage == 0 else f"{framed} + {element_bytes(shape.dtype)}Ψ(N−1)/N"
+        parameters = f" + {element_bytes(shape.dtype)}Ψ(N−1)/N" if gathers_updated_parameters(shape.stage) else ""
+        gather = framed + parameters
         return {**dict.fromkeys(COLLECTIVES, ""), "all_to_all": framed, "all_gather": gather}
     return communication.comm_expressions(shape.comm_shape())
 
@@ -134,7 +147,7 @@ def _onebit_memory_expressions(shape: RunShape, p: int) -> dict[str, str]:
     and server error partitioned; stage 2's gradients add the whole local gradient."""
     master = 0 if p == 4 else 4
     variances = 8 if shape.optimizer_type == "OneBitLamb" else 4
-    if shape.stage == 0:
+    if not partitions_optimizer(shape.stage):
         return {"params": f"{p}Ψ", "grads": f"{p}Ψ", "optimizer_states": f"{master + variances + 8}Ψ + 4Ψ/N"}
-    grads = f"{p}Ψ + {p}Ψ/N" if shape.stage == 2 else f"{p}Ψ"
+    grads = f"{p}Ψ + {p}Ψ/N" if partitions_gradients(shape.stage) else f"{p}Ψ"
     return {"params": f"{p}Ψ", "grads": grads, "optimizer_states": f"8Ψ + {master + variances + 4}Ψ/N"}

@@ -20,6 +20,7 @@ MB = 1e6
 
 def step_record(
     step: int,
+    *,
     loss: float,
     lr: float,
     grad_norm: float | None,

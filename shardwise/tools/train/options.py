@@ -162,7 +162,7 @@ def auto_values(steps: int, lr: float | None) -> dict[str, Any]:
     }
 
 
-def apply_flags(config: dict[str, Any], stage: int | None, bf16: bool, seed: int,
+def apply_flags(config: dict[str, Any], stage: int | None, bf16: bool, seed: int, *,
                 lr: float | None = None, compile_blocks: bool = False,
                 optimizer: dict[str, Any] | None = None, recompute: str | None = None) -> dict[str, Any]:
     """Command-line flags win over the config file (`optimizer`: the block `--optimizer`

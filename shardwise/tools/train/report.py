@@ -16,6 +16,7 @@ from rich.console import Console
 from rich.table import Table
 
 from shardwise.formulas.memory import element_bytes
+from shardwise.formulas.stages import partitions_parameters
 from shardwise.tools.train.activation_report import activation_table, regather_note
 from shardwise.tools.train.expected import COLLECTIVES, MODEL_STATES, ring_share
 from shardwise.tools.train.metrics import read_metrics
@@ -112,7 +113,7 @@ def tied_weight_note(stage: int, extra_gathered: int, tied_params: int, world_si
     forward, but the GPT's embedding is also its output layer, so it is gathered again for
     its second use."""
     share = ring_share(tied_params, element_bytes(dtype), world_size)
-    if stage != 3 or extra_gathered <= 0 or share == 0 or extra_gathered % share:
+    if not partitions_parameters(stage) or extra_gathered <= 0 or share == 0 or extra_gathered % share:
         return None
     count = extra_gathered // share
     return (
@@ -187,10 +188,10 @@ def comparison_table(comparison: dict[str, Any]) -> Table:
 def print_comparison_report(run_dir: Path, console: Console) -> None:
     comparison = load_json(run_dir / COMPARISON_FILE)
     console.print(comparison_table(comparison))
-    stage3 = next(entry for entry in comparison["stages"] if entry["stage"] == 3)
+    stage3 = next(entry for entry in comparison["stages"] if partitions_parameters(entry["stage"]))
     comm = stage3["comm_per_step"]
     note = tied_weight_note(
-        3,
+        stage3["stage"],
         comm["measured"]["all_gather"] - comm["formula"]["all_gather"],
         comparison["tied_params"],
         comparison["world_size"],

@@ -41,8 +41,8 @@ def test_bytes_live_in_the_tier_the_formulas_say(stage, param, dtype):
     padded = result["numel"] + result["padding"]
     # K: Adam's moments (+ the fp32 master in 16-bit training); in fp32 the formula adds the
     # host's own master copy, which an offloaded optimizer needs beside the device weights
-    expected = placed_model_state_bytes(padded, world, stage, Offload("cpu", param), dtype,
-                                        optimizer_state_bytes_for("adam", dtype))
+    expected = placed_model_state_bytes(padded, world, stage, Offload("cpu", param), dtype=dtype,
+                                        optimizer_state_bytes_per_param=optimizer_state_bytes_for("adam", dtype))
     measured = result["memory_by_tier"]
     assert measured["device"]["params"] == expected["gpu"]["params"]
     assert measured["device"]["grads"] == expected["gpu"]["grads"]

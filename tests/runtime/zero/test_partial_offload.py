@@ -86,8 +86,8 @@ def test_bytes_per_tier_equal_the_formula(stage, ratio, dtype):
     padded = result["numel"] + result["padding"]
     offloaded = offloaded_partition_elements(result["unit_partitions"], ratio)
     assert 0 < offloaded < padded // world  # both tiers hold part of it
-    expected = placed_partial_offload_bytes(padded, world, stage, Offload("cpu"), offloaded, dtype,
-                                            optimizer_state_bytes_for("adam", dtype))
+    expected = placed_partial_offload_bytes(padded, world, stage, Offload("cpu"), offloaded, dtype=dtype,
+                                            optimizer_state_bytes_per_param=optimizer_state_bytes_for("adam", dtype))
     measured = result["memory_by_tier"]
     for tier, device in (("device", "gpu"), ("host", "cpu")):
         for category in ("params", "grads", "optimizer_states"):

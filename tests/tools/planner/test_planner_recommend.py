@@ -16,7 +16,8 @@ def test_small_model_gets_plain_data_parallelism() -> None:
     recommendation = result.recommendation
     assert recommendation is not None
     assert (recommendation.option.stage, recommendation.option.offload, recommendation.recompute) == (0, Offload(), "none")
-    activations = activation_bytes(12, 768, 12, 50257, 1024, 1, "bf16", "none")
+    activations = activation_bytes(12, 768, 12, 50257, seq_len=1024, micro_batch=1, dtype="bf16",
+                                   recompute="none")
     assert recommendation.gpu_bytes == 16 * shape.num_params + activations
     assert result.ruled_out == ()
 

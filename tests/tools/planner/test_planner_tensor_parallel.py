@@ -16,6 +16,7 @@ from shardwise.tools.planner.shapes import ModelShape
 from tests.tools.planner.test_planner_cli import run_estimate, table_rows
 
 S, B, H, A = 4096, 2, 4096, 32
+ONE_SEQUENCE = {"seq_len": S, "micro_batch": B, "dtype": "bf16"}
 
 
 def test_one_rank_is_the_single_gpu_formula():
@@ -38,9 +39,9 @@ def test_plain_tp_keeps_the_ten_sbh_outside_the_region_whole():
 
 def test_ulysses_divides_everything_but_the_logits_by_s():
     parallel = ModelParallel(sequence=4)
-    layers = parallel_activation_bytes(32, H, A, None, S, B, "bf16", "none", parallel)
+    layers = parallel_activation_bytes(32, H, A, None, **ONE_SEQUENCE, recompute="none", parallel=parallel)
     assert layers * 4 == 32 * layer_activation_bytes(S, B, H, A, "bf16")
-    with_logits = parallel_activation_bytes(32, H, A, 32000, S, B, "bf16", "none", parallel)
+    with_logits = parallel_activation_bytes(32, H, A, 32000, **ONE_SEQUENCE, recompute="none", parallel=parallel)
     assert with_logits - layers == 4 * S * B * 32000  # the sequence is whole again before the output layer
 
 
@@ -52,8 +53,9 @@ def test_ulysses_with_tensor_parallelism_divides_the_layers_by_both():
 
 def test_vocabulary_parallel_logits_fall_by_t():
     parallel = ModelParallel(tensor=2, megatron_sp=True)
-    layers = parallel_activation_bytes(32, H, A, None, S, B, "bf16", "full", parallel)
-    assert parallel_activation_bytes(32, H, A, 32000, S, B, "bf16", "full", parallel) - layers == 4 * S * B * 32000 // 2
+    layers = parallel_activation_bytes(32, H, A, None, **ONE_SEQUENCE, recompute="full", parallel=parallel)
+    with_logits = parallel_activation_bytes(32, H, A, 32000, **ONE_SEQUENCE, recompute="full", parallel=parallel)
+    assert with_logits - layers == 4 * S * B * 32000 // 2
 
 
 def test_model_states_are_zero_over_gpus_per_t_of_the_tensor_shard():
