@@ -57,6 +57,10 @@ from shardwise.runtime.optim.sharded import ShardAwareOptimizer
 
 PER_PARAMETER_SCALARS = ("lamb_coeff_freeze", "last_factor")  # 1-bit LAMB's, one value per parameter
 COMM_BACKENDS = ("nccl", "gloo", "mpi", "hccl", "compressed")
+ZERO_STAGES = (0, 1, 2)  # stage 3: see above
+# `shardwise train --optimizer onebitadam / onebitlamb` warms up for this share of the
+# steps (the papers: 15-25%).
+MAIN_JOB_WARM_UP = 0.2
 
 
 class MomentumPartitions(Protocol):
@@ -80,6 +84,11 @@ class MomentumPartitions(Protocol):
 
     def local_norm_squared(self) -> torch.Tensor:
         """This rank's share of the clipping norm²."""
+
+
+def main_job_params(adamw: dict[str, Any], steps: int) -> dict[str, Any]:
+    """AdamW's settings with the warm-up a short run needs (`MAIN_JOB_WARM_UP`)."""
+    return {**adamw, "freeze_step": max(1, round(steps * MAIN_JOB_WARM_UP))}
 
 
 class OneBitOptimizer(ShardAwareOptimizer):

@@ -31,16 +31,15 @@ from typing import Iterator
 from shardwise.tools.planner.explain import explain_with_suggestion
 from shardwise.formulas.memory import (
     NO_OFFLOAD,
-    ONEBIT_OPTIMIZERS,
     RECOMPUTE_MODES,
     Device,
     Offload,
     RecomputeMode,
-    optimizer_state_bytes_for,
     placed_model_state_bytes,
 )
 from shardwise.formulas.layers import stage3_gather_bytes
 from shardwise.formulas.parallel_activation import NO_MODEL_PARALLEL, ModelParallel, parallel_activation_bytes
+from shardwise.tools.planner.optimizers import planned_optimizer, planned_state_bytes
 from shardwise.tools.planner.results import DEFAULT_HEADROOM, Estimate, Hardware, OptionEstimate, Recommendation
 from shardwise.tools.planner.shapes import ModelShape
 
@@ -99,7 +98,8 @@ def estimate(
     if micro_batch <= 0 or seq_len <= 0:
         raise ValueError(f"micro_batch and seq_len must be positive, got {micro_batch} and {seq_len}")
     check_parallel(shape, hardware, parallel, seq_len)
-    k = optimizer_state_bytes_for(optimizer, dtype)
+    spec = planned_optimizer(optimizer)
+    k = planned_state_bytes(optimizer, dtype)
     activations = _activations(shape, micro_batch, seq_len, dtype, parallel)
     modes = RECOMPUTE_MODES if activations is not None else ("none",)
     local = ceil(shape.params_per_tensor_rank(parallel.tensor) / parallel.pipeline)
@@ -108,13 +108,12 @@ def estimate(
         trained_local = max(1, ceil(shape.trainable_params / (parallel.tensor * parallel.pipeline)))
         local, frozen_local = trained_local, max(0, local - trained_local)
     zero_ranks = hardware.num_gpus // (parallel.tensor * parallel.pipeline)
-    onebit = optimizer in ONEBIT_OPTIMIZERS  # stages 0-2, no offload (optim/onebit.py)
     options = tuple(
         _evaluate_option(stage, offload, shape, hardware, dtype, k, activations, modes, local, zero_ranks, parallel,
                          optimizer, frozen_local)
         for stage, offload in OPTIONS
         if (stage < 3 or parallel.pipeline == 1)  # the engine refuses ZeRO-3 with pipeline parallelism
-        and not (onebit and (stage == 3 or offload != NO_OFFLOAD))
+        and stage in spec.zero_stages and (spec.offload or offload == NO_OFFLOAD)  # 1-bit: stages 0-2, on the device
     )
     partial = Estimate(shape, hardware, micro_batch, seq_len, dtype, optimizer, k, activations, options, None,
                        parallel=parallel, params_per_rank=local, frozen_per_rank=frozen_local)
@@ -197,8 +196,8 @@ def _evaluate_option(
     optimizer: str = "adam",
     frozen_params: int = 0,
 ) -> OptionEstimate:
-    per_rank = placed_model_state_bytes(local_params, zero_ranks, stage, offload, dtype, k, optimizer=optimizer,
-                                        frozen_params=frozen_params)
+    per_rank = placed_model_state_bytes(local_params, zero_ranks, stage, offload, dtype, k,
+                                        own_terms=planned_optimizer(optimizer).state_terms, frozen_params=frozen_params)
     largest = shape.largest_layer_params
     gather = stage3_gather_bytes(ceil(largest / parallel.tensor), dtype) if stage == 3 and largest else 0
     cpu = hardware.ranks_per_node * sum(per_rank["cpu"].values())

@@ -19,7 +19,8 @@ from typing import Any, Literal
 from pydantic import Field, field_validator, model_validator
 
 from shardwise.frontends.deepspeed.config.fields import Bool, Float, Int, Section
-from shardwise.runtime.optim.registry import constructor_kwargs, torch_class_name
+from shardwise.runtime.optim.registry import optimizer_spec
+from shardwise.runtime.optim.torch_optimizers import constructor_kwargs, torch_class_name
 
 # fp16's largest finite value is 65504, just under 2**16.
 FP16_MAX_EXPONENT = 16
@@ -144,11 +145,17 @@ class ZeroConfig(Section):
 
 
 class OptimizerConfig(Section):
-    """An optimizer built from the config; `params` holds every accepted key, defaults filled in."""
+    """An optimizer built from the config: `type` a registered optimizer's name
+    (shardwise/runtime/optim/registry.py); `params` holds every key it accepts, defaults filled in."""
 
-    type: Literal["Adam", "AdamW", "SGD", "Lamb", "Lars", "Adafactor", "Adam8bit", "AdamW8bit", "Muon",
-                  "OneBitAdam", "OneBitLamb"]
+    type: str
     params: dict[str, Any] = Field(default_factory=dict)
+
+    @field_validator("type")
+    @classmethod
+    def _registered(cls, type_name: str) -> str:
+        optimizer_spec(type_name)  # raises, naming the registered optimizers
+        return type_name
 
     @property
     def torch_class_name(self) -> str:
