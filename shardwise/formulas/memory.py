@@ -13,8 +13,8 @@ engine pads the flat buffer so every rank holds the same length.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from math import ceil, prod
-from typing import Literal
+from math import ceil
+from typing import Callable, Literal
 
 from shardwise.formulas.stages import (
     check_stage,
@@ -39,33 +39,13 @@ MASTER_WEIGHT_BYTES = 4
 # Offloaded gradients are kept in fp32 on the host: the CPU optimizer steps in fp32, so
 # the 16-bit gradient partition is upcast once on arrival instead of at every use.
 HOST_GRADIENT_BYTES = 4
-# 8-bit Adam (bitsandbytes' format): a 1-byte code per element for each of its two moments,
-# and an fp32 absmax per block of QUANTIZATION_BLOCK elements for each.
-QUANTIZATION_BLOCK = 256
-ADAM_8BIT_STATE_BYTES = 2 + 2 * 4 / QUANTIZATION_BLOCK
-# Adafactor's K depends on the shapes: 4 (rows + columns) bytes per matrix. With only Ψ
-# known, the table assumes square matrices of this side (transformer weights are larger,
-# so the real K is smaller still).
-ADAFACTOR_REFERENCE_SIDE = 1024
-
-
-def adafactor_fp32_states(rows: int, columns: int) -> float:
-    """Adafactor's fp32 values per element of a rows x columns matrix: one per row and one
-    per column (a tensor of fewer than 2 dimensions keeps one per element: 1)."""
-    return (rows + columns) / (rows * columns)
-
-
-# fp32 tensors of state each optimizer keeps per parameter (Adam: momentum and variance), or
-# their equivalent in bytes / 4 where the state is not fp32 per element. Lars: its momentum
-# buffer (SGD's, when momentum is on); Muon: the momentum of its matrices (the vectors it
-# trains with AdamW hold 2, a negligible share of a transformer).
-OPTIMIZER_FP32_STATES = {
-    "adam": 2, "adamw": 2, "lamb": 2, "sgd": 1, "lars": 1, "muon": 1,
-    "adafactor": adafactor_fp32_states(ADAFACTOR_REFERENCE_SIDE, ADAFACTOR_REFERENCE_SIDE),
-    "adam8bit": ADAM_8BIT_STATE_BYTES / 4, "adamw8bit": ADAM_8BIT_STATE_BYTES / 4,
-    # after the warm-up, + the worker's error-feedback buffer; the server's (1/N) is in onebit_state_bytes
-    "onebitadam": 3, "onebitlamb": 4,
-}
+# Adam's fp32 state per parameter (momentum and variance): the ZeRO paper's K = 12 with the
+# master copy, and the K the formulas assume when none is given. Every optimizer's own count
+# is in its registry entry (shardwise/runtime/optim/registry.py), passed here as a number.
+ADAM_FP32_STATES = 2
+# The model-state summands of an optimizer whose states do not all partition like ZeRO's
+# (1-bit Adam / LAMB: `onebit_state_terms`), given the stage and the dtype.
+OwnStateTerms = Callable[[int, str], "list[StateTerm]"]
 
 
 def element_bytes(dtype: str) -> int:
@@ -75,42 +55,15 @@ def element_bytes(dtype: str) -> int:
     return ELEMENT_BYTES[dtype]
 
 
-def optimizer_state_bytes_for(optimizer: str = "adam", dtype: str = "bf16") -> float:
-    """K: with 16-bit training the optimizer owns an fp32 master copy (4 bytes) on top of its
-    own states; with fp32 training it updates the fp32 weights in place, so K is the states
-    alone (Adam: 12 mixed, 8 fp32; 8-bit Adam 6.03125 / 2.03125, a fraction of a byte for
-    its scales)."""
-    if optimizer not in OPTIMIZER_FP32_STATES:
-        raise ValueError(f"optimizer must be one of {sorted(OPTIMIZER_FP32_STATES)}, got {optimizer!r}")
+def optimizer_state_bytes(fp32_states: float, dtype: str = "bf16") -> float:
+    """K for an optimizer keeping `fp32_states` fp32 tensors of state per parameter (or their
+    byte equivalent / 4): with 16-bit training the optimizer owns an fp32 master copy (4
+    bytes) on top of its own states; with fp32 training it updates the fp32 weights in
+    place, so K is the states alone (Adam, 2 states: 12 mixed, 8 fp32)."""
+    if fp32_states < 0:
+        raise ValueError(f"fp32_states must be >= 0, got {fp32_states}")
     master = 0 if element_bytes(dtype) == MASTER_WEIGHT_BYTES else MASTER_WEIGHT_BYTES
-    return 4 * OPTIMIZER_FP32_STATES[optimizer] + master
-
-
-def adafactor_state_bytes(shape: tuple[int, ...]) -> int:
-    """Adafactor's state for one parameter: 4 (rows + columns) bytes for a tensor of 2 or
-    more dimensions (factored over its last two: rows = all but the last dimension,
-    columns = the last times the leading ones), 4 per element otherwise."""
-    numel = prod(shape)
-    if len(shape) < 2:
-        return 4 * numel
-    return 4 * (numel // shape[-1] + numel // shape[-2])
-
-
-def adam_8bit_state_bytes(start: int, stop: int, numel: int, min_8bit_size: int = 4096) -> int:
-    """8-bit Adam's state for elements [start, stop) of a parameter of `numel` elements: 2
-    codes per element and 2 fp32 scales per block touched (a block cut by a ZeRO piece
-    boundary is held, with its scales, by each rank it spans); fp32 moments (8 bytes per
-    element) below `min_8bit_size` elements."""
-    if numel < min_8bit_size:
-        return 8 * (stop - start)
-    blocks = (stop - 1) // QUANTIZATION_BLOCK - start // QUANTIZATION_BLOCK + 1 if stop > start else 0
-    return 2 * (stop - start) + 8 * blocks
-
-
-def muon_state_bytes(shape: tuple[int, ...]) -> int:
-    """Muon's state for one parameter: a momentum buffer for a matrix (4 bytes per element),
-    AdamW's two moments otherwise (8)."""
-    return (4 if len(shape) == 2 else 8) * prod(shape)
+    return 4 * fp32_states + master
 
 
 def onebit_state_bytes(numel: int, ranks: int, lamb: bool = False) -> int:
@@ -135,16 +88,12 @@ def onebit_partitioned_state_bytes(owned: int, partition: int, ranks: int, lamb:
     return 4 * ((2 if lamb else 1) * owned + 2 * ranks * partition + partition)
 
 
-ONEBIT_OPTIMIZERS = ("onebitadam", "onebitlamb")
-
-
 def _check_onebit_stage(stage: int) -> None:
     """1-bit Adam / LAMB keep the whole momentum, the worker's error and the whole local
     gradient on every rank, more than partitioning the parameters would save: stages 0-2
     (runtime/optim/onebit.py: why not 3)."""
     if partitions_parameters(stage):
         raise ValueError(f"1-bit Adam / LAMB run at ZeRO stages 0-2, not {stage}")
-
 
 def onebit_state_terms(stage: int, dtype: str, lamb: bool = False) -> list[StateTerm]:
     """`onebit_model_state_bytes` as summands (padding aside), for the estimator: stage 0
@@ -242,7 +191,7 @@ def validate_placement(stage: int, offload: Offload) -> None:
 
 
 def model_state_terms(stage: int, offload: Offload, dtype: str, optimizer_state_bytes: int,
-                      optimizer: str = "adam") -> list[StateTerm]:
+                      own_terms: OwnStateTerms | None = None) -> list[StateTerm]:
     """The per-rank model-state formula as summands, each placed on a device.
 
     Without offload these are exactly the rows of docs/formulas.md#model-states-per-rank. With the optimizer offloaded
@@ -254,11 +203,14 @@ def model_state_terms(stage: int, offload: Offload, dtype: str, optimizer_state_
     stays in host memory, where the optimizer consumes it sub-group by sub-group. fp32
     training has no master copy on the GPU, but an offloaded optimizer needs its own fp32
     copy of the weight partition to update, so one is added beside it.
+
+    `own_terms`: an optimizer's own summands (1-bit Adam / LAMB), which keep every state on
+    the device.
     """
-    if optimizer in ONEBIT_OPTIMIZERS:
+    if own_terms is not None:
         if offload != NO_OFFLOAD:
-            raise ValueError(f"{optimizer} keeps its state on the device: no offload")
-        return onebit_state_terms(stage, dtype, lamb=optimizer == "onebitlamb")
+            raise ValueError("this optimizer keeps its state on the device: no offload")
+        return own_terms(stage, dtype)
     validate_placement(stage, offload)
     p = element_bytes(dtype)
     gpu: Device = "gpu"
@@ -292,7 +244,7 @@ def placed_model_state_bytes(
     dtype: str = "bf16",
     optimizer_state_bytes_per_param: int | None = None,
     persistent_params: int = 0,
-    optimizer: str = "adam",
+    own_terms: OwnStateTerms | None = None,
     frozen_params: int = 0,
 ) -> dict[Device, dict[Category, int]]:
     """Model-state bytes one rank holds, per device and category. `num_params` are the
@@ -301,12 +253,12 @@ def placed_model_state_bytes(
 
     Stage-3 persistent parameters (small ones the engine never partitions, so it need not
     gather them) are held in full by every rank, on the GPU even when the rest is offloaded.
-    `optimizer`: the 1-bit optimizers have terms of their own (`onebit_state_terms`).
+    `own_terms`: an optimizer's own summands (`model_state_terms`).
     """
     _check_counts(num_params, world_size, persistent_params)
     k = _resolve_k(dtype, optimizer_state_bytes_per_param)
     placed: dict[Device, dict[Category, int]] = {d: dict.fromkeys(CATEGORIES, 0) for d in ("gpu", "cpu", "nvme")}
-    for term in model_state_terms(stage, offload, dtype, k, optimizer):
+    for term in model_state_terms(stage, offload, dtype, k, own_terms):
         if term.category == "params" and term.sharded:
             placed[term.device]["params"] += term.bytes_per_param * partition_elements(num_params - persistent_params, world_size)
             placed["gpu"]["params"] += term.bytes_per_param * persistent_params
@@ -394,7 +346,7 @@ def model_state_bytes(
 def _resolve_k(dtype: str, explicit: int | None) -> int:
     """K as given, or Adam's K for the dtype."""
     if explicit is None:
-        return optimizer_state_bytes_for("adam", dtype)
+        return optimizer_state_bytes(ADAM_FP32_STATES, dtype)
     if explicit < 0:
         raise ValueError(f"optimizer_state_bytes_per_param must be >= 0, got {explicit}")
     return explicit

@@ -3,7 +3,7 @@
 import pytest
 
 from shardwise.tools.planner import Offload, activation_bytes, model_state_bytes, placed_model_state_bytes
-from shardwise.formulas.memory import optimizer_state_bytes_for
+from shardwise.formulas.memory import ADAM_FP32_STATES, optimizer_state_bytes
 from shardwise.formulas.layers import stage3_gather_bytes
 
 PSI = 7_500_000_000
@@ -42,11 +42,12 @@ def test_fp32_table(stage: int, expected_bytes: int) -> None:
 
 
 def test_optimizer_state_bytes_per_param() -> None:
-    assert optimizer_state_bytes_for("adam", "bf16") == 12
-    assert optimizer_state_bytes_for("adam", "fp16") == 12
-    assert optimizer_state_bytes_for("adam", "fp32") == 8
-    assert optimizer_state_bytes_for("sgd", "bf16") == 8
-    assert optimizer_state_bytes_for("sgd", "fp32") == 4
+    """K from an optimizer's fp32 state count (its registry entry's): Adam's two, SGD's momentum."""
+    assert optimizer_state_bytes(ADAM_FP32_STATES, "bf16") == 12
+    assert optimizer_state_bytes(ADAM_FP32_STATES, "fp16") == 12
+    assert optimizer_state_bytes(ADAM_FP32_STATES, "fp32") == 8
+    assert optimizer_state_bytes(1, "bf16") == 8
+    assert optimizer_state_bytes(1, "fp32") == 4
     assert model_state_bytes(PSI, N, 1, optimizer_state_bytes_per_param=8)["optimizer_states"] == 8 * PARTITION
 
 

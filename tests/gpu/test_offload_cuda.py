@@ -13,7 +13,7 @@ import os
 
 import pytest
 
-from shardwise.formulas.memory import Offload, optimizer_state_bytes_for, placed_model_state_bytes
+from shardwise.formulas.memory import ADAM_FP32_STATES, Offload, optimizer_state_bytes, placed_model_state_bytes
 from tests.gpu.ranks import train_cases
 from tests.gpu.target import DEVICE, LR, TOLERANCE, WORLD, cuda_only, needs_target, run_ranks
 from tests.runtime.zero.test_host_offload import case_for
@@ -81,7 +81,7 @@ def test_bytes_live_in_the_tier_the_formulas_say(name, offload_runs):
         padded = run["numel"] + run["padding"]
         expected = placed_model_state_bytes(
             padded, WORLD, case.stage, offload, dtype=case.dtype,
-            optimizer_state_bytes_per_param=optimizer_state_bytes_for("adam", case.dtype),
+            optimizer_state_bytes_per_param=optimizer_state_bytes(ADAM_FP32_STATES, case.dtype),
         )
         for tier, device in (("device", "gpu"), ("host", "cpu")):
             for category in ("params", "grads", "optimizer_states"):

@@ -1,9 +1,25 @@
 """Optimizers by config name (registry.py), how their state is checkpointed (codec.py),
 shardwise's own optimizers (shard-aware: they also run on ZeRO's pieces of parameters), and
-DeepSpeed's learning-rate schedules. Names are imported on first use, so the registry can
-be read (for K, the state bytes per parameter) without importing torch."""
+DeepSpeed's learning-rate schedules.
 
-from typing import Any
+The built-in optimizers are imported here, so that each registers itself, in the order
+the config reference lists them; their classes are re-exported. An optimizer added to
+this folder is added to this list, and nowhere else (docs/optimizers.md#adding-an-optimizer).
+"""
+
+from shardwise.runtime.optim import torch_optimizers  # noqa: F401  (Adam, AdamW, SGD)
+from shardwise.runtime.optim.lamb import Lamb
+from shardwise.runtime.optim.lars import Lars
+from shardwise.runtime.optim.adafactor import Adafactor
+from shardwise.runtime.optim.adam8bit import Adam8bit, AdamW8bit
+from shardwise.runtime.optim.muon import Muon
+from shardwise.runtime.optim.onebit_adam import OneBitAdam
+from shardwise.runtime.optim.onebit_lamb import OneBitLamb
+
+from shardwise.runtime.optim.codec import ElementwiseCodec, StateCodec
+from shardwise.runtime.optim.registry import (OptimizerSpec, optimizer_spec, optimizer_specs, register_optimizer,
+                                              registered_optimizers)
+from shardwise.runtime.optim.schedulers import WarmupCosineLR, WarmupDecayLR, WarmupLR
 
 __all__ = [
     "Adafactor",
@@ -21,34 +37,7 @@ __all__ = [
     "WarmupDecayLR",
     "WarmupLR",
     "optimizer_spec",
+    "optimizer_specs",
     "register_optimizer",
     "registered_optimizers",
 ]
-
-_LAZY = {
-    "Adafactor": "shardwise.runtime.optim.adafactor",
-    "Adam8bit": "shardwise.runtime.optim.adam8bit",
-    "AdamW8bit": "shardwise.runtime.optim.adam8bit",
-    "Lamb": "shardwise.runtime.optim.lamb",
-    "Lars": "shardwise.runtime.optim.lars",
-    "Muon": "shardwise.runtime.optim.muon",
-    "OneBitAdam": "shardwise.runtime.optim.onebit_adam",
-    "OneBitLamb": "shardwise.runtime.optim.onebit_lamb",
-    "ElementwiseCodec": "shardwise.runtime.optim.codec",
-    "StateCodec": "shardwise.runtime.optim.codec",
-    "OptimizerSpec": "shardwise.runtime.optim.registry",
-    "optimizer_spec": "shardwise.runtime.optim.registry",
-    "register_optimizer": "shardwise.runtime.optim.registry",
-    "registered_optimizers": "shardwise.runtime.optim.registry",
-    "WarmupCosineLR": "shardwise.runtime.optim.schedulers",
-    "WarmupDecayLR": "shardwise.runtime.optim.schedulers",
-    "WarmupLR": "shardwise.runtime.optim.schedulers",
-}
-
-
-def __getattr__(name: str) -> Any:
-    if name in _LAZY:
-        import importlib
-
-        return getattr(importlib.import_module(_LAZY[name]), name)
-    raise AttributeError(f"module 'shardwise.runtime.optim' has no attribute {name!r}")

@@ -26,16 +26,24 @@ arithmetic operation for operation.
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
+from math import prod
 from typing import Any, Iterable
 
 import torch
 
 from shardwise.runtime.optim.adafactor_layout import Factoring
 from shardwise.runtime.optim.layout import PaddedRows, flat, parameter_shapes, params_with_grad
+from shardwise.runtime.optim.params import param
+from shardwise.runtime.optim.registry import OptimizerSpec, register_optimizer
 from shardwise.runtime.optim.sharded import ParameterShard, ShardAwareOptimizer
 
 FACTORED_KEYS = ("row_var", "col_var")
 LOADED = "loaded_"  # prefix of per-element statistics a checkpoint load left for the next step
+# K depends on the shapes: 4 (rows + columns) bytes per matrix. With only Ψ known, the
+# registry's K assumes square matrices of this side (transformer weights are larger, so the
+# real K is smaller still).
+REFERENCE_SIDE = 1024
 
 
 class AdafactorCodec:
@@ -241,3 +249,49 @@ def _square(values: torch.Tensor) -> torch.Tensor:
     so one piece that is the whole parameter gives back exactly torch's `tensor.norm()`.
     Stays on the device: the sums it enters are read once, in `_read_norms`."""
     return torch.linalg.vector_norm(values).double().square()
+
+
+def adafactor_fp32_states(rows: int, columns: int) -> float:
+    """Adafactor's fp32 values per element of a rows x columns matrix: one per row and one
+    per column."""
+    return (rows + columns) / (rows * columns)
+
+
+def adafactor_state_bytes(shape: tuple[int, ...]) -> int:
+    """Adafactor's state for one parameter: 4 (rows + columns) bytes for a tensor of 2 or
+    more dimensions (factored over its last two: rows = all but the last dimension,
+    columns = the last times the leading ones), 4 per element otherwise."""
+    numel = prod(shape)
+    if len(shape) < 2:
+        return 4 * numel
+    return 4 * (numel // shape[-1] + numel // shape[-2])
+
+
+def _check_eps(eps: tuple[float | None, float]) -> tuple[float | None, float]:
+    if (eps[0] is not None and eps[0] < 0) or eps[1] < 0:
+        raise ValueError(f"eps {list(eps)}: epsilon1 must be null or >= 0, epsilon2 >= 0")
+    return eps
+
+
+@dataclass(frozen=True)
+class AdafactorParams:
+    """Adafactor with torch.optim.Adafactor's parameters and defaults."""
+
+    lr: float = param(1e-2, ge=0)
+    beta2_decay: float = param(-0.8, le=0)
+    eps: tuple[float | None, float] = param(
+        (None, 1e-3), check=_check_eps, description="(epsilon1: floor of the second-moment estimate, null for "
+        "the dtype's machine epsilon; epsilon2: floor of a parameter's RMS in the step size)")
+    d: float = param(1.0, ge=1)
+    weight_decay: float = param(0.0, ge=0)
+    maximize: bool = False
+
+
+# torch's Adafactor steps by lr x RMS(w) and decays by lr x weight_decay per step: the main
+# job's AdamW settings do not carry over.
+register_optimizer(OptimizerSpec(
+    "Adafactor", AdafactorParams, lambda groups, params: Adafactor(groups, **params),
+    fp32_states=lambda params: adafactor_fp32_states(REFERENCE_SIDE, REFERENCE_SIDE),
+    codec=AdafactorCodec(), per_parameter=True,
+    main_job_params=lambda adamw, steps: {"lr": 3e-2, "weight_decay": 0.01},
+))

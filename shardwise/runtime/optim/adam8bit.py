@@ -24,16 +24,23 @@ reshard like Adam's; a loaded piece keeps fp32 moments until its next step quant
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 from typing import Any, Iterable, NamedTuple
 
 import torch
 
 from shardwise.runtime.optim.layout import PaddedRows, flat, parameter_shapes, params_with_grad
+from shardwise.runtime.optim.params import check_betas, param
 from shardwise.runtime.optim.quantization import BLOCK, Codebook, block_absmax, codebook, dequantize_piece, quantize
+from shardwise.runtime.optim.registry import OptimizerSpec, register_optimizer
 from shardwise.runtime.optim.sharded import ShardAwareOptimizer
 from shardwise.runtime.optim.shared_blocks import SharedBlocks, partial_blocks
 
 MOMENTS = (("exp_avg", True), ("exp_avg_sq", False))  # state key, signed code
+# A 1-byte code per element for each of the two moments, and an fp32 absmax per block of
+# BLOCK elements for each: K's states (parameters under `min_8bit_size` keep fp32 moments,
+# 8 bytes; the engine counts them exactly, `adam_8bit_state_bytes`).
+STATE_BYTES = 2 + 2 * 4 / BLOCK
 
 
 class Adam8bitCodec:
@@ -232,3 +239,43 @@ def _adam_step(param: torch.Tensor, grad: torch.Tensor, exp_avg: torch.Tensor, e
         param.addcdiv_(exp_avg, (exp_avg_sq.sqrt() / correction2).add_(eps), value=-lr / correction1)
     else:
         param.add_(exp_avg / (exp_avg_sq.sqrt() + eps * correction2), alpha=-lr * correction2 / correction1)
+
+
+def adam_8bit_state_bytes(start: int, stop: int, numel: int, min_8bit_size: int = 4096) -> int:
+    """8-bit Adam's state for elements [start, stop) of a parameter of `numel` elements: 2
+    codes per element and 2 fp32 scales per block touched (a block cut by a ZeRO piece
+    boundary is held, with its scales, by each rank it spans); fp32 moments (8 bytes per
+    element) below `min_8bit_size` elements."""
+    if numel < min_8bit_size:
+        return 8 * (stop - start)
+    blocks = (stop - 1) // BLOCK - start // BLOCK + 1 if stop > start else 0
+    return 2 * (stop - start) + 8 * blocks
+
+
+@dataclass(frozen=True)
+class Adam8bitParams:
+    """8-bit Adam with bitsandbytes' `Adam8bit` defaults; weight decay is decoupled, as
+    bitsandbytes applies it."""
+
+    lr: float = param(1e-3, ge=0)
+    betas: tuple[float, float] = param((0.9, 0.999), check=check_betas)
+    eps: float = param(1e-8, ge=0)
+    weight_decay: float = param(0.0, ge=0)
+    min_8bit_size: int = param(4096, ge=0, description="parameters with fewer elements keep fp32 moments")
+
+
+@dataclass(frozen=True)
+class AdamW8bitParams(Adam8bitParams):
+    """bitsandbytes' `AdamW8bit`: `Adam8bit` with weight decay 1e-2 by default."""
+
+    weight_decay: float = param(1e-2, ge=0)
+
+
+register_optimizer(OptimizerSpec(
+    "Adam8bit", Adam8bitParams, lambda groups, params: Adam8bit(groups, **params),
+    fp32_states=lambda params: STATE_BYTES / 4, codec=Adam8bitCodec(), per_parameter=True,
+))
+register_optimizer(OptimizerSpec(
+    "AdamW8bit", AdamW8bitParams, lambda groups, params: AdamW8bit(groups, **params),
+    fp32_states=lambda params: STATE_BYTES / 4, codec=Adam8bitCodec(), per_parameter=True,
+))

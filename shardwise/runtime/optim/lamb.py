@@ -22,12 +22,19 @@ element against 8-12x eager (BENCHMARKS.md), the norms being the reduction in be
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 from typing import Iterable
 
 import torch
 
 from shardwise.runtime.optim.compiled import kernel
+from shardwise.runtime.optim.params import check_betas, param
+from shardwise.runtime.optim.registry import OptimizerSpec, register_optimizer
 from shardwise.runtime.optim.sharded import ShardAwareOptimizer, piece_squares
+
+# `shardwise train --optimizer lamb`'s rate: LAMB's step is lr x ||w|| per layer rather
+# than lr per element, so AdamW's rate would barely move the weights.
+MAIN_JOB_LR = 2e-2
 
 
 class Lamb(ShardAwareOptimizer):
@@ -165,3 +172,41 @@ def _step_size(group: dict, step: torch.Tensor) -> float:
     beta1, beta2 = group["betas"]
     t = step.item()
     return group["lr"] * math.sqrt(1 - beta2**t) / (1 - beta1**t)
+
+
+def _no_amsgrad(enabled: bool) -> bool:
+    if enabled:
+        raise ValueError("amsgrad true is not supported by LAMB (DeepSpeed's FusedLamb refuses it too)")
+    return enabled
+
+
+@dataclass(frozen=True)
+class LambParams:
+    """LAMB with DeepSpeed's FusedLamb parameters and defaults."""
+
+    lr: float = param(1e-3, ge=0)
+    betas: tuple[float, float] = param((0.9, 0.999), check=check_betas)
+    eps: float = param(1e-8, gt=0)
+    weight_decay: float = param(0.0, ge=0)
+    bias_correction: bool = True
+    eps_inside_sqrt: bool = False
+    max_coeff: float = param(10.0, ge=0)
+    min_coeff: float = param(0.01, ge=0)
+    amsgrad: bool = param(False, check=_no_amsgrad)
+    compile: bool = param(False, description="torch.compile the step's per-tensor loops (optim/compiled.py)")
+
+    def __post_init__(self) -> None:
+        if self.min_coeff > self.max_coeff:
+            raise ValueError(f"min_coeff {self.min_coeff} is above max_coeff {self.max_coeff}")
+
+
+def _build(groups: list[dict], params: dict) -> Lamb:
+    """`amsgrad` is a DeepSpeed key accepted only as false, not an argument of `Lamb`."""
+    return Lamb(groups, **{key: value for key, value in params.items() if key != "amsgrad"})
+
+
+# K: Adam's two moments.
+register_optimizer(OptimizerSpec(
+    "Lamb", LambParams, _build, fp32_states=lambda params: 2, per_parameter=True,
+    main_job_params=lambda adamw, steps: {**adamw, "lr": MAIN_JOB_LR},
+))

@@ -27,12 +27,15 @@ momentum and weight update in one pass), once the momentum buffers exist.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Iterable
 
 import torch
 
 from shardwise.runtime.optim.compiled import kernel
 from shardwise.runtime.optim.layout import params_with_grad
+from shardwise.runtime.optim.params import check_nesterov, param
+from shardwise.runtime.optim.registry import OptimizerSpec, register_optimizer
 from shardwise.runtime.optim.sharded import ShardAwareOptimizer
 
 
@@ -143,3 +146,31 @@ def _plain_step(param: torch.Tensor, grad: torch.Tensor, buffer: torch.Tensor, r
                 lr: torch.Tensor, weight_decay: float, momentum: float, dampening: float, nesterov: bool) -> None:
     """`Lars.step`'s arithmetic for one tensor without momentum (compiled)."""
     param.sub_((grad + weight_decay * param) * ratio * lr)
+
+
+@dataclass(frozen=True)
+class LarsParams:
+    """LARS with timm's `Lars` defaults."""
+
+    lr: float = param(1.0, ge=0)
+    momentum: float = param(0.0, ge=0)
+    dampening: float = 0.0
+    weight_decay: float = param(0.0, ge=0)
+    nesterov: bool = False
+    trust_coefficient: float = param(0.001, ge=0)
+    eps: float = param(1e-8, ge=0)
+    exclude_vectors: bool = param(
+        True, description="parameters with fewer than 2 dimensions (biases, norms) take trust ratio 1")
+    compile: bool = param(False, description="torch.compile the step's per-tensor loops (optim/compiled.py)")
+
+    def __post_init__(self) -> None:
+        check_nesterov(self.nesterov, self.momentum, self.dampening)
+
+
+# K: SGD's momentum buffer, when momentum is on.
+register_optimizer(OptimizerSpec(
+    "Lars", LarsParams, lambda groups, params: Lars(groups, **params),
+    fp32_states=lambda params: int(params.get("momentum", 0) > 0), per_parameter=True,
+    main_job_params=lambda adamw, steps: {"lr": 0.1, "momentum": 0.9, "weight_decay": 1e-4,
+                                          "trust_coefficient": 0.02},
+))

@@ -1,10 +1,11 @@
 """What a shard-aware optimizer must know beyond the pieces it holds.
 
 A collective is only correct when every rank of the shard group calls it with a tensor of
-the same length. Adafactor's row and column statistics, 8-bit Adam's shared quantisation
-blocks and Muon's whole matrices are laid out per parameter, so every rank needs the shape
-of every parameter, including those of which it holds nothing (ZeRO hands a rank only its
-own pieces). `parameter_shapes` learns them once, with one small sum over the shard group.
+the same length. Row and column statistics, quantisation blocks shared across pieces and
+whole matrices assembled from pieces are laid out per parameter, so every rank needs the
+shape of every parameter, including those of which it holds nothing (ZeRO hands a rank
+only its own pieces). `parameter_shapes` learns them once, with one small sum over the
+shard group.
 
 The rest is piece geometry: a piece is elements [start, stop) of a flattened parameter,
 and row-wise statistics (a matrix's rows, a quantisation block) are computed on the piece

@@ -34,11 +34,15 @@ one as `adam_lr`, both defaulting to `lr`; they are accepted under the same name
 from __future__ import annotations
 
 import math
-from typing import Any, Iterable
+from dataclasses import dataclass
+from math import prod
+from typing import Any, Iterable, Literal
 
 import torch
 
 from shardwise.runtime.optim.layout import flat, parameter_shapes, params_with_grad
+from shardwise.runtime.optim.params import check_betas, param
+from shardwise.runtime.optim.registry import OptimizerSpec, register_optimizer
 from shardwise.runtime.optim.sharded import ShardAwareOptimizer
 
 NS_COEFFICIENTS = (3.4445, -4.7750, 2.0315)  # Keller Jordan's quintic, as torch.optim.Muon
@@ -225,3 +229,39 @@ def _adamw_step(param: torch.Tensor, state: dict, group: dict) -> None:
     step_size = lr / (1 - beta1**step)
     denominator = (state["exp_avg_sq"].sqrt() / (1 - beta2**step) ** 0.5).add_(group["eps"])
     weights.addcdiv_(state["exp_avg"], denominator, value=-step_size)
+
+
+def muon_state_bytes(shape: tuple[int, ...]) -> int:
+    """Muon's state for one parameter: a momentum buffer for a matrix (4 bytes per element),
+    AdamW's two moments otherwise (8)."""
+    return (4 if len(shape) == 2 else 8) * prod(shape)
+
+
+@dataclass(frozen=True)
+class MuonParams:
+    """Muon for 2-D parameters and AdamW for the rest: torch.optim.Muon's and
+    torch.optim.AdamW's defaults, DeepSpeed's `muon_lr` / `adam_lr` keys (default: `lr`)."""
+
+    lr: float = param(1e-3, ge=0)
+    weight_decay: float = param(0.1, ge=0)
+    momentum: float = param(0.95, ge=0)
+    nesterov: bool = True
+    ns_coefficients: tuple[float, float, float] = NS_COEFFICIENTS
+    ns_eps: float = param(1e-7, ge=0)
+    ns_steps: int = param(5, ge=0, lt=100)
+    ns_dtype: Literal["bfloat16", "float32"] = "bfloat16"
+    adjust_lr_fn: Literal["original", "match_rms_adamw"] | None = None
+    muon_lr: float | None = param(None, ge=0, default_doc="lr")
+    adam_lr: float | None = param(None, ge=0, default_doc="lr")
+    betas: tuple[float, float] = param((0.9, 0.999), check=check_betas)
+    eps: float = param(1e-8, ge=0)
+
+
+# K: the momentum of its matrices (the vectors it trains with AdamW hold 2, a negligible
+# share of a transformer; the engine counts them exactly, `muon_state_bytes`). The main
+# job scales its matrices' step to AdamW's RMS, so AdamW's learning rate carries over.
+register_optimizer(OptimizerSpec(
+    "Muon", MuonParams, lambda groups, params: Muon(groups, **params), fp32_states=lambda params: 1,
+    codec=MuonCodec(), per_parameter=True,
+    main_job_params=lambda adamw, steps: {**adamw, "adjust_lr_fn": "match_rms_adamw"},
+))

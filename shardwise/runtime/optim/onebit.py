@@ -22,14 +22,14 @@ whole bytes per rank's chunk, and the ranks exchange it over the data-parallel g
 
 Stages 1-2: the momentum must still be whole on every rank (a worker's compressed
 contribution covers every element), so it is the one state that is not partitioned, and
-its layout (zero/onebit_momentum.py) makes each rank the exchange's server for exactly its
-ZeRO partition: it averages and error-corrects the momentum of the elements whose fp32
-masters, frozen variance and server error it holds, and updates those masters; the
-exchange's all-gather gives every rank the averaged momentum, and ZeRO's parameter
-all-gather the updated weights. The warm-up keeps the momentum partitioned like any ZeRO
-optimizer state; when it ends (or after a load) the ranks all-gather it once, in fp32.
-The optimizer reads every unit's whole local gradient from the reducer and the step's
-gradient scale from `step_on_local_gradients`.
+its layout (`MomentumPartitions`, which ZeRO provides: zero/onebit_momentum.py) makes each
+rank the exchange's server for exactly its ZeRO partition: it averages and error-corrects
+the momentum of the elements whose fp32 masters, frozen variance and server error it
+holds, and updates those masters; the exchange's all-gather gives every rank the averaged
+momentum, and ZeRO's parameter all-gather the updated weights. The warm-up keeps the
+momentum partitioned like any ZeRO optimizer state; when it ends (or after a load) the
+ranks all-gather it once, in fp32. The optimizer reads every unit's whole local gradient
+from the reducer and the step's gradient scale from `step_on_local_gradients`.
 
 Stage 3 is refused (config/checks.py): the exchange needs the whole momentum, the
 worker's error and the whole local gradient on every rank (10 bytes per parameter with
@@ -47,7 +47,7 @@ gradient norms: the average gradient is never formed.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any, Callable
+from typing import Any, Callable, Protocol
 
 import torch
 
@@ -55,11 +55,40 @@ from shardwise.runtime.distributed.collectives import Communicator
 from shardwise.runtime.distributed.compressed import CompressedAllReduce, padded_length
 from shardwise.runtime.optim.sharded import ShardAwareOptimizer
 
-if TYPE_CHECKING:
-    from shardwise.runtime.zero.onebit_momentum import PartitionedMomentum
-
 PER_PARAMETER_SCALARS = ("lamb_coeff_freeze", "last_factor")  # 1-bit LAMB's, one value per parameter
 COMM_BACKENDS = ("nccl", "gloo", "mpi", "hccl", "compressed")
+ZERO_STAGES = (0, 1, 2)  # stage 3: see above
+# `shardwise train --optimizer onebitadam / onebitlamb` warms up for this share of the
+# steps (the papers: 15-25%).
+MAIN_JOB_WARM_UP = 0.2
+
+
+class MomentumPartitions(Protocol):
+    """Stages 1-2: the whole momentum laid out over the ZeRO partitions, each rank's row the
+    chunk it serves. ZeRO builds it from its flat units (zero/onebit_momentum.py)."""
+
+    def allocate(self, device: torch.device) -> torch.Tensor:
+        """The whole flat momentum, zeros."""
+
+    def own_row(self, momentum: torch.Tensor) -> torch.Tensor:
+        """This rank's row of `momentum`."""
+
+    def own_view(self, momentum: torch.Tensor, master: torch.Tensor) -> torch.Tensor:
+        """The momentum of the rank's master segment `master`, a view of its row."""
+
+    def gather_rows_(self, momentum: torch.Tensor) -> None:
+        """Every row from its owner, so the momentum is whole on every rank."""
+
+    def fold_(self, momentum: torch.Tensor, beta1_of_group: Callable[[int], float], scale: float) -> None:
+        """m <- β1·m + (1 − β1)·scale·g over every element, g the rank's local gradient."""
+
+    def local_norm_squared(self) -> torch.Tensor:
+        """This rank's share of the clipping norm²."""
+
+
+def main_job_params(adamw: dict[str, Any], steps: int) -> dict[str, Any]:
+    """AdamW's settings with the warm-up a short run needs (`MAIN_JOB_WARM_UP`)."""
+    return {**adamw, "freeze_step": max(1, round(steps * MAIN_JOB_WARM_UP))}
 
 
 class OneBitOptimizer(ShardAwareOptimizer):
@@ -82,12 +111,12 @@ class OneBitOptimizer(ShardAwareOptimizer):
         self._exchange: CompressedAllReduce | None = None
         self._momentum: torch.Tensor | None = None
         self._first_view_ptr = -1
-        self._partitions: PartitionedMomentum | None = None  # stages 1-2: the whole momentum's layout
+        self._partitions: MomentumPartitions | None = None  # stages 1-2: the whole momentum's layout
         self._grad_scale = 1.0  # stages 1-2: the scale the local gradients are folded with
 
     # -- the engine's side ------------------------------------------------------------------
     def attach_gradient_exchange(self, communicator: Communicator, use_local_gradients: Callable[[bool], None],
-                                 partitions: PartitionedMomentum | None = None) -> None:
+                                 partitions: MomentumPartitions | None = None) -> None:
         """Called by ZeRO: the group the momentum is exchanged over, the reducer's switch to
         local gradients (which this optimizer turns on once its warm-up is over), and at
         stages 1-2 the whole momentum's layout over the partitions."""

@@ -21,11 +21,15 @@ applies it; give `bias_correction: false` for its arithmetic (the paper's update
 from __future__ import annotations
 
 import math
-from typing import Iterable
+from dataclasses import dataclass
+from typing import Iterable, Literal
 
 import torch
 
-from shardwise.runtime.optim.onebit import OneBitOptimizer
+from shardwise.formulas.memory import onebit_state_terms
+from shardwise.runtime.optim.onebit import ZERO_STAGES, OneBitCodec, OneBitOptimizer, main_job_params
+from shardwise.runtime.optim.params import check_betas, param
+from shardwise.runtime.optim.registry import OptimizerSpec, register_optimizer
 
 
 class OneBitAdam(OneBitOptimizer):
@@ -112,3 +116,48 @@ def refuse_unsupported(amsgrad: bool, max_grad_norm: float) -> None:
     if max_grad_norm:
         raise ValueError(f"max_grad_norm {max_grad_norm}: clip with the config's gradient_clipping instead "
                          "(DeepSpeed's 1-bit optimizers ignore max_grad_norm)")
+
+
+def _no_amsgrad(enabled: bool) -> bool:
+    if enabled:
+        raise ValueError("amsgrad true: 1-bit Adam/LAMB have no AMSGrad variant (DeepSpeed refuses it too)")
+    return enabled
+
+
+def _clip_elsewhere(norm: float) -> float:
+    if norm:
+        raise ValueError(f"max_grad_norm {norm}: DeepSpeed's 1-bit optimizers ignore it; clip with the "
+                         "top-level gradient_clipping instead")
+    return norm
+
+
+@dataclass(frozen=True)
+class OneBitAdamParams:
+    """1-bit Adam with DeepSpeed's `OneBitAdam` parameters and defaults. `bias_correction`
+    is applied (DeepSpeed accepts it and never does: give false for its arithmetic);
+    `cuda_aware` and `comm_backend_name` choose DeepSpeed's transport and are accepted
+    without effect: the exchange runs on the data-parallel group's backend."""
+
+    lr: float = param(1e-3, ge=0)
+    freeze_step: int = param(100000, ge=1, description="warm-up steps with full-precision gradients, after "
+                             "which the variance is frozen and the momentum exchanged at 1 bit per element")
+    bias_correction: bool = True
+    betas: tuple[float, float] = param((0.9, 0.999), check=check_betas)
+    eps: float = param(1e-8, gt=0)
+    eps_inside_sqrt: bool = False
+    weight_decay: float = param(0.0, ge=0)
+    max_grad_norm: float = param(0.0, check=_clip_elsewhere, description="accepted as 0 only: clip with "
+                                 "gradient_clipping")
+    amsgrad: bool = param(False, check=_no_amsgrad)
+    cuda_aware: bool = False
+    comm_backend_name: Literal["nccl", "gloo", "mpi", "hccl", "compressed"] = "nccl"
+
+
+# K after the warm-up: momentum, variance and the worker's error-feedback buffer per element;
+# the server's error (1/N of the elements) and the momentum buffer's padding are counted
+# through the optimizer (shardwise/formulas/memory.py `onebit_state_bytes`).
+register_optimizer(OptimizerSpec(
+    "OneBitAdam", OneBitAdamParams, lambda groups, params: OneBitAdam(groups, **params),
+    fp32_states=lambda params: 3, codec=OneBitCodec(), per_parameter=True, zero_stages=ZERO_STAGES, offload=False,
+    state_terms=lambda stage, dtype: onebit_state_terms(stage, dtype), main_job_params=main_job_params,
+))

@@ -23,14 +23,19 @@ then w <- w − step_size · c · factor · u. step_size as in optim/onebit_adam
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Any, Iterable
 
 import torch
 import torch.distributed as dist
 
-from shardwise.runtime.optim.onebit import OneBitOptimizer
-from shardwise.runtime.optim.onebit_adam import (adam_step_size, adam_update_, refuse_unsupported, variance_denominator,
-                                         warm_up_moments)
+from shardwise.formulas.memory import onebit_state_terms
+from shardwise.runtime.optim.lamb import MAIN_JOB_LR
+from shardwise.runtime.optim.onebit import ZERO_STAGES, OneBitCodec, OneBitOptimizer, main_job_params
+from shardwise.runtime.optim.onebit_adam import (OneBitAdamParams, adam_step_size, adam_update_, refuse_unsupported,
+                                                 variance_denominator, warm_up_moments)
+from shardwise.runtime.optim.params import param
+from shardwise.runtime.optim.registry import OptimizerSpec, register_optimizer
 
 
 class OneBitLamb(OneBitOptimizer):
@@ -181,3 +186,32 @@ def _bounded_factor(factor: float, share: float, last: float, group: dict) -> fl
     factor = min(max(factor, group["factor_min"]), group["factor_max"])
     threshold = group["factor_threshold"]
     return min(max(factor, last * (1 - threshold)), last * (1 + threshold))
+
+
+@dataclass(frozen=True)
+class OneBitLambParams(OneBitAdamParams):
+    """1-bit LAMB with DeepSpeed's `OneBitLamb` parameters and defaults: LAMB's trust-ratio
+    bounds, and the limits on the variance factor that replaces the trust ratio after the
+    warm-up."""
+
+    max_coeff: float = param(10.0, ge=0)
+    min_coeff: float = param(0.01, ge=0)
+    coeff_beta: float = param(0.9, ge=0, lt=1)
+    factor_max: float = param(4.0, gt=0)
+    factor_min: float = param(0.5, gt=0)
+    factor_threshold: float = param(0.1, ge=0)
+
+    def __post_init__(self) -> None:
+        if self.min_coeff > self.max_coeff:
+            raise ValueError(f"min_coeff {self.min_coeff} is above max_coeff {self.max_coeff}")
+        if self.factor_min > self.factor_max:
+            raise ValueError(f"factor_min {self.factor_min} is above factor_max {self.factor_max}")
+
+
+# K after the warm-up: 1-bit Adam's, and the fresh variance.
+register_optimizer(OptimizerSpec(
+    "OneBitLamb", OneBitLambParams, lambda groups, params: OneBitLamb(groups, **params),
+    fp32_states=lambda params: 4, codec=OneBitCodec(), per_parameter=True, zero_stages=ZERO_STAGES, offload=False,
+    state_terms=lambda stage, dtype: onebit_state_terms(stage, dtype, lamb=True),
+    main_job_params=lambda adamw, steps: {**main_job_params(adamw, steps), "lr": MAIN_JOB_LR},
+))

@@ -58,8 +58,8 @@ class ShardAwareOptimizer(torch.optim.Optimizer):
         model has (the length of per-parameter statistics), and how to sum them.
 
         `sum_over_shards` is for small statistics (counted as control traffic);
-        `sum_data_over_shards`, where given, for parameter-sized tensors (Muon assembles
-        whole matrices with it), counted as data traffic. Without it the small one serves."""
+        `sum_data_over_shards`, where given, for parameter-sized tensors (an optimizer
+        assembling whole matrices from their pieces), counted as data traffic. Without it the small one serves."""
         self._shards = {id(tensor): shard for tensor, shard in shards.items()}
         self._count = count
         self._sum = sum_over_shards

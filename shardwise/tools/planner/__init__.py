@@ -4,7 +4,7 @@ and the fastest stage / offload / recomputation that fits the given hardware."""
 from shardwise.formulas.memory import (
     Offload,
     model_state_bytes,
-    optimizer_state_bytes_for,
+    optimizer_state_bytes,
     placed_model_state_bytes,
 )
 from shardwise.formulas.layers import activation_bytes
@@ -21,6 +21,6 @@ __all__ = [
     "activation_bytes",
     "estimate",
     "model_state_bytes",
-    "optimizer_state_bytes_for",
+    "optimizer_state_bytes",
     "placed_model_state_bytes",
 ]

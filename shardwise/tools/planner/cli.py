@@ -2,7 +2,8 @@
 tensor or sequence group when --tp / --sp are given, or a suggested --tp when ZeRO alone
 does not fit).
 
-Imports only the planner (plain arithmetic) and rich, so the command answers instantly.
+Imports the planner (plain arithmetic), rich, and the optimizer registry for K, which
+imports torch (shardwise/runtime/optim/registry.py says why).
 """
 
 from __future__ import annotations
@@ -17,8 +18,9 @@ from rich.console import Console
 from rich.table import Table
 
 from shardwise.tools.planner.explain import DEVICE_NAMES, format_bytes
-from shardwise.formulas.memory import ELEMENT_BYTES, OPTIMIZER_FP32_STATES
+from shardwise.formulas.memory import ELEMENT_BYTES
 from shardwise.formulas.parallel_activation import ModelParallel
+from shardwise.tools.planner.optimizers import optimizer_names
 from shardwise.tools.planner.recommend import DEFAULT_HEADROOM, Estimate, Hardware, OptionEstimate, estimate
 from shardwise.tools.planner.shapes import PRESETS, ModelShape
 
@@ -65,7 +67,7 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
     training.add_argument("--micro-batch", type=int, default=1, help="per GPU (default 1)")
     training.add_argument("--seq-len", type=int, default=2048, help="default 2048")
     training.add_argument("--dtype", choices=list(ELEMENT_BYTES), default="bf16", help="default bf16")
-    training.add_argument("--optimizer", choices=list(OPTIMIZER_FP32_STATES), default="adam", help="default adam")
+    training.add_argument("--optimizer", choices=optimizer_names(), default="adam", help="default adam")
     training.add_argument("--trainable-params", type=float, default=None, metavar="COUNT",
                           help="parameters that train (e.g. LoRA adapters, 4.2e7); the rest is frozen: its 16-bit "
                                "weights only, partitioned at stage 3 (default: every parameter trains)")

@@ -15,6 +15,7 @@ from shardwise.formulas.memory import (
 )
 from shardwise.formulas.layers import LOGITS_BYTES, layer_activation_coefficients
 from shardwise.formulas.stages import partitions_parameters
+from shardwise.tools.planner.optimizers import planned_optimizer
 from shardwise.tools.planner.results import Estimate, OptionEstimate
 
 DEVICE_NAMES: dict[Device, str] = {"gpu": "GPU", "cpu": "CPU", "nvme": "NVMe"}
@@ -240,7 +241,7 @@ def _why_not(estimate: Estimate, option: OptionEstimate) -> str:
 def _placement_lines(estimate: Estimate, option: OptionEstimate, recompute: RecomputeMode) -> list[str]:
     hw, psi, n = estimate.hardware, estimate.params_per_rank, estimate.zero_ranks
     terms = model_state_terms(option.stage, option.offload, estimate.dtype, estimate.optimizer_state_bytes,
-                              estimate.optimizer)
+                              planned_optimizer(estimate.optimizer).state_terms)
     gpu_sym, gpu_num = _with_frozen(render_terms([t for t in terms if t.device == "gpu"], psi, n), estimate, option,
                                     "gpu")
     activations = estimate.activation(recompute)

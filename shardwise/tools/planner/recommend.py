@@ -31,17 +31,16 @@ from typing import Iterator
 from shardwise.tools.planner.explain import explain_with_suggestion
 from shardwise.formulas.memory import (
     NO_OFFLOAD,
-    ONEBIT_OPTIMIZERS,
     RECOMPUTE_MODES,
     Device,
     Offload,
     RecomputeMode,
-    optimizer_state_bytes_for,
     placed_model_state_bytes,
 )
 from shardwise.formulas.layers import stage3_gather_bytes
 from shardwise.formulas.parallel_activation import NO_MODEL_PARALLEL, ModelParallel, parallel_activation_bytes
 from shardwise.formulas.stages import partitions_parameters
+from shardwise.tools.planner.optimizers import planned_optimizer, planned_state_bytes
 from shardwise.tools.planner.results import DEFAULT_HEADROOM, Estimate, Hardware, OptionEstimate, Recommendation
 from shardwise.tools.planner.shapes import ModelShape
 
@@ -100,7 +99,7 @@ def estimate(
     if micro_batch <= 0 or seq_len <= 0:
         raise ValueError(f"micro_batch and seq_len must be positive, got {micro_batch} and {seq_len}")
     check_parallel(shape, hardware, parallel, seq_len)
-    k = optimizer_state_bytes_for(optimizer, dtype)
+    k = planned_state_bytes(optimizer, dtype)
     activations = _activations(shape, micro_batch, seq_len, dtype, parallel)
     modes = RECOMPUTE_MODES if activations is not None else ("none",)
     local = ceil(shape.params_per_tensor_rank(parallel.tensor) / parallel.pipeline)
@@ -170,10 +169,12 @@ def _suggest_tensor_parallel(single: Estimate) -> Estimate | None:
 
 def _offered(stage: int, offload: Offload, parallel: ModelParallel, optimizer: str) -> bool:
     """Whether the engine would run this option: it refuses ZeRO-3 with pipeline
-    parallelism, and the 1-bit optimizers run at stages 0-2 without offload (optim/onebit.py)."""
+    parallelism, and runs an optimizer at the stages and offload its spec allows (the
+    1-bit optimizers: stages 0-2 on the device, runtime/optim/onebit.py)."""
     if partitions_parameters(stage) and parallel.pipeline > 1:
         return False
-    return optimizer not in ONEBIT_OPTIMIZERS or not (partitions_parameters(stage) or offload != NO_OFFLOAD)
+    spec = planned_optimizer(optimizer)
+    return stage in spec.zero_stages and (spec.offload or offload == NO_OFFLOAD)
 
 
 def _activations(shape: ModelShape, micro_batch: int, seq_len: int, dtype: str,
@@ -197,7 +198,8 @@ def _evaluate_option(
     hardware, dtype = inputs.hardware, inputs.dtype
     per_rank = placed_model_state_bytes(
         inputs.params_per_rank, inputs.zero_ranks, stage, offload, dtype=dtype,
-        optimizer_state_bytes_per_param=inputs.optimizer_state_bytes, optimizer=inputs.optimizer,
+        optimizer_state_bytes_per_param=inputs.optimizer_state_bytes,
+        own_terms=planned_optimizer(inputs.optimizer).state_terms,
         frozen_params=inputs.frozen_per_rank,
     )
     largest = inputs.shape.largest_layer_params

@@ -28,8 +28,6 @@ from shardwise.tools.train.options import (
     DEFAULT_STAGE,
     DEFAULT_STEPS,
     MODEL_SIZES,
-    ONEBIT_OPTIMIZERS,
-    OPTIMIZER_NAMES,
     RECOMPUTE_POLICIES,
     TrainOptions,
     apply_flags,
@@ -38,6 +36,8 @@ from shardwise.tools.train.options import (
     dtype_name,
     merge_config,
     optimizer_block,
+    optimizer_names,
+    optimizer_stage,
 )
 from shardwise.tools.train.run_files import (
     COMPARISON_FILE,
@@ -95,10 +95,11 @@ def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParse
     parser.add_argument("--lr", type=_positive_float, default=None,
                         help=f"peak learning rate (default: the config's, else {DEFAULT_LR}); also fills "
                         "a config's \"auto\" learning rates")
-    parser.add_argument("--optimizer", choices=OPTIMIZER_NAMES, default=None,
+    below_default = [name for name in optimizer_names() if optimizer_stage(name) is not None]
+    parser.add_argument("--optimizer", choices=optimizer_names(), default=None,
                         help="optimizer, with settings for this job (default: the config's, else adamw); "
-                        f"{' and '.join(ONEBIT_OPTIMIZERS)} run at ZeRO stage 2 (they support 0-2) unless --stage or the config says "
-                        "otherwise")
+                        f"{' and '.join(below_default)} run at the highest ZeRO stage they support unless --stage "
+                        "or the config says otherwise")
     parser.add_argument("--activation-checkpointing", choices=RECOMPUTE_POLICIES, default=None, metavar="POLICY",
                         help="recomputation policy: " + ", ".join(RECOMPUTE_POLICIES) + " (config: "
                         "activation_checkpointing.policy, every_k with activation_checkpointing.every_k; default: "
@@ -190,8 +191,8 @@ def prepare_run(args: argparse.Namespace) -> tuple[TrainOptions, int]:
     seed = args.seed if args.seed is not None else user_config.get("seed", DEFAULT_SEED)
     optimizer = optimizer_block(args.optimizer, steps) if args.optimizer else None
     stage = args.stage
-    if stage is None and args.optimizer in ONEBIT_OPTIMIZERS and "stage" not in user_config.get("zero_optimization", {}):
-        stage = 2  # the highest stage the 1-bit optimizers support (optim/onebit.py: why not 3)
+    if stage is None and args.optimizer and "stage" not in user_config.get("zero_optimization", {}):
+        stage = optimizer_stage(args.optimizer)  # the 1-bit optimizers: 2 (optim/onebit.py: why not 3)
     config = apply_flags(merge_config(default_config(steps), user_config), stage, args.bf16, seed, lr=args.lr,
                          compile_blocks=args.compile, optimizer=optimizer, recompute=args.activation_checkpointing)
     config = fill_auto(config, auto_values(steps, args.lr))

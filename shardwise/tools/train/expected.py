@@ -1,8 +1,9 @@
 """What the formulas (docs/formulas.md) predict for a run: model-state bytes per rank and collective bytes per step.
 
 The report and the stage-comparison figure put these beside the engine's measured
-numbers. Plain arithmetic over the planner's formulas, no torch, so the parent process
-(which draws the report) and the ranks (which write the numbers) share one definition.
+numbers. Plain arithmetic over the planner's formulas and each optimizer's K (its registry
+entry), so the parent process (which draws the report) and the ranks (which write the
+numbers) share one definition.
 """
 
 from __future__ import annotations

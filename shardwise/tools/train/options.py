@@ -19,7 +19,9 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
-# The names of GPTConfig.preset, repeated so that `shardwise --help` need not import torch.
+from shardwise.runtime.optim.registry import optimizer_spec, optimizer_specs
+
+# The names of GPTConfig.preset, repeated so that `shardwise --help` need not import the models.
 MODEL_SIZES = ("tiny", "1m", "10m", "25m", "100m")
 DEFAULT_MODEL_SIZE = "10m"
 DEFAULT_STAGE = 3
@@ -35,16 +37,12 @@ BATCH_KEYS = ("train_batch_size", "train_micro_batch_size_per_gpu", "gradient_ac
 # Blocks a user's config replaces whole: merging an SGD block into the default AdamW one
 # would hand SGD Adam's betas.
 REPLACED_BLOCKS = ("optimizer", "scheduler")
-# `--optimizer NAME`: shardwise's optimizers with settings for this job (BENCHMARKS.md,
-# optimizer convergence). AdamW's betas and weight decay carry over where an optimizer has
-# them; the 1-bit optimizers warm up for ONEBIT_WARM_UP of the steps (the papers: 15-25%)
-# and need ZeRO stage 0, which they get unless --stage or the config chooses another.
-OPTIMIZER_NAMES = ("adamw", "lamb", "lars", "adafactor", "adam8bit", "muon", "onebitadam", "onebitlamb")
-ONEBIT_OPTIMIZERS = ("onebitadam", "onebitlamb")
-ONEBIT_WARM_UP = 0.2
-LAMB_LR = 2e-2  # LAMB's step is lr x ||w|| per layer rather than lr per element
+# `--optimizer NAME`: any registered optimizer, in lower case, with settings for this job
+# (BENCHMARKS.md, optimizer convergence): AdamW's below, adjusted by its registry entry
+# (`OptimizerSpec.main_job_params`).
+DEFAULT_OPTIMIZER_PARAMS = {"lr": DEFAULT_LR, "betas": [0.9, 0.95], "weight_decay": 0.1}
 # `--activation-checkpointing POLICY`: the config's activation_checkpointing.policy
-# (shardwise/runtime/activation/policy.py's names, repeated so that --help need not import torch).
+# (shardwise/runtime/activation/policy.py's names, repeated so that --help need not import it).
 RECOMPUTE_POLICIES = ("none", "full", "every_k", "selective", "sqrt")
 
 
@@ -90,7 +88,7 @@ def default_config(steps: int, stage: int = DEFAULT_STAGE) -> dict[str, Any]:
     return {
         "train_batch_size": DEFAULT_GLOBAL_BATCH,
         "gradient_clipping": 1.0,
-        "optimizer": {"type": "AdamW", "params": {"lr": DEFAULT_LR, "betas": [0.9, 0.95], "weight_decay": 0.1}},
+        "optimizer": {"type": "AdamW", "params": copy.deepcopy(DEFAULT_OPTIMIZER_PARAMS)},
         "scheduler": {
             "type": "WarmupCosineLR",
             "params": {
@@ -111,25 +109,27 @@ def default_config(steps: int, stage: int = DEFAULT_STAGE) -> dict[str, Any]:
     }
 
 
+def optimizer_names() -> list[str]:
+    """`--optimizer`'s choices: the registered optimizers, lower case, in the registry's order."""
+    return [spec.name.lower() for spec in optimizer_specs()]
+
+
 def optimizer_block(name: str, steps: int) -> dict[str, Any]:
     """The config's optimizer block for `--optimizer NAME` in a run of `steps` steps."""
-    adamw = {"lr": DEFAULT_LR, "betas": [0.9, 0.95], "weight_decay": 0.1}
-    freeze_step = max(1, round(steps * ONEBIT_WARM_UP))
-    blocks = {
-        "adamw": ("AdamW", adamw),
-        "lamb": ("Lamb", {**adamw, "lr": LAMB_LR}),
-        "lars": ("Lars", {"lr": 0.1, "momentum": 0.9, "weight_decay": 1e-4, "trust_coefficient": 0.02}),
-        # torch's Adafactor steps by lr x RMS(w) and decays by lr x weight_decay per step
-        "adafactor": ("Adafactor", {"lr": 3e-2, "weight_decay": 0.01}),
-        "adam8bit": ("AdamW8bit", adamw),
-        "muon": ("Muon", {**adamw, "adjust_lr_fn": "match_rms_adamw"}),
-        "onebitadam": ("OneBitAdam", {**adamw, "freeze_step": freeze_step}),
-        "onebitlamb": ("OneBitLamb", {**adamw, "lr": LAMB_LR, "freeze_step": freeze_step}),
-    }
-    if name not in blocks:
-        raise ValueError(f"--optimizer {name!r} is not one of {', '.join(OPTIMIZER_NAMES)}")
-    type_name, params = blocks[name]
-    return {"type": type_name, "params": copy.deepcopy(params)}
+    try:
+        spec = optimizer_spec(name, any_case=True)
+    except ValueError:
+        raise ValueError(f"--optimizer {name!r} is not one of {', '.join(optimizer_names())}") from None
+    params = spec.params_for_main_job(copy.deepcopy(DEFAULT_OPTIMIZER_PARAMS), steps)
+    return {"type": spec.name, "params": copy.deepcopy(params)}
+
+
+def optimizer_stage(name: str) -> int | None:
+    """The ZeRO stage `--optimizer NAME` needs when neither --stage nor the config sets one:
+    None where it runs at the default stage, else the highest it runs at (1-bit Adam /
+    LAMB: 2)."""
+    stages = optimizer_spec(name, any_case=True).zero_stages
+    return None if DEFAULT_STAGE in stages else max(stages)
 
 
 def merge_config(defaults: dict[str, Any], user: dict[str, Any]) -> dict[str, Any]:

@@ -8,7 +8,7 @@ import torch
 
 from shardwise.runtime.optim.adam8bit import Adam8bit, AdamW8bit
 from shardwise.runtime.optim.quantization import BLOCK, codebook, dynamic_code, quantize
-from shardwise.formulas.memory import adam_8bit_state_bytes
+from shardwise.runtime.optim.adam8bit import adam_8bit_state_bytes
 from shardwise.tools.testing import run_distributed
 from tests.runtime.optim.pieces import train_in_pieces, train_whole
 from tests.runtime.optim.workers import (

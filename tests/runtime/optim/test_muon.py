@@ -5,7 +5,7 @@ import pytest
 import torch
 
 from shardwise.runtime.optim.muon import Muon
-from shardwise.formulas.memory import muon_state_bytes
+from shardwise.runtime.optim.muon import muon_state_bytes
 from tests.runtime.optim.pieces import train_in_pieces, train_whole
 from tests.runtime.optim.workers import (
     STAGES_AND_WORLDS,

@@ -9,6 +9,7 @@ import pytest
 from shardwise.tools.planner import Hardware, ModelShape, estimate
 from shardwise.formulas.communication import onebit_exchange_bytes
 from shardwise.formulas.memory import onebit_model_state_bytes, placed_model_state_bytes
+from shardwise.runtime.optim.registry import optimizer_spec
 from shardwise.tools.train.expected import RunShape, expected_comm, expected_memory, memory_expressions
 
 PSI, N = 8_000_000, 4
@@ -26,8 +27,8 @@ def test_memory_per_stage(lamb):
         memory = onebit_model_state_bytes(PSI, N, stage, "bf16", lamb)
         assert memory["optimizer_states"] == 8 * PSI + (12 + extra) * PSI // N
         assert memory["grads"] == 2 * PSI + (2 * PSI // N if stage == 2 else 0)
-        name = "onebitlamb" if lamb else "onebitadam"
-        assert placed_model_state_bytes(PSI, N, stage, dtype="bf16", optimizer=name)["gpu"] == memory
+        own_terms = optimizer_spec("OneBitLamb" if lamb else "OneBitAdam").state_terms
+        assert placed_model_state_bytes(PSI, N, stage, dtype="bf16", own_terms=own_terms)["gpu"] == memory
     with pytest.raises(ValueError, match="stages 0-2, not 3"):
         onebit_model_state_bytes(PSI, N, 3)
 

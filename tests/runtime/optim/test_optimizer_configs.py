@@ -13,7 +13,7 @@ from shardwise.runtime.optim.adam8bit import Adam8bit, AdamW8bit
 from shardwise.runtime.optim.lars import Lars
 from shardwise.runtime.optim.muon import Muon
 from shardwise.runtime.optim.registry import optimizer_spec
-from shardwise.formulas.memory import optimizer_state_bytes_for
+from shardwise.tools.planner.optimizers import planned_state_bytes
 
 CLASSES = {"Lars": Lars, "Adafactor": Adafactor, "Adam8bit": Adam8bit, "AdamW8bit": AdamW8bit, "Muon": Muon}
 
@@ -70,4 +70,4 @@ def test_k_is_the_planners(type_name, params, planner_name, k_fp32):
     assert spec.state_bytes_per_param(params, "fp32") == k_fp32
     assert spec.state_bytes_per_param(params, "bf16") == k_fp32 + 4  # the fp32 master copy
     if k_fp32:
-        assert optimizer_state_bytes_for(planner_name, "fp32") == k_fp32
+        assert planned_state_bytes(planner_name, "fp32") == k_fp32

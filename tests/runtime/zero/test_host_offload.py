@@ -4,7 +4,7 @@ shards too); every byte counted in the tier the planner's formulas put it in."""
 
 import pytest
 
-from shardwise.formulas.memory import Offload, optimizer_state_bytes_for, placed_model_state_bytes
+from shardwise.formulas.memory import ADAM_FP32_STATES, Offload, optimizer_state_bytes, placed_model_state_bytes
 from shardwise.tools.testing import run_distributed
 from tests.runtime.zero.workers import Case, train_parallel
 
@@ -42,7 +42,7 @@ def test_bytes_live_in_the_tier_the_formulas_say(stage, param, dtype):
     # K: Adam's moments (+ the fp32 master in 16-bit training); in fp32 the formula adds the
     # host's own master copy, which an offloaded optimizer needs beside the device weights
     expected = placed_model_state_bytes(padded, world, stage, Offload("cpu", param), dtype=dtype,
-                                        optimizer_state_bytes_per_param=optimizer_state_bytes_for("adam", dtype))
+                                        optimizer_state_bytes_per_param=optimizer_state_bytes(ADAM_FP32_STATES, dtype))
     measured = result["memory_by_tier"]
     assert measured["device"]["params"] == expected["gpu"]["params"]
     assert measured["device"]["grads"] == expected["gpu"]["grads"]

@@ -10,7 +10,7 @@ import pytest
 
 from shardwise.runtime.zero.split_store import device_unit_count
 from shardwise.formulas.memory import (
-    Offload, offloaded_partition_elements, optimizer_state_bytes_for, placed_partial_offload_bytes,
+    ADAM_FP32_STATES, Offload, offloaded_partition_elements, optimizer_state_bytes, placed_partial_offload_bytes,
 )
 from shardwise.tools.testing import run_distributed
 from tests.runtime.checkpoint.workers import Run, train_run
@@ -87,7 +87,7 @@ def test_bytes_per_tier_equal_the_formula(stage, ratio, dtype):
     offloaded = offloaded_partition_elements(result["unit_partitions"], ratio)
     assert 0 < offloaded < padded // world  # both tiers hold part of it
     expected = placed_partial_offload_bytes(padded, world, stage, Offload("cpu"), offloaded, dtype=dtype,
-                                            optimizer_state_bytes_per_param=optimizer_state_bytes_for("adam", dtype))
+                                            optimizer_state_bytes_per_param=optimizer_state_bytes(ADAM_FP32_STATES, dtype))
     measured = result["memory_by_tier"]
     for tier, device in (("device", "gpu"), ("host", "cpu")):
         for category in ("params", "grads", "optimizer_states"):

@@ -124,7 +124,7 @@ class DeepSpeedEngine(ConfiguredEngine):
                 temporary = Path(save_dir) / f".{LATEST}.partial"
                 write_synced(temporary, previous)
                 os.replace(temporary, latest)
-        if self.stage > 0 and self.rank == 0:  # DeepSpeed leaves its recovery script beside the tags
+        if self.policies.zero.partitions_model_states and self.rank == 0:  # DeepSpeed leaves its recovery script
             script = Path(save_dir) / "zero_to_fp32.py"
             write_synced(script.with_name(script.name + ".partial"), RECOVERY_SCRIPT)
             os.replace(script.with_name(script.name + ".partial"), script)

@@ -6,6 +6,8 @@ them with everything switched off loads unchanged; only values that would switch
 a capability on are refused, each with the key that does it.
 """
 
+from shardwise.formulas.stages import partitions_optimizer, partitions_parameters
+from shardwise.frontends.deepspeed.config.policies import compile_policy
 from shardwise.frontends.deepspeed.config.schema import OffloadConfig, ShardwiseConfig
 
 
@@ -25,7 +27,7 @@ def find_contradictions(
     `data_parallel_size` None skips those against the data-parallel size."""
     problems = []
     shard = cfg.zero_optimization.mics_shard_size
-    if shard != -1 and cfg.zero_optimization.stage == 0:
+    if shard != -1 and not partitions_optimizer(cfg.zero_optimization.stage):
         problems.append(
             f"zero_optimization.mics_shard_size {shard} needs zero_optimization.stage 1, 2 or 3: "
             "stage 0 shards nothing, so there is no shard group to size"
@@ -64,10 +66,10 @@ def _offload_contradictions(cfg: ShardwiseConfig) -> list[str]:
     zero = cfg.zero_optimization
     optimizer, param = zero.offload_optimizer.device, zero.offload_param.device
     problems = []
-    if optimizer != "none" and zero.stage == 0:
+    if optimizer != "none" and not partitions_optimizer(zero.stage):
         problems.append(f"zero_optimization.offload_optimizer.device '{optimizer}' needs zero_optimization.stage "
                         "1, 2 or 3: stage 0 keeps the whole optimizer state on every rank")
-    if param != "none" and zero.stage != 3:
+    if param != "none" and not partitions_parameters(zero.stage):
         problems.append(f"zero_optimization.offload_param.device '{param}' needs zero_optimization.stage 3: "
                         f"stage {zero.stage} keeps the whole model on every rank's device")
     elif param != "none" and optimizer == "none":
@@ -92,14 +94,14 @@ def _onebit_contradictions(cfg: ShardwiseConfig) -> list[str]:
     if cfg.optimizer is None or cfg.optimizer.type not in ("OneBitAdam", "OneBitLamb"):
         return []
     name, problems, zero = cfg.optimizer.type, [], cfg.zero_optimization
-    if zero.stage == 3:
+    if partitions_parameters(zero.stage):
         problems.append(f"optimizer.type '{name}' runs at zero_optimization.stage 0, 1 or 2, not 3: after "
                         "freeze_step each rank folds its whole local gradient into the whole model's momentum and "
                         "keeps a whole error-feedback buffer (10 bytes per parameter with 16-bit gradients, more "
                         "than stage 3 saves by partitioning the 2-byte parameters), and stage 3 frees each "
                         "module's gathered parameters when its gradients are reduced, which that phase never does; "
                         "use stage 2 (masters, variance and server error partitioned)")
-    if zero.stage in (1, 2) and zero.mics_shard_size != -1:
+    if partitions_optimizer(zero.stage) and not partitions_parameters(zero.stage) and zero.mics_shard_size != -1:
         problems.append(f"optimizer.type '{name}' with zero_optimization.mics_shard_size is not supported: the "
                         "compressed momentum exchange runs over the shard group alone, and replicas would need a "
                         "second exchange; leave mics_shard_size at -1")
@@ -154,7 +156,7 @@ def _pipeline_contradictions(cfg: ShardwiseConfig, batch_known: bool) -> list[st
         problems.append(f"pipeline_parallel.micro_batches {pipe.micro_batches} is not a multiple of "
                         f"pipeline_parallel.size {pipe.size}: the interleaved schedule moves micro-batches through "
                         "the chunks in groups of size; raise gradient_accumulation_steps to a multiple")
-    if cfg.zero_optimization.stage == 3:
+    if partitions_parameters(cfg.zero_optimization.stage):
         problems.append(f"zero_optimization.stage 3 with pipeline_parallel.size {pipe.size} is not supported: "
                         "stage 3 gathers parameters for one forward and then its backward, which the pipeline "
                         "schedules interleave across micro-batches; use zero_optimization.stage 1 or 2")
@@ -189,24 +191,15 @@ def _activation_contradictions(cfg: ShardwiseConfig) -> list[str]:
     return problems
 
 
-CUDA_GRAPH_MODES = ("reduce-overhead", "max-autotune")  # torch.compile modes that turn Inductor's CUDA graphs on
-
-
 def _compile_contradictions(cfg: ShardwiseConfig) -> list[str]:
     """CUDA graphs replay kernels on the addresses they were captured with, and ZeRO-3
     frees each module's gathered parameters after use and gathers them into storage
-    allocated anew: a replay would read freed memory, or another tensor's."""
-    block = cfg.compile
-    if not block.enabled or cfg.zero_optimization.stage != 3:
+    allocated anew: a replay would read freed memory, or another tensor's
+    (runtime/compile/policy.py finds the settings that capture graphs)."""
+    if not partitions_parameters(cfg.zero_optimization.stage):
         return []
-    mode = block.kwargs.get("mode", block.mode)
-    asks = [f"compile.mode '{mode}'"] if mode in CUDA_GRAPH_MODES else []
-    options = block.kwargs.get("options") or {}
-    asks += [f"compile.kwargs.options['{key}'] {value!r}" for key, value in options.items()
-             if key.split(".")[-1] == "cudagraphs" and value]
-    if block.backend == "cudagraphs":
-        asks.append("compile.backend 'cudagraphs'")
-    return [f"{ask} uses CUDA graphs, which zero_optimization.stage 3 cannot run: a graph replays kernels on the "
-            "addresses it captured, and stage 3 frees each module's parameters after use and gathers them into "
-            "newly allocated storage; use compile.mode 'max-autotune-no-cudagraphs' or 'default' (no CUDA graph "
-            "options), or zero_optimization.stage 2 or lower" for ask in asks]
+    return [f"compile.{setting} uses CUDA graphs, which zero_optimization.stage 3 cannot run: a graph replays "
+            "kernels on the addresses it captured, and stage 3 frees each module's parameters after use and "
+            "gathers them into newly allocated storage; use compile.mode 'max-autotune-no-cudagraphs' or 'default' "
+            "(no CUDA graph options), or zero_optimization.stage 2 or lower"
+            for setting in compile_policy(cfg).cuda_graph_settings()]

@@ -18,8 +18,10 @@ from typing import Any, Literal
 
 from pydantic import Field, field_validator, model_validator
 
+from shardwise.formulas.stages import STAGES, partitions_parameters
 from shardwise.frontends.deepspeed.config.fields import Bool, Float, Int, Section
-from shardwise.runtime.optim.registry import constructor_kwargs, torch_class_name
+from shardwise.runtime.optim.registry import optimizer_spec
+from shardwise.runtime.optim.torch_optimizers import constructor_kwargs, torch_class_name
 
 # fp16's largest finite value is 65504, just under 2**16.
 FP16_MAX_EXPONENT = 16
@@ -117,7 +119,7 @@ class ZeroConfig(Section):
     @field_validator("stage")
     @classmethod
     def _known_stage(cls, stage: int) -> int:
-        if stage not in (0, 1, 2, 3):
+        if stage not in STAGES:
             raise ValueError(f"{stage} is not a ZeRO stage: use 0, 1, 2 or 3")
         return stage
 
@@ -139,16 +141,22 @@ class ZeroConfig(Section):
     def _resolve_overlap_comm(self) -> "ZeroConfig":
         """DeepSpeed leaves overlap_comm unset so that only stage 3 overlaps by default."""
         if self.overlap_comm is None:
-            self.overlap_comm = self.stage == 3
+            self.overlap_comm = partitions_parameters(self.stage)
         return self
 
 
 class OptimizerConfig(Section):
-    """An optimizer built from the config; `params` holds every accepted key, defaults filled in."""
+    """An optimizer built from the config: `type` a registered optimizer's name
+    (shardwise/runtime/optim/registry.py); `params` holds every key it accepts, defaults filled in."""
 
-    type: Literal["Adam", "AdamW", "SGD", "Lamb", "Lars", "Adafactor", "Adam8bit", "AdamW8bit", "Muon",
-                  "OneBitAdam", "OneBitLamb"]
+    type: str
     params: dict[str, Any] = Field(default_factory=dict)
+
+    @field_validator("type")
+    @classmethod
+    def _registered(cls, type_name: str) -> str:
+        optimizer_spec(type_name)  # raises, naming the registered optimizers
+        return type_name
 
     @property
     def torch_class_name(self) -> str:

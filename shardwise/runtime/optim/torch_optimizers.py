@@ -1,0 +1,91 @@
+"""torch's own optimizers as DeepSpeed configs name them: Adam, AdamW and SGD.
+
+Defaults are those of the code DeepSpeed runs: its Adam path (`FusedAdam` /
+`torch.optim.Adam(W)` with `adam_w_mode` defaulting to True, i.e. decoupled weight decay
+even for type "Adam") and `torch.optim.SGD`, which DeepSpeed builds for any type it does
+not know itself. torch's fused kernel exists on CPU and CUDA for all three.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from shardwise.runtime.optim.params import check_betas, check_nesterov, param
+from shardwise.runtime.optim.registry import OptimizerSpec, register_optimizer
+
+# DeepSpeed's Adam keys that choose the torch class or are fixed by it (not constructor arguments).
+ADAM_SELECTOR_PARAMS = ("adam_w_mode", "torch_adam", "bias_correction")
+
+
+def _bias_correction_on(enabled: bool) -> bool:
+    if not enabled:
+        raise ValueError("bias_correction false is not supported yet: torch.optim's Adam always corrects bias")
+    return enabled
+
+
+@dataclass(frozen=True)
+class AdamParams:
+    """Adam and AdamW; shardwise builds them with `torch.optim`."""
+
+    lr: float = param(1e-3, ge=0)
+    betas: tuple[float, float] = param((0.9, 0.999), check=check_betas)
+    eps: float = param(1e-8, gt=0)
+    weight_decay: float = param(0.0, ge=0)
+    amsgrad: bool = False
+    adam_w_mode: bool = True
+    torch_adam: bool = param(False, description="DeepSpeed's switch from its fused kernel to torch.optim; accepted "
+                             "so DeepSpeed configs load, without effect because shardwise always uses torch.optim")
+    bias_correction: bool = param(True, check=_bias_correction_on)
+
+
+@dataclass(frozen=True)
+class SGDParams:
+    """`torch.optim.SGD`, which DeepSpeed builds for any type it does not know itself."""
+
+    lr: float = param(1e-3, ge=0)
+    momentum: float = param(0.0, ge=0)
+    dampening: float = 0.0
+    weight_decay: float = param(0.0, ge=0)
+    nesterov: bool = False
+
+    def __post_init__(self) -> None:
+        check_nesterov(self.nesterov, self.momentum, self.dampening)
+
+
+def torch_class_name(type_name: str, params: dict[str, Any]) -> str:
+    """The `torch.optim` class a config optimizer means: DeepSpeed's "Adam" decouples
+    weight decay (AdamW) unless `adam_w_mode` is false."""
+    if type_name not in ("Adam", "AdamW"):
+        return type_name
+    return "AdamW" if params.get("adam_w_mode", True) else "Adam"
+
+
+def constructor_kwargs(params: dict[str, Any]) -> dict[str, Any]:
+    """`params` minus the keys that select the class rather than configure it."""
+    kwargs = {key: value for key, value in params.items() if key not in ADAM_SELECTOR_PARAMS}
+    if "betas" in kwargs:
+        kwargs["betas"] = tuple(kwargs["betas"])
+    return kwargs
+
+
+def _decoupled(params: dict[str, Any]) -> None:
+    if not params.get("adam_w_mode", True):
+        raise ValueError("adam_w_mode false contradicts optimizer.type 'AdamW', which always decouples weight "
+                         "decay; use type 'Adam' for L2-coupled weight decay")
+
+
+def _register(type_name: str, declaration: type, fp32_states: Any, **options: Any) -> None:
+    def build(groups: list[dict[str, Any]], params: dict[str, Any]) -> torch.optim.Optimizer:
+        cls = getattr(torch.optim, torch_class_name(type_name, params))
+        return cls(groups, fused=True, **constructor_kwargs(params))
+
+    register_optimizer(OptimizerSpec(type_name, declaration, build, fp32_states=fp32_states, **options))
+
+
+# K: Adam's momentum and variance; SGD allocates a momentum buffer only when momentum is on.
+_register("Adam", AdamParams, lambda params: 2)
+_register("AdamW", AdamParams, lambda params: 2, check_params=_decoupled)
+_register("SGD", SGDParams, lambda params: int(params.get("momentum", 0) > 0))
