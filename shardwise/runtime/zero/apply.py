@@ -1,4 +1,4 @@
-"""`apply_zero`: the last step of the apply stage, which takes over a model's parameters.
+"""`apply_zero`: the last step of the apply order, which takes over a model's parameters.
 
 It builds, in order: the layout (units over the shard group), the parameter strategy
 (whole parameters, or 1/N partitioned and gathered on use), the shard store (masters and

@@ -245,7 +245,7 @@ class TensorBoardConfig(Section):
 
 
 class CompileConfig(Section):
-    """shardwise addition: `torch.compile` per block, in the apply stage's compile slot.
+    """shardwise addition: `torch.compile` per block, in the kernel and compile step of a model's `parallelize`.
     Also reads DeepSpeed's spelling of the block (runtime/compiler.py): `kwargs` passed to
     `torch.compile`, and `deepcompile` (newer DeepSpeed), accepted when false. `fused_ops`
     swaps in shardwise.runtime.ops' fused kernels (norms, bias+GeLU, SwiGLU, linear+cross-entropy)."""

@@ -10,7 +10,7 @@ that to an `attn_mask`, whose L x L size this avoids).
 
 Random layouts must be identical on every rank. Like DeepSpeed, the layout is broadcast
 from rank 0 on first use when a process group is up and the layout has random blocks;
-the apply stage instead builds layouts under a fixed seed (`seeded_layout`), which needs
+the kernel step of a model's `parallelize` instead builds layouts under a fixed seed (`seeded_layout`), which needs
 no collective.
 """
 

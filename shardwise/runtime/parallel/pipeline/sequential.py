@@ -9,7 +9,7 @@ stays an `nn.ModuleList`); inputs and outputs of layers are a tensor or a tuple 
 tensors, passed to the next layer as one argument. Micro-batches are `(inputs, labels)`
 pairs and the last layer's output goes to `loss_fn(output, labels)` (without a
 `loss_fn`, the last layer's output is the loss). Unsplit, `forward` runs every layer; with
-`pipeline_parallel.size > 1` the apply stage splits the list like any other model's layers
+`pipeline_parallel.size > 1` the pipeline step splits the list like any other model's layers
 (split.py) and activations between stages are sent with a header that describes their
 shapes, since nothing else fixes them (p2p.py).
 

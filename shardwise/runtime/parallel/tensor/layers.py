@@ -2,7 +2,7 @@
 
 Each layer is built from the module it replaces (an `nn.Linear`, Hugging Face's `Conv1D`
 with its transposed (in, out) weight, or an `nn.Embedding`) and keeps only this rank's
-block of each weight. ZeRO, which runs after the apply stage, then sees ordinary local
+block of each weight. ZeRO, which runs after the parallelize steps, then sees ordinary local
 parameters and packs them into its flat units like any others; nothing in ZeRO knows the
 model is tensor-parallel.
 

@@ -34,7 +34,7 @@ from shardwise.runtime.parallel.tensor.styles import style
 def broadcast_parameters(model: nn.Module, comm: Communicator) -> None:
     """Make every (materialised) parameter equal to the tensor group's first rank's.
 
-    `initialize` moves the model to its device after the apply stage, so that the full
+    the engine moves the model to its device after the parallelize steps, so that the full
     model never sits on one device; over an NCCL group each weight still in host memory
     goes through the device one at a time (distributed/staging.py)."""
     device = group_device(comm.group)

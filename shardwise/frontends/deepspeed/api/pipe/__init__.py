@@ -6,7 +6,7 @@
     loss = engine.train_batch()
 
 A `PipelineModule` is shardwise's `SequentialStages` (a list of layers run in order, split
-into stages by the apply stage) that also tells `initialize` its number of stages and how
+into stages by the pipeline step) that also tells `initialize` its number of stages and how
 to split: `initialize` sets `pipeline_parallel.size` to `num_stages` (data parallelism over
 the rest of the world) and, for `partition_method="type:REGEX"`, the split points that
 balance the layers whose class name matches. `LayerSpec`s are built when the module is
