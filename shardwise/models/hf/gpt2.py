@@ -11,8 +11,13 @@
 
 from __future__ import annotations
 
+from typing import Any, Mapping
+
 import torch
 from torch import nn
+
+from shardwise.formulas.model_shape import ModelShape
+from shardwise.models.core.hf_config import check_divides, optional, require
 
 from shardwise.models.hf.common import CausalLMAdapter, ulysses_for
 from shardwise.models.core.steps import apply_plan
@@ -82,3 +87,26 @@ class GPT2Adapter(CausalLMAdapter):
     def layer(self, layer: nn.Module, hidden: torch.Tensor, context: StageContext) -> torch.Tensor:
         output = layer(hidden, None, context.extras["mask"], position_ids=context.extras["position_ids"])
         return output[0] if isinstance(output, tuple) else output
+
+
+# -- the planner's shape --------------------------------------------------------------------
+def shape(config: Mapping[str, Any], source: str, where: str) -> ModelShape:
+    """Token and position embeddings; per block two LayerNorms (weight and bias), a fused
+    QKV projection and an output projection, a two-matrix MLP, all with biases; a final
+    LayerNorm; the output head tied to the token embedding unless the config says not (the
+    planner's count, from the config alone, equal to `model.parameters()`)."""
+    h = require(config, "n_embd", where)
+    layers = require(config, "n_layer", where)
+    heads = require(config, "n_head", where)
+    vocab = require(config, "vocab_size", where)
+    positions = require(config, "n_positions", where)
+    check_divides(("n_embd", h), ("n_head", heads), "each attention head gets n_embd / n_head dimensions", where)
+    inner = optional(config, "n_inner", 4 * h, where)
+    tied = bool(config.get("tie_word_embeddings", True))
+
+    attention = (h * 3 * h + 3 * h) + (h * h + h)
+    mlp = (h * inner + inner) + (inner * h + h)
+    block = attention + mlp + 2 * 2 * h
+    embedding = vocab * h
+    total = embedding + positions * h + layers * block + 2 * h + (0 if tied else embedding)
+    return ModelShape(source, total, h, layers, heads, vocab, inner, max(block, embedding))

@@ -15,10 +15,13 @@ here; tensor and sequence parallelism are not tested on it and are refused).
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Mapping
 
 import torch
 from torch import nn
+
+from shardwise.formulas.model_shape import ModelShape
+from shardwise.models.core.hf_config import check_divides, optional, require
 
 from shardwise.models.hf.common import CausalLMAdapter, ulysses_for, use_sparse_attention
 from shardwise.models.core.kernels import replace_module
@@ -125,3 +128,38 @@ class LlamaAdapter(CausalLMAdapter):
         output = layer(hidden, attention_mask=extras["mask"], position_embeddings=extras["embeddings"],
                        position_ids=extras["position_ids"])
         return output[0] if isinstance(output, tuple) else output
+
+
+# -- the planner's shape --------------------------------------------------------------------
+def shape(config: Mapping[str, Any], source: str, where: str) -> ModelShape:
+    """Embedding V·h; per block q/k/v/o projections (k and v narrowed by grouped-query
+    attention), a gated MLP of three h×I matrices and two RMSNorm weights; a final norm;
+    an untied V·h output head (the planner's count, from the config alone, equal to
+    `model.parameters()`). Mistral and the Qwens never have these biases, llama may."""
+    h = require(config, "hidden_size", where)
+    layers = require(config, "num_hidden_layers", where)
+    heads = require(config, "num_attention_heads", where)
+    inner = require(config, "intermediate_size", where)
+    vocab = require(config, "vocab_size", where)
+    kv_heads = optional(config, "num_key_value_heads", heads, where)
+    if config.get("head_dim") is None:
+        check_divides(("hidden_size", h), ("num_attention_heads", heads),
+                       "each attention head gets hidden_size / num_attention_heads dimensions (or set head_dim)", where)
+    head_dim = optional(config, "head_dim", h // heads, where)
+    if config.get("num_key_value_heads") is not None:
+        check_divides(("num_attention_heads", heads), ("num_key_value_heads", kv_heads),
+                       "grouped-query attention gives each key/value head the same number of query heads", where)
+    llama = config["model_type"] == "llama"
+    attention_bias = llama and bool(config.get("attention_bias", False))
+    mlp_bias = llama and bool(config.get("mlp_bias", False))
+    tied = bool(config.get("tie_word_embeddings", False))
+
+    q_width, kv_width = heads * head_dim, kv_heads * head_dim
+    attention = h * q_width + 2 * h * kv_width + q_width * h
+    if attention_bias:
+        attention += q_width + 2 * kv_width + h
+    mlp = 3 * h * inner + (2 * inner + h if mlp_bias else 0)
+    block = attention + mlp + 2 * h
+    embedding = vocab * h
+    total = embedding + layers * block + h + (0 if tied else embedding)
+    return ModelShape(source, total, h, layers, heads, vocab, inner, max(block, embedding))

@@ -9,7 +9,7 @@ from shardwise.formulas.memory import (
 )
 from shardwise.formulas.layers import activation_bytes
 from shardwise.tools.planner.recommend import Estimate, Hardware, OptionEstimate, Recommendation, estimate
-from shardwise.tools.planner.shapes import ModelShape
+from shardwise.formulas.model_shape import ModelShape
 
 __all__ = [
     "Estimate",

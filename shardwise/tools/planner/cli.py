@@ -22,7 +22,8 @@ from shardwise.formulas.memory import ELEMENT_BYTES
 from shardwise.formulas.parallel_activation import ModelParallel
 from shardwise.tools.planner.optimizers import optimizer_names
 from shardwise.tools.planner.recommend import DEFAULT_HEADROOM, Estimate, Hardware, OptionEstimate, estimate
-from shardwise.tools.planner.shapes import PRESETS, ModelShape
+from shardwise.formulas.model_shape import ModelShape
+from shardwise.models.shapes import PRESETS, preset_shape, shape_from_hf_config
 
 # Narrower consoles (pipes, CI logs) would squeeze the table into wrapped cells.
 MIN_WIDTH = 120
@@ -111,9 +112,9 @@ def _shape(args: argparse.Namespace) -> ModelShape:
     if args.params is None and any(value is not None for value in layout):
         raise ValueError("--hidden-size/--layers/--heads/--vocab-size go with --params; presets and configs carry their own")
     if args.preset:
-        return ModelShape.preset(args.preset)
+        return preset_shape(args.preset)
     if args.hf_config:
-        return ModelShape.from_hf_config(args.hf_config)
+        return shape_from_hf_config(args.hf_config)
     _check_params(args.params)
     for flag, value in zip(LAYOUT_FLAGS, layout, strict=True):
         if value is not None and value <= 0:

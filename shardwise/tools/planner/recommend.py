@@ -42,7 +42,7 @@ from shardwise.formulas.parallel_activation import NO_MODEL_PARALLEL, ModelParal
 from shardwise.formulas.stages import partitions_parameters
 from shardwise.tools.planner.optimizers import planned_optimizer, planned_state_bytes
 from shardwise.tools.planner.results import DEFAULT_HEADROOM, Estimate, Hardware, OptionEstimate, Recommendation
-from shardwise.tools.planner.shapes import ModelShape
+from shardwise.formulas.model_shape import ModelShape
 
 __all__ = ["DEFAULT_HEADROOM", "Estimate", "Hardware", "ModelParallel", "OptionEstimate", "Recommendation", "estimate"]
 

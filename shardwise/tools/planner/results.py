@@ -9,7 +9,7 @@ from math import ceil
 
 from shardwise.formulas.memory import GB, NO_OFFLOAD, Category, Device, Offload, RecomputeMode
 from shardwise.formulas.parallel_activation import NO_MODEL_PARALLEL, ModelParallel
-from shardwise.tools.planner.shapes import ModelShape
+from shardwise.formulas.model_shape import ModelShape
 
 DEFAULT_HEADROOM = 0.15
 

@@ -6,12 +6,13 @@ from math import ceil
 from shardwise.formulas.memory import placed_model_state_bytes
 from shardwise.formulas.parallel_activation import ModelParallel
 from shardwise.tools.planner.recommend import Hardware, estimate
-from shardwise.tools.planner.shapes import ModelShape
+from shardwise.formulas.model_shape import ModelShape
+from shardwise.models.shapes import preset_shape
 from tests.tools.planner.test_planner_cli import run_estimate
 
 
 def test_a_stage_holds_its_share_and_zero_shards_over_the_data_ranks():
-    shape = ModelShape.preset("llama-7b")
+    shape = preset_shape("llama-7b")
     plain = estimate(shape, Hardware(8), seq_len=2048)
     piped = estimate(shape, Hardware(8), seq_len=2048, parallel=ModelParallel(pipeline=2))
     local = ceil(shape.num_params / 2)
@@ -24,7 +25,7 @@ def test_a_stage_holds_its_share_and_zero_shards_over_the_data_ranks():
 
 
 def test_pipeline_with_tensor_parallelism_divides_both():
-    shape = ModelShape.preset("llama-7b")
+    shape = preset_shape("llama-7b")
     result = estimate(shape, Hardware(8), seq_len=2048, parallel=ModelParallel(tensor=2, megatron_sp=True, pipeline=2))
     assert result.zero_ranks == 2
     assert result.params_per_rank == ceil(shape.params_per_tensor_rank(2) / 2)

@@ -5,13 +5,14 @@ import pytest
 from shardwise.tools.planner import Hardware, ModelShape, Offload, estimate
 from shardwise.formulas.layers import activation_bytes
 from shardwise.tools.planner.recommend import preference_order
+from shardwise.models.shapes import preset_shape
 
 LLAMA_70B_PARAMS = 68_976_648_192
 LLAMA_70B_BLOCK = 855_654_400
 
 
 def test_small_model_gets_plain_data_parallelism() -> None:
-    shape = ModelShape.preset("gpt2")
+    shape = preset_shape("gpt2")
     result = estimate(shape, Hardware(1), micro_batch=1, seq_len=1024)
     recommendation = result.recommendation
     assert recommendation is not None
@@ -37,7 +38,7 @@ def test_paper_model_on_64_gpus_needs_stage_1() -> None:
 
 
 def test_llama_70b_on_8x80gb_does_not_fit_with_512gb_hosts() -> None:
-    result = estimate(ModelShape.preset("llama-70b"), Hardware(8), micro_batch=1, seq_len=2048)
+    result = estimate(preset_shape("llama-70b"), Hardware(8), micro_batch=1, seq_len=2048)
     assert result.recommendation is None
     assert result.option(3).shortfall == "gpu"
     # 8 ranks × (4 + 12)Ψ/8 = 16Ψ = 1104 GB of host memory > 512 × 0.85
@@ -48,7 +49,7 @@ def test_llama_70b_on_8x80gb_does_not_fit_with_512gb_hosts() -> None:
 
 
 def test_llama_70b_on_8x80gb_fits_with_cpu_optimizer_and_selective_recomputation() -> None:
-    result = estimate(ModelShape.preset("llama-70b"), Hardware(8, cpu_memory_gb=2048), micro_batch=1, seq_len=2048)
+    result = estimate(preset_shape("llama-70b"), Hardware(8, cpu_memory_gb=2048), micro_batch=1, seq_len=2048)
     recommendation = result.recommendation
     assert recommendation is not None
     assert (recommendation.option.stage, recommendation.option.offload) == (3, Offload("cpu"))
@@ -65,7 +66,7 @@ def test_llama_70b_on_8x80gb_fits_with_cpu_optimizer_and_selective_recomputation
 
 
 def test_llama_70b_with_nvme_offloads_optimizer_to_nvme() -> None:
-    result = estimate(ModelShape.preset("llama-70b"), Hardware(8, nvme_gb=4000))
+    result = estimate(preset_shape("llama-70b"), Hardware(8, nvme_gb=4000))
     assert result.recommendation is not None
     assert result.recommendation.label == "stage 3 + optimizer→nvme, selective recomputation"
     assert result.recommendation.option.nvme_per_node == 12 * LLAMA_70B_PARAMS
@@ -73,7 +74,7 @@ def test_llama_70b_with_nvme_offloads_optimizer_to_nvme() -> None:
 
 def test_lower_stage_is_not_given_up_for_recomputation_among_equal_traffic_stages() -> None:
     # llama-7b on 4 x 80 GB: stage 1 fits only with selective recomputation, stage 2 without
-    result = estimate(ModelShape.preset("llama-7b"), Hardware(4), micro_batch=1, seq_len=2048)
+    result = estimate(preset_shape("llama-7b"), Hardware(4), micro_batch=1, seq_len=2048)
     assert result.option(1).fits_with == "selective"
     assert result.recommendation is not None and result.recommendation.label == "stage 2, no recomputation"
     assert [o.label for o in result.ruled_out] == ["stage 0", "stage 1"]
@@ -94,7 +95,7 @@ def test_preference_order() -> None:
 def test_headroom_is_applied() -> None:
     assert Hardware(1, gpu_memory_gb=80, headroom=0.1).usable_bytes("gpu") == 72_000_000_000
     # llama-7b on 8 x 80 GB: stage 1 needs 67.9 GB, under 68 GB at 15% headroom, over 64 GB at 20%
-    shape = ModelShape.preset("llama-7b")
+    shape = preset_shape("llama-7b")
     assert estimate(shape, Hardware(8)).recommendation.label == "stage 1, no recomputation"
     assert estimate(shape, Hardware(8, headroom=0.2)).recommendation.label == "stage 2, no recomputation"
 
@@ -127,6 +128,6 @@ def test_bad_hardware_is_rejected(kwargs: dict, message: str) -> None:
 
 def test_bad_training_settings_are_rejected() -> None:
     with pytest.raises(ValueError, match="micro_batch and seq_len must be positive"):
-        estimate(ModelShape.preset("gpt2"), Hardware(1), micro_batch=0)
+        estimate(preset_shape("gpt2"), Hardware(1), micro_batch=0)
     with pytest.raises(ValueError, match="optimizer must be one of"):
-        estimate(ModelShape.preset("gpt2"), Hardware(1), optimizer="rmsprop")
+        estimate(preset_shape("gpt2"), Hardware(1), optimizer="rmsprop")

@@ -12,7 +12,8 @@ from shardwise.formulas.parallel_activation import (
     parallel_layer_activation_bytes,
 )
 from shardwise.tools.planner.recommend import Hardware, estimate
-from shardwise.tools.planner.shapes import ModelShape
+from shardwise.formulas.model_shape import ModelShape
+from shardwise.models.shapes import preset_shape
 from tests.tools.planner.test_planner_cli import run_estimate, table_rows
 
 S, B, H, A = 4096, 2, 4096, 32
@@ -59,7 +60,7 @@ def test_vocabulary_parallel_logits_fall_by_t():
 
 
 def test_model_states_are_zero_over_gpus_per_t_of_the_tensor_shard():
-    shape = ModelShape.preset("llama-7b")
+    shape = preset_shape("llama-7b")
     result = estimate(shape, Hardware(8), seq_len=2048, parallel=ModelParallel(tensor=2, megatron_sp=True))
     replicated = (2 * 32 + 1) * 4096
     local = -(-(shape.num_params - replicated) // 2) + replicated
@@ -69,7 +70,7 @@ def test_model_states_are_zero_over_gpus_per_t_of_the_tensor_shard():
 
 
 def test_suggests_the_smallest_tensor_size_that_fits_without_offload():
-    result = estimate(ModelShape.preset("llama-7b"), Hardware(4), micro_batch=4, seq_len=8192)
+    result = estimate(preset_shape("llama-7b"), Hardware(4), micro_batch=4, seq_len=8192)
     assert result.recommendation.label == "stage 3 + optimizer→cpu, full recomputation"
     suggestion = result.tensor_suggestion
     assert suggestion.parallel == ModelParallel(tensor=2, megatron_sp=True)
@@ -82,14 +83,14 @@ def test_suggests_the_smallest_tensor_size_that_fits_without_offload():
 
 
 def test_no_suggestion_when_zero_alone_fits():
-    result = estimate(ModelShape.preset("gpt2"), Hardware(1), seq_len=1024)
+    result = estimate(preset_shape("gpt2"), Hardware(1), seq_len=1024)
     assert result.recommendation.option.offload.label == "none"
     assert result.tensor_suggestion is None
 
 
 def test_no_suggestion_beyond_one_node():
     # 70B on 8 GPUs: ZeRO-3 already spreads the states over every GPU; T moves them, not shrinks them
-    result = estimate(ModelShape.preset("llama-70b"), Hardware(8), seq_len=2048)
+    result = estimate(preset_shape("llama-70b"), Hardware(8), seq_len=2048)
     assert result.recommendation is None and result.tensor_suggestion is None
 
 

@@ -7,7 +7,8 @@ import torch
 from transformers import GPT2Config, GPT2LMHeadModel, LlamaConfig, LlamaForCausalLM, MistralConfig, MistralForCausalLM
 
 from shardwise.tools.planner import ModelShape
-from shardwise.tools.planner.shapes import PRESETS
+from shardwise.models.shapes import PRESETS
+from shardwise.models.shapes import preset_shape, shape_from_hf_config
 
 
 def parameter_count(model: torch.nn.Module) -> int:
@@ -36,26 +37,26 @@ def tiny_llama_config(**overrides: object) -> LlamaConfig:
 def test_llama_config_json_matches_transformers(tmp_path: Path, overrides: dict) -> None:
     config = tiny_llama_config(**overrides)
     config.to_json_file(tmp_path / "config.json")
-    shape = ModelShape.from_hf_config(tmp_path / "config.json")
+    shape = shape_from_hf_config(tmp_path / "config.json")
     assert shape.num_params == parameter_count(LlamaForCausalLM(config))
     assert (shape.hidden_size, shape.num_layers, shape.num_heads, shape.vocab_size) == (64, 3, 8, 1000)
-    assert ModelShape.from_hf_config(tmp_path).num_params == shape.num_params  # a directory works too
+    assert shape_from_hf_config(tmp_path).num_params == shape.num_params  # a directory works too
 
 
 def test_mistral_and_gpt2_configs_match_transformers(tmp_path: Path) -> None:
     mistral = MistralConfig(hidden_size=64, intermediate_size=160, num_hidden_layers=2, num_attention_heads=4,
                             num_key_value_heads=2, vocab_size=500)
-    assert ModelShape.from_hf_config(mistral.to_dict()).num_params == parameter_count(MistralForCausalLM(mistral))
+    assert shape_from_hf_config(mistral.to_dict()).num_params == parameter_count(MistralForCausalLM(mistral))
 
     gpt2 = GPT2Config(n_embd=48, n_layer=2, n_head=4, vocab_size=300, n_positions=64)
     gpt2.to_json_file(tmp_path / "config.json")
-    assert ModelShape.from_hf_config(tmp_path / "config.json").num_params == parameter_count(GPT2LMHeadModel(gpt2))
+    assert shape_from_hf_config(tmp_path / "config.json").num_params == parameter_count(GPT2LMHeadModel(gpt2))
 
 
 def test_known_preset_counts() -> None:
-    assert ModelShape.preset("gpt2").num_params == 124_439_808
-    assert ModelShape.preset("llama-7b").num_params == 6_738_415_616
-    assert ModelShape.preset("llama-70b").num_params == 68_976_648_192
+    assert preset_shape("gpt2").num_params == 124_439_808
+    assert preset_shape("llama-7b").num_params == 6_738_415_616
+    assert preset_shape("llama-70b").num_params == 68_976_648_192
 
 
 @pytest.mark.parametrize("name", list(PRESETS))
@@ -65,7 +66,7 @@ def test_presets_match_transformers_on_meta_device(name: str) -> None:
     config = LlamaConfig(**settings) if llama else GPT2Config(**settings)
     with torch.device("meta"):
         model = LlamaForCausalLM(config) if llama else GPT2LMHeadModel(config)
-    shape = ModelShape.preset(name)
+    shape = preset_shape(name)
     assert shape.num_params == parameter_count(model)
     largest_block = max(parameter_count(block) for block in (model.model.layers if llama else model.transformer.h))
     assert shape.largest_layer_params == max(largest_block, config.vocab_size * shape.hidden_size)
@@ -81,16 +82,16 @@ def test_from_params_keeps_optional_layout() -> None:
 
 def test_bad_inputs_name_the_problem(tmp_path: Path) -> None:
     with pytest.raises(ValueError, match="unknown preset 'llama-8b'; choose from gpt2"):
-        ModelShape.preset("llama-8b")
+        preset_shape("llama-8b")
     with pytest.raises(ValueError, match="model_type 'bert' is not supported"):
-        ModelShape.from_hf_config({"model_type": "bert"})
+        shape_from_hf_config({"model_type": "bert"})
     with pytest.raises(ValueError, match="no 'intermediate_size'"):
-        ModelShape.from_hf_config({"model_type": "llama", "hidden_size": 8, "num_hidden_layers": 1,
+        shape_from_hf_config({"model_type": "llama", "hidden_size": 8, "num_hidden_layers": 1,
                                    "num_attention_heads": 2, "vocab_size": 10})
     with pytest.raises(FileNotFoundError, match="no Hugging Face config"):
-        ModelShape.from_hf_config(tmp_path / "missing.json")
+        shape_from_hf_config(tmp_path / "missing.json")
     (tmp_path / "broken.json").write_text("{not json")
     with pytest.raises(ValueError, match="not valid JSON"):
-        ModelShape.from_hf_config(tmp_path / "broken.json")
+        shape_from_hf_config(tmp_path / "broken.json")
     with pytest.raises(ValueError, match="whole number"):
         ModelShape.from_params(1.5)
