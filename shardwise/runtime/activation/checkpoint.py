@@ -30,7 +30,7 @@ from shardwise.runtime.activation.rng import rng_tracker
 from shardwise.runtime.activation.selective import SaveRule
 from shardwise.runtime.activation.state import recomputation
 from shardwise.runtime.activation.store import CheckpointStore
-from shardwise.runtime.torch_compat import selective_checkpoint_contexts
+from shardwise.runtime.base.torch_compat import selective_checkpoint_contexts
 
 NOT_COUNTED = {torch.ops.aten.detach.default, torch.ops.aten.alias.default}
 
