@@ -104,6 +104,7 @@ def run_checkpointed(
     args: tuple,
     kwargs: dict[str, Any],
     store: CheckpointStore,
+    *,
     save_rule: SaveRule | None = None,
     layers: int = 1,
     stats: RegionStats | None = None,

@@ -102,13 +102,8 @@ class PartitionedParameters(ParameterStrategy):
         )
         self.replicated.broadcast_initial()
         self.units = self.module_units_list + persistent_units
-        self.schedule = GatherSchedule(
-            model, module_units, self.sharded, shard,
-            prefetch.prefetch_bucket_size,
-            prefetch.max_live_parameters,
-            prefetch.max_reuse_distance,
-            frozen={unit.index for unit in self.frozen_units},
-        )
+        self.schedule = GatherSchedule(model, module_units, self.sharded, shard, prefetch=prefetch,
+                                       frozen={unit.index for unit in self.frozen_units})
 
     def _is_partitioned(self, unit: FlatUnit) -> bool:
         return unit.index in self.sharded.flats
