@@ -20,7 +20,7 @@ import torch.distributed as dist
 from shardwise.runtime.distributed.collectives import Communicator
 from shardwise.runtime.distributed.setup import init_distributed
 from shardwise.tools.testing import run_distributed
-from shardwise.runtime.torch_compat import all_gather_single, reduce_scatter_single
+from shardwise.runtime.base.torch_compat import all_gather_single, reduce_scatter_single
 
 REPEATS = 5
 

@@ -5,7 +5,7 @@ The default suite runs on the pinned torch (scripts/bootstrap.py); this checks t
 end of the supported range. It creates (or reuses) `.venv-torch-VERSION/`, installs
 `torch==VERSION` there first, then `shardwise[dev]` under a constraint that pins that torch
 (so no dependency can replace it), and runs SUBSET: every ZeRO stage, offload, tensor and
-pipeline parallelism, checkpoints, one Hugging Face model, and what shardwise/runtime/torch_compat.py
+pipeline parallelism, checkpoints, one Hugging Face model, and what shardwise/runtime/base/torch_compat.py
 switches (selective checkpointing, compiled blocks, group timeouts, the launcher's
 signals), in a few minutes on 2 CPU cores;
 pytest arguments after the options replace SUBSET. `--venv` reuses an existing venv (one
@@ -46,7 +46,7 @@ SUBSET = [
     "tests/runtime/test_engine.py::test_a_collective_that_times_out_names_rank_and_operation",
     "tests/tools/launcher/test_launcher.py::test_launches_two_processes_that_all_reduce_and_get_the_script_arguments_untouched",
     "tests/faults/test_interrupts.py::test_a_second_sigint_ends_train_at_once_even_with_ranks_that_cannot_finish",
-    "tests/runtime/test_torch_compat.py",
+    "tests/runtime/base/test_torch_compat.py",
     "tests/scripts/test_bootstrap.py",
 ]
 

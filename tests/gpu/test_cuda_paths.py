@@ -14,7 +14,7 @@ from shardwise.runtime.distributed.setup import collective_timeout
 from shardwise.runtime.distributed.staging import staged_on
 from shardwise.models import GPT, GPTConfig
 from shardwise.tools.profiling import StepTimer
-from shardwise.runtime.random_state import seeded_rng
+from shardwise.runtime.base.random_state import seeded_rng
 from shardwise.tools.testing import run_distributed
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")

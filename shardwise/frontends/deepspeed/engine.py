@@ -15,13 +15,13 @@ from __future__ import annotations
 import logging
 import os
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 import torch
 from torch import nn
 
 from shardwise.frontends.deepspeed.config import ShardwiseConfig
-from shardwise.runtime.engine import Engine
+from shardwise.runtime.engine import Engine, Job, Policies
 from shardwise.runtime.zero.gathered import gathered_parameters
 
 log = logging.getLogger("shardwise")
@@ -30,10 +30,13 @@ log = logging.getLogger("shardwise")
 class ConfiguredEngine(Engine):
     """An engine built from a DeepSpeed config: `engine.config` is the resolved config."""
 
-    def __init__(self, model: nn.Module, *, config: ShardwiseConfig, **engine: Any):
+    def __init__(self, model: nn.Module, *, config: ShardwiseConfig, job: Job, policies: Policies,
+                 optimizer: torch.optim.Optimizer | None = None, lr_scheduler: Any = None,
+                 param_init_fn: Callable[[nn.Module], None] | None = None):
         """`config`: what the policies were made from (frontends/deepspeed/config/policies.py);
         the rest as `Engine`'s."""
-        super().__init__(model, **engine)
+        super().__init__(model, job=job, policies=policies, optimizer=optimizer, lr_scheduler=lr_scheduler,
+                         param_init_fn=param_init_fn)
         self.config = config
 
     @property
@@ -48,10 +51,6 @@ class ConfiguredEngine(Engine):
 
     def fp16_enabled(self) -> bool:
         return self.config.fp16.enabled
-
-    def get_lr(self) -> list[float]:
-        """Each param group's learning rate; [] for an engine without an optimizer, as DeepSpeed."""
-        return [group["lr"] for group in self.optimizer.optimizer.param_groups] if self.trains else []
 
     @property
     def loss_scale(self) -> float:

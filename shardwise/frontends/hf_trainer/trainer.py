@@ -39,6 +39,7 @@ import torch
 from transformers import Trainer
 
 import shardwise
+from shardwise.frontends.deepspeed.engine import ConfiguredEngine
 from shardwise.frontends.hf_trainer.trainer_config import (
     auto_values,
     check_config,
@@ -76,7 +77,7 @@ class ShardwiseTrainer(Trainer):
             raise ValueError("ShardwiseTrainer needs a DeepSpeed-style config: pass shardwise_config= (a dict or "
                              "the path of a JSON file), or set TrainingArguments(deepspeed=...)")
         self.shardwise_config = complete_batch_keys(read_config(source))
-        self.engine: Any = None
+        self.engine: ConfiguredEngine | None = None  # built when training starts (`_build_engine`)
         super().__init__(model, args, *trainer_args, **trainer_kwargs)
         self._check_setup()
 
@@ -132,7 +133,7 @@ class ShardwiseTrainer(Trainer):
         self.callback_handler.train_dataloader = train_dataloader
         return engine, train_dataloader
 
-    def _build_engine(self, max_steps: int) -> Any:
+    def _build_engine(self, max_steps: int) -> ConfiguredEngine:
         if self.engine is not None:
             if self.engine.module is self.model:
                 raise RuntimeError("train() was already called on this model, which the engine now owns; to train "

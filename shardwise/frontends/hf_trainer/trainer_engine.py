@@ -22,13 +22,14 @@ from typing import Any, Iterator
 import torch
 from accelerate import Accelerator
 
+from shardwise.runtime.engine_protocol import EngineProtocol
 from shardwise.runtime.zero.gathered import gathered_parameters
 
 
 class EngineStepper:
     """Turns the Trainer's one backward per micro-batch into the engine's backward + step."""
 
-    def __init__(self, engine: Any):
+    def __init__(self, engine: EngineProtocol):
         self.engine = engine
         self.lr_of_last_update: list[float] | None = None
 
@@ -96,7 +97,7 @@ class EngineOptimizer:
     rank's partitions; attributes such as `param_groups` are its), with `step` and
     `zero_grad` left to the engine."""
 
-    def __init__(self, engine: Any):
+    def __init__(self, engine: EngineProtocol):
         self.engine = engine
 
     def step(self, closure: Any = None) -> None:
@@ -136,7 +137,7 @@ class EngineScheduler:
         return getattr(stepper.engine.lr_scheduler, name)
 
 
-def full_state_dict(engine: Any) -> dict[str, torch.Tensor]:
+def full_state_dict(engine: EngineProtocol) -> dict[str, torch.Tensor]:
     """The model's state_dict with every parameter whole, on CPU, on rank 0 (empty on the
     others). Collective: at ZeRO-3 the trained parameters are gathered one module at a
     time, so no rank ever holds more of the model on its device than one module. Tied
@@ -144,7 +145,7 @@ def full_state_dict(engine: Any) -> dict[str, torch.Tensor]:
     state: dict[str, torch.Tensor] = {}
     copies: dict[int, torch.Tensor] = {}
     for prefix, module in engine.module.named_modules(remove_duplicate=False):
-        trained = [param for param in module.parameters(recurse=False) if id(param) in engine.unit_of_param]
+        trained = [param for param in module.parameters(recurse=False) if id(param) in engine.zero.unit_of_param]
         with gathered_parameters(trained) if trained else nullcontext():
             if engine.rank != 0:
                 continue

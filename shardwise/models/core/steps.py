@@ -33,7 +33,7 @@ from shardwise.runtime.parallel.sequence.ulysses import apply_ulysses
 from shardwise.runtime.parallel.tensor.layers import TensorRegion
 from shardwise.runtime.parallel.tensor.transform import apply_tensor_parallel
 from shardwise.runtime.parallel.tensor.styles import Style
-from shardwise.runtime.torch_compat import require_selective_policy_outputs
+from shardwise.runtime.base.torch_compat import require_selective_policy_outputs
 
 log = logging.getLogger("shardwise")
 KNOWN = "shardwise GPT, Hugging Face llama, mistral, qwen2, qwen3 and gpt2"

@@ -131,7 +131,8 @@ def apply_activation_checkpointing(
         members = [stack[index] for index in indices]
 
         def run(chain: Callable, args: tuple, kwargs: dict, count: int = len(members)) -> Any:
-            return run_checkpointed(chain, args, kwargs, store, rule, count, stats, synchronize)
+            return run_checkpointed(chain, args, kwargs, store, save_rule=rule, layers=count, stats=stats,
+                                    synchronize=synchronize)
 
         region = _Region(members, run)
         members[0].forward = region.leader

@@ -30,7 +30,7 @@ from shardwise.runtime.activation.rng import rng_tracker
 from shardwise.runtime.activation.selective import SaveRule
 from shardwise.runtime.activation.state import recomputation
 from shardwise.runtime.activation.store import CheckpointStore
-from shardwise.runtime.torch_compat import selective_checkpoint_contexts
+from shardwise.runtime.base.torch_compat import selective_checkpoint_contexts
 
 NOT_COUNTED = {torch.ops.aten.detach.default, torch.ops.aten.alias.default}
 
@@ -104,6 +104,7 @@ def run_checkpointed(
     args: tuple,
     kwargs: dict[str, Any],
     store: CheckpointStore,
+    *,
     save_rule: SaveRule | None = None,
     layers: int = 1,
     stats: RegionStats | None = None,

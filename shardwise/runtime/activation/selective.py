@@ -22,7 +22,7 @@ recompute everything else from them. Per GPT block (e bytes per element, s·b·h
 
 A rule is `rule(func, args, output) -> bool` (True: keep), so a caller can pass its own. On
 torch 2.9 the rule is asked before the operator runs, and reading `output` raises
-(shardwise/runtime/torch_compat.py); the named rules decide from `func` and `args` alone.
+(shardwise/runtime/base/torch_compat.py); the named rules decide from `func` and `args` alone.
 What the named rules keep is the planner's `selective_kept_bytes` (shardwise.formulas.activation.py).
 """
 

@@ -15,9 +15,8 @@ from __future__ import annotations
 import logging
 import math
 import os
-from itertools import chain, groupby
+from itertools import chain
 from pathlib import Path
-from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -32,20 +31,15 @@ from shardwise.runtime.checkpoint.format import (
 )
 from shardwise.runtime.checkpoint.index import PieceIndex
 from shardwise.runtime.checkpoint.manifest import check_file, read_manifest, resolve_tag
-from shardwise.runtime.checkpoint.pieces import (
-    describe_whole_model,
-    frozen_owned,
-    module_extras,
-    owned_runs,
-    tensor_shards,
-)
+from shardwise.runtime.checkpoint.pieces import describe_whole_model, module_extras, owned_runs, tensor_shards
 from shardwise.runtime.checkpoint.safetensors_io import DTYPES
 from shardwise.runtime.checkpoint.state import decode_value, restore_rng_state
+from shardwise.runtime.engine_protocol import EngineProtocol
 
 log = logging.getLogger("shardwise")
 
 
-def load_checkpoint(engine: Any, load_dir: str | os.PathLike, tag: str | None = None,
+def load_checkpoint(engine: EngineProtocol, load_dir: str | os.PathLike, tag: str | None = None, *,
                     optimizer_states: bool = True, module_only: bool = False, strict: bool = True) -> dict:
     """Restore everything `save_checkpoint` wrote (tag None: the one `latest` names) and
     return the saved client_state. Collective: every rank calls it.
@@ -75,17 +69,18 @@ def load_checkpoint(engine: Any, load_dir: str | os.PathLike, tag: str | None = 
     records = [read_json(directory / rank_json(rank)) for rank in range(meta["world_size"])]
     with PieceIndex(directory, records) as index:
         module_only = module_only or not engine.trains  # an engine without an optimizer takes the weights
-        absent = check_model(engine, meta, index, strict, optimizer_states and not module_only)
+        absent = check_model(engine, meta, index, strict=strict, restoring_state=optimizer_states and not module_only)
         engine.zero.release_gathered()  # forwards must gather the loaded values
         if engine.trains:
-            _load_trained(engine, index, meta, records, optimizer_states and not module_only, absent)
+            _load_trained(engine, index, meta, records, optimizer_states=optimizer_states and not module_only,
+                          absent=absent)
         with torch.no_grad():
             for name, tensor in module_extras(engine):
                 if name in absent:
                     continue
                 tensor.copy_(index.read(name, VALUE, 0, tensor.numel(), tensor.dtype).view(tensor.shape))
             shards = tensor_shards(engine.module)
-            for name, low, high, values in frozen_owned(engine):  # into this rank's shards (stage 3)
+            for name, low, high, values in engine.zero.untrained_pieces():  # into this rank's shards (stage 3)
                 if name in absent:
                     continue
                 for start, stop, at in owned_runs(low, high, shards.get(name)):
@@ -107,7 +102,7 @@ def load_checkpoint(engine: Any, load_dir: str | os.PathLike, tag: str | None = 
     return meta["client_state"]
 
 
-def _first_micro_step(engine: Any, counters: dict) -> int:
+def _first_micro_step(engine: EngineProtocol, counters: dict) -> int:
     """Resume at the start of an accumulation window of the *current* accumulation: a
     world size that changes `gradient_accumulation_steps` for the same global batch would
     otherwise put the window boundaries where the saved run had them, and the first
@@ -122,7 +117,7 @@ def _first_micro_step(engine: Any, counters: dict) -> int:
     return engine.global_steps * engine.gradient_accumulation_steps
 
 
-def verify_checkpoint(engine: Any, directory: Path) -> None:
+def verify_checkpoint(engine: EngineProtocol, directory: Path) -> None:
     """Check every file against the manifest before anything is read. The files are
     split over the ranks; the first failure (by file order) is reported on every rank."""
     files = read_manifest(directory)
@@ -140,7 +135,7 @@ def verify_checkpoint(engine: Any, directory: Path) -> None:
                               f"{directory / name} failed verification on another rank")
 
 
-def check_model(engine: Any, meta: dict, index: PieceIndex, strict: bool = True,
+def check_model(engine: EngineProtocol, meta: dict, index: PieceIndex, *, strict: bool = True,
                 restoring_state: bool = False) -> set[str]:
     """The checkpoint holds exactly the model's parameters and buffers, with its shapes
     (`strict` False: a subset or superset of them, with its shapes, and when
@@ -194,8 +189,8 @@ def check_model(engine: Any, meta: dict, index: PieceIndex, strict: bool = True,
     return absent
 
 
-def _load_trained(engine: Any, index: PieceIndex, meta: dict, records: list[dict], optimizer_states: bool,
-                  absent: set[str]) -> None:
+def _load_trained(engine: EngineProtocol, index: PieceIndex, meta: dict, records: list[dict], *,
+                  optimizer_states: bool, absent: set[str]) -> None:
     """Fill the owned masters (but those of `absent` parameters) and (`optimizer_states`)
     build the optimizer state of every owned segment."""
     scalars, elements = _group_states(records) if optimizer_states else ({}, {})
@@ -209,18 +204,15 @@ def _load_trained(engine: Any, index: PieceIndex, meta: dict, records: list[dict
                 key: torch.zeros(segment.numel, dtype=DTYPES[dtype], device=segment.master.device)
                 for key, dtype in elements[group].items()
             }
-    store = engine.zero.store
     shards = tensor_shards(engine.module)
-    ranges = sorted(engine.zero.owned_ranges(), key=lambda owned: store.sub_group_index(owned.segment))
-    for sub_group, owned_in_group in groupby(ranges, key=lambda owned: store.sub_group_index(owned.segment)):
-        with store.resident(store.sub_groups[sub_group]):  # a paging store writes the masters back
-            for owned in owned_in_group:
-                if owned.name in absent:
-                    continue
-                for start, stop, at in owned_runs(owned.start, owned.stop, shards.get(owned.name)):
-                    index.read_into(owned.name, VALUE, start, owned.master[at : at + stop - start])
-                    for key, tensor in parts.get(id(owned.segment), {}).items():
-                        index.read_into(owned.name, key, start, owned.state_view(tensor)[at : at + stop - start])
+    for owned_in_group in engine.zero.owned_ranges_by_sub_group():  # a paging store writes the masters back
+        for owned in owned_in_group:
+            if owned.name in absent:
+                continue
+            for start, stop, at in owned_runs(owned.start, owned.stop, shards.get(owned.name)):
+                index.read_into(owned.name, VALUE, start, owned.master[at : at + stop - start])
+                for key, tensor in parts.get(id(owned.segment), {}).items():
+                    index.read_into(owned.name, key, start, owned.state_view(tensor)[at : at + stop - start])
     if not optimizer_states:
         return
     codec = engine.zero.codec
@@ -241,10 +233,7 @@ def _load_trained(engine: Any, index: PieceIndex, meta: dict, records: list[dict
         "state": {position[id(s.master)]: states[id(s)] for s in engine.optimizer.segments if id(s) in states},
         "param_groups": groups,
     })
-    for sub_group in store.sub_groups:  # a paging store moves the new state into its pages
-        with store.resident(sub_group):
-            store.adopt_state(sub_group, optimizer.state)
-    engine.optimizer.record_state_bytes()
+    engine.zero.adopt_optimizer_state()  # a paging store moves the new state into its pages
 
 
 def _group_states(records: list[dict]) -> tuple[dict[str, dict], dict[str, dict]]:

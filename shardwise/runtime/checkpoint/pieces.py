@@ -2,7 +2,8 @@
 (zero/shard_view.py), and the model's description a loader checks against.
 
 Saving walks the owned ranges and writes the views they carry; loading walks the new
-owner's ranges and fills them.
+owner's ranges and fills them. The engine is reached through its protocol
+(runtime/engine_protocol.py), its ZeRO side through ZeroState's.
 """
 
 from __future__ import annotations
@@ -11,38 +12,23 @@ from typing import Any
 
 import torch
 
+from shardwise.runtime.distributed.collectives import mesh_communicator
+from shardwise.runtime.engine_protocol import EngineProtocol
 from shardwise.runtime.parallel.tensor.placement import TensorShard, tensor_shard
 
 
-def module_extras(engine: Any) -> list[tuple[str, torch.Tensor]]:
+def module_extras(engine: EngineProtocol) -> list[tuple[str, torch.Tensor]]:
     """Frozen parameters that ZeRO does not hold (all of them at stages 0-2, those under
     the persistence threshold at stage 3) and persistent buffers (BatchNorm statistics...):
     whole on every rank, written by rank 0. Non-persistent buffers (rotary tables, causal
     masks) are rebuilt by the model and, as in `state_dict()`, not saved."""
     module = engine.module
-    held = {id(slot.param) for unit in engine.zero.params.frozen_units for slot in unit.slots}
+    held = {id(slot.param) for unit in engine.zero.frozen_units for slot in unit.slots}
     persistent = set(module.state_dict(keep_vars=True))
     extras = [(name, param) for name, param in module.named_parameters()
               if not param.requires_grad and id(param) not in held]
     extras += [(name, buffer) for name, buffer in module.named_buffers() if name in persistent]
     return extras
-
-
-def frozen_owned(engine: Any) -> list[tuple[str, int, int, torch.Tensor]]:
-    """The parameters ZeRO holds without training them (stage 3's partitioned frozen
-    ones; every parameter of an engine without an optimizer): this rank's pieces, as
-    (name, start, stop, values) in the local tensor's flat coordinates; the values are
-    views of its shards (or of its chunk of the whole parameters), so a load writes
-    straight into them."""
-    strategy = engine.zero.params
-    rank = engine.zero.groups.shard.rank
-    owned = []
-    for unit in [*strategy.frozen_units, *(() if engine.trains else engine.units)]:
-        chunk = strategy.owned_chunk(unit)
-        for piece in unit.owned_pieces(rank):
-            values = chunk[piece.chunk_offset : piece.chunk_offset + piece.numel]
-            owned.append((piece.slot.name, piece.start, piece.stop, values))
-    return owned
 
 
 def tensor_shards(module: torch.nn.Module) -> dict[str, TensorShard]:
@@ -83,7 +69,7 @@ def strided_pieces(runs: list[tuple[int, int, int]]) -> list[tuple[int, int, int
     return pieces
 
 
-def describe_tensor_parallel(engine: Any) -> dict[str, Any] | None:
+def describe_tensor_parallel(engine: EngineProtocol) -> dict[str, Any] | None:
     """How the saving run split each parameter (for the reader; loading needs only the
     pieces, which are in whole-parameter coordinates)."""
     size = engine.mesh["tensor"].size
@@ -94,12 +80,12 @@ def describe_tensor_parallel(engine: Any) -> dict[str, Any] | None:
     return {"size": size, "split": split}
 
 
-def describe_model(engine: Any) -> dict[str, Any]:
+def describe_model(engine: EngineProtocol) -> dict[str, Any]:
     """Names and shapes the loader checks a model against (stage-3 parameters are empty
     placeholders between forwards, so trained shapes come from the layout; a
     tensor-parallel parameter is described by its whole shape)."""
-    trained = {slot.name: list(slot.shape) for unit in engine.units for slot in unit.slots}
-    held_frozen = {slot.name: list(slot.shape) for unit in engine.zero.params.frozen_units for slot in unit.slots}
+    trained = {slot.name: list(slot.shape) for unit in engine.zero.units for slot in unit.slots}
+    held_frozen = {slot.name: list(slot.shape) for unit in engine.zero.frozen_units for slot in unit.slots}
     shapes = {**trained, **held_frozen}
     shapes.update({name: list(shard.global_shape) for name, shard in tensor_shards(engine.module).items()
                    if name in shapes})
@@ -124,14 +110,22 @@ def describe_model(engine: Any) -> dict[str, Any]:
     return {"parameters": parameters, "buffers": buffers, "aliases": aliases}
 
 
-def describe_whole_model(engine: Any) -> dict[str, Any]:
+def describe_whole_model(engine: EngineProtocol) -> dict[str, Any]:
     """`describe_model` of the whole model: with pipeline parallelism each rank holds only
-    its stage's parameters, so the stages' descriptions are merged (collective over the
-    pipeline group). A checkpoint then names every parameter, whatever pipeline size
-    saves or loads it."""
-    pipeline = getattr(engine, "pipeline", None)
+    its stage's parameters, so the stages' descriptions are merged, in stage order
+    (collective over the pipeline group). A checkpoint then names every parameter,
+    whatever pipeline size saves or loads it."""
     description = describe_model(engine)
-    return description if pipeline is None else pipeline.merge_descriptions(description)
+    if engine.mesh["pipeline"].size == 1:
+        return description
+    merged: dict[str, Any] = {"parameters": [], "buffers": [], "aliases": {}}
+    seen: set[str] = set()
+    for part in mesh_communicator(engine.mesh, "pipeline").control_all_gather_object(description):
+        for key in ("parameters", "buffers"):
+            merged[key] += [entry for entry in part[key] if entry["name"] not in seen]
+            seen.update(entry["name"] for entry in part[key])
+        merged["aliases"].update(part["aliases"])
+    return merged
 
 
 def _dtype_name(dtype: torch.dtype) -> str:

@@ -41,7 +41,6 @@ from shardwise.runtime.checkpoint.manifest import file_digest, publish, write_ma
 from shardwise.runtime.checkpoint.pieces import (
     describe_tensor_parallel,
     describe_whole_model,
-    frozen_owned,
     module_extras,
     owned_runs,
     strided_pieces,
@@ -49,10 +48,11 @@ from shardwise.runtime.checkpoint.pieces import (
 )
 from shardwise.runtime.checkpoint.safetensors_io import SafetensorsWriter, TensorEntry, dtype_name
 from shardwise.runtime.checkpoint.state import capture_rng_state, check_json, encode_value
+from shardwise.runtime.engine_protocol import EngineProtocol
 
 
 def save_checkpoint(
-    engine: Any, save_dir: str | os.PathLike, tag: str | None = None, client_state: dict | None = None
+    engine: EngineProtocol, save_dir: str | os.PathLike, tag: str | None = None, client_state: dict | None = None
 ) -> str:
     """Write a checkpoint of `engine` under `save_dir/tag` (default tag: global_step<N>) and
     point `save_dir/latest` at it. Collective: every rank calls it. Returns the tag.
@@ -97,7 +97,7 @@ def _remove_leftovers(root: Path) -> None:
             shutil.rmtree(entry, ignore_errors=True)
 
 
-def _together(engine: Any, step: Callable[[], None], what: str) -> None:
+def _together(engine: EngineProtocol, step: Callable[[], None], what: str) -> None:
     """Run `step` on every rank; if any rank fails, every rank raises."""
     error: BaseException | None = None
     try:
@@ -112,11 +112,11 @@ def _together(engine: Any, step: Callable[[], None], what: str) -> None:
         raise CheckpointError(f"rank {engine.rank}: another rank failed while {what}; see its error")
 
 
-def _write_rank_files(engine: Any, staging: Path) -> None:
+def _write_rank_files(engine: EngineProtocol, staging: Path) -> None:
     """This rank's pieces (safetensors) and its record (JSON): piece list, optimizer
     scalars per param group, RNG state, and the checksum of its tensor file."""
-    writes_model = engine.zero.writes_model
-    store = engine.zero.store
+    zero = engine.zero
+    writes_model = zero.writes_model
     element_states, groups = _optimizer_states(engine) if writes_model else ({}, {})
     pieces: list[dict[str, Any]] = []
     tensors: list[tuple[str, torch.Tensor, int]] = []  # key, values, optimizer sub-group (-1: none)
@@ -130,7 +130,7 @@ def _write_rank_files(engine: Any, staging: Path) -> None:
     if writes_model:
         shards = tensor_shards(engine.module)
         first_tensor_rank = engine.mesh["tensor"].rank == 0
-        for owned in engine.zero.owned_ranges():
+        for owned in zero.owned_ranges():
             if owned.name not in shards and not first_tensor_rank:
                 continue  # replicated over the tensor group: its first rank writes it
             states = element_states.get(id(owned.segment), {})
@@ -139,9 +139,9 @@ def _write_rank_files(engine: Any, staging: Path) -> None:
             for start, run, stride, count, at in strided_pieces(runs):
                 stored = {key: view[at : at + run * count] for key, view in named.items()}
                 stop = start + (count - 1) * stride + run
-                add(owned.name, start, stop, stored, store.sub_group_index(owned.segment),
+                add(owned.name, start, stop, stored, zero.sub_group_index(owned.segment),
                     *((run, stride) if count > 1 else ()))
-        for name, low, high, values in frozen_owned(engine):  # stage 3: frozen weights are partitioned too
+        for name, low, high, values in zero.untrained_pieces():  # stage 3: frozen weights are partitioned too
             if name not in shards and not first_tensor_rank:
                 continue
             for start, run, stride, count, at in strided_pieces(owned_runs(low, high, shards.get(name))):
@@ -154,12 +154,12 @@ def _write_rank_files(engine: Any, staging: Path) -> None:
     files: dict[str, tuple[int, str]] = {}
     if tensors:
         # sub-group by sub-group: a paging store (NVMe) holds only the one being written
-        tensors.sort(key=lambda item: item[2] if item[2] >= 0 else len(store.sub_groups))
+        tensors.sort(key=lambda item: (item[2] < 0, item[2]))  # untrained pieces (-1) last
         path = staging / rank_tensors(engine.rank)
         entries = [TensorEntry(key, tensor.dtype, (tensor.numel(),)) for key, tensor, _ in tensors]
         with SafetensorsWriter(path, entries, metadata={"format": "pt"}) as writer:
             for sub_group, items in itertools.groupby(tensors, key=lambda item: item[2]):
-                with store.resident(store.sub_groups[sub_group] if sub_group >= 0 else []):
+                with zero.resident(sub_group if sub_group >= 0 else None):
                     for key, tensor, _ in items:
                         writer.write(key, tensor)
             files[path.name] = writer.close()
@@ -173,7 +173,7 @@ def _write_rank_files(engine: Any, staging: Path) -> None:
     write_synced(staging / rank_json(engine.rank), json.dumps(record))
 
 
-def _optimizer_states(engine: Any) -> tuple[dict[int, dict[str, torch.Tensor]], dict[str, dict]]:
+def _optimizer_states(engine: EngineProtocol) -> tuple[dict[int, dict[str, torch.Tensor]], dict[str, dict]]:
     """Per segment, its per-element state tensors (the codec's `elements`); per param
     group, its scalar state (e.g. Adam's `step`) and the dtypes of its per-element states.
 
@@ -203,7 +203,7 @@ def _optimizer_states(engine: Any) -> tuple[dict[int, dict[str, torch.Tensor]], 
     return element_states, groups
 
 
-def _write_meta(engine: Any, staging: Path, tag: str, client_state: dict, model: dict) -> None:
+def _write_meta(engine: EngineProtocol, staging: Path, tag: str, client_state: dict, model: dict) -> None:
     optimizer = engine.optimizer.optimizer
     scheduler = engine.lr_scheduler
     if scheduler is not None and not hasattr(scheduler, "state_dict"):

@@ -40,7 +40,7 @@ from shardwise.runtime.accounting import MemoryLedger
 from shardwise.runtime.distributed import point_to_point
 from shardwise.runtime.distributed.mesh import GroupHandle, ParallelMesh
 from shardwise.runtime.distributed.peers import PeerDirectory
-from shardwise.runtime.torch_compat import all_gather_single, reduce_scatter_single
+from shardwise.runtime.base.torch_compat import all_gather_single, reduce_scatter_single
 
 # Test-only (see `Communicator`): "1" makes groups of one issue their data collectives.
 COLLECTIVES_AT_SIZE_ONE_VARIABLE = "SHARDWISE_COLLECTIVES_AT_WORLD_SIZE_1"

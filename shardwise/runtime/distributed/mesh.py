@@ -40,7 +40,7 @@ from typing import TYPE_CHECKING
 import torch
 import torch.distributed as dist
 
-from shardwise.runtime.torch_compat import mesh_groups_time_out_after
+from shardwise.runtime.base.torch_compat import mesh_groups_time_out_after
 
 if TYPE_CHECKING:
     from shardwise.runtime.distributed.collectives import CommStats

@@ -14,7 +14,8 @@ apply order (tensor -> sequence -> activation checkpointing -> compile -> pipeli
 ZeRO): it takes over the parameters (zero/apply.py). Everything stage-specific lives
 behind `self.zero`: the parameter strategy, the shard store, the gradient reducer and the
 sharded optimizer. A model split into pipeline stages is run by `train_batch` /
-`eval_batch` (parallel/pipeline/runner.py).
+`eval_batch` (parallel/pipeline/runner.py). What code built around the engine may use of
+it (checkpoints, the pipeline runner, the front ends) is runtime/engine_protocol.py.
 """
 
 from __future__ import annotations
@@ -23,7 +24,7 @@ import logging
 import os
 import weakref
 from contextlib import contextmanager
-from typing import Any, Callable, Iterable, Iterator
+from typing import Any, Callable, Iterable, Iterator, Sequence
 
 import torch
 from torch import nn
@@ -118,12 +119,10 @@ class Engine(nn.Module):
         self.optimizer = self.zero.optimizer
         self.tensor_norm = tensor_parallel_norm(self.mesh, self.zero, self.comm_stats) if self.trains else None
         self.units = self.zero.units
-        self.unit_of_param = {id(slot.param): unit for unit in [*self.units, *self.zero.params.frozen_units]
-                              for slot in unit.slots}
-        self.ledger.hold("params", cast_unheld_state(model, self.dtype, held=set(self.unit_of_param)))
+        self.ledger.hold("params", cast_unheld_state(model, self.dtype, held=set(self.zero.unit_of_param)))
         hooked = self.zero.reducer if self.trains else self.zero.params  # what holds hooks on the parameters
         for param in model.parameters():
-            param._shardwise_engine = weakref.ref(self)
+            param._shardwise_zero = weakref.ref(self.zero)  # gathered_parameters (zero/gathered.py)
             param._shardwise_hooks = weakref.ref(hooked)
 
         training = policies.training
@@ -207,6 +206,24 @@ class Engine(nn.Module):
             self._abort_backward()
             raise
 
+    def backward_with_gradients(self, tensors: Sequence[torch.Tensor], grads: Sequence[torch.Tensor | None], *,
+                                boundary: bool, loss: torch.Tensor) -> None:
+        """One backward from `tensors` with their given gradients: a pipeline stage's, whose
+        outputs' gradients come from the next stage already scaled (the last stage's loss is
+        scaled by the caller, as `backward` scales it). ZeRO brackets it as it brackets
+        `backward(loss)`; `boundary`: this rank's last backward of the window, where stages
+        0-1 reduce. `loss` (the stage's, or zero) goes to the step check."""
+        self.zero.reducer.begin_backward(boundary=boundary)
+        self.guard.note_loss(loss)
+        try:
+            if tensors:  # a stage of parameter-free layers fed by the data has nothing to differentiate
+                torch.autograd.backward(tensors, grads)
+            self.zero.reducer.end_backward()
+        except BaseException:
+            self._abort_backward()
+            raise
+        self.zero.params.end_backward()
+
     def _abort_backward(self) -> None:
         """A backward raised (on every rank alike, or the step check will say otherwise):
         finish its collectives and drop its gradients. If it was the first micro-batch of
@@ -277,7 +294,8 @@ class Engine(nn.Module):
         adapter, layout = split
         pipeline = self.policies.pipeline
         micro_batches = pipeline.micro_batches or self.gradient_accumulation_steps
-        return PipelineRunner(self, adapter, layout, pipeline.schedule, micro_batches)
+        return PipelineRunner(self, adapter=adapter, layout=layout, schedule=pipeline.schedule,
+                              micro_batches=micro_batches)
 
     def train_batch(self, data_iter: Iterable[Any] | None = None,
                     loss_fn: Callable[..., torch.Tensor] | None = None) -> torch.Tensor:
@@ -285,7 +303,19 @@ class Engine(nn.Module):
         accumulation steps) through the schedule, then one optimizer step; returns the
         batch's mean loss on every rank."""
         self._require_training("train_batch")  # before any stage starts: every rank refuses alike
-        return self._running_pipeline("train_batch").run(_iterator(data_iter, "train_batch"), loss_fn, train=True)
+        pipeline = self._running_pipeline("train_batch")
+        micro_batches = _iterator(data_iter, "train_batch")
+        if self.micro_steps % self.gradient_accumulation_steps or self._backward_pending:
+            raise RuntimeError("engine.train_batch() in the middle of an accumulation window started with "
+                               "engine.backward(): call engine.step() until the window ends first")
+        return pipeline.run(micro_batches, loss_fn, train=True)
+
+    def step_after_schedule(self, micro_batches: int) -> None:
+        """The pipeline schedule ran `micro_batches` backwards (`backward_with_gradients`):
+        they make one accumulation window, which ends in a step."""
+        self.micro_steps += micro_batches - 1
+        self._backward_pending = True
+        self.step()
 
     def eval_batch(self, data_iter: Iterable[Any] | None = None,
                    loss_fn: Callable[..., torch.Tensor] | None = None) -> torch.Tensor:
@@ -309,7 +339,7 @@ class Engine(nn.Module):
                                "train with engine(batch), engine.backward(loss) and engine.step()")
         return self.pipeline
 
-    # -- checkpoints (shardwise/checkpoint) ----------------------------------------------
+    # -- checkpoints (runtime/checkpoint/) ----------------------------------------------
     def save_checkpoint(self, save_dir: str | os.PathLike, tag: str | None = None,
                         client_state: dict | None = None) -> str:
         """Write this rank's shard of everything needed to resume; returns the tag."""
@@ -328,7 +358,8 @@ class Engine(nn.Module):
 
         self._require_alive("load_checkpoint")
         self.world.agree_on_call("load_checkpoint", call_check_timeout(self.context.timeout))
-        return load_checkpoint(self, load_dir, tag, optimizer_states, module_only, strict)
+        return load_checkpoint(self, load_dir, tag, optimizer_states=optimizer_states, module_only=module_only,
+                               strict=strict)
 
     # -- accounting ----------------------------------------------------------------------
     def memory_breakdown(self, by_tier: bool = False) -> dict:
@@ -363,6 +394,10 @@ class Engine(nn.Module):
         return sum(unit.padded_numel - unit.numel for unit in self.units)
 
     # -- conveniences DeepSpeed users expect ---------------------------------------------
+    def get_lr(self) -> list[float]:
+        """Each param group's learning rate; [] for an engine without an optimizer, as DeepSpeed."""
+        return [group["lr"] for group in self.optimizer.optimizer.param_groups] if self.trains else []
+
     def __getattr__(self, name: str) -> Any:
         try:
             return super().__getattr__(name)  # nn.Module's own: parameters, buffers, submodules
@@ -390,7 +425,7 @@ class Engine(nn.Module):
         self.zero.params.remove_hooks()
         self.zero.close()
         for param in self.module.parameters():
-            for attribute in ("_shardwise_engine", "_shardwise_hooks"):
+            for attribute in ("_shardwise_zero", "_shardwise_hooks"):
                 if hasattr(param, attribute):
                     delattr(param, attribute)
         self._destroyed = True

@@ -49,7 +49,7 @@ def _normalise_forward(z: torch.Tensor, gamma: torch.Tensor, beta: torch.Tensor,
 
 @fused
 def _normalise_backward(grad: torch.Tensor, z: torch.Tensor, gamma: torch.Tensor, beta: torch.Tensor,
-                        mean: torch.Tensor, var: torch.Tensor, eps: float,
+                        mean: torch.Tensor, var: torch.Tensor, *, eps: float,
                         activation: str) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     rstd = torch.rsqrt(var + eps)
     normed = (z - mean) * rstd
@@ -73,7 +73,8 @@ class _BatchNormAct(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad: torch.Tensor, _mean_grad: torch.Tensor, _var_grad: torch.Tensor):
         z, gamma, beta, mean, var = ctx.saved_tensors
-        dz, dgamma, dbeta = _normalise_backward(grad.contiguous(), z, gamma, beta, mean, var, ctx.eps, ctx.activation)
+        dz, dgamma, dbeta = _normalise_backward(grad.contiguous(), z, gamma, beta, mean, var, eps=ctx.eps,
+                                                activation=ctx.activation)
         return dz, dgamma, dbeta, None, None
 
 

@@ -71,8 +71,11 @@ class Lamb(ShardAwareOptimizer):
         for group_params, group in groups:
             self._advance(group_params, group)
             if group.get("compile", False):  # updates are recomputed when applied, not kept
-                squares.append(torch.stack([kernel(_moments_and_squares, True, p)(*self._tensors(p), *_constants(group))
-                                            for p in group_params]))
+                beta1, beta2 = group["betas"]
+                squares.append(torch.stack([
+                    kernel(_moments_and_squares, True, p)(*self._tensors(p), beta1=beta1, beta2=beta2,
+                                                          **_constants(group))
+                    for p in group_params]))
             else:
                 updates.append(self._updates(group_params, group))
                 squares.append(piece_squares(group_params, updates[-1]))
@@ -92,7 +95,7 @@ class Lamb(ShardAwareOptimizer):
             if group.get("compile", False):
                 for param, scale in zip(group_params, scales):
                     scale = torch.tensor(scale, dtype=torch.float64)
-                    kernel(_apply, True, param)(*self._tensors(param), scale, *_constants(group)[2:])
+                    kernel(_apply, True, param)(*self._tensors(param), scale, **_constants(group))
                 continue
             group_updates = next(eager_updates)
             torch._foreach_mul_(group_updates, scales)
@@ -135,10 +138,10 @@ class Lamb(ShardAwareOptimizer):
         return updates
 
 
-def _constants(group: dict) -> tuple[float, float, float, float, bool]:
-    """The compiled kernels' constant arguments (specialised: compiled once per value)."""
-    beta1, beta2 = group["betas"]
-    return beta1, beta2, group["eps"], group["weight_decay"], group["eps_inside_sqrt"]
+def _constants(group: dict) -> dict[str, float | bool]:
+    """The update's constants, by name, for the compiled kernels (specialised: compiled
+    once per value)."""
+    return {"eps": group["eps"], "weight_decay": group["weight_decay"], "eps_inside_sqrt": group["eps_inside_sqrt"]}
 
 
 def _update(param: torch.Tensor, exp_avg: torch.Tensor, exp_avg_sq: torch.Tensor, eps: float, weight_decay: float,
@@ -148,7 +151,7 @@ def _update(param: torch.Tensor, exp_avg: torch.Tensor, exp_avg_sq: torch.Tensor
     return update + weight_decay * param if weight_decay else update
 
 
-def _moments_and_squares(param: torch.Tensor, grad: torch.Tensor, exp_avg: torch.Tensor, exp_avg_sq: torch.Tensor,
+def _moments_and_squares(param: torch.Tensor, grad: torch.Tensor, exp_avg: torch.Tensor, exp_avg_sq: torch.Tensor, *,
                          beta1: float, beta2: float, eps: float, weight_decay: float,
                          eps_inside_sqrt: bool) -> torch.Tensor:
     """Compiled kernel 1 (one pass): the moments advanced in place, and the squared norms
@@ -160,7 +163,7 @@ def _moments_and_squares(param: torch.Tensor, grad: torch.Tensor, exp_avg: torch
 
 
 def _apply(param: torch.Tensor, grad: torch.Tensor, exp_avg: torch.Tensor, exp_avg_sq: torch.Tensor,
-           scale: torch.Tensor, eps: float, weight_decay: float, eps_inside_sqrt: bool) -> None:
+           scale: torch.Tensor, *, eps: float, weight_decay: float, eps_inside_sqrt: bool) -> None:
     """Compiled kernel 2 (one pass): w += scale · update, the update computed again
     (`scale`, which changes every step, a tensor so it is not compiled in)."""
     param.add_(_update(param, exp_avg, exp_avg_sq, eps, weight_decay, eps_inside_sqrt) * scale)

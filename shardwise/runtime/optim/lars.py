@@ -126,16 +126,16 @@ class Lars(ShardAwareOptimizer):
         """The same step, one compiled loop per tensor (momentum buffers already exist)."""
         step = _momentum_step if group["momentum"] > 0 else _plain_step
         lr = torch.tensor(group["lr"], dtype=torch.float64)
-        constants = (group["weight_decay"], group["momentum"], group["dampening"], group["nesterov"])
+        constants = {key: group[key] for key in ("weight_decay", "momentum", "dampening", "nesterov")}
         for param, ratio in zip(params, ratios):
             buffer = self.state[param].get("momentum_buffer", param)  # unused without momentum
             ratio = torch.tensor(ratio, dtype=torch.float64)
             # detached: Dynamo would compile for each nn.Parameter's shape
-            kernel(step, True, param)(param.detach(), param.grad, buffer, ratio, lr, *constants)
+            kernel(step, True, param)(param.detach(), param.grad, buffer, ratio, lr, **constants)
 
 
 def _momentum_step(param: torch.Tensor, grad: torch.Tensor, buffer: torch.Tensor, ratio: torch.Tensor,
-                   lr: torch.Tensor, weight_decay: float, momentum: float, dampening: float, nesterov: bool) -> None:
+                   lr: torch.Tensor, *, weight_decay: float, momentum: float, dampening: float, nesterov: bool) -> None:
     """`Lars.step`'s arithmetic for one tensor whose momentum buffer exists (compiled)."""
     direction = (grad + weight_decay * param) * ratio
     buffer.mul_(momentum).add_(direction, alpha=1 - dampening)
@@ -143,7 +143,7 @@ def _momentum_step(param: torch.Tensor, grad: torch.Tensor, buffer: torch.Tensor
 
 
 def _plain_step(param: torch.Tensor, grad: torch.Tensor, buffer: torch.Tensor, ratio: torch.Tensor,
-                lr: torch.Tensor, weight_decay: float, momentum: float, dampening: float, nesterov: bool) -> None:
+                lr: torch.Tensor, *, weight_decay: float, momentum: float, dampening: float, nesterov: bool) -> None:
     """`Lars.step`'s arithmetic for one tensor without momentum (compiled)."""
     param.sub_((grad + weight_decay * param) * ratio * lr)
 

@@ -5,14 +5,19 @@ It builds, in order: the layout (units over the shard group), the parameter stra
 gradient buffers), the gradient reducer (hooks that reduce during backward) and the
 sharded optimizer. The result, `ZeroState`, is what the engine drives and what checkpoints
 and `gathered_parameters` read through its small protocol: owned ranges in global
-coordinates, the optimizer state codec, release of gathered parameters, refresh from
-masters.
+coordinates (trained, sub-group by sub-group, and held untrained), the unit holding each
+parameter, the optimizer state codec, release of gathered parameters, refresh from
+masters. Nothing outside zero/ needs to know how the parameter strategy, the groups or
+the shard store are arranged.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-from typing import Callable
+from collections.abc import Sequence
+from contextlib import AbstractContextManager
+from dataclasses import dataclass, field
+from itertools import groupby
+from typing import Callable, Iterator
 
 import torch
 from torch import nn
@@ -31,8 +36,8 @@ from shardwise.runtime.zero.layout import FlatUnit, align_elements, pack_units
 from shardwise.runtime.zero.partitioned_params import PartitionedParameters
 from shardwise.runtime.zero.policy import ZeroPolicy
 from shardwise.runtime.zero.replicated_params import ReplicatedParameters
-from shardwise.runtime.zero.shard_store import DeviceShardStore, ShardStore, StoreSpec
-from shardwise.runtime.zero.shard_view import OwnedRange, owned_ranges
+from shardwise.runtime.zero.shard_store import DeviceShardStore, SegmentState, ShardStore, StoreSpec
+from shardwise.runtime.zero.shard_view import HeldPiece, OwnedRange, owned_ranges
 from shardwise.runtime.zero.sharded_optimizer import ShardedOptimizer
 from shardwise.runtime.zero.strategy import ParameterStrategy
 
@@ -54,15 +59,68 @@ class ZeroState:
     store: ShardStore | None  # the three training parts; None in an engine without an optimizer
     reducer: GradientReducer | None
     optimizer: ShardedOptimizer | None
+    unit_of_param: dict[int, FlatUnit] = field(init=False)  # id(parameter) -> the unit holding it
+
+    def __post_init__(self) -> None:
+        self.unit_of_param = {id(slot.param): unit for unit in [*self.units, *self.frozen_units]
+                              for slot in unit.slots}
 
     @property
     def units(self) -> list[FlatUnit]:
+        """What the optimizer trains (an engine without one: every parameter it holds)."""
         return self.params.units
+
+    @property
+    def frozen_units(self) -> Sequence[FlatUnit]:
+        """Parameters held but never trained: stage 3 partitions frozen ones too."""
+        return self.params.frozen_units
+
+    @property
+    def shard_rank(self) -> int:
+        """Which chunk of every unit this rank owns."""
+        return self.groups.shard.rank
 
     # -- the protocol checkpoints and gathered_parameters use ------------------------------
     def owned_ranges(self) -> list[OwnedRange]:
         """Every trained element this rank owns, by parameter name and global range."""
-        return owned_ranges(self.units, self.store, self.groups.shard.rank, self.groups.shard.handle)
+        return owned_ranges(self.units, self.store, self.shard_rank, self.groups.shard.handle)
+
+    def owned_ranges_by_sub_group(self) -> Iterator[list[OwnedRange]]:
+        """`owned_ranges()` one optimizer sub-group at a time, each yielded while its
+        sub-group is resident, so a paging store (NVMe) holds one at a time and writes the
+        masters back after it."""
+        ranges = sorted(self.owned_ranges(), key=lambda owned: self.store.sub_group_index(owned.segment))
+        for index, in_group in groupby(ranges, key=lambda owned: self.store.sub_group_index(owned.segment)):
+            with self.resident(index):
+                yield list(in_group)
+
+    def sub_group_index(self, segment: SegmentState) -> int:
+        return self.store.sub_group_index(segment)
+
+    def resident(self, sub_group: int | None) -> AbstractContextManager[list[SegmentState]]:
+        """Optimizer sub-group `sub_group` (None: none) in memory for the block."""
+        return self.store.resident(self.store.sub_groups[sub_group] if sub_group is not None else [])
+
+    def adopt_optimizer_state(self) -> None:
+        """The torch optimizer's state was replaced (a checkpoint load): a paging store
+        moves it into its pages, and its bytes are counted again."""
+        for sub_group in self.store.sub_groups:
+            with self.store.resident(sub_group):
+                self.store.adopt_state(sub_group, self.optimizer.optimizer.state)
+        self.optimizer.record_state_bytes()
+
+    def untrained_pieces(self) -> list[HeldPiece]:
+        """The parameters held without training (stage 3's partitioned frozen ones; every
+        parameter of an engine without an optimizer): this rank's pieces, in the local
+        tensor's flat coordinates; the values are views of its shards (or of its chunk of
+        the whole parameters), so a load writes straight into them."""
+        pieces = []
+        for unit in [*self.frozen_units, *(() if self.optimizer is not None else self.units)]:
+            chunk = self.params.owned_chunk(unit)
+            for piece in unit.owned_pieces(self.shard_rank):
+                values = chunk[piece.chunk_offset : piece.chunk_offset + piece.numel]
+                pieces.append(HeldPiece(piece.slot.name, piece.start, piece.stop, values))
+        return pieces
 
     @property
     def writes_model(self) -> bool:

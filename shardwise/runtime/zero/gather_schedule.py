@@ -56,6 +56,7 @@ from shardwise.runtime.activation.state import recomputing
 from shardwise.runtime.distributed.collectives import Communicator
 from shardwise.runtime.reliability.errors import DivergentExecutionError
 from shardwise.runtime.zero.layout import FlatUnit
+from shardwise.runtime.zero.policy import PrefetchPolicy
 from shardwise.runtime.zero.sharded_params import ShardedParameters
 
 
@@ -66,18 +67,19 @@ class GatherSchedule:
         module_units: dict[nn.Module, list[FlatUnit]],
         params: ShardedParameters,
         comm: Communicator,
-        prefetch_bucket_size: int,
-        max_live_parameters: int,
-        max_reuse_distance: int,
+        *,
+        prefetch: PrefetchPolicy,
         frozen: set[int] = frozenset(),
     ):
+        """`prefetch`: how far ahead to gather, how much may be gathered at once, and
+        within which distance a unit used again stays gathered."""
         self.root = root
         self.module_units = module_units
         self.params = params
         self.comm = comm
-        self.prefetch_bucket_size = prefetch_bucket_size
-        self.max_live_parameters = max_live_parameters
-        self.max_reuse_distance = max_reuse_distance
+        self.prefetch_bucket_size = prefetch.prefetch_bucket_size
+        self.max_live_parameters = prefetch.max_live_parameters
+        self.max_reuse_distance = prefetch.max_reuse_distance
         self.frozen = frozen  # indices of units without gradients
         self.backward_uses: dict[int, int] = {}  # frozen unit -> forward uses whose backward is pending
         self.units = {unit.index: unit for units in module_units.values() for unit in units}

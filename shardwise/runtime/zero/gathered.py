@@ -19,15 +19,17 @@ from __future__ import annotations
 from contextlib import ExitStack, contextmanager
 from typing import Iterable, Iterator
 
+import torch
 from torch import nn
 
+from shardwise.runtime.zero.apply import ZeroState
 
-def _engine_of(param: nn.Parameter):
-    reference = getattr(param, "_shardwise_engine", None)
-    engine = reference() if reference is not None else None
-    if engine is None:
-        raise ValueError("gathered_parameters() got a parameter that no shardwise engine trains")
-    return engine
+
+def zero_of(param: torch.Tensor) -> ZeroState | None:
+    """The ZeRO state of the live engine that holds `param` (set when the engine takes
+    over the parameters, removed by `engine.destroy()`), or None."""
+    reference = getattr(param, "_shardwise_zero", None)
+    return reference() if reference is not None else None
 
 
 @contextmanager
@@ -35,35 +37,37 @@ def gathered_parameters(
     params: nn.Parameter | Iterable[nn.Parameter], modifier_rank: int | None = None
 ) -> Iterator[None]:
     params = [params] if isinstance(params, nn.Parameter) else list(params)
-    by_engine: dict[int, tuple[object, list[nn.Parameter]]] = {}
+    by_engine: dict[int, tuple[ZeroState, list[nn.Parameter]]] = {}
     for param in params:  # several engines (a GAN's two models): one after the other, in first-seen order
-        engine = _engine_of(param)
-        by_engine.setdefault(id(engine), (engine, []))[1].append(param)
+        zero = zero_of(param)
+        if zero is None:
+            raise ValueError("gathered_parameters() got a parameter that no shardwise engine trains")
+        by_engine.setdefault(id(zero), (zero, []))[1].append(param)
     with ExitStack() as stack:
-        for engine, owned in by_engine.values():
-            stack.enter_context(_gathered_of_engine(engine, owned, modifier_rank))
+        for zero, owned in by_engine.values():
+            stack.enter_context(_gathered_of_engine(zero, owned, modifier_rank))
         yield
 
 
 @contextmanager
-def _gathered_of_engine(engine, params: list[nn.Parameter], modifier_rank: int | None) -> Iterator[None]:
-    held = [engine.unit_of_param[id(p)] for p in params if id(p) in engine.unit_of_param]
+def _gathered_of_engine(zero: ZeroState, params: list[nn.Parameter], modifier_rank: int | None) -> Iterator[None]:
+    held = [zero.unit_of_param[id(p)] for p in params if id(p) in zero.unit_of_param]
     units = sorted({id(u): u for u in held}.values(), key=lambda unit: unit.index)  # the same order on every rank
-    whole = [p for p in params if id(p) not in engine.unit_of_param]  # frozen, held whole on every rank
-    strategy = engine.zero.params
+    whole = [p for p in params if id(p) not in zero.unit_of_param]  # frozen, held whole on every rank
+    strategy = zero.params
     strategy.acquire(units)
     try:
         yield
     finally:
         if modifier_rank is not None:
-            source = _group_rank(engine.zero.groups.replicas.handle.ranks, modifier_rank)
+            source = _group_rank(zero.groups.replicas.handle.ranks, modifier_rank)
             for param in whole:
-                engine.zero.groups.replicas.broadcast(param.data, source, "edited frozen parameter")
-            trained = {id(unit) for unit in engine.units} if engine.zero.store is not None else set()
+                zero.groups.replicas.broadcast(param.data, source, "edited frozen parameter")
+            trained = {id(unit) for unit in zero.units} if zero.store is not None else set()
             for unit in units:
                 strategy.broadcast_edits(unit, source)
                 if id(unit) in trained:  # frozen units (and a forward-only engine's) have no master
-                    engine.zero.store.refresh_master(unit)
+                    zero.store.refresh_master(unit)
         strategy.release(units)
 
 

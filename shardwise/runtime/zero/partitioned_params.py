@@ -31,7 +31,7 @@ from torch import nn
 
 from shardwise.runtime.accounting import MemoryLedger
 from shardwise.runtime.distributed.collectives import Communicator
-from shardwise.runtime.random_state import seeded_rng
+from shardwise.runtime.base.random_state import seeded_rng
 from shardwise.runtime.zero.gather_schedule import GatherSchedule
 from shardwise.runtime.zero.layout import FlatUnit, make_unit, pack_units
 from shardwise.runtime.zero.policy import ZeroPolicy
@@ -102,13 +102,8 @@ class PartitionedParameters(ParameterStrategy):
         )
         self.replicated.broadcast_initial()
         self.units = self.module_units_list + persistent_units
-        self.schedule = GatherSchedule(
-            model, module_units, self.sharded, shard,
-            prefetch.prefetch_bucket_size,
-            prefetch.max_live_parameters,
-            prefetch.max_reuse_distance,
-            frozen={unit.index for unit in self.frozen_units},
-        )
+        self.schedule = GatherSchedule(model, module_units, self.sharded, shard, prefetch=prefetch,
+                                       frozen={unit.index for unit in self.frozen_units})
 
     def _is_partitioned(self, unit: FlatUnit) -> bool:
         return unit.index in self.sharded.flats
@@ -206,7 +201,7 @@ def _materialize_and_shard(
     CPU stream without advancing it, so initial weights follow the caller's
     `torch.manual_seed`, while every generator the caller sees (CPU and CUDA) is left
     exactly where plain PyTorch would leave it: a script's later draws, its data order or
-    a GAN's noise, must not depend on the ZeRO stage (random_state.py)."""
+    a GAN's noise, must not depend on the ZeRO stage (base/random_state.py)."""
     has_meta = any(t.is_meta for t in chain(model.parameters(), model.buffers()))
     seed = 0
     if has_meta:  # every rank has the same model (checked at start-up), so all or none broadcast

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from typing import NamedTuple
 
 import torch
 
@@ -53,6 +54,16 @@ class OwnedRange:
     def global_runs(self) -> list[tuple[int, int, int]]:
         """(global start, global stop, local position) runs covering [start, stop)."""
         return global_runs(self.global_shape, self.offsets, self.local_shape, self.start, self.stop)
+
+
+class HeldPiece(NamedTuple):
+    """Elements [start, stop) of the flattened local tensor of a parameter held without
+    training (no master, no optimizer state): `values` is a view of this rank's shard."""
+
+    name: str
+    start: int
+    stop: int
+    values: torch.Tensor
 
 
 def global_runs(

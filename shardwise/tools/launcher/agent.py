@@ -14,7 +14,7 @@ from contextlib import contextmanager
 
 from shardwise.tools.launcher.interrupts import AGENT_SIGNALS, STOP_SIGNALS, agent_signals
 from shardwise.tools.launcher.lifeline import launcher_environment
-from shardwise.runtime.torch_compat import torchrun_leaves_signals, torchrun_signal_options
+from shardwise.runtime.base.torch_compat import torchrun_leaves_signals, torchrun_signal_options
 
 
 def run_agent(

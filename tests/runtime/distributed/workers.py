@@ -77,7 +77,7 @@ def counted_collectives() -> Iterator[Counter]:
     `torch.distributed.distributed_c10d.<name>` looked up at call time, and through the
     names shardwise's torch compatibility module binds (as the communicators import them);
     a call made through another name bound before entering is not seen."""
-    from shardwise.runtime import torch_compat
+    from shardwise.runtime.base import torch_compat
     from shardwise.runtime.distributed import collectives
 
     counts: Counter = Counter()

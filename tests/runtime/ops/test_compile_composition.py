@@ -17,7 +17,7 @@ from torch._dynamo.testing import CompileCounterWithBackend
 from shardwise.runtime.activation.apply import apply_activation_checkpointing
 from shardwise.runtime.compile import CompilePolicy, compile_blocks
 from shardwise.tools.testing import run_distributed
-from shardwise.runtime.torch_compat import SELECTIVE_POLICY_SEES_OUTPUT
+from shardwise.runtime.base.torch_compat import SELECTIVE_POLICY_SEES_OUTPUT
 from tests.runtime.ops.compile_workers import train_counting_graphs
 from tests.runtime.parallel import workers as parallel_workers
 from tests.runtime.zero.workers import Case, assert_matches_reference, build_model, global_batch, train_reference

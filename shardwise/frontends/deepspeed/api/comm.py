@@ -18,7 +18,7 @@ import torch.distributed as dist
 from torch.distributed import ReduceOp
 
 from shardwise.runtime.distributed.setup import collective_timeout, destroy_at_exit
-from shardwise.runtime.torch_compat import all_gather_single, reduce_scatter_single
+from shardwise.runtime.base.torch_compat import all_gather_single, reduce_scatter_single
 
 DEFAULT_PORT = 29500  # DeepSpeed's TORCH_DISTRIBUTED_DEFAULT_PORT
 LAUNCHER_VARIABLES = ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT", "LOCAL_RANK")

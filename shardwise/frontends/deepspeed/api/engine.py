@@ -16,16 +16,19 @@ import logging
 import os
 import time
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 import torch
+from torch import nn
 
 from shardwise.runtime.checkpoint.format import LATEST
 from shardwise.runtime.checkpoint.manifest import write_synced
 from shardwise.runtime.checkpoint.state import capture_rng_state, restore_rng_state
 from shardwise.frontends.deepspeed.api.utils import RepeatingLoader
 from shardwise.frontends.deepspeed.api.utils.zero_to_fp32 import RECOVERY_SCRIPT
+from shardwise.frontends.deepspeed.config import ShardwiseConfig
 from shardwise.frontends.deepspeed.engine import ConfiguredEngine
+from shardwise.runtime.engine import Job, Policies
 from shardwise.runtime.precision.casting import to_device
 from shardwise.runtime.parallel.pipeline.sequential import SequentialStages
 
@@ -76,8 +79,11 @@ class ThroughputTimer:
 
 
 class DeepSpeedEngine(ConfiguredEngine):
-    def __init__(self, *args: Any, **kwargs: Any):
-        super().__init__(*args, **kwargs)
+    def __init__(self, model: nn.Module, *, config: ShardwiseConfig, job: Job, policies: Policies,
+                 optimizer: torch.optim.Optimizer | None = None, lr_scheduler: Any = None,
+                 param_init_fn: Callable[[nn.Module], None] | None = None):
+        super().__init__(model, config=config, job=job, policies=policies, optimizer=optimizer,
+                         lr_scheduler=lr_scheduler, param_init_fn=param_init_fn)
         self._step_applied = False
         self.training_dataloader = None  # set by initialize when it builds one
         self.tput_timer = ThroughputTimer(self.train_batch_size())

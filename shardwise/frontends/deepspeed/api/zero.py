@@ -23,7 +23,7 @@ from typing import Any, Iterable
 import torch
 from torch import nn
 
-from shardwise.runtime.zero.gathered import gathered_parameters
+from shardwise.runtime.zero.gathered import gathered_parameters, zero_of
 
 __all__ = ["GatheredParameters", "Init"]
 
@@ -66,5 +66,4 @@ class GatheredParameters:
 
 def _trained(param: torch.Tensor) -> bool:
     """Whether a live shardwise engine holds this parameter."""
-    reference = getattr(param, "_shardwise_engine", None)
-    return reference is not None and reference() is not None
+    return zero_of(param) is not None

@@ -147,7 +147,7 @@ def _score_mod(masks: Masks, device: torch.device) -> Callable | None:
 
 
 def flex_sparse_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layout: torch.Tensor, block: int,
-                          masks: Masks, scale: float | None = None, compiled: bool = True,
+                          masks: Masks, *, scale: float | None = None, compiled: bool = True,
                           cache: BlockMaskCache = BLOCK_MASKS) -> torch.Tensor:
     """(B, H, L, d) attention restricted to `layout`; `compiled` False runs flex eagerly."""
     batch, heads, length, dim = q.shape

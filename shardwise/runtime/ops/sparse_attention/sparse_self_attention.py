@@ -88,11 +88,12 @@ class SparseSelfAttention(nn.Module):
         return self._plans[key]
 
     def forward(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, rpe: torch.Tensor | None = None,
-                key_padding_mask: torch.Tensor | None = None, attn_mask: torch.Tensor | None = None,
+                key_padding_mask: torch.Tensor | None = None, attn_mask: torch.Tensor | None = None, *,
                 is_causal: bool = False, scale: float | None = None) -> torch.Tensor:
         """Attention of (batch, heads, L, head_dim) tensors; the key may also come
-        transposed, (batch, heads, head_dim, L), as DeepSpeed accepts. `scale` defaults to
-        head_dim ** -0.5."""
+        transposed, (batch, heads, head_dim, L), as DeepSpeed accepts. DeepSpeed's
+        arguments; shardwise's own, `is_causal` and `scale` (default head_dim ** -0.5),
+        by keyword."""
         batch, heads, length, dim = query.shape
         if key.shape[-2] != length:
             key = key.transpose(-2, -1)
@@ -102,7 +103,7 @@ class SparseSelfAttention(nn.Module):
         masks = self._masks(query, length, is_causal, rpe, key_padding_mask, attn_mask)
         if query.is_cuda and dim >= FLEX_MIN_HEAD_DIM:
             layout = self.get_layout(length)
-            return flex_sparse_attention(query, key, value, layout, self.sparsity_config.block, masks, scale)
+            return flex_sparse_attention(query, key, value, layout, self.sparsity_config.block, masks, scale=scale)
         return block_sparse_attention(query, key, value, self.plan(length, is_causal, dim), masks, scale)
 
     def _masks(self, query: torch.Tensor, length: int, causal: bool, rpe: torch.Tensor | None,

@@ -16,7 +16,9 @@ data-parallel group in the rank's last backward; at stage 2 every backward
 reduce-scatters its micro-batch's gradient into the partition. One optimizer step per
 global batch follows (engine.step), after the squared gradient norms of all stages are
 summed (stages hold different parameters), so clipping and overflow skips agree
-everywhere.
+everywhere. The runner drives the engine through its protocol (runtime/engine_protocol.py):
+each backward is `engine.backward_with_gradients`, the batch's step
+`engine.step_after_schedule`.
 
 Each micro-batch's loss exists on the last stage only: `run` averages it over the
 micro-batches and the data-parallel group and broadcasts it over the pipeline group.
@@ -32,6 +34,7 @@ import torch
 from torch import nn
 
 from shardwise.runtime.distributed.collectives import Communicator
+from shardwise.runtime.engine_protocol import EngineProtocol
 from shardwise.runtime.parallel.pipeline.adapter import Adapter, StageContext
 from shardwise.runtime.parallel.pipeline.p2p import (
     Expect,
@@ -48,7 +51,8 @@ from shardwise.runtime.precision.casting import cast_floating, to_device
 
 
 class PipelineRunner:
-    def __init__(self, engine: Any, adapter: Adapter, layout: StageLayout, schedule: str, micro_batches: int):
+    def __init__(self, engine: EngineProtocol, *, adapter: Adapter, layout: StageLayout, schedule: str,
+                 micro_batches: int):
         self.engine = engine
         self.model: nn.Module = engine.module
         self.adapter = adapter
@@ -78,24 +82,10 @@ class PipelineRunner:
         self.synced_at = time.perf_counter()  # every stage is here: the step's schedule ends for all
         return total[0]
 
-    def merge_descriptions(self, description: dict) -> dict:
-        """Checkpoints: every stage's parameter and buffer descriptions, in stage order."""
-        merged: dict = {"parameters": [], "buffers": [], "aliases": {}}
-        seen: set[str] = set()
-        for part in self.pipeline.control_all_gather_object(description):
-            for key in ("parameters", "buffers"):
-                merged[key] += [entry for entry in part[key] if entry["name"] not in seen]
-                seen.update(entry["name"] for entry in part[key])
-            merged["aliases"].update(part["aliases"])
-        return merged
-
     # -- one batch ----------------------------------------------------------------------------
     def run(self, data_iter: Iterator[Any], loss_fn: Callable[..., torch.Tensor] | None, train: bool) -> torch.Tensor:
-        """The mean loss of one global batch (on every rank); with `train`, one optimizer step."""
-        engine = self.engine
-        if train and (engine.micro_steps % engine.gradient_accumulation_steps or engine._backward_pending):
-            raise RuntimeError("engine.train_batch() in the middle of an accumulation window started with "
-                               "engine.backward(): call engine.step() until the window ends first")
+        """The mean loss of one global batch (on every rank); with `train`, one optimizer
+        step (the engine has checked that no accumulation window is open)."""
         contexts = [self._context(next(data_iter)) for _ in range(self.micro_batches)]
         plan = self._plan(train)
         losses: dict[int, torch.Tensor] = {}
@@ -127,9 +117,7 @@ class PipelineRunner:
             self.model.train(was_training)
         self.synced_at = time.perf_counter()
         if train:
-            engine.micro_steps += self.micro_batches - 1
-            engine._backward_pending = True
-            engine.step()
+            self.engine.step_after_schedule(self.micro_batches)
         total = self.synced_at - started
         self.last_timing = {"total_s": total, "busy_s": self.busy, "bubble": 1 - self.busy / total}
         return self._mean_loss(losses)
@@ -277,7 +265,7 @@ class PipelineRunner:
             tensors += params
             grads += shared_grads
         begin = time.perf_counter()
-        self._zero_backward(tensors, grads, final_backward, loss)
+        engine.backward_with_gradients(tensors, grads, boundary=final_backward, loss=loss)
         self.busy += time.perf_counter() - begin
         if stage > 0:
             floating = [tensor for tensor in message_tensors(received) if tensor.is_floating_point()]
@@ -288,21 +276,6 @@ class PipelineRunner:
             self.channel.post(Message("tied gradient", stage, 0), self.tied_leaf.grad)
         if self.shared is not None and i == self.micro_batches - 1:
             self.shared.post_gradients(self.channel)
-
-    def _zero_backward(self, tensors: list[torch.Tensor], grads: list[torch.Tensor | None], boundary: bool,
-                       loss: torch.Tensor) -> None:
-        """One ZeRO backward (the engine's backward with given output gradients)."""
-        engine = self.engine
-        engine.zero.reducer.begin_backward(boundary=boundary)
-        engine.guard.note_loss(loss)
-        try:
-            if tensors:  # a stage of parameter-free layers fed by the data has nothing to differentiate
-                torch.autograd.backward(tensors, grads)
-            engine.zero.reducer.end_backward()
-        except BaseException:
-            engine._abort_backward()
-            raise
-        engine.zero.params.end_backward()
 
     def _mean_loss(self, losses: dict[int, torch.Tensor]) -> torch.Tensor:
         """Mean over micro-batches and data-parallel ranks, on every rank of the pipeline."""

@@ -157,10 +157,11 @@ def _balanced_bounds(weights: list[int], parts: int, first_extra: int, last_extr
     return bounds[::-1]
 
 
-def split_model(model: nn.Module, adapter: Adapter, rank: int, size: int, virtual: int, rule: str,
+def split_model(model: nn.Module, adapter: Adapter, *, rank: int, size: int, virtual: int, rule: str,
                 split_points: list[int] | None, costs: "LayerCosts | None" = None) -> StageLayout:
-    """Prune `model` to this rank's layers; returns what the schedule needs to run it.
-    `costs` (rule "time"): measured per-layer weights instead of parameter counts."""
+    """Prune `model` to this rank's layers (`rank` of `size` stages, `virtual` chunks
+    each); returns what the schedule needs to run it. `costs` (rule "time"): measured
+    per-layer weights instead of parameter counts."""
     layers = adapter.layers(model)
     first = [model.get_submodule(path) for path in adapter.first_modules]
     last = [model.get_submodule(path) for path in adapter.last_modules]

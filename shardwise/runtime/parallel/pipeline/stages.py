@@ -36,8 +36,8 @@ def split_pipeline(model: nn.Module, adapter: Adapter, *, pipeline: GroupHandle,
         measured = measure_layer_costs(model, adapter, micro_batch_size, policy.profile_seq_len)
         costs = agreed_costs(measured, world)
     split_points = list(policy.split_points) if policy.split_points is not None else None
-    layout = split_model(model, adapter, pipeline.rank, pipeline.size, policy.virtual_stages,
-                         policy.partition, split_points, costs)
+    layout = split_model(model, adapter, rank=pipeline.rank, size=pipeline.size, virtual=policy.virtual_stages,
+                         rule=policy.partition, split_points=split_points, costs=costs)
     setattr(model, SPLIT, (adapter, layout))
     model.forward = _stage_forward_refused
     return model

@@ -22,7 +22,7 @@ from torch import nn
 
 from shardwise.runtime.parallel.pipeline.adapter import Adapter, StageContext
 from shardwise.runtime.parallel.pipeline.split import LayerCosts
-from shardwise.runtime.random_state import preserved_rng
+from shardwise.runtime.base.random_state import preserved_rng
 
 REPEATS = 3
 

@@ -1,4 +1,4 @@
-"""shardwise/runtime/torch_compat.py: both ways of selective checkpointing give the same cache and
+"""shardwise/runtime/base/torch_compat.py: both ways of selective checkpointing give the same cache and
 gradients on whichever torch runs the suite, the older way is refused where it cannot
 compile, the launcher's signal handlers survive an old torchrun, mesh groups get the
 collective timeout, and no other module looks at torch's version. The renamed collectives are
@@ -15,14 +15,14 @@ import pytest
 import torch
 from torch.utils.checkpoint import checkpoint
 
-from shardwise.runtime import torch_compat
+from shardwise.runtime.base import torch_compat
 from shardwise.models.core.plan import ModelPlan
 from shardwise.models.core.steps import apply_kernel_and_compile_step
 from shardwise.runtime.activation.policy import ActivationPolicy, RecomputePolicy
 from shardwise.runtime.compile.policy import CompilePolicy
 from shardwise.runtime.engine.policies import Policies
 
-PACKAGE = Path(torch_compat.__file__).resolve().parent.parent
+PACKAGE = Path(torch_compat.__file__).resolve().parents[2]  # shardwise/
 ADDMM = torch.ops.aten.addmm.default
 WAYS = ["after_the_operator", "before_the_operator"]
 
@@ -80,7 +80,7 @@ def test_compiled_blocks_under_selective_checkpointing_are_refused_before_torch_
 def test_no_module_but_torch_compat_reads_torch_version():
     readers = [path.relative_to(PACKAGE).as_posix() for path in PACKAGE.rglob("*.py")
                if re.search(r"torch\.(__version__|version\b)", path.read_text()) and path.name != "torch_compat.py"]
-    assert readers == [], "detect moved torch APIs in shardwise/runtime/torch_compat.py, not by version"
+    assert readers == [], "detect moved torch APIs in shardwise/runtime/base/torch_compat.py, not by version"
 
 
 def test_torchrun_before_2_10_installs_the_launchers_own_handlers(monkeypatch):

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 import shardwise
-import shardwise.runtime.random_state as random_state
+import shardwise.runtime.base.random_state as random_state
 from shardwise.models import GPT, GPTConfig
 from shardwise.models.gpt.parallelize import GPTAdapter
 from shardwise.runtime.parallel.pipeline.timing import measure_layer_costs
