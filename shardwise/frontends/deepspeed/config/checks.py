@@ -24,12 +24,18 @@ def find_unsupported(cfg: ShardwiseConfig) -> list[str]:
 def find_ignored(cfg: ShardwiseConfig) -> list[str]:
     """One line per setting that DeepSpeed 0.19.8 accepts and runs without using, as
     shardwise does (load_config logs them in its one warning)."""
-    zero = cfg.zero_optimization
+    zero, compile_block = cfg.zero_optimization, cfg.compile
+    notes = []
     if zero.offload_param.device != "none" and not partitions_parameters(zero.stage):
-        return [f"'zero_optimization.offload_param.device' '{zero.offload_param.device}' at zero_optimization.stage "
-                f"{zero.stage}: only stage 3 partitions (and so offloads) parameters; DeepSpeed ignores it below "
-                "stage 3 too"]
-    return []
+        notes.append(f"'zero_optimization.offload_param.device' '{zero.offload_param.device}' at "
+                     f"zero_optimization.stage {zero.stage}: only stage 3 partitions (and so offloads) parameters; "
+                     "DeepSpeed ignores it below stage 3 too")
+    if compile_block.deepcompile:
+        passes = f" and compile.passes {compile_block.passes}" if compile_block.passes else ""
+        notes.append(f"'compile.deepcompile' true{passes}: DeepSpeed compiles ZeRO into the graph; shardwise runs "
+                     f"zero_optimization.stage {zero.stage} at run time and compiles each block with torch.compile "
+                     "(as compile.enabled), the same training")
+    return notes
 
 
 def find_contradictions(
