@@ -143,7 +143,8 @@ _DEEPCOMPILE_SETTINGS = {
     "sync_after_allgather": False, "keep_int_input_tensors": True, "keep_all_input_tensors": False,
 }
 _DEEPCOMPILE_WHY = ("a setting of DeepCompile's graph passes, which shardwise replaces by its run-time ZeRO with "
-                    "torch.compile per block (compile.deepcompile); the results are the same")
+                    "torch.compile per block (compile.deepcompile): the training results are the same, DeepCompile's "
+                    "own memory savings (its offloads, freeing) are not made")
 
 RULES: dict[str, dict[str, KeyRule]] = {
     "": {

@@ -109,3 +109,25 @@ def test_deepspeed_accepts_them_too():
     assert ran.returncode == 0, ran.stderr[-2000:]
     assert [line for line in ran.stdout.splitlines() if line.startswith("accepted")] == [
         f"accepted {name}" for name in CONFIGS]
+
+
+REMOVED_SIDE = """
+import json
+from deepspeed.runtime import config
+print(json.dumps([sorted(config._REMOVED_TOP_LEVEL_CONFIG_KEYS), sorted(config._REMOVED_ZERO_CONFIG_KEYS)]))
+"""
+
+
+@pytest.mark.skipif(not os.environ.get("DEEPSPEED_PYTHON"), reason="set DEEPSPEED_PYTHON to an interpreter with "
+                    "DeepSpeed installed (benchmarks/zero3_vs_fsdp2_deepspeed.py's docstring shows one)")
+def test_the_removed_features_are_deepspeeds():
+    """Every top-level key DeepSpeed refuses as removed is refused here as removed, or kept
+    (sparse_attention); so is mics_shard_size among its ZeRO keys."""
+    from shardwise.frontends.deepspeed.config.deepspeed_keys import KEPT_AFTER_DEEPSPEED_REMOVED, RULES, Removed
+
+    ran = subprocess.run([os.environ["DEEPSPEED_PYTHON"], "-c", REMOVED_SIDE], check=True, capture_output=True,
+                         text=True, timeout=300, env={**os.environ, "DS_ACCELERATOR": "cpu"})
+    top_level, zero = json.loads(ran.stdout.strip().splitlines()[-1])
+    removed_here = {key for key, rule in RULES[""].items() if isinstance(rule, Removed)}
+    assert set(top_level) == removed_here | {key for key in KEPT_AFTER_DEEPSPEED_REMOVED if "." not in key}
+    assert "mics_shard_size" in zero
