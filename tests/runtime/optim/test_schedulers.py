@@ -148,3 +148,35 @@ def test_equals_deepspeeds_own_classes():
     assert theirs == json.loads(DEEPSPEED_VALUES.read_text())
     for name in CASES:
         assert shardwise_values(name) == theirs[name], name
+
+
+def test_the_engine_steps_the_schedule_after_each_applied_update():
+    """As DeepSpeed's engine: the schedule steps once per optimizer step (not per
+    micro-batch), after the update, and not after an update an fp16 overflow skipped; so
+    update k runs at the schedule's rate of iteration k - 1 (-1: its minimum)."""
+    import shardwise
+
+    cls, params, _ = CASES["warmup_log"]
+    torch.manual_seed(0)
+    model = torch.nn.Linear(4, 1)
+    config = {"train_micro_batch_size_per_gpu": 2, "gradient_accumulation_steps": 2,
+              "optimizer": {"type": "AdamW", "params": {"lr": 0.1}}, "scheduler": {"type": cls, "params": params},
+              "fp16": {"enabled": True, "initial_scale_power": 17, "hysteresis": 1}}  # 2**17 overflows fp16 at first
+    engine = shardwise.initialize(model, config)
+    rates, skipped = [], []
+    for _ in range(6):
+        for _ in range(2):
+            lr_before = engine.get_lr()[0]
+            loss = engine(torch.randn(2, 4)).float().pow(2).mean()
+            engine.backward(loss)
+            skips = engine.skipped_steps
+            engine.step()
+        rates.append(lr_before)
+        skipped.append(engine.skipped_steps > skips)
+    engine.destroy()
+    deepspeeds = [step[0][0] for step in json.loads(DEEPSPEED_VALUES.read_text())["warmup_log"]]
+    applied = 0
+    for rate, was_skipped in zip(rates, skipped):
+        assert rate == deepspeeds[applied]  # the rate after `applied` updates
+        applied += not was_skipped
+    assert any(skipped) and not all(skipped)
