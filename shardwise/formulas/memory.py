@@ -55,13 +55,20 @@ def element_bytes(dtype: str) -> int:
     return ELEMENT_BYTES[dtype]
 
 
-def optimizer_state_bytes(fp32_states: float, dtype: str = "bf16") -> float:
+def optimizer_state_bytes(fp32_states: float, dtype: str = "bf16", *, bf16_masters: bool = False) -> float:
     """K for an optimizer keeping `fp32_states` fp32 tensors of state per parameter (or their
     byte equivalent / 4): with 16-bit training the optimizer owns an fp32 master copy (4
     bytes) on top of its own states; with fp32 training it updates the fp32 weights in
-    place, so K is the states alone (Adam, 2 states: 12 mixed, 8 fp32)."""
+    place, so K is the states alone (Adam, 2 states: 12 mixed, 8 fp32). `bf16_masters`
+    (DeepSpeed's bf16_master_weights_and_grads with bf16_optimizer_states): the bf16
+    partition is its own master and the states are bf16, so K is 2 bytes per state
+    (Adam: 4, a third of mixed precision's 12)."""
     if fp32_states < 0:
         raise ValueError(f"fp32_states must be >= 0, got {fp32_states}")
+    if bf16_masters:
+        if dtype != "bf16":
+            raise ValueError(f"bf16 masters need bf16 training, got dtype {dtype!r}")
+        return element_bytes(dtype) * fp32_states
     master = 0 if element_bytes(dtype) == MASTER_WEIGHT_BYTES else MASTER_WEIGHT_BYTES
     return 4 * fp32_states + master
 
@@ -177,7 +184,8 @@ class StateTerm:
 def validate_placement(stage: int, offload: Offload) -> None:
     """ZeRO-Offload needs partitioned optimizer states (stage ≥ 1), on the host or swapped
     to NVMe (shardwise's NVMe tier pages the optimizer partition at stages 1-3); parameter
-    offload needs partitioned parameters (stage 3)."""
+    offload needs partitioned parameters (stage 3), with or without the optimizer offloaded
+    (alone, the shards live on the host and the masters and states on the device)."""
     check_stage(stage)
     for name, device in (("optimizer", offload.optimizer), ("params", offload.params)):
         if device not in ("none", "cpu", "nvme"):
@@ -186,8 +194,6 @@ def validate_placement(stage: int, offload: Offload) -> None:
         raise ValueError("offload needs ZeRO stage 1 or more; stage 0 keeps every state on the GPU")
     if not partitions_parameters(stage) and offload.params != "none":
         raise ValueError(f"parameter offload needs stage 3, got stage {stage}")
-    if offload.params != "none" and offload.optimizer == "none":
-        raise ValueError("parameter offload needs the optimizer offloaded too")
 
 
 def model_state_terms(stage: int, offload: Offload, dtype: str, optimizer_state_bytes: int,

@@ -125,7 +125,6 @@ def test_optimizer_on_nvme_at_every_partitioned_stage(stage: int) -> None:
     [
         (0, Offload("cpu"), "stage 1 or more"),
         (2, Offload("cpu", "cpu"), "parameter offload needs stage 3"),
-        (3, Offload("none", "cpu"), "optimizer offloaded too"),
         (4, Offload(), "stage must be one of"),
         (3, Offload("disk"), "none, cpu or nvme"),
     ],
@@ -133,6 +132,19 @@ def test_optimizer_on_nvme_at_every_partitioned_stage(stage: int) -> None:
 def test_invalid_placements_are_rejected(stage: int, offload: Offload, message: str) -> None:
     with pytest.raises(ValueError, match=message):
         placed_model_state_bytes(PSI, N, stage, offload)
+
+
+def test_parameter_offload_alone_moves_only_the_parameter_shards() -> None:
+    placed = placed_model_state_bytes(1000, 4, 3, Offload("none", "cpu"))
+    assert placed["cpu"] == {"params": 2 * 250, "grads": 0, "optimizer_states": 0}
+    assert placed["gpu"] == {"params": 0, "grads": 2 * 250, "optimizer_states": 12 * 250}
+
+
+def test_bf16_masters_keep_two_bytes_per_state_and_no_master() -> None:
+    assert optimizer_state_bytes(ADAM_FP32_STATES, "bf16", bf16_masters=True) == 4
+    assert optimizer_state_bytes(ADAM_FP32_STATES, "bf16") == 12
+    with pytest.raises(ValueError, match="bf16 masters need bf16 training"):
+        optimizer_state_bytes(ADAM_FP32_STATES, "fp16", bf16_masters=True)
 
 
 def test_invalid_counts_are_rejected() -> None:

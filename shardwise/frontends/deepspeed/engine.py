@@ -8,6 +8,9 @@ resolved config and the engine's state, so they answer the same on an engine bui
 `shardwise.initialize` and on one built by DeepSpeed's `initialize` (api/engine.py, whose
 subclass also gives the names whose DeepSpeed shape differs from shardwise's:
 `gradient_accumulation_steps()` as a method, `load_checkpoint` returning a tuple).
+
+The config's monitor blocks (tensorboard, csv_monitor, wandb, comet) are attached here:
+after every optimizer step, rank 0 writes DeepSpeed's series (frontends/deepspeed/monitors/).
 """
 
 from __future__ import annotations
@@ -21,6 +24,7 @@ import torch
 from torch import nn
 
 from shardwise.frontends.deepspeed.config import ShardwiseConfig
+from shardwise.frontends.deepspeed.monitors import MonitorMaster, step_events
 from shardwise.runtime.engine import Engine, Job, Policies
 from shardwise.runtime.zero.gathered import gathered_parameters
 
@@ -38,6 +42,49 @@ class ConfiguredEngine(Engine):
         super().__init__(model, job=job, policies=policies, optimizer=optimizer, lr_scheduler=lr_scheduler,
                          param_init_fn=param_init_fn)
         self.config = config
+        self.global_samples = 0  # samples trained, DeepSpeed's x axis: train_batch_size per optimizer step
+        self.monitor = MonitorMaster(config, self.rank)
+        self._window_losses: list[torch.Tensor] = []  # this step's micro-batch losses, for the monitors
+        self._in_train_batch = False
+
+    # -- monitors: DeepSpeed's series after every optimizer step ---------------------------
+    def backward(self, loss: torch.Tensor) -> None:
+        if self.monitor.enabled:
+            self._window_losses.append(loss.detach())
+        super().backward(loss)
+
+    def step(self) -> None:
+        steps = self.global_steps
+        super().step()
+        if self.global_steps > steps:
+            self.global_samples += self.config.train_batch_size
+            if not self._in_train_batch:
+                self._write_monitor()
+
+    def train_batch(self, data_iter: Any = None, loss_fn: Any = None) -> torch.Tensor:
+        """The pipeline's step, whose mean loss the monitors write once it is known."""
+        self._in_train_batch = True
+        try:
+            loss = super().train_batch(data_iter, loss_fn)
+        finally:
+            self._in_train_batch = False
+        if self.monitor.enabled:
+            self._window_losses = [loss.detach()]
+            self._write_monitor()
+        return loss
+
+    def _write_monitor(self) -> None:
+        if not self.monitor.enabled:
+            return
+        losses, self._window_losses = self._window_losses, []
+        loss = torch.stack([value.float().cpu() for value in losses]).mean().item() if losses else None
+        self.monitor.write_events(step_events(
+            samples=self.global_samples, lr=self.get_lr()[0] if self.get_lr() else None, loss=loss,
+            loss_scale=self.loss_scaler.scale if self.policies.precision.loss_scaling is not None else None))
+
+    def destroy(self) -> None:
+        self.monitor.close()
+        super().destroy()
 
     @property
     def global_rank(self) -> int:

@@ -44,7 +44,7 @@ from shardwise.runtime.parallel.pipeline.stages import keep_stage_parameters, st
 from shardwise.runtime.parallel.tensor.grad_norm import tensor_parallel_norm
 from shardwise.runtime.parallel.tensor.layers import gather_vocab_logits
 from shardwise.runtime.precision import LossScaler
-from shardwise.runtime.precision.casting import cast_floating, cast_unheld_state
+from shardwise.runtime.precision.casting import autocast_for, cast_floating, cast_unheld_state
 from shardwise.runtime.reliability.step_guard import StepGuard
 from shardwise.runtime.zero.apply import ZeroGroups, apply_zero
 from shardwise.runtime.zero.trainable import evaluated_parameters, frozen_parameters, trainable_parameters
@@ -145,12 +145,13 @@ class Engine(nn.Module):
         return self.forward(*args, **kwargs)
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
-        """The user's forward; floating-point inputs are cast to the compute dtype. If it
-        raises, whatever it left gathered or in use is released first."""
+        """The user's forward; floating-point inputs are cast to the compute dtype, and it
+        runs under `torch.autocast` when the precision policy says so. If it raises,
+        whatever it left gathered or in use is released first."""
         self._require_alive("forward")
         args, kwargs = cast_floating((args, kwargs), self.dtype)
         try:
-            with self.activations.track():
+            with self.activations.track(), autocast_for(self.policies.precision, self.device):
                 return self.module(*args, **kwargs)
         except BaseException:
             self.zero.params.abort_pass()

@@ -19,18 +19,20 @@ from shardwise.runtime.optim.onebit_lamb import OneBitLamb
 from shardwise.runtime.optim.codec import ElementwiseCodec, StateCodec
 from shardwise.runtime.optim.registry import (OptimizerSpec, optimizer_spec, optimizer_specs, register_optimizer,
                                               registered_optimizers)
-from shardwise.runtime.optim.schedulers import WarmupCosineLR, WarmupDecayLR, WarmupLR
+from shardwise.runtime.optim.schedulers import LRRangeTest, OneCycle, WarmupCosineLR, WarmupDecayLR, WarmupLR
 
 __all__ = [
     "Adafactor",
     "Adam8bit",
     "AdamW8bit",
     "ElementwiseCodec",
+    "LRRangeTest",
     "Lamb",
     "Lars",
     "Muon",
     "OneBitAdam",
     "OneBitLamb",
+    "OneCycle",
     "OptimizerSpec",
     "StateCodec",
     "WarmupCosineLR",

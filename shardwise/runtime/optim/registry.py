@@ -71,9 +71,10 @@ class OptimizerSpec:
     check_params: Callable[[dict[str, Any]], None] | None = None
     main_job_params: Callable[[dict[str, Any], int], dict[str, Any]] | None = None
 
-    def state_bytes_per_param(self, params: dict[str, Any], dtype: str) -> float:
-        """K: state bytes per parameter, with the fp32 master copy when training in 16 bits."""
-        return optimizer_state_bytes(self.fp32_states(params), dtype)
+    def state_bytes_per_param(self, params: dict[str, Any], dtype: str, *, bf16_masters: bool = False) -> float:
+        """K: state bytes per parameter, with the fp32 master copy when training in 16 bits
+        (`bf16_masters`: none, and the states in bf16)."""
+        return optimizer_state_bytes(self.fp32_states(params), dtype, bf16_masters=bf16_masters)
 
     def params_for_main_job(self, adamw: dict[str, Any], steps: int) -> dict[str, Any]:
         if self.main_job_params is not None:

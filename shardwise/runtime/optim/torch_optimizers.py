@@ -1,4 +1,5 @@
-"""torch's own optimizers as DeepSpeed configs name them: Adam, AdamW and SGD.
+"""torch's own optimizers as DeepSpeed configs name them: Adam, AdamW and SGD (Adam with
+`bias_correction` false is optim/adam_uncorrected.py, since torch's Adam always corrects).
 
 Defaults are those of the code DeepSpeed runs: its Adam path (`FusedAdam` /
 `torch.optim.Adam(W)` with `adam_w_mode` defaulting to True, i.e. decoupled weight decay
@@ -13,6 +14,7 @@ from typing import Any
 
 import torch
 
+from shardwise.runtime.optim.adam_uncorrected import UncorrectedAdam
 from shardwise.runtime.optim.params import check_betas, check_nesterov, param
 from shardwise.runtime.optim.registry import OptimizerSpec, register_optimizer
 
@@ -20,15 +22,10 @@ from shardwise.runtime.optim.registry import OptimizerSpec, register_optimizer
 ADAM_SELECTOR_PARAMS = ("adam_w_mode", "torch_adam", "bias_correction")
 
 
-def _bias_correction_on(enabled: bool) -> bool:
-    if not enabled:
-        raise ValueError("bias_correction false is not supported yet: torch.optim's Adam always corrects bias")
-    return enabled
-
-
 @dataclass(frozen=True)
 class AdamParams:
-    """Adam and AdamW; shardwise builds them with `torch.optim`."""
+    """Adam and AdamW; shardwise builds them with `torch.optim` (without bias correction:
+    optim/adam_uncorrected.py, DeepSpeed's kernel's update)."""
 
     lr: float = param(1e-3, ge=0)
     betas: tuple[float, float] = param((0.9, 0.999), check=check_betas)
@@ -38,7 +35,13 @@ class AdamParams:
     adam_w_mode: bool = True
     torch_adam: bool = param(False, description="DeepSpeed's switch from its fused kernel to torch.optim; accepted "
                              "so DeepSpeed configs load, without effect because shardwise always uses torch.optim")
-    bias_correction: bool = param(True, check=_bias_correction_on)
+    bias_correction: bool = param(True, description="false: DeepSpeed's Adam without bias correction (the "
+                                  "first steps use the raw moments), as BERT-era configs ask")
+
+    def __post_init__(self) -> None:
+        if self.amsgrad and not self.bias_correction:
+            raise ValueError("amsgrad with bias_correction false: DeepSpeed's Adam has no amsgrad, and torch's "
+                             "always corrects bias; use one of them")
 
 
 @dataclass(frozen=True)
@@ -79,6 +82,9 @@ def _decoupled(params: dict[str, Any]) -> None:
 
 def _register(type_name: str, declaration: type, fp32_states: Any, **options: Any) -> None:
     def build(groups: list[dict[str, Any]], params: dict[str, Any]) -> torch.optim.Optimizer:
+        if not params.get("bias_correction", True):
+            kwargs = {key: value for key, value in constructor_kwargs(params).items() if key != "amsgrad"}
+            return UncorrectedAdam(groups, adam_w_mode=torch_class_name(type_name, params) == "AdamW", **kwargs)
         cls = getattr(torch.optim, torch_class_name(type_name, params))
         return cls(groups, fused=True, **constructor_kwargs(params))
 

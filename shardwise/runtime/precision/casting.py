@@ -4,9 +4,12 @@ tensors (token ids) and anything that is not a tensor pass through, however deep
 
 from __future__ import annotations
 
+import contextlib
 from typing import Any
 
 import torch
+
+from shardwise.runtime.precision.policy import PrecisionPolicy
 
 
 def cast_floating(value: Any, dtype: torch.dtype) -> Any:
@@ -47,3 +50,11 @@ def cast_unheld_state(model: torch.nn.Module, dtype: torch.dtype, held: set[int]
             if buffer.is_floating_point():
                 module._buffers[name] = buffer.to(dtype)
     return nbytes
+
+
+def autocast_for(policy: PrecisionPolicy, device: torch.device) -> contextlib.AbstractContextManager:
+    """`torch.autocast` as the policy asks (DeepSpeed's torch_autocast: the config's dtype,
+    or torch's default for the device), else nothing: a caller's own autocast stays in force."""
+    if not policy.autocast:
+        return contextlib.nullcontext()
+    return torch.autocast(device_type=device.type, dtype=policy.autocast_dtype)

@@ -1,7 +1,10 @@
 """Mixed precision as a policy (as FSDP2's `MixedPrecisionPolicy`): the dtype the model
 computes and ZeRO keeps its 16-bit copies in, the dtype gradients travel in, and, for
 fp16, how the loss is scaled. fp32 master weights are kept whenever `param_dtype` is not
-fp32 (docs/formulas.md#model-states-per-rank)."""
+fp32, unless `master_dtype` says bf16 (DeepSpeed's bf16_master_weights_and_grads with
+bf16_optimizer_states): then the optimizer updates the bf16 partition itself and its
+states take that dtype (docs/formulas.md#model-states-per-rank). `autocast`: the forward
+runs under `torch.autocast` from fp32 parameters (DeepSpeed's torch_autocast)."""
 
 from __future__ import annotations
 
@@ -29,6 +32,17 @@ class PrecisionPolicy:
     param_dtype: torch.dtype = torch.float32
     reduce_dtype: torch.dtype | None = None  # None: the gradients' own dtype (param_dtype)
     loss_scaling: LossScalingPolicy | None = None  # fp16 needs one; bf16 and fp32 do not
+    master_dtype: torch.dtype = torch.float32  # ZeRO's masters (and so the optimizer's states)
+    autocast: bool = False  # the forward under torch.autocast(autocast_dtype)
+    autocast_dtype: torch.dtype | None = None  # None: torch's default for the device (bf16 on CPU, fp16 on CUDA)
+
+    def __post_init__(self) -> None:
+        if self.master_dtype not in (torch.float32, self.param_dtype):
+            raise ValueError(f"master_dtype {self.master_dtype} must be fp32 or the parameters' own dtype "
+                             f"{self.param_dtype}: masters are fp32 copies, or the partition itself")
+        if self.autocast and self.param_dtype != torch.float32:
+            raise ValueError(f"autocast computes in low precision from fp32 parameters; param_dtype is "
+                             f"{self.param_dtype}: use one or the other")
 
     @property
     def communication_dtype(self) -> torch.dtype:
@@ -36,5 +50,6 @@ class PrecisionPolicy:
 
     @property
     def keeps_fp32_masters(self) -> bool:
-        """16-bit training updates fp32 copies of the weights; fp32 updates the weights."""
-        return self.param_dtype != torch.float32
+        """16-bit training updates fp32 copies of the weights; fp32 training, and 16-bit
+        training with 16-bit masters, update the weights' own partition."""
+        return self.param_dtype != self.master_dtype

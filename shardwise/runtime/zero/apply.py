@@ -153,12 +153,17 @@ class ZeroState:
             self.reducer.zero_grads()
 
 
-def _make_store(policy: ZeroPolicy, params: ParameterStrategy, *, dtype: torch.dtype, chunk: int,
+def _make_store(policy: ZeroPolicy, params: ParameterStrategy, *, precision: PrecisionPolicy, chunk: int,
                 ledger: MemoryLedger, per_parameter: bool, rank: int) -> ShardStore:
     """The shard store of the tier `offload_optimizer.device` names."""
-    spec = StoreSpec(params.units, chunk, params, dtype, policy.keeps_full_gradients,
-                     policy.sub_group_size, ledger, per_parameter)
+    spec = StoreSpec(params.units, chunk, params, precision.param_dtype, policy.keeps_full_gradients,
+                     policy.sub_group_size, ledger, per_parameter, precision.master_dtype)
     offload = policy.offload_optimizer
+    if offload.enabled and precision.master_dtype != torch.float32:
+        raise ValueError(f"master_dtype {precision.master_dtype} with offload_optimizer.device '{offload.device}': "
+                         "the offloaded step keeps fp32 masters on the host; keep the optimizer on the device")
+    if not policy.partitions_model_states and precision.master_dtype != torch.float32:
+        raise ValueError("16-bit masters need ZeRO stage 1, 2 or 3: they are the partitioned copies ZeRO keeps")
     if offload.enabled and offload.ratio < 1:
         return make_split_store(spec, offload=offload, rank=rank)
     if offload.device == "cpu":
@@ -207,7 +212,7 @@ def apply_zero(
     if make_optimizer is None:
         params.settle()
         return ZeroState(policy, groups, params, None, None, None)
-    store = _make_store(policy, params, dtype=dtype, chunk=groups.shard.rank, ledger=ledger,
+    store = _make_store(policy, params, precision=precision, chunk=groups.shard.rank, ledger=ledger,
                         per_parameter=per_parameter, rank=groups.shard.global_rank)
     params.settle()
     reducer = GradientReducer(params.units, policy, grad_dtype=dtype, comm_dtype=precision.communication_dtype,

@@ -49,6 +49,7 @@ class StoreSpec:
     sub_group_size: int  # elements the optimizer steps (and a paging tier holds) at once
     ledger: MemoryLedger
     per_parameter: bool = False  # one segment per parameter piece (optimizers of whole parameters)
+    master_dtype: torch.dtype = torch.float32  # the parameters' own dtype: trained in place, no copy
 
     def with_units(self, units: list[FlatUnit]) -> "StoreSpec":
         return replace(self, units=units)
@@ -196,8 +197,9 @@ class ShardStore:
 
 class DeviceShardStore(ShardStore):
     """Everything in the training device's memory, no paging. Mixed precision keeps a
-    separate fp32 master copy; fp32 training trains the parameters' own chunks in place
-    (K = 8 instead of 12, docs/formulas.md#optimizer-state-bytes-k)."""
+    separate fp32 master copy; fp32 training, and bf16 training with bf16 masters, train the
+    parameters' own chunks in place (K = 8 instead of 12 in fp32, 4 in bf16:
+    docs/formulas.md#optimizer-state-bytes-k)."""
 
     def __init__(self, spec: StoreSpec):
         """Its parameter chunks are never paged (a paging home comes with an offloaded
@@ -207,8 +209,8 @@ class DeviceShardStore(ShardStore):
         device = param_chunks[0].device
         self.master_flat = None
         masters = param_chunks
-        if param_chunks[0].dtype != torch.float32:
-            self.master_flat, masters = copy_into_flat(param_chunks, torch.float32, device)
+        if param_chunks[0].dtype != spec.master_dtype:
+            self.master_flat, masters = copy_into_flat(param_chunks, spec.master_dtype, device)
         sizes = [unit.padded_numel if keeps_full_gradients else unit.chunk_numel for unit in units]
         self.grad_flat = torch.zeros(sum(sizes), dtype=spec.grad_dtype, device=device)
         spec.ledger.hold("grads", tensor_bytes(self.grad_flat))

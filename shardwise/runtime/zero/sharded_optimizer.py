@@ -112,8 +112,8 @@ class ShardedOptimizer:
         copied = 0
         for segment in sub_group:
             grad = segment.grad
-            if grad.dtype != torch.float32:
-                grad = grad.float()
+            if grad.dtype != segment.master.dtype:  # 16-bit gradients of fp32 masters
+                grad = grad.to(segment.master.dtype)
                 copied += tensor_bytes(grad)
             if grad_scale != 1.0:
                 grad.mul_(grad_scale)

@@ -69,6 +69,9 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
     training.add_argument("--seq-len", type=int, default=2048, help="default 2048")
     training.add_argument("--dtype", choices=list(ELEMENT_BYTES), default="bf16", help="default bf16")
     training.add_argument("--optimizer", choices=optimizer_names(), default="adam", help="default adam")
+    training.add_argument("--bf16-masters", action="store_true",
+                          help="bf16 master weights, gradients and optimizer states (config: bf16."
+                               "bf16_master_weights_and_grads and bf16_optimizer_states; needs --dtype bf16)")
     training.add_argument("--trainable-params", type=float, default=None, metavar="COUNT",
                           help="parameters that train (e.g. LoRA adapters, 4.2e7); the rest is frozen: its 16-bit "
                                "weights only, partitioned at stage 3 (default: every parameter trains)")
@@ -96,6 +99,7 @@ def main(args: argparse.Namespace) -> int:
             dtype=args.dtype,
             optimizer=args.optimizer,
             parallel=ModelParallel(args.tp, args.sp, args.megatron_sp, args.pp),
+            bf16_masters=args.bf16_masters,
         )
     except (ValueError, FileNotFoundError) as error:
         print(f"shardwise estimate: error: {error}", file=sys.stderr)

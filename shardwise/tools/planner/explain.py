@@ -120,7 +120,9 @@ def _tensor_params_line(estimate: Estimate) -> str:
 def _inputs_line(estimate: Estimate) -> str:
     hw = estimate.hardware
     k, p = estimate.optimizer_state_bytes, element_bytes(estimate.dtype)
-    if p == MASTER_WEIGHT_BYTES:
+    if estimate.bf16_masters:
+        k_parts = f"bf16 optimizer states {k}; the bf16 weights are their own master copy (bf16 masters)"
+    elif p == MASTER_WEIGHT_BYTES:
         k_parts = f"optimizer states {k}; the fp32 weights are their own master copy"
     else:
         k_parts = f"fp32 master copy {MASTER_WEIGHT_BYTES} + optimizer states {k - MASTER_WEIGHT_BYTES}"

@@ -24,7 +24,7 @@ def planned_optimizer(name: str) -> OptimizerSpec:
         raise ValueError(f"optimizer must be one of {', '.join(optimizer_names())}, got {name!r}") from None
 
 
-def planned_state_bytes(name: str, dtype: str) -> float:
+def planned_state_bytes(name: str, dtype: str, *, bf16_masters: bool = False) -> float:
     """K: the optimizer's state bytes per parameter with `ASSUMED_PARAMS`, the fp32 master
-    copy included when training in 16 bits."""
-    return planned_optimizer(name).state_bytes_per_param(ASSUMED_PARAMS, dtype)
+    copy included when training in 16 bits (`bf16_masters`: bf16 states, no master)."""
+    return planned_optimizer(name).state_bytes_per_param(ASSUMED_PARAMS, dtype, bf16_masters=bf16_masters)

@@ -39,7 +39,7 @@ from shardwise.formulas.memory import (
 )
 from shardwise.formulas.layers import stage3_gather_bytes
 from shardwise.formulas.parallel_activation import NO_MODEL_PARALLEL, ModelParallel, parallel_activation_bytes
-from shardwise.formulas.stages import partitions_parameters
+from shardwise.formulas.stages import partitions_optimizer, partitions_parameters
 from shardwise.tools.planner.optimizers import planned_optimizer, planned_state_bytes
 from shardwise.tools.planner.results import DEFAULT_HEADROOM, Estimate, Hardware, OptionEstimate, Recommendation
 from shardwise.formulas.model_shape import ModelShape
@@ -90,16 +90,20 @@ def estimate(
     dtype: str = "bf16",
     optimizer: str = "adam",
     parallel: ModelParallel = NO_MODEL_PARALLEL,
+    *,
+    bf16_masters: bool = False,
 ) -> Estimate:
     """Evaluate every stage/offload option for `shape` on `hardware` (split over `parallel`'s
     tensor, sequence or pipeline group; with P stages each rank holds ⌈Ψ_T / P⌉ parameters
     and ZeRO-3 is not offered) and recommend one. Without model parallelism, when ZeRO alone
     needs offload or does not fit, the smallest tensor-parallel size that fits without
-    offload is attached as `tensor_suggestion`."""
+    offload is attached as `tensor_suggestion`. `bf16_masters`: DeepSpeed's bf16 master
+    weights, gradients and optimizer states (K of 2-byte states; stages 1-3 on the device only,
+    as the engine runs them)."""
     if micro_batch <= 0 or seq_len <= 0:
         raise ValueError(f"micro_batch and seq_len must be positive, got {micro_batch} and {seq_len}")
     check_parallel(shape, hardware, parallel, seq_len)
-    k = planned_state_bytes(optimizer, dtype)
+    k = planned_state_bytes(optimizer, dtype, bf16_masters=bf16_masters)
     activations = _activations(shape, micro_batch, seq_len, dtype, parallel)
     modes = RECOMPUTE_MODES if activations is not None else ("none",)
     local = ceil(shape.params_per_tensor_rank(parallel.tensor) / parallel.pipeline)
@@ -108,11 +112,12 @@ def estimate(
         trained_local = max(1, ceil(shape.trainable_params / (parallel.tensor * parallel.pipeline)))
         local, frozen_local = trained_local, max(0, local - trained_local)
     inputs = Estimate(shape, hardware, micro_batch, seq_len, dtype, optimizer, k, activations, (), None,
-                      parallel=parallel, params_per_rank=local, frozen_per_rank=frozen_local)
+                      parallel=parallel, params_per_rank=local, frozen_per_rank=frozen_local,
+                      bf16_masters=bf16_masters)
     options = tuple(
         _evaluate_option(stage, offload, inputs, modes)
         for stage, offload in OPTIONS
-        if _offered(stage, offload, parallel, optimizer)
+        if _offered(stage, offload, parallel, optimizer, bf16_masters)
     )
     partial = replace(inputs, options=options)
     recommendation, ruled_out = _recommend(partial, modes)
@@ -161,17 +166,20 @@ def _suggest_tensor_parallel(single: Estimate) -> Estimate | None:
         except ValueError:
             continue
         candidate = estimate(shape, hardware, single.micro_batch, single.seq_len, single.dtype, single.optimizer,
-                             parallel)
+                             parallel, bf16_masters=single.bf16_masters)
         if candidate.recommendation is not None and candidate.recommendation.option.offload == NO_OFFLOAD:
             return candidate
     return None
 
 
-def _offered(stage: int, offload: Offload, parallel: ModelParallel, optimizer: str) -> bool:
+def _offered(stage: int, offload: Offload, parallel: ModelParallel, optimizer: str, bf16_masters: bool) -> bool:
     """Whether the engine would run this option: it refuses ZeRO-3 with pipeline
-    parallelism, and runs an optimizer at the stages and offload its spec allows (the
-    1-bit optimizers: stages 0-2 on the device, runtime/optim/onebit.py)."""
+    parallelism, bf16 masters at stage 0 or with offload, and runs an optimizer at the
+    stages and offload its spec allows (the 1-bit optimizers: stages 0-2 on the device,
+    runtime/optim/onebit.py)."""
     if partitions_parameters(stage) and parallel.pipeline > 1:
+        return False
+    if bf16_masters and (offload != NO_OFFLOAD or not partitions_optimizer(stage)):
         return False
     spec = planned_optimizer(optimizer)
     return stage in spec.zero_stages and (spec.offload or offload == NO_OFFLOAD)

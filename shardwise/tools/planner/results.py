@@ -121,6 +121,7 @@ class Estimate:
     params_per_rank: int = 0  # Ψ of one tensor rank's shard (Ψ without tensor parallelism); trained ones only
     frozen_per_rank: int = 0  # Ψ_f: frozen parameters of that shard (b bytes each, no other state)
     tensor_suggestion: "Estimate | None" = None  # the smallest T that fits without offload, when ZeRO alone does not
+    bf16_masters: bool = False  # bf16 masters and optimizer states: K counts 2-byte states, no master, no offload
 
     @property
     def zero_ranks(self) -> int:

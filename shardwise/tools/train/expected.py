@@ -50,6 +50,7 @@ class RunShape:
     accumulation_steps: int = 1
     shard_size: int | None = None
     optimizer_type: str = "AdamW"
+    bf16_masters: bool = False  # bf16 masters and optimizer states (K counts them; the report names them)
 
     @property
     def onebit(self) -> bool:
@@ -76,12 +77,13 @@ class RunShape:
         )
 
 
-def optimizer_state_bytes(optimizer_type: str, dtype: str, momentum: float = 0.0) -> int:
+def optimizer_state_bytes(optimizer_type: str, dtype: str, momentum: float = 0.0, *, bf16_masters: bool = False) -> int:
     """K for a config optimizer, from its registry entry (Adam's 8, +4 master when 16-bit;
-    SGD keeps a momentum buffer only when momentum is on)."""
+    SGD keeps a momentum buffer only when momentum is on; `bf16_masters`: 2 bytes per state, no master)."""
     if optimizer_type not in registered_optimizers():
         raise ValueError(f"no state formula for optimizer {optimizer_type!r}; known: {registered_optimizers()}")
-    return optimizer_spec(optimizer_type).state_bytes_per_param({"momentum": momentum}, dtype)
+    return optimizer_spec(optimizer_type).state_bytes_per_param({"momentum": momentum}, dtype,
+                                                                bf16_masters=bf16_masters)
 
 
 def expected_memory(shape: RunShape) -> dict[str, int]:

@@ -241,6 +241,7 @@ def _run_summary(options: TrainOptions, engine: Engine, shape: RunShape) -> dict
         "dtype": shape.dtype,
         "comm_dtype": shape.comm_dtype,
         "optimizer_state_bytes": shape.optimizer_state_bytes,
+        "bf16_masters": shape.bf16_masters,
         "global_batch": cfg.train_batch_size,
         "micro_batch": cfg.train_micro_batch_size_per_gpu,
         "gradient_accumulation_steps": cfg.gradient_accumulation_steps,

@@ -51,7 +51,8 @@ def memory_table(summary: dict[str, Any]) -> Table:
     persistent = summary["persistent_params"]
     table = Table(
         title=f"Model states per rank: ZeRO-{run['stage']}, Ψ = {model['num_params']:,}, N = {run['world_size']}, "
-        f"{run['dtype']}, K = {k}" + (f", P = {persistent:,} persistent" if persistent else ""),
+        f"{run['dtype']}, K = {k}" + (" (bf16 masters and optimizer states)" if run.get("bf16_masters") else "")
+        + (f", P = {persistent:,} persistent" if persistent else ""),
         title_justify="left",
     )
     _add_columns(table, "category")

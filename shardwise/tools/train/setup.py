@@ -52,16 +52,19 @@ def run_shape(engine: Engine, num_params: int) -> RunShape:
     dtype = DTYPE_NAMES[engine.dtype]
     optimizer = cfg.optimizer
     momentum = optimizer.params.get("momentum", 0.0) if optimizer is not None else 0.0
+    bf16_masters = not engine.policies.precision.keeps_fp32_masters and dtype != "fp32"
     return RunShape(
         num_params=num_params,
         world_size=engine.world_size,
         stage=engine.stage,
         dtype=dtype,
         comm_dtype=cfg.communication_data_type or dtype,
-        optimizer_state_bytes=optimizer_state_bytes(optimizer.type if optimizer else "AdamW", dtype, momentum),
+        optimizer_state_bytes=optimizer_state_bytes(optimizer.type if optimizer else "AdamW", dtype, momentum,
+                                                    bf16_masters=bf16_masters),
         persistent_params=engine.persistent_numel(),
         accumulation_steps=engine.gradient_accumulation_steps,
         optimizer_type=optimizer.type if optimizer else "AdamW",
+        bf16_masters=bf16_masters,
     )
 
 

@@ -1,6 +1,8 @@
 """The `compile` and `sparse_attention` config blocks: shardwise's and DeepSpeed's spellings,
 and errors that name the key, the reason and the fix."""
 
+import logging
+
 import pytest
 
 from shardwise.frontends.deepspeed.config import ConfigError, load_config
@@ -33,7 +35,7 @@ def test_deepspeeds_sparse_attention_block_with_its_defaults():
 
 
 @pytest.mark.parametrize("blocks, message", [
-    ({"compile": {"deepcompile": True}}, "compile.deepcompile: true asks for DeepSpeed's own ZeRO graph passes"),
+    ({"compile": {"deepcompile": True, "passes": ["autotp"]}}, "set tensor_parallel.size instead"),
     ({"compile": {"kwargs": {"backend": "eager"}}}, "the backend is compile.backend"),
     ({"compile": {"mode": "default", "kwargs": {"mode": "max-autotune"}}}, "keep one"),
     ({"compile": {"enabeld": True}}, "did you mean 'compile.enabled'"),
@@ -43,6 +45,15 @@ def test_deepspeeds_sparse_attention_block_with_its_defaults():
 ])
 def test_bad_blocks_are_refused_naming_the_key(blocks, message):
     assert message in problems(**blocks)
+
+
+def test_deepcompile_is_torch_compile_per_block_beside_the_run_time_zero(caplog):
+    """DeepSpeed compiles ZeRO into the graph ("z1"/"z3" passes); shardwise compiles each
+    block and runs the config's ZeRO stage, and says so."""
+    with caplog.at_level(logging.WARNING, logger="shardwise"):
+        cfg = load(compile={"deepcompile": True, "passes": ["z3"]}, zero_optimization={"stage": 3})
+    assert policies_from_config(cfg).compile.enabled
+    assert "'compile.deepcompile' true and compile.passes ['z3']" in caplog.text
 
 
 def test_the_kernel_and_compile_step_runs_when_any_of_its_blocks_asks_for_it():

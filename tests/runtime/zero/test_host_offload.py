@@ -51,3 +51,28 @@ def test_bytes_live_in_the_tier_the_formulas_say(stage, param, dtype):
     assert host["grads"] == expected["cpu"]["grads"]
     assert host["optimizer_states"] == expected["cpu"]["optimizer_states"]
     assert host["params"] == expected["cpu"]["params"]
+
+
+def test_parameter_offload_alone_trains_exactly_like_no_offload():
+    """DeepSpeed trains offload_param without offload_optimizer: the stage-3 shards live on the
+    host between gathers while the masters and the step stay on the device."""
+    plain = run_distributed(train_parallel, 2, case_for(3))
+    offloaded = run_distributed(train_parallel, 2, case_for(3, "none", "cpu"))
+    for without, with_offload in zip(plain, offloaded):
+        assert with_offload["losses"] == without["losses"]
+        for name, tensor in without["params"].items():
+            assert with_offload["params"][name].equal(tensor), name
+    assert offloaded[0]["memory_by_tier"]["host"]["params"] > 0
+    assert offloaded[0]["memory_by_tier"]["host"]["optimizer_states"] == 0
+
+
+def test_parameter_offload_alone_holds_the_formulas_tiers():
+    world = 2
+    result = run_distributed(train_parallel, world, case_for(3, "none", "cpu", dtype="bf16"))[0]
+    padded = result["numel"] + result["padding"]
+    expected = placed_model_state_bytes(padded, world, 3, Offload("none", "cpu"), dtype="bf16")
+    measured = result["memory_by_tier"]
+    assert measured["host"]["params"] == expected["cpu"]["params"]
+    assert measured["device"]["params"] == expected["gpu"]["params"] == 0
+    assert measured["device"]["grads"] == expected["gpu"]["grads"]
+    assert measured["device"]["optimizer_states"] == expected["gpu"]["optimizer_states"]

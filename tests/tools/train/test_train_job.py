@@ -170,3 +170,21 @@ def test_compare_stages_matches_section_4(tmp_path):
     assert params[0] == params[1] == params[2] == 2 * params[3]
     check_png(run_dir / "zero_stages.png")
     assert "ZeRO stages, measured / formula MB per rank" in result.stdout
+
+
+def test_bf16_masters_run_reports_them_and_holds_the_formula(tmp_path):
+    """A config asking for bf16 master weights, gradients and optimizer states: the report
+    names them, K is 4, and the measured model states equal the formula."""
+    config = tmp_path / "ds_config.json"
+    config.write_text(json.dumps({"bf16": {"enabled": True, "bf16_master_weights_and_grads": True,
+                                           "bf16_optimizer_states": True}, "zero_optimization": {"stage": 2}}))
+    result = shardwise_train("--steps", "2", "--config", str(config), "--out-dir", str(tmp_path), "--name", "bf16")
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert "K = 4 (bf16 masters and optimizer states)" in " ".join(result.stdout.split())
+    summary = json.loads((tmp_path / "bf16" / "summary.json").read_text())
+    assert (summary["run"]["dtype"], summary["run"]["optimizer_state_bytes"], summary["run"]["bf16_masters"]) == (
+        "bf16", 4, True)
+    padding = summary["padding_elements"]
+    for category in MODEL_STATES:
+        measured, formula = summary["memory"]["measured"][category], summary["memory"]["formula"][category]
+        assert abs(measured - formula) <= padding * 4, category

@@ -174,6 +174,7 @@ def _data_loader(engine: DeepSpeedEngine, dataset: Dataset, collate_fn: Callable
                          "DeepSpeed's loader samples it by index; build a DataLoader for an iterable dataset "
                          "yourself")
     replicas = engine.comm  # the data-parallel ranks: each reads its own share
-    sampler = DistributedSampler(dataset, num_replicas=replicas.size, rank=replicas.rank)
+    sampler = DistributedSampler(dataset, num_replicas=replicas.size, rank=replicas.rank,
+                                 drop_last=engine.config.dataloader_drop_last)
     return DataLoader(dataset, batch_size=engine.train_micro_batch_size_per_gpu(), sampler=sampler,
-                      collate_fn=collate_fn)
+                      collate_fn=collate_fn, drop_last=engine.config.dataloader_drop_last)

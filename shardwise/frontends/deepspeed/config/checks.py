@@ -14,9 +14,28 @@ from shardwise.frontends.deepspeed.config.schema import OffloadConfig, Shardwise
 def find_unsupported(cfg: ShardwiseConfig) -> list[str]:
     """One line per setting that asks for a capability shardwise does not have yet."""
     problems = []
-    if cfg.fp16.auto_cast:
-        problems.append("fp16.auto_cast true is not supported yet: the model's own forward chooses dtypes")
+    bf16 = cfg.bf16
+    if bf16.bf16_master_weights_and_grads and not bf16.enabled:
+        problems.append("bf16.bf16_master_weights_and_grads needs bf16.enabled true: the masters are kept in bf16 "
+                        "beside bf16 parameters")
     return problems
+
+
+def find_ignored(cfg: ShardwiseConfig) -> list[str]:
+    """One line per setting that DeepSpeed 0.19.8 accepts and runs without using, as
+    shardwise does (load_config logs them in its one warning)."""
+    zero, compile_block = cfg.zero_optimization, cfg.compile
+    notes = []
+    if zero.offload_param.device != "none" and not partitions_parameters(zero.stage):
+        notes.append(f"'zero_optimization.offload_param.device' '{zero.offload_param.device}' at "
+                     f"zero_optimization.stage {zero.stage}: only stage 3 partitions (and so offloads) parameters; "
+                     "DeepSpeed ignores it below stage 3 too")
+    if compile_block.deepcompile:
+        passes = f" and compile.passes {compile_block.passes}" if compile_block.passes else ""
+        notes.append(f"'compile.deepcompile' true{passes}: DeepSpeed compiles ZeRO into the graph; shardwise runs "
+                     f"zero_optimization.stage {zero.stage} at run time and compiles each block with torch.compile "
+                     "(as compile.enabled), the same training")
+    return notes
 
 
 def find_contradictions(
@@ -51,6 +70,11 @@ def find_contradictions(
     problems += _activation_contradictions(cfg)
     problems += _pipeline_contradictions(cfg, batch_known)
     problems += _compile_contradictions(cfg)
+    problems += _bf16_masters_contradictions(cfg)
+    if cfg.torch_autocast.enabled and (cfg.fp16.enabled or cfg.bf16.enabled):
+        problems.append("torch_autocast.enabled with "
+                        f"{'fp16' if cfg.fp16.enabled else 'bf16'}.enabled: autocast computes in low precision from "
+                        "fp32 parameters, the fp16/bf16 blocks make the parameters 16-bit; choose one")
     micro_batches = cfg.pipeline_parallel.micro_batches
     if batch_known and micro_batches != cfg.gradient_accumulation_steps:
         problems.append(
@@ -61,21 +85,15 @@ def find_contradictions(
 
 
 def _offload_contradictions(cfg: ShardwiseConfig) -> list[str]:
-    """Offload needs partitioned states: optimizer offload a stage >= 1, parameter offload
-    stage 3 (and an offloaded optimizer, since the parameters' masters live beside it)."""
+    """Optimizer offload needs partitioned states (a stage >= 1). Parameter offload applies
+    at stage 3 only; below it DeepSpeed ignores it, and so does shardwise (find_ignored)."""
     zero = cfg.zero_optimization
-    optimizer, param = zero.offload_optimizer.device, zero.offload_param.device
+    optimizer = zero.offload_optimizer.device
+    param = zero.offload_param.device if partitions_parameters(zero.stage) else "none"
     problems = []
     if optimizer != "none" and not partitions_optimizer(zero.stage):
         problems.append(f"zero_optimization.offload_optimizer.device '{optimizer}' needs zero_optimization.stage "
                         "1, 2 or 3: stage 0 keeps the whole optimizer state on every rank")
-    if param != "none" and not partitions_parameters(zero.stage):
-        problems.append(f"zero_optimization.offload_param.device '{param}' needs zero_optimization.stage 3: "
-                        f"stage {zero.stage} keeps the whole model on every rank's device")
-    elif param != "none" and optimizer == "none":
-        problems.append(f"zero_optimization.offload_param.device '{param}' needs "
-                        "zero_optimization.offload_optimizer.device set as well: the parameters' fp32 masters "
-                        "and their optimizer step live with the optimizer")
     ratio = zero.offload_optimizer.ratio
     if ratio < 1 and param != "none":
         problems.append(f"zero_optimization.offload_optimizer.ratio {ratio} with zero_optimization.offload_param."
@@ -188,6 +206,29 @@ def _activation_contradictions(cfg: ShardwiseConfig) -> list[str]:
         problems.append("activation_checkpointing.policy 'sqrt' with sequence parallelism is not supported: its "
                         "segments run several layers at once, past the per-layer sequence hooks; use 'full', "
                         "'every_k' or 'selective'")
+    return problems
+
+
+def _bf16_masters_contradictions(cfg: ShardwiseConfig) -> list[str]:
+    """bf16 masters are ZeRO's partitioned master copy, updated on the device together with
+    bf16 optimizer states. DeepSpeed (base_optimizer.py `_configure_master_weights`) runs
+    bf16 masters beside fp32 states only with its CPU Adam on an offloaded optimizer, which
+    shardwise's offloaded step (fp32 on the host) does not do."""
+    zero, bf16 = cfg.zero_optimization, cfg.bf16
+    if not bf16.bf16_master_weights_and_grads:
+        return []
+    problems = []
+    if not partitions_optimizer(zero.stage):
+        problems.append("bf16.bf16_master_weights_and_grads needs zero_optimization.stage 1, 2 or 3: the masters it "
+                        "keeps in bf16 are ZeRO's partitioned copies (DeepSpeed refuses stage 0 too)")
+    if zero.offload_optimizer.device != "none":
+        problems.append("bf16.bf16_master_weights_and_grads with zero_optimization.offload_optimizer.device "
+                        f"'{zero.offload_optimizer.device}' is not supported yet: the offloaded step keeps fp32 "
+                        "masters and states on the host; keep the optimizer on the device")
+    elif not bf16.bf16_optimizer_states:
+        problems.append("bf16.bf16_master_weights_and_grads without bf16.bf16_optimizer_states: fp32 optimizer "
+                        "states beside bf16 masters are DeepSpeed's CPU Adam on an offloaded optimizer (it refuses "
+                        "them on the device too); set bf16_optimizer_states true")
     return problems
 
 

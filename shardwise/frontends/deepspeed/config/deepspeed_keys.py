@@ -14,6 +14,13 @@ Each key here is one of:
                    does not do, and is rejected with why and what to use instead.
     Translated     an older spelling of a capability shardwise has: the value is moved to
                    shardwise's key, so it is honoured.
+    Ignored        DeepSpeed 0.19.8 parses it and changes nothing with it (or shardwise
+                   computes the same without it): accepted at any value, and a value other
+                   than the quiet ones is named in the one warning `load_config` logs.
+    Removed        a feature DeepSpeed 0.19.8 has removed (it refuses the key at any value,
+                   "has been removed"): switched on, refused with DeepSpeed's reason;
+                   switched off, accepted and named in the warning, since DeepSpeed itself
+                   would refuse the config.
 
 Keys DeepSpeed itself ignores (it reads known keys from the top level and never looks at
 the others) are accepted when their name marks them as comments: `"_comment"`,
@@ -51,7 +58,19 @@ class Translated:
     convert: Callable[[Any], dict[str, Any] | str]
 
 
-KeyRule = Accepted | AcceptedWhen | Translated
+@dataclass(frozen=True)
+class Ignored:
+    quiet: Callable[[Any], bool]  # values not worth a warning (DeepSpeed's default)
+    why: str  # what DeepSpeed does with it, as found by running DeepSpeed 0.19.8
+
+
+@dataclass(frozen=True)
+class Removed:
+    off: Callable[[Any], bool]  # values that ask for nothing
+    why: str  # DeepSpeed 0.19.8's reason, and what to use instead
+
+
+KeyRule = Accepted | AcceptedWhen | Translated | Ignored | Removed
 
 
 def _is(expected: Any) -> Callable[[Any], bool]:
@@ -114,6 +133,19 @@ def _grad_accum_dtype(value: Any) -> bool:
         "grad_accum_dtype", "fp32") in ("fp32", "float32", None)
 
 
+# DeepCompile's settings (deepspeed/compile/config.py) with DeepSpeed's defaults: they tune the
+# graph passes that `engine.compile()` runs with compile.deepcompile true.
+_DEEPCOMPILE_SETTINGS = {
+    "autoep_non_moe": False, "free_activation": False, "free_activation_threshold": 10 * 1024 * 1024,
+    "offload_activation": False, "offload_activation_pin_memory": True, "offload_opt_states": False,
+    "double_buffer": True, "symmetric_memory": False, "debug_log": False, "offload_parameters": False,
+    "sync_before_reduce": False, "sync_after_reduce": False, "sync_before_allgather": False,
+    "sync_after_allgather": False, "keep_int_input_tensors": True, "keep_all_input_tensors": False,
+}
+_DEEPCOMPILE_WHY = ("a setting of DeepCompile's graph passes, which shardwise replaces by its run-time ZeRO with "
+                    "torch.compile per block (compile.deepcompile): the training results are the same, DeepCompile's "
+                    "own memory savings (its offloads, freeing) are not made")
+
 RULES: dict[str, dict[str, KeyRule]] = {
     "": {
         "wall_clock_breakdown": Accepted(f"{DIAGNOSTICS}; shardwise's step timer always splits each step into "
@@ -129,24 +161,17 @@ RULES: dict[str, dict[str, KeyRule]] = {
                                    "(metrics.jsonl) and --profile writes a torch.profiler trace"),
         "comms_logger": Accepted(f"{DIAGNOSTICS}; engine.comm_volume(per_group=True) counts every collective's "
                                  "bytes per group and operation"),
-        "wandb": AcceptedWhen(_disabled, OFF, "shardwise does not log to Weights & Biases: use the tensorboard "
-                              "block (or read engine metrics in your script)"),
-        "comet": AcceptedWhen(_disabled, OFF, "shardwise does not log to Comet: use the tensorboard block"),
-        "csv_monitor": AcceptedWhen(_disabled, OFF, "shardwise does not write DeepSpeed's CSV monitor files: "
-                                    "use the tensorboard block, or shardwise train's metrics.jsonl"),
         "prescale_gradients": Accepted("shardwise always divides each gradient by the data-parallel size before "
                                        "summing it (DeepSpeed's true; false sums first): the same average, rounded "
                                        "in a different order"),
         "gradient_predivide_factor": Accepted("splits DeepSpeed's division into one before and one after the "
                                               "sum; the average is the same, and shardwise divides before summing"),
         "fp32_allreduce": Translated("communication_data_type", _fp32_allreduce),
-        "sparse_gradients": AcceptedWhen(_is(False), "false", "shardwise reduces dense gradients only; build "
-                                         "embeddings with sparse=False and remove the key"),
-        "disable_allgather": AcceptedWhen(_is(False), "false", "the all-gather of updated partitions is how "
-                                          "ZeRO 1-2 publish parameters; it cannot be switched off"),
-        "amp": AcceptedWhen(_disabled, OFF, "NVIDIA Apex AMP is not used: use the bf16 or fp16 block"),
-        "torch_autocast": AcceptedWhen(_disabled, OFF, "autocast is not applied by shardwise: use the bf16 or "
-                                       "fp16 block (which keep fp32 masters), or autocast in your forward"),
+        "sparse_gradients": Removed(_is(False), "sparse compression of dense embedding gradients; gradients "
+                                    "are reduced dense: remove the key"),
+        "disable_allgather": Ignored(_is(False), "DeepSpeed parses it and no code reads it: ZeRO 1-2 all-gather "
+                                     "the updated partitions either way"),
+        "amp": Removed(_disabled, "NVIDIA Apex AMP: use the bf16, fp16 or torch_autocast block"),
         "data_types": AcceptedWhen(_grad_accum_dtype, '{"grad_accum_dtype": "fp32"}',
                                    "shardwise accumulates gradients in the gradients' dtype and reduces in "
                                    "communication_data_type; remove the block"),
@@ -155,25 +180,25 @@ RULES: dict[str, dict[str, KeyRule]] = {
                                "and load at any world size"),
         "autotuning": AcceptedWhen(_disabled, OFF, "shardwise has no autotuner: `shardwise plan` estimates "
                                    "memory per stage and recommends one"),
-        "elasticity": AcceptedWhen(_disabled, OFF, "elastic batch sizes are not supported; checkpoints do "
-                                   "load at another world size"),
-        "compression_training": AcceptedWhen(lambda v: not v, "{} or absent",
-                                             "compression training is not supported: remove the block"),
-        "quantize_training": AcceptedWhen(_disabled, OFF, "quantized training is not supported"),
+        "elasticity": Removed(_disabled, "elastic training: set the batch sizes directly (shardwise checkpoints "
+                              "load at another world size)"),
+        "compression_training": Removed(lambda v: not v, "the compression library (quantization, pruning, layer "
+                                        "reduction during training): remove the block"),
+        "quantize_training": Removed(_disabled, "Mixture-of-Quantization (MoQ): remove the block"),
         "weight_quantization": AcceptedWhen(lambda v: not v, "{} or absent", "weight quantization is not "
                                             "supported: remove the block"),
-        "progressive_layer_drop": AcceptedWhen(_disabled, OFF, "progressive layer dropping is not supported"),
-        "curriculum_learning": AcceptedWhen(_disabled, OFF, "curriculum learning is not supported: order "
-                                            "your data in the data loader"),
+        "progressive_layer_drop": Removed(_disabled, "progressive layer dropping: remove the block"),
+        "curriculum_learning": Removed(_disabled, "the legacy top-level curriculum learning (DeepSpeed moved it to "
+                                       "data_efficiency.data_sampling.curriculum_learning): order your data in the "
+                                       "data loader"),
         "data_efficiency": AcceptedWhen(_disabled, OFF, "DeepSpeed's data-efficiency library is not "
                                         "supported: sample in your data loader"),
-        "eigenvalue": AcceptedWhen(_disabled, OFF, "eigenvalue computation is not supported"),
+        "eigenvalue": Removed(_disabled, "eigenvalue-based MoQ: remove the block"),
         "hybrid_engine": AcceptedWhen(_disabled, OFF, "DeepSpeed-Chat's hybrid (train + generate) engine is "
                                       "not supported: generate with the model between steps"),
-        "nebula": AcceptedWhen(_disabled, OFF, "Nebula checkpointing is not used: shardwise writes its own "
-                               "atomic checkpoints"),
+        "nebula": Removed(_disabled, "Nebula checkpointing: shardwise writes its own atomic checkpoints"),
         "datastates": AcceptedWhen(_disabled, OFF, "DataStates checkpointing is not used"),
-        "graph_harvesting": AcceptedWhen(_is(False), "false", "CUDA graph harvesting is not supported"),
+        "graph_harvesting": Removed(_is(False), "CUDA graph harvesting: remove the key"),
         "sequence_parallel_size": Translated("sequence_parallel.size", _sequence_parallel_size),
         "seq_parallel_communication_data_type": Accepted("the dtype of Ulysses' all-to-all in DeepSpeed; "
                                                          "shardwise sends activations in their own dtype"),
@@ -184,13 +209,8 @@ RULES: dict[str, dict[str, KeyRule]] = {
         "fp16_master_weights_and_grads": AcceptedWhen(_is(False), "false", "shardwise keeps fp32 master weights "
                                                       "(the ZeRO paper's mixed precision); remove the key"),
         "fused_mode": Accepted("a DeepSpeed kernel choice"),
-        "auto_cast": Accepted("handled by the fp16 block's own check"),
     },
     "bf16": {
-        "bf16_master_weights_and_grads": AcceptedWhen(_is(False), "false", "shardwise keeps fp32 master weights; "
-                                                      "remove the key"),
-        "bf16_optimizer_states": AcceptedWhen(_is(False), "false", "optimizer states stay fp32 (use the "
-                                              "8-bit Adam optimizers to shrink them)"),
         "check_grad_overflow": Accepted("shardwise always checks gradients for non-finite values before a "
                                         "step (reliability.step_guard)"),
         "immediate_grad_update": Accepted("a DeepSpeed implementation detail of bf16 gradient accumulation"),
@@ -249,10 +269,25 @@ RULES: dict[str, dict[str, KeyRule]] = {
         "max_in_cpu": Accepted("the size of DeepSpeed's host cache of NVMe parameters; shardwise keeps no "
                                "cache (a shard is read at each gather)"),
     },
+    "compile": {key: Ignored(_is(default), _DEEPCOMPILE_WHY) for key, default in _DEEPCOMPILE_SETTINGS.items()},
+    "torch_autocast": {
+        "lower_precision_safe_modules": Ignored(lambda v: v is None, "the modules whose gradients DeepSpeed "
+                                                "all-reduces in the autocast dtype; shardwise reduces every "
+                                                "gradient in communication_data_type (default: the parameters' "
+                                                "fp32), the same sum rounded less"),
+    },
     "aio": {
         "intra_op_parallelism": Accepted("a libaio threading knob; shardwise's swap uses aio.thread_count"),
         "use_gds": AcceptedWhen(_is(False), "false", "GPUDirect Storage is not used"),
     },
+}
+
+# Features DeepSpeed 0.19.8 has removed (it refuses these keys) that shardwise keeps and
+# honours, with the schema field that holds each.
+KEPT_AFTER_DEEPSPEED_REMOVED: dict[str, str] = {
+    "sparse_attention": "block-sparse attention layouts for every attention layer (shardwise.ops.sparse_attention)",
+    "zero_optimization.mics_shard_size": "hybrid sharding: states sharded within groups of this many ranks, "
+                                         "replicated across groups (MiCS / HSDP)",
 }
 
 COMMENT_PREFIXES = ("_", "//", "#")
@@ -278,6 +313,14 @@ def classification_rows() -> list[tuple[str, str, str]]:
                 rows.append((dotted, "accepted, any value", rule.why))
             elif isinstance(rule, AcceptedWhen):
                 rows.append((dotted, f"accepted when {rule.harmless_doc}; otherwise rejected", rule.why_not))
+            elif isinstance(rule, Ignored):
+                rows.append((dotted, "accepted and ignored (named in the warning)", rule.why))
+            elif isinstance(rule, Removed):
+                rows.append((dotted, "removed by DeepSpeed 0.19.8: rejected when on; off, accepted with a warning",
+                             f"DeepSpeed 0.19.8 refuses the key (\"has been removed\"): {rule.why}"))
             else:
                 rows.append((dotted, f"honoured as `{rule.target}`", "an older DeepSpeed spelling"))
+    for dotted, what in KEPT_AFTER_DEEPSPEED_REMOVED.items():
+        rows.append((dotted, "honoured (DeepSpeed 0.19.8 has removed it)",
+                     f"{what}; DeepSpeed 0.19.8 refuses the key (\"has been removed\"), shardwise keeps it"))
     return rows

@@ -2,10 +2,14 @@
 
 A key is one of: supported (a field of the schema), an older DeepSpeed name for a
 supported key (renamed), a DeepSpeed key that changes nothing shardwise computes or is
-switched off (accepted, or translated to shardwise's key: deepspeed_keys.py), a comment,
+switched off (accepted, ignored with a warning, or translated to shardwise's key:
+deepspeed_keys.py), a feature DeepSpeed 0.19.8 has removed (refused when on), a comment,
 a DeepSpeed key shardwise does not implement (rejected by name, so the user knows it was
-understood), or unknown (most likely a typo: rejected with the closest supported key at
-the same level). The lists of DeepSpeed keys come
+understood), or unknown. An unknown top-level key is ignored with a warning naming the
+closest known key, as DeepSpeed ignores it; inside a block it is most likely a typo and
+an error naming the closest key of that block, as DeepSpeed's pydantic models refuse it.
+Accepted-but-ignored keys go into `ignored`, one line each, which `load_config` logs
+as one warning. The lists of DeepSpeed keys come
 from deepspeed/runtime/constants.py, runtime/config.py and the section models under
 deepspeed/runtime; they name what DeepSpeed accepts, not what it documents.
 """
@@ -22,7 +26,9 @@ from pydantic import BaseModel
 
 from shardwise.frontends.deepspeed.config.deepspeed_keys import (
     AcceptedWhen,
+    Ignored,
     KeyRule,
+    Removed,
     Translated,
     classification_rows,
     is_comment,
@@ -125,14 +131,15 @@ def expand_dotted_keys(raw: Mapping[str, Any]) -> dict[str, Any]:
     return expanded
 
 
-def check_keys(raw: Mapping[str, Any], problems: list[str]) -> dict[str, Any]:
-    """A copy of `raw` holding only supported keys under their current names; every other key
-    becomes a line in `problems`. Sections given as null count as absent, as in DeepSpeed."""
-    return _check_section(raw, ShardwiseConfig, "", problems)
+def check_keys(raw: Mapping[str, Any], problems: list[str], ignored: list[str] | None = None) -> dict[str, Any]:
+    """A copy of `raw` holding only supported keys under their current names; every key
+    refused becomes a line in `problems`, every key accepted but ignored one in `ignored`.
+    Sections given as null count as absent, as in DeepSpeed."""
+    return _check_section(raw, ShardwiseConfig, "", problems, [] if ignored is None else ignored)
 
 
 def _check_section(
-    raw: Mapping[str, Any], model: type[BaseModel], path: str, problems: list[str]
+    raw: Mapping[str, Any], model: type[BaseModel], path: str, problems: list[str], ignored: list[str]
 ) -> dict[str, Any]:
     aliases = ALIASES.get(path, {})
     cleaned: dict[str, Any] = {}
@@ -145,21 +152,33 @@ def _check_section(
                 f"'{key}' is DeepSpeed's other name for '{name}', keep one"
             )
         elif name in model.model_fields:
-            checked = _check_value(value, model, name, join_key(path, name), problems)
+            checked = _check_value(value, model, name, join_key(path, name), problems, ignored)
             if checked is not None or section_model(model.model_fields[name].annotation) is None:
                 cleaned[name] = checked
         elif rule_for(path, key) is not None:
-            translations.update(_apply_rule(rule_for(path, key), key, value, path, problems))
+            translations.update(_apply_rule(rule_for(path, key), key, value, path, problems, ignored))
+        elif path == "" and key not in DEEPSPEED_KEYS_NOT_SUPPORTED[""] and not is_comment(key, path):
+            ignored.append(_describe_unknown_top_level(key))
         elif not is_comment(key, path):
             problems.append(_describe_unsupported(key, model, path))
     _merge_translations(cleaned, translations, path, problems)
     return cleaned
 
 
-def _apply_rule(rule: KeyRule, key: str, value: Any, path: str, problems: list[str]) -> dict[str, Any]:
-    """Accept, refuse or translate a DeepSpeed key without a schema field (deepspeed_keys.py)."""
+def _apply_rule(rule: KeyRule, key: str, value: Any, path: str, problems: list[str],
+                ignored: list[str]) -> dict[str, Any]:
+    """Accept, ignore, refuse or translate a DeepSpeed key without a schema field (deepspeed_keys.py)."""
     full = join_key(path, key)
-    if isinstance(rule, AcceptedWhen) and not rule.harmless(value):
+    if isinstance(rule, Ignored) and not rule.quiet(value):
+        ignored.append(f"'{full}' {json.dumps(value)}: {rule.why}")
+    elif isinstance(rule, Removed):
+        if rule.off(value):
+            ignored.append(f"'{full}': DeepSpeed 0.19.8 has removed this feature and refuses the key; it asks for "
+                           "nothing here, so shardwise runs without it (remove it to run the config on DeepSpeed)")
+        else:
+            problems.append(f"'{full}' is a feature DeepSpeed 0.19.8 has removed (it refuses the key too): "
+                            f"{rule.why}")
+    elif isinstance(rule, AcceptedWhen) and not rule.harmless(value):
         if isinstance(value, Mapping) and "enabled" in value:
             full, value = f"{full}.enabled", value["enabled"]
         problems.append(f"'{full}' {json.dumps(value)} is not supported: {rule.why_not} "
@@ -188,20 +207,22 @@ def _merge_translations(cleaned: dict[str, Any], translations: dict[str, tuple[s
             node[leaf] = value
 
 
-def _check_value(value: Any, model: type[BaseModel], name: str, path: str, problems: list[str]) -> Any:
+def _check_value(value: Any, model: type[BaseModel], name: str, path: str, problems: list[str],
+                 ignored: list[str]) -> Any:
     if not isinstance(value, Mapping):
         return value
     if path in _TYPED_BLOCKS:
-        return _check_typed_block(value, path, problems)
+        return _check_typed_block(value, path, problems, ignored)
     nested = section_model(model.model_fields[name].annotation)
-    return _check_section(value, nested, path, problems) if nested is not None else value
+    return _check_section(value, nested, path, problems, ignored) if nested is not None else value
 
 
-def _check_typed_block(raw: Mapping[str, Any], path: str, problems: list[str]) -> dict[str, Any] | None:
+def _check_typed_block(raw: Mapping[str, Any], path: str, problems: list[str],
+                       ignored: list[str]) -> dict[str, Any] | None:
     """optimizer / scheduler: the valid `params` keys depend on `type`, so resolve `type` first.
     A type shardwise cannot build drops the whole block after reporting it."""
     block = _TYPED_BLOCKS[path]
-    cleaned = _check_section(raw, block.model, path, problems)
+    cleaned = _check_section(raw, block.model, path, problems, ignored)
     given = cleaned.get("type")
     if not isinstance(given, str):
         return cleaned
@@ -212,7 +233,7 @@ def _check_typed_block(raw: Mapping[str, Any], path: str, problems: list[str]) -
     cleaned["type"] = canonical
     if isinstance(cleaned.get("params"), Mapping):
         params_model = block.params_by_type[canonical]
-        cleaned["params"] = _check_section(cleaned["params"], params_model, f"{path}.params", problems)
+        cleaned["params"] = _check_section(cleaned["params"], params_model, f"{path}.params", problems, ignored)
     return cleaned
 
 
@@ -231,6 +252,16 @@ def _describe_bad_type(given: str, path: str, block: _TypedBlock) -> str:
     if closest:
         return f"{path}.type '{given}' is unknown; did you mean '{closest}'? (choices: {choices})"
     return f"{path}.type '{given}' is unknown; use one of {choices}"
+
+
+def _describe_unknown_top_level(key: str) -> str:
+    """DeepSpeed reads the top-level keys it knows and never looks at the others (tools
+    leave their own there: `cuda_visible_devices`, `comms_config`...), so shardwise ignores
+    them too; a misspelt known key is the likely mistake, hence the closest one."""
+    known = list(ShardwiseConfig.model_fields) + [key for key, _, _ in classification_rows() if "." not in key]
+    closest = _closest(key, known)
+    hint = f"; did you mean '{closest}'?" if closest else ""
+    return f"unknown top-level key '{key}' ignored (DeepSpeed ignores it too){hint}"
 
 
 def _describe_unsupported(key: str, model: type[BaseModel], path: str) -> str:

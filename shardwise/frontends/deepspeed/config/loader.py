@@ -8,6 +8,7 @@ then batch sizes, then optimizer and scheduler params, then types and ranges
 
 import copy
 import json
+import logging
 import os
 from collections.abc import Mapping
 from pathlib import Path
@@ -15,7 +16,7 @@ from typing import Any
 
 from pydantic import ValidationError
 
-from shardwise.frontends.deepspeed.config.checks import find_contradictions, find_unsupported
+from shardwise.frontends.deepspeed.config.checks import find_contradictions, find_ignored, find_unsupported
 from shardwise.frontends.deepspeed.config.errors import ConfigError, describe_validation_error
 from shardwise.frontends.deepspeed.config.keys import check_keys, expand_dotted_keys
 from shardwise.frontends.deepspeed.config.params import resolve_params
@@ -28,6 +29,8 @@ from shardwise.frontends.deepspeed.config.resolve import (
     resolve_data_parallel_size,
 )
 from shardwise.frontends.deepspeed.config.schema import ShardwiseConfig
+
+log = logging.getLogger("shardwise")
 
 
 def load_config(
@@ -48,7 +51,8 @@ def load_config(
     if hidden_size is not None:
         _require_positive_int("hidden_size", hidden_size)
     problems: list[str] = []
-    cleaned = fill_auto(check_keys(expand_dotted_keys(read_config(config)), problems), auto_values or {})
+    ignored: list[str] = []
+    cleaned = fill_auto(check_keys(expand_dotted_keys(read_config(config)), problems, ignored), auto_values or {})
     batch_auto = batch_left_to_auto(cleaned)
     resolve_auto(cleaned, hidden_size, problems)
     data_parallel = resolve_data_parallel_size(cleaned, world_size, problems)
@@ -68,7 +72,16 @@ def load_config(
                                                             data_parallel_size=data_parallel)
     if problems:
         raise ConfigError(problems)
+    warn_ignored(ignored + find_ignored(cfg))
     return cfg
+
+
+def warn_ignored(ignored: list[str]) -> None:
+    """One warning for every key the config sets that changes nothing here, as DeepSpeed
+    runs the same config without complaint (so a user learns once, not per key)."""
+    if ignored:
+        lines = "\n".join(f"  - {line}" for line in ignored)
+        log.warning("shardwise ignores %d config key(s), training is the same without them:\n%s", len(ignored), lines)
 
 
 def _require_positive_int(name: str, value: Any) -> None:

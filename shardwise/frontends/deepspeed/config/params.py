@@ -91,42 +91,33 @@ class _RegisteredOptimizerParams(Mapping[str, type[Section]]):
 OPTIMIZER_PARAMS: Mapping[str, type[Section]] = _RegisteredOptimizerParams()
 
 
+# A learning rate for every param group, or one per group (DeepSpeed's `_format_param`).
+LearningRate = Annotated[Float, Field(ge=0)] | list[Annotated[Float, Field(ge=0)]]
+
+
 class WarmupLRParams(Section):
     """Warm up from warmup_min_lr to warmup_max_lr, then hold."""
 
-    warmup_min_lr: Float = Field(0.0, ge=0)
-    warmup_max_lr: Float | None = Field(None, ge=0, json_schema_extra={"default_doc": "the optimizer's lr"})
+    warmup_min_lr: LearningRate = 0.0
+    warmup_max_lr: LearningRate | None = Field(None, json_schema_extra={"default_doc": "the optimizer's lr"})
     warmup_num_steps: Int = Field(1000, ge=1)
     warmup_type: Literal["log", "linear"] = "log"
     last_batch_iteration: Int = Field(-1, ge=-1)
 
     @model_validator(mode="after")
     def _min_below_max(self) -> "WarmupLRParams":
-        if self.warmup_max_lr is not None and self.warmup_min_lr > self.warmup_max_lr:
-            raise ValueError(
-                f"warmup_min_lr {self.warmup_min_lr} is above warmup_max_lr {self.warmup_max_lr}"
-            )
+        low, high = self.warmup_min_lr, self.warmup_max_lr
+        if isinstance(low, float) and isinstance(high, float) and low > high:
+            raise ValueError(f"warmup_min_lr {low} is above warmup_max_lr {high}")
         return self
-
-
-def _warmup_fits(total_num_steps: int, warmup_num_steps: int) -> None:
-    if total_num_steps < warmup_num_steps:
-        raise ValueError(
-            f"total_num_steps {total_num_steps} < warmup_num_steps {warmup_num_steps}: "
-            "the schedule would end before its warmup does"
-        )
 
 
 class WarmupDecayLRParams(WarmupLRParams):
-    """WarmupLR, then linear decay to zero at total_num_steps."""
+    """WarmupLR, then linear decay to zero at total_num_steps (DeepSpeed only warns when
+    total_num_steps < warmup_num_steps, and so does shardwise's schedule)."""
 
     total_num_steps: Int = Field(ge=1)
-    warmup_max_lr: Float | None = Field(0.001, ge=0)
-
-    @model_validator(mode="after")
-    def _warmup_within_total(self) -> "WarmupDecayLRParams":
-        _warmup_fits(self.total_num_steps, self.warmup_num_steps)
-        return self
+    warmup_max_lr: LearningRate | None = 0.001
 
 
 class WarmupCosineLRParams(Section):
@@ -139,23 +130,51 @@ class WarmupCosineLRParams(Section):
     warmup_type: Literal["log", "linear"] = "log"
     last_batch_iteration: Int = Field(-1, ge=-1)
 
-    @model_validator(mode="after")
-    def _warmup_within_total(self) -> "WarmupCosineLRParams":
-        _warmup_fits(self.total_num_steps, self.warmup_num_steps)
-        return self
+
+class OneCycleParams(Section):
+    """1Cycle: up from cycle_min_lr to cycle_max_lr and back, then an optional decay; beta1
+    cycles the opposite way (runtime/optim/schedulers.py)."""
+
+    cycle_min_lr: LearningRate
+    cycle_max_lr: LearningRate
+    decay_lr_rate: Float = 0.0
+    cycle_first_step_size: Int = Field(2000, gt=0)
+    cycle_second_step_size: Int | None = Field(None, ge=0, json_schema_extra={"default_doc": "cycle_first_step_size"})
+    cycle_first_stair_count: Int = Field(0, ge=0)
+    cycle_second_stair_count: Int | None = Field(None, ge=0,
+                                                 json_schema_extra={"default_doc": "cycle_first_stair_count"})
+    decay_step_size: Int = Field(0, ge=0)
+    cycle_momentum: Bool = True
+    cycle_min_mom: Float | list[Float] = 0.8
+    cycle_max_mom: Float | list[Float] = 0.9
+    decay_mom_rate: Float = 0.0
+    last_batch_iteration: Int = Field(-1, ge=-1)
+
+
+class LRRangeTestParams(Section):
+    """The learning-rate range test: from lr_range_test_min_lr, growing by step_rate x min
+    every lr_range_test_step_size steps."""
+
+    lr_range_test_min_lr: LearningRate = 1e-3
+    lr_range_test_step_size: Int = Field(2000, gt=0)
+    lr_range_test_step_rate: Float = 1.0
+    lr_range_test_staircase: Bool = False
+    last_batch_iteration: Int = Field(-1, ge=-1)
 
 
 SCHEDULER_PARAMS: dict[str, type[Section]] = {
     "WarmupLR": WarmupLRParams,
     "WarmupDecayLR": WarmupDecayLRParams,
     "WarmupCosineLR": WarmupCosineLRParams,
+    "OneCycle": OneCycleParams,
+    "LRRangeTest": LRRangeTestParams,
 }
 
 # DeepSpeed's types a later capability may add (0/1 Adam: C18's variant with adaptive variance freezing).
 OPTIMIZERS_NOT_YET = ("ZeroOneAdam",)
 # Types DeepSpeed builds itself that no shardwise capability covers.
 DEEPSPEED_OPTIMIZERS_UNSUPPORTED = ("Adagrad", "Lion", "MuAdam", "MuAdamW", "MuSGD")
-DEEPSPEED_SCHEDULERS_UNSUPPORTED = ("OneCycle", "LRRangeTest")
+DEEPSPEED_SCHEDULERS_UNSUPPORTED: tuple[str, ...] = ()
 
 
 def resolve_params(block: str, type_name: str, params: dict[str, Any], problems: list[str]) -> dict[str, Any] | None:

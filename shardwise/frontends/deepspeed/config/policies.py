@@ -6,13 +6,17 @@ maps onto its policy, with DeepSpeed's meaning: `fp16.loss_scale` 0 is dynamic s
 2**initial_scale_power, `communication_data_type` is the gradients' wire dtype,
 `zero_optimization.mics_shard_size` is hybrid sharding, `sequence_parallel.mode` "megatron"
 is tensor parallelism's own sequence split, `pipeline_parallel.micro_batches` defaults to
-the accumulation steps.
+the accumulation steps, `torch_autocast` is the forward under autocast from fp32 parameters,
+`bf16.bf16_master_weights_and_grads` is bf16 masters (the partition trained in place),
+`zero_optimization.offload_param` applies at stage 3 only (DeepSpeed ignores it below),
+`compile.deepcompile` is torch.compile per block beside the run-time ZeRO.
 """
 
 from __future__ import annotations
 
 import torch
 
+from shardwise.formulas.stages import partitions_parameters
 from shardwise.frontends.deepspeed.config.schema import OffloadConfig, ShardwiseConfig
 from shardwise.frontends.deepspeed.config.sparse_attention import SparseLayout
 from shardwise.runtime.activation.policy import ActivationPolicy, RecomputePolicy
@@ -27,6 +31,12 @@ from shardwise.runtime.precision.policy import LossScalingPolicy, PrecisionPolic
 from shardwise.runtime.zero.policy import OffloadPolicy, PrefetchPolicy, ZeroPolicy
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+# torch_autocast.dtype's spellings (DeepSpeed's DtypeEnum).
+AUTOCAST_DTYPES = {
+    **dict.fromkeys(("bf16", "bfloat16", "torch.bfloat16"), torch.bfloat16),
+    **dict.fromkeys(("fp16", "float16", "half", "torch.float16"), torch.float16),
+    **dict.fromkeys(("fp32", "float32", "float", "torch.float32"), torch.float32),
+}
 
 
 def policies_from_config(cfg: ShardwiseConfig) -> Policies:
@@ -61,7 +71,7 @@ def zero_policy(cfg: ShardwiseConfig) -> ZeroPolicy:
         prefetch=PrefetchPolicy(zero.stage3_prefetch_bucket_size, zero.stage3_max_live_parameters,
                                 zero.stage3_max_reuse_distance, zero.stage3_param_persistence_threshold),
         offload_optimizer=offload_policy(zero.offload_optimizer, cfg),
-        offload_param=offload_policy(zero.offload_param, cfg),
+        offload_param=offload_policy(zero.offload_param, cfg) if partitions_parameters(zero.stage) else OffloadPolicy(),
         shard_size=zero.mics_shard_size if zero.mics_shard_size > 0 else None,
         gather_16bit_weights_on_save=zero.stage3_gather_16bit_weights_on_model_save,
     )
@@ -82,13 +92,17 @@ def offload_policy(section: OffloadConfig, cfg: ShardwiseConfig) -> OffloadPolic
 def precision_policy(cfg: ShardwiseConfig) -> PrecisionPolicy:
     dtype = torch.bfloat16 if cfg.bf16.enabled else torch.float16 if cfg.fp16.enabled else torch.float32
     reduce = DTYPES[cfg.communication_data_type] if cfg.communication_data_type else None
-    fp16 = cfg.fp16
+    fp16, autocast = cfg.fp16, cfg.torch_autocast
+    autocast_dtype = AUTOCAST_DTYPES[autocast.dtype] if autocast.dtype is not None else None
     scaling = None
-    if fp16.enabled:
+    # fp16 (or fp16 autocast, as DeepSpeed's GradScaler does) scales the loss by the fp16 block's settings
+    if fp16.enabled or (autocast.enabled and autocast_dtype == torch.float16):
         scaling = (LossScalingPolicy(fp16.loss_scale, dynamic=False) if fp16.loss_scale > 0 else
                    LossScalingPolicy(2.0**fp16.initial_scale_power, True, fp16.loss_scale_window, fp16.hysteresis,
                                      fp16.consecutive_hysteresis, fp16.min_loss_scale))
-    return PrecisionPolicy(dtype, reduce, scaling)
+    master = torch.bfloat16 if cfg.bf16.enabled and cfg.bf16.bf16_master_weights_and_grads else torch.float32
+    return PrecisionPolicy(dtype, reduce, scaling, master_dtype=master, autocast=autocast.enabled,
+                           autocast_dtype=autocast_dtype)
 
 
 def pipeline_policy(cfg: ShardwiseConfig) -> PipelinePolicy:
@@ -107,4 +121,4 @@ def activation_policy(cfg: ShardwiseConfig) -> ActivationPolicy:
 
 def compile_policy(cfg: ShardwiseConfig) -> CompilePolicy:
     block = cfg.compile
-    return CompilePolicy(block.enabled, block.backend, block.mode, dict(block.kwargs))
+    return CompilePolicy(block.compiles, block.backend, block.mode, dict(block.kwargs))

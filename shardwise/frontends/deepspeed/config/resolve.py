@@ -128,12 +128,21 @@ def resolve_auto(cfg: dict[str, Any], hidden_size: int | None, problems: list[st
     _drop_remaining_auto(cfg, "", problems)
 
 
+# The blocks DeepSpeed validates with its pydantic models (DeepSpeedConfigModel), which drop
+# every "auto" they are given so that the field keeps its default (runtime/config_utils.py):
+# there "auto" means DeepSpeed's default when no Trainer fills it, e.g. offload_param.buffer_size.
+DEFAULT_WHEN_AUTO_BLOCKS = ("zero_optimization", "fp16", "bf16", "tensorboard", "wandb", "csv_monitor", "comet",
+                            "compile", "comms_logger", "tensor_parallel")
+
+
 def _drop_remaining_auto(node: dict[str, Any], path: str, problems: list[str]) -> None:
-    """Report "auto" on keys no rule covers, and drop them so they are not reported twice."""
+    """Drop "auto" on keys no rule covers: inside DeepSpeed's pydantic blocks it means the
+    default; elsewhere it is reported, since nothing can fill it."""
     for key in list(node):
         value = node[key]
         if value == AUTO:
-            problems.append(_FILL.format(key=join_key(path, key), where=""))
+            if path.split(".")[0] not in DEFAULT_WHEN_AUTO_BLOCKS:
+                problems.append(_FILL.format(key=join_key(path, key), where=""))
             del node[key]
         elif isinstance(value, dict):
             _drop_remaining_auto(value, join_key(path, key), problems)

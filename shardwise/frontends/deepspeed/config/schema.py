@@ -30,7 +30,9 @@ MAX_INITIAL_SCALE_POWER = 64
 
 
 class Fp16Config(Section):
-    """fp16 mixed precision; `loss_scale` 0 selects dynamic loss scaling."""
+    """fp16 mixed precision; `loss_scale` 0 selects dynamic loss scaling. `auto_cast`:
+    DeepSpeed casts the forward's floating-point inputs to fp16, which shardwise does for
+    every 16-bit run (runtime/precision/casting.py)."""
 
     enabled: Bool = False
     auto_cast: Bool = False
@@ -59,9 +61,33 @@ class Fp16Config(Section):
 
 
 class Bf16Config(Section):
-    """bf16 mixed precision; needs no loss scaling thanks to fp32's exponent range."""
+    """bf16 mixed precision; needs no loss scaling thanks to fp32's exponent range.
+    `bf16_master_weights_and_grads`: ZeRO keeps the master weights and the gradient
+    partition in bf16 instead of fp32; `bf16_optimizer_states` (which needs it): the
+    optimizer's states too, as DeepSpeed's ZeRO does (half the bytes of fp32 masters:
+    docs/formulas.md#optimizer-state-bytes-k)."""
 
     enabled: Bool = False
+    bf16_master_weights_and_grads: Bool = False
+    bf16_optimizer_states: Bool = False
+
+    @model_validator(mode="after")
+    def _states_need_masters(self) -> "Bf16Config":
+        if self.bf16_optimizer_states and not self.bf16_master_weights_and_grads:
+            raise ValueError("bf16_optimizer_states true needs bf16_master_weights_and_grads true: the optimizer "
+                             "states follow the master weights' dtype (DeepSpeed asks the same)")
+        return self
+
+
+class TorchAutocastConfig(Section):
+    """DeepSpeed's `torch_autocast`: the forward runs under `torch.autocast(dtype)` while the
+    parameters, their gradients and the optimizer stay fp32 (`dtype` unset: torch's default
+    for the device, bf16 on CPU and fp16 on CUDA); fp16 autocast scales the loss as the fp16
+    block's settings say."""
+
+    enabled: Bool = False
+    dtype: Literal["bf16", "bfloat16", "torch.bfloat16", "fp16", "float16", "half", "torch.float16",
+                   "fp32", "float32", "float", "torch.float32"] | None = None
 
 
 class OffloadConfig(Section):
@@ -171,7 +197,7 @@ class OptimizerConfig(Section):
 class SchedulerConfig(Section):
     """A learning-rate schedule stepped once per optimizer step."""
 
-    type: Literal["WarmupLR", "WarmupDecayLR", "WarmupCosineLR"]
+    type: Literal["WarmupLR", "WarmupDecayLR", "WarmupCosineLR", "OneCycle", "LRRangeTest"]
     params: dict[str, Any] = Field(default_factory=dict)
 
 
@@ -237,17 +263,54 @@ class PipelineParallelConfig(Section):
 
 
 class TensorBoardConfig(Section):
-    """TensorBoard event files, written under output_path/job_name."""
+    """TensorBoard event files, written under output_path/job_name by rank 0 after every
+    optimizer step (frontends/deepspeed/monitors/)."""
 
     enabled: Bool = False
     output_path: str = ""
     job_name: str = "DeepSpeedJobName"
 
 
+class CsvMonitorConfig(Section):
+    """DeepSpeed's CSV monitor: one `<series>.csv` per series (step, value) under output_path/job_name."""
+
+    enabled: Bool = False
+    output_path: str = ""
+    job_name: str = "DeepSpeedJobName"
+
+
+class WandbConfig(Section):
+    """Weights & Biases: `wandb.init(project, group, entity=team)` on rank 0; WANDB_MODE=offline
+    writes the run under ./wandb without a network."""
+
+    enabled: Bool = False
+    group: str | None = None
+    team: str | None = None
+    project: str = "deepspeed"
+
+
+class CometConfig(Section):
+    """Comet: an experiment on rank 0 (`online` false: an offline experiment written to disk),
+    logged every `samples_log_interval` samples; the keys are DeepSpeed's."""
+
+    enabled: Bool = False
+    samples_log_interval: Int = Field(100, ge=1)
+    project: str | None = None
+    workspace: str | None = None
+    api_key: str | None = None
+    experiment_name: str | None = None
+    experiment_key: str | None = None
+    online: Bool | None = None
+    mode: Literal["get", "create", "get_or_create"] | None = None
+
+
 class CompileConfig(Section):
     """shardwise addition: `torch.compile` per block, in the kernel and compile step of a model's `parallelize`.
     Also reads DeepSpeed's spelling of the block (runtime/compiler.py): `kwargs` passed to
-    `torch.compile`, and `deepcompile` (newer DeepSpeed), accepted when false. `fused_ops`
+    `torch.compile`, and DeepCompile's `deepcompile` and `passes`: DeepSpeed compiles the
+    model with its ZeRO as graph passes ("z1", "z3"); shardwise runs ZeRO at run time, so
+    `deepcompile` true means torch.compile per block beside it (as `enabled`), and passes
+    "z1"/"z3" are what zero_optimization.stage already does. `fused_ops`
     swaps in shardwise.runtime.ops' fused kernels (norms, bias+GeLU, SwiGLU, linear+cross-entropy)."""
 
     enabled: Bool = False
@@ -256,14 +319,22 @@ class CompileConfig(Section):
     kwargs: dict[str, Any] = Field(default_factory=dict)
     fused_ops: Bool = False
     deepcompile: Bool = False
+    passes: list[Literal["z1", "z3", "autosp", "autotp"]] | None = None
 
-    @field_validator("deepcompile")
+    @field_validator("passes")
     @classmethod
-    def _no_deepcompile(cls, value: bool) -> bool:
-        if value:
-            raise ValueError("true asks for DeepSpeed's own ZeRO graph passes, which shardwise does not have: set it "
-                             "false and use compile.enabled true (torch.compile per block, beside shardwise's ZeRO)")
-        return value
+    def _zero_passes_only(cls, passes: list[str] | None) -> list[str] | None:
+        parallel = {"autosp": "sequence_parallel (mode 'ulysses', size)", "autotp": "tensor_parallel.size"}
+        asked = [name for name in passes or [] if name in parallel]
+        if asked:
+            raise ValueError(f"{asked}: DeepCompile's automatic parallelism passes are not graph passes in "
+                             f"shardwise; set {' and '.join(parallel[name] for name in asked)} instead")
+        return passes
+
+    @property
+    def compiles(self) -> bool:
+        """torch.compile per block: asked for by `enabled`, or by DeepCompile's `deepcompile`."""
+        return self.enabled or self.deepcompile
 
     @model_validator(mode="after")
     def _known_kwargs(self) -> "CompileConfig":
@@ -361,7 +432,8 @@ class ShardwiseConfig(Section):
     )
     steps_per_print: Int = Field(10, ge=1)
     dataloader_drop_last: Bool = Field(
-        False, description="for the data loader built by compat.deepspeed.initialize(training_data=...)"
+        False, description="the data loader built by deepspeed.initialize(training_data=...) drops the last, "
+        "incomplete micro-batch (and the sampler the samples that do not divide among the ranks)"
     )
     seed: Int | None = Field(None, ge=0)
     optimizer: OptimizerConfig | None = None
@@ -378,6 +450,10 @@ class ShardwiseConfig(Section):
     sequence_parallel: SequenceParallelConfig = Field(default_factory=SequenceParallelConfig)
     pipeline_parallel: PipelineParallelConfig = Field(default_factory=PipelineParallelConfig)
     tensorboard: TensorBoardConfig = Field(default_factory=TensorBoardConfig)
+    csv_monitor: CsvMonitorConfig = Field(default_factory=CsvMonitorConfig)
+    wandb: WandbConfig = Field(default_factory=WandbConfig)
+    comet: CometConfig = Field(default_factory=CometConfig)
+    torch_autocast: TorchAutocastConfig = Field(default_factory=TorchAutocastConfig)
     compile: CompileConfig = Field(default_factory=CompileConfig)
     sparse_attention: SparseAttentionConfig | None = None
 
