@@ -285,11 +285,12 @@ def test_harmless_keys_load_and_switched_on_features_are_refused_with_the_fix():
                 "zero_allow_untested_optimizer": True, "wandb": {"enabled": False, "project": "p"},
                 "zero_optimization": {"stage": 1, "round_robin_gradients": True, "ignore_unused_parameters": True}}
     assert load_config(harmless, world_size=2).zero_optimization.stage == 1
-    assert problems_of({**harmless, "wandb": {"enabled": True}, "zero_optimization": {"zero_quantized_weights": True}}) == [
+    assert problems_of({**harmless, "wandb": {"enabled": True},
+                        "zero_optimization": {"zero_quantized_nontrainable_weights": True}}) == [
         "'wandb.enabled' true is not supported: shardwise does not log to Weights & Biases: use the tensorboard "
         "block (or read engine metrics in your script) (accepted: false (or a block with enabled false))",
-        "'zero_optimization.zero_quantized_weights' true is not supported: ZeRO++ weight quantization is not "
-        "supported (accepted: false)",
+        "'zero_optimization.zero_quantized_nontrainable_weights' true is not supported: frozen weights stored in "
+        "int8 are not supported (ZeRO++'s zero_quantized_weights quantizes what gathers carry) (accepted: false)",
     ]
     # a comment is only a comment at the top level, where DeepSpeed never reads unknown keys
     assert problems_of({"train_batch_size": 8, "fp16": {"_comment": "x"}})[0].startswith("unknown key 'fp16._comment'")
