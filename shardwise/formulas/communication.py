@@ -306,3 +306,100 @@ def recompute_gather_bytes(layer_params: int, recomputed_layers: int, param_byte
     """Bytes one rank sends in the gathers of `recomputed_layers` layer recomputations of
     `layer_params` parameters each: part of the stage-3 all-gather term, not extra."""
     return recomputed_layers * ring_share(layer_params, param_bytes, shard_size)
+
+
+# -- ZeRO++ (C28) ---------------------------------------------------------------------------
+# Stage 3 over a shard group of N = n·L ranks, n nodes of L (ranks r·L .. r·L+L−1 on node r),
+# per rank per optimizer step, for each partitioned unit u of P_u padded elements (Ψ = Σ P_u,
+# every parameter partitioned: P = 0, each used once per forward), chunk C_u = P_u/N, over A
+# micro-batches. A frame of m elements quantized to `bits` with one fp32 scale per block of
+# B elements is F(m) = ⌈m/8⌉·bits + 4⌈m/B⌉ bytes (runtime/distributed/quantized.py).
+#
+#   shard all-gather        plain: 2A·Σ P_u·p(N−1)/N (forward and backward);
+#                           qwZ: each gather sends int8 frames, Σ F₈(C_u)·(N−1);
+#                           hpZ: only the step's first gather reads the primary shards (once
+#                           per step, not 2A times): every later one, until the update,
+#                           reads the secondary partition inside the node
+#   secondary all-gather    hpZ: (2A − 1)·Σ P_u·p(H−1)/H inside the node (unquantized)
+#   shard reduce-scatter    A·Σ P_u·g(N−1)/N, unless qgZ replaces it by
+#   shard_node all-to-all   qgZ: A·Σ F₄(n·C_u)·(L−1)   (the n chunks each node-mate owns)
+#   shard_nodes all-to-all  qgZ: A·Σ F₄(C_u)·(n−1)     (the node's partial sums, across)
+#
+# Bytes between nodes, per node (what leaves one node; docs/formulas.md#zero-bytes-between-nodes):
+# a ring over the shard group crosses each node boundary once, so a node sends one rank's
+# share of the shard group's all-gathers and reduce-scatters; hpZ's gathers and qgZ's first
+# hop stay inside it; each of its L ranks sends its whole second hop across. In the paper's
+# units (M = 2Ψ, 16-bit): 3M per step for ZeRO-3 → about 0.5M (qwZ) + 0 (hpZ) + 0.25M (qgZ),
+# the "4×" in the limit of many nodes; `zero_plus_plus_ratio` evaluates it at any size.
+
+
+@dataclass(frozen=True)
+class ZeroPlusPlusShape:
+    units: tuple[int, ...]  # P_u: padded elements of each partitioned unit
+    shard_size: int  # N
+    ranks_per_node: int  # L: the shard group's ranks on one node (N = n·L)
+    param_bytes: int  # p
+    grad_bytes: int  # g
+    quantized_weights: bool = False  # qwZ
+    hpz_partition_size: int = 1  # H (1: off)
+    quantized_gradients: bool = False  # qgZ
+    weight_block: int = 2048
+    gradient_block: int = 512
+    accumulation_steps: int = 1  # A
+
+    @property
+    def nodes(self) -> int:
+        return self.shard_size // self.ranks_per_node
+
+
+def quantized_frame_bytes(numel: int, *, block: int, bits: int) -> int:
+    """F(m): `numel` codes of `bits` bits padded to a multiple of 8 elements, and one fp32
+    scale per block (runtime/distributed/quantized.py frames them so)."""
+    return -(-numel // 8) * 8 * bits // 8 + 4 * -(-numel // block)
+
+
+def zero_plus_plus_bytes_by_group(shape: ZeroPlusPlusShape) -> dict[str, dict[str, int]]:
+    """Bytes one rank sends per step in each group ZeRO-3 with ZeRO++ uses (see above)."""
+    n_ranks, local, nodes, a = shape.shard_size, shape.ranks_per_node, shape.nodes, shape.accumulation_steps
+    p, g, hpz = shape.param_bytes, shape.grad_bytes, shape.hpz_partition_size
+    if n_ranks % local or (hpz > 1 and local % hpz):
+        raise ValueError(f"{local} ranks per node must divide the shard group's {n_ranks}, and hpZ's {hpz} divide "
+                         f"the {local}")
+    one_gather = sum(
+        quantized_frame_bytes(units // n_ranks, block=shape.weight_block, bits=8) * (n_ranks - 1)
+        if shape.quantized_weights else ring_share(units, p, n_ranks) for units in shape.units)
+    primary_gathers = 1 if hpz > 1 else 2 * a
+    volume = {"shard": {"all_gather": primary_gathers * one_gather, "reduce_scatter": 0}}
+    if hpz > 1:
+        volume["secondary"] = {"all_gather": (2 * a - 1) * sum(ring_share(units, p, hpz) for units in shape.units)}
+    if shape.quantized_gradients:
+        block = shape.gradient_block
+        volume["shard_node"] = {"all_to_all": a * sum(
+            quantized_frame_bytes(nodes * (units // n_ranks), block=block, bits=4) * (local - 1)
+            for units in shape.units)}
+        volume["shard_nodes"] = {"all_to_all": a * sum(
+            quantized_frame_bytes(units // n_ranks, block=block, bits=4) * (nodes - 1) for units in shape.units)}
+    else:
+        volume["shard"]["reduce_scatter"] = a * sum(ring_share(units, g, n_ranks) for units in shape.units)
+    return volume
+
+
+def inter_node_bytes_per_node(shape: ZeroPlusPlusShape) -> int:
+    """Bytes one node sends to other nodes per step (see above); 0 on one node."""
+    if shape.nodes == 1:
+        return 0
+    volume = zero_plus_plus_bytes_by_group(shape)
+    across = volume.get("shard_nodes", {}).get("all_to_all", 0)
+    return sum(volume["shard"].values()) + shape.ranks_per_node * across
+
+
+def zero_plus_plus_ratio(num_params: int, *, shard_size: int, ranks_per_node: int, weight_block: int = 2048,
+                         gradient_block: int = 512) -> float:
+    """Bytes between nodes per step of 16-bit ZeRO-3 over those of ZeRO++ (qwZ + hpZ over
+    the node + qgZ), for Ψ = `num_params` in one unit: the paper's 4× as the node count grows."""
+    units = (num_params,)
+    plain = ZeroPlusPlusShape(units, shard_size, ranks_per_node, param_bytes=2, grad_bytes=2)
+    plus = ZeroPlusPlusShape(units, shard_size, ranks_per_node, param_bytes=2, grad_bytes=2, quantized_weights=True,
+                             hpz_partition_size=ranks_per_node, quantized_gradients=True,
+                             weight_block=weight_block, gradient_block=gradient_block)
+    return inter_node_bytes_per_node(plain) / inter_node_bytes_per_node(plus)

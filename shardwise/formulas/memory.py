@@ -349,6 +349,19 @@ def model_state_bytes(
     )["gpu"])
 
 
+def hpz_secondary_bytes(num_params: int, partition_size: int, dtype: str = "bf16") -> int:
+    """ZeRO++'s hpZ (C28, docs/formulas.md#hpz-secondary-partition): each rank keeps, beside
+    its 1/N primary partition, a secondary partition of the 16-bit parameters over
+    `partition_size` = H ranks of its node, pΨ/H bytes (Ψ padded as the engine pads it, a
+    multiple of N, so of H). With H = N/n for n nodes this is n times the primary
+    partition: stage 3's params become pΨ/N + pΨ/H, the paper's price for gathering only
+    inside the node in backward."""
+    if partition_size < 1 or num_params % partition_size:
+        raise ValueError(f"hpZ partition size {partition_size} must be >= 1 and divide the {num_params} padded "
+                         "parameters")
+    return 0 if partition_size == 1 else num_params * element_bytes(dtype) // partition_size
+
+
 def _resolve_k(dtype: str, explicit: int | None) -> int:
     """K as given, or Adam's K for the dtype."""
     if explicit is None:

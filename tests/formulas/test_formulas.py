@@ -182,3 +182,25 @@ def test_fp32_activations_double_the_two_byte_tensors() -> None:
 def test_stage3_gather_working_set() -> None:
     assert stage3_gather_bytes(1_000_000, "bf16") == 6_000_000
     assert stage3_gather_bytes(1_000_000, "fp32") == 12_000_000
+
+
+def test_zero_plus_plus_cuts_the_bytes_between_nodes_four_times_at_the_papers_scale():
+    """ZeRO++'s 3M -> 0.75M (Wang et al., 2023): 384 GPUs, 48 nodes of 8, a 1-billion
+    parameter unit; with few nodes the ring's (N-1)/N and qgZ's (n-1)/n make it larger."""
+    from shardwise.formulas.communication import ZeroPlusPlusShape, inter_node_bytes_per_node, zero_plus_plus_ratio
+
+    assert zero_plus_plus_ratio(384 * 2**22, shard_size=384, ranks_per_node=8) == pytest.approx(4.0, abs=0.01)
+    assert zero_plus_plus_ratio(4 * 2**22, shard_size=4, ranks_per_node=2) == pytest.approx(4.48, abs=0.01)
+    # per node, plain ZeRO-3 sends one rank's ring share of three collectives: 3·2Ψ(N-1)/N
+    plain = ZeroPlusPlusShape((384 * 2**22,), 384, 8, param_bytes=2, grad_bytes=2)
+    assert inter_node_bytes_per_node(plain) == 3 * 2 * 383 * 2**22
+    assert inter_node_bytes_per_node(ZeroPlusPlusShape((8,), 8, 8, param_bytes=2, grad_bytes=2)) == 0  # one node
+
+
+def test_hpz_secondary_partition_memory():
+    from shardwise.formulas.memory import hpz_secondary_bytes
+
+    assert hpz_secondary_bytes(1024, 8, "bf16") == 256
+    assert hpz_secondary_bytes(1024, 1, "bf16") == 0
+    with pytest.raises(ValueError, match="must be >= 1 and divide"):
+        hpz_secondary_bytes(1000, 3, "fp32")

@@ -4,7 +4,11 @@ three reasons.
 1. Accounting (docs/formulas.md#the-ring-model, C6): each call adds the bytes this rank sends in a
    bandwidth-optimal ring, per (group, operation), so `engine.comm_volume()` is measured,
    not estimated: all-reduce of S bytes = 2S(N-1)/N, all-gather / reduce-scatter /
-   all-to-all of a full S = S(N-1)/N, with N the size of the group it runs in.
+   all-to-all of a full S = S(N-1)/N, with N the size of the group it runs in. When the
+   job spans nodes the same bytes are also counted per link (docs/formulas.md#bytes-between-nodes):
+   a ring's rank sends everything to its successor, so its bytes cross between nodes when
+   the successor is on another node; an all-to-all's chunk to each peer crosses when that
+   peer is.
 2. Errors that say what went wrong: a failed or timed-out collective raises
    `CollectiveError` naming the rank, the operation, what was being moved and the group
    ("rank 0: reduce_scatter of gradients of unit 3 (layers.2.mlp) in the shard group
@@ -75,8 +79,13 @@ class CommStats:
     (profiling/step_timer.py)."""
 
     volume: Counter = field(default_factory=Counter)
+    links: Counter = field(default_factory=Counter)  # ("intra_node" | "inter_node", operation) -> bytes
     wait_seconds: float = 0.0
     device_waits: list[tuple[torch.cuda.Event, torch.cuda.Event]] | None = None
+
+    def clear(self) -> None:
+        self.volume.clear()
+        self.links.clear()
 
     def totals(self) -> dict[str, int]:
         keys = ("all_reduce", "all_gather", "reduce_scatter", "all_to_all", "broadcast", "control")
@@ -90,6 +99,14 @@ class CommStats:
         for (group, op), nbytes in sorted(self.volume.items()):
             groups.setdefault(group, {})[op] = int(nbytes)
         return groups
+
+    def by_link(self) -> dict[str, dict[str, int]]:
+        """{"intra_node": {...}, "inter_node": {...}}: the data collectives' bytes by the link
+        they cross ({} when the job runs on one node)."""
+        links: dict[str, dict[str, int]] = {}
+        for (link, op), nbytes in sorted(self.links.items()):
+            links.setdefault(link, {})[op] = int(nbytes)
+        return links
 
 
 @dataclass
@@ -204,7 +221,18 @@ class Communicator:
     def _count(self, op: str, nbytes: int, category: str | None = None) -> None:
         if self.size == 1:  # a ring over one rank sends nothing (collectives issued by the test-only switch)
             return
-        self.stats.volume[(self.name, category or op)] += ring_bytes(op, nbytes, self.size)
+        sent = ring_bytes(op, nbytes, self.size)
+        self.stats.volume[(self.name, category or op)] += sent
+        nodes = self.handle.nodes
+        if nodes is None or category is not None:
+            return
+        if op == "all_to_all":  # chunk r goes to member r
+            away = sum(node != nodes[self.rank] for node in nodes)
+            inter = nbytes * away // self.size
+        else:  # a ring: everything goes to the successor
+            inter = sent if nodes[(self.rank + 1) % self.size] != nodes[self.rank] else 0
+        self.stats.links[("inter_node", op)] += inter
+        self.stats.links[("intra_node", op)] += sent - inter
 
     @staticmethod
     def _bytes(tensor: torch.Tensor) -> int:

@@ -24,6 +24,20 @@ Groups are exposed by *purpose*, not only by dimension:
     data       data loading: ranks that read different samples (data_replicate x data_shard)
     tensor, sequence, pipeline
 
+Past one node, the links between nodes are slower than those inside one, so the mesh also
+knows the node of every rank (`ranks_per_node`, from the launcher's LOCAL_WORLD_SIZE or
+the config; ranks r*L .. r*L+L-1 share node r) and cuts groups by it:
+
+    node         the ranks on this node (intra-node)
+    nodes        one rank per node, at this rank's place in its node (inter-node)
+    shard_node   the shard group's ranks on this node  } ZeRO++'s hierarchy (C28):
+    shard_nodes  the shard group's ranks at this rank's } qgZ reduces inside a node first,
+                 place on every node                   } then across nodes
+    secondary    hpZ's secondary partition: `secondary_shard` ranks of shard_node
+
+Every group knows its members' nodes, so a communicator counts the bytes it sends over
+links inside a node and between nodes apart (collectives.py).
+
 Each purpose has a data group (for NCCL, on the device) from torch's `DeviceMesh`, and a
 CPU-side gloo *control* group for small agreement collectives, created up front so that
 creating a group never happens in the middle of training. `DeviceMesh._flatten` (how
@@ -55,6 +69,7 @@ PURPOSES = {
     "sequence": ("sequence",),
     "pipeline": ("pipeline",),
 }
+NODE_PURPOSES = ("node", "nodes", "shard_node", "shard_nodes", "secondary")
 
 
 @dataclass(frozen=True)
@@ -66,11 +81,19 @@ class ParallelSizes:
     data_shard: int = 1
     sequence: int = 1
     tensor: int = 1
+    ranks_per_node: int | None = None  # None: every rank on one node
+    secondary_shard: int = 1  # hpZ: ranks of a node's shard-group ranks that hold one secondary partition
+    shard_by_node: bool = False  # build ZeRO++'s groups (shard_node, shard_nodes, secondary)
 
     def __post_init__(self) -> None:
         for name in DIMENSIONS:
             if getattr(self, name) < 1:
                 raise ValueError(f"parallel size {name}={getattr(self, name)} must be at least 1")
+        if self.ranks_per_node is not None and (self.ranks_per_node < 1 or self.world % self.ranks_per_node):
+            raise ValueError(f"{self.ranks_per_node} ranks per node do not divide the {self.world} ranks of the job: "
+                             "every node must hold the same number of ranks")
+        if self.secondary_shard < 1:
+            raise ValueError(f"secondary_shard {self.secondary_shard} must be at least 1")
 
     @property
     def world(self) -> int:
@@ -81,14 +104,31 @@ class ParallelSizes:
         return tuple(getattr(self, name) for name in DIMENSIONS)
 
     def size(self, purpose: str) -> int:
-        return math.prod(getattr(self, name) for name in PURPOSES[purpose])
+        if purpose in PURPOSES:
+            return math.prod(getattr(self, name) for name in PURPOSES[purpose])
+        return len(self.groups(purpose)[0])
+
+    @property
+    def node_size(self) -> int:
+        """Ranks per node (the whole job when the node size is unknown)."""
+        return self.ranks_per_node or self.world
+
+    @property
+    def nodes(self) -> int:
+        return self.world // self.node_size
+
+    def node_of(self, rank: int) -> int:
+        return rank // self.node_size
 
     @classmethod
     def of_job(cls, world_size: int, *, tensor: int = 1, sequence: int = 1, pipeline: int = 1,
-               shard_size: int | None = None) -> "ParallelSizes":
+               shard_size: int | None = None, ranks_per_node: int | None = None, secondary_shard: int = 1,
+               shard_by_node: bool = False) -> "ParallelSizes":
         """The grid for `world_size` ranks: data parallelism is what tensor, sequence and
         pipeline leave (world ÷ (tp·sp·pp)); ZeRO shards over `shard_size` of those data
-        ranks (hybrid sharding) and replicates over the rest, or over all of them (None)."""
+        ranks (hybrid sharding) and replicates over the rest, or over all of them (None).
+        `ranks_per_node`, `secondary_shard`, `shard_by_node`: the node topology and
+        ZeRO++'s groups (see the module's docstring)."""
         model_parallel = tensor * sequence * pipeline
         if world_size % model_parallel:
             raise ValueError(f"{world_size} processes cannot hold tensor x sequence x pipeline = {tensor} x "
@@ -99,7 +139,8 @@ class ParallelSizes:
         if data % shard:
             raise ValueError(f"a shard group of {shard} ranks does not divide the {data} data-parallel ranks "
                              "(hybrid sharding replicates whole shard groups)")
-        return cls(pipeline, data // shard, shard, sequence, tensor)
+        return cls(pipeline, data // shard, shard, sequence, tensor, ranks_per_node, secondary_shard,
+                   shard_by_node or secondary_shard > 1)
 
     def coordinates(self, rank: int) -> dict[str, int]:
         """This rank's index along every dimension."""
@@ -112,6 +153,8 @@ class ParallelSizes:
     def groups(self, purpose: str) -> list[list[int]]:
         """Every group of `purpose` as sorted global ranks, in a fixed order (all ranks must
         create groups in the same order)."""
+        if purpose in NODE_PURPOSES:
+            return self._node_groups(purpose)
         grid = torch.arange(self.world).reshape(self.shape)
         inside = [DIMENSIONS.index(name) for name in PURPOSES[purpose]]
         outside = [axis for axis in range(len(DIMENSIONS)) if axis not in inside]
@@ -121,20 +164,53 @@ class ParallelSizes:
     def group_of(self, purpose: str, rank: int) -> list[int]:
         return next(group for group in self.groups(purpose) if rank in group)
 
+    def _node_groups(self, purpose: str) -> list[list[int]]:
+        size = self.node_size
+        if purpose == "node":
+            return [list(range(start, start + size)) for start in range(0, self.world, size)]
+        if purpose == "nodes":
+            return [list(range(place, self.world, size)) for place in range(size)]
+        per_node = [self._shard_by_node(group) for group in self.groups("shard")]
+        if purpose == "shard_node":
+            return [block for blocks in per_node for block in blocks]
+        if purpose == "shard_nodes":
+            return [[block[place] for block in blocks] for blocks in per_node for place in range(len(blocks[0]))]
+        secondary = self.secondary_shard
+        if len(per_node[0][0]) % secondary:
+            raise ValueError(f"a secondary partition of {secondary} ranks (zero_hpz_partition_size) does not divide "
+                             f"the {len(per_node[0][0])} ranks of a shard group on each node; use a divisor of it")
+        return [block[start : start + secondary] for blocks in per_node for block in blocks
+                for start in range(0, len(block), secondary)]
+
+    def _shard_by_node(self, group: list[int]) -> list[list[int]]:
+        """A shard group's ranks node by node; ZeRO++'s hierarchy needs as many on every node."""
+        blocks: dict[int, list[int]] = {}
+        for rank in group:
+            blocks.setdefault(self.node_of(rank), []).append(rank)
+        counts = {node: len(block) for node, block in blocks.items()}
+        if len(set(counts.values())) > 1:
+            raise ValueError(f"the shard group {group} has {counts} ranks on nodes {sorted(counts)}: ZeRO++'s "
+                             "node hierarchy needs the same number on every node; use a layout whose shard "
+                             "groups spread evenly (tensor and pipeline sizes that divide the ranks per node)")
+        return list(blocks.values())
+
     def describe(self) -> str:
-        return " x ".join(f"{name} {size}" for name, size in zip(DIMENSIONS, self.shape))
+        grid = " x ".join(f"{name} {size}" for name, size in zip(DIMENSIONS, self.shape))
+        return grid if self.nodes == 1 else f"{grid} ({self.nodes} nodes of {self.node_size})"
 
 
 @dataclass(frozen=True)
 class GroupHandle:
     """One purpose's groups as seen from this rank: its members, position, and the data
-    and control process groups (None when the world is a single process)."""
+    and control process groups (None when the world is a single process). `nodes`: the
+    node of each member, when the job spans several (None: one node)."""
 
     purpose: str
     ranks: tuple[int, ...]
     rank: int  # position of this process in `ranks`
     group: dist.ProcessGroup | None
     control: dist.ProcessGroup | None
+    nodes: tuple[int, ...] | None = None
 
     @property
     def size(self) -> int:
@@ -164,7 +240,8 @@ class ParallelMesh:
         self.coordinates = sizes.coordinates(rank)
         self.device_mesh = None
         if sizes.world == 1 or not dist.is_initialized():
-            self.handles = {purpose: GroupHandle(purpose, (rank,), 0, None, None) for purpose in PURPOSES}
+            self.handles = {purpose: GroupHandle(purpose, (rank,), 0, None, None)
+                            for purpose in (*PURPOSES, *self.node_purposes)}
             return
         if dist.get_world_size() != sizes.world:
             raise ValueError(f"the parallel layout ({sizes.describe()}) needs {sizes.world} processes, "
@@ -184,7 +261,39 @@ class ParallelMesh:
             submesh = flattened[purpose] if len(dims) > 1 else self.device_mesh[dims]
             ranks = tuple(sizes.group_of(purpose, rank))
             control = _control_group(sizes.groups(purpose), rank, timeout) if len(ranks) > 1 else None
-            self.handles[purpose] = GroupHandle(purpose, ranks, ranks.index(rank), submesh.get_group(), control)
+            self.handles[purpose] = GroupHandle(purpose, ranks, ranks.index(rank), submesh.get_group(), control,
+                                                self._nodes_of(ranks))
+        for purpose in self.node_purposes:
+            self.handles[purpose] = self._node_handle(purpose, options, timeout)
+
+    @property
+    def node_purposes(self) -> tuple[str, ...]:
+        """The node-cut groups this job builds: node and nodes always, ZeRO++'s when asked."""
+        return NODE_PURPOSES if self.sizes.shard_by_node else NODE_PURPOSES[:2]
+
+    def _nodes_of(self, ranks: tuple[int, ...]) -> tuple[int, ...] | None:
+        return tuple(self.sizes.node_of(member) for member in ranks) if self.sizes.nodes > 1 else None
+
+    def _node_handle(self, purpose: str, options: tuple[str, object], timeout: datetime.timedelta) -> GroupHandle:
+        """A node-cut group: none for a group of one, the process groups of a grid purpose
+        with the same members (one node: `node` is often the data group), else new ones."""
+        groups = self.sizes.groups(purpose)
+        ranks = tuple(next(group for group in groups if self.rank in group))
+        nodes = self._nodes_of(ranks)
+        if len(ranks) == 1:
+            return GroupHandle(purpose, ranks, 0, None, None, nodes)
+        same = next((self.handles[other] for other in PURPOSES if self.sizes.groups(other) == groups), None)
+        if same is not None:
+            return GroupHandle(purpose, ranks, ranks.index(self.rank), same.group, same.control, nodes)
+        backend, backend_options = options
+        nccl_options = backend_options if backend == "nccl" else None  # gloo takes its timeout alone
+        data = None
+        for members in groups:  # new_group is collective: every rank creates every group, in order
+            group = dist.new_group(members, backend=backend, pg_options=nccl_options, timeout=timeout)
+            if self.rank in members:
+                data = group
+        control = _control_group(groups, self.rank, timeout)
+        return GroupHandle(purpose, ranks, ranks.index(self.rank), data, control, nodes)
 
     def __getitem__(self, purpose: str) -> GroupHandle:
         return self.handles[purpose]

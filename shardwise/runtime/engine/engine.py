@@ -86,7 +86,8 @@ class Engine(nn.Module):
         self.activations = ActivationTracker(self.ledger)  # "activations" in memory_breakdown()
         groups = ZeroGroups(*(
             Communicator(self.mesh[purpose], self.comm_stats, self.ledger, job.peers)
-            for purpose in ("shard", "replicate", "replicas")
+            if purpose in self.mesh.handles else None
+            for purpose in ("shard", "replicate", "replicas", "secondary", "shard_node", "shard_nodes")
         ))
         self.comm = groups.replicas  # the data-parallel group (losses, barriers)
 
@@ -371,17 +372,18 @@ class Engine(nn.Module):
     def comm_volume(self, per_group: bool = False) -> dict:
         """Bytes this rank sent per collective since the last reset (ring model, docs/formulas.md#the-ring-model);
         `per_group=True`: {group purpose: {collective: bytes}}, plus "offload": bytes moved
-        device -> host, host -> device, and read from / written to NVMe."""
+        device -> host, host -> device, and read from / written to NVMe, and, when the job
+        spans nodes, "intra_node" / "inter_node": the same bytes by the link they cross."""
         if not per_group:
             return self.comm_stats.totals()
-        volume = self.comm_stats.by_group()
+        volume = {**self.comm_stats.by_group(), **self.comm_stats.by_link()}
         moved = {key: value - self._transfers_at_reset.get(key, 0) for key, value in self.zero.transfers().items()}
         if any(moved.values()):
             volume["offload"] = moved
         return volume
 
     def reset_comm_volume(self) -> None:
-        self.comm_stats.volume.clear()
+        self.comm_stats.clear()
         self._transfers_at_reset = self.zero.transfers()
 
     def num_parameters(self) -> int:

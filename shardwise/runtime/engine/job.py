@@ -21,6 +21,7 @@ from shardwise.runtime.distributed.collectives import CommStats, Communicator
 from shardwise.runtime.distributed.mesh import ParallelMesh, ParallelSizes
 from shardwise.runtime.distributed.peers import PeerDirectory
 from shardwise.runtime.distributed.setup import DistributedContext, init_distributed, world_handle
+from shardwise.runtime.distributed.topology import ranks_per_node
 from shardwise.runtime.engine.policies import Policies
 
 
@@ -35,11 +36,16 @@ class Job:
 
 def parallel_sizes(policies: Policies, world_size: int) -> ParallelSizes:
     """The mesh the policies ask for: ZeRO shards over the data ranks (all of them, or
-    `zero.shard_size` with hybrid sharding); stage 0 shards nothing."""
+    `zero.shard_size` with hybrid sharding); stage 0 shards nothing. The node size and
+    ZeRO++'s groups cut by node (hpZ's secondary partition, qgZ's two hops)."""
     zero = policies.zero
     shard = zero.shard_size if zero.partitions_model_states else 1
+    plus_plus = zero.plus_plus
     return ParallelSizes.of_job(world_size, tensor=policies.tensor.size, sequence=policies.sequence.size,
-                                pipeline=policies.pipeline.size, shard_size=shard)
+                                pipeline=policies.pipeline.size, shard_size=shard,
+                                ranks_per_node=ranks_per_node(policies.topology, world_size),
+                                secondary_shard=plus_plus.hpz_partition_size,
+                                shard_by_node=plus_plus.quantized_gradients)
 
 
 def start_job(model: nn.Module, policies: Policies, optimizer: torch.optim.Optimizer | None = None,

@@ -15,6 +15,7 @@ from typing import Any, Mapping
 
 from shardwise.runtime.activation.policy import ActivationPolicy
 from shardwise.runtime.compile.policy import CompilePolicy
+from shardwise.runtime.distributed.topology import TopologyPolicy
 from shardwise.runtime.ops.policy import KernelPolicy
 from shardwise.runtime.parallel.pipeline.policy import PipelinePolicy
 from shardwise.runtime.parallel.sequence.policy import SequencePolicy
@@ -70,6 +71,7 @@ class Policies:
     activation: ActivationPolicy = field(default_factory=ActivationPolicy)
     compile: CompilePolicy = field(default_factory=CompilePolicy)
     kernels: KernelPolicy = field(default_factory=KernelPolicy)
+    topology: TopologyPolicy = field(default_factory=TopologyPolicy)
     optimizer: OptimizerPolicy | None = None
     scheduler: SchedulerPolicy | None = None
 

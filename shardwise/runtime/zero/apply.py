@@ -49,6 +49,10 @@ class ZeroGroups:
     shard: Communicator  # model states are partitioned over it
     replicate: Communicator  # holds identical shards; gradients all-reduced over it
     replicas: Communicator  # every rank with the same model: initial values broadcast over it
+    # ZeRO++ (C28): hpZ's secondary partition group, qgZ's hops inside and across nodes
+    secondary: Communicator | None = None
+    shard_node: Communicator | None = None
+    shard_nodes: Communicator | None = None
 
 
 @dataclass
@@ -201,7 +205,7 @@ def apply_zero(
     if policy.partitions_parameters:
         params = PartitionedParameters(
             model, named, policy, dtype=dtype, device=device, shard=groups.shard, replicas=groups.replicas,
-            ledger=ledger, align=align, param_init_fn=param_init_fn, frozen=frozen,
+            ledger=ledger, align=align, param_init_fn=param_init_fn, frozen=frozen, secondary=groups.secondary,
         )
     else:
         units = pack_units(reversed(named), policy.reduce_bucket_size, groups.shard.size, align)
@@ -217,7 +221,7 @@ def apply_zero(
     params.settle()
     reducer = GradientReducer(params.units, policy, grad_dtype=dtype, comm_dtype=precision.communication_dtype,
                               store=store, shard=groups.shard, replicate=groups.replicate, ledger=ledger,
-                              device=device)
+                              device=device, hierarchy=(groups.shard_node, groups.shard_nodes))
     params.connect(reducer)
     shard_device = group_device(groups.shard.group)
 

@@ -39,6 +39,10 @@ micro-batches in place; parameters that got no gradient in the window are zeroed
 their unit is reduced. Stages 2-3 must reduce every micro-batch, since they only keep a
 partition.
 
+ZeRO++'s qgZ (`plus_plus.quantized_gradients`, stage 3) replaces hop 1's reduce-scatter by
+two all-to-alls carrying int4, inside the node then across nodes, summed in fp32
+(distributed/quantized_collectives.py); the owned chunk it yields is the reduce-scatter's.
+
 1-bit Adam / LAMB after their warm-up exchange compressed momentum instead
 (optimizer_exchange.py): backward then only accumulates each rank's own gradients.
 """
@@ -52,6 +56,7 @@ import torch
 
 from shardwise.runtime.accounting import MemoryLedger, tensor_bytes
 from shardwise.runtime.distributed.collectives import Communicator, PendingCollective
+from shardwise.runtime.distributed.quantized_collectives import HierarchicalQuantizedReduceScatter
 from shardwise.runtime.zero.layout import FlatUnit, ParamSlot
 from shardwise.runtime.zero.optimizer_exchange import OptimizerExchangeMixin
 from shardwise.runtime.zero.policy import ZeroPolicy
@@ -80,7 +85,10 @@ class GradientReducer(OptimizerExchangeMixin):
         replicate: Communicator,
         ledger: MemoryLedger,
         device: torch.device,
+        hierarchy: tuple[Communicator | None, Communicator | None] = (None, None),
     ):
+        """`hierarchy`: the shard group's members on this node and at this rank's place on
+        every node, qgZ's two hops (ZeRO++)."""
         if [unit.index for unit in units] != list(range(len(units))):
             raise ValueError("units must be numbered 0..n-1 in launch order")
         self.units = units
@@ -98,6 +106,10 @@ class GradientReducer(OptimizerExchangeMixin):
         self.divisor = shard.size * replicate.size
         self.bounded = not (self.keeps_full_grads and shard.size == 1)  # stage 0 reduces in place
         self.unit_ready_callbacks: list[Callable[[FlatUnit], None]] = []
+        self.gradient_block = policy.plus_plus.gradient_block if policy.plus_plus.quantized_gradients else None
+        self.intra_node, self.inter_node = hierarchy
+        if self.gradient_block is not None:
+            _check_hierarchy(shard, self.intra_node, self.inter_node)
 
         self._slot_views: dict[int, torch.Tensor] = {}
         if self.keeps_full_grads:
@@ -389,6 +401,9 @@ class GradientReducer(OptimizerExchangeMixin):
 
     def _reduce_to_owner(self, full: torch.Tensor, lo: int, hi: int, what: str) -> PendingCollective:
         """Sum `full` over the shard group so that this rank's [lo, hi) holds the result."""
+        if self.gradient_block is not None:
+            return HierarchicalQuantizedReduceScatter(full[lo:hi], full, intra=self.intra_node, inter=self.inter_node,
+                                                      block=self.gradient_block, what=what, ledger=self.ledger)
         if self.use_reduce_scatter:
             return self.shard.reduce_scatter(full[lo:hi], full, what)
         return self.shard.all_reduce(full, what)
@@ -412,3 +427,16 @@ class GradientReducer(OptimizerExchangeMixin):
         for handle in self._hooks:
             handle.remove()
         self._hooks.clear()
+
+
+def _check_hierarchy(shard: Communicator, intra: Communicator | None, inter: Communicator | None) -> None:
+    """qgZ's two hops must tile the shard group as chunk ownership expects: the member at
+    place l of node k is shard rank k·L + l (distributed/mesh.py builds them so)."""
+    if intra is None or inter is None:
+        raise ValueError("quantized gradients need the shard group cut by node (the mesh's shard_node and "
+                         "shard_nodes groups): build the mesh with shard_by_node")
+    if shard.handle.ranks[inter.rank * intra.size + intra.rank] != shard.global_rank or (
+            intra.size * inter.size != shard.size):
+        raise ValueError(f"the shard group {list(shard.handle.ranks)} is not node-major over the groups "
+                         f"{list(intra.handle.ranks)} (inside the node) and {list(inter.handle.ranks)} (across "
+                         "nodes): qgZ's chunk order would not match the reduce-scatter's")

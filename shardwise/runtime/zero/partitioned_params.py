@@ -64,11 +64,13 @@ class PartitionedParameters(ParameterStrategy):
         align: int,
         param_init_fn: Callable[[nn.Module], None] | None = None,
         frozen: list[tuple[str, nn.Parameter]] = (),
+        secondary: Communicator | None = None,
     ):
         """`dtype`: the parameters' compute dtype; `shard`: the group each unit is split
         over; `replicas`: every rank holding the same model (initial values are broadcast
         over it); `frozen`: parameters held but not trained (those under the persistence
-        threshold stay whole, outside ZeRO)."""
+        threshold stay whole, outside ZeRO); `secondary`: hpZ's secondary partition group
+        (policy.plus_plus)."""
         world = shard.size
         prefetch = policy.prefetch
         threshold = prefetch.persistence_threshold
@@ -89,7 +91,8 @@ class PartitionedParameters(ParameterStrategy):
                 module_units[module] = units
 
         self.sharded = ShardedParameters(
-            self.module_units_list + self.frozen_units, dtype, device, shard, ledger, policy.offload_param
+            self.module_units_list + self.frozen_units, dtype, device, shard, ledger, policy.offload_param,
+            policy.plus_plus, secondary,
         )
         self.replicas = replicas
         _materialize_and_shard(model, self.sharded, unit_of, replicas, device, param_init_fn or _default_init)

@@ -47,6 +47,39 @@ class OffloadPolicy:
 
 
 @dataclass(frozen=True)
+class ZeroPlusPlusPolicy:
+    """ZeRO++ (Wang et al., 2023; C28): stage 3 sending fewer bytes between nodes.
+
+    qwZ  `quantized_weights`: parameter all-gathers carry int8 with one fp32 scale per
+         `weight_block` elements, dequantized on arrival (the masters stay fp32);
+    hpZ  `hpz_partition_size` > 1: after a gather from the primary shards each rank keeps
+         a secondary partition of the gathered parameters over that many ranks of its node,
+         and later gathers until the next update read it, inside the node;
+    qgZ  `quantized_gradients`: gradients reduce-scattered by an all-to-all inside the node,
+         then one across nodes, carrying int4 with one fp32 scale per `gradient_block`
+         elements and summed in fp32 after dequantization.
+    """
+
+    quantized_weights: bool = False
+    hpz_partition_size: int = 1
+    quantized_gradients: bool = False
+    weight_block: int = 2048
+    gradient_block: int = 512
+
+    def __post_init__(self) -> None:
+        if self.hpz_partition_size < 1:
+            raise ValueError(f"hpz_partition_size must be at least 1 (1: off), got {self.hpz_partition_size}")
+        for name in ("weight_block", "gradient_block"):
+            block = getattr(self, name)
+            if block < 2 or block % 2:
+                raise ValueError(f"{name} must be an even number of elements (int4 packs two per byte), got {block}")
+
+    @property
+    def enabled(self) -> bool:
+        return self.quantized_weights or self.hpz_partition_size > 1 or self.quantized_gradients
+
+
+@dataclass(frozen=True)
 class ZeroPolicy:
     """What ZeRO partitions and how it moves it. Stage 0 is data parallelism: nothing
     partitioned, gradients all-reduced (docs/formulas.md#model-states-per-rank)."""
@@ -62,11 +95,25 @@ class ZeroPolicy:
     offload_param: OffloadPolicy = OffloadPolicy()
     shard_size: int | None = None  # hybrid sharding (MiCS / HSDP): ranks per shard group; None: all data ranks
     gather_16bit_weights_on_save: bool = False  # stage 3: a whole 16-bit model may be gathered to save it
+    plus_plus: ZeroPlusPlusPolicy = ZeroPlusPlusPolicy()  # ZeRO++ (stage 3)
 
     def __post_init__(self) -> None:
         stages.check_stage(self.stage)
         if self.shard_size is not None and self.shard_size < 1:
             raise ValueError(f"shard_size must be at least 1, got {self.shard_size}")
+        if self.plus_plus.enabled:
+            self._check_plus_plus()
+
+    def _check_plus_plus(self) -> None:
+        if not self.partitions_parameters:
+            raise ValueError(f"ZeRO++ (quantized weights, hpZ, quantized gradients) works on stage 3's parameter "
+                             f"gathers and gradient reduce-scatters; stage {self.stage} has neither: use stage 3")
+        if self.shard_size is not None:
+            raise ValueError("ZeRO++ with hybrid sharding (shard_size, mics_shard_size) is not supported: both keep "
+                             "traffic inside a node in their own way; use one of them")
+        if self.plus_plus.hpz_partition_size > 1 and self.offload_param.enabled:
+            raise ValueError("hpZ (hpz_partition_size > 1) with offloaded parameters is not supported: the "
+                             "secondary partition lives on the device, which parameter offload empties; use one")
 
     @property
     def partitions_parameters(self) -> bool:

@@ -12,6 +12,21 @@ a released parameter fails with a shape error instead of reading freed memory.
 
 Gathers are asynchronous: `fetch` starts one, `wait` finishes it. A reference count per
 unit lets nested users (a module and `gathered_parameters`) share one gather.
+
+ZeRO++ (C28) changes where a gather reads from and what it carries:
+
+- qwZ (`quantized_weights`): the training pass's gathers carry int8 blocks
+  (distributed/quantized_collectives.py), so forward and backward compute with the
+  dequantized values; `gathered_parameters` (`exact=True`) gathers the values themselves,
+  for code that reads or saves weights.
+- hpZ (`secondary`, the secondary partition group inside the node): each rank also holds
+  1/H of every unit, copied out of the full buffer when a gather from the primary shards
+  arrives. Until the next update (or an edit of the unit) a gather reads the secondary
+  partitions over the node's H ranks instead: backward's gathers, and any second forward
+  use, cross no node boundary. The secondary holds what the pass computed with (with qwZ,
+  the dequantized values, sent as they are inside the node), so backward sees exactly
+  forward's weights. It costs pΨ/H bytes per rank (docs/formulas.md#hpz-secondary-partition),
+  counted under "params".
 """
 
 from __future__ import annotations
@@ -20,9 +35,10 @@ import torch
 
 from shardwise.runtime.accounting import MemoryLedger, tensor_bytes
 from shardwise.runtime.distributed.collectives import Communicator, PendingCollective
+from shardwise.runtime.distributed.quantized_collectives import QuantizedAllGather
 from shardwise.runtime.zero.param_home import NvmeParamHome, make_param_home
 from shardwise.runtime.zero.layout import FlatUnit
-from shardwise.runtime.zero.policy import OffloadPolicy
+from shardwise.runtime.zero.policy import OffloadPolicy, ZeroPlusPlusPolicy
 
 
 class ShardedParameters:
@@ -34,11 +50,14 @@ class ShardedParameters:
         comm: Communicator,
         ledger: MemoryLedger,
         home: OffloadPolicy = OffloadPolicy(),
+        plus_plus: ZeroPlusPlusPolicy = ZeroPlusPlusPolicy(),
+        secondary: Communicator | None = None,
     ):
         """`comm`: the shard group; chunk r of every unit lives on its rank r. `home`:
         where the shards live between gathers (`offload_param`: the device, host memory
         or NVMe; offload/param_home.py); an offloaded shard is first copied into its
-        place in the gathered buffer."""
+        place in the gathered buffer. `plus_plus`, `secondary`: ZeRO++'s quantized
+        gathers and hpZ's secondary partition group (see above)."""
         self.units = units
         self.dtype = dtype
         self.device = device
@@ -60,6 +79,16 @@ class ShardedParameters:
         self.users: dict[int, int] = {}
         self.peak_gathered_numel = 0
         self.empty = torch.empty(0, dtype=dtype, device=device)
+        self.weight_block = plus_plus.weight_block if plus_plus.quantized_weights else None
+        self.secondary = secondary if plus_plus.hpz_partition_size > 1 and secondary is not None else None
+        self.secondary_views: dict[int, torch.Tensor] = {}
+        self.secondary_current: set[int] = set()  # units whose secondary partition holds the current values
+        self._fills_secondary: set[int] = set()  # gathers in flight whose result refreshes it
+        if self.secondary is not None:
+            sizes = [unit.padded_numel // self.secondary.size for unit in units]
+            self.secondary_flat = torch.empty(sum(sizes), dtype=dtype, device=device)
+            ledger.hold("params", tensor_bytes(self.secondary_flat))
+            self.secondary_views = dict(zip((unit.index for unit in units), torch.split(self.secondary_flat, sizes)))
 
     # -- building the shards -------------------------------------------------------------
     def take_shard_from_full(self, unit: FlatUnit) -> None:
@@ -74,6 +103,7 @@ class ShardedParameters:
                 source = piece.slot.param.detach().reshape(-1)[piece.start : piece.stop]
                 shard[piece.chunk_offset : piece.chunk_offset + piece.numel].copy_(source)
         self.home.written(unit)
+        self.secondary_current.discard(unit.index)
         if unit.index not in self.gathered:
             for slot in unit.slots:
                 slot.param.data = self.empty
@@ -90,6 +120,7 @@ class ShardedParameters:
         if rewritten:
             for unit in self.units:
                 self.home.written(unit)
+            self.secondary_current.clear()  # the parameters changed: the next gather reads the primary shards
         self.home.flush()
 
     # -- gather / release ----------------------------------------------------------------
@@ -97,8 +128,9 @@ class ShardedParameters:
         """Gathered or being gathered."""
         return unit.index in self.gathered or unit.index in self.pending
 
-    def fetch(self, unit: FlatUnit) -> None:
-        """Start gathering `unit` unless it is already gathered or in flight."""
+    def fetch(self, unit: FlatUnit, exact: bool = False) -> None:
+        """Start gathering `unit` unless it is already gathered or in flight. `exact`: the
+        values themselves, never qwZ's quantized ones (gathered_parameters)."""
         if self.is_available(unit):
             return
         flat = self.flats[unit.index]
@@ -106,12 +138,24 @@ class ShardedParameters:
         self.ledger.hold("buffers", tensor_bytes(flat))
         self.gathered.add(unit.index)
         self.peak_gathered_numel = max(self.peak_gathered_numel, self.gathered_numel())
+        what = f"parameters of {unit}"
+        quantized = self.weight_block is not None and not exact
+        if unit.index in self.secondary_current and (quantized or self.weight_block is None):
+            self.pending[unit.index] = self.secondary.all_gather(flat, self.secondary_views[unit.index],
+                                                                 f"{what} (hpZ secondary partition)")
+            return
         shard = self.home.shard(unit)
         if self.offloaded:  # host -> this rank's place in the device buffer, then gather in place
             lo, hi = unit.chunk_bounds(self.comm.rank)
             shard = flat[lo:hi].copy_(shard, non_blocking=not isinstance(self.home, NvmeParamHome))
             self.home.done_reading(unit)
-        self.pending[unit.index] = self.comm.all_gather(flat, shard, f"parameters of {unit}")
+        if self.secondary is not None and (quantized or self.weight_block is None):
+            self._fills_secondary.add(unit.index)
+        if quantized:
+            self.pending[unit.index] = QuantizedAllGather(self.comm, flat, shard, block=self.weight_block, what=what,
+                                                          ledger=self.ledger)
+        else:
+            self.pending[unit.index] = self.comm.all_gather(flat, shard, what)
 
     def wait(self, unit: FlatUnit) -> None:
         """Finish the gather of `unit` and point its parameters at the result."""
@@ -119,11 +163,18 @@ class ShardedParameters:
         if pending is None:
             return
         pending.wait()
+        if unit.index in self._fills_secondary:
+            self._fills_secondary.discard(unit.index)
+            secondary = self.secondary_views[unit.index]
+            start = self.secondary.rank * secondary.numel()
+            secondary.copy_(self.flats[unit.index][start : start + secondary.numel()])
+            self.secondary_current.add(unit.index)
         for slot, view in zip(unit.slots, self.views[unit.index]):
             slot.param.data = view
 
     def acquire(self, unit: FlatUnit) -> None:
-        self.fetch(unit)
+        """Full values of `unit` for code outside the pass (exact, even under qwZ)."""
+        self.fetch(unit, exact=True)
         self.wait(unit)
         self.users[unit.index] = self.users.get(unit.index, 0) + 1
 

@@ -66,6 +66,7 @@ def find_contradictions(
                 f"zero_optimization.{name}.device is 'nvme' but zero_optimization.{name}.nvme_path is not set"
             )
     problems += _sequence_parallel_contradictions(cfg)
+    problems += _zero_plus_plus_contradictions(cfg)
     problems += _onebit_contradictions(cfg)
     problems += _activation_contradictions(cfg)
     problems += _pipeline_contradictions(cfg, batch_known)
@@ -103,6 +104,25 @@ def _offload_contradictions(cfg: ShardwiseConfig) -> list[str]:
     if optimizer != "none" and zero.mics_shard_size != -1:
         problems.append("zero_optimization.mics_shard_size with an offloaded optimizer is not supported: the "
                         "all-reduce across replica groups would run on host memory; use one or the other")
+    return problems
+
+
+def _zero_plus_plus_contradictions(cfg: ShardwiseConfig) -> list[str]:
+    """ZeRO++ at stage 3 (below it the keys are ignored, as DeepSpeed does: config/policies.py)."""
+    zero = cfg.zero_optimization
+    keys = [key for key, on in (("zero_quantized_weights", zero.zero_quantized_weights),
+                                ("zero_hpz_partition_size", zero.zero_hpz_partition_size > 1),
+                                ("zero_quantized_gradients", zero.zero_quantized_gradients)) if on]
+    if not keys or not partitions_parameters(zero.stage):
+        return []
+    problems = []
+    if zero.mics_shard_size != -1:
+        problems.append(f"zero_optimization.{' and '.join(keys)} (ZeRO++) with mics_shard_size is not supported: "
+                        "both keep traffic inside a node in their own way; use one of them")
+    if zero.zero_hpz_partition_size > 1 and zero.offload_param.device != "none":
+        problems.append(f"zero_optimization.zero_hpz_partition_size {zero.zero_hpz_partition_size} with "
+                        f"offload_param.device '{zero.offload_param.device}' is not supported: the secondary "
+                        "partition lives on the device, which parameter offload empties; use one of them")
     return problems
 
 

@@ -248,14 +248,9 @@ RULES: dict[str, dict[str, KeyRule]] = {
         "pipeline_loading_checkpoint": AcceptedWhen(_is(False), "false", "for DeepSpeed's pipeline engine only"),
         "mics_hierarchical_params_gather": AcceptedWhen(_is(False), "false", "the shard group gathers in one "
                                                         "step; use mics_shard_size alone"),
-        "zero_hpz_partition_size": AcceptedWhen(lambda v: v == 1 and not isinstance(v, bool), "1",
-                                                "ZeRO++'s secondary parameter partition is not supported: use "
-                                                "mics_shard_size to keep gathers inside a node"),
-        "zero_quantized_weights": AcceptedWhen(_is(False), "false", "ZeRO++ weight quantization is not supported"),
         "zero_quantized_nontrainable_weights": AcceptedWhen(_is(False), "false",
-                                                            "ZeRO++ weight quantization is not supported"),
-        "zero_quantized_gradients": AcceptedWhen(_is(False), "false", "ZeRO++ gradient quantization is not "
-                                                 "supported"),
+                                                            "frozen weights stored in int8 are not supported (ZeRO++'s "
+                                                            "zero_quantized_weights quantizes what gathers carry)"),
         "zeropp_loco_param": AcceptedWhen(lambda v: v is None, "null", "ZeRO++ LoCo is not supported"),
         "zenflow": AcceptedWhen(lambda v: v is None, "null", "ZenFlow is not supported"),
     },

@@ -14,6 +14,8 @@ the accumulation steps, `torch_autocast` is the forward under autocast from fp32
 
 from __future__ import annotations
 
+import logging
+
 import torch
 
 from shardwise.formulas.stages import partitions_parameters
@@ -21,6 +23,7 @@ from shardwise.frontends.deepspeed.config.schema import OffloadConfig, Shardwise
 from shardwise.frontends.deepspeed.config.sparse_attention import SparseLayout
 from shardwise.runtime.activation.policy import ActivationPolicy, RecomputePolicy
 from shardwise.runtime.compile.policy import CompilePolicy
+from shardwise.runtime.distributed.topology import TopologyPolicy
 from shardwise.runtime.engine.policies import OptimizerPolicy, Policies, SchedulerPolicy, TrainingPolicy
 from shardwise.runtime.ops.policy import KernelPolicy
 from shardwise.runtime.optim.registry import optimizer_spec
@@ -28,7 +31,9 @@ from shardwise.runtime.parallel.pipeline.policy import PipelinePolicy
 from shardwise.runtime.parallel.sequence.policy import SequencePolicy
 from shardwise.runtime.parallel.tensor.policy import TensorPolicy
 from shardwise.runtime.precision.policy import LossScalingPolicy, PrecisionPolicy
-from shardwise.runtime.zero.policy import OffloadPolicy, PrefetchPolicy, ZeroPolicy
+from shardwise.runtime.zero.policy import OffloadPolicy, PrefetchPolicy, ZeroPlusPlusPolicy, ZeroPolicy
+
+log = logging.getLogger("shardwise")
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 # torch_autocast.dtype's spellings (DeepSpeed's DtypeEnum).
@@ -54,6 +59,7 @@ def policies_from_config(cfg: ShardwiseConfig) -> Policies:
         kernels=KernelPolicy(cfg.compile.fused_ops,
                              SparseLayout.from_section(cfg.sparse_attention) if cfg.sparse_attention else None,
                              cfg.seed or 0),
+        topology=TopologyPolicy(cfg.topology.ranks_per_node),
         optimizer=OptimizerPolicy(cfg.optimizer.type, dict(cfg.optimizer.params)) if cfg.optimizer else None,
         scheduler=SchedulerPolicy(cfg.scheduler.type, dict(cfg.scheduler.params)) if cfg.scheduler else None,
     )
@@ -74,7 +80,23 @@ def zero_policy(cfg: ShardwiseConfig) -> ZeroPolicy:
         offload_param=offload_policy(zero.offload_param, cfg) if partitions_parameters(zero.stage) else OffloadPolicy(),
         shard_size=zero.mics_shard_size if zero.mics_shard_size > 0 else None,
         gather_16bit_weights_on_save=zero.stage3_gather_16bit_weights_on_model_save,
+        plus_plus=plus_plus_policy(cfg),
     )
+
+
+def plus_plus_policy(cfg: ShardwiseConfig) -> ZeroPlusPlusPolicy:
+    """ZeRO++'s three keys; DeepSpeed reads them at stage 3 only and ignores them below,
+    and so does shardwise, with a warning (they would not do what they say)."""
+    zero = cfg.zero_optimization
+    policy = ZeroPlusPlusPolicy(quantized_weights=zero.zero_quantized_weights,
+                                hpz_partition_size=max(zero.zero_hpz_partition_size, 1),
+                                quantized_gradients=zero.zero_quantized_gradients)
+    if policy.enabled and not partitions_parameters(zero.stage):
+        log.warning("shardwise: zero_optimization.zero_quantized_weights, zero_hpz_partition_size and "
+                    "zero_quantized_gradients (ZeRO++) act on stage 3 only; at stage %d they are ignored, as "
+                    "DeepSpeed ignores them", zero.stage)
+        return ZeroPlusPlusPolicy()
+    return policy
 
 
 def offload_policy(section: OffloadConfig, cfg: ShardwiseConfig) -> OffloadPolicy:

@@ -141,6 +141,11 @@ class ZeroConfig(Section):
     )
     offload_optimizer: OffloadOptimizerConfig = Field(default_factory=OffloadOptimizerConfig)
     offload_param: OffloadParamConfig = Field(default_factory=OffloadParamConfig)
+    # ZeRO++ (C28): quantized weight gathers (qwZ), the secondary partition inside a node
+    # (hpZ: 0 and 1 are off, as in DeepSpeed), quantized gradient all-to-alls (qgZ)
+    zero_quantized_weights: Bool = False
+    zero_hpz_partition_size: Int = Field(1, ge=0)
+    zero_quantized_gradients: Bool = False
 
     @field_validator("stage")
     @classmethod
@@ -260,6 +265,14 @@ class PipelineParallelConfig(Section):
     partition: Literal["parameters", "uniform", "time"] = "parameters"
     split_points: list[Int] | None = None
     profile_seq_len: Int = Field(512, ge=1)
+
+
+class TopologyConfig(Section):
+    """shardwise addition: how many ranks share a node (ZeRO++'s hierarchy, the count of
+    bytes between nodes); null takes the launcher's LOCAL_WORLD_SIZE. Set it to simulate
+    nodes on one machine, or where a launcher does not say."""
+
+    ranks_per_node: Int | None = Field(None, ge=1, json_schema_extra={"default_doc": "LOCAL_WORLD_SIZE"})
 
 
 class TensorBoardConfig(Section):
@@ -449,6 +462,7 @@ class ShardwiseConfig(Section):
     tensor_parallel: TensorParallelConfig = Field(default_factory=TensorParallelConfig)
     sequence_parallel: SequenceParallelConfig = Field(default_factory=SequenceParallelConfig)
     pipeline_parallel: PipelineParallelConfig = Field(default_factory=PipelineParallelConfig)
+    topology: TopologyConfig = Field(default_factory=TopologyConfig)
     tensorboard: TensorBoardConfig = Field(default_factory=TensorBoardConfig)
     csv_monitor: CsvMonitorConfig = Field(default_factory=CsvMonitorConfig)
     wandb: WandbConfig = Field(default_factory=WandbConfig)

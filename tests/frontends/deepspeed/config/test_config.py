@@ -308,9 +308,10 @@ def test_harmless_keys_load_and_switched_on_features_are_refused_with_the_fix():
                 "zero_allow_untested_optimizer": True, "wandb": {"enabled": False, "project": "p"},
                 "zero_optimization": {"stage": 1, "round_robin_gradients": True, "ignore_unused_parameters": True}}
     assert load_config(harmless, world_size=2).zero_optimization.stage == 1
-    assert problems_of({**harmless, "amp": {"enabled": True}, "zero_optimization": {"zero_quantized_weights": True}}) == [
-        "'zero_optimization.zero_quantized_weights' true is not supported: ZeRO++ weight quantization is not "
-        "supported (accepted: false)",
+    assert problems_of({**harmless, "amp": {"enabled": True},
+                        "zero_optimization": {"zero_quantized_nontrainable_weights": True}}) == [
+        "'zero_optimization.zero_quantized_nontrainable_weights' true is not supported: frozen weights stored in "
+        "int8 are not supported (ZeRO++'s zero_quantized_weights quantizes what gathers carry) (accepted: false)",
         "'amp' is a feature DeepSpeed 0.19.8 has removed (it refuses the key too): NVIDIA Apex AMP: use the bf16, "
         "fp16 or torch_autocast block",
     ]
