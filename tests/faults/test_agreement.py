@@ -30,7 +30,8 @@ def test_a_rank_set_up_differently_is_named_at_initialize(what):
         run_distributed(initialize_differently, 2, what, timeout=60)
     message = str(failure.value)
     assert "RankMismatchError" in message and CASES[what] in message, message
-    assert time.monotonic() - started < 20
+    # The harness's collective timeout is min(30 s, timeout / 2): ending sooner means no rank waited it out.
+    assert time.monotonic() - started < 30
 
 
 def test_the_stage_difference_is_named_by_key():

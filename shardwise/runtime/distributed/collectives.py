@@ -32,6 +32,7 @@ from __future__ import annotations
 
 import datetime
 import os
+import pickle
 import time
 import zlib
 from collections import Counter
@@ -44,6 +45,7 @@ from shardwise.runtime.accounting import MemoryLedger
 from shardwise.runtime.distributed import point_to_point
 from shardwise.runtime.distributed.mesh import GroupHandle, ParallelMesh
 from shardwise.runtime.distributed.peers import PeerDirectory
+from shardwise.runtime.distributed.retired_works import retire
 from shardwise.runtime.base.torch_compat import all_gather_single, reduce_scatter_single
 
 # Test-only (see `Communicator`): "1" makes groups of one issue their data collectives.
@@ -118,6 +120,7 @@ class PendingCollective:
     what: str
     communicator: "Communicator"
     started: float = field(default_factory=time.monotonic)
+    temporary: bool = False  # its tensors die with the caller's wait: retired_works.py says why
 
     def wait(self, timeout: datetime.timedelta | None = None) -> None:
         if self.work is None:
@@ -136,6 +139,8 @@ class PendingCollective:
         except Exception as error:  # gloo/NCCL raise RuntimeError subclasses
             raise self.communicator.error(self.op, self.what, error, self.started) from error
         finally:
+            if self.temporary:
+                retire(work)
             stats.wait_seconds += time.perf_counter() - blocked_from
             if timed_on_device:
                 stalled_until = torch.cuda.Event(enable_timing=True)
@@ -238,14 +243,14 @@ class Communicator:
     def _bytes(tensor: torch.Tensor) -> int:
         return tensor.numel() * tensor.element_size()
 
-    def _pending(self, work, op: str, what: str) -> PendingCollective:
-        return PendingCollective(work, op, what, self)
+    def _pending(self, work, op: str, what: str, temporary: bool = False) -> PendingCollective:
+        return PendingCollective(work, op, what, self, temporary=temporary)
 
-    def _issue(self, op: str, what: str, start) -> PendingCollective:
+    def _issue(self, op: str, what: str, start, temporary: bool = False) -> PendingCollective:
         """Start a collective; a failure at issue time is named like one at wait time."""
         started = time.monotonic()
         try:
-            return self._pending(start(), op, what)
+            return self._pending(start(), op, what, temporary)
         except Exception as error:
             raise self.error(op, what, error, started) from error
 
@@ -342,7 +347,7 @@ class Communicator:
         self._count("all_reduce", self._bytes(tensor), category="control")
         on_cpu = tensor.cpu()
         self._issue("all_reduce", what, lambda: dist.all_reduce(
-            on_cpu, op=op, group=self.control_group, async_op=True)).wait(timeout)
+            on_cpu, op=op, group=self.control_group, async_op=True), temporary=True).wait(timeout)
         if on_cpu is not tensor:
             tensor.copy_(on_cpu)
         return tensor
@@ -354,15 +359,24 @@ class Communicator:
             return
         self._count("all_gather", self._bytes(output), category="control")
         self._issue("all_gather", what, lambda: all_gather_single(
-            output, tensor, group=self.control_group, async_op=True)).wait()
+            output, tensor, group=self.control_group, async_op=True), temporary=True).wait()
 
     def control_all_gather_object(self, value: object) -> list[object]:
         """Every member's `value` (pickled): for error reports, never on the hot path."""
         if self.size == 1:
             return [value]
-        gathered: list[object] = [None] * self.size
-        dist.all_gather_object(gathered, value, group=self.control_group)
-        return gathered
+        # Pickled bytes over the control group's own all-gathers rather than torch's
+        # all_gather_object, whose temporaries gloo's threads would free (retired_works.py).
+        mine = torch.frombuffer(bytearray(pickle.dumps(value)), dtype=torch.uint8)
+        lengths = torch.zeros(self.size, dtype=torch.int64)
+        self.all_gather_control(lengths, torch.tensor([mine.numel()]), "the lengths of pickled values")
+        longest = int(lengths.max())
+        padded = torch.zeros(longest, dtype=torch.uint8)
+        padded[:mine.numel()] = mine
+        everyone = torch.empty(self.size * longest, dtype=torch.uint8)
+        self.all_gather_control(everyone, padded, "pickled values")
+        return [pickle.loads(everyone[r * longest:r * longest + int(lengths[r])].numpy().tobytes())
+                for r in range(self.size)]
 
     def barrier(self, what: str) -> None:
         if self.size > 1:

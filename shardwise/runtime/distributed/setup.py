@@ -18,6 +18,7 @@ import torch
 import torch.distributed as dist
 
 from shardwise.runtime.distributed.mesh import GroupHandle
+from shardwise.runtime.distributed.retired_works import keep_past_exit
 
 DEFAULT_TIMEOUT_SECONDS = 600.0
 CALL_CHECK_SECONDS = 120.0
@@ -108,13 +109,16 @@ def destroy_at_exit() -> None:
     """Destroy the process group this process created when it exits normally, before the
     interpreter tears down the modules: scripts written for DeepSpeed never call
     `destroy_process_group`, and a gloo group destroyed during interpreter teardown can
-    abort the process (std::terminate) after its work is done."""
+    abort the process (std::terminate) after its work is done. The collectives' last
+    temporaries are left to the operating system for the same reason
+    (distributed/retired_works.py)."""
     atexit.register(_destroy_if_initialized)
 
 
 def _destroy_if_initialized() -> None:
     if dist.is_available() and dist.is_initialized():
         dist.destroy_process_group()
+    keep_past_exit()
 
 
 def init_distributed() -> DistributedContext:

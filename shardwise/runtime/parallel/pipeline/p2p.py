@@ -32,6 +32,7 @@ import torch.distributed as dist
 
 from shardwise.runtime.distributed.collectives import CommStats
 from shardwise.runtime.distributed.mesh import GroupHandle
+from shardwise.runtime.distributed.retired_works import retire
 from shardwise.runtime.parallel.pipeline.plan import Message
 
 MAX_PARTS = 16  # tensors in one message (a stage output that is a tuple of tensors)
@@ -131,7 +132,10 @@ class PipelineChannel:
         group's first collective must include all its ranks (torch's batch_isend_irecv
         note: NCCL creates the group's communicator then), and most of ours include two."""
         if not self.connected:
-            dist.all_reduce(torch.zeros(1, device=self.device), group=self.handle.group)
+            first = torch.zeros(1, device=self.device)
+            work = dist.all_reduce(first, group=self.handle.group, async_op=True)
+            work.wait()
+            retire(work, first)
             self.connected = True
 
     def post(self, message: Message, value: torch.Tensor | tuple | list, described: bool = False) -> None:

@@ -1,0 +1,39 @@
+"""Finished collectives whose tensors Python dropped at once are kept here, so that gloo's
+worker threads never hold the last reference to them.
+
+Why: a gloo collective runs on one of the process group's `pt_gloo_runloop` threads,
+which marks it finished (waking the Python caller) and drops its own reference a moment
+later. When the caller has already dropped the tensor (a temporary: the loss, a flag, a
+norm), that late drop is the last reference, and freeing a tensor Python once held takes
+the GIL. If the interpreter has begun to exit by then, CPython ends the thread with
+`pthread_exit`, whose unwinding through torch's C++ frames calls `std::terminate`: the
+job's work is done, but the process dies with SIGABRT ("terminate called without an
+active exception"), about once in 20 runs of a short script on 2 cores.
+
+Keeping the most recent small collectives here makes the main thread the last holder; the
+oldest are released as new ones arrive (long after gloo's thread is done with them), and
+`keep_past_exit` leaves the rest to the operating system when the process exits, so no
+thread has to free them while the interpreter is finalizing. Only control collectives
+(a few bytes each) and temporaries go through here, never the large data collectives,
+whose tensors outlive their `wait()` and would otherwise be kept alive too long.
+"""
+
+from __future__ import annotations
+
+import ctypes
+from collections import deque
+
+_KEPT = 64  # far more than gloo's worker threads (2 per group) can be behind on
+
+_retired: deque[object] = deque(maxlen=_KEPT)
+
+
+def retire(*finished: object) -> None:
+    """Keep finished works (and the temporaries they moved) referenced for a while."""
+    _retired.append(finished)
+
+
+def keep_past_exit() -> None:
+    """Leave the retired works to the operating system: they are never freed, so no gloo
+    thread can be the one to free them while the interpreter finalizes (called at exit)."""
+    ctypes.pythonapi.Py_IncRef(ctypes.py_object(_retired))
