@@ -2,8 +2,6 @@
 optimizer differs is named at `initialize`, before any data collective could pair wrong
 tensors, abort the process inside gloo or wait out the timeout."""
 
-import time
-
 import pytest
 
 from shardwise.tools.testing import DistributedTestError, run_distributed
@@ -25,13 +23,13 @@ CASES = {
 
 @pytest.mark.parametrize("what", sorted(CASES))
 def test_a_rank_set_up_differently_is_named_at_initialize(what):
-    started = time.monotonic()
     with pytest.raises(DistributedTestError) as failure:
         run_distributed(initialize_differently, 2, what, timeout=60)
     message = str(failure.value)
     assert "RankMismatchError" in message and CASES[what] in message, message
-    # The harness's collective timeout is min(30 s, timeout / 2): ending sooner means no rank waited it out.
-    assert time.monotonic() - started < 30
+    # Named by the agreement itself, not by a rank that waited out the collective timeout (a
+    # wall-clock bound would measure the machine's load, not this).
+    assert "CollectiveError" not in message and "Timed out" not in message, message
 
 
 def test_the_stage_difference_is_named_by_key():
