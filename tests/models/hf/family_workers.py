@@ -21,6 +21,7 @@ from shardwise.runtime.parallel.tensor import gather_full, tensor_shard
 from tests.runtime.parallel.workers import make_optimizer
 from tests.runtime.zero.workers import SEQ_LEN, VOCAB, global_batch
 
+ENCODERS = ("bert", "roberta")
 SMALL = dict(vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
              max_position_embeddings=SEQ_LEN)
 
@@ -68,12 +69,22 @@ def build_model(family: str) -> torch.nn.Module:
         config = transformers.MixtralConfig(**SMALL, num_key_value_heads=2, num_local_experts=4,
                                             num_experts_per_tok=2)
         return transformers.MixtralForCausalLM(config)
+    if family in ("bert", "roberta"):  # encoders with the MLM head tied to the word embeddings
+        name = {"bert": "Bert", "roberta": "Roberta"}[family]
+        config = getattr(transformers, f"{name}Config")(
+            **{**SMALL, "max_position_embeddings": SEQ_LEN + 2}, hidden_dropout_prob=0.0,
+            attention_probs_dropout_prob=0.0)
+        return getattr(transformers, f"{name}ForMaskedLM")(config)
     raise ValueError(family)
 
 
 def micro_batches(case: FamilyCase, step: int) -> list[dict]:
     x, _ = global_batch(step, case.micro_batches * case.micro_batch)
     rows = [x[i * case.micro_batch:(i + 1) * case.micro_batch] for i in range(case.micro_batches)]
+    if case.family in ENCODERS:  # a masked LM predicts a quarter of the positions
+        hidden = torch.rand(x.shape, generator=torch.Generator().manual_seed(step)) < 0.75
+        return [{"input_ids": ids, "labels": ids.masked_fill(skip, -100)}
+                for ids, skip in zip(rows, hidden.split(case.micro_batch))]
     return [{"input_ids": ids, "labels": ids} for ids in rows]  # Hugging Face shifts the labels itself
 
 
