@@ -33,6 +33,8 @@ class _Launcher:
     world_size: str
     local_rank: str
     local_world_size: str
+    world_size_fallback: str | None = None  # read when `world_size` is not set
+    node_list: str | None = None  # names the nodes, rank 0's first; tasks per node as "2(x3),1"
 
 
 # Checked in this order; the first whose rank and world size are both set wins.
@@ -42,8 +44,10 @@ _LAUNCHERS = (
     _Launcher("MVAPICH", "MV2_COMM_WORLD_RANK", "MV2_COMM_WORLD_SIZE", "MV2_COMM_WORLD_LOCAL_RANK",
               "MV2_COMM_WORLD_LOCAL_SIZE"),
     _Launcher("MPICH / Intel MPI (PMI)", "PMI_RANK", "PMI_SIZE", "MPI_LOCALRANKID", "MPI_LOCALNRANKS"),
-    # srun sets SLURM_STEP_NUM_TASKS for the step it starts; SLURM_NTASKS is the job's.
-    _Launcher("SLURM", "SLURM_PROCID", "SLURM_STEP_NUM_TASKS", "SLURM_LOCALID", "SLURM_STEP_TASKS_PER_NODE"),
+    # srun sets SLURM_STEP_NUM_TASKS for the step it starts; SLURM_NTASKS is the job's,
+    # read for a step started before srun exported the step's own count.
+    _Launcher("SLURM", "SLURM_PROCID", "SLURM_STEP_NUM_TASKS", "SLURM_LOCALID", "SLURM_STEP_TASKS_PER_NODE",
+              world_size_fallback="SLURM_NTASKS", node_list="SLURM_STEP_NODELIST"),
 )
 
 
@@ -86,19 +90,17 @@ def first_host(nodelist: str) -> str:
 
 
 def _world_size(launcher: _Launcher, environ: Mapping[str, str]) -> str | None:
-    if launcher.name == "SLURM":
-        # SLURM_NTASKS for a step started before srun exported the step's own count.
-        text = environ.get(launcher.world_size) or environ.get("SLURM_NTASKS")
-    else:
-        text = environ.get(launcher.world_size)
-    return None if text is None else _integer(launcher.world_size, text)
+    name = launcher.world_size
+    if name not in environ and launcher.world_size_fallback is not None:
+        name = launcher.world_size_fallback
+    return _integer(name, environ[name]) if name in environ else None
 
 
 def _local_world_size(launcher: _Launcher, environ: Mapping[str, str]) -> str | None:
     text = environ.get(launcher.local_world_size)
     if text is None:
         return None
-    if launcher.name == "SLURM":
+    if launcher.node_list is not None:
         # "2(x3),1": tasks per node, node by node; this node's count is not named, so it
         # is known only when every node runs the same number of tasks.
         counts = {match.group(1) for match in re.finditer(r"(\d+)(?:\(x\d+\))?", text)}
@@ -108,8 +110,8 @@ def _local_world_size(launcher: _Launcher, environ: Mapping[str, str]) -> str | 
 
 def _master_address(launcher: _Launcher, environ: Mapping[str, str], world_size: str,
                     local_world_size: str | None) -> str:
-    if launcher.name == "SLURM":
-        nodelist = environ.get("SLURM_STEP_NODELIST") or environ.get("SLURM_NODELIST") or environ.get(
+    if launcher.node_list is not None:
+        nodelist = environ.get(launcher.node_list) or environ.get("SLURM_NODELIST") or environ.get(
             "SLURM_JOB_NODELIST")
         if nodelist:
             return first_host(nodelist)
