@@ -1,7 +1,8 @@
 """Join (or start) the process group the way `torchrun` users expect.
 
-`initialize` must work in three situations without the user doing anything: launched by
-`torchrun`/`shardwise run` (RANK, WORLD_SIZE, MASTER_ADDR... in the environment), inside a
+`initialize` must work in four situations without the user doing anything: launched by
+`torchrun`/`shardwise run` (RANK, WORLD_SIZE, MASTER_ADDR... in the environment), by
+`srun` or `mpirun` (their variables translated by `launcher_variables`), inside a
 program that already called `init_process_group` (tests, notebooks, other frameworks), and
 as a plain single process (no environment at all: no process group, world size 1).
 """
@@ -17,6 +18,7 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
+from shardwise.runtime.distributed.launcher_variables import torchrun_variables
 from shardwise.runtime.distributed.mesh import GroupHandle
 from shardwise.runtime.distributed.retired_works import keep_past_exit
 
@@ -125,8 +127,12 @@ def init_distributed() -> DistributedContext:
     """Return the data-parallel context, creating the default process group if needed.
 
     Backend: NCCL when CUDA is available, else gloo (docs/getting-started.md#launching).
+    A process started by `srun` or `mpirun` rather than torchrun joins through its
+    launcher's variables (`launcher_variables`).
     """
     timeout = collective_timeout()
+    if not (dist.is_available() and dist.is_initialized()):
+        os.environ.update(torchrun_variables(os.environ))
     local_rank = int(os.environ.get("LOCAL_RANK", 0))
     if dist.is_available() and dist.is_initialized():
         device = _pick_device(local_rank)

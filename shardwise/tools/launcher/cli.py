@@ -19,6 +19,9 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 
 from shardwise.tools.launcher.agent import run_agent
+from shardwise.tools.launcher.hosts import (
+    DEFAULT_MASTER_PORT, add_hostfile_options, plan_hosts, refuse_hostfile_options, run_on_hosts,
+)
 from shardwise.tools.launcher.interrupts import Interrupted, interruptible
 
 CHILD_MODULE = "shardwise.tools.launcher.child"
@@ -35,6 +38,10 @@ examples:
                                                    fixed node ranks; node 0 hosts the rendezvous
   shardwise run --as-deepspeed --nproc 2 train.py --deepspeed_config ds.json
                                                    an unmodified DeepSpeed script
+  shardwise run --hostfile hosts --master_addr node0 train.py
+                                                   every host of a DeepSpeed hostfile, over ssh
+  shardwise run --hostfile hosts --launcher slurm train.py
+                                                   DeepSpeed's srun line, inside an allocation
 Everything after the script is passed to it, options included (a `--` directly after the
 script is taken by the parser, as argparse does)."""
 
@@ -61,7 +68,7 @@ def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParse
     parser.add_argument(
         "--nnodes",
         type=_node_count,
-        default="1",
+        default=None,
         metavar="N|MIN:MAX",
         help="number of nodes, or an elastic range (default: 1)",
     )
@@ -88,10 +95,12 @@ def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParse
     )
     parser.add_argument(
         "--master-port",
+        "--master_port",
         type=_port,
         default=None,
         metavar="P",
-        help="single node only: listen on this port instead of a free one the OS picks",
+        help="single node: listen on this port instead of a free one the OS picks; with --hostfile: "
+        f"node 0's rendezvous port (default {DEFAULT_MASTER_PORT})",
     )
     parser.add_argument(
         "--as-deepspeed",
@@ -105,6 +114,7 @@ def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParse
         action="store_true",
         help="with --as-deepspeed: do not pass --local_rank to the script (DeepSpeed's --no_local_rank)",
     )
+    add_hostfile_options(parser)
     parser.add_argument("script", help="the Python script every process runs")
     parser.add_argument("script_args", nargs=argparse.REMAINDER, help="arguments for the script")
     parser.set_defaults(handler=main)
@@ -124,8 +134,9 @@ def build_torchrun_args(args: argparse.Namespace) -> list[str]:
     """
     if args.nproc is None:
         raise ValueError("--nproc is unresolved: call resolve_nproc first")
-    min_nodes, max_nodes = _parse_node_count(args.nnodes)
-    torchrun_args = ["--nproc-per-node", str(args.nproc), "--nnodes", args.nnodes]
+    nnodes = args.nnodes or "1"
+    min_nodes, max_nodes = _parse_node_count(nnodes)
+    torchrun_args = ["--nproc-per-node", str(args.nproc), "--nnodes", nnodes]
 
     if args.master_port is not None:
         if max_nodes > 1 or args.rdzv_endpoint is not None or args.node_rank is not None:
@@ -136,15 +147,15 @@ def build_torchrun_args(args: argparse.Namespace) -> list[str]:
     elif args.rdzv_endpoint is None:
         if max_nodes > 1 or args.node_rank is not None:
             raise ValueError(
-                f"--nnodes {args.nnodes}{_node_rank_text(args)} needs --rdzv-endpoint HOST:PORT, "
+                f"--nnodes {nnodes}{_node_rank_text(args)} needs --rdzv-endpoint HOST:PORT, "
                 "an address of one of the nodes, given identically on every node"
             )
         torchrun_args += ["--standalone"]
     elif args.node_rank is not None:
         if min_nodes != max_nodes:
-            raise ValueError(f"--node-rank needs a fixed --nnodes, got {args.nnodes}")
+            raise ValueError(f"--node-rank needs a fixed --nnodes, got {nnodes}")
         if args.node_rank >= max_nodes:
-            raise ValueError(f"--node-rank {args.node_rank} is out of range for --nnodes {args.nnodes}")
+            raise ValueError(f"--node-rank {args.node_rank} is out of range for --nnodes {nnodes}")
         torchrun_args += [
             "--rdzv-backend", "static",
             "--rdzv-endpoint", args.rdzv_endpoint,
@@ -182,6 +193,12 @@ def _launch(args: argparse.Namespace) -> int:
         print(f"shardwise run: error: no such script: {args.script}", file=sys.stderr)
         return 2
     try:
+        if args.hostfile is not None:
+            hosts_job = plan_hosts(args)
+            if hosts_job is not None:
+                return run_on_hosts(args, hosts_job)
+        else:
+            refuse_hostfile_options(args)
         *torchrun_options, script = build_torchrun_args(resolve_nproc(args))
     except ValueError as error:
         print(f"shardwise run: error: {error}", file=sys.stderr)
@@ -191,6 +208,8 @@ def _launch(args: argparse.Namespace) -> int:
 
     try:
         with _script_environment(args) as (environment, first_args):
+            if args.visible_devices is not None:  # the slots of a hostfile's one selected host
+                environment = {**environment, "CUDA_VISIBLE_DEVICES": args.visible_devices}
             run_agent([*torchrun_options, "--module"], CHILD_MODULE, [script, *first_args, *args.script_args],
                       environment)
     except ChildFailedError as error:

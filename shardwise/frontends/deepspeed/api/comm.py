@@ -3,8 +3,11 @@
 DeepSpeed routes these through its own backend object to time and log them; here they
 are torch's functions with DeepSpeed's names and defaults (`group=None` is the whole
 world). `init_distributed` joins the job the launcher describes (RANK, WORLD_SIZE,
-MASTER_ADDR, MASTER_PORT, LOCAL_RANK), or, with none of these set, starts a
-one-process group on `distributed_port`, where DeepSpeed would try MPI discovery.
+MASTER_ADDR, MASTER_PORT, LOCAL_RANK). With `auto_mpi_discovery`, where DeepSpeed asks
+mpi4py, the ranks of a job started by `mpirun` or `srun` are read from the launcher's
+variables (`launcher_variables`), the port being `distributed_port`. With no launcher at
+all it starts a one-process group on `distributed_port`, as DeepSpeed's MPI discovery
+does for a process started alone.
 """
 
 from __future__ import annotations
@@ -17,6 +20,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed import ReduceOp
 
+from shardwise.runtime.distributed.launcher_variables import torchrun_variables
 from shardwise.runtime.distributed.setup import collective_timeout, destroy_at_exit
 from shardwise.runtime.base.torch_compat import all_gather_single, reduce_scatter_single
 
@@ -43,6 +47,8 @@ def init_distributed(dist_backend: str | None = None, auto_mpi_discovery: bool =
     if dist_init_required is False:
         raise RuntimeError("dist_init_required=False but torch.distributed is not initialized: call "
                            "torch.distributed.init_process_group first, or leave dist_init_required unset")
+    if auto_mpi_discovery and init_method is None:
+        os.environ.update(torchrun_variables(os.environ, default_port=distributed_port))
     if init_method is None and not all(name in os.environ for name in LAUNCHER_VARIABLES[:2]):
         # Not started by a launcher: a job of this one process.
         os.environ.update({"RANK": "0", "WORLD_SIZE": "1", "LOCAL_RANK": "0"})
