@@ -124,7 +124,6 @@ def reports(directory: Path) -> list[dict]:
     return [json.loads((directory / f"rank{rank}.json").read_text()) for rank in range(2)]
 
 
-@pytest.mark.slow  # about 50 s on 2 cores: two launches of 2 processes, one over ssh
 def test_two_hosts_over_ssh_train_zero3_to_the_losses_of_one_node(ssh_hosts, tmp_path):
     (tmp_path / "train.py").write_text(TRAIN_ZERO3)
     (tmp_path / "hosts").write_text("127.0.0.1 slots=1\n127.0.0.2 slots=1\n")
