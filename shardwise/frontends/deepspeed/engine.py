@@ -20,7 +20,10 @@ from typing import Any, Callable
 import torch
 from torch import nn
 
+from shardwise.frontends.deepspeed.checkpoints.detect import deepspeed_checkpoint_dir
+from shardwise.frontends.deepspeed.checkpoints.resume import open_deepspeed_checkpoint
 from shardwise.frontends.deepspeed.config import ShardwiseConfig
+from shardwise.runtime.checkpoint.load import OpenedCheckpoint
 from shardwise.runtime.engine import Engine, Job, Policies
 from shardwise.runtime.zero.gathered import gathered_parameters
 
@@ -80,6 +83,19 @@ class ConfiguredEngine(Engine):
         before the first one."""
         return self.last_grad_norm
 
+    def load_checkpoint(self, load_dir: str | os.PathLike, tag: str | None = None, *,
+                        optimizer_states: bool = True, module_only: bool = False, strict: bool = True,
+                        trust_pickles: bool = False) -> dict:
+        """The engine's `load_checkpoint`, which also resumes DeepSpeed's own checkpoints
+        (recognised by their files: frontends/deepspeed/checkpoints/): weights, fp32 masters,
+        optimizer state, scheduler, loss scale, counters and client_state, at any world size
+        and stage. DeepSpeed's files are pickles, read without running code; `trust_pickles`
+        (or SHARDWISE_TRUST_PICKLES=1) reads one that holds other types, for a trusted file."""
+        opened = _open_deepspeed(self, load_dir, tag, optimizer_states=optimizer_states and not module_only,
+                                 trusted=trust_pickles)
+        return super().load_checkpoint(load_dir, tag, optimizer_states=optimizer_states, module_only=module_only,
+                                       strict=strict, opened=opened)
+
     def save_16bit_model(self, save_dir: str | os.PathLike, save_filename: str = "pytorch_model.bin",
                          exclude_frozen_parameters: bool = False) -> bool:
         """Rank 0 writes the whole model's state_dict (in the training dtype: 16-bit with
@@ -112,6 +128,16 @@ class ConfiguredEngine(Engine):
             torch.save(state, Path(save_dir) / save_filename)
         self.world.barrier("save_16bit_model")  # the file exists on return, on every rank
         return True
+
+
+def _open_deepspeed(engine: Engine, load_dir: str | os.PathLike, tag: str | None, *, optimizer_states: bool,
+                    trusted: bool) -> OpenedCheckpoint | None:
+    """The DeepSpeed checkpoint at `load_dir` (`tag`, or the one `latest` names) opened for
+    the engine; None when it is shardwise's own."""
+    directory = deepspeed_checkpoint_dir(load_dir, tag)
+    if directory is None:
+        return None
+    return open_deepspeed_checkpoint(engine, directory, optimizer_states=optimizer_states, trusted=trusted)
 
 
 def _join(prefix: str, name: str) -> str:
