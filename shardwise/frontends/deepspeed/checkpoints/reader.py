@@ -238,28 +238,25 @@ class _Reader:
         layers' weights in their own files. DeepSpeed names a layer's parameters by its
         index ("3.weight"); shardwise's PipelineModule (and SequentialStages) by its place in
         `layers` ("layers.3.weight"), which is the name used here."""
+        module: OrderedDict[str, torch.Tensor] = OrderedDict()
+        for index, layer_name in layers:
+            for key, tensor in self.load(layer_name).items():
+                module[f"{index}.{key}"] = tensor
+        models = [self.load(name) for _, name in model_files]
+        buffers = sorted({buffer for model in models for buffer in model.get("buffer_names") or ()})
         parts = []
-        for stage, name in model_files:
-            model = self.load(name)
-            model["module"] = OrderedDict()
-            for index, layer_name in layers:
-                for key, tensor in self.load(layer_name).items():
-                    model["module"][f"{index}.{key}"] = tensor
+        for (stage, _), model in zip(model_files, models):
+            model["module"], model["buffer_names"] = module, buffers  # every stage sees every layer and buffer
             parts.append(self._zero12(model, optimizer_files, prefix="layers.", mp=stage))
         first = parts[0]
-        seen: set[str] = set()
-        parameters = []
-        for part in parts:
-            parameters += [parameter for parameter in part.parameters if parameter.name not in seen]
-            seen.update(parameter.name for parameter in part.parameters)
-        trained = {parameter.name for part in parts for parameter in part.parameters if parameter.group is not None}
-        parameters = [parameter for parameter in parameters if parameter.group is not None
-                      or parameter.name not in trained]
-        whole = {name: tensor for part in parts for name, tensor in part.whole.items() if name not in trained}
-        first.parameters = parameters
+        trained = {parameter.name: parameter for part in parts for parameter in part.parameters
+                   if parameter.group is not None}
+        frozen = {parameter.name: parameter for part in parts for parameter in part.parameters}
+        order = [f"layers.{name}" for name in module if name not in buffers]  # the layers' order
+        first.parameters = [trained.get(name, frozen.get(name)) for name in order if name in trained or name in frozen]
         first.pieces = [piece for part in parts for piece in part.pieces]
-        first.whole = whole
-        first.buffers = sorted({name for part in parts for name in part.buffers})
+        first.whole = {name: tensor for part in parts for name, tensor in part.whole.items() if name not in trained}
+        first.buffers = [f"layers.{name}" for name in buffers]
         first.layout = f"pipeline of {len(parts)} stages, {first.layout}"
         return first
 
