@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import logging
 import os
+import shutil
 from pathlib import Path
 from typing import Any, Callable
 
@@ -22,7 +23,9 @@ from torch import nn
 
 from shardwise.frontends.deepspeed.checkpoints.detect import deepspeed_checkpoint_dir
 from shardwise.frontends.deepspeed.checkpoints.resume import open_deepspeed_checkpoint
+from shardwise.frontends.deepspeed.checkpoints.to_deepspeed import write_deepspeed_checkpoint
 from shardwise.frontends.deepspeed.config import ShardwiseConfig
+from shardwise.runtime.checkpoint.format import CheckpointError
 from shardwise.runtime.checkpoint.load import OpenedCheckpoint
 from shardwise.runtime.engine import Engine, Job, Policies
 from shardwise.runtime.zero.gathered import gathered_parameters
@@ -95,6 +98,31 @@ class ConfiguredEngine(Engine):
                                  trusted=trust_pickles)
         return super().load_checkpoint(load_dir, tag, optimizer_states=optimizer_states, module_only=module_only,
                                        strict=strict, opened=opened)
+
+    def save_deepspeed_checkpoint(self, save_dir: str | os.PathLike, tag: str | None = None,
+                                  client_state: dict | None = None, *, zero_stage: int = 2) -> Path:
+        """Save a checkpoint in DeepSpeed's ZeRO-1/2 layout under `save_dir/tag` (with `latest`),
+        for a DeepSpeed run of this data-parallel size to resume: the way back to DeepSpeed
+        (frontends/deepspeed/checkpoints/to_deepspeed.py says what it writes and refuses).
+        Collective. shardwise's own checkpoint is written first, into a hidden folder under
+        `save_dir` that is removed once rank 0 has converted it."""
+        if self.pipeline is not None:
+            raise ValueError("save_deepspeed_checkpoint writes data-parallel (ZeRO-1/2) checkpoints; a pipeline's "
+                             "is not written in DeepSpeed's layer-file layout")
+        staging = Path(save_dir) / ".shardwise-for-deepspeed"
+        written_tag = Engine.save_checkpoint(self, staging, tag, client_state)
+        failure = None
+        if self.rank == 0:
+            try:
+                write_deepspeed_checkpoint(staging, save_dir, world_size=self.world_size, stage=zero_stage,
+                                           tag=written_tag)
+            except (CheckpointError, ValueError) as error:
+                failure = str(error)
+            shutil.rmtree(staging, ignore_errors=True)
+        failure = self.world.control_all_gather_object(failure)[0]  # every rank raises rank 0's refusal
+        if failure is not None:
+            raise CheckpointError(failure)
+        return Path(save_dir) / written_tag
 
     def save_16bit_model(self, save_dir: str | os.PathLike, save_filename: str = "pytorch_model.bin",
                          exclude_frozen_parameters: bool = False) -> bool:

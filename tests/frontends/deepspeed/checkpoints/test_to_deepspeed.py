@@ -12,7 +12,7 @@ from shardwise.tools.cli.main import main as cli
 from shardwise.tools.testing import run_distributed
 from tests.frontends.deepspeed.checkpoints.fixtures import make_fixtures
 from tests.frontends.deepspeed.checkpoints.test_resume import FP32_TOLERANCE, assert_losses_equal
-from tests.frontends.deepspeed.checkpoints.workers import FIXTURES, resume
+from tests.frontends.deepspeed.checkpoints.workers import FIXTURES, resume, save_for_deepspeed
 
 CASE = "stage2_fp32"
 
@@ -36,6 +36,19 @@ def test_to_deepspeed_reads_back_and_continues_the_same(shardwise_checkpoint, tm
         "zero_pp_rank_1_mp_rank_00_optim_states.pt"]
     back = run_distributed(resume, 2, CASE, str(tmp_path), timeout=240)[0]
     assert back["global_steps"] == 6
+    assert_losses_equal(back["losses"], expected, FP32_TOLERANCE)
+
+
+def test_engine_saves_in_deepspeeds_layout(shardwise_checkpoint, tmp_path):
+    """`engine.save_deepspeed_checkpoint` mid-run: reading it back continues as the run did."""
+    _, expected = shardwise_checkpoint
+    saved = run_distributed(save_for_deepspeed, 2, CASE, str(FIXTURES / CASE / "checkpoint"), str(tmp_path),
+                            timeout=240)[0]
+    assert saved["written"] == str(tmp_path / "global_step6")
+    assert not (tmp_path / ".shardwise-for-deepspeed").exists()
+    assert_losses_equal(saved["losses"], expected, FP32_TOLERANCE)
+    back = run_distributed(resume, 2, CASE, str(tmp_path), timeout=240)[0]
+    assert back["client_state"] == {"note": "back"}
     assert_losses_equal(back["losses"], expected, FP32_TOLERANCE)
 
 

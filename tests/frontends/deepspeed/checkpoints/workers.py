@@ -51,3 +51,14 @@ def fixture_losses(case: str) -> dict:
     """The fixture's recorded losses: `uninterrupted` (6 steps) and `deepspeed_resumed` (the
     3 steps DeepSpeed trained after loading `step3`), each step's loss on every rank."""
     return json.loads((FIXTURES / case / "losses.json").read_text())
+
+
+def save_for_deepspeed(rank: int, world_size: int, case: str, directory: str, out: str) -> dict:
+    """Resume `directory`, train the fixture's next steps and save them in DeepSpeed's layout
+    with the compatibility engine's own method; then the losses of 3 steps more."""
+    engine = build_engine(case)
+    engine.load_checkpoint(directory)
+    make_fixtures.run_steps(engine, case, range(engine.global_steps, engine.global_steps + tiny.STEPS_AFTER_SAVE))
+    written = engine.save_deepspeed_checkpoint(out, client_state={"note": "back"})
+    steps = range(engine.global_steps, engine.global_steps + tiny.STEPS_AFTER_SAVE)
+    return {"written": str(written), "losses": make_fixtures.run_steps(engine, case, steps)}
