@@ -13,7 +13,7 @@ its checkpoints, each mapped to an inert stand-in here (attributes only, no beha
 Anything else is refused naming the file, the type it holds and how to proceed: a file
 the user trusts can be read with `trusted=True` (`--trust-pickles` on the command line),
 which is torch's unrestricted `torch.load` and runs the file's code (it then needs the
-classes it names to be importable).
+classes it names to be importable; DeepSpeed's own are still read as the stand-ins).
 
 Writing goes the other way: DeepSpeed loads our files with its own classes, so the
 stand-ins are pickled under DeepSpeed's names (`save_pickle`), without DeepSpeed installed.
@@ -68,9 +68,11 @@ DEEPSPEED_NAMES: dict[Any, str] = {
     FragmentAddress: "deepspeed.utils.tensor_fragment.fragment_address",
 }
 TRUST_HINT = ("if you trust this file (you or DeepSpeed wrote it), load it with trusted=True "
-              "(`shardwise convert --trust-pickles`, or load_checkpoint(..., trust_pickles=True)), which lets "
-              "the file run code as torch.load(weights_only=False) does")
+              "(`shardwise convert --from-deepspeed --trust-pickles`, load_checkpoint(..., trust_pickles=True), or "
+              "SHARDWISE_TRUST_PICKLES=1 for a DeepSpeed script), which lets the file run code as "
+              "torch.load(weights_only=False) does")
 _SAFE_GLOBALS = [(stand_in, name) for stand_in, name in DEEPSPEED_NAMES.items()]
+_STAND_INS = {name: stand_in for stand_in, name in DEEPSPEED_NAMES.items()}
 # torch keeps the allow-list in one process-wide set; ranks run as threads in tests, so
 # adding and removing it is serialised
 _ALLOW_LIST_LOCK = threading.Lock()
@@ -90,14 +92,16 @@ def load_pickle(path: Path, *, trusted: bool = False) -> Any:
 
 
 def _torch_load(path: Path, *, weights_only: bool) -> Any:
+    # trusted: any class, DeepSpeed's own read as the stand-ins (DeepSpeed need not be installed)
+    options = {} if weights_only else {"pickle_module": _TrustingPickleModule}
     try:
-        return torch.load(path, map_location="cpu", weights_only=weights_only, mmap=True)
+        return torch.load(path, map_location="cpu", weights_only=weights_only, mmap=True, **options)
     except FileNotFoundError:
         raise CheckpointError(f"checkpoint file {path} is missing") from None
     except RuntimeError as error:
         if "mmap" not in str(error):
             raise CheckpointError(f"cannot read DeepSpeed checkpoint file {path}: {error}") from None
-    return torch.load(path, map_location="cpu", weights_only=weights_only)  # a legacy (pre-zip) file
+    return torch.load(path, map_location="cpu", weights_only=weights_only, **options)  # a legacy (pre-zip) file
 
 
 def _refusal(path: Path, message: str) -> str:
@@ -125,6 +129,23 @@ class _DeepSpeedPickler(pickle._Pickler):
         else:
             self.write(pickle.GLOBAL + f"{module}\n{attribute}\n".encode())
         self.memoize(obj)
+
+
+class _TrustingUnpickler(pickle.Unpickler):
+    """Python's unpickler (it imports what the file names), with DeepSpeed's classes answered
+    by the stand-ins."""
+
+    def find_class(self, module: str, name: str) -> Any:
+        stand_in = _STAND_INS.get(f"{module}.{name}")
+        return stand_in if stand_in is not None else super().find_class(module, name)
+
+
+class _TrustingPickleModule:
+    """What torch.load asks of its `pickle_module` for a trusted file."""
+
+    Unpickler = _TrustingUnpickler
+    load = pickle.load
+    __name__ = "shardwise_trusted_deepspeed_pickle"
 
 
 class _PickleModule:

@@ -2,6 +2,7 @@
 DeepSpeed writes, so a file naming any other callable is refused (naming the file, the type
 and the opt-in) before anything in it runs."""
 
+import argparse
 import os
 import shutil
 
@@ -44,6 +45,20 @@ def test_a_file_holding_another_callable_is_refused_before_it_runs(tmp_path):
     assert "mkdir" in message  # the type found
     assert "trusted=True" in message and "--trust-pickles" in message  # how to proceed for a trusted file
     assert not marker.exists()  # nothing in the file ran
+
+
+def test_a_trusted_file_with_other_types_is_read_on_opt_in(tmp_path):
+    """A Megatron-DeepSpeed script pickles its argparse.Namespace into the client state:
+    refused by default, read (by torch's unrestricted load) when the user opts in."""
+    folder = tmp_path / "step3"
+    shutil.copytree(FIXTURES / "stage2_fp32" / "checkpoint" / "step3", folder)
+    model_file = folder / "mp_rank_00_model_states.pt"
+    torch.save({**load_pickle(model_file), "args": argparse.Namespace(seq_length=8)}, tmp_path / "with_args.pt")
+    os.replace(tmp_path / "with_args.pt", model_file)
+    with pytest.raises(CheckpointError, match=r"argparse.Namespace.*SHARDWISE_TRUST_PICKLES=1"):
+        read_deepspeed_checkpoint(folder)
+    contents = read_deepspeed_checkpoint(folder, trusted=True)
+    assert contents.client_state["args"].seq_length == 8 and contents.global_steps == 3
 
 
 def test_deepspeeds_own_types_load_as_inert_stand_ins(tmp_path):
