@@ -4,6 +4,10 @@ files (fp32: < 1e-6 relative; bf16: < 2e-2), at another stage or world size equa
 shardwise resuming the same checkpoint converted to its own format, and `shardwise convert
 --from-deepspeed` writes a checkpoint that resumes the same way."""
 
+import json
+import os
+import subprocess
+
 import pytest
 
 from shardwise.tools.cli.main import main as cli
@@ -64,3 +68,17 @@ def test_convert_refuses_a_folder_that_is_not_deepspeeds(tmp_path, capsys):
     (tmp_path / "step3").mkdir()
     assert cli(["convert", "--from-deepspeed", str(tmp_path), str(tmp_path / "out")]) == 2
     assert "is not a DeepSpeed checkpoint" in capsys.readouterr().err
+
+
+@pytest.mark.skipif(not os.environ.get("DEEPSPEED_PYTHON"), reason="set DEEPSPEED_PYTHON to an interpreter with "
+                    "DeepSpeed 0.19.8 installed (DS_ACCELERATOR=cpu is set for it)")
+def test_resumes_a_fresh_deepspeed_checkpoint(tmp_path):
+    """The fixtures' script run again by the installed DeepSpeed (ZeRO-3, fp32): the checkpoint
+    it writes now resumes as DeepSpeed's own continuation of it."""
+    done = subprocess.run([os.environ["DEEPSPEED_PYTHON"], make_fixtures.__file__, "write", str(tmp_path),
+                           "--case", "stage3_fp32"], capture_output=True, text=True, timeout=600,
+                          env={**os.environ, "DS_ACCELERATOR": "cpu"})
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    recorded = json.loads((tmp_path / "stage3_fp32" / "losses.json").read_text())
+    results = run_distributed(resume, 2, "stage3_fp32", str(tmp_path / "stage3_fp32" / "checkpoint"), timeout=240)
+    assert_losses_equal(results[0]["losses"], recorded["deepspeed_resumed"], FP32_TOLERANCE)
