@@ -253,7 +253,8 @@ class _Reader:
                    if parameter.group is not None}
         frozen = {parameter.name: parameter for part in parts for parameter in part.parameters}
         order = [f"layers.{name}" for name in module if name not in buffers]  # the layers' order
-        first.parameters = [trained.get(name, frozen.get(name)) for name in order if name in trained or name in frozen]
+        first.parameters = [trained.get(name, frozen.get(name)) for name in order
+                            if name in trained or name in frozen]
         first.pieces = [piece for part in parts for piece in part.pieces]
         first.whole = {name: tensor for part in parts for name, tensor in part.whole.items() if name not in trained}
         first.buffers = [f"layers.{name}" for name in buffers]
