@@ -202,7 +202,8 @@ class _Reader:
                 for offset, name in enumerate(names):
                     state = inner["state"].get(first_index + offset, {})
                     value = module[name].detach().reshape(-1).float()
-                    tensors = {"value": value, **{key: tensor.reshape(-1) for key, tensor in _per_element(state).items()}}
+                    elements = {key: tensor.reshape(-1) for key, tensor in _per_element(state).items()}
+                    tensors = {"value": value, **elements}
                     pieces.append(Piece(name, 0, value.numel(), tensors, 0))
         parameters = _in_model_order(model, parameters_in_groups, "")
         scaler = ({"cur_scale": optimizer["cur_scale"], "cur_iter": optimizer["cur_iter"],
