@@ -17,14 +17,20 @@ from __future__ import annotations
 
 import logging
 import os
+import shutil
 from pathlib import Path
 from typing import Any, Callable
 
 import torch
 from torch import nn
 
+from shardwise.frontends.deepspeed.checkpoints.detect import deepspeed_checkpoint_dir
+from shardwise.frontends.deepspeed.checkpoints.resume import open_deepspeed_checkpoint
+from shardwise.frontends.deepspeed.checkpoints.to_deepspeed import write_deepspeed_checkpoint
 from shardwise.frontends.deepspeed.config import ShardwiseConfig
 from shardwise.frontends.deepspeed.monitors import MonitorMaster, step_events
+from shardwise.runtime.checkpoint.format import CheckpointError
+from shardwise.runtime.checkpoint.load import OpenedCheckpoint
 from shardwise.runtime.engine import Engine, Job, Policies
 from shardwise.runtime.zero.gathered import gathered_parameters
 
@@ -127,6 +133,44 @@ class ConfiguredEngine(Engine):
         before the first one."""
         return self.last_grad_norm
 
+    def load_checkpoint(self, load_dir: str | os.PathLike, tag: str | None = None, *,
+                        optimizer_states: bool = True, module_only: bool = False, strict: bool = True,
+                        trust_pickles: bool = False) -> dict:
+        """The engine's `load_checkpoint`, which also resumes DeepSpeed's own checkpoints
+        (recognised by their files: frontends/deepspeed/checkpoints/): weights, fp32 masters,
+        optimizer state, scheduler, loss scale, counters and client_state, at any world size
+        and stage. DeepSpeed's files are pickles, read without running code; `trust_pickles`
+        (or SHARDWISE_TRUST_PICKLES=1) reads one that holds other types, for a trusted file."""
+        opened = _open_deepspeed(self, load_dir, tag, optimizer_states=optimizer_states and not module_only,
+                                 trusted=trust_pickles)
+        return super().load_checkpoint(load_dir, tag, optimizer_states=optimizer_states, module_only=module_only,
+                                       strict=strict, opened=opened)
+
+    def save_deepspeed_checkpoint(self, save_dir: str | os.PathLike, tag: str | None = None,
+                                  client_state: dict | None = None, *, zero_stage: int = 2) -> Path:
+        """Save a checkpoint in DeepSpeed's ZeRO-1/2 layout under `save_dir/tag` (with `latest`),
+        for a DeepSpeed run of this data-parallel size to resume: the way back to DeepSpeed
+        (frontends/deepspeed/checkpoints/to_deepspeed.py says what it writes and refuses).
+        Collective. shardwise's own checkpoint is written first, into a hidden folder under
+        `save_dir` that is removed once rank 0 has converted it."""
+        if self.pipeline is not None:
+            raise ValueError("save_deepspeed_checkpoint writes data-parallel (ZeRO-1/2) checkpoints; a pipeline's "
+                             "is not written in DeepSpeed's layer-file layout")
+        staging = Path(save_dir) / ".shardwise-for-deepspeed"
+        written_tag = Engine.save_checkpoint(self, staging, tag, client_state)
+        failure = None
+        if self.rank == 0:
+            try:
+                write_deepspeed_checkpoint(staging, save_dir, world_size=self.world_size, stage=zero_stage,
+                                           tag=written_tag)
+            except (CheckpointError, ValueError) as error:
+                failure = str(error)
+            shutil.rmtree(staging, ignore_errors=True)
+        failure = self.world.control_all_gather_object(failure)[0]  # every rank raises rank 0's refusal
+        if failure is not None:
+            raise CheckpointError(failure)
+        return Path(save_dir) / written_tag
+
     def save_16bit_model(self, save_dir: str | os.PathLike, save_filename: str = "pytorch_model.bin",
                          exclude_frozen_parameters: bool = False) -> bool:
         """Rank 0 writes the whole model's state_dict (in the training dtype: 16-bit with
@@ -159,6 +203,16 @@ class ConfiguredEngine(Engine):
             torch.save(state, Path(save_dir) / save_filename)
         self.world.barrier("save_16bit_model")  # the file exists on return, on every rank
         return True
+
+
+def _open_deepspeed(engine: Engine, load_dir: str | os.PathLike, tag: str | None, *, optimizer_states: bool,
+                    trusted: bool) -> OpenedCheckpoint | None:
+    """The DeepSpeed checkpoint at `load_dir` (`tag`, or the one `latest` names) opened for
+    the engine; None when it is shardwise's own."""
+    directory = deepspeed_checkpoint_dir(load_dir, tag)
+    if directory is None:
+        return None
+    return open_deepspeed_checkpoint(engine, directory, optimizer_states=optimizer_states, trusted=trusted)
 
 
 def _join(prefix: str, name: str) -> str:

@@ -10,12 +10,12 @@ from __future__ import annotations
 from collections import defaultdict
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any, Callable, Iterator, Protocol
 
 import torch
 
 from shardwise.runtime.checkpoint.format import CheckpointError, piece_key, rank_tensors
-from shardwise.runtime.checkpoint.safetensors_io import SafetensorsReader
+from shardwise.runtime.checkpoint.safetensors_io import SafetensorsReader, TensorEntry
 
 
 @dataclass(frozen=True)
@@ -50,9 +50,26 @@ class SavedPiece:
                 yield low, high, k * self.run + low - begin
 
 
+class PieceReader(Protocol):
+    """One rank file's tensors, read by element range (`SafetensorsReader`, or a converter's
+    tensors in memory)."""
+
+    def entry(self, name: str) -> TensorEntry: ...
+
+    def read_into(self, name: str, start: int, out: torch.Tensor) -> None: ...
+
+    def read(self, name: str, start: int, stop: int) -> torch.Tensor: ...
+
+    def close(self) -> None: ...
+
+
 class PieceIndex:
-    def __init__(self, directory: Path, rank_records: list[dict[str, Any]]):
+    def __init__(self, directory: Path, rank_records: list[dict[str, Any]],
+                 open_reader: Callable[[str], PieceReader] | None = None):
+        """`open_reader(file)` opens a rank file's tensors (default: the safetensors file
+        `directory / file`); a front end reading another format hands its own."""
         self.directory = directory
+        self._open_reader = open_reader or (lambda file: SafetensorsReader(directory / file))
         self.pieces: dict[str, list[SavedPiece]] = defaultdict(list)
         for rank, record in enumerate(rank_records):
             for piece in record["pieces"]:
@@ -62,7 +79,7 @@ class PieceIndex:
                 )
         for pieces in self.pieces.values():
             pieces.sort(key=lambda piece: piece.start)
-        self._readers: dict[str, SafetensorsReader] = {}
+        self._readers: dict[str, PieceReader] = {}
 
     def check_complete(self, name: str, numel: int) -> None:
         """The saved pieces of `name` tile [0, numel) exactly."""
@@ -106,9 +123,9 @@ class PieceIndex:
         self.read_into(name, tensor, start, out)
         return out
 
-    def _reader(self, file: str) -> SafetensorsReader:
+    def _reader(self, file: str) -> PieceReader:
         if file not in self._readers:
-            self._readers[file] = SafetensorsReader(self.directory / file)
+            self._readers[file] = self._open_reader(file)
         return self._readers[file]
 
     def close(self) -> None:

@@ -15,6 +15,7 @@ from __future__ import annotations
 import logging
 import math
 import os
+from dataclasses import dataclass
 from itertools import chain
 from pathlib import Path
 
@@ -39,12 +40,41 @@ from shardwise.runtime.engine_protocol import EngineProtocol
 log = logging.getLogger("shardwise")
 
 
-def load_checkpoint(engine: EngineProtocol, load_dir: str | os.PathLike, tag: str | None = None, *,
-                    optimizer_states: bool = True, module_only: bool = False, strict: bool = True) -> dict:
-    """Restore everything `save_checkpoint` wrote (tag None: the one `latest` names) and
-    return the saved client_state. Collective: every rank calls it.
+@dataclass
+class OpenedCheckpoint:
+    """A checkpoint ready to restore: its meta and rank records as save.py writes them, and
+    the index its pieces are read through. `open_checkpoint` opens shardwise's own; a front
+    end reading another format (DeepSpeed's) builds one from that format's files."""
 
-    Ranks beyond the saved world size keep their own RNG state; the others get theirs back.
+    directory: Path
+    meta: dict
+    records: list[dict]
+    index: PieceIndex
+
+
+def open_checkpoint(engine: EngineProtocol, load_dir: str | os.PathLike, tag: str | None = None) -> OpenedCheckpoint:
+    """shardwise's checkpoint `load_dir/tag` (None: the one `latest` names), every file
+    verified against its manifest first. Collective."""
+    directory = resolve_tag(Path(load_dir), tag)
+    verify_checkpoint(engine, directory)
+    meta = read_json(directory / META)
+    if meta.get("format") != FORMAT_VERSION:
+        raise CheckpointError(f"{directory / META} has format {meta.get('format')!r}; "
+                              f"this shardwise reads format {FORMAT_VERSION}")
+    records = [read_json(directory / rank_json(rank)) for rank in range(meta["world_size"])]
+    return OpenedCheckpoint(directory, meta, records, PieceIndex(directory, records))
+
+
+def load_checkpoint(engine: EngineProtocol, load_dir: str | os.PathLike, tag: str | None = None, *,
+                    optimizer_states: bool = True, module_only: bool = False, strict: bool = True,
+                    opened: OpenedCheckpoint | None = None) -> dict:
+    """Restore everything `save_checkpoint` wrote (tag None: the one `latest` names) and
+    return the saved client_state. Collective: every rank calls it. `opened`: restore that
+    checkpoint instead (another format's, opened by its front end; `load_dir` and `tag`
+    are then not read).
+
+    Ranks beyond the saved world size keep their own RNG state; the others get theirs back
+    (a checkpoint whose records hold no RNG state leaves every rank's as it is).
     `optimizer_states` False restores the weights (the fp32 masters) but keeps this
     engine's optimizer state; `module_only` also keeps its schedule, counters, loss scale
     and random state: a fine-tuning run that starts from a trained model (DeepSpeed's
@@ -60,14 +90,9 @@ def load_checkpoint(engine: EngineProtocol, load_dir: str | os.PathLike, tag: st
     An engine without an optimizer takes the weights only (as `module_only`), into the
     parameters it holds.
     """
-    directory = resolve_tag(Path(load_dir), tag)
-    verify_checkpoint(engine, directory)
-    meta = read_json(directory / META)
-    if meta.get("format") != FORMAT_VERSION:
-        raise CheckpointError(f"{directory / META} has format {meta.get('format')!r}; "
-                              f"this shardwise reads format {FORMAT_VERSION}")
-    records = [read_json(directory / rank_json(rank)) for rank in range(meta["world_size"])]
-    with PieceIndex(directory, records) as index:
+    opened = opened if opened is not None else open_checkpoint(engine, load_dir, tag)
+    meta, records = opened.meta, opened.records
+    with opened.index as index:
         module_only = module_only or not engine.trains  # an engine without an optimizer takes the weights
         absent = check_model(engine, meta, index, strict=strict, restoring_state=optimizer_states and not module_only)
         engine.zero.release_gathered()  # forwards must gather the loaded values
@@ -97,7 +122,7 @@ def load_checkpoint(engine: EngineProtocol, load_dir: str | os.PathLike, tag: st
     engine.global_steps = counters["global_steps"]
     engine.micro_steps = _first_micro_step(engine, counters)
     engine.skipped_steps = counters["skipped_steps"]
-    if engine.rank < len(records):
+    if engine.rank < len(records) and "rng" in records[engine.rank]:
         restore_rng_state(records[engine.rank]["rng"], engine.device)
     return meta["client_state"]
 

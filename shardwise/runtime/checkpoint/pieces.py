@@ -83,16 +83,19 @@ def describe_tensor_parallel(engine: EngineProtocol) -> dict[str, Any] | None:
 def describe_model(engine: EngineProtocol) -> dict[str, Any]:
     """Names and shapes the loader checks a model against (stage-3 parameters are empty
     placeholders between forwards, so trained shapes come from the layout; a
-    tensor-parallel parameter is described by its whole shape)."""
+    tensor-parallel parameter is described by its whole shape), and the optimizer param
+    group of each trained one (a converter to another layout, DeepSpeed's, needs it)."""
     trained = {slot.name: list(slot.shape) for unit in engine.zero.units for slot in unit.slots}
     held_frozen = {slot.name: list(slot.shape) for unit in engine.zero.frozen_units for slot in unit.slots}
     shapes = {**trained, **held_frozen}
     shapes.update({name: list(shard.global_shape) for name, shard in tensor_shards(engine.module).items()
                    if name in shapes})
     module = engine.module
-    parameters = [  # dtype: of the stored values (fp32 masters for trained parameters)
+    groups = {slot.name: slot.group for unit in engine.zero.units for slot in unit.slots} if engine.trains else {}
+    parameters = [  # dtype: of the stored values (fp32 masters for trained parameters); group: its param group
         {"name": name, "shape": shapes.get(name, list(param.shape)), "trainable": name in trained,
-         "dtype": "float32" if name in trained else _dtype_name(param.dtype)}
+         "dtype": "float32" if name in trained else _dtype_name(param.dtype),
+         **({"group": groups[name]} if name in groups else {})}
         for name, param in module.named_parameters()
     ]
     persistent = set(module.state_dict(keep_vars=True))

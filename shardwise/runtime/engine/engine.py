@@ -24,7 +24,7 @@ import logging
 import os
 import weakref
 from contextlib import contextmanager
-from typing import Any, Callable, Iterable, Iterator, Sequence
+from typing import TYPE_CHECKING, Any, Callable, Iterable, Iterator, Sequence
 
 import torch
 from torch import nn
@@ -48,6 +48,9 @@ from shardwise.runtime.precision.casting import autocast_for, cast_floating, cas
 from shardwise.runtime.reliability.step_guard import StepGuard
 from shardwise.runtime.zero.apply import ZeroGroups, apply_zero
 from shardwise.runtime.zero.trainable import evaluated_parameters, frozen_parameters, trainable_parameters
+
+if TYPE_CHECKING:
+    from shardwise.runtime.checkpoint.load import OpenedCheckpoint
 
 log = logging.getLogger("shardwise")
 
@@ -352,16 +355,18 @@ class Engine(nn.Module):
         return save_checkpoint(self, save_dir, tag, client_state)
 
     def load_checkpoint(self, load_dir: str | os.PathLike, tag: str | None = None, *,
-                        optimizer_states: bool = True, module_only: bool = False, strict: bool = True) -> dict:
+                        optimizer_states: bool = True, module_only: bool = False, strict: bool = True,
+                        opened: OpenedCheckpoint | None = None) -> dict:
         """Resume from a checkpoint (any world size or stage); returns its client_state.
         `optimizer_states=False` / `module_only=True`: load the weights only; `strict=False`:
-        into a model with more or fewer tensors (see checkpoint/load.py)."""
+        into a model with more or fewer tensors; `opened`: a checkpoint of another format,
+        opened by its front end (see checkpoint/load.py)."""
         from shardwise.runtime.checkpoint import load_checkpoint
 
         self._require_alive("load_checkpoint")
         self.world.agree_on_call("load_checkpoint", call_check_timeout(self.context.timeout))
         return load_checkpoint(self, load_dir, tag, optimizer_states=optimizer_states, module_only=module_only,
-                               strict=strict)
+                               strict=strict, opened=opened)
 
     # -- accounting ----------------------------------------------------------------------
     def memory_breakdown(self, by_tier: bool = False) -> dict:
