@@ -36,8 +36,8 @@ from shardwise.runtime.parallel.tensor.styles import Style
 from shardwise.runtime.base.torch_compat import require_selective_policy_outputs
 
 log = logging.getLogger("shardwise")
-KNOWN = ("shardwise GPT, Hugging Face llama, mistral, qwen2, qwen3, gpt2, and decoders laid out like them "
-         "(gemma, gemma2, gemma3, phi3, mixtral; models/hf/decoders.py)")
+KNOWN = ("shardwise GPT, Hugging Face llama, mistral, qwen2, qwen3, gpt2, and models laid out like them "
+         "(gemma, gemma2, gemma3, phi3, mixtral, falcon, bert, roberta; models/hf/)")
 GUIDE = "docs/parallelism.md#your-own-model"
 
 

@@ -69,6 +69,14 @@ def build_model(family: str) -> torch.nn.Module:
         config = transformers.MixtralConfig(**SMALL, num_key_value_heads=2, num_local_experts=4,
                                             num_experts_per_tok=2)
         return transformers.MixtralForCausalLM(config)
+    if family.startswith("falcon"):  # query_key_value fused per key/value group, multi-query, or per head
+        layouts = {"falcon": dict(new_decoder_architecture=True, num_kv_heads=2),
+                   "falcon_multi_query": dict(multi_query=True),
+                   "falcon_per_head": dict(multi_query=False, parallel_attn=False, bias=True)}
+        config = transformers.FalconConfig(vocab_size=VOCAB, hidden_size=32, num_hidden_layers=2,
+                                           num_attention_heads=4, ffn_hidden_size=64, max_position_embeddings=SEQ_LEN,
+                                           hidden_dropout=0.0, attention_dropout=0.0, **layouts[family])
+        return transformers.FalconForCausalLM(config)
     if family in ("bert", "roberta"):  # encoders with the MLM head tied to the word embeddings
         name = {"bert": "Bert", "roberta": "Roberta"}[family]
         config = getattr(transformers, f"{name}Config")(
