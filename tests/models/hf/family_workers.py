@@ -6,7 +6,8 @@ alike on every rank. A step is m micro-batches of b rows, accumulated in the sam
 the reference, so the mean of the micro-batch losses is the step's loss. The optimizer is
 SGD with momentum and clipping (tests/runtime/parallel/workers.py says why, not Adam).
 Each rank returns its parameters whole (gathered over the tensor group) under their
-original names: the pipeline test merges the two stages' disjoint sets.
+original names (the pipeline test merges the two stages' disjoint sets), and how many
+checkpointed regions ran (activation_checkpointing.profile).
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ import dataclasses
 import torch
 
 import shardwise
+from shardwise.runtime.activation.apply import checkpoint_stats
 from shardwise.runtime.distributed.collectives import Communicator
 from shardwise.runtime.parallel.tensor import gather_full, tensor_shard
 from tests.runtime.parallel.workers import make_optimizer
@@ -36,9 +38,12 @@ class FamilyCase:
     micro_batch: int = 2
     lr: float = 0.05
     clipping: float = 0.5
+    recompute: str | None = None  # activation_checkpointing.policy, applied through the family's plan
 
     def config(self) -> dict:
+        recompute = {"activation_checkpointing": {"policy": self.recompute, "profile": True}} if self.recompute else {}
         return {
+            **recompute,
             "train_micro_batch_size_per_gpu": self.micro_batch,
             "gradient_accumulation_steps": self.micro_batches,
             "gradient_clipping": self.clipping,
@@ -61,6 +66,9 @@ def build_model(family: str) -> torch.nn.Module:
         config = transformers.Gemma3TextConfig(**SMALL, num_key_value_heads=2, head_dim=8, sliding_window=4,
                                                layer_types=["sliding_attention", "full_attention"])
         return transformers.Gemma3ForCausalLM(config)
+    if family == "qwen3":  # q/k norms per head
+        config = transformers.Qwen3Config(**SMALL, num_key_value_heads=2, head_dim=8)
+        return transformers.Qwen3ForCausalLM(config)
     if family == "phi3":  # fused qkv_proj and gate_up_proj
         config = transformers.Phi3Config(**SMALL, num_key_value_heads=4, pad_token_id=0, bos_token_id=0,
                                          eos_token_id=0)
@@ -133,4 +141,5 @@ def train_parallel(rank: int, world_size: int, case: FamilyCase) -> dict:
     with shardwise.gathered_parameters(list(model.parameters())):
         params = {name: gather_full(p.detach().float(), tensor_shard(p), tensor).cpu()
                   for name, p in model.named_parameters()}
-    return {"losses": losses, "params": params}
+    stats = checkpoint_stats(model)
+    return {"losses": losses, "params": params, "recomputed_regions": stats.regions if stats else 0}

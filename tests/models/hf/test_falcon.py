@@ -30,3 +30,13 @@ def test_the_split_follows_the_fused_layout():
     multi_query = plan_for(build_model("falcon_multi_query"))
     assert multi_query.kv_heads == 1 and callable(multi_query.tensor_styles[
         "transformer.h.*.self_attention.query_key_value"])
+
+
+def test_selective_recompute_through_the_plan_keeps_the_losses():
+    """activation_checkpointing.policy "selective" recomputes each layer of transformer.h
+    (keeping its linear outputs) at tensor_parallel.size 2: the same training as one process
+    without recomputation, with the multi-query weight's gradient hook under recomputation."""
+    want = train_reference(FamilyCase("falcon_multi_query"))
+    results = run_distributed(train_parallel, 2, FamilyCase("falcon_multi_query", tensor=2, recompute="selective"))
+    assert all(result["recomputed_regions"] > 0 for result in results)
+    assert_matches(results, want)
