@@ -85,6 +85,13 @@ def build_model(family: str) -> torch.nn.Module:
                                            num_attention_heads=4, ffn_hidden_size=64, max_position_embeddings=SEQ_LEN,
                                            hidden_dropout=0.0, attention_dropout=0.0, **layouts[family])
         return transformers.FalconForCausalLM(config)
+    if family.startswith("t5"):  # encoder-decoder, relative position bias; tied head, or untied with a gated MLP
+        variant = {"t5": dict(tie_word_embeddings=True),
+                   "t5_gated": dict(tie_word_embeddings=False, feed_forward_proj="gated-gelu")}[family]
+        config = transformers.T5Config(vocab_size=VOCAB, d_model=32, d_kv=8, d_ff=64, num_layers=2,
+                                       num_decoder_layers=2, num_heads=4, relative_attention_num_buckets=8,
+                                       dropout_rate=0.0, decoder_start_token_id=0, pad_token_id=0, **variant)
+        return transformers.T5ForConditionalGeneration(config)
     if family in ("bert", "roberta"):  # encoders with the MLM head tied to the word embeddings
         name = {"bert": "Bert", "roberta": "Roberta"}[family]
         config = getattr(transformers, f"{name}Config")(
@@ -101,6 +108,8 @@ def micro_batches(case: FamilyCase, step: int) -> list[dict]:
         hidden = torch.rand(x.shape, generator=torch.Generator().manual_seed(step)) < 0.75
         return [{"input_ids": ids, "labels": ids.masked_fill(skip, -100)}
                 for ids, skip in zip(rows, hidden.split(case.micro_batch))]
+    if case.family.startswith("t5"):  # the decoder learns to reverse the input; T5 shifts the labels right itself
+        return [{"input_ids": ids, "labels": ids.flip(1)} for ids in rows]
     return [{"input_ids": ids, "labels": ids} for ids in rows]  # Hugging Face shifts the labels itself
 
 
