@@ -12,7 +12,7 @@ from shardwise.models.core.plan import ModelPlan
 from shardwise.models.core.steps import apply_plan
 from shardwise.models.gpt import GPT
 from shardwise.models.gpt import parallelize as gpt
-from shardwise.models.hf import decoders, encoders, gpt2, llama
+from shardwise.models.hf import decoders, encoders, falcon, gpt2, llama, seq2seq
 from shardwise.runtime.parallel.pipeline.sequential import SequentialAdapter, SequentialStages
 
 
@@ -26,7 +26,8 @@ def plan_for(model: nn.Module) -> ModelPlan:
         return llama.plan(model)
     if gpt2.is_gpt2(model):
         return gpt2.plan(model)
-    for detect in (decoders.detect, encoders.detect):  # Gemma, Phi-3, Mixtral; BERT, RoBERTa; their look-alikes
+    # Gemma, Phi-3, Mixtral; Falcon; BERT, RoBERTa; T5; their look-alikes
+    for detect in (decoders.detect, falcon.detect, encoders.detect, seq2seq.detect):
         detected = detect(model)
         if detected is not None:
             return detected

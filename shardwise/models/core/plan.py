@@ -56,6 +56,7 @@ class ModelPlan:
     ulysses_split_kwargs: tuple[str, ...] = ()
     # pipeline parallelism: how one micro-batch runs through the first, middle and last stages
     pipeline: "Adapter | None" = None
+    pipeline_refused: str | None = None  # why a family has no pipeline split and what to do instead
     # kernels: put the fused operators / a block-sparse attention layout into the model
     fused_ops: Callable[[nn.Module], None] | None = None
     sparse_attention: "Callable[[nn.Module, LayoutFactory], None] | None" = None

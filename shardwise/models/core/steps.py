@@ -36,8 +36,8 @@ from shardwise.runtime.parallel.tensor.styles import Style
 from shardwise.runtime.base.torch_compat import require_selective_policy_outputs
 
 log = logging.getLogger("shardwise")
-KNOWN = ("shardwise GPT, Hugging Face llama, mistral, qwen2, qwen3, gpt2, and decoders laid out like them "
-         "(gemma, gemma2, gemma3, phi3, mixtral; models/hf/decoders.py)")
+KNOWN = ("shardwise GPT, Hugging Face llama, mistral, qwen2, qwen3, gpt2, and models laid out like them "
+         "(gemma, gemma2, gemma3, phi3, mixtral, falcon, bert, roberta, t5; models/hf/)")
 GUIDE = "docs/parallelism.md#your-own-model"
 
 
@@ -124,6 +124,9 @@ def apply_pipeline_step(model: nn.Module, plan: ModelPlan, *, mesh: ParallelMesh
     """Keep this rank's stage of the layers."""
     if not policies.pipeline.enabled:
         return
+    if plan.pipeline is None and plan.pipeline_refused:
+        raise ValueError(f"pipeline_parallel.size > 1: {plan.name} ({type(model).__name__}) is not split into "
+                         f"stages: {plan.pipeline_refused} ({GUIDE})")
     if plan.pipeline is None:
         raise ValueError(
             f"pipeline_parallel.size > 1: shardwise does not know how to split {type(model).__name__} into stages "

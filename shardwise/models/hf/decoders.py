@@ -173,6 +173,13 @@ def per_head_norm(module: nn.Module, region: TensorRegion, cache: ShardCache) ->
     """A norm applied to every head (Gemma 3's q_norm, k_norm) sees only this rank's heads:
     its replicated weight's gradient is summed over the group (Megatron sequence
     parallelism already sums every replicated layer parameter's)."""
+    return sum_gradients_over_group(module, region)
+
+
+def sum_gradients_over_group(module: nn.Module, region: TensorRegion) -> nn.Module:
+    """A replicated module each rank applies to its own heads only: every rank's gradient
+    is a part of the whole, which is their sum (unless Megatron sequence parallelism, which
+    sums every replicated layer parameter's gradient, does it already)."""
     if not region.sequence_parallel:
         for name, param in module.named_parameters():
             param.register_hook(_sum_over_group(region, name))
@@ -182,7 +189,7 @@ def per_head_norm(module: nn.Module, region: TensorRegion, cache: ShardCache) ->
 def _sum_over_group(region: TensorRegion, name: str) -> Callable[[torch.Tensor], torch.Tensor]:
     def hook(grad: torch.Tensor) -> torch.Tensor:
         summed = grad.clone(memory_format=torch.contiguous_format)
-        region.comm.all_reduce(summed, f"gradient of the per-head norm's {name} over the tensor group").wait()
+        region.comm.all_reduce(summed, f"gradient of the replicated {name} over the tensor group").wait()
         return summed
 
     return hook

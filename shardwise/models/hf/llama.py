@@ -1,11 +1,12 @@
 """Hugging Face Llama, Mistral, Qwen2 and Qwen3 causal LMs: their parallelisms, in one plan
-(Qwen3, whose attention normalises q and k per head, has its pipeline and recomputation
-here; tensor and sequence parallelism are not tested on it and are refused).
+(Qwen3's attention normalises q and k per head: its norms are replicated with their
+gradients summed over the tensor group; Ulysses is not tested on it and is refused).
 
     tensor      embed_tokens and lm_head split over the vocabulary; q, k, v (and gate, up)
                 column-parallel inside one tensor region per attention (per MLP), each rank
                 keeping whole KV heads and the query heads that use them; o_proj and
-                down_proj row-parallel; the loss made vocabulary-parallel
+                down_proj row-parallel; the loss made vocabulary-parallel; Qwen3's
+                per-head q_norm, k_norm as decoders.py's per_head_norm
     sequence    Ulysses through transformers' attention interface (models/hf.py); the
                 rotary `position_embeddings` every layer gets are cut to its positions
     recompute   model.layers; selective keeps every linear layer's output
@@ -24,6 +25,7 @@ from shardwise.formulas.model_shape import ModelShape
 from shardwise.models.core.hf_config import check_divides, optional, require
 
 from shardwise.models.hf.common import CausalLMAdapter, ulysses_for, use_sparse_attention
+from shardwise.models.hf.decoders import per_head_norm
 from shardwise.models.core.kernels import replace_module
 from shardwise.models.core.steps import apply_plan
 from shardwise.models.core.plan import ModelPlan
@@ -32,7 +34,8 @@ from shardwise.runtime.ops.norms import FusedRMSNorm
 from shardwise.runtime.parallel.pipeline.adapter import StageContext
 
 MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3")
-SPLIT_BY_HEADS = ("llama", "mistral", "qwen2")  # tensor and sequence parallelism
+ULYSSES = ("llama", "mistral", "qwen2")  # sequence parallelism
+PER_HEAD_NORMS = ("qwen3",)  # q_norm, k_norm over each head
 
 
 def is_llama_family(model: nn.Module) -> bool:
@@ -44,7 +47,7 @@ def plan(model: nn.Module) -> ModelPlan:
     config = model.config
     kv_heads = config.num_key_value_heads or config.num_attention_heads
     llama = config.model_type == "llama"  # the fused kernels replace Llama's own module classes
-    by_heads = config.model_type in SPLIT_BY_HEADS
+    norms = dict.fromkeys(("model.layers.*.self_attn.q_norm", "model.layers.*.self_attn.k_norm"), per_head_norm)
     return ModelPlan(
         name=f"Hugging Face {config.model_type}",
         layers="model.layers",
@@ -61,7 +64,8 @@ def plan(model: nn.Module) -> ModelPlan:
             "model.layers.*.mlp.up_proj": "colwise_in_region",
             "model.layers.*.mlp.down_proj": "rowwise",
             "lm_head": "vocab_head",
-        } if by_heads else {},
+            **(norms if config.model_type in PER_HEAD_NORMS else {}),
+        },
         divisible={
             "attention heads (num_attention_heads)": config.num_attention_heads,
             "key/value heads (num_key_value_heads)": kv_heads,
@@ -71,7 +75,7 @@ def plan(model: nn.Module) -> ModelPlan:
         heads=config.num_attention_heads,
         kv_heads=kv_heads,
         hf_loss=True,
-        ulysses=ulysses_for(model) if by_heads else None,
+        ulysses=ulysses_for(model) if config.model_type in ULYSSES else None,
         ulysses_split_kwargs=("position_embeddings",),
         pipeline=LlamaAdapter(),
         fused_ops=use_fused_ops if llama else None,

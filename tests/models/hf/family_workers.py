@@ -6,7 +6,8 @@ alike on every rank. A step is m micro-batches of b rows, accumulated in the sam
 the reference, so the mean of the micro-batch losses is the step's loss. The optimizer is
 SGD with momentum and clipping (tests/runtime/parallel/workers.py says why, not Adam).
 Each rank returns its parameters whole (gathered over the tensor group) under their
-original names: the pipeline test merges the two stages' disjoint sets.
+original names (the pipeline test merges the two stages' disjoint sets), and how many
+checkpointed regions ran (activation_checkpointing.profile).
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ import dataclasses
 import torch
 
 import shardwise
+from shardwise.runtime.activation.apply import checkpoint_stats
 from shardwise.runtime.distributed.collectives import Communicator
 from shardwise.runtime.parallel.tensor import gather_full, tensor_shard
 from tests.runtime.parallel.workers import make_optimizer
@@ -36,9 +38,12 @@ class FamilyCase:
     micro_batch: int = 2
     lr: float = 0.05
     clipping: float = 0.5
+    recompute: str | None = None  # activation_checkpointing.policy, applied through the family's plan
 
     def config(self) -> dict:
+        recompute = {"activation_checkpointing": {"policy": self.recompute, "profile": True}} if self.recompute else {}
         return {
+            **recompute,
             "train_micro_batch_size_per_gpu": self.micro_batch,
             "gradient_accumulation_steps": self.micro_batches,
             "gradient_clipping": self.clipping,
@@ -61,6 +66,9 @@ def build_model(family: str) -> torch.nn.Module:
         config = transformers.Gemma3TextConfig(**SMALL, num_key_value_heads=2, head_dim=8, sliding_window=4,
                                                layer_types=["sliding_attention", "full_attention"])
         return transformers.Gemma3ForCausalLM(config)
+    if family == "qwen3":  # q/k norms per head
+        config = transformers.Qwen3Config(**SMALL, num_key_value_heads=2, head_dim=8)
+        return transformers.Qwen3ForCausalLM(config)
     if family == "phi3":  # fused qkv_proj and gate_up_proj
         config = transformers.Phi3Config(**SMALL, num_key_value_heads=4, pad_token_id=0, bos_token_id=0,
                                          eos_token_id=0)
@@ -69,6 +77,21 @@ def build_model(family: str) -> torch.nn.Module:
         config = transformers.MixtralConfig(**SMALL, num_key_value_heads=2, num_local_experts=4,
                                             num_experts_per_tok=2)
         return transformers.MixtralForCausalLM(config)
+    if family.startswith("falcon"):  # query_key_value fused per key/value group, multi-query, or per head
+        layouts = {"falcon": dict(new_decoder_architecture=True, num_kv_heads=2),
+                   "falcon_multi_query": dict(multi_query=True),
+                   "falcon_per_head": dict(multi_query=False, parallel_attn=False, bias=True)}
+        config = transformers.FalconConfig(vocab_size=VOCAB, hidden_size=32, num_hidden_layers=2,
+                                           num_attention_heads=4, ffn_hidden_size=64, max_position_embeddings=SEQ_LEN,
+                                           hidden_dropout=0.0, attention_dropout=0.0, **layouts[family])
+        return transformers.FalconForCausalLM(config)
+    if family.startswith("t5"):  # encoder-decoder, relative position bias; tied head, or untied with a gated MLP
+        variant = {"t5": dict(tie_word_embeddings=True),
+                   "t5_gated": dict(tie_word_embeddings=False, feed_forward_proj="gated-gelu")}[family]
+        config = transformers.T5Config(vocab_size=VOCAB, d_model=32, d_kv=8, d_ff=64, num_layers=2,
+                                       num_decoder_layers=2, num_heads=4, relative_attention_num_buckets=8,
+                                       dropout_rate=0.0, decoder_start_token_id=0, pad_token_id=0, **variant)
+        return transformers.T5ForConditionalGeneration(config)
     if family in ("bert", "roberta"):  # encoders with the MLM head tied to the word embeddings
         name = {"bert": "Bert", "roberta": "Roberta"}[family]
         config = getattr(transformers, f"{name}Config")(
@@ -85,6 +108,8 @@ def micro_batches(case: FamilyCase, step: int) -> list[dict]:
         hidden = torch.rand(x.shape, generator=torch.Generator().manual_seed(step)) < 0.75
         return [{"input_ids": ids, "labels": ids.masked_fill(skip, -100)}
                 for ids, skip in zip(rows, hidden.split(case.micro_batch))]
+    if case.family.startswith("t5"):  # the decoder learns to reverse the input; T5 shifts the labels right itself
+        return [{"input_ids": ids, "labels": ids.flip(1)} for ids in rows]
     return [{"input_ids": ids, "labels": ids} for ids in rows]  # Hugging Face shifts the labels itself
 
 
@@ -125,4 +150,5 @@ def train_parallel(rank: int, world_size: int, case: FamilyCase) -> dict:
     with shardwise.gathered_parameters(list(model.parameters())):
         params = {name: gather_full(p.detach().float(), tensor_shard(p), tensor).cpu()
                   for name, p in model.named_parameters()}
-    return {"losses": losses, "params": params}
+    stats = checkpoint_stats(model)
+    return {"losses": losses, "params": params, "recomputed_regions": stats.regions if stats else 0}
