@@ -69,17 +69,22 @@ class ShardwiseTrainer(Trainer):
 
     def __init__(self, model: Any = None, args: Any = None, *trainer_args: Any,
                  shardwise_config: dict | str | os.PathLike | None = None, **trainer_kwargs: Any):
+        self._adopt_config(args, shardwise_config)
+        super().__init__(model, args, *trainer_args, **trainer_kwargs)
+        self._check_setup()
+
+    def _adopt_config(self, args: Any, shardwise_config: dict | str | os.PathLike | None) -> None:
+        """Keep the config (`shardwise_config`, or `args.deepspeed` taken off `args`) for
+        the engine; before the Trainer's own `__init__`, which builds the accelerator."""
         source = _take_deepspeed_config(args)
         if shardwise_config is not None and source is not None:
             raise ValueError("both shardwise_config and TrainingArguments.deepspeed are given; keep one of them")
         source = shardwise_config if shardwise_config is not None else source
         if source is None:
-            raise ValueError("ShardwiseTrainer needs a DeepSpeed-style config: pass shardwise_config= (a dict or "
-                             "the path of a JSON file), or set TrainingArguments(deepspeed=...)")
+            raise ValueError(f"{type(self).__name__} needs a DeepSpeed-style config: pass shardwise_config= (a dict "
+                             "or the path of a JSON file), or set TrainingArguments(deepspeed=...)")
         self.shardwise_config = complete_batch_keys(read_config(source))
         self.engine: ConfiguredEngine | None = None  # built when training starts (`_build_engine`)
-        super().__init__(model, args, *trainer_args, **trainer_kwargs)
-        self._check_setup()
 
     def _check_setup(self) -> None:
         """What can be refused before training starts, with the reason and the fix."""
