@@ -25,31 +25,32 @@ HAS_WANDB = importlib.util.find_spec("wandb") is not None
 HAS_COMET = importlib.util.find_spec("comet_ml") is not None
 
 
-def config(root: Path) -> dict:
+def config(root: Path, comet: bool) -> dict:
+    """Every monitor but Comet, or Comet alone: Comet's auto-logging mirrors TensorBoard's and
+    wandb's scalars into its experiment when comet_ml was imported before them (transformers'
+    Trainer imports it), which would put each series in its archive twice, as under DeepSpeed."""
     return {
         "train_micro_batch_size_per_gpu": MICRO, "gradient_accumulation_steps": ACCUMULATION,
         "optimizer": {"type": "AdamW", "params": {"lr": 1e-2}},
         "scheduler": {"type": "WarmupLR", "params": {"warmup_num_steps": 4, "warmup_max_lr": 1e-2,
                                                      "warmup_type": "linear"}},
         "fp16": {"enabled": True, "initial_scale_power": 8},
-        "tensorboard": {"enabled": True, "output_path": str(root / "tb"), "job_name": "job"},
-        "csv_monitor": {"enabled": True, "output_path": str(root / "csv"), "job_name": "job"},
-        "wandb": {"enabled": HAS_WANDB, "project": "shardwise-test"},
-        "comet": {"enabled": HAS_COMET, "online": False, "samples_log_interval": 1},
+        "tensorboard": {"enabled": not comet, "output_path": str(root / "tb"), "job_name": "job"},
+        "csv_monitor": {"enabled": not comet, "output_path": str(root / "csv"), "job_name": "job"},
+        "wandb": {"enabled": HAS_WANDB and not comet, "project": "shardwise-test"},
+        "comet": {"enabled": comet, "online": False, "samples_log_interval": 1},
     }
 
 
-@pytest.fixture(scope="module")
-def run(tmp_path_factory):
-    """One short fp16 run with every monitor on; returns its folder and the step losses."""
-    root = tmp_path_factory.mktemp("monitors")
+def train(root: Path, comet: bool) -> list[float]:
+    """One short fp16 run with the monitors of `config`; returns the step losses."""
     saved = dict(os.environ)
     os.environ.update(WANDB_MODE="offline", WANDB_DIR=str(root), WANDB_SILENT="true",
                       COMET_OFFLINE_DIRECTORY=str(root / "comet"))
     try:
         torch.manual_seed(0)
         model = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.ReLU(), torch.nn.Linear(8, 1))
-        engine = shardwise.initialize(model, config(root))
+        engine = shardwise.initialize(model, config(root, comet))
         losses = []
         for _ in range(STEPS):
             micro = []
@@ -63,7 +64,19 @@ def run(tmp_path_factory):
     finally:
         os.environ.clear()
         os.environ.update(saved)
-    return root, losses
+    return losses
+
+
+@pytest.fixture(scope="module")
+def run(tmp_path_factory):
+    root = tmp_path_factory.mktemp("monitors")
+    return root, train(root, comet=False)
+
+
+@pytest.fixture(scope="module")
+def comet_run(tmp_path_factory):
+    root = tmp_path_factory.mktemp("comet")
+    return root, train(root, comet=True)
 
 
 def expected(losses: list[float]) -> dict[str, list[tuple[int, float]]]:
@@ -139,8 +152,8 @@ def test_wandb_offline_run_holds_the_series(run):
 
 
 @pytest.mark.skipif(not HAS_COMET, reason="comet_ml is not installed (pip install 'shardwise[monitors]')")
-def test_comet_offline_archive_holds_the_series(run):
-    root, losses = run
+def test_comet_offline_archive_holds_the_series(comet_run):
+    root, losses = comet_run
     (archive,) = glob.glob(str(root / "comet" / "*.zip"))
     messages = [json.loads(line) for line in zipfile.ZipFile(archive).read("messages.json").splitlines()]
     metrics = [message["payload"]["metric"] for message in messages if message["type"] == "metric_msg"]
