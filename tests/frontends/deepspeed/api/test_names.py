@@ -68,3 +68,22 @@ def test_an_unknown_tag_validation_mode_is_deepspeed_s_config_error():
         assert "checkpoint.tag_validation: 'foo' is not one of Ignore, Warn, Fail" in str(error)
     else:
         raise AssertionError("no DeepSpeedConfigError")
+
+
+def test_required_torch_version_compares_with_the_running_torch():
+    from shardwise.frontends.deepspeed.api.utils.torch import required_torch_version
+
+    running = float(".".join(torch.__version__.split(".")[:2]))
+    assert required_torch_version(min_version=running) and required_torch_version(max_version=running + 1)
+    assert not required_torch_version(min_version=running + 1)
+    assert not required_torch_version(min_version=1.0, max_version=running - 0.5)
+
+
+def test_the_schedule_constants_are_deepspeed_s_config_keys():
+    """Scripts build a scheduler's params with these names (values as in DeepSpeed 0.19.8)."""
+    from shardwise.frontends.deepspeed.api.runtime import lr_schedules
+
+    assert lr_schedules.VALID_LR_SCHEDULES == ["LRRangeTest", "OneCycle", "WarmupLR", "WarmupDecayLR",
+                                               "WarmupCosineLR"]
+    assert (lr_schedules.WARMUP_NUM_STEPS, lr_schedules.CYCLE_FIRST_STEP_SIZE, lr_schedules.WARMUP_LOG_RATE) == (
+        "warmup_num_steps", "cycle_first_step_size", "log")
