@@ -3,6 +3,7 @@ a bad checkpoint argument on some or all ranks. Each returns the error it raised
 
 from __future__ import annotations
 
+import os
 import time
 
 import torch
@@ -42,3 +43,21 @@ def call_with(rank: int, world_size: int, call: str, directory: str, case: str,
     except Exception as error:  # the test asserts on the class and the message
         return type(error).__name__, str(error), time.monotonic() - started, isinstance(error, AssertionError)
     return "none", "", time.monotonic() - started, False
+
+
+def save_16bit_with(rank: int, world_size: int, directory: str, case: str) -> tuple[str, str, float, list[str]]:
+    """`engine.save_16bit_model` with the bad argument `case` names (on rank 1 only for the
+    "rank1_*" cases); returns (error class, message, seconds, files left in `directory`)."""
+    engine = _engine()
+    folder, name = {
+        "empty": ("", "model.bin"),
+        "rank1_none": (None if rank == 1 else directory, "model.bin"),
+        "rank1_bad_name": (directory, f"{directory}/nested/model.bin" if rank == 1 else "model.bin"),
+        "not_a_name": (directory, 7),
+    }[case]
+    started = time.monotonic()
+    try:
+        engine.save_16bit_model(folder, name)
+    except Exception as error:  # the test asserts on the class and the message
+        return type(error).__name__, str(error), time.monotonic() - started, sorted(os.listdir(directory))
+    return "none", "", time.monotonic() - started, sorted(os.listdir(directory))

@@ -1,5 +1,5 @@
-"""A bad argument to a checkpoint call of the DeepSpeed-API engine is one clear error on
-every rank, at once (issue 34, item 3; issue 26, item 5): empty or None folders, a folder
+"""A bad argument to a checkpoint call of the DeepSpeed-API engine (save_checkpoint,
+load_checkpoint, save_16bit_model) is one clear error on every rank, at once (issue 34, item 3; issue 26, item 5): empty or None folders, a folder
 of the wrong type, on every rank or on one; ranks naming different folders (a folder named
 by the wall-clock second, with ranks straddling a second) or different tags. Without the
 check, a rank raising alone leaves its peers in the save's first collective until the
@@ -8,7 +8,7 @@ timeout, and ranks writing to different folders leave a checkpoint nobody can lo
 import pytest
 
 from shardwise.tools.testing import run_distributed
-from tests.faults.deepspeed_workers import call_with
+from tests.faults.deepspeed_workers import call_with, save_16bit_with
 
 QUICK = 10  # seconds: well under the collective timeout the ranks run with
 
@@ -59,3 +59,20 @@ def test_ranks_giving_different_tags_get_one_error(mode, tmp_path):
 def test_an_invalid_tag_on_one_rank_is_named(tmp_path):
     message = raised("load_checkpoint", tmp_path, "bad_tag")[0][1]
     assert "rank 1: load_checkpoint: invalid checkpoint tag '../up'" in message, message
+
+
+@pytest.mark.parametrize("case,expected", [
+    ("empty", "rank 0: save_16bit_model: the folder is ''; give a non-empty path"),
+    ("rank1_none", "rank 1: save_16bit_model: the folder is None; give a non-empty path"),
+    ("rank1_bad_name", "rank 1: save_16bit_model: save_filename must be a file name without a folder part"),
+    ("not_a_name", "rank 0: save_16bit_model: save_filename must be a non-empty str, got 7"),
+])
+def test_save_16bit_model_refuses_a_bad_folder_or_name_on_every_rank(case, expected, tmp_path):
+    """Without the check, rank 0 alone fails (or, given "", writes into the working
+    directory) while rank 1 waits at the save's closing barrier."""
+    reports = run_distributed(save_16bit_with, 2, str(tmp_path), case, timeout=90,
+                              env={"SHARDWISE_COLLECTIVE_TIMEOUT": "40"})
+    for kind, message, seconds, left in reports:
+        assert kind == "EngineArgumentError" and seconds < QUICK and left == [], reports
+        assert expected in message, message
+    assert reports[0][1] == reports[1][1]

@@ -22,6 +22,7 @@ import os
 from pathlib import Path
 from typing import Any
 
+from shardwise.frontends.deepspeed.call_arguments import EngineArgumentError, folder_problem
 from shardwise.runtime.checkpoint.format import check_tag
 from shardwise.runtime.distributed.collectives import Communicator
 
@@ -30,7 +31,7 @@ __all__ = ["CheckpointArgumentError", "TAG_VALIDATION_MODES", "agreed_location",
 TAG_VALIDATION_MODES = ("IGNORE", "WARN", "FAIL")
 
 
-class CheckpointArgumentError(ValueError):
+class CheckpointArgumentError(EngineArgumentError):
     """A checkpoint call whose arguments are wrong on some rank, or differ between ranks."""
 
 
@@ -49,10 +50,9 @@ def tag_validation_mode(raw_config: dict[str, Any]) -> str:
 
 
 def _local_problem(call: str, directory: Any, tag: Any) -> str | None:
-    if directory is None or (isinstance(directory, (str, os.PathLike)) and not os.fspath(directory)):
-        return f"{call}: the folder is {directory!r}; give a non-empty path"
-    if not isinstance(directory, (str, os.PathLike)):
-        return f"{call}: the folder must be a str or os.PathLike, got {type(directory).__name__} ({directory!r})"
+    problem = folder_problem(call, directory)
+    if problem is not None:
+        return problem
     if tag is not None:
         try:
             check_tag(str(tag))
