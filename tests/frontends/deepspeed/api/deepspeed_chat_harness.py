@@ -1,5 +1,5 @@
 """Running DeepSpeed-Chat's own training scripts (deepspeed_chat/, copied unmodified from
-DeepSpeedExamples; PROVENANCE.md there) on a tiny random OPT model and synthetic prompt
+DeepSpeedExamples; deepspeed_chat/PROVENANCE.md) on a tiny random OPT model and synthetic prompt
 data: under `shardwise run --as-deepspeed`, and, for the comparisons, under DeepSpeed
 itself (DEEPSPEED_PYTHON) through torchrun, which DeepSpeed's launcher wraps.
 
