@@ -10,6 +10,13 @@ that file calls `install_alias`: a finder at the front of `sys.meta_path` answer
 `deepspeed.X` import with the module `shardwise.frontends.deepspeed.api.X` itself (one module
 object under both names, so classes compare equal whichever name imported them), and
 `sys.modules["deepspeed"]` becomes the compatibility package.
+
+Libraries that integrate with DeepSpeed (Hugging Face's `HfDeepSpeedConfig` and
+`is_deepspeed_zero3_enabled`, Accelerate) check that the `deepspeed` distribution is
+installed, through `importlib.metadata`, before they use it. The run's directory
+therefore also holds a `deepspeed-<version>.dist-info` describing the compatibility
+package (the version is the DeepSpeed release whose API it follows), and the finder
+answers the same metadata to processes that call `install_alias` themselves.
 """
 
 from __future__ import annotations
@@ -17,6 +24,7 @@ from __future__ import annotations
 import importlib
 import importlib.abc
 import importlib.machinery
+import importlib.metadata
 import importlib.util
 import os
 import sys
@@ -27,9 +35,24 @@ from pathlib import Path
 from types import ModuleType
 
 ALIAS = "deepspeed"
+DEEPSPEED_API_VERSION = "0.19.8"  # the DeepSpeed release whose Python API the package follows, checked against it
 TARGET = "shardwise.frontends.deepspeed.api"
 SHIM = '"""Written by `shardwise run --as-deepspeed`; see shardwise/frontends/deepspeed/alias.py."""\n' \
        "from shardwise.frontends.deepspeed.alias import install_alias\n\ninstall_alias()\n"
+
+
+def distribution_metadata() -> str:
+    """The METADATA of the `deepspeed` distribution the alias stands for."""
+    return (f"Metadata-Version: 2.1\nName: {ALIAS}\nVersion: {DEEPSPEED_API_VERSION}\n"
+            "Summary: shardwise's DeepSpeed compatibility package (shardwise run --as-deepspeed)\n")
+
+
+class _AliasDistribution(importlib.metadata.Distribution):
+    def read_text(self, filename: str) -> str | None:
+        return distribution_metadata() if filename == "METADATA" else None
+
+    def locate_file(self, path: str | os.PathLike) -> Path:
+        return Path(importlib.util.find_spec(TARGET).origin).parent / path
 
 
 class _AliasLoader(importlib.abc.Loader):
@@ -58,6 +81,12 @@ class DeepSpeedAliasFinder(importlib.abc.MetaPathFinder):
         return importlib.machinery.ModuleSpec(fullname, _AliasLoader(real),
                                               is_package=found.submodule_search_locations is not None)
 
+    def find_distributions(self, context: importlib.metadata.DistributionFinder.Context = None):
+        """The `deepspeed` distribution, for `importlib.metadata.metadata("deepspeed")`."""
+        name = getattr(context, "name", None)
+        if name is None or name.replace("_", "-").lower() == ALIAS:
+            yield _AliasDistribution()
+
 
 def install_alias() -> ModuleType:
     """Make `deepspeed` and `deepspeed.X` import the compatibility package; returns it.
@@ -81,5 +110,8 @@ def as_deepspeed_environment() -> Iterator[dict[str, str]]:
         package = Path(directory) / ALIAS
         package.mkdir()
         (package / "__init__.py").write_text(SHIM)
+        metadata = Path(directory) / f"{ALIAS}-{DEEPSPEED_API_VERSION}.dist-info"
+        metadata.mkdir()
+        (metadata / "METADATA").write_text(distribution_metadata())
         paths = [directory, os.environ.get("PYTHONPATH", "")]
         yield {"PYTHONPATH": os.pathsep.join(path for path in paths if path)}

@@ -24,6 +24,7 @@ from typing import Any, Callable
 import torch
 from torch import nn
 
+from shardwise.frontends.deepspeed.call_arguments import folder_problem, name_problem, raise_on_every_rank
 from shardwise.frontends.deepspeed.checkpoints.detect import deepspeed_checkpoint_dir
 from shardwise.frontends.deepspeed.checkpoints.resume import open_deepspeed_checkpoint
 from shardwise.frontends.deepspeed.checkpoints.to_deepspeed import write_deepspeed_checkpoint
@@ -174,12 +175,15 @@ class ConfiguredEngine(Engine):
     def save_16bit_model(self, save_dir: str | os.PathLike, save_filename: str = "pytorch_model.bin",
                          exclude_frozen_parameters: bool = False) -> bool:
         """Rank 0 writes the whole model's state_dict (in the training dtype: 16-bit with
-        fp16/bf16, else fp32) to `save_dir/save_filename` with `torch.save`. Collective.
+        fp16/bf16, else fp32) to `save_dir/save_filename` with `torch.save`. Collective: a
+        bad folder or file name on any rank is one EngineArgumentError on every rank.
 
         At stage 3 the weights are gathered one module at a time, and only when
         `zero_optimization.stage3_gather_16bit_weights_on_model_save` is true, as in
         DeepSpeed: otherwise nothing is written and False is returned (use
         save_checkpoint and `shardwise convert` instead)."""
+        raise_on_every_rank(self.world, "save_16bit_model", folder_problem("save_16bit_model", save_dir),
+                            name_problem("save_16bit_model", "save_filename", save_filename))
         zero = self.policies.zero
         if zero.partitions_parameters and not zero.gather_16bit_weights_on_save:
             log.warning("save_16bit_model: nothing saved: at ZeRO stage 3 it needs "

@@ -16,6 +16,8 @@ from shardwise.frontends.deepspeed.api import (
     accelerator,
     checkpointing,
     comm,
+    compression,
+    git_version_info,
     inference,
     moe,
     ops,
@@ -30,16 +32,22 @@ from shardwise.frontends.deepspeed.api.comm import init_distributed
 from shardwise.frontends.deepspeed.api.engine import DeepSpeedEngine
 from shardwise.frontends.deepspeed.api.inference import InferenceEngine, init_inference
 from shardwise.frontends.deepspeed.api.init_engine import initialize
+from shardwise.frontends.deepspeed.api.runtime.config import DeepSpeedConfigError
 from shardwise.frontends.deepspeed.api.utils import log_dist, logger
 
+__version__ = git_version_info.version  # the DeepSpeed release whose API this package follows
+
 __all__ = [
+    "DeepSpeedConfigError",
     "DeepSpeedEngine",
     "InferenceEngine",
     "accelerator",
     "add_config_arguments",
     "checkpointing",
     "comm",
+    "compression",
     "get_accelerator",
+    "git_version_info",
     "inference",
     "init_distributed",
     "init_inference",

@@ -14,7 +14,7 @@ from typing import Any
 
 import torch
 
-__all__ = ["Accelerator", "get_accelerator"]
+__all__ = ["Accelerator", "get_accelerator", "is_current_accelerator_supported"]
 
 
 class Accelerator:
@@ -137,3 +137,9 @@ def get_accelerator() -> Accelerator:
     if _ACCELERATOR is None:
         _ACCELERATOR = Accelerator("cuda" if torch.cuda.is_available() else "cpu")
     return _ACCELERATOR
+
+
+def is_current_accelerator_supported() -> bool:
+    """Whether this process's accelerator is one the package runs on: always, since it
+    chooses between the two shardwise trains on (DeepSpeed's test harness asks first)."""
+    return get_accelerator().kind in ("cuda", "cpu")

@@ -13,6 +13,7 @@ does for a process started alone.
 from __future__ import annotations
 
 import datetime
+import logging
 import os
 from typing import Any
 
@@ -23,6 +24,8 @@ from torch.distributed import ReduceOp
 from shardwise.runtime.distributed.launcher_variables import torchrun_variables
 from shardwise.runtime.distributed.setup import collective_timeout, destroy_at_exit
 from shardwise.runtime.base.torch_compat import all_gather_single, reduce_scatter_single
+
+log = logging.getLogger("shardwise")
 
 DEFAULT_PORT = 29500  # DeepSpeed's TORCH_DISTRIBUTED_DEFAULT_PORT
 LAUNCHER_VARIABLES = ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT", "LOCAL_RANK")
@@ -41,7 +44,8 @@ def init_distributed(dist_backend: str | None = None, auto_mpi_discovery: bool =
                      dist_init_required: bool | None = None, config: Any = None,
                      rank: int = -1, world_size: int = -1) -> None:
     """Create the default process group unless one exists. `dist_backend` None: NCCL
-    with CUDA, else gloo. `dist_init_required=False` only checks that a group exists."""
+    with CUDA, else gloo; "nccl" on a machine without CUDA: gloo, with a warning.
+    `dist_init_required=False` only checks that a group exists."""
     if dist.is_initialized():
         return
     if dist_init_required is False:
@@ -56,6 +60,10 @@ def init_distributed(dist_backend: str | None = None, auto_mpi_discovery: bool =
         os.environ.setdefault("MASTER_PORT", str(distributed_port))
     os.environ.setdefault("LOCAL_RANK", "0")
     backend = dist_backend or ("nccl" if torch.cuda.is_available() else "gloo")
+    if backend == "nccl" and not torch.cuda.is_available():
+        # A script written for GPUs, run on a CPU machine: NCCL cannot start without CUDA.
+        log.warning("init_distributed(dist_backend='nccl'): NCCL needs CUDA, which this machine lacks; using gloo")
+        backend = "gloo"
     if backend == "nccl":
         torch.cuda.set_device(int(os.environ["LOCAL_RANK"]) % torch.cuda.device_count())
     kwargs: dict[str, Any] = {"rank": rank, "world_size": world_size} if init_method is not None else {}

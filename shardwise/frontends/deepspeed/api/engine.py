@@ -24,10 +24,13 @@ from torch import nn
 from shardwise.runtime.checkpoint.format import LATEST
 from shardwise.runtime.checkpoint.manifest import write_synced
 from shardwise.runtime.checkpoint.state import capture_rng_state, restore_rng_state
+from shardwise.frontends.deepspeed.api.checkpoint_arguments import agreed_location
+from shardwise.frontends.deepspeed.api.runtime.zero.partition_parameters import mark_partitioned, unmark_partitioned
 from shardwise.frontends.deepspeed.api.utils import RepeatingLoader
 from shardwise.frontends.deepspeed.api.utils.zero_to_fp32 import RECOVERY_SCRIPT
 from shardwise.frontends.deepspeed.config import ShardwiseConfig
 from shardwise.frontends.deepspeed.engine import ConfiguredEngine
+from shardwise.runtime.distributed.setup import call_check_timeout
 from shardwise.runtime.engine import Job, Policies
 from shardwise.runtime.precision.casting import to_device
 from shardwise.runtime.parallel.pipeline.sequential import SequentialStages
@@ -87,6 +90,37 @@ class DeepSpeedEngine(ConfiguredEngine):
         self._step_applied = False
         self.training_dataloader = None  # set by initialize when it builds one
         self.tput_timer = ThroughputTimer(self.train_batch_size())
+        self.tag_validation = "WARN"  # the config's checkpoint.tag_validation, set by initialize
+        if self.policies.zero.partitions_parameters:
+            self._mark_partitioned()
+
+    # -- ZeRO-3 as DeepSpeed shows it to user code ---------------------------------------------
+    def _mark_partitioned(self) -> None:
+        """DeepSpeed's `ds_*` attributes on every parameter (runtime/zero/partition_parameters.py):
+        full shapes from the unit holding each one; a parameter still whole now, outside any
+        forward, is one ZeRO-3 keeps whole (`ds_persist`)."""
+        slots = {id(slot.param): slot for unit in self.zero.unit_of_param.values() for slot in unit.slots}
+        marked = []
+        for param in self.module.parameters():
+            slot = slots.get(id(param))
+            shape = slot.shape if slot is not None else param.shape
+            marked.append((param, shape, param.data.numel() == shape.numel()))
+        mark_partitioned(marked)
+
+    def empty_partition_cache(self) -> None:
+        """Release every gathered ZeRO-3 parameter (those kept whole stay), as DeepSpeed's
+        does with the parameters it caches between steps; at other stages, nothing to release."""
+        self.zero.release_gathered()
+
+    def destroy(self) -> None:
+        super().destroy()
+        unmark_partitioned(self.module.parameters())
+
+    def checkpoint_tag_validation_enabled(self) -> bool:
+        return self.tag_validation != "IGNORE"
+
+    def checkpoint_tag_validation_fail(self) -> bool:
+        return self.tag_validation == "FAIL"
 
     @property
     def gradient_accumulation_steps(self) -> AccumulationSteps:
@@ -120,6 +154,9 @@ class DeepSpeedEngine(ConfiguredEngine):
         if exclude_frozen_parameters:
             raise ValueError("save_checkpoint(exclude_frozen_parameters=True) is not supported: shardwise "
                              "checkpoints hold the whole model, frozen parameters included")
+        self.world.agree_on_call("save_checkpoint", call_check_timeout(self.context.timeout))
+        save_dir, tag = agreed_location(self.world, "save_checkpoint", save_dir, tag,
+                                        tag_validation=self.tag_validation)
         latest = Path(save_dir) / LATEST
         previous = latest.read_text() if not save_latest and latest.is_file() else None
         super().save_checkpoint(save_dir, tag, client_state)
@@ -155,6 +192,9 @@ class DeepSpeedEngine(ConfiguredEngine):
         checkpoint layout."""
         if custom_load_fn is not None:
             raise ValueError(f"load_checkpoint(custom_load_fn) is not supported: {PARTIAL_LOAD_REFUSED}")
+        self.world.agree_on_call("load_checkpoint", call_check_timeout(self.context.timeout))
+        load_dir, tag = agreed_location(self.world, "load_checkpoint", load_dir, tag,
+                                        tag_validation=self.tag_validation)
         if tag is None and not (Path(load_dir) / LATEST).is_file():
             log.warning("load_checkpoint: no file %s: nothing loaded; pass tag= to load a particular checkpoint",
                         Path(load_dir) / LATEST)

@@ -30,9 +30,11 @@ import torch
 from torch import nn
 from torch.utils.data import DataLoader, Dataset, DistributedSampler, IterableDataset
 
+from shardwise.frontends.deepspeed.api.checkpoint_arguments import tag_validation_mode
 from shardwise.frontends.deepspeed.api.comm import DEFAULT_PORT, init_distributed
 from shardwise.frontends.deepspeed.api.engine import DeepSpeedEngine
 from shardwise.frontends.deepspeed.api.pipe import PipelineModule
+from shardwise.frontends.deepspeed.api.runtime.config import DeepSpeedConfigError
 from shardwise.frontends.deepspeed.config import load_config, read_config
 from shardwise.frontends.deepspeed.initialize import initialize as initialize_engine
 from shardwise.runtime.engine.arguments import hidden_size
@@ -64,6 +66,10 @@ def initialize(
                          "model-parallel groups from the config's tensor_parallel, sequence_parallel and "
                          "pipeline_parallel blocks")
     raw = read_config(_choose_config(args, config if config is not None else config_params))
+    try:
+        tag_validation = tag_validation_mode(raw)
+    except ValueError as error:
+        raise DeepSpeedConfigError(str(error)) from None
     init_distributed(distributed_port=distributed_port, dist_init_required=dist_init_required)
     _align_local_rank(args)
     if optimizer is not None and not isinstance(optimizer, torch.optim.Optimizer):
@@ -80,6 +86,7 @@ def initialize(
             optimizer = optimizer_spec(cfg.optimizer.type).build(groups, dict(cfg.optimizer.params))
             cfg = cfg.model_copy(update={"optimizer": None})
     engine = initialize_engine(model, cfg, optimizer, lr_scheduler, engine_class=DeepSpeedEngine)
+    engine.tag_validation = tag_validation
     if training_data is not None:
         engine.training_dataloader = _data_loader(engine, training_data, collate_fn)
     return engine, _clearing_model_gradients(engine), engine.training_dataloader, engine.lr_scheduler

@@ -194,8 +194,10 @@ RULES: dict[str, dict[str, KeyRule]] = {
         "data_efficiency": AcceptedWhen(_disabled, OFF, "DeepSpeed's data-efficiency library is not "
                                         "supported: sample in your data loader"),
         "eigenvalue": Removed(_disabled, "eigenvalue-based MoQ: remove the block"),
-        "hybrid_engine": AcceptedWhen(_disabled, OFF, "DeepSpeed-Chat's hybrid (train + generate) engine is "
-                                      "not supported: generate with the model between steps"),
+        "hybrid_engine": Accepted("speed only: DeepSpeed-Chat's hybrid engine swaps the actor into DeepSpeed's "
+                                  "inference kernels for `generate`; shardwise generates with the same module "
+                                  "(ZeRO-3 gathers its parameters as for any forward), so the samples and the "
+                                  "training are the same"),
         "nebula": Removed(_disabled, "Nebula checkpointing: shardwise writes its own atomic checkpoints"),
         "datastates": AcceptedWhen(_disabled, OFF, "DataStates checkpointing is not used"),
         "graph_harvesting": Removed(_is(False), "CUDA graph harvesting: remove the key"),

@@ -79,9 +79,13 @@ def test_local_rank_argument_and_its_opt_out():
         assert (environment, first_args) == ({}, [])
 
 
-def test_the_alias_directory_holds_only_the_deepspeed_shim():
+def test_the_alias_directory_holds_only_the_deepspeed_shim_and_its_metadata():
     with as_deepspeed_environment() as environment:
         directory = environment["PYTHONPATH"].split(os.pathsep)[0]
-        assert sorted(os.listdir(directory)) == ["deepspeed"]
+        assert sorted(os.listdir(directory)) == ["deepspeed", "deepspeed-0.19.8.dist-info"]
         assert sorted(os.listdir(os.path.join(directory, "deepspeed"))) == ["__init__.py"]
+        # what Hugging Face's and Accelerate's checks read before they use DeepSpeed
+        found = subprocess.run([sys.executable, "-c", "import importlib.metadata as m; print(m.version('deepspeed'))"],
+                               capture_output=True, text=True, check=True, env={**os.environ, **environment})
+        assert found.stdout.strip() == "0.19.8"
     assert not os.path.exists(directory)

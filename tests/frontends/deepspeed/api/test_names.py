@@ -32,3 +32,58 @@ def test_the_alias_finds_deepspeed_s_module_paths():
     result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert result.returncode == 0, result.stderr
     assert result.stdout.strip() == "torch.Size([2, 4, 4])"
+
+
+def test_the_modules_deepspeed_chat_and_deepspeed_s_test_harness_import():
+    """DeepSpeed-Chat stopped at these imports; DeepSpeed's unit-test harness at the last two."""
+    code = (
+        "from shardwise.frontends.deepspeed.alias import install_alias\n"
+        "install_alias()\n"
+        "import deepspeed\n"
+        "from deepspeed.runtime.zero.partition_parameters import ZeroParamStatus\n"
+        "from deepspeed.compression.helper import recursive_getattr, recursive_setattr\n"
+        "from deepspeed.accelerator import get_accelerator, is_current_accelerator_supported\n"
+        "from deepspeed.git_version_info import torch_info\n"
+        "from deepspeed.runtime.zero.utils import ZeRORuntimeException\n"
+        "from deepspeed.runtime.zero.config import ZeroStageEnum\n"
+        "import torch\n"
+        "model = torch.nn.Sequential(torch.nn.Linear(2, 3))\n"
+        "recursive_setattr(model, '0.inner', torch.nn.ReLU())\n"
+        "print(recursive_getattr(model, '0.weight').shape[0], type(model[0].inner).__name__,\n"
+        "      deepspeed.zero.ZeroParamStatus is ZeroParamStatus, is_current_accelerator_supported(),\n"
+        "      torch_info['version'] == '.'.join(torch.__version__.split('.')[:2]), deepspeed.__version__,\n"
+        "      int(ZeroStageEnum.weights))\n"
+    )
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.split() == ["3", "ReLU", "True", "True", "True", "0.19.8", "3"]
+
+
+def test_an_unknown_tag_validation_mode_is_deepspeed_s_config_error():
+    model = torch.nn.Linear(2, 2)
+    config = {"train_batch_size": 1, "checkpoint": {"tag_validation": "foo"}}
+    try:
+        deepspeed.initialize(model=model, config=config)
+    except deepspeed.DeepSpeedConfigError as error:
+        assert "checkpoint.tag_validation: 'foo' is not one of Ignore, Warn, Fail" in str(error)
+    else:
+        raise AssertionError("no DeepSpeedConfigError")
+
+
+def test_required_torch_version_compares_with_the_running_torch():
+    from shardwise.frontends.deepspeed.api.utils.torch import required_torch_version
+
+    running = float(".".join(torch.__version__.split(".")[:2]))
+    assert required_torch_version(min_version=running) and required_torch_version(max_version=running + 1)
+    assert not required_torch_version(min_version=running + 1)
+    assert not required_torch_version(min_version=1.0, max_version=running - 0.5)
+
+
+def test_the_schedule_constants_are_deepspeed_s_config_keys():
+    """Scripts build a scheduler's params with these names (values as in DeepSpeed 0.19.8)."""
+    from shardwise.frontends.deepspeed.api.runtime import lr_schedules
+
+    assert lr_schedules.VALID_LR_SCHEDULES == ["LRRangeTest", "OneCycle", "WarmupLR", "WarmupDecayLR",
+                                               "WarmupCosineLR"]
+    assert (lr_schedules.WARMUP_NUM_STEPS, lr_schedules.CYCLE_FIRST_STEP_SIZE, lr_schedules.WARMUP_LOG_RATE) == (
+        "warmup_num_steps", "cycle_first_step_size", "log")

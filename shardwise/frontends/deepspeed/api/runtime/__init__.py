@@ -1,5 +1,6 @@
-"""`deepspeed.runtime`: the learning-rate schedules (`lr_schedules`) and `utils.set_random_seed`."""
+"""`deepspeed.runtime`: the learning-rate schedules (`lr_schedules`), `utils`, the config's
+error and names (`config`), the pipeline's module paths (`pipe`) and ZeRO's (`zero`)."""
 
-from shardwise.frontends.deepspeed.api.runtime import lr_schedules, utils
+from shardwise.frontends.deepspeed.api.runtime import config, lr_schedules, pipe, utils, zero
 
-__all__ = ["lr_schedules", "utils"]
+__all__ = ["config", "lr_schedules", "pipe", "utils", "zero"]

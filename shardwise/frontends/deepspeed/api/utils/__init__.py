@@ -1,6 +1,7 @@
 """`deepspeed.utils`: the `logger` and `log_dist` scripts use to print from some ranks,
-`RepeatingLoader`, which pipeline scripts wrap their loaders in, and `zero_to_fp32`
-(whole fp32 weights from a checkpoint, the functions scripts import from it)."""
+`RepeatingLoader`, which pipeline scripts wrap their loaders in, `zero_to_fp32` (whole
+fp32 weights from a checkpoint, the functions scripts import from it), and the `safe_*`
+helpers that read and write a parameter's training state under ZeRO (tensor_fragment.py)."""
 
 from __future__ import annotations
 
@@ -9,7 +10,29 @@ import sys
 
 import torch.distributed as dist
 
-__all__ = ["RepeatingLoader", "log_dist", "logger"]
+from shardwise.frontends.deepspeed.api.utils.tensor_fragment import (
+    safe_get_full_fp32_param,
+    safe_get_full_grad,
+    safe_get_full_optimizer_state,
+    safe_get_local_fp32_param,
+    safe_get_local_grad,
+    safe_get_local_optimizer_state,
+    safe_set_full_fp32_param,
+    safe_set_full_grad,
+    safe_set_full_optimizer_state,
+    safe_set_local_fp32_param,
+    safe_set_local_grad,
+    safe_set_local_optimizer_state,
+    safe_update_full_grad_vectorized,
+)
+
+__all__ = [
+    "RepeatingLoader", "log_dist", "logger", "safe_get_full_fp32_param", "safe_get_full_grad",
+    "safe_get_full_optimizer_state", "safe_get_local_fp32_param", "safe_get_local_grad",
+    "safe_get_local_optimizer_state", "safe_set_full_fp32_param", "safe_set_full_grad",
+    "safe_set_full_optimizer_state", "safe_set_local_fp32_param", "safe_set_local_grad",
+    "safe_set_local_optimizer_state", "safe_update_full_grad_vectorized",
+]
 
 
 def _make_logger() -> logging.Logger:

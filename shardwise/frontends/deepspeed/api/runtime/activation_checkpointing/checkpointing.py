@@ -7,8 +7,9 @@ from shardwise.frontends.deepspeed.checkpointing import (
     get_cuda_rng_tracker,
     is_configured,
     model_parallel_cuda_manual_seed,
+    non_reentrant_checkpoint,
     reset,
 )
 
 __all__ = ["checkpoint", "configure", "get_cuda_rng_tracker", "is_configured", "model_parallel_cuda_manual_seed",
-           "reset"]
+           "non_reentrant_checkpoint", "reset"]

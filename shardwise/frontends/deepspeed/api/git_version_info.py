@@ -1,0 +1,35 @@
+"""`deepspeed.git_version_info`: what DeepSpeed records about its build, answered for this
+package. `version` is the DeepSpeed release whose Python API this package follows (the
+one its behaviour is checked against); no DeepSpeed C++/CUDA op is built (`installed_ops`
+empty); `torch_info` describes the torch running now."""
+
+from __future__ import annotations
+
+import torch
+
+from shardwise.frontends.deepspeed.alias import DEEPSPEED_API_VERSION
+
+__all__ = ["accelerator_name", "compatible_ops", "git_branch", "git_hash", "installed_ops", "torch_info", "version"]
+
+version = DEEPSPEED_API_VERSION
+git_hash = "[none]"
+git_branch = "[none]"
+installed_ops: dict[str, bool] = {}
+compatible_ops: dict[str, bool] = {}
+accelerator_name = "cuda" if torch.cuda.is_available() else "cpu"
+
+
+def _release(text: str | None) -> str:
+    """"MAJOR.MINOR" of a version string, "0.0" when there is none (DeepSpeed's sentinel)."""
+    if not text:
+        return "0.0"
+    return ".".join(text.split("+")[0].split(".")[:2])
+
+
+torch_info = {
+    "version": _release(torch.__version__),
+    "bf16_support": torch.cuda.is_available() and torch.cuda.is_bf16_supported(),
+    "cuda_version": _release(torch.version.cuda),
+    "nccl_version": ".".join(map(str, torch.cuda.nccl.version()[:2])) if torch.cuda.is_available() else "0.0",
+    "hip_version": _release(getattr(torch.version, "hip", None)),
+}
