@@ -93,8 +93,8 @@ class Lamb(ShardAwareOptimizer):
             ratios = torch.where((weight_norm > 0) & (update_norm > 0),
                                  (weight_norm / update_norm).clamp_(group["min_coeff"], group["max_coeff"]), 1.0)
             self.last_trust_ratios[index] = ratios
-            scales = [-_step_size(group, self.state[param]["step"]) * ratio
-                      for param, ratio in zip(group_params, ratios.tolist())]
+            steps = torch.stack([self.state[param]["step"] for param in group_params]).tolist()  # one read
+            scales = [-_step_size(group, step) * ratio for step, ratio in zip(steps, ratios.tolist())]
             if _native(group_params, self.state):
                 self._native_apply(group_params, group, scales)
                 continue
@@ -203,11 +203,10 @@ def _apply(param: torch.Tensor, grad: torch.Tensor, exp_avg: torch.Tensor, exp_a
     param.add_(_update(param, exp_avg, exp_avg_sq, eps, weight_decay, eps_inside_sqrt) * scale)
 
 
-def _step_size(group: dict, step: torch.Tensor) -> float:
+def _step_size(group: dict, t: float) -> float:
     if not group["bias_correction"]:
         return group["lr"]
     beta1, beta2 = group["betas"]
-    t = step.item()
     return group["lr"] * math.sqrt(1 - beta2**t) / (1 - beta1**t)
 
 
