@@ -16,6 +16,15 @@ wall-clock step also counts the time other processes held the core (at load 10 o
 cores, several times the step itself), the CPU time does not (memory-bandwidth contention
 still shows in it).
 
+Rows marked "(torch ops)" are the same optimizers with their native kernels off
+(`SHARDWISE_NATIVE_OPTIM=0`, optim/native.py): their multi-tensor torch path, the
+"before" of issue 27. "bitsandbytes Adam8bit" is bitsandbytes' own (its CPU code), where
+it is installed. "limit" is the least time the step could take on this core: the bytes
+the optimizer's algorithm must move per parameter (its arrays read and written once per
+pass it needs, `MIN_BYTES`) at the memory bandwidth of a large copy measured in the same
+run; Muon and the 1-bit optimizers have no such row (Newton-Schulz is compute-bound,
+benchmarks/muon_newton_schulz.py; the exchange is not a stream over the arrays).
+
 The 1-bit optimizers run as one rank of two: a loopback group stands in for the peer
 (what this rank sends comes back as the peer's), so the time is the compression,
 packing, decompression and update arithmetic without the network; their "(warm-up)" rows
@@ -26,6 +35,8 @@ exchange), so the difference is what the compression costs.
 from __future__ import annotations
 
 import argparse
+import contextlib
+import os
 import statistics
 import time
 from typing import Callable
@@ -55,6 +66,57 @@ class _Loopback:
         return self._Done()
 
 
+# Bytes per parameter each optimizer's algorithm must move at the least (fp32 weights,
+# gradients and states; each array read, or written, once per pass over it).
+MIN_BYTES = {
+    "torch AdamW": 28,  # read w, g, m, v; write w, m, v
+    "Lamb": 40,  # pass 1 reads w, g, m, v, writes m, v; the norms; pass 2 reads w, m, v, writes w
+    "Lars": 28,  # norms read w, g; then read w, g, buffer, write w, buffer
+    "Adam8bit": 16 + 16 / 256,  # read w, g, 2 codes; write w, 2 codes; 2 scales per block of 256
+    "bitsandbytes Adam8bit": 16 + 16 / 256,
+    "Adafactor": 20,  # g for the row and column statistics; g for RMS(U); g, w read and w written
+    "torch Adafactor": 20,
+}
+NATIVE_OFF = {"SHARDWISE_NATIVE_OPTIM": "0"}
+
+
+@contextlib.contextmanager
+def environment(variables: dict[str, str]):
+    saved = {key: os.environ.get(key) for key in variables}
+    os.environ.update(variables)
+    try:
+        yield
+    finally:
+        for key, value in saved.items():
+            if value is None:
+                os.environ.pop(key)
+            else:
+                os.environ[key] = value
+
+
+def copy_bandwidth(numel: int = 1 << 26, repeats: int = 5) -> float:
+    """Bytes per CPU second of a large fp32 copy: 12 bytes per element, as the core moves
+    them (the source read, the target's lines read before they are written, and
+    written). An optimizer's in-place updates read the lines they write anyway, so
+    MIN_BYTES counts each array once per pass read and once written."""
+    source, target = torch.ones(numel), torch.empty(numel)
+    target.copy_(source)
+    times = []
+    for _ in range(repeats):
+        started = time.process_time()
+        target.copy_(source)
+        times.append(time.process_time() - started)
+    return 12 * numel / statistics.median(times)
+
+
+def bitsandbytes_adam8bit() -> Callable[[list[torch.nn.Parameter]], torch.optim.Optimizer] | None:
+    try:
+        import bitsandbytes
+    except ImportError:
+        return None
+    return lambda p: bitsandbytes.optim.Adam8bit(p, lr=1e-3)
+
+
 def optimizers(lr: float) -> dict[str, Callable[[list[torch.nn.Parameter]], torch.optim.Optimizer]]:
     from shardwise.runtime.optim import Adafactor, Adam8bit, Lamb, Lars, Muon, OneBitAdam, OneBitLamb
 
@@ -65,16 +127,19 @@ def optimizers(lr: float) -> dict[str, Callable[[list[torch.nn.Parameter]], torc
             return optimizer
         return build
 
-    return {
+    rows = {
         "torch AdamW (foreach)": lambda p: torch.optim.AdamW(p, lr=lr, foreach=True),
         "torch AdamW (fused)": lambda p: torch.optim.AdamW(p, lr=lr, fused=True),
         "Lamb": lambda p: Lamb(p, lr=lr),
-        "Lamb (compiled)": lambda p: Lamb(p, lr=lr, compile=True),
+        "Lamb (torch ops)": lambda p: Lamb(p, lr=lr),
+        "Lamb (torch ops, compiled)": lambda p: Lamb(p, lr=lr, compile=True),
         "Lars": lambda p: Lars(p, lr=lr, momentum=0.9),
-        "Lars (compiled)": lambda p: Lars(p, lr=lr, momentum=0.9, compile=True),
+        "Lars (torch ops)": lambda p: Lars(p, lr=lr, momentum=0.9),
+        "Lars (torch ops, compiled)": lambda p: Lars(p, lr=lr, momentum=0.9, compile=True),
         "Adafactor": lambda p: Adafactor(p, lr=lr),
         "torch Adafactor": lambda p: torch.optim.Adafactor(p, lr=lr),
         "Adam8bit": lambda p: Adam8bit(p, lr=lr),
+        "Adam8bit (torch ops)": lambda p: Adam8bit(p, lr=lr),
         "Muon": lambda p: Muon(p, lr=lr),
         "Muon (fp32 Newton-Schulz)": lambda p: Muon(p, lr=lr, ns_dtype="float32"),
         "OneBitAdam (warm-up)": onebit(OneBitAdam, freeze_step=10**6),
@@ -82,6 +147,10 @@ def optimizers(lr: float) -> dict[str, Callable[[list[torch.nn.Parameter]], torc
         "OneBitLamb (warm-up)": onebit(OneBitLamb, freeze_step=10**6),
         "OneBitLamb": onebit(OneBitLamb),
     }
+    theirs = bitsandbytes_adam8bit()
+    if theirs is not None:
+        rows["bitsandbytes Adam8bit"] = theirs
+    return rows
 
 
 def state_bytes(optimizer: torch.optim.Optimizer) -> int:
@@ -125,15 +194,24 @@ def main() -> None:
     generator = torch.Generator().manual_seed(1)
     grads = [torch.randn(shape, generator=generator) * 1e-3 for shape in shapes]
     del model
-    results = {name: measure(build, shapes, grads, args.repeats) for name, build in optimizers(1e-3).items()}
+    bandwidth = copy_bandwidth()
+    results = {}
+    for name, build in optimizers(1e-3).items():
+        with environment(NATIVE_OFF if "torch ops" in name else {}):
+            results[name] = measure(build, shapes, grads, args.repeats)
     fused = results["torch AdamW (fused)"][0]
     print(f"{numel / 1e6:.2f}M parameters in {len(shapes)} tensors, fp32, {args.threads} thread(s), "
-          f"median of {args.repeats} steps")
-    print("| optimizer | ms per step | ms per M params | vs fused AdamW | state bytes / param | warm-up, s |")
-    print("|---|---|---|---|---|---|")
+          f"median of {args.repeats} steps; copy bandwidth {bandwidth / 1e9:.1f} GB/s; "
+          f"load average {' '.join(f'{load:.1f}' for load in os.getloadavg())}")
+    print("| optimizer | ms per step | ms per M params | vs fused AdamW | limit, ms (bytes / param) | vs limit "
+          "| state bytes / param | warm-up, s |")
+    print("|---|---|---|---|---|---|---|---|")
     for name, (seconds, nbytes, warm_up) in results.items():
+        moved = MIN_BYTES.get(name.split(" (")[0])
+        limit = moved * numel / bandwidth if moved else None
+        limits = f"{limit * 1e3:.1f} ({moved:.0f}) | {seconds / limit:.2f}x" if limit else "- | -"
         print(f"| {name} | {seconds * 1e3:.1f} | {seconds * 1e3 / (numel / 1e6):.2f} | {seconds / fused:.2f}x | "
-              f"{nbytes / numel:.3f} | {warm_up:.1f} |")
+              f"{limits} | {nbytes / numel:.3f} | {warm_up:.1f} |")
 
 
 if __name__ == "__main__":

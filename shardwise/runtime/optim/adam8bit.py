@@ -23,15 +23,17 @@ reshard like Adam's; a loaded piece keeps fp32 moments until its next step quant
 
 from __future__ import annotations
 
+import functools
 import math
 from dataclasses import dataclass
 from typing import Any, Iterable, NamedTuple
 
 import torch
 
+from shardwise.runtime.optim import native
 from shardwise.runtime.optim.layout import PaddedRows, flat, parameter_shapes, params_with_grad
 from shardwise.runtime.optim.params import check_betas, param
-from shardwise.runtime.optim.quantization import BLOCK, Codebook, block_absmax, codebook, dequantize_piece, quantize
+from shardwise.runtime.optim.quantization import BLOCK, CELL_SHIFT, Codebook, block_absmax, codebook, dequantize_piece, quantize
 from shardwise.runtime.optim.registry import OptimizerSpec, register_optimizer
 from shardwise.runtime.optim.sharded import ShardAwareOptimizer
 from shardwise.runtime.optim.shared_blocks import SharedBlocks, partial_blocks
@@ -120,13 +122,15 @@ class Adam8bit(ShardAwareOptimizer):
                     state.pop(f"{key}_codes", None)
                     state.pop(f"{key}_absmax", None)
                 continue
-            exp_avg, exp_avg_sq = self._moments(state)
-            quantised = _step_and_quantise(flat(param), flat(param.grad), exp_avg, exp_avg_sq, shard.start,
-                                           _Hyper.of(group, step), _codebooks(param.device))
             blocks = PaddedRows.of(shard, BLOCK)
+            quantised = self._native_step(param, state, blocks, _Hyper.of(group, step))
+            if quantised is None:
+                exp_avg, exp_avg_sq = self._moments(state)
+                quantised = _step_and_quantise(flat(param), flat(param.grad), exp_avg, exp_avg_sq, shard.start,
+                                               _Hyper.of(group, step), _codebooks(param.device))
             for k, (key, _) in enumerate(MOMENTS):
                 codes, absmax, edges = quantised[3 * k : 3 * k + 3]
-                state[f"{key}_codes"] = codes if blocks.whole else codes.clone()  # not the padded buffer
+                state[f"{key}_codes"] = codes
                 state[f"{key}_absmax"] = absmax
                 state.pop(key, None)
                 for block in partial_blocks(shard):
@@ -137,6 +141,38 @@ class Adam8bit(ShardAwareOptimizer):
         for row in cut:
             row.requantise(maxima[row.slot, row.k])
         return loss
+
+    def _native_step(self, param: torch.Tensor, state: dict, blocks: PaddedRows,
+                     hyper: _Hyper) -> tuple[torch.Tensor, ...] | None:
+        """The step in one pass per block (optim/native.py), from the coded moments or from
+        fp32 ones (fresh, or loaded from a checkpoint), for fp32 CPU tensors. Returns what
+        `_step_and_quantise` does, or None where the kernel does not apply."""
+        if not (native.enabled() and param.dtype == param.grad.dtype == torch.float32
+                and native.takes(param, param.grad)):
+            return None
+        if "exp_avg" in state:
+            inputs = [state[key] for key, _ in MOMENTS]
+            if not all(t.dtype == torch.float32 and t.numel() == blocks.numel and native.takes(t) for t in inputs):
+                return None
+            coded = []
+            for _ in MOMENTS:
+                coded += [torch.empty(blocks.numel, dtype=torch.uint8), torch.empty(blocks.rows)]
+        else:
+            inputs = [None, None]
+            (m_codes, m_absmax), (v_codes, v_absmax) = (self._coded(state, key) for key, _ in MOMENTS)
+            coded = [m_codes, m_absmax, v_codes, v_absmax]
+            if not (native.takes(*coded) and m_codes.numel() == v_codes.numel() == blocks.numel
+                    and m_absmax.numel() == v_absmax.numel() == blocks.rows
+                    and m_absmax.dtype == v_absmax.dtype == torch.float32):
+                return None
+        books = [table.data_ptr() for signed in (True, False) for table in _native_codebook(signed)]
+        edges = torch.empty(len(MOMENTS), 2, BLOCK)
+        lr, beta1, beta2, eps, decay, correction1, correction2 = hyper
+        native.library().adam8bit_step(
+            param.data_ptr(), param.grad.data_ptr(), *(tensor.data_ptr() for tensor in coded), blocks.numel,
+            blocks.offset, *books, beta1, 1.0 - beta1, beta2, 1.0 - beta2, eps, 1.0 - lr * decay, decay > 0.0,
+            correction2, -lr / correction1, edges.data_ptr(), *(native.pointer(t) for t in inputs), native.threads())
+        return coded[0], coded[1], edges[0], coded[2], coded[3], edges[1]
 
     @staticmethod
     def _coded(state: dict, key: str) -> tuple[torch.Tensor, torch.Tensor]:
@@ -180,6 +216,23 @@ def _codebooks(device: torch.device) -> tuple[Codebook, Codebook]:
     return codebook(True).to(device), codebook(False).to(device)
 
 
+@functools.cache
+def _native_codebook(signed: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """The native kernel's form of a codebook (native_kernels.c, `quantize_values`): the
+    256 code values, and per rounding cell one int32, the midpoints below the cell plus,
+    shifted by 8, the least key (the value's low CELL_SHIFT bits, flipped for negative
+    values so that the key grows with the value) above the cell's midpoint; 2^CELL_SHIFT
+    where the cell has none. Derived from the table lookup's own tables, so the two round
+    alike."""
+    book = codebook(signed)
+    boundary = book.boundary.view(torch.int32).long() & 0xFFFFFFFF
+    low = boundary & ((1 << CELL_SHIFT) - 1)
+    negative = boundary >> 31 == 1
+    threshold = torch.where(negative, (1 << CELL_SHIFT) - low, low + 1)
+    threshold = torch.where(torch.isinf(book.boundary), 1 << CELL_SHIFT, threshold)
+    return book.values.contiguous(), (book.below.long() | threshold << 8).to(torch.int32)
+
+
 def _device(trained: list[tuple[torch.Tensor, dict]]) -> torch.device:
     return trained[0][0].device if trained else torch.device("cpu")
 
@@ -213,7 +266,7 @@ class _Hyper(NamedTuple):
 def _step_and_quantise(param: torch.Tensor, grad: torch.Tensor, exp_avg: torch.Tensor, exp_avg_sq: torch.Tensor,
                        start: int, hyper: _Hyper, books: tuple[Codebook, Codebook]) -> tuple[torch.Tensor, ...]:
     """Adam's step on fp32 moments of the piece [start, start + numel), then per moment:
-    its codes (padded rows, or the piece's own when it is whole rows), its block scales
+    its codes (the piece's own elements, not a padded buffer), its block scales
     from this piece alone, and its first and last padded rows in fp32 (a block cut by a
     piece boundary is quantised again from them once its whole absmax is known)."""
     _adam_step(param, grad, exp_avg, exp_avg_sq, hyper, quantised=True)
@@ -222,7 +275,9 @@ def _step_and_quantise(param: torch.Tensor, grad: torch.Tensor, exp_avg: torch.T
     for book, moment in zip(books, (exp_avg, exp_avg_sq)):
         rows = blocks.pad(moment)
         absmax = block_absmax(rows)
-        result += [blocks.unpad(quantize(rows, absmax, book)), absmax, torch.stack([rows[0], rows[-1]])]
+        codes = blocks.unpad(quantize(rows, absmax, book))
+        result += [codes if blocks.whole else codes.clone(),  # not the padded buffer
+                   absmax, torch.stack([rows[0], rows[-1]])]
     return tuple(result)
 
 

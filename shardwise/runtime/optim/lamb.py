@@ -27,6 +27,7 @@ from typing import Iterable
 
 import torch
 
+from shardwise.runtime.optim import native
 from shardwise.runtime.optim.compiled import kernel
 from shardwise.runtime.optim.params import check_betas, param
 from shardwise.runtime.optim.registry import OptimizerSpec, register_optimizer
@@ -70,7 +71,9 @@ class Lamb(ShardAwareOptimizer):
         params, squares, updates = [], [], []
         for group_params, group in groups:
             self._advance(group_params, group)
-            if group.get("compile", False):  # updates are recomputed when applied, not kept
+            if _native(group_params, self.state):  # updates are recomputed when applied, not kept
+                squares.append(self._native_moments_and_squares(group_params, group))
+            elif group.get("compile", False):
                 beta1, beta2 = group["betas"]
                 squares.append(torch.stack([
                     kernel(_moments_and_squares, True, p)(*self._tensors(p), beta1=beta1, beta2=beta2,
@@ -90,8 +93,11 @@ class Lamb(ShardAwareOptimizer):
             ratios = torch.where((weight_norm > 0) & (update_norm > 0),
                                  (weight_norm / update_norm).clamp_(group["min_coeff"], group["max_coeff"]), 1.0)
             self.last_trust_ratios[index] = ratios
-            scales = [-_step_size(group, self.state[param]["step"]) * ratio
-                      for param, ratio in zip(group_params, ratios.tolist())]
+            steps = torch.stack([self.state[param]["step"] for param in group_params]).tolist()  # one read
+            scales = [-_step_size(group, step) * ratio for step, ratio in zip(steps, ratios.tolist())]
+            if _native(group_params, self.state):
+                self._native_apply(group_params, group, scales)
+                continue
             if group.get("compile", False):
                 for param, scale in zip(group_params, scales):
                     scale = torch.tensor(scale, dtype=torch.float64)
@@ -109,6 +115,27 @@ class Lamb(ShardAwareOptimizer):
                 self.state[param].update(step=torch.zeros((), dtype=torch.float32), exp_avg=torch.zeros_like(param),
                                          exp_avg_sq=torch.zeros_like(param))
         torch._foreach_add_([self.state[param]["step"] for param in params], 1)
+
+    def _native_moments_and_squares(self, params: list[torch.Tensor], group: dict) -> torch.Tensor:
+        """Pass 1 of the native kernels (optim/native.py): moments, and the (pieces, 2)
+        squared norms of weight and update."""
+        beta1, beta2 = group["betas"]
+        squares = torch.zeros(len(params), 2, dtype=torch.float64)
+        run = native.library().lamb_moments_and_squares
+        for row, param in zip(squares, params):
+            state = self.state[param]
+            run(param.data_ptr(), param.grad.data_ptr(), state["exp_avg"].data_ptr(), state["exp_avg_sq"].data_ptr(),
+                param.numel(), 1 - beta1, beta2, 1 - beta2, group["eps"], group["weight_decay"], group["eps_inside_sqrt"],
+                row.data_ptr(), native.threads())
+        return squares
+
+    def _native_apply(self, params: list[torch.Tensor], group: dict, scales: list[float]) -> None:
+        """Pass 2 of the native kernels: w += scale · update, the update computed again."""
+        run = native.library().lamb_apply
+        for param, scale in zip(params, scales):
+            state = self.state[param]
+            run(param.data_ptr(), state["exp_avg"].data_ptr(), state["exp_avg_sq"].data_ptr(), param.numel(), scale,
+                group["eps"], group["weight_decay"], group["eps_inside_sqrt"], native.threads())
 
     def _tensors(self, param: torch.Tensor) -> tuple[torch.Tensor, ...]:
         """A kernel's tensors; the weight detached, as a plain tensor: Dynamo would compile
@@ -136,6 +163,13 @@ class Lamb(ShardAwareOptimizer):
         if group["weight_decay"]:
             torch._foreach_add_(updates, params, alpha=group["weight_decay"])
         return updates
+
+
+def _native(params: list[torch.Tensor], state: dict) -> bool:
+    """Whether a group's step takes the native kernels: fp32 CPU tensors, all contiguous."""
+    return native.enabled() and all(
+        p.dtype == p.grad.dtype == torch.float32 and native.takes(p, p.grad, state[p]["exp_avg"], state[p]["exp_avg_sq"])
+        for p in params)
 
 
 def _constants(group: dict) -> dict[str, float | bool]:
@@ -169,11 +203,10 @@ def _apply(param: torch.Tensor, grad: torch.Tensor, exp_avg: torch.Tensor, exp_a
     param.add_(_update(param, exp_avg, exp_avg_sq, eps, weight_decay, eps_inside_sqrt) * scale)
 
 
-def _step_size(group: dict, step: torch.Tensor) -> float:
+def _step_size(group: dict, t: float) -> float:
     if not group["bias_correction"]:
         return group["lr"]
     beta1, beta2 = group["betas"]
-    t = step.item()
     return group["lr"] * math.sqrt(1 - beta2**t) / (1 - beta1**t)
 
 

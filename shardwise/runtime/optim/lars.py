@@ -32,6 +32,7 @@ from typing import Iterable
 
 import torch
 
+from shardwise.runtime.optim import native
 from shardwise.runtime.optim.compiled import kernel
 from shardwise.runtime.optim.layout import params_with_grad
 from shardwise.runtime.optim.params import check_nesterov, param
@@ -70,13 +71,24 @@ class Lars(ShardAwareOptimizer):
             with torch.enable_grad():
                 loss = closure()
         trained = list(params_with_grad(self))
-        norms = self.parameter_norms([(p, p) for p, _ in trained], [(p, p.grad) for p, _ in trained]).cpu()
+        native_step = native.enabled() and all(_native_takes(p, self.state[p]) for p, _ in trained)
+        if native_step:  # both squared norms in one pass (optim/native.py)
+            squares = torch.zeros(len(trained), 2, dtype=torch.float64)
+            for row, (param, _) in zip(squares, trained):
+                native.library().two_squares(param.data_ptr(), param.grad.data_ptr(), param.numel(), row.data_ptr(),
+                                             native.threads())
+            norms = self.parameter_norms_of_squares([p for p, _ in trained], squares).cpu()
+        else:
+            norms = self.parameter_norms([(p, p) for p, _ in trained], [(p, p.grad) for p, _ in trained]).cpu()
         self.last_trust_ratios = torch.ones(self.parameter_count, dtype=torch.float64)
         for group in self.param_groups:
             params = [p for p in group["params"] if p.grad is not None]
             if not params:
                 continue
             ratios = self._trust_ratios(params, norms, group)
+            if native_step:
+                self._native_step(params, ratios, group)
+                continue
             started = all("momentum_buffer" in self.state[p] for p in params)
             if group.get("compile", False) and (started or group["momentum"] == 0):  # optim/compiled.py
                 self._compiled_step(params, ratios, group)
@@ -122,6 +134,19 @@ class Lars(ShardAwareOptimizer):
             return directions
         return buffers
 
+    def _native_step(self, params: list[torch.Tensor], ratios: list[float], group: dict) -> None:
+        """The same step, one pass per tensor in the native kernel (optim/native.py)."""
+        momentum = group["momentum"]
+        for param, ratio in zip(params, ratios):
+            state = self.state[param]
+            started = "momentum_buffer" in state
+            if momentum > 0 and not started:
+                state["momentum_buffer"] = torch.empty_like(param)
+            buffer = state["momentum_buffer"].data_ptr() if momentum > 0 else None
+            native.library().lars_apply(
+                param.data_ptr(), param.grad.data_ptr(), buffer, param.numel(), group["weight_decay"], ratio,
+                momentum, 1 - group["dampening"], group["nesterov"], started, group["lr"], native.threads())
+
     def _compiled_step(self, params: list[torch.Tensor], ratios: list[float], group: dict) -> None:
         """The same step, one compiled loop per tensor (momentum buffers already exist)."""
         step = _momentum_step if group["momentum"] > 0 else _plain_step
@@ -132,6 +157,13 @@ class Lars(ShardAwareOptimizer):
             ratio = torch.tensor(ratio, dtype=torch.float64)
             # detached: Dynamo would compile for each nn.Parameter's shape
             kernel(step, True, param)(param.detach(), param.grad, buffer, ratio, lr, **constants)
+
+
+def _native_takes(param: torch.Tensor, state: dict) -> bool:
+    """Whether the native kernel can step this parameter: fp32 CPU tensors, contiguous."""
+    buffer = state.get("momentum_buffer")
+    tensors = (param, param.grad) if buffer is None else (param, param.grad, buffer)
+    return all(t.dtype == torch.float32 for t in tensors) and native.takes(*tensors)
 
 
 def _momentum_step(param: torch.Tensor, grad: torch.Tensor, buffer: torch.Tensor, ratio: torch.Tensor,

@@ -6,6 +6,7 @@ import math
 import pytest
 import torch
 
+from shardwise.runtime.optim import native
 from shardwise.runtime.optim.adam8bit import Adam8bit, AdamW8bit
 from shardwise.runtime.optim.quantization import BLOCK, codebook, dynamic_code, quantize
 from shardwise.runtime.optim.adam8bit import adam_8bit_state_bytes
@@ -93,14 +94,20 @@ def test_adam8bit_matches_single_process_at_every_stage(stage, world_size):
     check_against_one_process("adam8bit", stage, world_size, WEIGHT_TOLERANCE)
 
 
-def test_adam8bit_against_bitsandbytes_cpu():
+@pytest.mark.parametrize("native_kernels", [True, False])
+def test_adam8bit_against_bitsandbytes_cpu(native_kernels, monkeypatch):
     """bitsandbytes' CPU Adam8bit (weight decay decoupled in both classes, as here): the
     same code tables and scales, the first step and the fp32 path (small parameters)
     identical; later steps differ by its CPU quantiser, which picks a code by an
-    approximate search (e.g. -1e-9 becomes +2.1e-5) where this one takes the nearest."""
+    approximate search (e.g. -1e-9 becomes +2.1e-5) where this one takes the nearest.
+    The native kernel (optim/native.py) takes the correctly rounded square root, where
+    torch's vectorised CPU `sqrt`, which bitsandbytes' CPU code calls, is one ulp off for
+    about 20% of inputs: with it the 8-bit parameters' first step agrees to two ulps of
+    the weight and of its change (test_native.py), with the torch path exactly."""
     bnb = pytest.importorskip("bitsandbytes")
     from bitsandbytes.functional import create_dynamic_map
 
+    monkeypatch.setenv(native.ENABLE_VARIABLE, "1" if native_kernels else "0")
     assert torch.equal(create_dynamic_map(signed=True), dynamic_code(True))
     assert torch.equal(create_dynamic_map(signed=False), dynamic_code(False))
     initial, grads = _random_run(steps=5)
@@ -109,7 +116,12 @@ def test_adam8bit_against_bitsandbytes_cpu():
         def run(cls: type, steps: int) -> list[torch.Tensor]:
             return train_whole(lambda params: cls(params, lr=0.01, min_8bit_size=1000), initial, grads[:steps])[0]
 
-        assert all(torch.equal(mine, theirs) for mine, theirs in zip(run(ours_class, 1), run(their_class, 1)))
+        for start, mine, theirs in zip(initial, run(ours_class, 1), run(their_class, 1)):
+            if native_kernels and mine.numel() >= 1000:
+                allowed = 2.5e-7 * (theirs.abs() + (theirs - start).abs())
+                assert ((mine - theirs).abs() <= allowed).all()
+            else:
+                assert torch.equal(mine, theirs)
         ours, theirs = run(ours_class, len(grads)), run(their_class, len(grads))
         assert torch.equal(ours[2], theirs[2]) and torch.equal(ours[3], theirs[3])  # fp32 moments
         for mine, reference in zip(ours[:2], theirs[:2]):

@@ -7,6 +7,7 @@ import os
 import pytest
 import torch
 
+from shardwise.runtime.optim import native
 from shardwise.runtime.optim.lamb import Lamb
 from shardwise.runtime.optim.lars import Lars
 from tests.runtime.optim.pieces import train_whole
@@ -25,9 +26,10 @@ OPTIMIZERS = {
 
 @pytest.mark.slow
 @pytest.mark.parametrize("name", list(OPTIMIZERS))
-def test_compiled_step_equals_the_eager_one(name, request):
+def test_compiled_step_equals_the_eager_one(name, request, monkeypatch):
     if os.environ.get("SHARDWISE_SLOW_TESTS") != "1" and "slow" not in (request.config.option.markexpr or ""):
         pytest.skip("slow: run with -m slow or SHARDWISE_SLOW_TESTS=1")
+    monkeypatch.setenv(native.ENABLE_VARIABLE, "0")  # the torch path, compiled or not (the kernels: test_native.py)
     generator = torch.Generator().manual_seed(0)
     initial = [torch.randn(shape, generator=generator) for shape in SHAPES]
     grads = [[torch.randn(shape, generator=generator) for shape in SHAPES] for _ in range(4)]

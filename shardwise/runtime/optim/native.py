@@ -1,0 +1,112 @@
+"""One-pass CPU optimizer kernels (native_kernels.c), compiled on first use.
+
+An optimizer step is memory-bound: torch's fused AdamW reads and writes each array once.
+LAMB, LARS and 8-bit Adam written in torch operations make one pass per operation (8-bit
+Adam's decode, update, block maxima and encode over thirty), and torch has no fused
+kernel for them; Inductor's loops come closest but cost a call and guards per tensor and
+tens of seconds of compiling. So, as DeepSpeed's CPU Adam does, the loops are C: built
+once per machine with the system's C compiler (about a second; OpenMP where the compiler
+has it) into a cache directory, loaded with ctypes (no torch headers, so any torch).
+
+Without a compiler, or with `SHARDWISE_NATIVE_OPTIM=0`, or for tensors the kernels do not
+take (not CPU, not contiguous fp32), the optimizers take their torch path, which computes
+the same arithmetic (bit for bit but for the squared norms' summation order); a missing
+compiler is warned about once.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import hashlib
+import os
+import shutil
+import subprocess
+import tempfile
+import warnings
+from pathlib import Path
+
+import torch
+
+SOURCE = Path(__file__).with_name("native_kernels.c")
+ENABLE_VARIABLE = "SHARDWISE_NATIVE_OPTIM"
+CACHE_VARIABLE = "SHARDWISE_CACHE_DIR"
+FLAGS = ("-O3", "-march=native", "-ffp-contract=off", "-fno-math-errno", "-shared", "-fPIC")
+
+_F, _D, _I, _L, _P = ctypes.c_float, ctypes.c_double, ctypes.c_int, ctypes.c_int64, ctypes.c_void_p
+_SIGNATURES = {
+    "lamb_moments_and_squares": [_P, _P, _P, _P, _L, _F, _F, _F, _F, _F, _I, _P, _I],
+    "lamb_apply": [_P, _P, _P, _L, _F, _F, _F, _I, _I],
+    "two_squares": [_P, _P, _L, _P, _I],
+    "lars_apply": [_P, _P, _P, _L, _F, _F, _F, _F, _I, _I, _F, _I],
+    "adam8bit_step": [_P, _P, _P, _P, _P, _P, _L, _L, _P, _P, _P, _P, _F, _F, _F, _F, _F, _F, _I, _F, _F, _P, _P, _P,
+                      _I],
+    "quantize_values": [_P, _P, _L, _F, _P],
+}
+_library: ctypes.CDLL | None = None
+_tried = False
+
+
+def enabled() -> bool:
+    """Whether the kernels are in use (`SHARDWISE_NATIVE_OPTIM=0` turns them off)."""
+    return os.environ.get(ENABLE_VARIABLE, "1") != "0" and library() is not None
+
+
+def library() -> ctypes.CDLL | None:
+    """The compiled kernels, built on first call (None, warned once, where they cannot be)."""
+    global _library, _tried
+    if not _tried:
+        _tried = True
+        try:
+            _library = _load(_build())
+        except (OSError, RuntimeError, subprocess.SubprocessError) as error:
+            warnings.warn(f"shardwise: the one-pass optimizer kernels could not be built ({error}); LAMB, LARS "
+                          f"and 8-bit Adam take their slower torch path. Install a C compiler (cc) to use them.",
+                          RuntimeWarning, stacklevel=3)
+    return _library
+
+
+def takes(*tensors: torch.Tensor) -> bool:
+    """Whether the kernels can run on these tensors in place: CPU, contiguous; the caller
+    checks dtypes."""
+    return all(t.device.type == "cpu" and t.is_contiguous() for t in tensors)
+
+
+def pointer(tensor: torch.Tensor | None) -> int | None:
+    return None if tensor is None else tensor.data_ptr()
+
+
+def threads() -> int:
+    return torch.get_num_threads()
+
+
+def _build() -> Path:
+    source = SOURCE.read_bytes()
+    compiler = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
+    if compiler is None:
+        raise RuntimeError("no C compiler found (cc, gcc, or $CC)")
+    flags = list(FLAGS)
+    key = hashlib.sha256(source + " ".join([compiler, *flags]).encode()).hexdigest()[:16]
+    cache = Path(os.environ.get(CACHE_VARIABLE, Path.home() / ".cache" / "shardwise")) / "optim"
+    target = cache / f"native_kernels_{key}.so"
+    if target.exists():
+        return target
+    cache.mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryDirectory(dir=cache) as scratch:
+        built = Path(scratch) / target.name
+        for openmp in (["-fopenmp"], ["-fopenmp-simd"], []):  # OpenMP where the compiler has it
+            result = subprocess.run([compiler, *flags, *openmp, str(SOURCE), "-o", str(built), "-lm"],
+                                    capture_output=True, text=True, timeout=120)
+            if result.returncode == 0:
+                break
+        else:
+            raise RuntimeError(f"{compiler} failed: {result.stderr.strip()[-500:]}")
+        os.replace(built, target)  # atomic: processes building at once each install a whole file
+    return target
+
+
+def _load(path: Path) -> ctypes.CDLL:
+    library = ctypes.CDLL(str(path))
+    for name, arguments in _SIGNATURES.items():
+        function = getattr(library, name)
+        function.argtypes, function.restype = arguments, None
+    return library

@@ -1,0 +1,273 @@
+/* One-pass CPU kernels for optimizer steps (optim/native.py builds and loads them).
+
+   Written in torch operations, an optimizer step makes one pass over memory per operation;
+   these loops make one (or, where a norm must be known first, two), reading and writing
+   each array once, as torch's fused AdamW does. Every loop repeats the arithmetic of the
+   optimizer's torch path operation for operation, with fused multiply-adds exactly where
+   torch's CPU kernels use them (add with alpha, lerp), so the two paths agree bit for bit
+   except in the squared norms, which are summed here in double precision.
+
+   Built with -ffp-contract=off: the compiler must not fuse what torch does not. */
+
+#include <math.h>
+#include <stdint.h>
+#include <string.h>
+
+#define PARALLEL_MIN 65536 /* elements below which a loop runs on one thread */
+
+/* torch's lerp(self, end, weight) for a scalar weight */
+static inline float lerp(float self, float end, float weight) {
+    return fabsf(weight) < 0.5f ? fmaf(weight, end - self, self) : fmaf(-(end - self), 1.0f - weight, end);
+}
+
+static inline float adam_direction(float param, float exp_avg, float exp_avg_sq, float eps, float weight_decay,
+                                   int eps_inside_sqrt) {
+    float denominator = eps_inside_sqrt ? sqrtf(exp_avg_sq + eps) : sqrtf(exp_avg_sq) + eps;
+    float update = exp_avg / denominator;
+    return weight_decay != 0.0f ? fmaf(param, weight_decay, update) : update;
+}
+
+/* Scalars derived in double precision (1 - beta1, ...) are the caller's, rounded once to
+   float as torch rounds them: computed here in float they would differ in the last bit.
+
+   Each kernel is a loop over one chunk (vectorised: `restrict`, no branch on data) called
+   for every chunk of a tensor by an OpenMP loop over chunks; an OpenMP loop around the
+   element loop itself is not vectorised by GCC. */
+
+#define CHUNK 16384
+#define CHUNKS(n) (((n) + CHUNK - 1) / CHUNK)
+#define CHUNK_LENGTH(n, c) ((n) - (c) * CHUNK < CHUNK ? (n) - (c) * CHUNK : CHUNK)
+
+/* LAMB, pass 1 (weight = 1 - beta1, value = 1 - beta2): moments advanced in place;
+   squares[0] += sum w^2, squares[1] += sum u^2 with u Adam's direction (not stored: pass 2
+   computes it again). */
+static void lamb_moments_and_squares_chunk(const float *restrict param, const float *restrict grad,
+                                           float *restrict exp_avg, float *restrict exp_avg_sq, int64_t n,
+                                           float weight, float beta2, float value, float eps, float weight_decay,
+                                           int eps_inside_sqrt, double *squares) {
+    double weight_square = 0.0, update_square = 0.0;
+#pragma omp simd reduction(+ : weight_square, update_square)
+    for (int64_t i = 0; i < n; i++) {
+        float g = grad[i];
+        float m = lerp(exp_avg[i], g, weight);
+        float v = fmaf(value * g, g, exp_avg_sq[i] * beta2);
+        exp_avg[i] = m;
+        exp_avg_sq[i] = v;
+        float u = adam_direction(param[i], m, v, eps, weight_decay, eps_inside_sqrt);
+        weight_square += (double)param[i] * param[i];
+        update_square += (double)u * u;
+    }
+    squares[0] = weight_square;
+    squares[1] = update_square;
+}
+
+void lamb_moments_and_squares(const float *param, const float *grad, float *exp_avg, float *exp_avg_sq, int64_t n,
+                              float weight, float beta2, float value, float eps, float weight_decay,
+                              int eps_inside_sqrt, double *squares, int threads) {
+    double weight_square = 0.0, update_square = 0.0;
+#pragma omp parallel for reduction(+ : weight_square, update_square) num_threads(threads) if (n >= PARALLEL_MIN)
+    for (int64_t c = 0; c < CHUNKS(n); c++) {
+        double chunk[2];
+        lamb_moments_and_squares_chunk(param + c * CHUNK, grad + c * CHUNK, exp_avg + c * CHUNK,
+                                       exp_avg_sq + c * CHUNK, CHUNK_LENGTH(n, c), weight, beta2, value, eps,
+                                       weight_decay, eps_inside_sqrt, chunk);
+        weight_square += chunk[0];
+        update_square += chunk[1];
+    }
+    squares[0] += weight_square;
+    squares[1] += update_square;
+}
+
+/* LAMB, pass 2: w += scale u (scale = -step size x trust ratio). */
+static void lamb_apply_chunk(float *restrict param, const float *restrict exp_avg, const float *restrict exp_avg_sq,
+                             int64_t n, float scale, float eps, float weight_decay, int eps_inside_sqrt) {
+    for (int64_t i = 0; i < n; i++) {
+        float u = adam_direction(param[i], exp_avg[i], exp_avg_sq[i], eps, weight_decay, eps_inside_sqrt);
+        param[i] += u * scale;
+    }
+}
+
+void lamb_apply(float *param, const float *exp_avg, const float *exp_avg_sq, int64_t n, float scale, float eps,
+                float weight_decay, int eps_inside_sqrt, int threads) {
+#pragma omp parallel for num_threads(threads) if (n >= PARALLEL_MIN)
+    for (int64_t c = 0; c < CHUNKS(n); c++)
+        lamb_apply_chunk(param + c * CHUNK, exp_avg + c * CHUNK, exp_avg_sq + c * CHUNK, CHUNK_LENGTH(n, c), scale,
+                         eps, weight_decay, eps_inside_sqrt);
+}
+
+/* squares[0] += sum a^2, squares[1] += sum b^2 (LARS's weight and gradient norms). */
+static void two_squares_chunk(const float *restrict a, const float *restrict b, int64_t n, double *squares) {
+    double sa = 0.0, sb = 0.0;
+#pragma omp simd reduction(+ : sa, sb)
+    for (int64_t i = 0; i < n; i++) {
+        sa += (double)a[i] * a[i];
+        sb += (double)b[i] * b[i];
+    }
+    squares[0] = sa;
+    squares[1] = sb;
+}
+
+void two_squares(const float *a, const float *b, int64_t n, double *squares, int threads) {
+    double sa = 0.0, sb = 0.0;
+#pragma omp parallel for reduction(+ : sa, sb) num_threads(threads) if (n >= PARALLEL_MIN)
+    for (int64_t c = 0; c < CHUNKS(n); c++) {
+        double chunk[2];
+        two_squares_chunk(a + c * CHUNK, b + c * CHUNK, CHUNK_LENGTH(n, c), chunk);
+        sa += chunk[0];
+        sb += chunk[1];
+    }
+    squares[0] += sa;
+    squares[1] += sb;
+}
+
+/* LARS after its norms: d = (g + wd w) ratio; buffer = d at the first step (`started` 0),
+   else momentum buffer + undamped d (undamped = 1 - dampening); w -= lr (d + momentum
+   buffer if nesterov else buffer). Without momentum (`buffer` NULL): w -= lr d. */
+static void lars_apply_chunk(float *restrict param, const float *restrict grad, float *restrict buffer, int64_t n,
+                             float weight_decay, float ratio, float momentum, float undamped, int nesterov,
+                             int started, float lr) {
+    if (buffer == NULL) {
+        for (int64_t i = 0; i < n; i++)
+            param[i] = fmaf(fmaf(param[i], weight_decay, grad[i]) * ratio, -lr, param[i]);
+        return;
+    }
+    for (int64_t i = 0; i < n; i++) {
+        float d = fmaf(param[i], weight_decay, grad[i]) * ratio;
+        float b = started ? fmaf(d, undamped, buffer[i] * momentum) : d;
+        buffer[i] = b;
+        param[i] = fmaf(nesterov ? fmaf(b, momentum, d) : b, -lr, param[i]);
+    }
+}
+
+void lars_apply(float *param, const float *grad, float *buffer, int64_t n, float weight_decay, float ratio,
+                float momentum, float undamped, int nesterov, int started, float lr, int threads) {
+#pragma omp parallel for num_threads(threads) if (n >= PARALLEL_MIN)
+    for (int64_t c = 0; c < CHUNKS(n); c++)
+        lars_apply_chunk(param + c * CHUNK, grad + c * CHUNK, buffer == NULL ? NULL : buffer + c * CHUNK,
+                         CHUNK_LENGTH(n, c), weight_decay, ratio, momentum, undamped, nesterov, started, lr);
+}
+
+#define BLOCK 256
+#define CELL_SHIFT 15
+#define CELL_MASK ((1u << (32 - CELL_SHIFT)) - 1)
+#define LOW_MASK ((1u << CELL_SHIFT) - 1)
+#define TINY_SCALE 1e-38f
+
+/* Dynamic-code rounding (optim/quantization.py's table lookup, one lookup here): the code
+   nearest to x is below + (x > the cell's midpoint), the cell being x's sign, exponent and
+   top 8 mantissa bits. The midpoint lies inside the cell, so "x above it" is a comparison
+   of x's 15 remaining bits with its: for x >= 0, low > its low bits; for x < 0 the order
+   is reversed, and low ^ 0x7FFF puts it right. optim/adam8bit.py packs, per cell,
+   below | threshold << 8 with threshold the least such key that is above (0x8000: none). */
+void quantize_values(const float *restrict values, uint8_t *restrict codes, int64_t count, float absmax,
+                     const uint32_t *restrict table) {
+    const float inverse = 1.0f / (absmax < TINY_SCALE ? TINY_SCALE : absmax); /* NaN stays NaN, as in torch */
+    for (int64_t j = 0; j < count; j++) {
+        union {
+            float f;
+            uint32_t u;
+        } scaled = {values[j] * inverse};
+        uint32_t entry = table[(scaled.u >> CELL_SHIFT) & CELL_MASK];
+        uint32_t key = (scaled.u & LOW_MASK) ^ ((scaled.u >> 31) * LOW_MASK);
+        codes[j] = (uint8_t)((entry & 0xFF) + (key >= (entry >> 8)));
+    }
+}
+
+/* One block of 8-bit Adam: both moments decoded, Adam's step (bitsandbytes' 8-bit
+   arithmetic, as optim/adam8bit.py), the new absolute maxima, the moments coded again.
+   The moments are read from `m_in` / `v_in` instead where these are given (fp32 moments:
+   fresh, or loaded from a checkpoint). The block's elements held here start at position
+   `lead` of the block; where `m_edge`
+   is given, the new fp32 moments are also written there as the whole padded block
+   (zeros elsewhere), for a block cut by a piece boundary. */
+static inline __attribute__((always_inline)) void adam8bit_block_body(float *restrict param, const float *restrict grad, uint8_t *restrict m_codes,
+                           float *restrict m_absmax, uint8_t *restrict v_codes, float *restrict v_absmax,
+                           int64_t count, const float *restrict m_values, const uint32_t *restrict m_table,
+                           const float *restrict v_values, const uint32_t *restrict v_table, float beta1,
+                           float weight, float beta2, float value, float eps, float decay_factor, int decay,
+                           float correction2, float step_size, int64_t lead, float *m_edge, float *v_edge,
+                           const float *restrict m_in, const float *restrict v_in, const int from_fp32) {
+    float m[BLOCK], v[BLOCK];
+    const float m_scale = *m_absmax, v_scale = *v_absmax;
+    float m_max = 0.0f, v_max = 0.0f;
+    int m_nan = 0, v_nan = 0; /* torch's amax propagates a NaN, the max below would drop it */
+#pragma omp simd reduction(max : m_max, v_max) reduction(| : m_nan, v_nan)
+    for (int64_t j = 0; j < count; j++) {
+        float g = grad[j];
+        float m_old = from_fp32 ? m_in[j] : m_values[m_codes[j]] * m_scale;
+        float v_old = from_fp32 ? v_in[j] : v_values[v_codes[j]] * v_scale;
+        float mj = fmaf(g, weight, m_old * beta1);
+        float vj = fmaf(value * g, g, v_old * beta2);
+        float p = decay ? param[j] * decay_factor : param[j];
+        float denominator = sqrtf(vj) / correction2 + eps;
+        param[j] = step_size * mj / denominator + p;
+        m[j] = mj;
+        v[j] = vj;
+        m_max = m_max > fabsf(mj) ? m_max : fabsf(mj);
+        v_max = v_max > fabsf(vj) ? v_max : fabsf(vj);
+        m_nan |= mj != mj;
+        v_nan |= vj != vj;
+    }
+    *m_absmax = m_max = m_nan ? NAN : m_max;
+    *v_absmax = v_max = v_nan ? NAN : v_max;
+    quantize_values(m, m_codes, count, m_max, m_table);
+    quantize_values(v, v_codes, count, v_max, v_table);
+    if (m_edge != NULL) {
+        memset(m_edge, 0, BLOCK * sizeof(float));
+        memset(v_edge, 0, BLOCK * sizeof(float));
+        memcpy(m_edge + lead, m, count * sizeof(float));
+        memcpy(v_edge + lead, v, count * sizeof(float));
+    }
+}
+
+/* The block loop specialised for each source of the moments: a choice made inside the
+   loop (not hoisted by GCC) cost a third of the step. */
+static void adam8bit_block(float *restrict param, const float *restrict grad, uint8_t *restrict m_codes,
+                           float *restrict m_absmax, uint8_t *restrict v_codes, float *restrict v_absmax,
+                           int64_t count, const float *restrict m_values, const uint32_t *restrict m_table,
+                           const float *restrict v_values, const uint32_t *restrict v_table, float beta1,
+                           float weight, float beta2, float value, float eps, float decay_factor, int decay,
+                           float correction2, float step_size, int64_t lead, float *m_edge, float *v_edge,
+                           const float *restrict m_in, const float *restrict v_in) {
+    if (m_in != NULL)
+        adam8bit_block_body(param, grad, m_codes, m_absmax, v_codes, v_absmax, count, m_values, m_table, v_values,
+                            v_table, beta1, weight, beta2, value, eps, decay_factor, decay, correction2, step_size,
+                            lead, m_edge, v_edge, m_in, v_in, 1);
+    else
+        adam8bit_block_body(param, grad, m_codes, m_absmax, v_codes, v_absmax, count, m_values, m_table, v_values,
+                            v_table, beta1, weight, beta2, value, eps, decay_factor, decay, correction2, step_size,
+                            lead, m_edge, v_edge, NULL, NULL, 0);
+}
+
+/* 8-bit Adam on a piece of n elements starting at position `offset` of a block of the
+   parameter (blocks are the parameter's, not the piece's), one pass over each block.
+   edges (or NULL): (2 moments, first and last block, BLOCK) fp32 moments of the piece's first and
+   last blocks, padded with zeros (optim/adam8bit.py quantises cut blocks again from them
+   once their whole absmax is known). m_in / v_in: fp32 moments to start from, or NULL. */
+void adam8bit_step(float *param, const float *grad, uint8_t *m_codes, float *m_absmax, uint8_t *v_codes,
+                   float *v_absmax, int64_t n, int64_t offset, const float *m_values, const uint32_t *m_table,
+                   const float *v_values, const uint32_t *v_table,
+                   float beta1, float weight, float beta2, float value, float eps, float decay_factor, int decay,
+                   float correction2, float step_size, float *edges, const float *m_in, const float *v_in,
+                   int threads) {
+    const int64_t rows = (offset + n + BLOCK - 1) / BLOCK;
+#pragma omp parallel for num_threads(threads) if (n >= PARALLEL_MIN)
+    for (int64_t row = 0; row < rows; row++) {
+        const int64_t first = row == 0 ? 0 : row * BLOCK - offset;
+        const int64_t stop = (row + 1) * BLOCK - offset < n ? (row + 1) * BLOCK - offset : n;
+        const int64_t lead = row == 0 ? offset : 0;
+        float *m_edge = NULL, *v_edge = NULL;
+        if (edges != NULL && (row == 0 || row == rows - 1)) {
+            m_edge = edges + (row == 0 ? 0 : BLOCK);
+            v_edge = m_edge + 2 * BLOCK;
+        }
+        adam8bit_block(param + first, grad + first, m_codes + first, m_absmax + row, v_codes + first, v_absmax + row,
+                       stop - first, m_values, m_table, v_values, v_table, beta1, weight,
+                       beta2, value, eps, decay_factor, decay, correction2, step_size, lead, m_edge, v_edge,
+                       m_in == NULL ? NULL : m_in + first, v_in == NULL ? NULL : v_in + first);
+    }
+    if (edges != NULL && rows == 1) { /* one block: it is both the first and the last */
+        memcpy(edges + BLOCK, edges, BLOCK * sizeof(float));
+        memcpy(edges + 3 * BLOCK, edges + 2 * BLOCK, BLOCK * sizeof(float));
+    }
+}

@@ -1,0 +1,169 @@
+"""The one-pass native kernels (optim/native.py) against each optimizer's torch path, step
+by step from the same state: the same arithmetic but for two things the rules allow to
+differ in the last bit. The squared norms (LAMB, LARS) are summed in double here, in
+float by torch's `_foreach_norm`; and torch's vectorised `sqrt` on a CPU is not correctly
+rounded (about 20% of fp32 results differ by one ulp from the exact square root, which
+the kernels compute). So moments, momentum buffers and 8-bit codes are compared exactly
+where they do not depend on either, and each step's weights to two ulps (2.5e-7
+relative) of the weight plus a share of the step's change: two ulps of it for 8-bit Adam
+(one ulp of the update moves a weight near zero by much more than one ulp of the weight),
+NORM_RTOL where a trust ratio scales the step (torch's fp32 norm of n elements is off by
+about √n · 2⁻²⁴ relative, 1e-5 at the 21,000 elements here; the kernels' double sums are
+exact to fp32)."""
+
+import os
+import warnings
+
+import pytest
+import torch
+
+from shardwise.runtime.optim import native
+from shardwise.runtime.optim.adam8bit import Adam8bit, AdamW8bit, _native_codebook
+from shardwise.runtime.optim.lamb import Lamb
+from shardwise.runtime.optim.lars import Lars
+from shardwise.runtime.optim.quantization import codebook, dynamic_code, quantize
+
+SHAPES = [(300, 70), (33,), (64, 40), (5000,), (7, 3, 11)]
+ULPS = 2.5e-7  # two fp32 ulps, relative
+NORM_RTOL = 2e-5
+
+pytestmark = pytest.mark.skipif(native.library() is None, reason="no C compiler: the kernels cannot be built here")
+
+
+def _steps(build, compare, step_rtol: float, steps: int = 3) -> None:
+    """`steps` steps of a native and a torch-path optimizer, each from the native one's
+    weights and state (copied to the other before the step)."""
+    generator = torch.Generator().manual_seed(0)
+    initial = [torch.randn(shape, generator=generator) for shape in SHAPES]
+    mine = [torch.nn.Parameter(tensor.clone()) for tensor in initial]
+    reference = [torch.nn.Parameter(tensor.clone()) for tensor in initial]
+    native_optimizer, torch_optimizer = build(mine), build(reference)
+    for step in range(steps):
+        before = [param.detach().clone() for param in mine]
+        for param, twin in zip(mine, reference):
+            param.grad = torch.randn(param.shape, generator=generator) * 10.0 ** -(step % 3)
+            twin.grad = param.grad.clone()
+            twin.data.copy_(param.data)
+            torch_optimizer.state[twin] = {key: value.clone() if torch.is_tensor(value) else value
+                                           for key, value in native_optimizer.state[param].items()}
+        _step(native_optimizer, on=True)
+        _step(torch_optimizer, on=False)
+        compare(native_optimizer, torch_optimizer, mine, reference)
+        _assert_steps(mine, reference, before, step_rtol)
+
+
+def _step(optimizer: torch.optim.Optimizer, on: bool) -> None:
+    previous = os.environ.get(native.ENABLE_VARIABLE)
+    os.environ[native.ENABLE_VARIABLE] = "1" if on else "0"
+    try:
+        optimizer.step()
+    finally:
+        if previous is None:
+            del os.environ[native.ENABLE_VARIABLE]
+        else:
+            os.environ[native.ENABLE_VARIABLE] = previous
+
+
+def _assert_steps(mine: list[torch.Tensor], reference: list[torch.Tensor], before: list[torch.Tensor],
+                  step_rtol: float) -> None:
+    for param, twin, start in zip(mine, reference, before):
+        allowed = ULPS * twin.detach().abs() + step_rtol * (twin.detach() - start).abs()
+        assert ((param.detach() - twin.detach()).abs() <= allowed).all()
+
+
+@pytest.mark.parametrize("weight_decay", [0.0, 0.01])
+@pytest.mark.parametrize("eps_inside_sqrt", [False, True])
+def test_lamb_kernels_take_the_torch_paths_step(weight_decay, eps_inside_sqrt):
+    def compare(native_optimizer, torch_optimizer, mine, reference):
+        for param, twin in zip(mine, reference):
+            for key in ("exp_avg", "exp_avg_sq"):
+                assert torch.equal(native_optimizer.state[param][key], torch_optimizer.state[twin][key]), key
+        torch.testing.assert_close(native_optimizer.last_trust_ratios, torch_optimizer.last_trust_ratios,
+                                   rtol=NORM_RTOL, atol=0)
+
+    _steps(lambda params: Lamb(params, lr=0.01, weight_decay=weight_decay, eps_inside_sqrt=eps_inside_sqrt), compare,
+           NORM_RTOL)
+
+
+@pytest.mark.parametrize("options", [
+    {}, {"momentum": 0.9, "weight_decay": 0.01}, {"momentum": 0.9, "nesterov": True, "weight_decay": 1e-4},
+    {"momentum": 0.9, "dampening": 0.1, "exclude_vectors": False},
+])
+def test_lars_kernels_take_the_torch_paths_step(options):
+    def compare(native_optimizer, torch_optimizer, mine, reference):
+        for param, twin in zip(mine, reference):
+            if "momentum_buffer" in torch_optimizer.state[twin]:  # a sum of terms that may cancel: to their scale
+                buffer = torch_optimizer.state[twin]["momentum_buffer"]
+                torch.testing.assert_close(native_optimizer.state[param]["momentum_buffer"], buffer, rtol=NORM_RTOL,
+                                           atol=NORM_RTOL * buffer.abs().max().item())
+            if param.dim() < 2 and options.get("exclude_vectors", True):  # trust 1: no norm involved, exact
+                assert torch.equal(param, twin)
+        torch.testing.assert_close(native_optimizer.last_trust_ratios, torch_optimizer.last_trust_ratios,
+                                   rtol=NORM_RTOL, atol=0)
+
+    _steps(lambda params: Lars(params, lr=0.1, **options), compare, NORM_RTOL)
+
+
+@pytest.mark.parametrize("cls", [Adam8bit, AdamW8bit])
+def test_8bit_adam_kernel_codes_moments_exactly_as_the_torch_path(cls):
+    """Codes and block scales do not involve the square root: equal bit for bit."""
+    def compare(native_optimizer, torch_optimizer, mine, reference):
+        for param, twin in zip(mine, reference):
+            state, twin_state = native_optimizer.state[param], torch_optimizer.state[twin]
+            assert state.keys() == twin_state.keys()
+            for key, value in state.items():
+                assert torch.equal(value, twin_state[key]) if torch.is_tensor(value) else value == twin_state[key], key
+
+    _steps(lambda params: cls(params, lr=0.01, min_8bit_size=1000), compare, ULPS, steps=5)
+
+
+@pytest.mark.parametrize("signed", [True, False])
+def test_native_rounding_equals_the_table_lookup_at_every_midpoint(signed):
+    """The kernel's one-lookup rounding against optim/quantization.py's `quantize` where it
+    is hardest: at each midpoint between two code values (a tie goes to the smaller code),
+    one ulp either side, at the codes, and at zeros, infinities and NaN."""
+    code = dynamic_code(signed)
+    midpoints = (code[:-1] + code[1:]) / 2
+    specials = torch.tensor([0.0, -0.0, 1e-38, -1e-38, 1.0, -1.0, float("inf"), -float("inf"), float("nan")])
+    values = torch.cat([midpoints, torch.nextafter(midpoints, torch.tensor(2.0)),
+                        torch.nextafter(midpoints, torch.tensor(-2.0)), code, -code, specials,
+                        torch.randn(4096, generator=torch.Generator().manual_seed(0)) * torch.rand(4096) ** 6])
+    expected = quantize(values.view(1, -1), torch.ones(1), codebook(signed)).view(-1)
+    codes = torch.empty(values.numel(), dtype=torch.uint8)
+    native.library().quantize_values(values.data_ptr(), codes.data_ptr(), values.numel(), 1.0,
+                                     _native_codebook(signed)[1].data_ptr())
+    assert torch.equal(codes, expected)
+
+
+def test_8bit_adam_kernel_keeps_a_nan_in_the_block_scale_as_torch_does():
+    generator = torch.Generator().manual_seed(0)
+    initial = torch.randn(2048, generator=generator)
+    results = []
+    for on in (True, False):
+        param = torch.nn.Parameter(initial.clone())
+        optimizer = Adam8bit([param], lr=0.01, min_8bit_size=1000)
+        for step in range(2):
+            param.grad = torch.randn(2048, generator=torch.Generator().manual_seed(step))
+            if step == 1:
+                param.grad[300] = float("nan")
+            _step(optimizer, on)
+        results.append(optimizer.state[param])
+    for key in ("exp_avg_absmax", "exp_avg_sq_absmax", "exp_avg_codes", "exp_avg_sq_codes"):
+        torch.testing.assert_close(results[0][key], results[1][key], rtol=0, atol=0, equal_nan=True)
+    assert results[0]["exp_avg_absmax"][1].isnan() and not results[0]["exp_avg_absmax"][0].isnan()
+
+
+def test_without_a_compiler_the_optimizers_warn_once_and_take_the_torch_path(monkeypatch, tmp_path):
+    monkeypatch.setenv("CC", str(tmp_path / "no-such-compiler"))
+    monkeypatch.setenv(native.CACHE_VARIABLE, str(tmp_path / "cache"))
+    monkeypatch.setattr(native, "_library", None)
+    monkeypatch.setattr(native, "_tried", False)
+    with pytest.warns(RuntimeWarning, match="could not be built"):
+        assert native.library() is None
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        assert not native.enabled()
+    param = torch.nn.Parameter(torch.ones(4, 4))
+    param.grad = torch.full((4, 4), 0.5)
+    Lamb([param], lr=0.1).step()
+    assert torch.all(param < 1)
