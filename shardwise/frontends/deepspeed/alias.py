@@ -3,7 +3,8 @@ package, in that run's processes only.
 
 Nothing named `deepspeed` is installed. For the run, the launcher writes a directory
 holding a two-line `deepspeed/__init__.py` and puts it first on the workers'
-PYTHONPATH (`as_deepspeed_environment`), so a real DeepSpeed in site-packages is
+PYTHONPATH (`as_deepspeed_environment`), with a `deepspeed-<version>.dist-info`
+beside it for the libraries that look for DeepSpeed's distribution, so a real DeepSpeed in site-packages is
 shadowed for the run and untouched otherwise; processes the script starts (data
 loader workers, spawned helpers) inherit the path. When a script imports `deepspeed`,
 that file calls `install_alias`: a finder at the front of `sys.meta_path` answers every
@@ -27,6 +28,7 @@ from pathlib import Path
 from types import ModuleType
 
 ALIAS = "deepspeed"
+API_VERSION = "0.19.8"  # the DeepSpeed release the compatibility package is compared with (tests/frontends/deepspeed)
 TARGET = "shardwise.frontends.deepspeed.api"
 SHIM = '"""Written by `shardwise run --as-deepspeed`; see shardwise/frontends/deepspeed/alias.py."""\n' \
        "from shardwise.frontends.deepspeed.alias import install_alias\n\ninstall_alias()\n"
@@ -81,5 +83,13 @@ def as_deepspeed_environment() -> Iterator[dict[str, str]]:
         package = Path(directory) / ALIAS
         package.mkdir()
         (package / "__init__.py").write_text(SHIM)
+        # Libraries that check for DeepSpeed by its installed distribution (accelerate's
+        # `is_deepspeed_available`, transformers' `TrainingArguments(deepspeed=...)`) find one
+        # beside the package, naming the DeepSpeed release whose API it reproduces.
+        metadata = Path(directory) / f"{ALIAS}-{API_VERSION}.dist-info"
+        metadata.mkdir()
+        (metadata / "METADATA").write_text(f"Metadata-Version: 2.1\nName: {ALIAS}\nVersion: {API_VERSION}\n"
+                                           "Summary: shardwise's DeepSpeed compatibility package (shardwise run "
+                                           "--as-deepspeed)\n")
         paths = [directory, os.environ.get("PYTHONPATH", "")]
         yield {"PYTHONPATH": os.pathsep.join(path for path in paths if path)}
