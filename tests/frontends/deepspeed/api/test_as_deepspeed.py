@@ -3,6 +3,7 @@ package in that run's processes (and in processes they start), never outside it,
 script gets DeepSpeed's `--local_rank=<r>` unless --no-local-rank."""
 
 import argparse
+import importlib.metadata
 import importlib.util
 import json
 import os
@@ -79,9 +80,12 @@ def test_local_rank_argument_and_its_opt_out():
         assert (environment, first_args) == ({}, [])
 
 
-def test_the_alias_directory_holds_only_the_deepspeed_shim():
+def test_the_alias_directory_holds_only_the_deepspeed_shim_and_its_distribution():
     with as_deepspeed_environment() as environment:
         directory = environment["PYTHONPATH"].split(os.pathsep)[0]
-        assert sorted(os.listdir(directory)) == ["deepspeed"]
+        assert sorted(os.listdir(directory)) == ["deepspeed", "deepspeed-0.19.8.dist-info"]
         assert sorted(os.listdir(os.path.join(directory, "deepspeed"))) == ["__init__.py"]
+        # what accelerate's is_deepspeed_available and version check read
+        found = list(importlib.metadata.distributions(name="deepspeed", path=[directory]))
+        assert [d.version for d in found] == ["0.19.8"]
     assert not os.path.exists(directory)
