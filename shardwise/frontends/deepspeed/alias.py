@@ -3,7 +3,8 @@ package, in that run's processes only.
 
 Nothing named `deepspeed` is installed. For the run, the launcher writes a directory
 holding a two-line `deepspeed/__init__.py` and puts it first on the workers'
-PYTHONPATH (`as_deepspeed_environment`), so a real DeepSpeed in site-packages is
+PYTHONPATH (`as_deepspeed_environment`), with a `deepspeed-<version>.dist-info`
+beside it for the libraries that look for DeepSpeed's distribution, so a real DeepSpeed in site-packages is
 shadowed for the run and untouched otherwise; processes the script starts (data
 loader workers, spawned helpers) inherit the path. When a script imports `deepspeed`,
 that file calls `install_alias`: a finder at the front of `sys.meta_path` answers every

@@ -141,6 +141,24 @@ class DeepSpeedEngine(ConfiguredEngine):
         if self.global_steps > updates:
             self.tput_timer.step_done()
 
+    def set_gradient_accumulation_boundary(self, is_boundary: bool) -> None:
+        """DeepSpeed's: the caller says whether the next backward ends the accumulation
+        window, and calls `step()` at window ends only (accelerate's DeepSpeed wrapper does).
+        shardwise counts micro-batches in `step()`, so a micro-batch whose `step()` was left
+        out is counted here, and a window the caller ends early (an epoch's short last
+        window) ends here too."""
+        if self._backward_pending:  # the previous micro-batch's step(), inside its window
+            if self.is_gradient_accumulation_boundary():
+                raise RuntimeError("engine.set_gradient_accumulation_boundary: the previous micro-batch ended an "
+                                   "accumulation window but step() was not called after its backward")
+            self.step()
+        steps = self.gradient_accumulation_steps
+        if is_boundary and not self.is_gradient_accumulation_boundary():
+            self.micro_steps += steps - 1 - self.micro_steps % steps
+        elif not is_boundary and self.is_gradient_accumulation_boundary():
+            raise RuntimeError(f"the caller continues an accumulation window past the config's "
+                               f"gradient_accumulation_steps ({steps}); make the two equal")
+
     def was_step_applied(self) -> bool:
         """Whether the last `step()` updated the weights: False between accumulation
         boundaries and when an fp16 overflow skipped the update."""

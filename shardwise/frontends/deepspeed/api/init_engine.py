@@ -23,7 +23,9 @@ returned is None (zero/trainable.py: `evaluated_parameters`).
 from __future__ import annotations
 
 import logging
+import math
 import os
+import sys
 from typing import Any, Callable, Iterable
 
 import torch
@@ -77,6 +79,7 @@ def initialize(
     _drop_overridden(raw, "optimizer", optimizer)
     _drop_overridden(raw, "scheduler", lr_scheduler)
     _pipeline_block(raw, model)
+    _never_print(raw)
     auto_values = {"scheduler.params.warmup_max_lr": optimizer.defaults["lr"]} if optimizer is not None else {}
     world_size = torch.distributed.get_world_size()
     cfg = load_config(raw, world_size=world_size, hidden_size=hidden_size(model), auto_values=auto_values)
@@ -90,6 +93,14 @@ def initialize(
     if training_data is not None:
         engine.training_dataloader = _data_loader(engine, training_data, collate_fn)
     return engine, _clearing_model_gradients(engine), engine.training_dataloader, engine.lr_scheduler
+
+
+def _never_print(raw: dict) -> None:
+    """`steps_per_print: Infinity`, which accelerate writes to silence DeepSpeed's progress
+    lines (and DeepSpeed reads as never), becomes the largest step count; the config
+    otherwise refuses non-finite numbers."""
+    if raw.get("steps_per_print") == math.inf:
+        raw["steps_per_print"] = sys.maxsize
 
 
 def _pipeline_block(raw: dict, model: nn.Module) -> None:

@@ -3,6 +3,7 @@ package in that run's processes (and in processes they start), never outside it,
 script gets DeepSpeed's `--local_rank=<r>` unless --no-local-rank."""
 
 import argparse
+import importlib.metadata
 import importlib.util
 import json
 import os

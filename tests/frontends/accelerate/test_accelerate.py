@@ -1,0 +1,96 @@
+"""An `Accelerator` script launched for DeepSpeed runs on shardwise with only the launch
+changed (C27).
+
+`scripts/clm_no_trainer.py` (the shape of Hugging Face's `run_clm_no_trainer.py`) is run
+as a user launches it with accelerate's DeepSpeed plugin (`ACCELERATE_USE_DEEPSPEED`,
+`ACCELERATE_DEEPSPEED_CONFIG_FILE`), under `shardwise run --as-deepspeed`, and as the same
+user runs it with accelerate's DDP on CPUs (`ACCELERATE_USE_CPU`): on 2 ranks, every
+rank's loss at every micro-batch is the same (fp32, relative error < 1e-5), across
+accumulation windows, the short window at an epoch's end and `save_state`; resuming with
+`load_state` continues the same losses.
+
+The schedule is constant because accelerate steps a prepared scheduler once per process
+per update under DDP and once per update under DeepSpeed (its DeepSpeedSchedulerWrapper),
+so a decaying schedule differs between those two launches by accelerate's own design.
+The config leaves out `gradient_clipping`: accelerate fills its `"auto"` with 1.0, and
+the DDP script does not clip.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+pytest.importorskip("accelerate", reason="the accelerate tests need the transformers extra")
+
+SCRIPTS = Path(__file__).resolve().parent / "scripts"
+SCRIPT_ARGS = ["--lr_scheduler_type", "constant", "--samples", "20", "--per_device_train_batch_size", "2",
+               "--gradient_accumulation_steps", "2", "--num_train_epochs", "2"]
+TOLERANCE = 1e-5
+
+
+def _launch(tmp_path: Path, name: str, *args: str, deepspeed_config: dict | None = None) -> list[list[float]]:
+    """The script on 2 ranks: accelerate's DDP when `deepspeed_config` is None, else
+    accelerate's DeepSpeed plugin with that config, on shardwise; every rank's losses."""
+    environment = {key: value for key, value in os.environ.items()
+                   if key not in ("RANK", "WORLD_SIZE", "LOCAL_RANK") and not key.startswith("ACCELERATE_")}
+    environment["OMP_NUM_THREADS"] = "1"
+    command = [sys.executable, "-m", "shardwise.tools.cli.main", "run"]
+    if deepspeed_config is None:
+        environment["ACCELERATE_USE_CPU"] = "true"
+        command += ["--nproc", "2", str(SCRIPTS / "clm_no_trainer.py")]
+    else:
+        config_file = tmp_path / f"{name}.ds.json"
+        config_file.write_text(json.dumps(deepspeed_config))
+        environment.update(ACCELERATE_USE_DEEPSPEED="true", ACCELERATE_DEEPSPEED_CONFIG_FILE=str(config_file))
+        command += ["--as-deepspeed", "--no-local-rank", "--nproc", "2", str(SCRIPTS / "gloo_for_nccl.py"),
+                    str(SCRIPTS / "clm_no_trainer.py")]
+    prefix = tmp_path / name
+    result = subprocess.run([*command, *SCRIPT_ARGS, "--losses", str(prefix), *args], capture_output=True,
+                            text=True, timeout=300, env=environment)
+    assert result.returncode == 0, f"{name} exited with {result.returncode}:\n{result.stderr[-6000:]}"
+    return [json.loads(Path(f"{prefix}.rank{rank}.json").read_text()) for rank in range(2)]
+
+
+def _assert_equal(run: list[list[float]], reference: list[list[float]]) -> None:
+    for rank, (losses, expected) in enumerate(zip(run, reference)):
+        assert len(losses) == len(expected) > 0, f"rank {rank}: {len(losses)} losses, reference {len(expected)}"
+        for step, (value, want) in enumerate(zip(losses, expected)):
+            error = abs(value - want) / abs(want)
+            assert error < TOLERANCE, f"rank {rank} micro-batch {step}: {value} vs {want} ({error:.1e})"
+
+
+def _zero(stage: int) -> dict:
+    return {"zero_optimization": {"stage": stage}, "train_micro_batch_size_per_gpu": "auto",
+            "gradient_accumulation_steps": "auto", "train_batch_size": "auto"}
+
+
+@pytest.fixture(scope="module")
+def ddp_losses(tmp_path_factory) -> list[list[float]]:
+    return _launch(tmp_path_factory.mktemp("ddp"), "ddp")
+
+
+@pytest.mark.parametrize("stage", [3, pytest.param(2, marks=pytest.mark.slow)])
+def test_accelerate_deepspeed_script_losses_equal_ddp(tmp_path, ddp_losses, stage):
+    losses = _launch(tmp_path, "shardwise", "--output_dir", str(tmp_path / "out"), "--checkpointing_steps", "2",
+                     deepspeed_config=_zero(stage))
+    assert [len(rank) for rank in losses] == [10, 10]  # 5 micro-batches an epoch: windows of 2, 2 and 1
+    _assert_equal(losses, ddp_losses)
+    saved = tmp_path / "out" / "step_4"
+    assert (saved / "pytorch_model" / "manifest.json").is_file()  # the engine's checkpoint, through save_state
+    assert (saved / "latest").read_text().strip() == "pytorch_model"
+
+
+@pytest.mark.slow
+def test_accelerate_load_state_resumes_the_same_losses(tmp_path, ddp_losses):
+    out = tmp_path / "out"
+    _launch(tmp_path, "first", "--output_dir", str(out), "--checkpointing_steps", "4", deepspeed_config=_zero(3))
+    resumed = _launch(tmp_path, "resumed", "--output_dir", str(out), "--resume_from_checkpoint", str(out / "step_4"),
+                      deepspeed_config=_zero(3))
+    # step 4 ends epoch 2's first window (epoch 1 has 3 updates): 7 micro-batches done, 3 left
+    _assert_equal(resumed, [rank[7:] for rank in ddp_losses])
