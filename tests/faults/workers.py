@@ -175,3 +175,18 @@ def lose_a_peer(rank: int, world: int, store_path: str, report: str) -> None:
     with open(report, "w") as handle:
         handle.write(message)
     os._exit(0)
+
+
+def save_into(rank: int, world_size: int, directory: str) -> str:
+    """Every rank saves into `directory` after one step; returns the error it got."""
+    case = Case(stage=2)
+    model = build_model(case.model)
+    engine = shardwise.initialize(model, case.config(world_size), optimizer=make_optimizer(model, case.lr))
+    x, y = global_batch(0, 2 * world_size)
+    engine.backward(model_loss(engine, case.model, x[:2], y[:2]))
+    engine.step()
+    try:
+        engine.save_checkpoint(directory)
+    except Exception as error:  # the test reads every rank's
+        return f"{type(error).__name__}: {error}"
+    return "saved"
