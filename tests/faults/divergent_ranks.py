@@ -74,3 +74,17 @@ def edit_weights_on_one_rank(rank: int, world_size: int, stage: int, interval: i
     if directory is not None:
         engine.save_checkpoint(directory)
     return engine.global_steps
+
+
+def gather_on_one_rank(rank: int, world_size: int) -> int:
+    """Stage 3: after a step, rank 1 reads its weights with gathered_parameters while rank 0
+    trains on."""
+    case = Case(stage=3, model="gpt-untied")
+    engine, model = _engine(case, world_size)
+    for index in range(2):
+        if rank == 1 and index == 1:
+            with shardwise.gathered_parameters(list(model.parameters())):
+                pass
+        engine.backward(model_loss(engine, case.model, *_micro_batch(case, rank, world_size, index)))
+        engine.step()
+    return engine.global_steps

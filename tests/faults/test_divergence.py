@@ -5,7 +5,7 @@ left to the collective timeout."""
 import pytest
 
 from shardwise.tools.testing import DistributedTestError, run_distributed
-from tests.faults.divergent_ranks import (edit_weights_on_one_rank, rank_dependent_schedule,
+from tests.faults.divergent_ranks import (edit_weights_on_one_rank, gather_on_one_rank, rank_dependent_schedule,
                                           several_backwards_per_step, skip_a_step)
 
 
@@ -62,3 +62,12 @@ def test_the_replica_check_runs_before_a_save(tmp_path):
 
 def test_identical_replicas_pass_the_replica_check(tmp_path):
     assert run_distributed(edit_weights_on_one_rank, 2, 0, 1, False, str(tmp_path), timeout=60) == [3, 3]
+
+
+def test_gathered_parameters_entered_on_one_rank_at_stage_3_is_named():
+    with pytest.raises(DistributedTestError) as failure:
+        run_distributed(gather_on_one_rank, 2, timeout=60, env={"SHARDWISE_COLLECTIVE_TIMEOUT": "15"})
+    message = str(failure.value)
+    # rank 1 waits a fifth of the collective timeout for the others, not all of it
+    assert ("rank 1: gathered_parameters at ZeRO stage 3 is collective: every rank of the shard group (ranks 0-1) "
+            "must call it, but not all did within 3s") in message, message
