@@ -22,7 +22,7 @@ from shardwise.tools.launcher.agent import run_agent
 from shardwise.tools.launcher.hosts import (
     DEFAULT_MASTER_PORT, add_hostfile_options, plan_hosts, refuse_hostfile_options, run_on_hosts,
 )
-from shardwise.tools.launcher.interrupts import Interrupted, interruptible
+from shardwise.tools.launcher.interrupts import Interrupted, interruptible, raise_deferred_stop
 
 CHILD_MODULE = "shardwise.tools.launcher.child"
 DEFAULT_CPU_PROCESSES = 2
@@ -182,6 +182,7 @@ def resolve_nproc(args: argparse.Namespace) -> argparse.Namespace:
 def main(args: argparse.Namespace) -> int:
     with interruptible():
         try:
+            raise_deferred_stop()
             return _launch(args)
         except Interrupted as stop:
             print(f"shardwise run: {stop}; stopped every worker of {args.script}", file=sys.stderr)
