@@ -88,3 +88,16 @@ def gather_on_one_rank(rank: int, world_size: int) -> int:
         engine.backward(model_loss(engine, case.model, *_micro_batch(case, rank, world_size, index)))
         engine.step()
     return engine.global_steps
+
+
+def evaluate_on_one_rank(rank: int, world_size: int) -> int:
+    """Stage 3: after a step, rank 1 runs an extra forward without gradients (an evaluation)."""
+    case = Case(stage=3, model="gpt-untied")
+    engine, _ = _engine(case, world_size)
+    for index in range(2):
+        if rank == 1 and index == 1:
+            with torch.no_grad():
+                model_loss(engine, case.model, *_micro_batch(case, rank, world_size, 9))
+        engine.backward(model_loss(engine, case.model, *_micro_batch(case, rank, world_size, index)))
+        engine.step()
+    return engine.global_steps

@@ -5,7 +5,7 @@ left to the collective timeout."""
 import pytest
 
 from shardwise.tools.testing import DistributedTestError, run_distributed
-from tests.faults.divergent_ranks import (edit_weights_on_one_rank, gather_on_one_rank, rank_dependent_schedule,
+from tests.faults.divergent_ranks import (edit_weights_on_one_rank, evaluate_on_one_rank, gather_on_one_rank, rank_dependent_schedule,
                                           several_backwards_per_step, skip_a_step)
 
 
@@ -65,9 +65,13 @@ def test_identical_replicas_pass_the_replica_check(tmp_path):
 
 
 def test_gathered_parameters_entered_on_one_rank_at_stage_3_is_named():
-    with pytest.raises(DistributedTestError) as failure:
-        run_distributed(gather_on_one_rank, 2, timeout=60, env={"SHARDWISE_COLLECTIVE_TIMEOUT": "15"})
-    message = str(failure.value)
-    # rank 1 waits a fifth of the collective timeout for the others, not all of it
-    assert ("rank 1: gathered_parameters at ZeRO stage 3 is collective: every rank of the shard group (ranks 0-1) "
-            "must call it, but not all did within 3s") in message, message
+    # rank 0 is at its next forward, whose check meets rank 1's: both name each other at once
+    message = failure_of(gather_on_one_rank)
+    assert ("ranks disagree on which parameters to gather (rank 0 began a training forward; rank 1 entered "
+            "gathered_parameters)") in message, message
+
+
+def test_an_extra_evaluation_forward_on_one_rank_at_stage_3_is_named_at_once():
+    message = failure_of(evaluate_on_one_rank)
+    assert ("ranks disagree on which parameters to gather (rank 0 began a training forward; rank 1 began a no-grad "
+            "forward)") in message, message
