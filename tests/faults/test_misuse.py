@@ -9,7 +9,7 @@ import pytest
 
 import shardwise
 from shardwise.tools.testing import DistributedTestError, run_distributed
-from tests.faults.workers import lose_a_peer, save_on_one_rank
+from tests.faults.workers import die_before_initialize, lose_a_peer, save_on_one_rank
 from tests.runtime.zero.workers import build_model, global_batch
 
 CONFIG = {"train_micro_batch_size_per_gpu": 2, "optimizer": {"type": "SGD", "params": {"lr": 0.1}}}
@@ -46,6 +46,22 @@ def test_a_lost_peer_is_named_by_rank(tmp_path):
     message = report.read_text()
     assert message.startswith("CollectiveError: rank 0: reduce_scatter of gradients of unit"), message
     assert "[rank 1 (pid" in message and "on this host is no longer running]" in message, message
+
+
+def test_a_rank_that_dies_before_initialize_is_named_by_the_survivor(tmp_path):
+    context = multiprocessing.get_context("spawn")
+    report = tmp_path / "report.txt"
+    ranks = [context.Process(target=die_before_initialize, args=(rank, 2, str(tmp_path / "store"), str(report)))
+             for rank in range(2)]
+    for process in ranks:
+        process.start()
+    for process in ranks:
+        process.join(60)
+        if process.is_alive():
+            process.kill()
+    message = report.read_text()
+    assert message.startswith("RuntimeError: rank 0: the job's start-up (initialize) failed: rank(s) 1 never began "
+                              "initialize (it exited or failed before, or is still busy with something else)"), message
 
 
 def test_step_without_backward_is_refused():

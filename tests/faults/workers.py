@@ -175,3 +175,44 @@ def lose_a_peer(rank: int, world: int, store_path: str, report: str) -> None:
     with open(report, "w") as handle:
         handle.write(message)
     os._exit(0)
+
+
+def save_into(rank: int, world_size: int, directory: str) -> str:
+    """Every rank saves into `directory` after one step; returns the error it got."""
+    case = Case(stage=2)
+    model = build_model(case.model)
+    engine = shardwise.initialize(model, case.config(world_size), optimizer=make_optimizer(model, case.lr))
+    x, y = global_batch(0, 2 * world_size)
+    engine.backward(model_loss(engine, case.model, x[:2], y[:2]))
+    engine.step()
+    try:
+        engine.save_checkpoint(directory)
+    except Exception as error:  # the test reads every rank's
+        return f"{type(error).__name__}: {error}"
+    return "saved"
+
+
+def die_before_initialize(rank: int, world: int, store_path: str, report: str) -> None:
+    """Process target (no harness, so the survivor lives to report): rank 1 exits after
+    joining the process group, before initialize; rank 0's initialize writes its error."""
+    import datetime
+    import os
+
+    import torch.distributed as dist
+
+    torch.set_num_threads(1)
+    os.environ["SHARDWISE_COLLECTIVE_TIMEOUT"] = "5"
+    dist.init_process_group("gloo", init_method=f"file://{store_path}", rank=rank, world_size=world,
+                            timeout=datetime.timedelta(seconds=5))
+    if rank == 1:
+        os._exit(3)
+    case = Case(stage=2)
+    model = build_model(case.model)
+    try:
+        shardwise.initialize(model, case.config(world), optimizer=make_optimizer(model, case.lr))
+        message = "no error"
+    except Exception as error:  # the test reads the text
+        message = f"{type(error).__name__}: {error}"
+    with open(report, "w") as handle:
+        handle.write(message)
+    os._exit(0)

@@ -71,9 +71,15 @@ def save_checkpoint(
     def prepare() -> None:
         check_json(client_state)
         if engine.rank == 0:
-            root.mkdir(parents=True, exist_ok=True)
-            _remove_leftovers(root)
-            staging.mkdir()
+            try:
+                root.mkdir(parents=True, exist_ok=True)
+                _remove_leftovers(root)
+                staging.mkdir()
+            except OSError as error:
+                raise CheckpointError(f"cannot create the checkpoint folder {staging}: {error.strerror} "
+                                      f"({error.filename}); save into a folder this user can write to (check "
+                                      "its permissions, that it is not a file, and that its file system is not "
+                                      "mounted read-only)") from error
 
     model = describe_whole_model(engine)  # collective over a pipeline group, so every rank computes it
 
@@ -106,10 +112,13 @@ def _together(engine: EngineProtocol, step: Callable[[], None], what: str) -> No
         error = caught
     flag = torch.tensor([0 if error is not None else 1], device=engine.device)
     engine.world.control_all_reduce(flag, f"checkpoint: {what}", op=dist.ReduceOp.MIN)  # every rank, all groups
+    if flag.item() == 1:
+        return
+    failures = engine.world.control_all_gather_object(None if error is None else f"{type(error).__name__}: {error}")
     if error is not None:
         raise error
-    if flag.item() == 0:
-        raise CheckpointError(f"rank {engine.rank}: another rank failed while {what}; see its error")
+    rank, failure = next((rank, failure) for rank, failure in enumerate(failures) if failure is not None)
+    raise CheckpointError(f"rank {engine.rank}: rank {rank} failed while {what}: {failure}")
 
 
 def _write_rank_files(engine: EngineProtocol, staging: Path) -> None:

@@ -5,6 +5,11 @@ an ephemeral port, not a rank. Every rank's host and process id are exchanged on
 start-up (inside the agreement check `initialize` runs anyway), so a communicator whose
 collective failed can say "rank 3 (pid 4242 on this host) is no longer running", or at
 least which ranks live on the host the message names.
+
+Before that exchange, a rank that died during start-up leaves the others with gloo's
+"Wait timeout" while they build the first groups. So each rank also signs in to the
+process group's store as start-up begins (`sign_in`), and a start-up that fails names
+the ranks that never signed in, or signed in and are no longer running (`absent_ranks`).
 """
 
 from __future__ import annotations
@@ -13,9 +18,44 @@ import os
 import re
 import socket
 from dataclasses import dataclass
+from itertools import count
+
+import torch.distributed as dist
 
 _CONNECTION_LOST = ("connection closed", "connection reset", "broken pipe", "connection refused")
 _ADDRESS = re.compile(r"\[([0-9a-fA-F.:]+)\]")
+_SIGN_IN = "shardwise/signed-in/{start}/{rank}"
+_STARTS = count()  # start-ups in this process: every rank builds its engines in the same order
+
+
+def sign_in(rank: int) -> int:
+    """Note in the store that `rank` (this process) began start-up number N; returns N."""
+    start = next(_STARTS)
+    store = dist.distributed_c10d._get_default_store()  # private, but unchanged over the supported torch
+    store.set(_SIGN_IN.format(start=start, rank=rank), f"{host_fingerprint()} {os.getpid()}")
+    return start
+
+
+def absent_ranks(start: int, world_size: int) -> str:
+    """The ranks that did not sign in to start-up `start`, or that did and have exited
+    (those on this host); "" when every rank is there, or the store cannot say."""
+    try:
+        store = dist.distributed_c10d._get_default_store()
+        here, missing, dead = host_fingerprint(), [], []
+        for rank in range(world_size):
+            key = _SIGN_IN.format(start=start, rank=rank)
+            if not store.check([key]):
+                missing.append(rank)
+                continue
+            host, pid = map(int, store.get(key).decode().split())
+            if host == here and not _alive(pid):
+                dead.append(f"rank {rank} (pid {pid} on this host) is no longer running")
+    except Exception:  # the store's host may be the rank that died
+        return ""
+    if missing:
+        dead.insert(0, f"rank(s) {', '.join(map(str, missing))} never began initialize (it exited or failed "
+                       "before, or is still busy with something else)")
+    return "; ".join(dead)
 
 
 def host_fingerprint() -> int:

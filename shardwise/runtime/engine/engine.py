@@ -45,7 +45,8 @@ from shardwise.runtime.parallel.tensor.grad_norm import tensor_parallel_norm
 from shardwise.runtime.parallel.tensor.layers import gather_vocab_logits
 from shardwise.runtime.precision import LossScaler
 from shardwise.runtime.precision.casting import autocast_for, cast_floating, cast_unheld_state
-from shardwise.runtime.reliability.step_guard import StepGuard
+from shardwise.runtime.reliability.replica_check import ReplicaCheck
+from shardwise.runtime.reliability.step_guard import BACKWARD, FORWARD, StepGuard
 from shardwise.runtime.zero.apply import ZeroGroups, apply_zero
 from shardwise.runtime.zero.trainable import evaluated_parameters, frozen_parameters, trainable_parameters
 
@@ -139,8 +140,12 @@ class Engine(nn.Module):
                              if self.trains else None)
         self.loss_scaler = LossScaler.from_policy(policies.precision.loss_scaling)
         self.guard = StepGuard(self.comm, groups.replicate.size, training.max_consecutive_skipped_steps)
+        self.replica_check = self._replica_check(training.replica_check_interval)
         self.pipeline = self._pipeline_runner_for(model)  # train_batch / eval_batch
         self._backward_pending = False  # backward() ran and step() has not yet
+        # the forward itself gathers (stage 3) or reduces (tensor / sequence parallel)
+        self._forward_communicates = (zero.partitions_parameters or policies.tensor.size > 1
+                                      or policies.sequence.size > 1)
         self._destroyed = False
         self.reset_comm_volume()
 
@@ -153,6 +158,8 @@ class Engine(nn.Module):
         runs under `torch.autocast` when the precision policy says so. If it raises,
         whatever it left gathered or in use is released first."""
         self._require_alive("forward")
+        if self._backward_pending and self._forward_communicates:
+            self.guard.check_call(FORWARD, self.get_lr())  # pairs with a peer's step check if it skipped one
         args, kwargs = cast_floating((args, kwargs), self.dtype)
         try:
             with self.activations.track(), autocast_for(self.policies.precision, self.device):
@@ -189,6 +196,8 @@ class Engine(nn.Module):
         if not self.zero.reducer.sync_in_backward:  # inside no_sync: accumulate only
             self._local_backward(loss)
             return
+        if self._backward_pending:
+            self.guard.check_call(BACKWARD, self.get_lr())  # pairs with a peer's step check if it skipped one
         scale = self.loss_scaler.scale / self.gradient_accumulation_steps
         self.zero.reducer.begin_backward(boundary=self.is_gradient_accumulation_boundary())
         self.guard.note_loss(loss)
@@ -274,7 +283,7 @@ class Engine(nn.Module):
             norm_squared = self.tensor_norm(norm_squared)
         if self.pipeline is not None:  # stages hold disjoint parameters: their squares add up
             norm_squared = self.pipeline.combine_norm(norm_squared)
-        verdict = self.guard.check(norm_squared, self.loss_scaler, self.global_steps)
+        verdict = self.guard.check(norm_squared, self.loss_scaler, self.global_steps, self.get_lr())
         self.last_grad_norm = verdict.norm
         self.loss_scaler.update(not verdict.apply)
         if verdict.apply:
@@ -290,6 +299,16 @@ class Engine(nn.Module):
             self.skipped_steps += 1
         self.zero.reducer.zero_grads()
         self.global_steps += 1
+        if self.replica_check is not None and self.replica_check.due(self.global_steps):
+            self.replica_check.check(list(self.module.named_parameters()), f"after optimizer step {self.global_steps}")
+
+    def _replica_check(self, interval: int) -> ReplicaCheck | None:
+        if not interval:
+            return None
+        if self.policies.zero.partitions_parameters:
+            raise ValueError(f"replica_check.interval {interval}: the replica check compares whole parameters, and "
+                             "ZeRO stage 3 keeps only a shard of each on a rank; use it at stages 0-2 (set it to 0)")
+        return ReplicaCheck(self.comm, interval)
 
     # -- pipeline parallelism: DeepSpeed's PipelineEngine calls ------------------------------
     def _pipeline_runner_for(self, model: nn.Module) -> PipelineRunner | None:
@@ -352,6 +371,8 @@ class Engine(nn.Module):
 
         self._require_alive("save_checkpoint")
         self.world.agree_on_call("save_checkpoint", call_check_timeout(self.context.timeout))
+        if self.replica_check is not None:  # never save replicas that diverged
+            self.replica_check.check(list(self.module.named_parameters()), "before saving a checkpoint")
         return save_checkpoint(self, save_dir, tag, client_state)
 
     def load_checkpoint(self, load_dir: str | os.PathLike, tag: str | None = None, *,

@@ -16,10 +16,11 @@ from typing import Any, Callable, Mapping
 import torch
 from torch import nn
 
-from shardwise.runtime.distributed.agreement import check_ranks_agree, describe_config, describe_model
+from shardwise.runtime.distributed.agreement import (RankMismatchError, check_ranks_agree, describe_config,
+                                                     describe_model)
 from shardwise.runtime.distributed.collectives import CommStats, Communicator
 from shardwise.runtime.distributed.mesh import ParallelMesh, ParallelSizes
-from shardwise.runtime.distributed.peers import PeerDirectory
+from shardwise.runtime.distributed.peers import PeerDirectory, absent_ranks, sign_in
 from shardwise.runtime.distributed.setup import DistributedContext, init_distributed, world_handle
 from shardwise.runtime.distributed.topology import ranks_per_node
 from shardwise.runtime.engine.policies import Policies
@@ -56,16 +57,26 @@ def start_job(model: nn.Module, policies: Policies, optimizer: torch.optim.Optim
     context = context or init_distributed()
     sizes = parallel_sizes(policies, context.world_size)
     stats = CommStats()
-    world = Communicator(world_handle(context), stats)
-    peers = check_ranks_agree(
-        world,
-        describe_config(dict(settings) if settings is not None else describe_policies(policies), optimizer),
-        describe_model(model, _param_group_of(optimizer)),
-        sizes.groups("replicas"),
-        device=context.device,
-    )
-    world.peers = peers
-    mesh = ParallelMesh(sizes, context.rank, context.device, context.timeout, comm_stats=stats)
+    start = sign_in(context.rank) if context.group is not None else None
+    try:
+        world = Communicator(world_handle(context), stats)
+        peers = check_ranks_agree(
+            world,
+            describe_config(dict(settings) if settings is not None else describe_policies(policies), optimizer),
+            describe_model(model, _param_group_of(optimizer)),
+            sizes.groups("replicas"),
+            device=context.device,
+        )
+        world.peers = peers
+        mesh = ParallelMesh(sizes, context.rank, context.device, context.timeout, comm_stats=stats)
+    except RankMismatchError:
+        raise
+    except RuntimeError as error:  # gloo's "Wait timeout", a lost connection: name who is missing
+        absent = absent_ranks(start, context.world_size) if start is not None else ""
+        if not absent:
+            raise
+        raise RuntimeError(f"rank {context.rank}: the job's start-up (initialize) failed: {absent} ({error})") \
+            from error
     return Job(context, mesh, world, stats, peers)
 
 

@@ -44,18 +44,23 @@ class SchedulerPolicy:
 
 @dataclass(frozen=True)
 class TrainingPolicy:
-    """The step: micro-batches per update, clipping, and how many non-finite steps in a row
-    loss scaling may not explain before training stops (runtime/reliability/step_guard.py)."""
+    """The step: micro-batches per update, clipping, how many non-finite steps in a row
+    loss scaling may not explain before training stops (runtime/reliability/step_guard.py),
+    and every how many steps replicas compare their weights (runtime/reliability/
+    replica_check.py; 0: never)."""
 
     micro_batch_size: int = 1
     gradient_accumulation_steps: int = 1
     gradient_clipping: float = 0.0  # max global norm; 0: no clipping
     max_consecutive_skipped_steps: int = 3
+    replica_check_interval: int = 0
 
     def __post_init__(self) -> None:
         if self.micro_batch_size < 1 or self.gradient_accumulation_steps < 1:
             raise ValueError(f"micro_batch_size and gradient_accumulation_steps must be at least 1, got "
                              f"{self.micro_batch_size} and {self.gradient_accumulation_steps}")
+        if self.replica_check_interval < 0:
+            raise ValueError(f"replica_check_interval must be >= 0 (0: no check), got {self.replica_check_interval}")
         if self.gradient_clipping < 0:
             raise ValueError(f"gradient_clipping must be >= 0 (0: no clipping), got {self.gradient_clipping}")
 

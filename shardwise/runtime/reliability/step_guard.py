@@ -6,6 +6,9 @@ One small all-reduce over the data-parallel ranks carries, per rank:
     1 if its loss was not finite                  -> which ranks produced NaN/inf
     how many micro-batches it ran since the step  -> ranks that skipped a batch
     how many forward/backward passes raised       -> ranks that caught an exception alone
+    which call it is in (step, or a new forward /  -> a rank that skipped step()
+      backward before step)
+    the learning rate of each param group         -> a scheduler that differs per rank
 
 so ranks agree on everything below without a second collective. Reading this rank's norm
 and loss flag for it is the one device synchronisation of a step (`_read_local`).
@@ -18,7 +21,14 @@ and loss flag for it is the one device synchronisation of a step (`_read_local`)
   ranks whose loss was not finite.
 - Ranks that ran a different number of micro-batches, or where a forward/backward raised
   on some ranks only, raise `DivergentExecutionError` before the update: their gradients
-  were averaged over different batches, so applying them would silently mix data.
+  were averaged over different batches, so applying them would silently mix data. A rank
+  that ran one micro-batch more or less than the others has windows of the same length
+  that hold different batches: the count since the start names it at the next step.
+- A rank that calls forward or backward again without step() while another is in
+  step() enters the same check (`check_call`), so both see the difference at once rather
+  than waiting out the collective timeout in collectives that no longer pair up.
+- Learning rates that differ per rank (a scheduler built from a rank-dependent value)
+  would update each replica, or each partition, with its own rate: refused.
 """
 
 from __future__ import annotations
@@ -26,6 +36,7 @@ from __future__ import annotations
 import logging
 import math
 from dataclasses import dataclass
+from typing import Sequence
 
 import torch
 
@@ -34,6 +45,13 @@ from shardwise.runtime.precision import LossScaler
 from shardwise.runtime.reliability.errors import DivergentExecutionError, NonFiniteGradientError
 
 log = logging.getLogger("shardwise")
+
+# The call a rank is in when it enters the check, and its row's fields (then one learning
+# rate per param group).
+STEP, FORWARD, BACKWARD = 1, 2, 3
+CALL_NAMES = {STEP: "step", FORWARD: "forward", BACKWARD: "backward"}
+CALL, LOSS_FLAG, WINDOW, FAILED = range(4)
+FIELDS = 4
 
 
 @dataclass(frozen=True)
@@ -76,25 +94,19 @@ class StepGuard:
         self.micro_batches = 0
 
     # -- the check ---------------------------------------------------------------------------
-    def check(self, norm_squared: torch.Tensor, scaler: LossScaler, step: int) -> StepVerdict:
-        """Agree with every rank on this step; raise if they ran different work or if too
-        many steps in a row were not finite."""
-        n = self.replicas.size
-        rank = self.replicas.rank
-        payload = torch.zeros(1 + 3 * n, dtype=torch.float64)
+    def check(self, norm_squared: torch.Tensor, scaler: LossScaler, step: int,
+              learning_rates: Sequence[float]) -> StepVerdict:
+        """Agree with every rank on this step; raise if they ran different work, apply
+        different learning rates, or if too many steps in a row were not finite."""
         local_norm_squared, loss_nonfinite = self._read_local(norm_squared)
-        payload[0] = local_norm_squared / self.replicate_size
-        payload[1 + rank] = loss_nonfinite
-        payload[1 + n + rank] = self.micro_batches
-        payload[1 + 2 * n + rank] = self.failed_passes
-        self.replicas.control_all_reduce(payload, "the step check (gradient norm, finiteness, batch counts)")
-        total_norm_squared, *summed = payload.tolist()
-        flags, counts, failures = summed[:n], summed[n : 2 * n], summed[2 * n :]
+        total_norm_squared, rows = self._exchange(STEP, local_norm_squared / self.replicate_size, loss_nonfinite,
+                                                  learning_rates)
         members = self.replicas.handle.ranks
-        self._require_same_work(step, members, counts, failures)
+        self._require_same_call(STEP, rows, members)
+        self._require_same_work(step, members, rows, learning_rates)
         self.micro_batches = 0
         self.failed_passes = 0
-        nonfinite_ranks = tuple(members[r] for r in range(n) if flags[r] > 0)
+        nonfinite_ranks = tuple(members[r] for r, row in enumerate(rows) if row[LOSS_FLAG] > 0)
         self.loss_nonfinite = None
         norm = math.sqrt(total_norm_squared) / scaler.scale if math.isfinite(total_norm_squared) else math.nan
         if math.isfinite(norm):
@@ -105,6 +117,28 @@ class StepGuard:
             self.consecutive_skips += 1
             self._report(step, nonfinite_ranks)
         return StepVerdict(norm, False, nonfinite_ranks)
+
+    def check_call(self, call: int, learning_rates: Sequence[float]) -> None:
+        """A forward (`FORWARD`) or backward (`BACKWARD`) that starts while this rank's last
+        backward has not been stepped: legitimate when every rank does it (several losses
+        per step), a skipped step() when another rank is in the step check meanwhile. The
+        same exchange as the step check, so the two pair up and both ranks can tell."""
+        _, rows = self._exchange(call, 0.0, 0.0, learning_rates)
+        self._require_same_call(call, rows, self.replicas.handle.ranks)
+
+    def _exchange(self, call: int, norm_squared: float, loss_nonfinite: float,
+                  learning_rates: Sequence[float]) -> tuple[float, list[list[float]]]:
+        """One all-reduce of [norm] + a row per rank (zeros in the others' rows, so the
+        sum gathers them); returns the summed norm and every rank's row."""
+        n, width = self.replicas.size, FIELDS + len(learning_rates)
+        payload = torch.zeros(1 + n * width, dtype=torch.float64)
+        payload[0] = norm_squared
+        payload[1 + self.replicas.rank * width:1 + (self.replicas.rank + 1) * width] = torch.tensor(
+            [call, loss_nonfinite, self.micro_batches, self.failed_passes, *learning_rates], dtype=torch.float64)
+        self.replicas.control_all_reduce(
+            payload, "the step check (gradient norm, finiteness, batch counts, learning rates)")
+        total, *rest = payload.tolist()
+        return total, [rest[r * width:(r + 1) * width] for r in range(n)]
 
     def _read_local(self, norm_squared: torch.Tensor) -> tuple[float, float]:
         """This rank's squared gradient norm and loss flag, in one device-to-host transfer.
@@ -122,7 +156,23 @@ class StepGuard:
             return first, second
         return values[0].item(), values[1].item()  # an offloaded norm is in host memory already
 
-    def _require_same_work(self, step: int, members: tuple[int, ...], counts: list, failures: list) -> None:
+    def _require_same_call(self, call: int, rows: list[list[float]], members: tuple[int, ...]) -> None:
+        calls = [int(row[CALL]) for row in rows]
+        if len(set(calls)) == 1:
+            return
+        stepping = [members[r] for r, c in enumerate(calls) if c == STEP]
+        again = [(members[r], CALL_NAMES[c]) for r, c in enumerate(calls) if c != STEP]
+        skipped = "; ".join(f"rank {rank} began a new {name} without calling step()" for rank, name in again)
+        raise DivergentExecutionError(
+            f"rank {self.replicas.global_rank}: {skipped} after its last backward, while rank(s) "
+            f"{', '.join(map(str, stepping))} called step(). Every rank must call engine.step() after each "
+            "engine.backward() (or all of them run several backwards before one step)."
+        )
+
+    def _require_same_work(self, step: int, members: tuple[int, ...], rows: list[list[float]],
+                           learning_rates: Sequence[float]) -> None:
+        counts = [row[WINDOW] for row in rows]
+        failures = [row[FAILED] for row in rows]
         if len(set(counts)) > 1:
             per_rank = ", ".join(f"rank {members[r]}: {int(c)}" for r, c in enumerate(counts))
             raise DivergentExecutionError(
@@ -139,6 +189,16 @@ class StepGuard:
                 "it went on with a different batch than the others, so the update is refused. "
                 "Skip a bad batch on every rank (e.g. agree on it first), or let the error end the run."
             )
+        for group in range(len(learning_rates)):
+            rates = [row[FIELDS + group] for row in rows]
+            if len(set(rates)) > 1:
+                per_rank = ", ".join(f"rank {members[r]}: {rate:g}" for r, rate in enumerate(rates))
+                raise DivergentExecutionError(
+                    f"rank {self.replicas.global_rank}: at optimizer step {step} the ranks would apply different "
+                    f"learning rates to param group {group} ({per_rank}), so the replicas (or the partitions) "
+                    "would drift apart and the update is refused. The learning-rate scheduler and the "
+                    "optimizer's param groups must set the same rate on every rank (no rank-dependent value)."
+                )
 
     def _report(self, step: int, ranks: tuple[int, ...]) -> None:
         where = (f"the loss was not finite on rank(s) {', '.join(map(str, ranks))}" if ranks

@@ -29,7 +29,11 @@ the same check covers the step's whole record of uses and gathers, so all ranks 
 same trace, and fetches along it are identical on every rank without checking each one.
 If one rank leaves the trace while another follows it, the first blocks in its check and
 the second in a gather that is never answered: both fail at the collective timeout with
-an error naming the module, never hang.
+an error naming the module, never hang. Every forward also begins with the same check
+(a forward with gradients, or one without): a forward one rank runs alone (an extra
+evaluation) would otherwise gather along the trace, pair its gathers with the other
+ranks' next forward, and leave every later collective one pass apart until the timeout;
+checked, it meets their forward's check or backward's end check and is named at once.
 
 Activation recomputation re-runs a checkpointed layer's forward inside backward, and its
 modules' hooks fire again. There each unit is gathered again (on demand, or by prefetch
@@ -43,6 +47,7 @@ the backward that just gathered it).
 
 from __future__ import annotations
 
+import datetime
 import math
 import zlib
 from collections import defaultdict
@@ -53,7 +58,7 @@ from torch import nn
 from torch.utils._pytree import tree_flatten
 
 from shardwise.runtime.activation.state import recomputing
-from shardwise.runtime.distributed.collectives import Communicator
+from shardwise.runtime.distributed.collectives import CollectiveError, Communicator, MismatchedCallError
 from shardwise.runtime.reliability.errors import DivergentExecutionError
 from shardwise.runtime.zero.layout import FlatUnit
 from shardwise.runtime.zero.policy import PrefetchPolicy
@@ -161,6 +166,8 @@ class GatherSchedule:
             return
         if module is self.root:
             self._begin_pass()
+            training = torch.is_grad_enabled()
+            self._agree(f"forward {training}", f"began a {'training' if training else 'no-grad'} forward")
         units = self.module_units.get(module, [])
         self.positions[module].append(self._use(units))
         for unit in units:
@@ -283,15 +290,31 @@ class GatherSchedule:
         last = f", the last of {self.units[log[-1]]}" if log else ""
         self._agree(f"end {log} {record}", f"finished backward after {len(log)} gathers{last}")
 
-    def _agree(self, signature: str, description: str) -> None:
+    def agree_on_entering(self, call: str, timeout: datetime.timedelta) -> None:
+        """`call` (gathered_parameters) gathers outside forward and backward, so every rank
+        must enter it at the same point. Its check meets another rank's forward or
+        backward-end check, naming both at once; a rank elsewhere is named after `timeout`."""
+        self._agree(f"enter {call}", f"entered {call}", timeout)
+
+    def _agree(self, signature: str, description: str, timeout: datetime.timedelta | None = None) -> None:
         """All ranks must pass the same `signature` here; otherwise raise on every rank."""
         if self.comm.world_size == 1:
             return
         checksum = zlib.crc32(signature.encode())
         both = torch.tensor([checksum, -checksum], dtype=torch.int64)
-        self.comm.control_all_reduce(
-            both, f"the stage-3 gather-order check (this rank {description})", op=dist.ReduceOp.MAX
-        )
+        try:
+            self.comm.control_all_reduce(
+                both, f"the stage-3 gather-order check (this rank {description})", op=dist.ReduceOp.MAX,
+                timeout=timeout,
+            )
+        except CollectiveError as error:
+            if timeout is None:
+                raise
+            raise MismatchedCallError(
+                f"rank {self.comm.global_rank}: this rank {description}, which is collective at ZeRO stage 3, but "
+                f"not every rank of the {self.comm.handle.describe()} did within {timeout.total_seconds():g}s "
+                f"({error})"
+            ) from error
         if both[0].item() == -both[1].item():
             return
         descriptions = self.comm.control_all_gather_object(description)

@@ -4,7 +4,10 @@ In stage 3 a parameter outside its module's forward is an empty placeholder. Cod
 reads weights elsewhere (exporting, logging norms, a loss term on a weight, custom
 initialisation) wraps that code in this context: the units holding the parameters are
 gathered on entry and released on exit. It is a collective: every rank must enter it
-with the same parameters.
+with the same parameters. At stage 3 the ranks first agree that they all entered it (the
+gather-order check, gather_schedule.py, waiting at most a fifth of the collective
+timeout): a rank that entered it alone would otherwise pair its gathers with another
+rank's forward, which aborts the process inside gloo or waits out the timeout.
 
 With `modifier_rank=r`, edits made on rank r inside the block are broadcast on exit and
 written into every rank's shard and fp32 master copy, so training continues from them.
@@ -22,6 +25,7 @@ from typing import Iterable, Iterator
 import torch
 from torch import nn
 
+from shardwise.runtime.distributed.setup import call_check_timeout, collective_timeout
 from shardwise.runtime.zero.apply import ZeroState
 
 
@@ -55,6 +59,8 @@ def _gathered_of_engine(zero: ZeroState, params: list[nn.Parameter], modifier_ra
     units = sorted({id(u): u for u in held}.values(), key=lambda unit: unit.index)  # the same order on every rank
     whole = [p for p in params if id(p) not in zero.unit_of_param]  # frozen, held whole on every rank
     strategy = zero.params
+    if units and zero.policy.partitions_parameters:
+        strategy.schedule.agree_on_entering("gathered_parameters", call_check_timeout(collective_timeout()))
     strategy.acquire(units)
     try:
         yield

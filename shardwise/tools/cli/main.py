@@ -10,6 +10,7 @@ import argparse
 import importlib
 import sys
 
+LAUNCHING = ("train", "run")  # commands that start workers: stop signals end them (launcher/interrupts.py)
 COMMANDS = {
     "train": "shardwise.tools.train.cli",
     "run": "shardwise.tools.launcher.cli",
@@ -29,6 +30,11 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
+    command = (sys.argv[1:] if argv is None else argv)[:1]
+    if command and command[0] in LAUNCHING:
+        from shardwise.tools.launcher.interrupts import defer_stop_signals
+
+        defer_stop_signals()
     parser = build_parser()
     args = parser.parse_args(argv)
     return int(args.handler(args) or 0)

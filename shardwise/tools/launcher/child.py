@@ -4,7 +4,8 @@ user's script in every worker.
 The script runs unmodified and sees what `python SCRIPT ARGS...` would show it:
 `sys.argv` is `[SCRIPT, *ARGS]`, `sys.path[0]` the script's directory, `__name__`
 "__main__", and an exception it raises is printed from the script's frames down, exit
-status 1. Before it starts, the worker is tied to the launcher's life
+status 1, and its one-line summary goes to torchrun's error file for the worker, which
+the launcher reads to name the failing rank and its exception. Before it starts, the worker is tied to the launcher's life
 (`die_with_launcher`), which a plain `python` cannot do. A KeyboardInterrupt the script
 lets through (the launcher forwards a Ctrl-C as SIGINT) ends the worker quietly with
 status 130, as shells report it, and without running exit handlers: the launcher prints
@@ -13,10 +14,12 @@ the one line about the interrupt.
 
 from __future__ import annotations
 
+import json
 import os
 import runpy
 import signal
 import sys
+import time
 from types import TracebackType
 
 from shardwise.tools.launcher.lifeline import die_with_launcher
@@ -41,11 +44,22 @@ def main() -> None:
         try:
             error.__traceback__ = _from_script(error.__traceback__, script)
             sys.excepthook(type(error), error, error.__traceback__)
+            _record_for_the_launcher(error)
         except KeyboardInterrupt:
             # A Ctrl-C was pending when the script failed: the failure is its echo (a
             # collective whose peer the same Ctrl-C already ended), not news.
             _exit_quietly(INTERRUPTED)
         sys.exit(1)
+
+
+def _record_for_the_launcher(error: Exception) -> None:
+    """Write `ExceptionType: message` where torchrun's agent reads a worker's failure
+    (TORCHELASTIC_ERROR_FILE, the format its `@record` writes with a plain message); the
+    traceback itself is already on stderr."""
+    path = os.environ.get("TORCHELASTIC_ERROR_FILE")
+    if path:
+        with open(path, "w") as handle:
+            json.dump({"message": f"{type(error).__name__}: {error}", "timestamp": str(int(time.time()))}, handle)
 
 
 def _exit_quietly(status: int) -> None:

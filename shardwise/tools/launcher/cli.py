@@ -22,7 +22,7 @@ from shardwise.tools.launcher.agent import run_agent
 from shardwise.tools.launcher.hosts import (
     DEFAULT_MASTER_PORT, add_hostfile_options, plan_hosts, refuse_hostfile_options, run_on_hosts,
 )
-from shardwise.tools.launcher.interrupts import Interrupted, interruptible
+from shardwise.tools.launcher.interrupts import Interrupted, interruptible, raise_deferred_stop
 
 CHILD_MODULE = "shardwise.tools.launcher.child"
 DEFAULT_CPU_PROCESSES = 2
@@ -182,6 +182,7 @@ def resolve_nproc(args: argparse.Namespace) -> argparse.Namespace:
 def main(args: argparse.Namespace) -> int:
     with interruptible():
         try:
+            raise_deferred_stop()
             return _launch(args)
         except Interrupted as stop:
             print(f"shardwise run: {stop}; stopped every worker of {args.script}", file=sys.stderr)
@@ -213,10 +214,27 @@ def _launch(args: argparse.Namespace) -> int:
             run_agent([*torchrun_options, "--module"], CHILD_MODULE, [script, *first_args, *args.script_args],
                       environment)
     except ChildFailedError as error:
+        print(first_failure(error.failures), file=sys.stderr)
         # Named after the script, not the module every worker starts it through.
         print(ChildFailedError(name=script, failures=error.failures).format_msg(), file=sys.stderr)
         return 1
     return 0
+
+
+def first_failure(failures: dict) -> str:
+    """One line before torchrun's report (tens of lines per rank): the rank that failed
+    first and why, from its error file (launcher/child.py writes it), its signal or its
+    exit status; ranks that failed after it (often only because it did) are counted."""
+    rank, failure = min(failures.items(), key=lambda item: (item[1].timestamp, item[0]))
+    if failure.error_file_data:
+        cause = str(failure.message).splitlines()[0] if str(failure.message).strip() else "an exception"
+    elif failure.exitcode < 0:
+        cause = f"killed by {failure.signal_name()}"
+    else:
+        cause = f"exit status {failure.exitcode}"
+    later = sorted(set(failures) - {rank})
+    after = f" (rank(s) {', '.join(map(str, later))} failed too)" if later else ""
+    return f"shardwise run: rank {rank} failed first: {cause}{after}"
 
 
 @contextmanager

@@ -12,6 +12,13 @@ cuts that wait short: the launcher kills its workers (`lifeline.kill_workers`) a
 as after the first. From the first stop signal on, log output is switched off: the
 agent's shutdown messages would bury the one line.
 
+Before the command reaches `interruptible()` (parsing, importing torch: seconds), a stop
+signal would kill the launcher with a KeyboardInterrupt traceback, or, in a job started
+in the background, where the shell sets SIGINT to be ignored, be lost, and the job would
+run to its end. `defer_stop_signals()`, called first thing by the commands that launch
+workers, notes such a signal, and `raise_deferred_stop()`, first thing inside the command's
+`interruptible()` block, raises it as `Interrupted`, before any worker starts.
+
 The agent is told to handle only SIGQUIT itself (`AGENT_SIGNALS`), so that it does not
 replace these handlers when it starts the workers.
 """
@@ -65,6 +72,16 @@ class _StopHandler:
 
 
 _active: _StopHandler | None = None
+_deferred: list[int] = []  # stop signals received before `interruptible()`
+_before_deferral: dict[int, object] = {}  # the handlers `interruptible()` restores on exit
+
+
+def defer_stop_signals() -> None:
+    """From now until `interruptible()`: remember stop signals (main thread only)."""
+    if threading.current_thread() is threading.main_thread():
+        for signum in STOP_SIGNALS:
+            _before_deferral.setdefault(signum, signal.getsignal(signum))
+            signal.signal(signum, lambda received, frame: _deferred.append(received))
 
 
 @contextmanager
@@ -76,7 +93,7 @@ def interruptible() -> Iterator[None]:
         yield
         return
     handler = _StopHandler()
-    previous = {signum: signal.getsignal(signum) for signum in STOP_SIGNALS}
+    previous = {signum: _before_deferral.pop(signum, signal.getsignal(signum)) for signum in STOP_SIGNALS}
     for signum in STOP_SIGNALS:
         signal.signal(signum, handler)
     _active = handler
@@ -88,6 +105,15 @@ def interruptible() -> Iterator[None]:
             signal.signal(signum, action)
         if handler.received:
             logging.disable(logging.NOTSET)
+
+
+def raise_deferred_stop() -> None:
+    """Inside `interruptible()`: raise a stop signal `defer_stop_signals` noted as if it
+    came now (a no-op when none did)."""
+    if _deferred and _active is not None:
+        signum = _deferred[0]
+        _deferred.clear()
+        _active(signum, None)
 
 
 @contextmanager

@@ -18,7 +18,7 @@ import sys
 import time
 from pathlib import Path
 
-from shardwise.tools.launcher.interrupts import Interrupted, interruptible
+from shardwise.tools.launcher.interrupts import Interrupted, interruptible, raise_deferred_stop
 from shardwise.tools.train.options import (
     DEFAULT_COMPARE_STEPS,
     DEFAULT_LR,
@@ -125,6 +125,7 @@ def main(args: argparse.Namespace) -> int:
     started = time.perf_counter()
     with interruptible():
         try:
+            raise_deferred_stop()
             options, nproc = prepare_run(args)
         except (ValueError, ConfigError, OSError) as error:
             print(f"shardwise train: error: {error}", file=sys.stderr)

@@ -114,9 +114,11 @@ def test_reference_engine_equals_plain_torch(stage):
         assert len(result["refused"]) == 2
         assert all("no optimizer, so it only runs forward" in text for text in result["refused"])
         assert result["optimizer"] is None
-        # stage 3: one all-gather of every partitioned unit per forward, b·Ψ(N-1)/N; nothing else
+        # stage 3: one all-gather of every partitioned unit per forward, b·Ψ(N-1)/N, and the
+        # forward's 16-byte check that every rank runs it (zero/gather_schedule.py); nothing else
         sent = {key: value for key, value in result["forward_volume"].items() if value}
-        assert sent == ({"all_gather": result["expected_volume"]} if stage == 3 else {}), result["forward_volume"]
+        volume = {"all_gather": result["expected_volume"], "control": 16} if stage == 3 else {}
+        assert sent == volume, result["forward_volume"]
         memory = result["memory"]
         assert not memory.get("optimizer_states") and not memory.get("gradients"), memory
         if stage == 3:  # 1/N of the weights, plus alignment padding and the small persistent ones

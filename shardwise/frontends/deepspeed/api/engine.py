@@ -34,6 +34,7 @@ from shardwise.runtime.distributed.setup import call_check_timeout
 from shardwise.runtime.engine import Job, Policies
 from shardwise.runtime.precision.casting import to_device
 from shardwise.runtime.parallel.pipeline.sequential import SequentialStages
+from shardwise.runtime.parallel.pipeline.runner import take_micro_batches
 
 log = logging.getLogger("shardwise")
 
@@ -271,8 +272,7 @@ class DeepSpeedEngine(ConfiguredEngine):
         self.module.train(train and was_training)
         losses = []
         try:
-            for _ in range(self.gradient_accumulation_steps):
-                inputs, labels = next(data_iter)
+            for inputs, labels in take_micro_batches(data_iter, self.gradient_accumulation_steps):
                 inputs, labels = to_device((inputs, labels), self.device)
                 with torch.enable_grad() if train else torch.no_grad():
                     output = self(inputs)

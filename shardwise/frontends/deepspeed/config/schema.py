@@ -108,7 +108,16 @@ class OffloadOptimizerConfig(OffloadConfig):
     stays on the device and is updated there (offload/split_store.py)."""
 
     buffer_count: Int = Field(4, ge=0)
-    ratio: Float = Field(1.0, ge=0, le=1)
+    ratio: Float = Field(1.0, le=1)
+
+    @field_validator("ratio")
+    @classmethod
+    def _offloads_something(cls, ratio: float) -> float:
+        """DeepSpeed accepts 0 and then offloads nothing while the device says "cpu"."""
+        if ratio <= 0:
+            raise ValueError(f"ratio {ratio} offloads no part of the optimizer state: give the fraction to offload "
+                             "in (0, 1], or set offload_optimizer.device to \"none\" to keep it all on the device")
+        return ratio
 
 
 class OffloadParamConfig(OffloadConfig):
@@ -135,7 +144,7 @@ class ZeroConfig(Section):
     stage3_max_live_parameters: Int = Field(1_000_000_000, ge=0)
     stage3_max_reuse_distance: Int = Field(1_000_000_000, ge=0)
     stage3_gather_16bit_weights_on_model_save: Bool = False
-    sub_group_size: Int = Field(1_000_000_000, ge=0)
+    sub_group_size: Int = 1_000_000_000
     mics_shard_size: Int = Field(
         -1, json_schema_extra={"default_doc": "-1 (off: states sharded over the whole data-parallel group)"}
     )
@@ -159,6 +168,15 @@ class ZeroConfig(Section):
     def _shard_size(cls, size: int) -> int:
         if size != -1 and size < 1:
             raise ValueError(f"{size} is not a shard-group size: use a positive number of ranks, or -1 for off")
+        return size
+
+    @field_validator("sub_group_size")
+    @classmethod
+    def _positive_sub_group(cls, size: int) -> int:
+        """DeepSpeed reads 0 as one parameter per sub-group, the opposite of "no limit"."""
+        if size <= 0:
+            raise ValueError(f"sub_group_size {size} must be a positive number of elements: the optimizer steps (and "
+                             "offload pages) that many at once; use a large value such as 1e9 for one sub-group")
         return size
 
     @field_validator("reduce_bucket_size", "allgather_bucket_size")
@@ -417,6 +435,15 @@ _COMMUNICATION_DTYPES = {
 }
 
 
+class ReplicaCheckConfig(Section):
+    """shardwise addition: every `interval` optimizer steps, and before each checkpoint is
+    saved, the data-parallel replicas compare a checksum of their weights and stop with an
+    error naming the first parameter and the ranks that differ (0: off). Stages 0-2, where
+    every replica holds whole parameters (shardwise/runtime/reliability/replica_check.py)."""
+
+    interval: Int = Field(0, ge=0)
+
+
 class ShardwiseConfig(Section):
     """A whole training config with DeepSpeed's key names, every value resolved."""
 
@@ -443,6 +470,7 @@ class ShardwiseConfig(Section):
         description="shardwise addition: stop with an error after this many consecutive optimizer "
         "steps skipped for non-finite gradients that loss scaling cannot explain",
     )
+    replica_check: ReplicaCheckConfig = Field(default_factory=ReplicaCheckConfig)
     steps_per_print: Int = Field(10, ge=1)
     dataloader_drop_last: Bool = Field(
         False, description="the data loader built by deepspeed.initialize(training_data=...) drops the last, "

@@ -86,7 +86,7 @@ class PipelineRunner:
     def run(self, data_iter: Iterator[Any], loss_fn: Callable[..., torch.Tensor] | None, train: bool) -> torch.Tensor:
         """The mean loss of one global batch (on every rank); with `train`, one optimizer
         step (the engine has checked that no accumulation window is open)."""
-        contexts = [self._context(next(data_iter)) for _ in range(self.micro_batches)]
+        contexts = [self._context(micro_batch) for micro_batch in take_micro_batches(data_iter, self.micro_batches)]
         plan = self._plan(train)
         losses: dict[int, torch.Tensor] = {}
         self.stash: dict[tuple[int, int], tuple[torch.Tensor | None, torch.Tensor]] = {}
@@ -286,6 +286,23 @@ class PipelineRunner:
             total /= self.micro_batches * self.data.size
         self.pipeline.control_all_reduce(total, "the batch's loss from the last stage")
         return total[0].float()
+
+
+def take_micro_batches(data_iter: Iterator[Any], count: int) -> list[Any]:
+    """One batch's `count` micro-batches, all taken before any runs: an iterator that
+    runs out is named here, rather than as a bare StopIteration (which a caller's `for`
+    loop would take for its own end) after part of an accumulation window was trained."""
+    micro_batches = []
+    for _ in range(count):
+        try:
+            micro_batches.append(next(data_iter))
+        except StopIteration:
+            raise ValueError(
+                f"the data iterator ran out after {len(micro_batches)} micro-batch(es), but one batch runs {count} "
+                "(pipeline_parallel.micro_batches, default gradient_accumulation_steps): give an iterator with at "
+                "least that many, e.g. wrap a finite loader in deepspeed.utils.RepeatingLoader"
+            ) from None
+    return micro_batches
 
 
 def _count_saved(tensor: torch.Tensor, saved: dict[int, int], parameter_storage: set[int]) -> torch.Tensor:
