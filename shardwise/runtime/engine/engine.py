@@ -47,6 +47,7 @@ from shardwise.runtime.precision import LossScaler
 from shardwise.runtime.precision.casting import autocast_for, cast_floating, cast_unheld_state
 from shardwise.runtime.reliability.step_guard import StepGuard
 from shardwise.runtime.zero.apply import ZeroGroups, apply_zero
+from shardwise.runtime.zero.zenflow import ZenFlow
 from shardwise.runtime.zero.trainable import evaluated_parameters, frozen_parameters, trainable_parameters
 
 if TYPE_CHECKING:
@@ -135,6 +136,9 @@ class Engine(nn.Module):
         self.global_steps = 0
         self.skipped_steps = 0
         self.last_grad_norm: float | None = None
+        self.zenflow = self._zenflow_for(policies) if self.trains else None
+        # what each loss is divided by: the accumulation count (ZenFlow's update interval)
+        self.loss_divisor = self.zenflow.update_interval if self.zenflow is not None else self.gradient_accumulation_steps
         self.lr_scheduler = (make_scheduler(lr_scheduler, policies.scheduler, self.optimizer.optimizer)
                              if self.trains else None)
         self.loss_scaler = LossScaler.from_policy(policies.precision.loss_scaling)
@@ -189,7 +193,7 @@ class Engine(nn.Module):
         if not self.zero.reducer.sync_in_backward:  # inside no_sync: accumulate only
             self._local_backward(loss)
             return
-        scale = self.loss_scaler.scale / self.gradient_accumulation_steps
+        scale = self.loss_scaler.scale / self.loss_divisor
         self.zero.reducer.begin_backward(boundary=self.is_gradient_accumulation_boundary())
         self.guard.note_loss(loss)
         try:
@@ -205,7 +209,7 @@ class Engine(nn.Module):
         self.zero.reducer.begin_backward(boundary=False)
         self.guard.note_loss(loss)
         try:
-            (loss.float() * self.loss_scaler.scale / self.gradient_accumulation_steps).backward()
+            (loss.float() * self.loss_scaler.scale / self.loss_divisor).backward()
             self.zero.reducer.end_backward()
         except BaseException:
             self._abort_backward()
@@ -277,7 +281,12 @@ class Engine(nn.Module):
         verdict = self.guard.check(norm_squared, self.loss_scaler, self.global_steps)
         self.last_grad_norm = verdict.norm
         self.loss_scaler.update(not verdict.apply)
-        if verdict.apply:
+        if verdict.apply and self.zenflow is not None:  # clips the window's sum when the CPU updates
+            self.zenflow.step(self.micro_steps - 1, grad_scale=1 / scale,
+                              max_norm=self.policies.training.gradient_clipping)
+            if self.lr_scheduler is not None:
+                self.lr_scheduler.step()
+        elif verdict.apply:
             clip = 1.0
             max_norm = self.policies.training.gradient_clipping
             if max_norm > 0:
@@ -290,6 +299,23 @@ class Engine(nn.Module):
             self.skipped_steps += 1
         self.zero.reducer.zero_grads()
         self.global_steps += 1
+
+    def _zenflow_for(self, policies: Policies) -> ZenFlow | None:
+        """ZenFlow's step (zero/zenflow.py) when the policy asks for it; it accumulates over
+        its own update interval, so the engine's accumulation count must be 1."""
+        if policies.zero.zenflow is None:
+            return None
+        if self.gradient_accumulation_steps != 1:
+            raise ValueError(f"ZenFlow accumulates gradients over zenflow.update_interval itself (DeepSpeed replaces "
+                             f"gradient_accumulation_steps by it); got gradient_accumulation_steps "
+                             f"{self.gradient_accumulation_steps}: set it to 1")
+        if policies.precision.loss_scaling is not None:
+            raise ValueError("ZenFlow with fp16 loss scaling is not supported: a skipped step would leave the "
+                             "device's selective update and the host's window sum apart; use bf16 or fp32")
+        if self.mesh.sizes.size("pipeline") > 1 or self.mesh.sizes.size("tensor") > 1:
+            raise ValueError("ZenFlow with pipeline or tensor parallelism is not supported: use data parallelism")
+        return ZenFlow(policies.zero.zenflow, optimizer=self.optimizer, params=self.zero.params,
+                       shard=self.zero.groups.shard, ledger=self.ledger, device=self.device)
 
     # -- pipeline parallelism: DeepSpeed's PipelineEngine calls ------------------------------
     def _pipeline_runner_for(self, model: nn.Module) -> PipelineRunner | None:
