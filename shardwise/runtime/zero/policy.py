@@ -87,12 +87,14 @@ class ZenFlowPolicy:
     gradient is largest (and every 1-D parameter) are updated on the device every step by
     a selective AdamW; every gradient accumulates on the host and the CPU optimizer applies
     the sum every `update_interval` steps. Columns are chosen again every
-    `select_interval_steps` (0: only once, after warm-up); the first `full_warm_up_rounds`
-    steps are ordinary offloaded steps (runtime/zero/zenflow.py)."""
+    `select_interval_steps`, or every `select_interval_epochs` epochs of the training data
+    once its length is known (neither: only once, after warm-up); the first
+    `full_warm_up_rounds` steps are ordinary offloaded steps (runtime/zero/zenflow.py)."""
 
     topk_ratio: float = 0.1
     update_interval: int = 1
     select_interval_steps: int = 0
+    select_interval_epochs: int = 0
     full_warm_up_rounds: int = 0
 
     def __post_init__(self) -> None:
@@ -100,9 +102,11 @@ class ZenFlowPolicy:
             raise ValueError(f"zenflow topk_ratio must be in (0, 1), got {self.topk_ratio}")
         if self.update_interval < 1:
             raise ValueError(f"zenflow update_interval must be at least 1, got {self.update_interval}")
-        if self.select_interval_steps < 0 or self.full_warm_up_rounds < 0:
-            raise ValueError("zenflow select interval and full_warm_up_rounds must not be negative, got "
-                             f"{self.select_interval_steps} and {self.full_warm_up_rounds}")
+        if min(self.select_interval_steps, self.select_interval_epochs, self.full_warm_up_rounds) < 0:
+            raise ValueError("zenflow select intervals and full_warm_up_rounds must not be negative, got "
+                             f"{self.select_interval_steps}, {self.select_interval_epochs} and {self.full_warm_up_rounds}")
+        if self.select_interval_steps and self.select_interval_epochs:
+            raise ValueError("zenflow selects by steps or by epochs, not both")
         if self.select_interval_steps and self.select_interval_steps < self.update_interval:
             raise ValueError(f"zenflow select interval ({self.select_interval_steps} steps) must be at least "
                              f"update_interval ({self.update_interval}), as DeepSpeed requires: the columns "

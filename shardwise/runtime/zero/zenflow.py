@@ -28,7 +28,7 @@ stays one step's gradient.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 
@@ -125,6 +125,18 @@ class ZenFlow:
         # the host's window sum, laid out as the store's gradient partition
         self.window = [torch.zeros_like(grad, dtype=torch.float32) for grad in self.store.gradients()]
         ledger.hold("grads", sum(tensor_bytes(window) for window in self.window), tier="host")
+
+    def learn_epoch_length(self, steps_per_epoch: int) -> None:
+        """The training data's batches per epoch (DeepSpeed reads `len(training_dataloader)`):
+        an epoch-based selection interval becomes a number of steps."""
+        epochs = self.policy.select_interval_epochs
+        if not epochs:
+            return
+        interval = epochs * steps_per_epoch
+        if interval < self.policy.update_interval:
+            raise ValueError(f"zenflow select interval ({epochs} epoch(s) of {steps_per_epoch} steps) is shorter than "
+                             f"update_interval {self.policy.update_interval}: select by steps, or update more often")
+        self.schedule = replace(self.schedule, select_interval=interval)
 
     @property
     def update_interval(self) -> int:

@@ -106,17 +106,15 @@ def plus_plus_policy(cfg: ShardwiseConfig) -> ZeroPlusPlusPolicy:
     return policy
 
 
-def zenflow_policy(section: ZenFlowConfig, steps_per_epoch: int | None = None) -> ZenFlowPolicy:
+def zenflow_policy(section: ZenFlowConfig) -> ZenFlowPolicy:
     """DeepSpeed's reading (runtime/zenflow/engine.py): "auto" selects every epoch; an
-    epoch interval counts the training data's batches, and without them (0) columns are
-    chosen once, when warm-up ends."""
-    if section.select_strategy == "step":
-        interval = section.select_interval
-    else:
-        epochs = 1 if section.select_strategy == "auto" else section.select_interval
-        interval = epochs * steps_per_epoch if steps_per_epoch else 0
+    epoch interval counts the batches of the training data given to `initialize` (the
+    engine learns them then), and without it columns are chosen once, after warm-up."""
+    step = section.select_strategy == "step"
+    epochs = 1 if section.select_strategy == "auto" else section.select_interval
     return ZenFlowPolicy(topk_ratio=section.topk_ratio, update_interval=section.update_interval,
-                         select_interval_steps=interval, full_warm_up_rounds=section.full_warm_up_rounds)
+                         select_interval_steps=section.select_interval if step else 0,
+                         select_interval_epochs=0 if step else epochs, full_warm_up_rounds=section.full_warm_up_rounds)
 
 
 def offload_policy(section: OffloadConfig, cfg: ShardwiseConfig) -> OffloadPolicy:
