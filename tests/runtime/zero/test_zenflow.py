@@ -17,6 +17,7 @@ import pytest
 import torch
 
 import shardwise
+from shardwise.formulas.communication import zenflow_selected_elements, zenflow_transfer_bytes
 from shardwise.tools.testing import run_distributed
 
 LR, EPS, DECAY, BETAS = 1e-2, 1e-4, 0.01, (0.9, 0.999)
@@ -57,7 +58,13 @@ def train(rank: int, world: int, stage: int) -> dict:
         columns.append({names[id(e.slot.param)]: None if e.columns is None else e.columns.tolist()
                         for e in engine.zenflow.selected})
         per_step.append({n: p.detach().clone() for n, p in model.named_parameters()})
-    return {"initial": initial, "params": per_step, "columns": columns}
+    schedule = engine.zenflow.schedule
+    return {"initial": initial, "params": per_step, "columns": columns,
+            "moved": engine.comm_volume(per_group=True)["offload"],
+            "partition": (engine.num_parameters() + engine.padding_elements()) // world,
+            "updates": sum(schedule.updates(m) for m in range(STEPS)),
+            "selective_steps": sum(schedule.selective(m) for m in range(STEPS)),
+            "shapes": [tuple(p.shape) for p in model.parameters()]}
 
 
 class Reference:
@@ -177,5 +184,17 @@ def test_zenflow_matches_its_rule_in_float64(stage, world):
             assert error < 1e-5, (m, name, float(error))
         changed_columns |= m > 0 and result["columns"][m] != result["columns"][m - 1]
     assert changed_columns  # the selection did change at a reselection
-    moved_selected = result["columns"][-1]["2.weight"]
-    assert len(moved_selected) == 3  # 12 columns x 0.25
+    assert len(result["columns"][-1]["2.weight"]) == 3  # 12 columns x 0.25
+    if world == 1:  # every selected element is this rank's: the formula to the byte
+        selected = zenflow_selected_elements(result["shapes"], ZENFLOW["topk_ratio"])
+        assert result["moved"] == zenflow_transfer_bytes(
+            result["partition"], selected, steps=STEPS, updates=result["updates"],
+            selective_steps=result["selective_steps"], grad_bytes=4, param_bytes=4)
+
+
+def test_selected_elements_and_bytes_per_window():
+    # 12x8 weight: 2 of 8 columns (x12 rows); 6x12: 3 of 12 (x6); biases whole; a 1-column
+    # weight still keeps one column
+    assert zenflow_selected_elements([(12, 8), (12,), (6, 12), (6,), (5, 1)], 0.25) == 24 + 12 + 18 + 6 + 5
+    moved = zenflow_transfer_bytes(1000, 60, steps=8, updates=2, selective_steps=8, grad_bytes=2, param_bytes=2)
+    assert moved == {"device_to_host": 8 * 1000 * 2, "host_to_device": 8 * 60 * 4 + 2 * 1000 * 2}
