@@ -29,6 +29,7 @@ stays one step's gradient.
 from __future__ import annotations
 
 from dataclasses import dataclass, replace
+from typing import Callable
 
 import torch
 
@@ -137,6 +138,77 @@ class ZenFlow:
             raise ValueError(f"zenflow select interval ({epochs} epoch(s) of {steps_per_epoch} steps) is shorter than "
                              f"update_interval {self.policy.update_interval}: select by steps, or update more often")
         self.schedule = replace(self.schedule, select_interval=interval)
+
+    # -- checkpoints (runtime/checkpoint/zenflow_state.py) -------------------------------------
+    def settle_masters(self) -> None:
+        """Write the device's selected values into the fp32 masters. Between selections the
+        masters of selected columns (and 1-D parameters) are stale: training never reads
+        them (the device values are restored after every CPU update, and a selection takes
+        the masters from the device), but a checkpoint saves the masters as the weights."""
+        entries = {id(entry.slot): entry for entry in self.selected if entry.columns is not None or
+                   (not entry.is_matrix and entry.exp_avg is not None)}
+        for unit in self.store.units:
+            master = self.store.master_chunk(unit)
+            for piece in unit.owned_pieces(self.store.chunk):
+                entry = entries.get(id(piece.slot))
+                if entry is None:
+                    continue
+                values = piece.slot.param.data.reshape(-1)[piece.start : piece.stop].float()
+                target = master[piece.chunk_offset : piece.chunk_offset + piece.numel]
+                if not entry.is_matrix:
+                    target.copy_(values)
+                    continue
+                columns = piece.slot.shape[1]
+                chosen = torch.zeros(columns, dtype=torch.bool)
+                chosen[entry.columns.cpu()] = True
+                keep = chosen[torch.arange(piece.start, piece.stop) % columns]
+                target[keep] = values.to(target.device)[keep]
+
+    def state_record(self) -> dict:
+        """What a checkpoint keeps besides the tensors of `state_tensors`."""
+        return {"columns": {e.slot.name: None if e.columns is None else e.columns.tolist() for e in self.selected},
+                "steps": {e.slot.name: e.steps for e in self.selected},
+                "window_sizes": [window.numel() for window in self.window]}
+
+    def state_tensors(self) -> dict[str, torch.Tensor]:
+        tensors = {f"window.{index}": window for index, window in enumerate(self.window)}
+        for entry in self.selected:
+            if entry.exp_avg is not None:
+                tensors[f"exp_avg.{entry.slot.name}"] = entry.exp_avg.reshape(-1)
+                tensors[f"exp_avg_sq.{entry.slot.name}"] = entry.exp_avg_sq.reshape(-1)
+        return tensors
+
+    def load_state(self, record: dict, read: Callable[[str, torch.Tensor], None], same_layout: bool) -> None:
+        """Restore what `state_record` / `state_tensors` saved; `read(key, out)` fills a tensor.
+        The window sum is laid out by this rank's partition: at another world size it can
+        only be resumed empty (a checkpoint taken right after a CPU update)."""
+        for entry in self.selected:
+            columns = record["columns"].get(entry.slot.name)
+            entry.columns = None if columns is None else torch.tensor(columns, dtype=torch.long, device=self.device)
+            entry.steps = record["steps"].get(entry.slot.name, 0)
+            key = f"exp_avg.{entry.slot.name}"
+            if columns is None and (entry.is_matrix or entry.steps == 0):
+                continue
+            shape = (entry.slot.shape[0], len(columns)) if entry.is_matrix else tuple(entry.slot.shape)
+            if entry.exp_avg is None:
+                entry.exp_avg = torch.zeros(shape, dtype=torch.float32, device=self.device)
+                entry.exp_avg_sq = torch.zeros_like(entry.exp_avg)
+                self.ledger.hold("optimizer_states", 2 * tensor_bytes(entry.exp_avg))
+            read(key, entry.exp_avg.view(-1))
+            read(f"exp_avg_sq.{entry.slot.name}", entry.exp_avg_sq.view(-1))
+        if same_layout and record["window_sizes"] == [window.numel() for window in self.window]:
+            for index, window in enumerate(self.window):
+                read(f"window.{index}", window)
+            return
+        for index, size in enumerate(record["window_sizes"]):
+            saved = torch.zeros(size)
+            read(f"window.{index}", saved)
+            if saved.any():
+                raise ValueError("this checkpoint was saved in the middle of a ZenFlow update window, at another "
+                                 "world size: the host's gradient sum cannot be laid out again; resume at the saving "
+                                 "world size, or save right after a CPU update (every update_interval steps)")
+        for window in self.window:
+            window.zero_()
 
     @property
     def update_interval(self) -> int:
