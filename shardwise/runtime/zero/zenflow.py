@@ -196,6 +196,8 @@ class ZenFlow:
                 self.ledger.hold("optimizer_states", 2 * tensor_bytes(entry.exp_avg))
             read(key, entry.exp_avg.view(-1))
             read(f"exp_avg_sq.{entry.slot.name}", entry.exp_avg_sq.view(-1))
+        if all(entry.columns is not None for entry in self.selected if entry.is_matrix):
+            self._plan_gathers()
         if same_layout and record["window_sizes"] == [window.numel() for window in self.window]:
             for index, window in enumerate(self.window):
                 read(f"window.{index}", window)
@@ -265,6 +267,7 @@ class ZenFlow:
             chosen = torch.split(indices, [len(c) for c in chosen])
         for entry, columns in zip(matrices, chosen):
             entry.columns = columns
+        self._plan_gathers()
         for entry in self.selected:
             shape = (entry.slot.shape[0], len(entry.columns)) if entry.is_matrix else tuple(entry.slot.shape)
             if entry.exp_avg is None:
@@ -275,38 +278,47 @@ class ZenFlow:
                 entry.exp_avg.zero_()
                 entry.exp_avg_sq.zero_()
 
+    def _plan_gathers(self) -> None:
+        """For the current selection: which elements of each unit's gradient chunk go where
+        in the flat buffer of selected gradients (made once per selection, used every step)."""
+        self.shapes = [(e.slot.shape[0], len(e.columns)) if e.is_matrix else tuple(e.slot.shape) for e in self.selected]
+        self.sizes = [torch.Size(shape).numel() for shape in self.shapes]
+        offsets = dict(zip((id(e.slot) for e in self.selected),
+                           torch.tensor([0, *self.sizes[:-1]]).cumsum(0).tolist()))
+        entries = {id(e.slot): e for e in self.selected}
+        self.gathers: list[tuple[torch.Tensor, torch.Tensor]] = []  # per unit: (from the chunk, into the flat buffer)
+        for unit in self.store.units:
+            sources, targets = [], []
+            for piece in unit.owned_pieces(self.store.chunk):
+                entry = entries[id(piece.slot)]
+                flat_index = torch.arange(piece.start, piece.stop)
+                if entry.is_matrix:
+                    columns = piece.slot.shape[1]
+                    position = torch.full((columns,), -1, dtype=torch.long)
+                    position[entry.columns.cpu()] = torch.arange(len(entry.columns))
+                    where = position[flat_index % columns]
+                    kept = where >= 0
+                    target = (flat_index[kept] // columns) * len(entry.columns) + where[kept]
+                    source = (flat_index - piece.start + piece.chunk_offset)[kept]
+                else:
+                    target, source = flat_index, flat_index - piece.start + piece.chunk_offset
+                sources.append(source)
+                targets.append(target + offsets[id(piece.slot)])
+            self.gathers.append((torch.cat(sources), torch.cat(targets)))
+        self.owned_selected = sum(len(source) for source, _ in self.gathers)
+
     def _selected_gradients(self, grad_scale: float) -> list[torch.Tensor]:
         """Each parameter's selected gradient, whole on every rank: each rank fills the
         elements its chunk holds and the sum over the shard group completes them."""
-        shapes = [(e.slot.shape[0], len(e.columns)) if e.is_matrix else tuple(e.slot.shape) for e in self.selected]
-        sizes = [torch.Size(shape).numel() for shape in shapes]
-        flat = torch.zeros(sum(sizes), dtype=torch.float32)
-        views = dict(zip((id(e.slot) for e in self.selected), torch.split(flat, sizes)))
-        entries = {id(e.slot): e for e in self.selected}
-        moved = 0
-        for unit, grad in zip(self.store.units, self.store.gradients()):
-            for piece in unit.owned_pieces(self.store.chunk):
-                entry = entries[id(piece.slot)]
-                part = grad[piece.chunk_offset : piece.chunk_offset + piece.numel].float()
-                view = views[id(piece.slot)]
-                if not entry.is_matrix:
-                    view[piece.start : piece.stop] = part
-                    moved += piece.numel
-                    continue
-                rows, columns = piece.slot.shape
-                position = torch.full((columns,), -1, dtype=torch.long)
-                position[entry.columns.cpu()] = torch.arange(len(entry.columns))
-                flat_index = torch.arange(piece.start, piece.stop)
-                where = position[flat_index % columns]
-                kept = where >= 0
-                view.view(rows, -1)[flat_index[kept] // columns, where[kept]] = part[kept]
-                moved += int(kept.sum())
-        self.store.moved["host_to_device"] += moved * flat.element_size()
+        flat = torch.zeros(sum(self.sizes), dtype=torch.float32)
+        for (source, target), grad in zip(self.gathers, self.store.gradients()):
+            flat[target] = grad[source].float()
+        self.store.moved["host_to_device"] += self.owned_selected * flat.element_size()
         flat = flat.to(self.device)
         self.shard.all_reduce(flat, "zenflow selected gradients").wait()
         if grad_scale != 1.0:
             flat.mul_(grad_scale)
-        return [view.view(shape) for view, shape in zip(torch.split(flat, sizes), shapes)]
+        return [view.view(shape) for view, shape in zip(torch.split(flat, self.sizes), self.shapes)]
 
     @torch.no_grad()
     def _selective_step(self, grads: list[torch.Tensor] | None) -> None:
