@@ -32,3 +32,19 @@ def test_the_alias_finds_deepspeed_s_module_paths():
     result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert result.returncode == 0, result.stderr
     assert result.stdout.strip() == "torch.Size([2, 4, 4])"
+
+
+def test_the_alias_finds_the_curriculum_scheduler():
+    code = (
+        "from shardwise.frontends.deepspeed.alias import install_alias\n"
+        "install_alias()\n"
+        "from deepspeed.runtime.data_pipeline.curriculum_scheduler import CurriculumScheduler\n"
+        "from shardwise.runtime.data.curriculum import CurriculumScheduler as ours\n"
+        "assert CurriculumScheduler is ours\n"
+        "s = CurriculumScheduler({'min_difficulty': 8, 'max_difficulty': 64, 'schedule_type': 'fixed_linear',\n"
+        "                         'schedule_config': {'total_curriculum_step': 20, 'difficulty_step': 8}})\n"
+        "print(s.update_difficulty(10))\n"
+    )
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.strip() == "32"
