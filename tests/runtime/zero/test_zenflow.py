@@ -40,16 +40,17 @@ def batch(step: int) -> tuple[torch.Tensor, torch.Tensor]:
     return torch.randn(ROWS, 8, generator=generator), torch.randn(ROWS, 6, generator=generator)
 
 
-def config(stage: int, world: int) -> dict:
+def config(stage: int, world: int, clip: float = 0.0) -> dict:
     return {"train_micro_batch_size_per_gpu": ROWS // world, "gradient_accumulation_steps": 1,
+            "gradient_clipping": clip,
             "zero_optimization": {"stage": stage, "offload_optimizer": {"device": "cpu"}, "zenflow": ZENFLOW}}
 
 
-def train(rank: int, world: int, stage: int) -> dict:
+def train(rank: int, world: int, stage: int, clip: float = 0.0) -> dict:
     model = build_model()
     initial = {name: p.detach().clone() for name, p in model.named_parameters()}
     optimizer = torch.optim.AdamW(model.parameters(), lr=LR, eps=EPS, weight_decay=DECAY, betas=BETAS)
-    engine = shardwise.initialize(model, config(stage, world), optimizer=optimizer)
+    engine = shardwise.initialize(model, config(stage, world, clip), optimizer=optimizer)
     per_step, columns = [], []
     rows = slice(rank * ROWS // world, (rank + 1) * ROWS // world)
     for step in range(STEPS):
@@ -73,7 +74,8 @@ def train(rank: int, world: int, stage: int) -> dict:
 class Reference:
     """ZenFlow's rule in float64 on whole parameters."""
 
-    def __init__(self, initial: dict[str, torch.Tensor]):
+    def __init__(self, initial: dict[str, torch.Tensor], clip: float = 0.0):
+        self.clip = clip
         self.model = build_model().double()
         with torch.no_grad():
             for name, p in self.model.named_parameters():
@@ -143,6 +145,10 @@ class Reference:
             self.params[name][:, columns] = values
 
     def _cpu_adamw(self, step: int) -> None:
+        if self.clip > 0:  # the window's sum, clipped by its own norm
+            norm = torch.stack([grad.norm() for grad in self.window.values()]).norm()
+            for grad in self.window.values():
+                grad.mul_(min(1.0, self.clip / (float(norm) + 1e-6)))
         for name, master in self.masters.items():
             grad = self.window[name]
             m1, m2 = self.moments[name]
@@ -168,16 +174,16 @@ class Reference:
             self._write(name, value)
 
 
-@pytest.mark.parametrize(("stage", "world"), [(1, 1), (2, 2)])
-def test_zenflow_matches_its_rule_in_float64(stage, world):
-    results = run_distributed(train, world, stage)
+@pytest.mark.parametrize(("stage", "world", "clip"), [(1, 1, 0.0), (2, 2, 0.0), (2, 1, 0.05)])
+def test_zenflow_matches_its_rule_in_float64(stage, world, clip):
+    results = run_distributed(train, world, stage, clip)
     for result in results[1:]:  # every rank holds the same parameters and choices
         assert result["columns"] == results[0]["columns"]
         for mine, first in zip(result["params"], results[0]["params"]):
             for name in mine:
                 assert mine[name].equal(first[name]), name
     result = results[0]
-    reference = Reference(result["initial"])
+    reference = Reference(result["initial"], clip)
     changed_columns = False
     for m in range(STEPS):
         reference.step(m, result["columns"][m])
