@@ -114,9 +114,11 @@ def main() -> None:
                                       updates=sum(zen["updates"]), selective_steps=steps, grad_bytes=4, param_bytes=4)
     for name, moved, formula in (("offload", offload["moved"], {k: v * steps for k, v in plain.items()}),
                                  ("zenflow", zen["moved"], expected)):
-        print(f"{name} bytes per step: device->host {moved['device_to_host'] / steps / 1e6:.2f} MB, host->device "
-              f"{moved['host_to_device'] / steps / 1e6:.2f} MB (formula: {formula['device_to_host'] / steps / 1e6:.2f}, "
-              f"{formula['host_to_device'] / steps / 1e6:.2f})")
+        per_step = {key: value / steps / 1e6 for key, value in moved.items()}
+        by_formula = {key: value / steps / 1e6 for key, value in formula.items()}
+        print(f"{name} MB per step: device->host {per_step['device_to_host']:.2f}, host->device "
+              f"{per_step['host_to_device']:.2f} (formula: {by_formula['device_to_host']:.2f}, "
+              f"{by_formula['host_to_device']:.2f})")
 
 
 if __name__ == "__main__":

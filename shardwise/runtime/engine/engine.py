@@ -138,7 +138,8 @@ class Engine(nn.Module):
         self.last_grad_norm: float | None = None
         self.zenflow = self._zenflow_for(policies) if self.trains else None
         # what each loss is divided by: the accumulation count (ZenFlow's update interval)
-        self.loss_divisor = self.zenflow.update_interval if self.zenflow is not None else self.gradient_accumulation_steps
+        self.loss_divisor = (self.zenflow.update_interval if self.zenflow is not None
+                             else self.gradient_accumulation_steps)
         self.lr_scheduler = (make_scheduler(lr_scheduler, policies.scheduler, self.optimizer.optimizer)
                              if self.trains else None)
         self.loss_scaler = LossScaler.from_policy(policies.precision.loss_scaling)

@@ -104,7 +104,8 @@ class ZenFlowPolicy:
             raise ValueError(f"zenflow update_interval must be at least 1, got {self.update_interval}")
         if min(self.select_interval_steps, self.select_interval_epochs, self.full_warm_up_rounds) < 0:
             raise ValueError("zenflow select intervals and full_warm_up_rounds must not be negative, got "
-                             f"{self.select_interval_steps}, {self.select_interval_epochs} and {self.full_warm_up_rounds}")
+                             f"{self.select_interval_steps}, {self.select_interval_epochs} and "
+                             f"{self.full_warm_up_rounds}")
         if self.select_interval_steps and self.select_interval_epochs:
             raise ValueError("zenflow selects by steps or by epochs, not both")
         if self.select_interval_steps and self.select_interval_steps < self.update_interval:

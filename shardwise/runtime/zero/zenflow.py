@@ -55,7 +55,9 @@ class ZenFlowSchedule:
         return m >= self.warm_up
 
     def selects(self, m: int) -> bool:
-        return m >= self.warm_up and (m == self.warm_up or (self.select_interval != 0 and m % self.select_interval == 0))
+        if m < self.warm_up:
+            return False
+        return m == self.warm_up or (self.select_interval != 0 and m % self.select_interval == 0)
 
     def updates(self, m: int) -> bool:
         if m + 1 < self.warm_up:

@@ -110,7 +110,8 @@ class Reference:
                 self.masters = {n: p.detach().clone() for n, p in self.params.items()}
             for name, grad in grads.items():
                 self.columns[name] = self._check_top_k(name, grad, engine_columns[name])
-                self.selective[name] = [torch.zeros_like(self.part(name, grad)), torch.zeros_like(self.part(name, grad))]
+                part = self.part(name, grad)
+                self.selective[name] = [torch.zeros_like(part), torch.zeros_like(part)]
         selective = m >= ZENFLOW["full_warm_up_rounds"]
         for name, grad in grads.items():
             self.window[name] += grad
