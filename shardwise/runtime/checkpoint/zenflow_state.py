@@ -43,7 +43,8 @@ def load_zenflow(engine: EngineProtocol, directory: Path, meta: dict, records: l
     record = records[source].get("zenflow")
     if record is None:
         raise ValueError("this checkpoint was saved without zero_optimization.zenflow: its columns, selective "
-                         "moments and window sum are missing; resume without zenflow, or from a ZenFlow checkpoint")
+                         "moments and window sum are missing; resume without zenflow, or start ZenFlow from its "
+                         "weights with load_checkpoint(..., load_module_only=True)")
     reader = SafetensorsReader(directory / zenflow_file(source))
     try:
         def read(key: str, out) -> None:
