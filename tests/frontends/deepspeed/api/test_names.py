@@ -34,7 +34,7 @@ def test_the_alias_finds_deepspeed_s_module_paths():
     assert result.stdout.strip() == "torch.Size([2, 4, 4])"
 
 
-def test_the_alias_finds_the_curriculum_scheduler():
+def test_the_alias_finds_the_data_efficiency_schedules():
     code = (
         "from shardwise.frontends.deepspeed.alias import install_alias\n"
         "install_alias()\n"
@@ -44,6 +44,9 @@ def test_the_alias_finds_the_curriculum_scheduler():
         "s = CurriculumScheduler({'min_difficulty': 8, 'max_difficulty': 64, 'schedule_type': 'fixed_linear',\n"
         "                         'schedule_config': {'total_curriculum_step': 20, 'difficulty_step': 8}})\n"
         "print(s.update_difficulty(10))\n"
+        "from deepspeed.runtime.data_pipeline.data_routing.scheduler import RandomLTDScheduler\n"
+        "from shardwise.runtime.data.token_schedule import RandomLTDScheduler as ours\n"
+        "assert RandomLTDScheduler is ours\n"
     )
     result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert result.returncode == 0, result.stderr
