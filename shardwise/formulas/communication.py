@@ -27,6 +27,8 @@ an all-gather are one all-reduce), 3Ψ(N−1)/N for stage 3.
 
 from __future__ import annotations
 
+import math
+
 from dataclasses import dataclass
 
 from shardwise.formulas.stages import (
@@ -122,6 +124,35 @@ def offload_transfer_bytes(partition: int, stage: int, grad_bytes: int, param_by
         pages = (1 + state_tensors) * 4 * partition
         moved.update(nvme_read=pages, nvme_write=pages)
     return moved
+
+
+def zenflow_selected_elements(shapes: list[tuple[int, ...]], topk_ratio: float) -> int:
+    """Elements ZenFlow updates on the device every step: of each 2-D weight (rows, columns)
+    its max(1, ⌊columns·ρ⌋) selected columns, and every 1-D parameter whole."""
+    total = 0
+    for shape in shapes:
+        if len(shape) == 2:
+            rows, columns = shape
+            total += rows * (max(1, int(columns * topk_ratio)) if columns else 0)
+        else:
+            total += math.prod(shape)
+    return total
+
+
+def zenflow_transfer_bytes(partition: int, selected: int, *, steps: int, updates: int, selective_steps: int,
+                           grad_bytes: int, param_bytes: int) -> dict[str, int]:
+    """Bytes one rank moves between device and host over `steps` ZenFlow steps (C30), for a
+    partition of Ψ/N elements of which `selected` are the rank's share of the selected
+    columns (`zenflow_selected_elements`; all of them at N = 1).
+
+    device -> host: each step's reduced gradient partition, as plain offload;
+    host -> device: the selected gradients in fp32 at each of `selective_steps` steps, and
+    the updated parameters only at the `updates` CPU updates (every update_interval U
+    steps), where plain offload sends them every step. Per step, with ρ' = selected/Ψ:
+    4ρ'Ψ/N + pΨ/(N·U) instead of pΨ/N.
+    """
+    return {"device_to_host": steps * partition * grad_bytes,
+            "host_to_device": selective_steps * selected * 4 + updates * partition * param_bytes}
 
 
 # -- tensor and sequence parallelism -------------------------------------------------------

@@ -26,6 +26,7 @@ from shardwise.runtime.distributed.setup import DistributedContext
 from shardwise.runtime.precision import LossScaler
 from shardwise.runtime.zero.apply import ZeroState
 from shardwise.runtime.zero.sharded_optimizer import ShardedOptimizer
+from shardwise.runtime.zero.zenflow import ZenFlow
 
 
 @runtime_checkable
@@ -47,6 +48,7 @@ class EngineProtocol(Protocol):
     zero: ZeroState  # parameters, shards, gradients and optimizer, through ZeroState's protocol
     optimizer: ShardedOptimizer | None  # `zero.optimizer`: the torch optimizer on this rank's segments
     lr_scheduler: Any  # the caller's or the policies' scheduler: any object with step(); or None
+    zenflow: ZenFlow | None  # ZenFlow's step (zero/zenflow.py), when the policy asks for it
     loss_scaler: LossScaler
 
     # -- counters a checkpoint saves and restores ---------------------------------------------

@@ -35,6 +35,7 @@ from shardwise.runtime.checkpoint.manifest import check_file, read_manifest, res
 from shardwise.runtime.checkpoint.pieces import describe_whole_model, module_extras, owned_runs, tensor_shards
 from shardwise.runtime.checkpoint.safetensors_io import DTYPES
 from shardwise.runtime.checkpoint.state import decode_value, restore_rng_state
+from shardwise.runtime.checkpoint.zenflow_state import load_zenflow
 from shardwise.runtime.engine_protocol import EngineProtocol
 
 log = logging.getLogger("shardwise")
@@ -113,6 +114,8 @@ def load_checkpoint(engine: EngineProtocol, load_dir: str | os.PathLike, tag: st
     engine.zero.refresh_from_masters()
     if module_only:
         return meta["client_state"]
+    if engine.zenflow is not None:
+        load_zenflow(engine, opened.directory, meta, records)
 
     if engine.lr_scheduler is not None and meta["lr_scheduler"] is not None:
         engine.lr_scheduler.load_state_dict(decode_value(meta["lr_scheduler"]))

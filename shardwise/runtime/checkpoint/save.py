@@ -48,6 +48,7 @@ from shardwise.runtime.checkpoint.pieces import (
 )
 from shardwise.runtime.checkpoint.safetensors_io import SafetensorsWriter, TensorEntry, dtype_name
 from shardwise.runtime.checkpoint.state import capture_rng_state, check_json, encode_value
+from shardwise.runtime.checkpoint.zenflow_state import save_zenflow
 from shardwise.runtime.engine_protocol import EngineProtocol
 
 
@@ -126,6 +127,12 @@ def _write_rank_files(engine: EngineProtocol, staging: Path) -> None:
     scalars per param group, RNG state, and the checksum of its tensor file."""
     zero = engine.zero
     writes_model = zero.writes_model
+    zenflow_record = None
+    files: dict[str, tuple[int, str]] = {}
+    if engine.zenflow is not None:
+        engine.zenflow.settle_masters()
+        zenflow_record, written = save_zenflow(engine, staging)
+        files.update(written)
     element_states, groups = _optimizer_states(engine) if writes_model else ({}, {})
     pieces: list[dict[str, Any]] = []
     tensors: list[tuple[str, torch.Tensor, int]] = []  # key, values, optimizer sub-group (-1: none)
@@ -160,7 +167,6 @@ def _write_rank_files(engine: EngineProtocol, staging: Path) -> None:
         for name, tensor in module_extras(engine):
             add(name, 0, tensor.numel(), {VALUE: tensor.detach().reshape(-1)}, -1)
 
-    files: dict[str, tuple[int, str]] = {}
     if tensors:
         # sub-group by sub-group: a paging store (NVMe) holds only the one being written
         tensors.sort(key=lambda item: (item[2] < 0, item[2]))  # untrained pieces (-1) last
@@ -179,6 +185,8 @@ def _write_rank_files(engine: EngineProtocol, staging: Path) -> None:
         "rng": capture_rng_state(engine.device),
         "files": files,
     }
+    if zenflow_record is not None:
+        record["zenflow"] = zenflow_record
     write_synced(staging / rank_json(engine.rank), json.dumps(record))
 
 

@@ -48,6 +48,7 @@ from shardwise.runtime.precision.casting import autocast_for, cast_floating, cas
 from shardwise.runtime.reliability.replica_check import ReplicaCheck
 from shardwise.runtime.reliability.step_guard import BACKWARD, FORWARD, StepGuard
 from shardwise.runtime.zero.apply import ZeroGroups, apply_zero
+from shardwise.runtime.zero.zenflow import ZenFlow
 from shardwise.runtime.zero.trainable import evaluated_parameters, frozen_parameters, trainable_parameters
 
 if TYPE_CHECKING:
@@ -136,6 +137,10 @@ class Engine(nn.Module):
         self.global_steps = 0
         self.skipped_steps = 0
         self.last_grad_norm: float | None = None
+        self.zenflow = self._zenflow_for(policies) if self.trains else None
+        # what each loss is divided by: the accumulation count (ZenFlow's update interval)
+        self.loss_divisor = (self.zenflow.update_interval if self.zenflow is not None
+                             else self.gradient_accumulation_steps)
         self.lr_scheduler = (make_scheduler(lr_scheduler, policies.scheduler, self.optimizer.optimizer)
                              if self.trains else None)
         self.loss_scaler = LossScaler.from_policy(policies.precision.loss_scaling)
@@ -198,7 +203,7 @@ class Engine(nn.Module):
             return
         if self._backward_pending:
             self.guard.check_call(BACKWARD, self.get_lr())  # pairs with a peer's step check if it skipped one
-        scale = self.loss_scaler.scale / self.gradient_accumulation_steps
+        scale = self.loss_scaler.scale / self.loss_divisor
         self.zero.reducer.begin_backward(boundary=self.is_gradient_accumulation_boundary())
         self.guard.note_loss(loss)
         try:
@@ -214,7 +219,7 @@ class Engine(nn.Module):
         self.zero.reducer.begin_backward(boundary=False)
         self.guard.note_loss(loss)
         try:
-            (loss.float() * self.loss_scaler.scale / self.gradient_accumulation_steps).backward()
+            (loss.float() * self.loss_scaler.scale / self.loss_divisor).backward()
             self.zero.reducer.end_backward()
         except BaseException:
             self._abort_backward()
@@ -286,7 +291,12 @@ class Engine(nn.Module):
         verdict = self.guard.check(norm_squared, self.loss_scaler, self.global_steps, self.get_lr())
         self.last_grad_norm = verdict.norm
         self.loss_scaler.update(not verdict.apply)
-        if verdict.apply:
+        if verdict.apply and self.zenflow is not None:  # clips the window's sum when the CPU updates
+            self.zenflow.step(self.micro_steps - 1, grad_scale=1 / scale,
+                              max_norm=self.policies.training.gradient_clipping)
+            if self.lr_scheduler is not None:
+                self.lr_scheduler.step()
+        elif verdict.apply:
             clip = 1.0
             max_norm = self.policies.training.gradient_clipping
             if max_norm > 0:
@@ -309,6 +319,23 @@ class Engine(nn.Module):
             raise ValueError(f"replica_check.interval {interval}: the replica check compares whole parameters, and "
                              "ZeRO stage 3 keeps only a shard of each on a rank; use it at stages 0-2 (set it to 0)")
         return ReplicaCheck(self.comm, interval)
+
+    def _zenflow_for(self, policies: Policies) -> ZenFlow | None:
+        """ZenFlow's step (zero/zenflow.py) when the policy asks for it; it accumulates over
+        its own update interval, so the engine's accumulation count must be 1."""
+        if policies.zero.zenflow is None:
+            return None
+        if self.gradient_accumulation_steps != 1:
+            raise ValueError(f"ZenFlow accumulates gradients over zenflow.update_interval itself (DeepSpeed replaces "
+                             f"gradient_accumulation_steps by it); got gradient_accumulation_steps "
+                             f"{self.gradient_accumulation_steps}: set it to 1")
+        if policies.precision.loss_scaling is not None:
+            raise ValueError("ZenFlow with fp16 loss scaling is not supported: a skipped step would leave the "
+                             "device's selective update and the host's window sum apart; use bf16 or fp32")
+        if self.mesh.sizes.size("pipeline") > 1 or self.mesh.sizes.size("tensor") > 1:
+            raise ValueError("ZenFlow with pipeline or tensor parallelism is not supported: use data parallelism")
+        return ZenFlow(policies.zero.zenflow, optimizer=self.optimizer, params=self.zero.params,
+                       shard=self.zero.groups.shard, ledger=self.ledger, device=self.device)
 
     # -- pipeline parallelism: DeepSpeed's PipelineEngine calls ------------------------------
     def _pipeline_runner_for(self, model: nn.Module) -> PipelineRunner | None:

@@ -80,6 +80,41 @@ class ZeroPlusPlusPolicy:
 
 
 @dataclass(frozen=True)
+class ZenFlowPolicy:
+    """ZenFlow (Lan et al., 2025, "ZenFlow: Enabling Stall-Free Offloading Training via
+    Asynchronous Updates"), as DeepSpeed 0.19.8 runs it with `overlap_step` off: with the
+    optimizer offloaded to the CPU, the `topk_ratio` columns of each 2-D weight whose
+    gradient is largest (and every 1-D parameter) are updated on the device every step by
+    a selective AdamW; every gradient accumulates on the host and the CPU optimizer applies
+    the sum every `update_interval` steps. Columns are chosen again every
+    `select_interval_steps`, or every `select_interval_epochs` epochs of the training data
+    once its length is known (neither: only once, after warm-up); the first
+    `full_warm_up_rounds` steps are ordinary offloaded steps (runtime/zero/zenflow.py)."""
+
+    topk_ratio: float = 0.1
+    update_interval: int = 1
+    select_interval_steps: int = 0
+    select_interval_epochs: int = 0
+    full_warm_up_rounds: int = 0
+
+    def __post_init__(self) -> None:
+        if not 0.0 < self.topk_ratio < 1.0:
+            raise ValueError(f"zenflow topk_ratio must be in (0, 1), got {self.topk_ratio}")
+        if self.update_interval < 1:
+            raise ValueError(f"zenflow update_interval must be at least 1, got {self.update_interval}")
+        if min(self.select_interval_steps, self.select_interval_epochs, self.full_warm_up_rounds) < 0:
+            raise ValueError("zenflow select intervals and full_warm_up_rounds must not be negative, got "
+                             f"{self.select_interval_steps}, {self.select_interval_epochs} and "
+                             f"{self.full_warm_up_rounds}")
+        if self.select_interval_steps and self.select_interval_epochs:
+            raise ValueError("zenflow selects by steps or by epochs, not both")
+        if self.select_interval_steps and self.select_interval_steps < self.update_interval:
+            raise ValueError(f"zenflow select interval ({self.select_interval_steps} steps) must be at least "
+                             f"update_interval ({self.update_interval}), as DeepSpeed requires: the columns "
+                             "updated on the device change only at an update")
+
+
+@dataclass(frozen=True)
 class ZeroPolicy:
     """What ZeRO partitions and how it moves it. Stage 0 is data parallelism: nothing
     partitioned, gradients all-reduced (docs/formulas.md#model-states-per-rank)."""
@@ -96,6 +131,7 @@ class ZeroPolicy:
     shard_size: int | None = None  # hybrid sharding (MiCS / HSDP): ranks per shard group; None: all data ranks
     gather_16bit_weights_on_save: bool = False  # stage 3: a whole 16-bit model may be gathered to save it
     plus_plus: ZeroPlusPlusPolicy = ZeroPlusPlusPolicy()  # ZeRO++ (stage 3)
+    zenflow: ZenFlowPolicy | None = None  # stall-free offloading (stages 1-2, optimizer on the CPU)
 
     def __post_init__(self) -> None:
         stages.check_stage(self.stage)
@@ -103,6 +139,16 @@ class ZeroPolicy:
             raise ValueError(f"shard_size must be at least 1, got {self.shard_size}")
         if self.plus_plus.enabled:
             self._check_plus_plus()
+        if self.zenflow is not None:
+            self._check_zenflow()
+
+    def _check_zenflow(self) -> None:
+        if self.offload_optimizer.device != "cpu":
+            raise ValueError("ZenFlow needs the optimizer offloaded to the CPU (DeepSpeed: \"Zenflow must be used "
+                             "with cpu offload\"): set zero_optimization.offload_optimizer.device to \"cpu\"")
+        if self.stage not in (1, 2):
+            raise ValueError(f"ZenFlow in shardwise runs at ZeRO stages 1 and 2 (parameters whole on every rank); "
+                             f"got stage {self.stage}: use stage 2")
 
     def _check_plus_plus(self) -> None:
         if not self.partitions_parameters:

@@ -126,6 +126,10 @@ class ShardStore:
     def gradient(self, unit: FlatUnit) -> torch.Tensor:
         return self._grads[self._position[unit.index]]
 
+    def master_chunk(self, unit: FlatUnit) -> torch.Tensor:
+        """The fp32 masters of this rank's chunk of `unit` (memory-resident tiers)."""
+        return self._masters[self._position[unit.index]]
+
     def full_gradient(self, unit: FlatUnit) -> torch.Tensor | None:
         return self._full_grads[self._position[unit.index]] if self._full_grads is not None else None
 

@@ -92,6 +92,8 @@ def initialize(
     engine.tag_validation = tag_validation
     if training_data is not None:
         engine.training_dataloader = _data_loader(engine, training_data, collate_fn)
+        if engine.zenflow is not None:  # an epoch-based column selection counts its batches
+            engine.zenflow.learn_epoch_length(len(engine.training_dataloader))
     return engine, _clearing_model_gradients(engine), engine.training_dataloader, engine.lr_scheduler
 
 

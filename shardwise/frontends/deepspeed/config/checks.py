@@ -67,6 +67,7 @@ def find_contradictions(
             )
     problems += _sequence_parallel_contradictions(cfg)
     problems += _zero_plus_plus_contradictions(cfg)
+    problems += _zenflow_contradictions(cfg, batch_known)
     problems += _onebit_contradictions(cfg)
     problems += _activation_contradictions(cfg)
     problems += _pipeline_contradictions(cfg, batch_known)
@@ -123,6 +124,39 @@ def _zero_plus_plus_contradictions(cfg: ShardwiseConfig) -> list[str]:
         problems.append(f"zero_optimization.zero_hpz_partition_size {zero.zero_hpz_partition_size} with "
                         f"offload_param.device '{zero.offload_param.device}' is not supported: the secondary "
                         "partition lives on the device, which parameter offload empties; use one of them")
+    return problems
+
+
+def _zenflow_contradictions(cfg: ShardwiseConfig, batch_known: bool) -> list[str]:
+    """ZenFlow (runtime/zero/zenflow.py) updates part of the model on the device and the
+    rest on the CPU: it needs the optimizer on the CPU, whole parameters on every rank
+    (stages 1-2), and it accumulates over its own update interval."""
+    zero = cfg.zero_optimization
+    zenflow = zero.zenflow
+    if zenflow is None:
+        return []
+    problems = []
+    if zero.offload_optimizer.device != "cpu":
+        problems.append(f"zero_optimization.zenflow needs zero_optimization.offload_optimizer.device 'cpu' (got "
+                        f"'{zero.offload_optimizer.device}'): ZenFlow splits the update between the device and "
+                        "the CPU optimizer")
+    if zero.stage not in (1, 2):
+        problems.append(f"zero_optimization.zenflow at zero_optimization.stage {zero.stage} is not supported: "
+                        "shardwise runs it at stages 1 and 2 (whole parameters on every rank); use stage 2")
+    if zero.offload_optimizer.ratio < 1:
+        problems.append("zero_optimization.zenflow with offload_optimizer.ratio < 1 is not supported: ZenFlow "
+                        "chooses what the device updates itself; remove ratio")
+    if cfg.fp16.enabled:
+        problems.append("zero_optimization.zenflow with fp16.enabled is not supported: a step skipped for "
+                        "overflow would leave the device's selective update and the host's sum apart; use bf16")
+    if batch_known and cfg.gradient_accumulation_steps != 1:
+        problems.append(f"zero_optimization.zenflow with gradient_accumulation_steps "
+                        f"{cfg.gradient_accumulation_steps}: ZenFlow accumulates over zenflow.update_interval "
+                        "itself (DeepSpeed replaces gradient_accumulation_steps by it); set it to 1")
+    interval = zenflow.select_interval
+    if zenflow.select_strategy == "step" and isinstance(interval, int) and interval < zenflow.update_interval:
+        problems.append(f"zero_optimization.zenflow.select_interval {interval} < update_interval "
+                        f"{zenflow.update_interval}: DeepSpeed requires columns to change only at an update")
     return problems
 
 

@@ -254,7 +254,6 @@ RULES: dict[str, dict[str, KeyRule]] = {
                                                             "frozen weights stored in int8 are not supported (ZeRO++'s "
                                                             "zero_quantized_weights quantizes what gathers carry)"),
         "zeropp_loco_param": AcceptedWhen(lambda v: v is None, "null", "ZeRO++ LoCo is not supported"),
-        "zenflow": AcceptedWhen(lambda v: v is None, "null", "ZenFlow is not supported"),
     },
     "zero_optimization.offload_optimizer": {
         "fast_init": Accepted("only how fast DeepSpeed initialises its swap files"),

@@ -19,7 +19,7 @@ import logging
 import torch
 
 from shardwise.formulas.stages import partitions_parameters
-from shardwise.frontends.deepspeed.config.schema import OffloadConfig, ShardwiseConfig
+from shardwise.frontends.deepspeed.config.schema import OffloadConfig, ShardwiseConfig, ZenFlowConfig
 from shardwise.frontends.deepspeed.config.sparse_attention import SparseLayout
 from shardwise.runtime.activation.policy import ActivationPolicy, RecomputePolicy
 from shardwise.runtime.compile.policy import CompilePolicy
@@ -31,7 +31,13 @@ from shardwise.runtime.parallel.pipeline.policy import PipelinePolicy
 from shardwise.runtime.parallel.sequence.policy import SequencePolicy
 from shardwise.runtime.parallel.tensor.policy import TensorPolicy
 from shardwise.runtime.precision.policy import LossScalingPolicy, PrecisionPolicy
-from shardwise.runtime.zero.policy import OffloadPolicy, PrefetchPolicy, ZeroPlusPlusPolicy, ZeroPolicy
+from shardwise.runtime.zero.policy import (
+    OffloadPolicy,
+    PrefetchPolicy,
+    ZenFlowPolicy,
+    ZeroPlusPlusPolicy,
+    ZeroPolicy,
+)
 
 log = logging.getLogger("shardwise")
 
@@ -81,6 +87,7 @@ def zero_policy(cfg: ShardwiseConfig) -> ZeroPolicy:
         offload_param=offload_policy(zero.offload_param, cfg) if partitions_parameters(zero.stage) else OffloadPolicy(),
         shard_size=zero.mics_shard_size if zero.mics_shard_size > 0 else None,
         gather_16bit_weights_on_save=zero.stage3_gather_16bit_weights_on_model_save,
+        zenflow=zenflow_policy(zero.zenflow) if zero.zenflow is not None else None,
         plus_plus=plus_plus_policy(cfg),
     )
 
@@ -98,6 +105,17 @@ def plus_plus_policy(cfg: ShardwiseConfig) -> ZeroPlusPlusPolicy:
                     "DeepSpeed ignores them", zero.stage)
         return ZeroPlusPlusPolicy()
     return policy
+
+
+def zenflow_policy(section: ZenFlowConfig) -> ZenFlowPolicy:
+    """DeepSpeed's reading (runtime/zenflow/engine.py): "auto" selects every epoch; an
+    epoch interval counts the batches of the training data given to `initialize` (the
+    engine learns them then), and without it columns are chosen once, after warm-up."""
+    step = section.select_strategy == "step"
+    epochs = 1 if section.select_strategy == "auto" else section.select_interval
+    return ZenFlowPolicy(topk_ratio=section.topk_ratio, update_interval=section.update_interval,
+                         select_interval_steps=section.select_interval if step else 0,
+                         select_interval_epochs=0 if step else epochs, full_warm_up_rounds=section.full_warm_up_rounds)
 
 
 def offload_policy(section: OffloadConfig, cfg: ShardwiseConfig) -> OffloadPolicy:

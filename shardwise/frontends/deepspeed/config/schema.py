@@ -129,6 +129,45 @@ class OffloadParamConfig(OffloadConfig):
     buffer_size: Int = Field(100_000_000, ge=1)
 
 
+class ZenFlowConfig(Section):
+    """ZenFlow (runtime/zero/zenflow.py), read as DeepSpeed 0.19.8 reads it: the top
+    `topk_ratio` gradient columns updated on the device every step, the rest accumulated
+    and applied by the CPU optimizer every `update_interval` steps. `select_strategy`
+    "step" reselects every `select_interval` steps; "epoch" (and "auto", which is "epoch"
+    with an interval of 1) every `select_interval` epochs of the training data given to
+    `initialize`, or, without it, only once after the `full_warm_up_rounds` ordinary
+    offloaded steps. `offload` (the selective state on the host) and
+    `pt_reserved_cores_perc` only place memory and threads."""
+
+    topk_ratio: Float = Field(0.1, gt=0.0, lt=1.0)
+    select_strategy: Literal["auto", "step", "epoch"] = "auto"
+    select_interval: Int | Literal["auto"] = "auto"
+    update_interval: Int | Literal["auto"] = Field(
+        "auto", json_schema_extra={"default_doc": "\"auto\" (refused: give a number of steps)"})
+    overlap_step: Bool = False
+    offload: Bool = False
+    auto_ratio: Float = Field(0.99, ge=0.0, le=1.0)
+    full_warm_up_rounds: Int = Field(0, ge=0)
+    pt_reserved_cores_perc: Float = Field(0.5, ge=0.0, le=1.0)
+
+    @model_validator(mode="after")
+    def _supported(self) -> "ZenFlowConfig":
+        if self.update_interval == "auto":
+            raise ValueError("zenflow.update_interval \"auto\" (DeepSpeed's adaptive interval) is not supported: "
+                             "give the number of steps between CPU updates, e.g. 4")
+        if self.update_interval < 1:
+            raise ValueError(f"zenflow.update_interval must be at least 1, got {self.update_interval}")
+        if self.overlap_step:
+            raise ValueError("zenflow.overlap_step true (the CPU update applied one window late, in a background "
+                             "process) is not supported: set it to false")
+        if self.select_strategy == "auto" and self.select_interval != "auto":
+            raise ValueError("zenflow.select_strategy \"auto\" sets select_interval to 1 epoch; DeepSpeed refuses a "
+                             "number with it: remove select_interval or choose \"step\" or \"epoch\"")
+        if self.select_strategy != "auto" and self.select_interval == "auto":
+            raise ValueError(f"zenflow.select_strategy \"{self.select_strategy}\" needs select_interval as a number")
+        return self
+
+
 class ZeroConfig(Section):
     """ZeRO stage and its bucket, prefetch and persistence sizes (in elements, not bytes)."""
 
@@ -155,6 +194,7 @@ class ZeroConfig(Section):
     zero_quantized_weights: Bool = False
     zero_hpz_partition_size: Int = Field(1, ge=0)
     zero_quantized_gradients: Bool = False
+    zenflow: ZenFlowConfig | None = None
 
     @field_validator("stage")
     @classmethod

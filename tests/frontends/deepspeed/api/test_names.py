@@ -87,3 +87,22 @@ def test_the_schedule_constants_are_deepspeed_s_config_keys():
                                                "WarmupCosineLR"]
     assert (lr_schedules.WARMUP_NUM_STEPS, lr_schedules.CYCLE_FIRST_STEP_SIZE, lr_schedules.WARMUP_LOG_RATE) == (
         "warmup_num_steps", "cycle_first_step_size", "log")
+
+
+def test_the_alias_finds_the_data_efficiency_schedules():
+    code = (
+        "from shardwise.frontends.deepspeed.alias import install_alias\n"
+        "install_alias()\n"
+        "from deepspeed.runtime.data_pipeline.curriculum_scheduler import CurriculumScheduler\n"
+        "from shardwise.runtime.data.curriculum import CurriculumScheduler as ours\n"
+        "assert CurriculumScheduler is ours\n"
+        "s = CurriculumScheduler({'min_difficulty': 8, 'max_difficulty': 64, 'schedule_type': 'fixed_linear',\n"
+        "                         'schedule_config': {'total_curriculum_step': 20, 'difficulty_step': 8}})\n"
+        "print(s.update_difficulty(10))\n"
+        "from deepspeed.runtime.data_pipeline.data_routing.scheduler import RandomLTDScheduler\n"
+        "from shardwise.runtime.data.token_schedule import RandomLTDScheduler as ours\n"
+        "assert RandomLTDScheduler is ours\n"
+    )
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.strip() == "32"

@@ -142,6 +142,7 @@ def test_defaults_match_deepspeed_code():
         "offload_param": {"device": "none", "nvme_path": None, "pin_memory": False, "buffer_count": 5,
                           "buffer_size": 100_000_000},
         "zero_quantized_weights": False, "zero_hpz_partition_size": 1, "zero_quantized_gradients": False,
+        "zenflow": None,
     }
     assert cfg.aio is None
     assert (cfg.tensorboard.enabled, cfg.tensorboard.output_path, cfg.tensorboard.job_name) == (

@@ -1,0 +1,247 @@
+"""ZenFlow (runtime/zero/zenflow.py) against its update rule written out in float64.
+
+The reference follows DeepSpeed 0.19.8's order (runtime/zenflow/, ops/adam/zenflow_*):
+warm-up steps, column selection, the device's selective AdamW every step, the CPU AdamW
+on the window's sum with step number m + 1, the selected columns kept across it. Top-k is
+discontinuous, so the reference does not choose columns itself: at every selection it
+checks that the engine's choice is a top-k of the float64 column sums (up to a tolerance
+for near ties) and then takes the same columns; from there every operation is continuous
+and the parameters are compared after every step.
+"""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from safetensors.torch import load_file
+
+import shardwise
+from shardwise.runtime.checkpoint.convert import convert_checkpoint
+from shardwise.formulas.communication import zenflow_selected_elements, zenflow_transfer_bytes
+from shardwise.tools.testing import run_distributed
+
+LR, EPS, DECAY, BETAS = 1e-2, 1e-4, 0.01, (0.9, 0.999)
+ROWS = 8  # global batch
+STEPS = 9
+ZENFLOW = {"topk_ratio": 0.25, "select_strategy": "step", "select_interval": 4, "update_interval": 2,
+           "full_warm_up_rounds": 1}
+
+
+def build_model() -> torch.nn.Module:
+    torch.manual_seed(0)
+    return torch.nn.Sequential(torch.nn.Linear(8, 12), torch.nn.Tanh(), torch.nn.Linear(12, 6))
+
+
+def batch(step: int) -> tuple[torch.Tensor, torch.Tensor]:
+    generator = torch.Generator().manual_seed(100 + step)
+    return torch.randn(ROWS, 8, generator=generator), torch.randn(ROWS, 6, generator=generator)
+
+
+def config(stage: int, world: int, clip: float = 0.0) -> dict:
+    return {"train_micro_batch_size_per_gpu": ROWS // world, "gradient_accumulation_steps": 1,
+            "gradient_clipping": clip,
+            "zero_optimization": {"stage": stage, "offload_optimizer": {"device": "cpu"}, "zenflow": ZENFLOW}}
+
+
+def train(rank: int, world: int, stage: int, clip: float = 0.0) -> dict:
+    model = build_model()
+    initial = {name: p.detach().clone() for name, p in model.named_parameters()}
+    optimizer = torch.optim.AdamW(model.parameters(), lr=LR, eps=EPS, weight_decay=DECAY, betas=BETAS)
+    engine = shardwise.initialize(model, config(stage, world, clip), optimizer=optimizer)
+    per_step, columns = [], []
+    rows = slice(rank * ROWS // world, (rank + 1) * ROWS // world)
+    for step in range(STEPS):
+        x, y = batch(step)
+        loss = torch.nn.functional.mse_loss(engine(x[rows]), y[rows])
+        engine.backward(loss)
+        engine.step()
+        names = dict((id(p), n) for n, p in model.named_parameters())
+        columns.append({names[id(e.slot.param)]: None if e.columns is None else e.columns.tolist()
+                        for e in engine.zenflow.selected})
+        per_step.append({n: p.detach().clone() for n, p in model.named_parameters()})
+    schedule = engine.zenflow.schedule
+    return {"initial": initial, "params": per_step, "columns": columns,
+            "moved": engine.comm_volume(per_group=True)["offload"],
+            "partition": (engine.num_parameters() + engine.padding_elements()) // world,
+            "updates": sum(schedule.updates(m) for m in range(STEPS)),
+            "selective_steps": sum(schedule.selective(m) for m in range(STEPS)),
+            "shapes": [tuple(p.shape) for p in model.parameters()]}
+
+
+class Reference:
+    """ZenFlow's rule in float64 on whole parameters."""
+
+    def __init__(self, initial: dict[str, torch.Tensor], clip: float = 0.0):
+        self.clip = clip
+        self.model = build_model().double()
+        with torch.no_grad():
+            for name, p in self.model.named_parameters():
+                p.copy_(initial[name])
+        self.params = dict(self.model.named_parameters())
+        self.masters = {n: p.detach().clone() for n, p in self.params.items()}
+        self.moments = {n: (torch.zeros_like(p), torch.zeros_like(p)) for n, p in self.params.items()}
+        self.window = {n: torch.zeros_like(p) for n, p in self.params.items()}
+        self.selective: dict[str, list] = {}
+        self.selective_steps = 0
+        self.columns: dict[str, list[int] | None] = {}
+
+    def selects(self, m: int) -> bool:
+        warm, interval = ZENFLOW["full_warm_up_rounds"], ZENFLOW["select_interval"]
+        return m >= warm and (m == warm or m % interval == 0)
+
+    def updates(self, m: int) -> bool:
+        warm, interval, select = ZENFLOW["full_warm_up_rounds"], ZENFLOW["update_interval"], ZENFLOW["select_interval"]
+        return m + 1 < warm or (m + 1 - warm) % interval == 0 or (m + 1) % select == 0
+
+    def part(self, name: str, tensor: torch.Tensor) -> torch.Tensor:
+        columns = self.columns.get(name)
+        return tensor[:, columns] if columns is not None else tensor
+
+    def step(self, m: int, engine_columns: dict[str, list[int] | None]) -> None:
+        x, y = batch(m)
+        self.model.zero_grad()
+        (torch.nn.functional.mse_loss(self.model(x.double()), y.double()) / ZENFLOW["update_interval"]).backward()
+        grads = {n: p.grad.detach().clone() for n, p in self.params.items()}
+        if self.selects(m):
+            if m != 0:
+                self.masters = {n: p.detach().clone() for n, p in self.params.items()}
+            for name, grad in grads.items():
+                self.columns[name] = self._check_top_k(name, grad, engine_columns[name])
+                part = self.part(name, grad)
+                self.selective[name] = [torch.zeros_like(part), torch.zeros_like(part)]
+        selective = m >= ZENFLOW["full_warm_up_rounds"]
+        for name, grad in grads.items():
+            self.window[name] += grad
+        with torch.no_grad():
+            if self.updates(m):
+                kept = {n: self.part(n, p).clone() for n, p in self.params.items()} if selective else None
+                self._cpu_adamw(m + 1)
+                for name, p in self.params.items():
+                    p.copy_(self.masters[name])
+                    if selective:
+                        self._write(name, kept[name])
+            if selective:
+                self._selective_adamw(grads)
+
+    def _check_top_k(self, name: str, grad: torch.Tensor, chosen: list[int] | None) -> list[int] | None:
+        if grad.dim() == 1:
+            assert chosen is None
+            return None
+        scores = grad.abs().sum(dim=0)
+        count = max(1, int(scores.numel() * ZENFLOW["topk_ratio"]))
+        assert len(chosen) == count, name
+        others = [c for c in range(scores.numel()) if c not in chosen]
+        # every chosen column scores at least as much as every other one, up to rounding
+        assert scores[chosen].min() >= scores[others].max() * (1 - 1e-5), (name, scores, chosen)
+        return chosen
+
+    def _write(self, name: str, values: torch.Tensor) -> None:
+        columns = self.columns.get(name)
+        if columns is None:
+            self.params[name].copy_(values)
+        else:
+            self.params[name][:, columns] = values
+
+    def _cpu_adamw(self, step: int) -> None:
+        if self.clip > 0:  # the window's sum, clipped by its own norm
+            norm = torch.stack([grad.norm() for grad in self.window.values()]).norm()
+            for grad in self.window.values():
+                grad.mul_(min(1.0, self.clip / (float(norm) + 1e-6)))
+        for name, master in self.masters.items():
+            grad = self.window[name]
+            m1, m2 = self.moments[name]
+            master.mul_(1 - LR * DECAY)
+            m1.mul_(BETAS[0]).add_(grad, alpha=1 - BETAS[0])
+            m2.mul_(BETAS[1]).addcmul_(grad, grad, value=1 - BETAS[1])
+            denom = (m2.sqrt() / math.sqrt(1 - BETAS[1] ** step)).add_(EPS)
+            master.addcdiv_(m1, denom, value=-LR / (1 - BETAS[0] ** step))
+            grad.zero_()
+
+    def _selective_adamw(self, grads: dict[str, torch.Tensor]) -> None:
+        self.selective_steps += 1
+        step = self.selective_steps
+        for name, p in self.params.items():
+            grad = self.part(name, grads[name])
+            value = self.part(name, p).clone()
+            m1, m2 = self.selective[name]
+            value.mul_(1 - LR * DECAY)
+            m1.mul_(BETAS[0]).add_(grad, alpha=1 - BETAS[0])
+            m2.mul_(BETAS[1]).addcmul_(grad, grad, value=1 - BETAS[1])
+            denom = (m2.sqrt() / math.sqrt(1 - BETAS[1] ** step)).add_(EPS)
+            value.addcdiv_(m1, denom, value=-LR / (1 - BETAS[0] ** step))
+            self._write(name, value)
+
+
+@pytest.mark.parametrize(("stage", "world", "clip"), [(1, 1, 0.0), (2, 2, 0.0), (2, 1, 0.05)])
+def test_zenflow_matches_its_rule_in_float64(stage, world, clip):
+    results = run_distributed(train, world, stage, clip)
+    for result in results[1:]:  # every rank holds the same parameters and choices
+        assert result["columns"] == results[0]["columns"]
+        for mine, first in zip(result["params"], results[0]["params"]):
+            for name in mine:
+                assert mine[name].equal(first[name]), name
+    result = results[0]
+    reference = Reference(result["initial"], clip)
+    changed_columns = False
+    for m in range(STEPS):
+        reference.step(m, result["columns"][m])
+        for name, p in reference.params.items():
+            actual = result["params"][m][name].double()
+            error = (actual - p).norm() / p.norm()
+            assert error < 1e-5, (m, name, float(error))
+        changed_columns |= m > 0 and result["columns"][m] != result["columns"][m - 1]
+    assert changed_columns  # the selection did change at a reselection
+    assert len(result["columns"][-1]["2.weight"]) == 3  # 12 columns x 0.25
+    if world == 1:  # every selected element is this rank's: the formula to the byte
+        selected = zenflow_selected_elements(result["shapes"], ZENFLOW["topk_ratio"])
+        assert result["moved"] == zenflow_transfer_bytes(
+            result["partition"], selected, steps=STEPS, updates=result["updates"],
+            selective_steps=result["selective_steps"], grad_bytes=4, param_bytes=4)
+
+
+def test_selected_elements_and_bytes_per_window():
+    # 12x8 weight: 2 of 8 columns (x12 rows); 6x12: 3 of 12 (x6); biases whole; a 1-column
+    # weight still keeps one column
+    assert zenflow_selected_elements([(12, 8), (12,), (6, 12), (6,), (5, 1)], 0.25) == 24 + 12 + 18 + 6 + 5
+    moved = zenflow_transfer_bytes(1000, 60, steps=8, updates=2, selective_steps=8, grad_bytes=2, param_bytes=2)
+    assert moved == {"device_to_host": 8 * 1000 * 2, "host_to_device": 8 * 60 * 4 + 2 * 1000 * 2}
+
+
+def train_resumed(rank: int, world: int, directory: str, stop: int) -> dict:
+    """`stop` steps, a checkpoint, and the rest of the run in a new engine from it."""
+    results = {}
+    for phase in ("first", "second"):
+        model = build_model()
+        optimizer = torch.optim.AdamW(model.parameters(), lr=LR, eps=EPS, weight_decay=DECAY, betas=BETAS)
+        engine = shardwise.initialize(model, config(2, world), optimizer=optimizer)
+        steps = range(stop) if phase == "first" else range(stop, STEPS)
+        if phase == "second":
+            engine.load_checkpoint(directory)
+        rows = slice(rank * ROWS // world, (rank + 1) * ROWS // world)
+        for step in steps:
+            x, y = batch(step)
+            engine.backward(torch.nn.functional.mse_loss(engine(x[rows]), y[rows]))
+            engine.step()
+        if phase == "first":
+            engine.save_checkpoint(directory)
+            results["saved"] = {n: p.detach().clone() for n, p in model.named_parameters()}
+        engine.destroy()
+    results["params"] = {n: p.detach().clone() for n, p in model.named_parameters()}
+    return results
+
+
+def test_a_resume_mid_window_continues_the_same_run(tmp_path):
+    """Saved after step 5 (m = 5: no CPU update, so the window holds a step's gradient and
+    the masters of the selected columns are stale): the resumed run ends where the
+    uninterrupted one does, and the saved weights are the device's."""
+    straight = run_distributed(train, 2, 2)[0]["params"][-1]
+    resumed = run_distributed(train_resumed, 2, str(tmp_path), 6)[0]
+    for name, tensor in straight.items():
+        assert resumed["params"][name].equal(tensor), name
+    [written] = convert_checkpoint(tmp_path, tmp_path / "whole")
+    consolidated = load_file(written)
+    for name, tensor in resumed["saved"].items():
+        assert consolidated[name].equal(tensor), name
