@@ -110,12 +110,17 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
     return parser
 
 
-def speeds_from_args(args: argparse.Namespace) -> Speeds:
-    """The speeds the flags name: measured now, a saved profile, or a datasheet, with overrides."""
+def speeds_from_args(args: argparse.Namespace, shape: ModelShape | None = None) -> Speeds:
+    """The speeds the flags name: measured now (the MFU on `shape`'s layout when known), a
+    saved profile, or a datasheet, with overrides."""
     if args.measure:
-        from shardwise.tools.planner.measure import measure
+        from shardwise.tools.planner.measure import ProbeShape, measure
 
-        speeds = measure(args.measure)
+        probe = ProbeShape()
+        if shape is not None and shape.has_layout:
+            probe = ProbeShape(shape.hidden_size, shape.num_heads, args.seq_len, args.micro_batch,
+                               shape.vocab_size or probe.vocab)
+        speeds = measure(args.measure, probe=probe)
     elif args.speed_profile:
         speeds = load_profile(args.speed_profile)
     else:
@@ -140,7 +145,7 @@ def main(args: argparse.Namespace) -> int:
         )
         if args.accumulation <= 0:
             raise ValueError(f"--accumulation {args.accumulation} must be a positive number of micro-batches")
-        speeds = speeds_from_args(args)
+        speeds = speeds_from_args(args, result.shape)
         predictions = price_options(result, speeds, accumulation=args.accumulation) if result.shape.has_layout else []
     except (ValueError, FileNotFoundError) as error:
         print(f"shardwise estimate: error: {error}", file=sys.stderr)

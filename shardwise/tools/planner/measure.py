@@ -5,7 +5,9 @@ model (shardwise/formulas/step_time.py).
 and measure, all at once so that they compete for the machine as training ranks do:
 
     peak_flops        a square fp32 matmul on one thread (the best the cores do)
-    mfu               a GPT's forward and backward (model FLOPs, step_time.py) over that peak
+    mfu               the forward and backward of a few-layer GPT of the estimated model's
+                      width, heads, sequence and micro-batch (model FLOPs, step_time.py)
+                      over that peak: small matrices reach less of the peak than large ones
     memory_bandwidth  fused AdamW with the clipping norm over 4M parameters, 32 bytes each
                       (optimizer_update_bytes): the update as the engine runs it
     pcie_bandwidth    a host-to-host copy (offload "to the CPU" on a CPU is a copy)
@@ -22,6 +24,7 @@ import os
 import statistics
 import tempfile
 import time
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable
 
@@ -33,16 +36,27 @@ from shardwise.formulas.step_time import Link, Speeds, training_flops_per_token
 from shardwise.tools.planner.devices import save_profile
 
 PROBE_PARAMS = 4 * 1024 * 1024
+WARMUP_CALLS = 3
 SMALL_MESSAGE, LARGE_MESSAGE = 1024, 16 * 1024 * 1024
 
 
-def measure(path: str | Path, *, ranks: int | None = None, preset: str = "10m", seq_len: int = 256,
-            micro_batch: int = 2) -> Speeds:
+@dataclass(frozen=True)
+class ProbeShape:
+    """The model layout the MFU is measured on (GPT 10m's by default)."""
+
+    hidden: int = 384
+    heads: int = 6
+    seq_len: int = 256
+    micro_batch: int = 2
+    vocab: int = 256
+    layers: int = 2  # a few layers are enough where the model is large; more cost time
+
+
+def measure(path: str | Path, *, ranks: int | None = None, probe: ProbeShape = ProbeShape()) -> Speeds:
     """Measure this machine with `ranks` processes and write the profile to `path`."""
     ranks = ranks or max(1, min(os.cpu_count() or 1, 8))
     with tempfile.TemporaryDirectory(prefix="shardwise-measure-") as workdir:
-        mp.start_processes(_rank_probe, args=(ranks, workdir, preset, seq_len, micro_batch), nprocs=ranks,
-                           start_method="spawn")
+        mp.start_processes(_rank_probe, args=(ranks, workdir, probe), nprocs=ranks, start_method="spawn")
         speeds = torch.load(Path(workdir, "speeds.pt"), weights_only=False)
     save_profile(speeds, path)
     return speeds
@@ -60,30 +74,39 @@ def _best_seconds(action: Callable[[], object], repeats: int, barrier: bool = Tr
     return statistics.median(times)
 
 
-def _rank_probe(rank: int, world: int, workdir: str, preset: str, seq_len: int, micro_batch: int) -> None:
+def compute_rates(probe: ProbeShape, repeats: int = 7) -> tuple[float, float]:
+    """(peak, achieved) FLOP/s of this process on one thread: a 512² matmul, and the forward
+    and backward of `probe`'s 2-layer GPT. Inside a process group every rank starts each
+    timing together, so they compete for the cores as training ranks do."""
     from shardwise.models import GPT, GPTConfig
 
     torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method=f"file://{workdir}/store", rank=rank, world_size=world)
+    barrier = dist.is_initialized()
     size = 512
     a, b = torch.randn(size, size), torch.randn(size, size)
-    peak = 2 * size**3 / _best_seconds(lambda: a @ b, 20)
-
+    peak = 2 * size**3 / _best_seconds(lambda: a @ b, 20, barrier)
     torch.manual_seed(0)
-    model = GPT(GPTConfig.preset(preset))
-    config = model.config
-    tokens = torch.randint(0, config.vocab_size, (micro_batch, seq_len + 1))
+    config = GPTConfig(vocab_size=probe.vocab, block_size=probe.seq_len, n_layer=probe.layers, n_head=probe.heads,
+                       n_embd=probe.hidden)
+    model = GPT(config)
+    tokens = torch.randint(0, config.vocab_size, (probe.micro_batch, probe.seq_len + 1))
 
     def forward_backward() -> None:
-        loss = model(tokens[:, :-1], tokens[:, 1:])
-        loss = loss[1] if isinstance(loss, tuple) else loss
-        loss.backward()
+        model(tokens[:, :-1], tokens[:, 1:]).backward()
 
-    forward_backward()
+    for _ in range(WARMUP_CALLS):  # the first calls fault pages in and allocate the gradients: several times slower
+        forward_backward()
     params = sum(p.numel() for p in model.parameters())
-    flops = training_flops_per_token(params, layers=config.n_layer, hidden=config.n_embd,
-                                     seq_len=seq_len) * micro_batch * seq_len
-    achieved = flops / _best_seconds(forward_backward, 5)
+    flops = training_flops_per_token(params, layers=probe.layers, hidden=probe.hidden,
+                                     seq_len=probe.seq_len) * probe.micro_batch * probe.seq_len
+    achieved = flops / _best_seconds(forward_backward, repeats, barrier)
+    return max(peak, achieved), achieved
+
+
+def _rank_probe(rank: int, world: int, workdir: str, probe: ProbeShape) -> None:
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"file://{workdir}/store", rank=rank, world_size=world)
+    peak, achieved = compute_rates(probe)
 
     weights = torch.zeros(PROBE_PARAMS)
     weights.grad = torch.randn(PROBE_PARAMS)
@@ -93,14 +116,15 @@ def _rank_probe(rank: int, world: int, workdir: str, preset: str, seq_len: int, 
         torch.nn.utils.clip_grad_norm_([weights], 1.0)
         optimizer.step()
 
-    update()
+    for _ in range(WARMUP_CALLS):
+        update()
     memory = 32 * PROBE_PARAMS / _best_seconds(update, 10)
     source, target = torch.randn(PROBE_PARAMS * 4), torch.empty(PROBE_PARAMS * 4)
     copy = source.numel() * 4 / _best_seconds(lambda: target.copy_(source), 10)
     nvme = _file_bandwidth(Path(workdir, f"nvme{rank}.bin"))
 
     small, large = torch.zeros(SMALL_MESSAGE // 4), torch.zeros(LARGE_MESSAGE // 4)
-    small_s = _best_seconds(lambda: dist.all_reduce(small), 50)
+    small_s = min(_best_seconds(lambda: dist.all_reduce(small), 10) for _ in range(5))  # α: the least delay
     large_s = _best_seconds(lambda: dist.all_reduce(large), 5)
     steps = 2 * (world - 1)
     latency = small_s / steps if world > 1 else 0.0
@@ -118,7 +142,8 @@ def _rank_probe(rank: int, world: int, workdir: str, preset: str, seq_len: int, 
         speeds = Speeds(f"this machine ({cores} cores, {world} ranks)", lowest[0], min(1.0, lowest[1]), lowest[2],
                         link, link, host_bandwidth=lowest[2], pcie_bandwidth=lowest[3], nvme_bandwidth=lowest[4],
                         overlap=0.0 if world >= cores else 1.0,
-                        source=f"shardwise estimate --measure (GPT {preset}, s={seq_len}, b={micro_batch})")
+                        source=f"shardwise estimate --measure (MFU on {probe.layers} GPT layers, h={probe.hidden}, "
+                               f"s={probe.seq_len}, b={probe.micro_batch})")
         torch.save(speeds, Path(workdir, "speeds.pt"))
     dist.barrier()
     dist.destroy_process_group()
