@@ -1,6 +1,10 @@
 """`shardwise estimate`: memory per ZeRO stage and offload option, and what to run (with a
 tensor or sequence group when --tp / --sp are given, or a suggested --tp when ZeRO alone
-does not fit).
+does not fit), and the predicted step time and tokens/s of every option that fits.
+
+The time model (shardwise/formulas/step_time.py) prices on a datasheet device (--device),
+or on a profile of this machine (--measure PATH writes one and uses it; --speed-profile
+PATH reuses it); --mfu and the link flags override either.
 
 Imports the planner (plain arithmetic), rich, and the optimizer registry for K, which
 imports torch (shardwise/runtime/optim/registry.py says why).
@@ -18,7 +22,10 @@ from rich.console import Console
 from rich.table import Table
 
 from shardwise.tools.planner.explain import DEVICE_NAMES, format_bytes
-from shardwise.formulas.memory import ELEMENT_BYTES
+from shardwise.formulas.memory import ELEMENT_BYTES, NO_OFFLOAD
+from shardwise.formulas.step_time import Speeds
+from shardwise.tools.planner.devices import DATASHEETS, datasheet, load_profile, with_overrides
+from shardwise.tools.planner.timing import Prediction, price_options
 from shardwise.formulas.parallel_activation import ModelParallel
 from shardwise.tools.planner.optimizers import optimizer_names
 from shardwise.tools.planner.recommend import DEFAULT_HEADROOM, Estimate, Hardware, OptionEstimate, estimate
@@ -84,8 +91,43 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
     parallel.add_argument("--sp", type=int, default=1, help="Ulysses sequence_parallel.size (default 1)")
     parallel.add_argument("--pp", type=int, default=1, help="pipeline_parallel.size (default 1): each stage holds "
                           "1/pp of the layers; ZeRO shards over GPUs / (tp × pp)")
+
+    timing = parser.add_argument_group("time model (step time and tokens/s of each option that fits)")
+    speed = timing.add_mutually_exclusive_group()
+    speed.add_argument("--device", choices=list(DATASHEETS), default="h100",
+                       help="datasheet speeds of this GPU (default h100)")
+    speed.add_argument("--speed-profile", metavar="PATH", help="speeds measured by --measure")
+    speed.add_argument("--measure", metavar="PATH", help="measure this machine (one gloo rank per core, about "
+                       "half a minute), write the profile to PATH and price on it")
+    timing.add_argument("--mfu", type=float, help="achievable fraction of peak FLOP/s (default: the device's)")
+    timing.add_argument("--intra-bandwidth", type=float, metavar="GB/s", help="per GPU inside a node, each way")
+    timing.add_argument("--inter-bandwidth", type=float, metavar="GB/s", help="per GPU between nodes, each way")
+    timing.add_argument("--intra-latency", type=float, metavar="µs", help="per message inside a node")
+    timing.add_argument("--inter-latency", type=float, metavar="µs", help="per message between nodes")
+    timing.add_argument("--accumulation", type=int, default=1,
+                        help="micro-batches per step (gradient_accumulation_steps; the pipeline's m), default 1")
     parser.set_defaults(handler=main)
     return parser
+
+
+def speeds_from_args(args: argparse.Namespace, shape: ModelShape | None = None) -> Speeds:
+    """The speeds the flags name: measured now (the MFU on `shape`'s layout when known), a
+    saved profile, or a datasheet, with overrides."""
+    if args.measure:
+        from shardwise.tools.planner.measure import ProbeShape, measure
+
+        probe = ProbeShape()
+        if shape is not None and shape.has_layout:
+            probe = ProbeShape(shape.hidden_size, shape.num_heads, args.seq_len, args.micro_batch,
+                               shape.vocab_size or probe.vocab)
+        speeds = measure(args.measure, probe=probe)
+    elif args.speed_profile:
+        speeds = load_profile(args.speed_profile)
+    else:
+        speeds = datasheet(args.device)
+    return with_overrides(speeds, mfu=args.mfu, intra_bandwidth=args.intra_bandwidth,
+                          inter_bandwidth=args.inter_bandwidth, intra_latency=args.intra_latency,
+                          inter_latency=args.inter_latency)
 
 
 def main(args: argparse.Namespace) -> int:
@@ -101,6 +143,10 @@ def main(args: argparse.Namespace) -> int:
             parallel=ModelParallel(args.tp, args.sp, args.megatron_sp, args.pp),
             bf16_masters=args.bf16_masters,
         )
+        if args.accumulation <= 0:
+            raise ValueError(f"--accumulation {args.accumulation} must be a positive number of micro-batches")
+        speeds = speeds_from_args(args, result.shape)
+        predictions = price_options(result, speeds, accumulation=args.accumulation) if result.shape.has_layout else []
     except (ValueError, FileNotFoundError) as error:
         print(f"shardwise estimate: error: {error}", file=sys.stderr)
         return 2
@@ -108,6 +154,7 @@ def main(args: argparse.Namespace) -> int:
     if not console.is_terminal:
         console.width = max(console.width, MIN_WIDTH)
     render(result, console)
+    render_times(result, speeds, predictions, console)
     return 0
 
 
@@ -192,6 +239,39 @@ def _fit_text(option: OptionEstimate) -> str:
     if option.shortfall is not None:
         return f"no ({DEVICE_NAMES[option.shortfall]})"
     return "yes" if option.fits_with == "none" else f"{option.fits_with} recompute"
+
+
+def render_times(result: Estimate, speeds: Speeds, predictions: list[Prediction], console: Console) -> None:
+    """The step-time table, fastest first, and the speeds it assumed."""
+    if not result.shape.has_layout:
+        console.print("Step time: not predicted (the time model needs the layout: --hidden-size, --layers, --heads)")
+        return
+    if not predictions:
+        return
+    table = Table(title=f"Predicted step time on {speeds.name} (fastest first)",
+                  caption="comm = communication left after overlap; update = the optimizer step "
+                  "(docs/formulas.md#step-time)")
+    for name in ("option", "recompute", "step", "tokens/s", "compute", "bubble", "comm", "update", "offload"):
+        table.add_column(name, justify="left" if name in ("option", "recompute") else "right", no_wrap=True)
+    for prediction in sorted(predictions, key=lambda p: p.step_s):
+        time, plan = prediction.time, prediction.plan
+        label = f"stage {plan.stage}" + ("" if plan.offload == NO_OFFLOAD else f" + {plan.offload.label}")
+        table.add_row(label, plan.recompute, format_seconds(time.total), f"{prediction.tokens_per_s:,.0f}",
+                      *(format_seconds(value) for value in (time.compute, time.bubble, time.exposed_comm,
+                                                            time.optimizer, time.offload)))
+    console.print(table)
+    console.print(f"Speeds: {speeds.peak_flops / 1e12:g} TFLOP/s peak × MFU {speeds.mfu:.2f}; memory "
+                  f"{speeds.memory_bandwidth / 1e9:g} GB/s; links intra {speeds.intra_node.bandwidth / 1e9:g} GB/s, "
+                  f"{speeds.intra_node.latency_s * 1e6:g} µs, inter {speeds.inter_node.bandwidth / 1e9:g} GB/s, "
+                  f"{speeds.inter_node.latency_s * 1e6:g} µs; PCIe {speeds.pcie_bandwidth / 1e9:g} GB/s, NVMe "
+                  f"{speeds.nvme_bandwidth / 1e9:g} GB/s per node; overlap {speeds.overlap:g} "
+                  f"({speeds.source or 'flags'})", markup=False)
+
+
+def format_seconds(seconds: float) -> str:
+    if seconds == 0:
+        return "0"
+    return f"{seconds * 1e3:.3g}ms" if seconds < 1 else f"{seconds:.3g}s"
 
 
 def _activations_table(result: Estimate) -> Table:

@@ -113,3 +113,23 @@ def test_lora_counts_frozen_weights_at_two_bytes_and_partitions_them_at_stage_3(
 def test_trainable_params_out_of_range_is_an_error(count, capsys) -> None:
     code, _, err = run_estimate(["--preset", "gpt2", "--trainable-params", count], capsys)
     assert code == 2 and "--trainable-params" in err
+
+
+def test_step_time_table_is_printed_fastest_first(capsys: pytest.CaptureFixture[str]) -> None:
+    code, out, _ = run_estimate(["--preset", "gpt2", "--gpus", "16", "--micro-batch", "4", "--seq-len", "1024",
+                                 "--device", "a100", "--mfu", "0.4"], capsys)
+    assert code == 0
+    assert "Predicted step time on A100 SXM 80GB" in out
+    assert "312 TFLOP/s peak × MFU 0.40" in out
+    steps = [line for line in out.splitlines() if line.startswith("│ stage")]
+    assert len(steps) >= 4
+
+
+def test_speed_profile_round_trip_and_bad_profile(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    from shardwise.tools.planner.devices import datasheet, load_profile, save_profile
+
+    save_profile(datasheet("v100"), tmp_path / "v100.json")
+    assert load_profile(tmp_path / "v100.json") == datasheet("v100")
+    (tmp_path / "bad.json").write_text("{}")
+    code, _, err = run_estimate(["--preset", "gpt2", "--speed-profile", str(tmp_path / "bad.json")], capsys)
+    assert code == 2 and "not a speed profile" in err
