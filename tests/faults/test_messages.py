@@ -314,3 +314,12 @@ def test_estimate_model_config_heads_must_divide_hidden(tmp_path, capsys):
     assert estimate_error(["--params", "1e6", "--hidden-size", "64", "--heads", "3"], capsys) == (
         "--hidden-size 64 is not divisible by --heads 3: each attention head gets hidden-size / heads dimensions"
     )
+
+
+def test_a_rate_or_list_of_rates_gets_one_problem_from_the_member_that_fits():
+    """warmup_max_lr is a rate or a list of rates (one per param group): a bad element of a
+    list is named by its index, without the scalar member's "should be a number"."""
+    scheduler = {"type": "WarmupLR", "params": {"warmup_max_lr": [0.1, -1]}}
+    assert config_problems({"train_batch_size": 8, "optimizer": {"type": "SGD", "params": {"lr": 0.1}},
+                            "scheduler": scheduler}) == [
+        "scheduler.params.warmup_max_lr.1: Input should be greater than or equal to 0 (got -1)"]
