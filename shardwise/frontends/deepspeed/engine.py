@@ -158,7 +158,7 @@ class ConfiguredEngine(Engine):
             raise ValueError("save_deepspeed_checkpoint writes data-parallel (ZeRO-1/2) checkpoints; a pipeline's "
                              "is not written in DeepSpeed's layer-file layout")
         staging = Path(save_dir) / ".shardwise-for-deepspeed"
-        written_tag = Engine.save_checkpoint(self, staging, tag, client_state)
+        written_tag = Engine.save_checkpoint(self, staging, tag, client_state, asynchronous=False)  # converted next
         failure = None
         if self.rank == 0:
             try:

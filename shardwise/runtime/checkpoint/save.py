@@ -20,11 +20,12 @@ import json
 import os
 import shutil
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any, Callable, NamedTuple
 
 import torch
 import torch.distributed as dist
 
+from shardwise.runtime.checkpoint.background import BackgroundWriter, HostBuffers
 from shardwise.runtime.checkpoint.format import (
     FORMAT_VERSION,
     META,
@@ -53,16 +54,21 @@ from shardwise.runtime.engine_protocol import EngineProtocol
 
 
 def save_checkpoint(
-    engine: EngineProtocol, save_dir: str | os.PathLike, tag: str | None = None, client_state: dict | None = None
+    engine: EngineProtocol, save_dir: str | os.PathLike, tag: str | None = None, client_state: dict | None = None,
+    *, writer: BackgroundWriter | None = None,
 ) -> str:
     """Write a checkpoint of `engine` under `save_dir/tag` (default tag: global_step<N>) and
     point `save_dir/latest` at it. Collective: every rank calls it. Returns the tag.
 
     `client_state` (rank 0's is kept) must be JSON: str keys; tuples come back as lists.
+    With a `writer` (asynchronous saves, background.py) it returns once this rank's share
+    is copied to host memory; the writer's thread writes and publishes it.
     """
     if not engine.trains:
         raise RuntimeError("save_checkpoint: this engine was given no optimizer (forward only), so it has no "
                            "training state to resume; write its weights with engine.save_16bit_model(dir)")
+    if writer is not None:
+        writer.wait()  # one save at a time; a failed earlier write raises here, on every rank
     tag = f"global_step{engine.global_steps}" if tag is None else tag
     check_tag(tag)
     client_state = {} if client_state is None else client_state
@@ -83,16 +89,31 @@ def save_checkpoint(
                                       "mounted read-only)") from error
 
     model = describe_whole_model(engine)  # collective over a pipeline group, so every rank computes it
+    _together(engine.rank, _world_agreement(engine), prepare, "preparing the checkpoint directory")
+    if writer is None:
+        _together(engine.rank, _world_agreement(engine), lambda: _write_rank_files(engine, staging),
+                  "writing its checkpoint files")
+        _together(engine.rank, _world_agreement(engine),
+                  lambda: _publish(engine.rank, engine.world_size, root, tag, staging,
+                                   _meta(engine, tag, client_state, model) if engine.rank == 0 else None),
+                  "publishing the checkpoint")
+        return tag
 
-    def finish() -> None:
-        if engine.rank == 0:
-            _write_meta(engine, staging, tag, client_state, model)
-            _write_manifest(engine.world_size, staging)
-            publish(root, tag)
+    steps: dict[str, Callable[[], None]] = {}
 
-    _together(engine, prepare, "preparing the checkpoint directory")
-    _together(engine, lambda: _write_rank_files(engine, staging), "writing its checkpoint files")
-    _together(engine, finish, "publishing the checkpoint")
+    def capture() -> None:  # everything the write needs, taken now: training changes it next
+        meta = _meta(engine, tag, json.loads(json.dumps(client_state)), model) if engine.rank == 0 else None
+        steps["write"] = _capture_rank_files(engine, staging, writer.buffers)
+        steps["publish"] = lambda: _publish(engine.rank, engine.world_size, root, tag, staging, meta)
+
+    _together(engine.rank, _world_agreement(engine), capture, "copying its checkpoint state to host memory")
+    agreement = _group_agreement(writer.group())
+
+    def write() -> None:
+        _together(engine.rank, agreement, steps["write"], "writing its checkpoint files")
+        _together(engine.rank, agreement, steps["publish"], "publishing the checkpoint")
+
+    writer.start(tag, write)
     return tag
 
 
@@ -104,27 +125,119 @@ def _remove_leftovers(root: Path) -> None:
             shutil.rmtree(entry, ignore_errors=True)
 
 
-def _together(engine: EngineProtocol, step: Callable[[], None], what: str) -> None:
+class _Agreement(NamedTuple):
+    """How the ranks agree on a phase: `all_min(flag)` (an all-reduce with MIN, in place)
+    and `gather(value)` (every rank's picklable value)."""
+
+    all_min: Callable[[torch.Tensor], None]
+    gather: Callable[[object], list]
+
+
+def _world_agreement(engine: EngineProtocol) -> _Agreement:
+    """Over every rank, on the training thread."""
+    return _Agreement(
+        lambda flag: engine.world.control_all_reduce(flag, "checkpoint: did every rank succeed",
+                                                     op=dist.ReduceOp.MIN),
+        engine.world.control_all_gather_object,
+    )
+
+
+def _group_agreement(group: dist.ProcessGroup | None) -> _Agreement:
+    """Over the background writers' own group (None: one rank, nothing to agree with)."""
+    if group is None:
+        return _Agreement(lambda flag: None, lambda value: [value])
+
+    def gather(value: object) -> list:
+        values: list = [None] * dist.get_world_size(group)
+        dist.all_gather_object(values, value, group=group)
+        return values
+
+    return _Agreement(lambda flag: dist.all_reduce(flag, op=dist.ReduceOp.MIN, group=group), gather)
+
+
+def _together(rank: int, agreement: _Agreement, step: Callable[[], None], what: str) -> None:
     """Run `step` on every rank; if any rank fails, every rank raises."""
     error: BaseException | None = None
     try:
         step()
     except Exception as caught:  # re-raised below, after the peers know
         error = caught
-    flag = torch.tensor([0 if error is not None else 1], device=engine.device)
-    engine.world.control_all_reduce(flag, f"checkpoint: {what}", op=dist.ReduceOp.MIN)  # every rank, all groups
+    flag = torch.tensor([0 if error is not None else 1])
+    agreement.all_min(flag)
     if flag.item() == 1:
         return
-    failures = engine.world.control_all_gather_object(None if error is None else f"{type(error).__name__}: {error}")
+    failures = agreement.gather(None if error is None else f"{type(error).__name__}: {error}")
     if error is not None:
         raise error
-    rank, failure = next((rank, failure) for rank, failure in enumerate(failures) if failure is not None)
-    raise CheckpointError(f"rank {engine.rank}: rank {rank} failed while {what}: {failure}")
+    failed, failure = next((rank, failure) for rank, failure in enumerate(failures) if failure is not None)
+    raise CheckpointError(f"rank {rank}: rank {failed} failed while {what}: {failure}")
+
+
+def _publish(rank: int, world_size: int, root: Path, tag: str, staging: Path, meta: dict | None) -> None:
+    """Rank 0, once every rank's files are written: meta, manifest, then the renames."""
+    if rank == 0:
+        write_synced(staging / META, json.dumps(meta, indent=1))
+        _write_manifest(world_size, staging)
+        publish(root, tag)
+
+
+class _RankShare(NamedTuple):
+    """What a rank writes: its tensors in file order (key, values, optimizer sub-group:
+    -1 for none) and its JSON record, less the tensor file's checksum."""
+
+    tensors: list[tuple[str, torch.Tensor, int]]
+    record: dict[str, Any]
 
 
 def _write_rank_files(engine: EngineProtocol, staging: Path) -> None:
     """This rank's pieces (safetensors) and its record (JSON): piece list, optimizer
-    scalars per param group, RNG state, and the checksum of its tensor file."""
+    scalars per param group, RNG state, and the checksum of its tensor file. The tensors
+    are streamed from the buffers training uses, sub-group by sub-group: a paging store
+    (NVMe) holds only the one being written."""
+    share = _rank_share(engine, staging)
+    if share.tensors:
+        path = staging / rank_tensors(engine.rank)
+        entries = [TensorEntry(key, tensor.dtype, (tensor.numel(),)) for key, tensor, _ in share.tensors]
+        with SafetensorsWriter(path, entries, metadata={"format": "pt"}) as writer:
+            _stream(engine, share.tensors, writer.write)
+            share.record["files"][path.name] = writer.close()
+    write_synced(staging / rank_json(engine.rank), json.dumps(share.record))
+
+
+def _capture_rank_files(engine: EngineProtocol, staging: Path, buffers: HostBuffers) -> Callable[[], None]:
+    """Copy this rank's share to host `buffers` now; return the write of its files from
+    those copies (which touches no training state, so it can run on another thread)."""
+    share = _rank_share(engine, staging)
+    copies: list[tuple[str, torch.Tensor]] = []
+    _stream(engine, share.tensors, lambda key, tensor: copies.append((key, buffers.copy(key, tensor))))
+    buffers.settle()
+    buffers.keep_only({key for key, _ in copies})
+    record = share.record
+
+    def write() -> None:
+        if copies:
+            path = staging / rank_tensors(engine.rank)
+            entries = [TensorEntry(key, tensor.dtype, (tensor.numel(),)) for key, tensor in copies]
+            with SafetensorsWriter(path, entries, metadata={"format": "pt"}) as writer:
+                for key, tensor in copies:
+                    writer.write(key, tensor)
+                record["files"][path.name] = writer.close()
+        write_synced(staging / rank_json(engine.rank), json.dumps(record))
+
+    return write
+
+
+def _stream(engine: EngineProtocol, tensors: list[tuple[str, torch.Tensor, int]],
+            consume: Callable[[str, torch.Tensor], Any]) -> None:
+    """`consume(key, values)` for each tensor, its optimizer sub-group resident meanwhile."""
+    for sub_group, items in itertools.groupby(tensors, key=lambda item: item[2]):
+        with engine.zero.resident(sub_group if sub_group >= 0 else None):
+            for key, tensor, _ in items:
+                consume(key, tensor)
+
+
+def _rank_share(engine: EngineProtocol, staging: Path) -> _RankShare:
+    """This rank's tensors (views of the training buffers, in file order) and record."""
     zero = engine.zero
     writes_model = zero.writes_model
     zenflow_record = None
@@ -167,17 +280,7 @@ def _write_rank_files(engine: EngineProtocol, staging: Path) -> None:
         for name, tensor in module_extras(engine):
             add(name, 0, tensor.numel(), {VALUE: tensor.detach().reshape(-1)}, -1)
 
-    if tensors:
-        # sub-group by sub-group: a paging store (NVMe) holds only the one being written
-        tensors.sort(key=lambda item: (item[2] < 0, item[2]))  # untrained pieces (-1) last
-        path = staging / rank_tensors(engine.rank)
-        entries = [TensorEntry(key, tensor.dtype, (tensor.numel(),)) for key, tensor, _ in tensors]
-        with SafetensorsWriter(path, entries, metadata={"format": "pt"}) as writer:
-            for sub_group, items in itertools.groupby(tensors, key=lambda item: item[2]):
-                with zero.resident(sub_group if sub_group >= 0 else None):
-                    for key, tensor, _ in items:
-                        writer.write(key, tensor)
-            files[path.name] = writer.close()
+    tensors.sort(key=lambda item: (item[2] < 0, item[2]))  # by sub-group; untrained pieces (-1) last
     record = {
         "rank": engine.rank,
         "pieces": pieces,
@@ -187,7 +290,7 @@ def _write_rank_files(engine: EngineProtocol, staging: Path) -> None:
     }
     if zenflow_record is not None:
         record["zenflow"] = zenflow_record
-    write_synced(staging / rank_json(engine.rank), json.dumps(record))
+    return _RankShare(tensors, record)
 
 
 def _optimizer_states(engine: EngineProtocol) -> tuple[dict[int, dict[str, torch.Tensor]], dict[str, dict]]:
@@ -220,7 +323,7 @@ def _optimizer_states(engine: EngineProtocol) -> tuple[dict[int, dict[str, torch
     return element_states, groups
 
 
-def _write_meta(engine: EngineProtocol, staging: Path, tag: str, client_state: dict, model: dict) -> None:
+def _meta(engine: EngineProtocol, tag: str, client_state: dict, model: dict) -> dict:
     optimizer = engine.optimizer.optimizer
     scheduler = engine.lr_scheduler
     if scheduler is not None and not hasattr(scheduler, "state_dict"):
@@ -252,7 +355,7 @@ def _write_meta(engine: EngineProtocol, staging: Path, tag: str, client_state: d
         "hf": _hf_description(engine.module),
         "tensor_parallel": describe_tensor_parallel(engine),
     }
-    write_synced(staging / META, json.dumps(meta, indent=1))
+    return meta
 
 
 def _hf_description(module: torch.nn.Module) -> dict | None:

@@ -31,6 +31,7 @@ from torch import nn
 
 from shardwise.runtime.accounting import MemoryLedger
 from shardwise.runtime.activation.accounting import ActivationTracker
+from shardwise.runtime.checkpoint.background import BackgroundWriter
 from shardwise.runtime.distributed.collectives import Communicator
 from shardwise.runtime.distributed.setup import call_check_timeout
 from shardwise.runtime.engine.arguments import make_scheduler, optimizer_factory, refuse_second_engine
@@ -151,6 +152,7 @@ class Engine(nn.Module):
         # the forward itself gathers (stage 3) or reduces (tensor / sequence parallel)
         self._forward_communicates = (zero.partitions_parameters or policies.tensor.size > 1
                                       or policies.sequence.size > 1)
+        self._checkpoint_writer: BackgroundWriter | None = None  # made at the first asynchronous save
         self._destroyed = False
         self.reset_comm_volume()
 
@@ -392,15 +394,33 @@ class Engine(nn.Module):
 
     # -- checkpoints (runtime/checkpoint/) ----------------------------------------------
     def save_checkpoint(self, save_dir: str | os.PathLike, tag: str | None = None,
-                        client_state: dict | None = None) -> str:
-        """Write this rank's shard of everything needed to resume; returns the tag."""
+                        client_state: dict | None = None, *, asynchronous: bool | None = None) -> str:
+        """Write this rank's shard of everything needed to resume; returns the tag.
+        Asynchronous (`asynchronous`, default `CheckpointPolicy.asynchronous`): returns once
+        the state is copied to host memory, and a background thread writes and publishes
+        it (checkpoint/background.py); `wait_for_checkpoint()` joins it."""
         from shardwise.runtime.checkpoint import save_checkpoint
 
         self._require_alive("save_checkpoint")
         self.world.agree_on_call("save_checkpoint", call_check_timeout(self.context.timeout))
+        self.wait_for_checkpoint()  # one save at a time; an earlier write's failure raises here
         if self.replica_check is not None:  # never save replicas that diverged
             self.replica_check.check(list(self.module.named_parameters()), "before saving a checkpoint")
-        return save_checkpoint(self, save_dir, tag, client_state)
+        asynchronous = self.policies.checkpoint.asynchronous if asynchronous is None else asynchronous
+        return save_checkpoint(self, save_dir, tag, client_state,
+                               writer=self._background_writer() if asynchronous else None)
+
+    def wait_for_checkpoint(self) -> None:
+        """Wait until the asynchronous save in progress (if any) is published; raises its
+        failure, on every rank. The next save, a load and `destroy()` call it too."""
+        if self._checkpoint_writer is not None:
+            self._checkpoint_writer.wait()
+
+    def _background_writer(self) -> BackgroundWriter:
+        if self._checkpoint_writer is None:
+            self._checkpoint_writer = BackgroundWriter(world_size=self.world_size, timeout=self.context.timeout,
+                                                       device=self.device)
+        return self._checkpoint_writer
 
     def load_checkpoint(self, load_dir: str | os.PathLike, tag: str | None = None, *,
                         optimizer_states: bool = True, module_only: bool = False, strict: bool = True,
@@ -413,6 +433,7 @@ class Engine(nn.Module):
 
         self._require_alive("load_checkpoint")
         self.world.agree_on_call("load_checkpoint", call_check_timeout(self.context.timeout))
+        self.wait_for_checkpoint()  # never read a checkpoint while one is being written
         return load_checkpoint(self, load_dir, tag, optimizer_states=optimizer_states, module_only=module_only,
                                strict=strict, opened=opened)
 
@@ -475,7 +496,14 @@ class Engine(nn.Module):
                                "pass an optimizer to initialize() or add an 'optimizer' block to train")
 
     def destroy(self) -> None:
-        """Detach from the model (hooks removed); the model can then get a new engine."""
+        """Detach from the model (hooks removed); the model can then get a new engine. An
+        asynchronous save in progress is finished first (and its failure raised after)."""
+        try:
+            self.wait_for_checkpoint()
+        finally:
+            self._detach()
+
+    def _detach(self) -> None:
         if self.trains:
             self.zero.reducer.remove_hooks()
         self.zero.params.remove_hooks()

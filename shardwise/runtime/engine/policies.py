@@ -14,6 +14,7 @@ from dataclasses import dataclass, field
 from typing import Any, Mapping
 
 from shardwise.runtime.activation.policy import ActivationPolicy
+from shardwise.runtime.checkpoint.policy import CheckpointPolicy
 from shardwise.runtime.compile.policy import CompilePolicy
 from shardwise.runtime.distributed.topology import TopologyPolicy
 from shardwise.runtime.ops.policy import KernelPolicy
@@ -77,6 +78,7 @@ class Policies:
     compile: CompilePolicy = field(default_factory=CompilePolicy)
     kernels: KernelPolicy = field(default_factory=KernelPolicy)
     topology: TopologyPolicy = field(default_factory=TopologyPolicy)
+    checkpoint: CheckpointPolicy = field(default_factory=CheckpointPolicy)
     optimizer: OptimizerPolicy | None = None
     scheduler: SchedulerPolicy | None = None
 

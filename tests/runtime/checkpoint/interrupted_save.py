@@ -71,9 +71,10 @@ def weights_digest(engine) -> str:
     return digest.hexdigest()
 
 
-def save_then_freeze(directory: str, phase: str, parent: Connection) -> None:
+def save_then_freeze(directory: str, phase: str, parent: Connection, asynchronous: bool = False) -> None:
     """Process target (one process, no process group). Sends the digest of the weights it
-    saved first, then `phase` when it freezes."""
+    saved first, then `phase` when it freezes. `asynchronous`: the second save is, so it
+    freezes on the writer thread while the training thread goes on to wait for it."""
     torch.set_num_threads(1)
     engine = start_engine(CASE, 1, ROWS)
     train(engine, CASE.model, 0, 1, ROWS, range(1))
@@ -82,7 +83,10 @@ def save_then_freeze(directory: str, phase: str, parent: Connection) -> None:
     train(engine, CASE.model, 0, 1, ROWS, range(1, 2))
     install_freeze(phase, parent)
     second_tag = "good" if phase == "replacing-tag" else "second"
-    engine.save_checkpoint(directory, tag=second_tag, client_state={"saved": "second"})
+    engine.save_checkpoint(directory, tag=second_tag, client_state={"saved": "second"}, asynchronous=asynchronous)
+    if asynchronous:
+        train(engine, CASE.model, 0, 1, ROWS, range(2, 3))  # training goes on during the write
+        engine.wait_for_checkpoint()
     parent.send("finished without freezing")
 
 

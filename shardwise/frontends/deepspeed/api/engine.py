@@ -178,7 +178,8 @@ class DeepSpeedEngine(ConfiguredEngine):
                                         tag_validation=self.tag_validation)
         latest = Path(save_dir) / LATEST
         previous = latest.read_text() if not save_latest and latest.is_file() else None
-        super().save_checkpoint(save_dir, tag, client_state)
+        # save_latest=False puts `latest` back once the checkpoint is published, so it waits for it
+        super().save_checkpoint(save_dir, tag, client_state, asynchronous=False if not save_latest else None)
         if not save_latest and self.rank == 0:
             if previous is None:
                 latest.unlink()
