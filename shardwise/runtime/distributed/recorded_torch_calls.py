@@ -80,19 +80,23 @@ def _argument(args: tuple, kwargs: dict, name: str, position: int | None):
     return args[position] if position is not None and position < len(args) else None
 
 
-@functools.lru_cache(maxsize=None)
-def _named(group: dist.ProcessGroup) -> tuple[str, tuple[int, ...]]:
-    ranks = tuple(dist.get_process_group_ranks(group))
-    if group is dist.group.WORLD:
-        return "world", ranks
-    members = f"ranks {ranks[0]}-{ranks[-1]}" if ranks == tuple(range(ranks[0], ranks[-1] + 1)) else f"ranks {list(ranks)}"
-    return f"group of {members}", ranks
+_NAMES: dict[tuple[str, int], tuple[str, tuple[int, ...]]] = {}  # by name and identity: holding a group
+# itself would keep it past destroy_process_group, into interpreter teardown, where gloo can abort
 
 
 def _group(group: dist.ProcessGroup | None) -> tuple[str, tuple[int, ...]]:
     """A name the same on every member, and the members' global ranks."""
     try:
-        return _named(group if group is not None else dist.group.WORLD)
+        group = group if group is not None else dist.group.WORLD
+        key = (group.group_name, id(group))  # a name is reused by a group made after a destroy
+        named = _NAMES.get(key)
+        if named is None:
+            ranks = tuple(dist.get_process_group_ranks(group))
+            consecutive = ranks == tuple(range(ranks[0], ranks[-1] + 1))
+            members = f"ranks {ranks[0]}-{ranks[-1]}" if consecutive else f"ranks {list(ranks)}"
+            named = ("world" if group is dist.group.WORLD else f"group of {members}", ranks)
+            _NAMES[key] = named
+        return named
     except Exception:  # not initialized yet, or a group this rank is not in: the call itself will say
         return "world", ()
 
