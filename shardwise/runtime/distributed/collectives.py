@@ -43,6 +43,7 @@ import torch.distributed as dist
 
 from shardwise.runtime.accounting import MemoryLedger
 from shardwise.runtime.distributed import point_to_point
+from shardwise.runtime.distributed.flight_recorder import RECORDER, CollectiveRecord
 from shardwise.runtime.distributed.mesh import GroupHandle, ParallelMesh
 from shardwise.runtime.distributed.peers import PeerDirectory
 from shardwise.runtime.distributed.retired_works import retire
@@ -121,6 +122,7 @@ class PendingCollective:
     communicator: "Communicator"
     started: float = field(default_factory=time.monotonic)
     temporary: bool = False  # its tensors die with the caller's wait: retired_works.py says why
+    record: CollectiveRecord | None = None  # in the flight recorder (flight_recorder.py)
 
     def wait(self, timeout: datetime.timedelta | None = None) -> None:
         if self.work is None:
@@ -137,7 +139,12 @@ class PendingCollective:
             if finished is False:
                 raise RuntimeError(f"not finished within {timeout.total_seconds():g}s")
         except Exception as error:  # gloo/NCCL raise RuntimeError subclasses
+            if self.record is not None:
+                RECORDER.fail(self.record)
             raise self.communicator.error(self.op, self.what, error, self.started) from error
+        else:
+            if self.record is not None:
+                RECORDER.finish(self.record)
         finally:
             if self.temporary:
                 retire(work)
@@ -190,6 +197,7 @@ class Communicator:
         self.skips_collectives = self.size == 1 and not _issues_at_size_one(self.group)
         # CUDA tensors only (also a group of one whose NCCL calls the test switch issues)
         self.device_only = not self.skips_collectives and dist.get_backend(self.group) == "nccl"
+        self._recorded_name = handle.describe()
 
     @property
     def world_size(self) -> int:
@@ -246,13 +254,24 @@ class Communicator:
     def _pending(self, work, op: str, what: str, temporary: bool = False) -> PendingCollective:
         return PendingCollective(work, op, what, self, temporary=temporary)
 
-    def _issue(self, op: str, what: str, start, temporary: bool = False) -> PendingCollective:
-        """Start a collective; a failure at issue time is named like one at wait time."""
+    def _issue(self, op: str, what: str, start, nbytes: int, *, temporary: bool = False,
+               control: bool = False) -> PendingCollective:
+        """Start a collective, noted in the flight recorder (the torch.distributed calls
+        it makes are not noted again); a failure at issue time is named like one at wait
+        time."""
         started = time.monotonic()
+        record = RECORDER.issue(self._recorded_name + (", control" if control else ""), self.handle.ranks,
+                                op, what, nbytes)
+        RECORDER.enter()
         try:
-            return self._pending(start(), op, what, temporary)
+            pending = self._pending(start(), op, what, temporary)
         except Exception as error:
+            RECORDER.fail(record)
             raise self.error(op, what, error, started) from error
+        finally:
+            RECORDER.leave()
+        pending.record = record
+        return pending
 
     # -- data collectives -----------------------------------------------------------
     def all_reduce(self, tensor: torch.Tensor, what: str) -> PendingCollective:
@@ -261,7 +280,8 @@ class Communicator:
             return self._pending(None, "all_reduce", what)
         self._require_device("all_reduce", what, tensor)
         self._count("all_reduce", self._bytes(tensor))
-        return self._issue("all_reduce", what, lambda: dist.all_reduce(tensor, group=self.group, async_op=True))
+        return self._issue("all_reduce", what, lambda: dist.all_reduce(tensor, group=self.group, async_op=True),
+                           self._bytes(tensor))
 
     def reduce_scatter(self, output: torch.Tensor, full: torch.Tensor, what: str) -> PendingCollective:
         """Sum `full` over the group; this rank receives chunk `rank` into `output`.
@@ -276,13 +296,14 @@ class Communicator:
         self._count("reduce_scatter", self._bytes(full))
         if not self.point_to_point:
             return self._issue("reduce_scatter", what,
-                               lambda: reduce_scatter_single(output, full, group=self.group, async_op=True))
+                               lambda: reduce_scatter_single(output, full, group=self.group, async_op=True),
+                               self._bytes(full))
         receive_bytes = self._bytes(full) * (self.size - 1) // self.size
         self.ledger.hold("buffers", receive_bytes)
         return self._issue("reduce_scatter", what, lambda: point_to_point.reduce_scatter(
             output, full, self.group, self.rank, self.size, self._next_tag(),
             on_free=lambda nbytes: self.ledger.release("buffers", nbytes),
-        ))
+        ), self._bytes(full))
 
     def all_gather(self, full: torch.Tensor, shard: torch.Tensor, what: str) -> PendingCollective:
         """Concatenate every rank's `shard` into `full` (`shard` may be `full`'s own chunk)."""
@@ -295,7 +316,7 @@ class Communicator:
             return self.all_gather_pieces(list(full.chunk(self.size)), shard, what)
         self._count("all_gather", self._bytes(full))
         return self._issue("all_gather", what,
-                           lambda: all_gather_single(full, shard, group=self.group, async_op=True))
+                           lambda: all_gather_single(full, shard, group=self.group, async_op=True), self._bytes(full))
 
     def all_gather_pieces(self, pieces: list[torch.Tensor], shard: torch.Tensor, what: str) -> PendingCollective:
         """All-gather into `pieces[r]` (views anywhere) from each rank's `shard`."""
@@ -304,12 +325,13 @@ class Communicator:
                 pieces[0].copy_(shard)
             return self._pending(None, "all_gather", what)
         self._require_device("all_gather", what, shard, *pieces)
-        self._count("all_gather", sum(self._bytes(piece) for piece in pieces))
+        full_bytes = sum(self._bytes(piece) for piece in pieces)
+        self._count("all_gather", full_bytes)
         if self.point_to_point:
             return self._issue("all_gather", what, lambda: point_to_point.all_gather(
-                pieces, shard, self.group, self.rank, self.size, self._next_tag()))
+                pieces, shard, self.group, self.rank, self.size, self._next_tag()), full_bytes)
         return self._issue("all_gather", what,
-                           lambda: dist.all_gather(pieces, shard, group=self.group, async_op=True))
+                           lambda: dist.all_gather(pieces, shard, group=self.group, async_op=True), full_bytes)
 
     def all_to_all(self, output: torch.Tensor, tensor: torch.Tensor, what: str) -> PendingCollective:
         """Chunk r of `tensor` goes to rank r; chunk r of `output` comes from rank r
@@ -321,7 +343,8 @@ class Communicator:
         self._require_device("all_to_all", what, output, tensor)
         self._count("all_to_all", self._bytes(tensor))
         return self._issue("all_to_all", what,
-                           lambda: dist.all_to_all_single(output, tensor, group=self.group, async_op=True))
+                           lambda: dist.all_to_all_single(output, tensor, group=self.group, async_op=True),
+                           self._bytes(tensor))
 
     def broadcast(self, tensor: torch.Tensor, source: int, what: str) -> None:
         """Copy group rank `source`'s `tensor` to every member (blocking)."""
@@ -330,7 +353,7 @@ class Communicator:
         self._require_device("broadcast", what, tensor)
         self._count("broadcast", self._bytes(tensor))
         self._issue("broadcast", what, lambda: dist.broadcast(
-            tensor, group=self.group, group_src=source, async_op=True)).wait()
+            tensor, group=self.group, group_src=source, async_op=True), self._bytes(tensor)).wait()
 
     def _next_tag(self) -> int:
         self._sequence = (self._sequence + 1) % (2**31 - 1)
@@ -347,7 +370,8 @@ class Communicator:
         self._count("all_reduce", self._bytes(tensor), category="control")
         on_cpu = tensor.cpu()
         self._issue("all_reduce", what, lambda: dist.all_reduce(
-            on_cpu, op=op, group=self.control_group, async_op=True), temporary=True).wait(timeout)
+            on_cpu, op=op, group=self.control_group, async_op=True), self._bytes(on_cpu),
+            temporary=True, control=True).wait(timeout)
         if on_cpu is not tensor:
             tensor.copy_(on_cpu)
         return tensor
@@ -359,7 +383,8 @@ class Communicator:
             return
         self._count("all_gather", self._bytes(output), category="control")
         self._issue("all_gather", what, lambda: all_gather_single(
-            output, tensor, group=self.control_group, async_op=True), temporary=True).wait()
+            output, tensor, group=self.control_group, async_op=True), self._bytes(output),
+            temporary=True, control=True).wait()
 
     def control_all_gather_object(self, value: object) -> list[object]:
         """Every member's `value` (pickled): for error reports, never on the hot path."""

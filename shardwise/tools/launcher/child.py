@@ -6,7 +6,8 @@ The script runs unmodified and sees what `python SCRIPT ARGS...` would show it:
 "__main__", and an exception it raises is printed from the script's frames down, exit
 status 1, and its one-line summary goes to torchrun's error file for the worker, which
 the launcher reads to name the failing rank and its exception. Before it starts, the worker is tied to the launcher's life
-(`die_with_launcher`), which a plain `python` cannot do. A KeyboardInterrupt the script
+(`die_with_launcher`), which a plain `python` cannot do, and takes part in the
+launcher's hang watch (`watch_this_worker`). A KeyboardInterrupt the script
 lets through (the launcher forwards a Ctrl-C as SIGINT) ends the worker quietly with
 status 130, as shells report it, and without running exit handlers: the launcher prints
 the one line about the interrupt.
@@ -23,6 +24,7 @@ import time
 from types import TracebackType
 
 from shardwise.tools.launcher.lifeline import die_with_launcher
+from shardwise.tools.launcher.worker_watch import watch_this_worker
 
 INTERRUPTED = 128 + signal.SIGINT  # the status a shell reports for a Ctrl-C
 USAGE = "usage: python -m shardwise.tools.launcher.child SCRIPT [ARGS...]"
@@ -30,6 +32,7 @@ USAGE = "usage: python -m shardwise.tools.launcher.child SCRIPT [ARGS...]"
 
 def main() -> None:
     die_with_launcher()
+    watch_this_worker()
     if len(sys.argv) < 2:
         print(USAGE, file=sys.stderr)
         sys.exit(2)

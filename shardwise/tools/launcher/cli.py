@@ -19,6 +19,7 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 
 from shardwise.tools.launcher.agent import run_agent
+from shardwise.tools.launcher.hang_watch import HangWatch, no_progress_seconds
 from shardwise.tools.launcher.hosts import (
     DEFAULT_MASTER_PORT, add_hostfile_options, plan_hosts, refuse_hostfile_options, run_on_hosts,
 )
@@ -114,6 +115,15 @@ def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParse
         action="store_true",
         help="with --as-deepspeed: do not pass --local_rank to the script (DeepSpeed's --no_local_rank)",
     )
+    parser.add_argument(
+        "--hang-timeout",
+        type=_positive_float,
+        default=None,
+        metavar="SECONDS",
+        help="when a rank has issued no collective and finished none for SECONDS (counted from its first), "
+        "print every rank's Python stack and last collectives, name the rank that is behind, and stop the job "
+        "(default: SHARDWISE_HANG_TIMEOUT, else off; a failed collective reports the same way regardless)",
+    )
     add_hostfile_options(parser)
     parser.add_argument("script", help="the Python script every process runs")
     parser.add_argument("script_args", nargs=argparse.REMAINDER, help="arguments for the script")
@@ -201,23 +211,31 @@ def _launch(args: argparse.Namespace) -> int:
         else:
             refuse_hostfile_options(args)
         *torchrun_options, script = build_torchrun_args(resolve_nproc(args))
+        hang_seconds = no_progress_seconds(args.hang_timeout)
     except ValueError as error:
         print(f"shardwise run: error: {error}", file=sys.stderr)
         return 2
 
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
 
+    watch = HangWatch(no_progress_seconds=hang_seconds)
     try:
-        with _script_environment(args) as (environment, first_args):
+        with watch, _script_environment(args) as (environment, first_args):
+            environment = {**environment, **watch.environment()}
             if args.visible_devices is not None:  # the slots of a hostfile's one selected host
                 environment = {**environment, "CUDA_VISIBLE_DEVICES": args.visible_devices}
             run_agent([*torchrun_options, "--module"], CHILD_MODULE, [script, *first_args, *args.script_args],
                       environment)
     except ChildFailedError as error:
-        print(first_failure(error.failures), file=sys.stderr)
-        # Named after the script, not the module every worker starts it through.
-        print(ChildFailedError(name=script, failures=error.failures).format_msg(), file=sys.stderr)
+        if not watch.stopped_job:  # else the workers only died of the watch's SIGTERM
+            print(first_failure(error.failures), file=sys.stderr)
+            # Named after the script, not the module every worker starts it through.
+            print(ChildFailedError(name=script, failures=error.failures).format_msg(), file=sys.stderr)
+        if watch.summary is not None:  # last, where it is seen: the rank that is behind
+            print(watch.summary, file=sys.stderr)
         return 1
+    if watch.summary is not None:  # the script caught its failed collective and went on
+        print(watch.summary, file=sys.stderr)
     return 0
 
 
@@ -277,6 +295,16 @@ def _positive_int(text: str) -> int:
     value = _int(text)
     if value < 1:
         raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}")
+    return value
+
+
+def _positive_float(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a number of seconds, got {text!r}") from None
+    if not value > 0 or value == float("inf"):
+        raise argparse.ArgumentTypeError(f"expected a positive number of seconds, got {text!r}")
     return value
 
 

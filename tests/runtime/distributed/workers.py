@@ -3,6 +3,7 @@ and groups of one that issue their collectives (the test-only switch)."""
 
 from __future__ import annotations
 
+import datetime
 import time
 from collections import Counter
 from collections.abc import Iterator
@@ -151,3 +152,21 @@ def train_counting_collectives(rank: int, world_size: int, cases: list) -> list[
             result = train_parallel(rank, world_size, case)
         results.append({**result, "collectives": dict(counts)})
     return results
+
+
+def record_a_stall(rank: int, world_size: int) -> dict:
+    """Two all-reduces over the shard group ([0, 1] and [2, 3]) and a control barrier;
+    then rank 3 stays away from a third, which rank 2 gives up on: every rank's snapshot
+    of the flight recorder, and rank 2's record of the failed one."""
+    from shardwise.runtime.distributed.flight_recorder import RECORDER
+
+    shard = communicators(rank)["shard"]
+    for _ in range(2):
+        shard.all_reduce(torch.ones(16), "ones").wait()
+    shard.barrier("a test barrier")
+    if rank == 2:
+        try:
+            shard.all_reduce(torch.ones(16), "the third").wait(datetime.timedelta(seconds=1))
+        except CollectiveError:
+            pass
+    return RECORDER.snapshot()
