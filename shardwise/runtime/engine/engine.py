@@ -124,7 +124,7 @@ class Engine(nn.Module):
             codec=spec.codec if spec is not None else getattr(optimizer, "state_codec", None),
             param_init_fn=param_init_fn,
             per_parameter=spec.per_parameter if spec is not None else isinstance(optimizer, ShardAwareOptimizer),
-            frozen=frozen_parameters(model, named),
+            frozen=frozen_parameters(model, named + (self.experts.params if self.experts is not None else [])),
         )
         self.optimizer = self.zero.optimizer
         self.tensor_norm = tensor_parallel_norm(self.mesh, self.zero, self.comm_stats) if self.trains else None
