@@ -434,3 +434,13 @@ def zero_plus_plus_ratio(num_params: int, *, shard_size: int, ranks_per_node: in
                              hpz_partition_size=ranks_per_node, quantized_gradients=True,
                              weight_block=weight_block, gradient_block=gradient_block)
     return inter_node_bytes_per_node(plain) / inter_node_bytes_per_node(plus)
+
+
+def moe_all_to_all_bytes(*, experts: int, capacity: int, width: int, bytes_per_element: int, ep_size: int,
+                         layers: int = 1, backward: bool = True) -> int:
+    """Bytes one rank sends in the all-to-alls of expert parallelism (docs/formulas.md#expert-parallelism):
+    per MoE layer its (experts, capacity, width) buffer goes to the experts and comes back
+    (two all-to-alls forward, two more for their gradients in backward), each sending the
+    (P-1)/P of the buffer bound for the other members of the expert group of P ranks."""
+    exchanges = 4 if backward else 2
+    return layers * exchanges * _ring("all_to_all", experts * capacity * width * bytes_per_element, ep_size)

@@ -35,6 +35,15 @@ the config; ranks r*L .. r*L+L-1 share node r) and cuts groups by it:
                  place on every node                   } then across nodes
     secondary    hpZ's secondary partition: `secondary_shard` ranks of shard_node
 
+Mixture-of-experts layers carve two more groups out of each data group, for an
+expert-parallel size E that divides it (built on demand: `ParallelMesh.expert_handles`,
+since the size comes from the model's layers, not the job's layout):
+
+    expert       E consecutive members of this rank's data group: each holds 1/E of a
+                 layer's experts, and tokens travel between them by all-to-all
+    expert_data  the members at this rank's place in every expert group: they hold the
+                 same experts, whose gradients are summed over it
+
 Every group knows its members' nodes, so a communicator counts the bytes it sends over
 links inside a node and between nodes apart (collectives.py).
 
@@ -194,6 +203,18 @@ class ParallelSizes:
                              "groups spread evenly (tensor and pipeline sizes that divide the ranks per node)")
         return list(blocks.values())
 
+    def expert_groups(self, expert: int) -> dict[str, list[list[int]]]:
+        """{"expert": ..., "expert_data": ...} for an expert-parallel size `expert` (see the
+        module's docstring): each data group cut into runs of `expert` members, and the
+        members at one place of every run."""
+        data = self.size("data")
+        if expert < 1 or data % expert:
+            raise ValueError(f"an expert-parallel size of {expert} (ep_size) does not divide the {data} data-parallel "
+                             "ranks it is carved from; use a divisor of world / (tp·sp·pp)")
+        runs = [group[start : start + expert] for group in self.groups("data") for start in range(0, data, expert)]
+        strided = [group[place::expert] for group in self.groups("data") for place in range(expert)]
+        return {"expert": runs, "expert_data": strided}
+
     def describe(self) -> str:
         grid = " x ".join(f"{name} {size}" for name, size in zip(DIMENSIONS, self.shape))
         return grid if self.nodes == 1 else f"{grid} ({self.nodes} nodes of {self.node_size})"
@@ -239,6 +260,7 @@ class ParallelMesh:
         self.comm_stats = comm_stats if comm_stats is not None else CommStats()
         self.coordinates = sizes.coordinates(rank)
         self.device_mesh = None
+        self._timeout = timeout
         if sizes.world == 1 or not dist.is_initialized():
             self.handles = {purpose: GroupHandle(purpose, (rank,), 0, None, None)
                             for purpose in (*PURPOSES, *self.node_purposes)}
@@ -297,6 +319,33 @@ class ParallelMesh:
 
     def __getitem__(self, purpose: str) -> GroupHandle:
         return self.handles[purpose]
+
+    def expert_handles(self, expert: int) -> tuple[GroupHandle, GroupHandle]:
+        """(expert, expert_data) handles for expert-parallel size `expert`, created once per
+        size (collective: every rank asks for the same sizes in the same order)."""
+        key = f"expert_{expert}"
+        if key not in self.handles:
+            groups = self.sizes.expert_groups(expert)
+            timeout = self._timeout
+            for purpose in ("expert", "expert_data"):
+                self.handles[f"{purpose}_{expert}"] = self._handle_over(purpose, groups[purpose], timeout)
+        return self.handles[key], self.handles[f"expert_data_{expert}"]
+
+    def _handle_over(self, purpose: str, groups: list[list[int]], timeout: datetime.timedelta) -> GroupHandle:
+        """A handle on this rank's group of `groups`: new process groups unless it is of one."""
+        ranks = tuple(next(group for group in groups if self.rank in group))
+        nodes = self._nodes_of(ranks)
+        if len(ranks) == 1 or not dist.is_initialized():
+            return GroupHandle(purpose, ranks, ranks.index(self.rank), None, None, nodes)
+        backend, backend_options = _group_options(self.device, timeout)
+        data = None
+        for members in groups:  # new_group is collective: every rank creates every group, in order
+            group = dist.new_group(members, backend=backend,
+                                   pg_options=backend_options if backend == "nccl" else None, timeout=timeout)
+            if self.rank in members:
+                data = group
+        return GroupHandle(purpose, ranks, ranks.index(self.rank), data, _control_group(groups, self.rank, timeout),
+                           nodes)
 
     @property
     def data_rank(self) -> int:

@@ -48,6 +48,7 @@ from shardwise.runtime.precision import LossScaler
 from shardwise.runtime.precision.casting import autocast_for, cast_floating, cast_unheld_state
 from shardwise.runtime.reliability.replica_check import ReplicaCheck
 from shardwise.runtime.reliability.step_guard import BACKWARD, FORWARD, StepGuard
+from shardwise.runtime.parallel.expert.training import ExpertTraining, connect_expert_layers, expert_parameters
 from shardwise.runtime.zero.apply import ZeroGroups, apply_zero
 from shardwise.runtime.zero.zenflow import ZenFlow
 from shardwise.runtime.zero.trainable import evaluated_parameters, frozen_parameters, trainable_parameters
@@ -113,6 +114,9 @@ class Engine(nn.Module):
         if not self.trains:
             gather_vocab_logits(model)  # its callers sample or take log-probabilities: whole logits
         named = trainable_parameters(model, optimizer) if self.trains else evaluated_parameters(model)
+        self.experts: ExpertTraining | None = None
+        if connect_expert_layers(model, self.mesh, self.comm_stats, self.ledger, job.peers) and self.trains:
+            named, self.experts = self._train_experts_apart(named, optimizer, policies)
         spec = optimizer_spec(policies.optimizer.type) if policies.optimizer is not None else None
         self.zero = apply_zero(
             model, named, policy=zero, precision=policies.precision, groups=groups, ledger=self.ledger,
@@ -121,7 +125,7 @@ class Engine(nn.Module):
             codec=spec.codec if spec is not None else getattr(optimizer, "state_codec", None),
             param_init_fn=param_init_fn,
             per_parameter=spec.per_parameter if spec is not None else isinstance(optimizer, ShardAwareOptimizer),
-            frozen=frozen_parameters(model, named),
+            frozen=frozen_parameters(model, named + (self.experts.params if self.experts is not None else [])),
         )
         self.optimizer = self.zero.optimizer
         self.tensor_norm = tensor_parallel_norm(self.mesh, self.zero, self.comm_stats) if self.trains else None
@@ -286,6 +290,9 @@ class Engine(nn.Module):
             return
         scale = self.loss_scaler.scale  # the scale this step's gradients carry
         norm_squared = self.optimizer.local_grad_norm_squared()
+        if self.experts is not None:
+            self.experts.reduce_gradients()
+            norm_squared = norm_squared + self.experts.norm_squared_share(self.guard.replicate_size).to(norm_squared)
         if self.tensor_norm is not None:  # tensor shards summed, replicated parameters counted once
             norm_squared = self.tensor_norm(norm_squared)
         if self.pipeline is not None:  # stages hold disjoint parameters: their squares add up
@@ -304,15 +311,45 @@ class Engine(nn.Module):
             if max_norm > 0:
                 clip = min(1.0, max_norm / (verdict.norm + 1e-6))
             self.optimizer.step(grad_scale=clip / scale)
+            if self.experts is not None:
+                self.experts.step(grad_scale=clip / scale)
             self.zero.params.after_update()
             if self.lr_scheduler is not None:
                 self.lr_scheduler.step()
         else:
             self.skipped_steps += 1
         self.zero.reducer.zero_grads()
+        if self.experts is not None:
+            self.experts.zero_grads()
         self.global_steps += 1
         if self.replica_check is not None and self.replica_check.due(self.global_steps):
             self.replica_check.check(list(self.module.named_parameters()), f"after optimizer step {self.global_steps}")
+
+    def _train_experts_apart(self, named: list[tuple[str, nn.Parameter, int]], optimizer: torch.optim.Optimizer | None,
+                             policies: Policies) -> tuple[list[tuple[str, nn.Parameter, int]], ExpertTraining | None]:
+        """The dense parameters for ZeRO, and the experts of expert-parallel layers trained
+        apart (parallel/expert/training.py explains why)."""
+        experts = expert_parameters(named)
+        if not experts:
+            return named, None
+        if (self.mesh.sizes.tensor > 1 or self.mesh.sizes.sequence > 1 or self.mesh.sizes.pipeline > 1
+                or policies.precision.param_dtype != torch.float32 or policies.zero.zenflow is not None):
+            raise ValueError("expert parallelism (ep_size > 1) is provided for fp32 data-parallel training "
+                             "(ZeRO 0-3, no tensor, sequence or pipeline parallelism, bf16/fp16 or ZenFlow); "
+                             "use ep_size=1 for the others")
+        ids = {id(param) for _, param, _ in experts}
+        if optimizer is not None:
+            groups, index = ExpertTraining.split_optimizer(optimizer, ids)
+            expert_optimizer = type(optimizer)(groups)
+            named = [(name, param, index[group]) for name, param, group in named if id(param) not in ids]
+        else:
+            expert_optimizer = optimizer_spec(policies.optimizer.type).build(
+                [{"params": [param for _, param, _ in experts]}], dict(policies.optimizer.params))
+            named = [entry for entry in named if id(entry[1]) not in ids]
+        expert_data = {size: Communicator(self.mesh.expert_handles(size)[1], self.comm_stats, self.ledger,
+                                          self.job.peers)
+                       for size in sorted({size for _, _, size in experts})}
+        return named, ExpertTraining(experts, expert_optimizer, expert_data, data_size=self.mesh.data_size)
 
     def _replica_check(self, interval: int) -> ReplicaCheck | None:
         if not interval:

@@ -14,6 +14,10 @@ import shardwise
 from shardwise.frontends.deepspeed.api.moe.layer import MoE
 from shardwise.frontends.deepspeed.api.moe.sharded_moe import top1_gating, top2_gating
 from shardwise.frontends.deepspeed.api.moe.utils import split_params_into_different_moe_groups_for_optimizer
+from shardwise.formulas.communication import moe_all_to_all_bytes
+from shardwise.runtime.distributed.collectives import Communicator
+from shardwise.runtime.distributed.mesh import ParallelMesh, ParallelSizes
+from shardwise.runtime.distributed.setup import collective_timeout
 from shardwise.tools.testing import run_distributed
 
 ROWS, STEPS, AUX = 8, 3, 0.01
@@ -50,11 +54,11 @@ def test_top2_renormalises_the_pair():
 class MoeNet(nn.Module):
     """DeepSpeedExamples' cifar MoE shape: dense layers around MoE layers of Linear experts."""
 
-    def __init__(self, k: int, residual: bool):
+    def __init__(self, k: int, residual: bool, ep_size: int = 1):
         super().__init__()
         torch.manual_seed(5)
         self.inp = nn.Linear(6, 12)
-        self.moe = nn.ModuleList([MoE(12, nn.Linear(12, 12), num_experts=4, k=k, capacity_factor=4.0,
+        self.moe = nn.ModuleList([MoE(12, nn.Linear(12, 12), num_experts=4, ep_size=ep_size, k=k, capacity_factor=4.0,
                                       min_capacity=0, use_residual=residual) for _ in range(2)])
         self.out = nn.Linear(12, 3)
 
@@ -77,8 +81,8 @@ def groups_of(model: nn.Module) -> list[dict]:
                                                                  "name": "parameters"})
 
 
-def train_parallel(rank: int, world_size: int, stage: int, k: int, residual: bool) -> dict:
-    model = MoeNet(k, residual)
+def train_parallel(rank: int, world_size: int, stage: int, k: int, residual: bool, ep_size: int = 1) -> dict:
+    model = MoeNet(k, residual, ep_size)
     config = {"train_micro_batch_size_per_gpu": ROWS, "zero_optimization": {"stage": stage,
                                                                             "stage3_param_persistence_threshold": 0}}
     engine = shardwise.initialize(model, config, optimizer=torch.optim.AdamW(groups_of(model), lr=1e-2))
@@ -126,9 +130,73 @@ def test_moe_model_trains_like_plain_torch(stage, k, residual):
     assert any("deepspeed_moe.experts.deepspeed_experts.3" in name for name in expected["params"])
 
 
-def test_expert_parallelism_is_refused_with_the_reason():
-    with pytest.raises(ValueError, match="expert parallelism is not provided"):
-        MoE(8, nn.Linear(8, 8), num_experts=4, ep_size=2)
+def expert_name(name: str, rank: int, ep_size: int) -> str:
+    """The every-expert model's name of rank `rank`'s local expert parameter `name`."""
+    if ".deepspeed_experts." not in name:
+        return name
+    head, tail = name.split(".deepspeed_experts.")
+    local, rest = tail.split(".", 1)
+    return f"{head}.deepspeed_experts.{(rank % ep_size) * (4 // ep_size) + int(local)}.{rest}"
+
+
+@pytest.mark.parametrize("world_size, stage, k", [(2, 2, 2), (2, 3, 1), (4, 1, 1)],
+                         ids=["ep2-stage2-top2", "ep2-stage3-top1", "ep2xdp2-stage1-top1"])
+def test_expert_parallel_training_equals_every_expert_on_one_process(world_size, stage, k):
+    """ep_size 2: each rank trains half the experts (tokens exchanged by all-to-all,
+    expert gradients summed over the expert-data group), and every step's loss and every
+    parameter equal the single-process model holding all four experts."""
+    expected = train_reference(world_size, k, residual=False)
+    for rank, result in enumerate(run_distributed(train_parallel, world_size, stage, k, False, 2, timeout=240)):
+        for step in range(STEPS):
+            want = expected["losses"][step][rank]
+            assert abs(result["losses"][step] - want) < 1e-5 * abs(want), (step, result["losses"], want)
+        assert sum(".deepspeed_experts." in name for name in result["params"]) == 2 * 2 * 2  # 2 layers x 2 local
+        for name, weight in result["params"].items():
+            reference = expected["params"][expert_name(name, rank, 2)]
+            assert ((weight - reference).norm() / reference.norm()).item() < 1e-5, name
+
+
+def test_expert_parallelism_refuses_what_it_cannot_do():
+    with pytest.raises(ValueError, match="divides num_experts"):
+        MoE(8, nn.Linear(8, 8), num_experts=3, ep_size=2)
+    with pytest.raises(ValueError, match="drop_tokens=False"):
+        MoE(8, nn.Linear(8, 8), num_experts=4, ep_size=2, drop_tokens=False)
+    with pytest.raises(RuntimeError, match="needs its expert group"):
+        MoE(8, nn.Linear(8, 8), num_experts=4, ep_size=2)(torch.randn(4, 8))
+
+
+def expert_parallel_layer(rank: int, world_size: int, k: int) -> dict:
+    """Rank r holds experts 2r, 2r+1 of the every-expert layer's four; its tokens are routed
+    by the same gate and must come out the same, and the all-to-all bytes are the formula's."""
+    torch.manual_seed(3)
+    whole = MoE(12, nn.Linear(12, 12), num_experts=4, k=k, capacity_factor=1.0, min_capacity=0, use_rts=False,
+                top2_2nd_expert_sampling=False)
+    for param in whole.parameters():
+        param.data.normal_()
+    split = MoE(12, nn.Linear(12, 12), num_experts=4, ep_size=2, k=k, capacity_factor=1.0, min_capacity=0,
+                use_rts=False, top2_2nd_expert_sampling=False)
+    split.deepspeed_moe.gate.load_state_dict(whole.deepspeed_moe.gate.state_dict())
+    for local in range(2):
+        split.deepspeed_moe.experts.deepspeed_experts[local].load_state_dict(
+            whole.deepspeed_moe.experts.deepspeed_experts[2 * rank + local].state_dict())
+    mesh = ParallelMesh(ParallelSizes(data_shard=world_size), rank, torch.device("cpu"), collective_timeout())
+    split.use_expert_groups(Communicator(mesh.expert_handles(2)[0], mesh.comm_stats))
+    x = torch.randn(2, 10, 12, generator=torch.Generator().manual_seed(rank)).requires_grad_()
+    out, l_aux, counts = split(x)
+    out.square().sum().backward()
+    want, want_aux, want_counts = whole(x.detach())
+    capacity = split.deepspeed_moe.gate.capacity_factor * (2 if k == 2 else 1) * 20 / 4
+    return {"error": ((out - want).norm() / want.norm()).item(), "aux": (l_aux - want_aux).abs().item(),
+            "counts": counts.tolist() == want_counts.tolist(), "bytes": mesh.comm_stats.totals()["all_to_all"],
+            "capacity": int(capacity), "input_grad": x.grad.norm().item() > 0}
+
+
+@pytest.mark.parametrize("k", [1, 2], ids=["top1", "top2"])
+def test_expert_parallel_layer_equals_every_expert_on_every_rank(k):
+    for result in run_distributed(expert_parallel_layer, 2, k, timeout=120):
+        assert result["error"] < 1e-6 and result["aux"] < 1e-7 and result["counts"] and result["input_grad"]
+        assert result["bytes"] == moe_all_to_all_bytes(experts=4, capacity=result["capacity"], width=12,
+                                                       bytes_per_element=4, ep_size=2)
 
 
 DEEPSPEED_SIDE = """

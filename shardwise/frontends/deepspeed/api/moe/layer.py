@@ -10,11 +10,13 @@ Residual MoE), so state dicts move between the two.
 Provided: top-1 and top-2 gating, capacity and eval capacity factors, `min_capacity`,
 token dropping and Random Token Selection, the "Jitter" and "RSample" noisy gates,
 `used_token`, Residual MoE (`use_residual`: the dense expert beside the mixture, mixed by
-a learned 2-way softmax). Expert parallelism is not: with `ep_size` > 1 each rank would
-hold num_experts / ep_size experts and exchange tokens with an all-to-all, and the engine
-would reduce expert gradients over a group of its own; this layer refuses it (with
-ep_size 1 every rank holds every expert, and their gradients are averaged with the
-rest). `use_tutel` (a CUDA kernel library) changes no result and is ignored.
+a learned 2-way softmax), and expert parallelism: with `ep_size` P > 1 each rank holds
+num_experts / P experts (`deepspeed_experts.0 .. E/P - 1`, the experts p·E/P.. of member
+p of its expert group) and tokens travel to them and back by all-to-all
+(shardwise/runtime/parallel/expert/); the engine gives the layer its expert group and
+sums the experts' gradients over the ranks holding the same ones, at every ZeRO stage.
+With ep_size 1 every rank holds every expert, and their gradients are averaged with the
+rest. `use_tutel` (a CUDA kernel library) changes no result and is ignored.
 """
 
 from __future__ import annotations
@@ -24,6 +26,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from shardwise.frontends.deepspeed.api.moe.sharded_moe import Experts, MOELayer, TopKGate
+from shardwise.runtime.distributed.collectives import Communicator
+from shardwise.runtime.parallel.expert import mark_expert_parameters
 
 __all__ = ["MoE"]
 
@@ -35,9 +39,13 @@ class MoE(nn.Module):
                  use_rts: bool = True, use_tutel: bool = False, enable_expert_tensor_parallelism: bool = False,
                  top2_2nd_expert_sampling: bool = True):
         super().__init__()
-        if ep_size != 1:
-            raise ValueError(f"MoE(ep_size={ep_size}): expert parallelism is not provided by shardwise; with "
-                             "ep_size=1 every rank holds all experts and the layer computes the same")
+        if ep_size < 1 or num_experts % ep_size:
+            raise ValueError(f"MoE(num_experts={num_experts}, ep_size={ep_size}): each of the ep_size ranks holds "
+                             "num_experts / ep_size experts; use an ep_size that divides num_experts")
+        if ep_size > 1 and not drop_tokens:
+            raise ValueError(f"MoE(ep_size={ep_size}, drop_tokens=False) is not provided: without dropping, the "
+                             "capacity is the fullest expert's count, which would have to agree across the expert "
+                             "group before the all-to-all; keep drop_tokens=True or use ep_size=1")
         if enable_expert_tensor_parallelism:
             raise ValueError("MoE(enable_expert_tensor_parallelism=True) is not supported: experts are not split "
                              "by tensor parallelism")
@@ -54,12 +62,25 @@ class MoE(nn.Module):
                         drop_tokens, use_rts, top2_2nd_expert_sampling)
         self.deepspeed_moe = MOELayer(gate, Experts(expert, self.num_local_experts, self.expert_group_name),
                                       self.expert_group_name, ep_size, self.num_local_experts)
+        mark_expert_parameters(self.deepspeed_moe.experts, ep_size)
         if use_residual:
             self.mlp = expert
             self.coefficient = nn.Linear(hidden_size, 2)
 
+    @property
+    def expert_parallel_size(self) -> int:
+        return self.ep_size
+
+    def use_expert_groups(self, expert: Communicator) -> None:
+        """The engine gives the layer its expert group (DeepSpeed's engine does this through
+        `set_deepspeed_parallelism`)."""
+        if expert.size != self.ep_size:
+            raise ValueError(f"MoE(ep_size={self.ep_size}) was given an expert group of {expert.size} ranks")
+        self.deepspeed_moe.expert_group = expert
+
     def set_deepspeed_parallelism(self, use_data_before_expert_parallel_: bool = False) -> None:
-        """DeepSpeed's engine calls this to create the expert groups; with ep_size 1 there are none."""
+        """DeepSpeed's engine calls this to create the expert groups; shardwise's engine
+        creates them itself (`use_expert_groups`)."""
 
     def forward(self, hidden_states: torch.Tensor,
                 used_token: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:

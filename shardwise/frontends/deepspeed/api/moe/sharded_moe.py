@@ -12,9 +12,9 @@ the combine weights (the gate probabilities, top-2 renormalised over the pair) b
 outputs back. The auxiliary load-balancing loss is E · Σ_e mean_s(gate_e) · fraction
 routed to e (top-2: the mean, × E²), for the script to add to its loss.
 
-Every expert lives on every rank here (expert parallelism size 1): the layers hold
-`num_experts` copies of the expert module, as DeepSpeed's do with ep_size 1, and their
-gradients are averaged over the data-parallel ranks like any other parameter's.
+With expert parallelism size P, a rank holds E/P experts; the (E, C, d) buffer goes to
+them by all-to-all over the expert group (chunk p to member p) and the outputs come back
+the same way. With P = 1 every expert lives on every rank and the exchange is skipped.
 """
 
 from __future__ import annotations
@@ -25,6 +25,9 @@ import math
 import torch
 import torch.nn.functional as F
 from torch import nn
+
+from shardwise.runtime.distributed.collectives import Communicator
+from shardwise.runtime.parallel.expert import exchange_with_experts
 
 JITTER_EPSILON = 1e-2  # the Switch Transformer's multiplicative input noise (noisy_gate_policy "Jitter")
 
@@ -159,12 +162,21 @@ class MOELayer(nn.Module):
         self.ep_group_name, self.ep_size, self.num_local_experts = ep_group_name, ep_size, num_local_experts
         self.l_aux: torch.Tensor | None = None
         self.exp_counts: torch.Tensor | None = None
+        self.expert_group: Communicator | None = None  # given by the engine when ep_size > 1
 
     def forward(self, hidden: torch.Tensor, used_token: torch.Tensor | None = None) -> torch.Tensor:
         width = hidden.shape[-1]
         tokens = hidden.reshape(-1, width)
         self.l_aux, combine, dispatch, self.exp_counts = self.gate(tokens, used_token)
         dispatched = torch.einsum("sec,sm->ecm", dispatch.type_as(tokens), tokens)
+        if self.ep_size > 1:
+            if self.expert_group is None:
+                raise RuntimeError(f"MoE(ep_size={self.ep_size}) holds 1/{self.ep_size} of the experts and needs its "
+                                   "expert group: run it inside the engine (shardwise.initialize / "
+                                   "deepspeed.initialize), which gives the layer its group")
+            dispatched = exchange_with_experts(dispatched, self.expert_group, "tokens for the experts")
         expert_out = self.experts(dispatched.reshape(self.ep_size, self.num_local_experts, -1, width))
         expert_out = expert_out.reshape(self.ep_size * self.num_local_experts, -1, width)
+        if self.ep_size > 1:
+            expert_out = exchange_with_experts(expert_out, self.expert_group, "expert outputs")
         return torch.einsum("sec,ecm->sm", combine.type_as(tokens), expert_out).reshape(hidden.shape)
