@@ -148,6 +148,7 @@ class Engine(nn.Module):
                              else self.gradient_accumulation_steps)
         self.lr_scheduler = (make_scheduler(lr_scheduler, policies.scheduler, self.optimizer.optimizer)
                              if self.trains else None)
+        self.expert_lr_scheduler = self._expert_scheduler(lr_scheduler, policies)
         self.loss_scaler = LossScaler.from_policy(policies.precision.loss_scaling)
         self.guard = StepGuard(self.comm, groups.replicate.size, training.max_consecutive_skipped_steps)
         self.replica_check = self._replica_check(training.replica_check_interval)
@@ -316,6 +317,8 @@ class Engine(nn.Module):
             self.zero.params.after_update()
             if self.lr_scheduler is not None:
                 self.lr_scheduler.step()
+            if self.expert_lr_scheduler is not None:
+                self.expert_lr_scheduler.step()
         else:
             self.skipped_steps += 1
         self.zero.reducer.zero_grads()
@@ -324,6 +327,27 @@ class Engine(nn.Module):
         self.global_steps += 1
         if self.replica_check is not None and self.replica_check.due(self.global_steps):
             self.replica_check.check(list(self.module.named_parameters()), f"after optimizer step {self.global_steps}")
+
+    def _refuse_expert_checkpoints(self, operation: str) -> None:
+        """Experts of expert-parallel layers sit outside ZeRO's stores, which checkpoints
+        write; refused rather than saving or resuming a model without its experts."""
+        if self.experts is not None:
+            raise ValueError(f"{operation}: checkpoints of expert-parallel layers (ep_size > 1) are not supported "
+                             "yet: the experts and their optimizer state are trained apart from ZeRO's stores. "
+                             "Train with ep_size=1 where you need checkpoints")
+
+    def _expert_scheduler(self, lr_scheduler: Any, policies: Policies) -> Any:
+        """The schedule of the experts' own optimizer: the same schedule, built over its groups.
+        A scheduler object built before `initialize` holds the optimizer the experts were
+        taken out of, so it would leave their rate at its start: refused with the fix."""
+        if self.experts is None or self.lr_scheduler is None:
+            return None
+        if policies.scheduler is None and hasattr(lr_scheduler, "step"):
+            raise ValueError("expert parallelism (ep_size > 1) trains the experts with an optimizer of their own, "
+                             "which a scheduler object built before initialize cannot reach: give the scheduler as "
+                             "the config's scheduler block or as a callable that builds it from an optimizer "
+                             "(lr_scheduler=lambda optimizer: ...)")
+        return make_scheduler(lr_scheduler, policies.scheduler, self.experts.optimizer)
 
     def _train_experts_apart(self, named: list[tuple[str, nn.Parameter, int]], optimizer: torch.optim.Optimizer | None,
                              policies: Policies) -> tuple[list[tuple[str, nn.Parameter, int]], ExpertTraining | None]:
@@ -439,6 +463,7 @@ class Engine(nn.Module):
         from shardwise.runtime.checkpoint import save_checkpoint
 
         self._require_alive("save_checkpoint")
+        self._refuse_expert_checkpoints("save_checkpoint")
         self.world.agree_on_call("save_checkpoint", call_check_timeout(self.context.timeout))
         self.wait_for_checkpoint()  # one save at a time; an earlier write's failure raises here
         if self.replica_check is not None:  # never save replicas that diverged
@@ -469,6 +494,7 @@ class Engine(nn.Module):
         from shardwise.runtime.checkpoint import load_checkpoint
 
         self._require_alive("load_checkpoint")
+        self._refuse_expert_checkpoints("load_checkpoint")
         self.world.agree_on_call("load_checkpoint", call_check_timeout(self.context.timeout))
         self.wait_for_checkpoint()  # never read a checkpoint while one is being written
         return load_checkpoint(self, load_dir, tag, optimizer_states=optimizer_states, module_only=module_only,

@@ -81,11 +81,17 @@ def groups_of(model: nn.Module) -> list[dict]:
                                                                  "name": "parameters"})
 
 
+def schedule(optimizer: torch.optim.Optimizer) -> torch.optim.lr_scheduler.LambdaLR:
+    """A rate that falls every step, so experts left at the starting rate would show."""
+    return torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: 1 / (1 + step))
+
+
 def train_parallel(rank: int, world_size: int, stage: int, k: int, residual: bool, ep_size: int = 1) -> dict:
     model = MoeNet(k, residual, ep_size)
     config = {"train_micro_batch_size_per_gpu": ROWS, "zero_optimization": {"stage": stage,
                                                                             "stage3_param_persistence_threshold": 0}}
-    engine = shardwise.initialize(model, config, optimizer=torch.optim.AdamW(groups_of(model), lr=1e-2))
+    engine = shardwise.initialize(model, config, optimizer=torch.optim.AdamW(groups_of(model), lr=1e-2),
+                                  lr_scheduler=schedule)  # a builder: with ep_size > 1 the experts get their own
     losses = []
     for step in range(STEPS):
         x, y = batch(step, ROWS * world_size)
@@ -103,6 +109,7 @@ def train_reference(world_size: int, k: int, residual: bool) -> dict:
     """Each rank's rows routed on their own (capacity is per rank), losses averaged."""
     model = MoeNet(k, residual)
     optimizer = torch.optim.AdamW(groups_of(model), lr=1e-2)
+    scheduler = schedule(optimizer)
     losses = []
     for step in range(STEPS):
         x, y = batch(step, ROWS * world_size)
@@ -113,6 +120,7 @@ def train_reference(world_size: int, k: int, residual: bool) -> dict:
         optimizer.zero_grad()
         torch.stack(per_rank).mean().backward()
         optimizer.step()
+        scheduler.step()
         losses.append([loss.item() for loss in per_rank])
     return {"losses": losses, "params": {name: param.detach().clone() for name, param in model.named_parameters()}}
 
@@ -238,3 +246,31 @@ def test_equals_deepspeeds_moe_layer(arguments, tmp_path):
     out, l_aux, counts = layer(x)
     assert ((out - theirs["out"]).norm() / theirs["out"].norm()).item() < 1e-6
     assert torch.equal(l_aux, theirs["l_aux"]) and counts.tolist() == theirs["counts"].tolist()
+
+
+def refuse_a_ready_scheduler_and_checkpoints(rank: int, world_size: int, tmp: str) -> list[str]:
+    model = MoeNet(1, False, 2)
+    optimizer = torch.optim.AdamW(groups_of(model), lr=1e-2)
+    errors = []
+    try:
+        shardwise.initialize(model, {"train_micro_batch_size_per_gpu": ROWS}, optimizer=optimizer,
+                             lr_scheduler=schedule(optimizer))
+    except ValueError as error:
+        errors.append(str(error))
+    model = MoeNet(1, False, 2)
+    engine = shardwise.initialize(model, {"train_micro_batch_size_per_gpu": ROWS},
+                                  optimizer=torch.optim.AdamW(groups_of(model), lr=1e-2))
+    try:
+        engine.save_checkpoint(tmp)
+    except ValueError as error:
+        errors.append(str(error))
+    return errors
+
+
+def test_expert_parallelism_refuses_a_ready_scheduler_and_checkpoints(tmp_path):
+    """A scheduler object holds the optimizer the experts were taken out of (it would leave
+    their rate at its start); checkpoints would lack the experts: both refused with the fix."""
+    for errors in run_distributed(refuse_a_ready_scheduler_and_checkpoints, 2, str(tmp_path), timeout=120):
+        assert len(errors) == 2, errors
+        assert "callable that builds it from an optimizer" in errors[0]
+        assert "save_checkpoint: checkpoints of expert-parallel layers" in errors[1]
