@@ -67,9 +67,7 @@ def test_step1_sft_at_zero_2_equals_deepspeed(tmp_path, tree):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("stage", [2, pytest.param(3, marks=pytest.mark.xfail(strict=True, reason=(
-    "open: at ZeRO 3 step 2's rewards after training (-0.74, -0.73) differ from ZeRO 1/2's and DeepSpeed's "
-    "(-1.10, -1.08) though the rewards before training agree to the bit; not yet explained")))])
+@pytest.mark.parametrize("stage", [2, 3])
 def test_steps_1_to_3_reward_model_and_ppo_equal_deepspeed(stage, tmp_path, tree):
     """The whole pipeline at one stage: step 2's rewards before and after training, and
     step 3's first PPO step (actor and critic losses), taken from the actor and critic

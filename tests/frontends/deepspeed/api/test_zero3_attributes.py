@@ -55,6 +55,9 @@ handle = HfDeepSpeedConfig(config)  # kept alive, as the integration asks
 enabled = is_deepspeed_zero3_enabled()
 torch.manual_seed(100 + rank)  # an initialisation the load left behind would differ by rank
 model = AutoModelForCausalLM.from_pretrained(directory)
+# before initialize: the load (on rank 0 only) has reached every rank
+loaded = {name: (param.detach() - want.detach()).abs().max().item()
+          for (name, param), want in zip(model.named_parameters(), reference.parameters())}
 engine, *_ = deepspeed.initialize(model=model, model_parameters=model.parameters(), config=config)
 errors = {}
 for (name, param), want in zip(model.named_parameters(), reference.parameters()):
@@ -63,7 +66,8 @@ for (name, param), want in zip(model.named_parameters(), reference.parameters())
 ids = torch.tensor([[1, 5, 7, 3]])
 loss, want = engine(input_ids=ids, labels=ids).loss.item(), reference(input_ids=ids, labels=ids).loss.item()
 with open(f"{directory}/rank{rank}.json", "w") as handle_file:
-    json.dump({"enabled": enabled, "errors": errors, "loss": loss, "reference_loss": want}, handle_file)
+    json.dump({"enabled": enabled, "loaded": loaded, "errors": errors, "loss": loss,
+               "reference_loss": want}, handle_file)
 """
 
 
@@ -83,11 +87,30 @@ def test_hugging_face_zero3_loading_under_as_deepspeed(tmp_path):
                             timeout=300, env={key: value for key, value in os.environ.items()
                                               if key not in ("RANK", "WORLD_SIZE", "LOCAL_RANK")})
     assert result.returncode == 0, result.stderr[-4000:]
-    for rank in range(2):
-        report = json.loads((tmp_path / f"rank{rank}.json").read_text())
+    reports = [json.loads((tmp_path / f"rank{rank}.json").read_text()) for rank in range(2)]
+    for report in reports:
         assert report["enabled"]
+        assert max(report["loaded"].values()) == 0.0, report["loaded"]  # before initialize too
         assert max(report["errors"].values()) == 0.0, report["errors"]  # every rank holds the saved weights
         assert abs(report["loss"] - report["reference_loss"]) <= 1e-5 * abs(report["reference_loss"])
+
+
+def test_edits_inside_gathered_parameters_reach_every_rank_before_initialize():
+    """A parameter built inside `zero.Init` is a ZeRO-3 parameter before any engine holds
+    it: edits made on `modifier_rank` reach every rank when the block exits, as in
+    DeepSpeed. Without this, Hugging Face's ZeRO-3 loader (rank 0 reads the checkpoint)
+    left the other ranks with their own weights until `initialize`, and DeepSpeed-Chat's
+    vocabulary resize in between drew another random stream there: other dropout masks,
+    other rewards after training (test_deepspeed_chat.py). A module built outside `Init`
+    is no ZeRO-3 parameter to DeepSpeed: its values stay each rank's own."""
+    results = run_distributed(zero3_workers.edits_under_init, 2)
+    torch.manual_seed(10)
+    expected = torch.nn.Linear(4, 3)
+    assert torch.equal(results[0]["inside"]["weight"], expected.weight.detach() + 1.0)
+    assert torch.equal(results[1]["inside"]["weight"], results[0]["inside"]["weight"])
+    assert torch.equal(results[0]["inside"]["bias"], expected.bias.detach())
+    assert torch.equal(results[1]["inside"]["bias"], expected.bias.detach())
+    assert not torch.equal(results[1]["outside"]["weight"], results[0]["outside"]["weight"])
 
 
 def test_init_distributed_with_nccl_falls_back_to_gloo_without_cuda():

@@ -41,3 +41,19 @@ def attributes(rank: int, world_size: int, stage: int) -> dict:
     engine.destroy()
     report["destroyed"] = {name: hasattr(p, "ds_id") or type(p) is not nn.Parameter for name, p in params.items()}
     return report
+
+
+def edits_under_init(rank: int, world_size: int) -> dict:
+    """Modules built inside `zero.Init` with a different seed on each rank, edited on rank 0
+    inside `GatheredParameters(modifier_rank=0)` before any engine holds them (Hugging Face's
+    ZeRO-3 loader), beside a module built outside `Init`."""
+    torch.manual_seed(10 + rank)
+    with deepspeed.zero.Init():
+        inside = nn.Linear(4, 3)
+    outside = nn.Linear(4, 3)
+    with deepspeed.zero.GatheredParameters(list(inside.parameters()) + list(outside.parameters()), modifier_rank=0):
+        if rank == 0:
+            with torch.no_grad():
+                inside.weight.add_(1.0)
+    return {"inside": {n: p.detach().clone() for n, p in inside.named_parameters()},
+            "outside": {n: p.detach().clone() for n, p in outside.named_parameters()}}

@@ -5,8 +5,8 @@ attributes DeepSpeed puts on partitioned parameters.
 `GatheredParameters` is shardwise's `gathered_parameters` (shardwise/runtime/zero/gathered.py)
 with DeepSpeed's signature: full weights inside the block, edits made on
 `modifier_rank` broadcast and kept on exit. As in DeepSpeed, tensors that no engine
-partitions (a model not yet given to `initialize`, stages 0-2 without a
-`modifier_rank`) need no gathering, and the block then does nothing.
+partitions and that were not built inside `Init` (stages 0-2 without a `modifier_rank`,
+a module added after `Init`) need no gathering, and the block then does nothing.
 
 `Init` is where DeepSpeed partitions each parameter as its module is constructed, so a
 model larger than one device's memory can be built. shardwise partitions the model
@@ -14,6 +14,17 @@ when `initialize` receives it instead; inside `Init` the model is built as usual
 on every rank, with the same initial values. It does not lower the memory needed to
 build the model: for that, build the model on the meta device and give `initialize` a
 `param_init_fn` (shardwise.initialize; stage 3 then materialises each rank's partition).
+
+A parameter built inside `Init` is still one ZeRO-3 parameter to the code around it,
+before any engine holds it: DeepSpeed gives every rank the values edited on
+`modifier_rank` when a `GatheredParameters` block exits. Hugging Face's ZeRO-3 loader
+relies on it (it reads the checkpoint on rank 0 only, inside such a block), and so does
+what runs next on the other ranks: a vocabulary resize draws new rows from the loaded
+embeddings' statistics, and whether it draws random numbers depends on them, so a rank
+left with its own initial values would draw another random stream and train with
+other dropout masks. `Init` therefore records the parameters its block registers
+(`_BUILT_UNDER_INIT`, with the group DeepSpeed would partition them over), and
+`GatheredParameters` broadcasts those from `modifier_rank` on exit.
 
 DeepSpeed marks every parameter of a ZeRO-3 model with `ds_id` (a number unique in the
 process), `ds_numel` and `ds_shape` (the whole parameter's size, which `.numel()` and
@@ -34,6 +45,8 @@ unit's chunk, not a tensor of its own.
 from __future__ import annotations
 
 import itertools
+import threading
+import weakref
 from contextlib import ExitStack
 from enum import Enum
 from types import TracebackType
@@ -42,7 +55,10 @@ from typing import Any, Callable, Iterable
 import torch
 from torch import nn
 
+import torch.distributed as dist
+
 from shardwise.runtime.distributed.setup import init_distributed
+from shardwise.runtime.distributed.staging import group_device, staged_on
 from shardwise.runtime.zero.gathered import gathered_parameters, zero_of
 
 __all__ = ["GatheredParameters", "Init", "ZeroParamStatus", "ZeroParamType", "is_zero_param", "mark_partitioned",
@@ -137,24 +153,63 @@ def zero_wrapper_for_fp_tensor_constructor(fn: Callable, target_fp_dtype: torch.
     return wrapped
 
 
-class Init:
-    """A construction context that builds the model whole (see the module docstring).
-    DeepSpeed's arguments (config, remote_device, pin_memory, dtype, ...) are accepted
-    and change nothing: `initialize` applies the config to the finished model."""
+# Parameters registered inside an `Init` block, by identity: (a weak reference to the
+# parameter, the process group DeepSpeed would partition it over, None: the world). An entry
+# leaves with its parameter, so a dropped model leaves nothing behind.
+_BUILT_UNDER_INIT: dict[int, tuple[weakref.ref, dist.ProcessGroup | None]] = {}
 
-    def __init__(self, module: nn.Module | None = None, *args: Any, enabled: bool = True, **kwargs: Any):
+
+def _record_built(param: torch.Tensor, group: dist.ProcessGroup | None) -> None:
+    key = id(param)
+
+    def forget(reference: weakref.ref) -> None:
+        if _BUILT_UNDER_INIT.get(key, (None,))[0] is reference:
+            del _BUILT_UNDER_INIT[key]
+
+    _BUILT_UNDER_INIT[key] = (weakref.ref(param, forget), group)
+
+
+def built_under_init(param: torch.Tensor) -> bool:
+    """Whether `param` was registered by a module built inside `Init`."""
+    entry = _BUILT_UNDER_INIT.get(id(param))
+    return entry is not None and entry[0]() is param
+
+
+class Init:
+    """A construction context that builds the model whole and records its parameters (see
+    the module docstring). DeepSpeed's other arguments (config, remote_device, pin_memory,
+    dtype, ...) are accepted and change nothing: `initialize` applies the config to the
+    finished model."""
+
+    def __init__(self, module: nn.Module | None = None, *args: Any, enabled: bool = True,
+                 data_parallel_group: dist.ProcessGroup | None = None, **kwargs: Any):
         """Joins the launcher's process group first, as DeepSpeed's does: code run inside
-        (Hugging Face's loader) asks for ranks."""
+        (Hugging Face's loader) asks for ranks. `module`: a model built already, whose
+        parameters count as built inside (DeepSpeed partitions them on the spot)."""
         self.enabled = enabled
+        self.group = data_parallel_group
+        self._hook: Any = None
         if enabled:
             init_distributed()
+            for param in module.parameters() if module is not None else ():
+                _record_built(param, self.group)
 
     def __enter__(self) -> "Init":
+        if self.enabled:
+            thread = threading.get_ident()  # run_distributed's ranks are threads of one process
+
+            def record(module: nn.Module, name: str, param: nn.Parameter | None) -> None:
+                if param is not None and threading.get_ident() == thread:
+                    _record_built(param, self.group)
+
+            self._hook = nn.modules.module.register_module_parameter_registration_hook(record)
         return self
 
     def __exit__(self, kind: type[BaseException] | None, error: BaseException | None,
                  traceback: TracebackType | None) -> None:
-        return None
+        if self._hook is not None:
+            self._hook.remove()
+            self._hook = None
 
 
 class GatheredParameters:
@@ -164,7 +219,11 @@ class GatheredParameters:
         forward; shardwise gathers whatever is used, so it is not needed."""
         if isinstance(params, torch.Tensor):
             params = [params]
-        self.params = [param for param in (params or []) if _trained(param)] if enabled else []
+        params = list(params or []) if enabled else []
+        self.params = [param for param in params if _trained(param)]
+        # built inside `Init`, not yet given to an engine: whole on every rank, so only the
+        # edits need to travel (the module docstring says why they must)
+        self.built = [param for param in params if not _trained(param) and built_under_init(param)]
         self.modifier_rank = modifier_rank
         self._stack = ExitStack()
 
@@ -175,6 +234,19 @@ class GatheredParameters:
     def __exit__(self, kind: type[BaseException] | None, error: BaseException | None,
                  traceback: TracebackType | None) -> None:
         self._stack.close()
+        if self.modifier_rank is not None and kind is None:
+            _broadcast_edits(self.built, self.modifier_rank)
+
+
+def _broadcast_edits(params: list[nn.Parameter], modifier_rank: int) -> None:
+    """Every rank takes `modifier_rank`'s values of `params` (built inside `Init`), in the
+    order given, which is the same on every rank: the block is a collective, as in DeepSpeed."""
+    if not params or not dist.is_initialized():
+        return
+    for param in params:
+        group = _BUILT_UNDER_INIT[id(param)][1]
+        with torch.no_grad(), staged_on(param.data, group_device(group or dist.group.WORLD)) as staged:
+            dist.broadcast(staged, src=modifier_rank, group=group)
 
 
 def _trained(param: torch.Tensor) -> bool:
