@@ -179,3 +179,10 @@ def mesh_groups_time_out_after(timeout: datetime.timedelta) -> Iterator[None]:
         yield
     finally:
         distributed_c10d.default_pg_timeout, distributed_c10d.default_pg_nccl_timeout = saved
+
+
+def release_info() -> dict[str, str | None]:
+    """The running torch's release and the CUDA / HIP releases it was built with, to report
+    (DeepSpeed's `git_version_info`, `required_torch_version`), never to choose a code path:
+    the detections above do that, by what torch has rather than by its number."""
+    return {"torch": torch.__version__, "cuda": torch.version.cuda, "hip": getattr(torch.version, "hip", None)}

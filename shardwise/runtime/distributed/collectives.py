@@ -121,7 +121,6 @@ class PendingCollective:
     what: str
     communicator: "Communicator"
     started: float = field(default_factory=time.monotonic)
-    temporary: bool = False  # its tensors die with the caller's wait: retired_works.py says why
     record: CollectiveRecord | None = None  # in the flight recorder (flight_recorder.py)
 
     def wait(self, timeout: datetime.timedelta | None = None) -> None:
@@ -146,8 +145,6 @@ class PendingCollective:
             if self.record is not None:
                 RECORDER.finish(self.record)
         finally:
-            if self.temporary:
-                retire(work)
             stats.wait_seconds += time.perf_counter() - blocked_from
             if timed_on_device:
                 stalled_until = torch.cuda.Event(enable_timing=True)
@@ -251,10 +248,10 @@ class Communicator:
     def _bytes(tensor: torch.Tensor) -> int:
         return tensor.numel() * tensor.element_size()
 
-    def _pending(self, work, op: str, what: str, temporary: bool = False) -> PendingCollective:
-        return PendingCollective(work, op, what, self, temporary=temporary)
+    def _pending(self, work, op: str, what: str) -> PendingCollective:
+        return PendingCollective(work, op, what, self)
 
-    def _issue(self, op: str, what: str, start, nbytes: int, *, temporary: bool = False,
+    def _issue(self, op: str, what: str, start, nbytes: int, *,
                control: bool = False) -> PendingCollective:
         """Start a collective, noted in the flight recorder (the torch.distributed calls
         it makes are not noted again); a failure at issue time is named like one at wait
@@ -264,7 +261,7 @@ class Communicator:
                                 op, what, nbytes)
         RECORDER.enter()
         try:
-            pending = self._pending(start(), op, what, temporary)
+            pending = self._pending(start(), op, what)
         except Exception as error:
             RECORDER.fail(record)
             raise self.error(op, what, error, started) from error
@@ -368,11 +365,12 @@ class Communicator:
         if self.size == 1:
             return tensor
         self._count("all_reduce", self._bytes(tensor), category="control")
-        on_cpu = tensor.cpu()
+        on_cpu = tensor.detach().cpu()
         self._issue("all_reduce", what, lambda: dist.all_reduce(
             on_cpu, op=op, group=self.control_group, async_op=True), self._bytes(on_cpu),
-            temporary=True, control=True).wait(timeout)
-        if on_cpu is not tensor:
+            control=True).wait(timeout)
+        retire(on_cpu)  # a temporary gloo's thread must not free (retired_works.py)
+        if tensor.device.type != "cpu":
             tensor.copy_(on_cpu)
         return tensor
 
@@ -382,9 +380,11 @@ class Communicator:
             output.copy_(tensor)
             return
         self._count("all_gather", self._bytes(output), category="control")
+        gathered, mine = output.detach(), tensor.detach()
         self._issue("all_gather", what, lambda: all_gather_single(
-            output, tensor, group=self.control_group, async_op=True), self._bytes(output),
-            temporary=True, control=True).wait()
+            gathered, mine, group=self.control_group, async_op=True), self._bytes(output),
+            control=True).wait()
+        retire(gathered, mine)  # temporaries gloo's thread must not free (retired_works.py)
 
     def control_all_gather_object(self, value: object) -> list[object]:
         """Every member's `value` (pickled): for error reports, never on the hot path."""

@@ -10,12 +10,14 @@ the GIL. If the interpreter has begun to exit by then, CPython ends the thread w
 job's work is done, but the process dies with SIGABRT ("terminate called without an
 active exception"), about once in 20 runs of a short script on 2 cores.
 
-Keeping the most recent small collectives here makes the main thread the last holder; the
-oldest are released as new ones arrive (long after gloo's thread is done with them), and
-`keep_past_exit` leaves the rest to the operating system when the process exits, so no
-thread has to free them while the interpreter is finalizing. Only control collectives
-(a few bytes each) and temporaries go through here, never the large data collectives,
-whose tensors outlive their `wait()` and would otherwise be kept alive too long.
+Keeping the most recent small temporaries here makes the main thread their last holder;
+the oldest are released as new ones arrive (long after gloo's thread is done with them),
+and `keep_past_exit` leaves the rest to the operating system when the process exits, so
+no thread has to free them while the interpreter is finalizing. The tensors are kept, not
+the collectives' work objects: a work carries the thread-local state it was issued under
+(a checkpointed region's saved-tensor hooks among it), so keeping it would keep that
+region's checkpoints alive. Only control collectives' temporaries (a few bytes each) come
+here, never the data collectives' tensors, which outlive their `wait()` anyway.
 """
 
 from __future__ import annotations
@@ -23,17 +25,17 @@ from __future__ import annotations
 import ctypes
 from collections import deque
 
-_KEPT = 64  # far more than gloo's worker threads (2 per group) can be behind on
+_KEPT = 64  # far more collectives than gloo's worker threads (2 per group) can be behind on
 
 _retired: deque[object] = deque(maxlen=_KEPT)
 
 
-def retire(*finished: object) -> None:
-    """Keep finished works (and the temporaries they moved) referenced for a while."""
-    _retired.append(finished)
+def retire(*temporaries: object) -> None:
+    """Keep a finished collective's temporaries referenced for a while."""
+    _retired.append(temporaries)
 
 
 def keep_past_exit() -> None:
-    """Leave the retired works to the operating system: they are never freed, so no gloo
+    """Leave the retired temporaries to the operating system: they are never freed, so no gloo
     thread can be the one to free them while the interpreter finalizes (called at exit)."""
     ctypes.pythonapi.Py_IncRef(ctypes.py_object(_retired))

@@ -8,6 +8,7 @@ from __future__ import annotations
 import torch
 
 from shardwise.frontends.deepspeed.alias import DEEPSPEED_API_VERSION
+from shardwise.runtime.base.torch_compat import release_info
 
 __all__ = ["accelerator_name", "compatible_ops", "git_branch", "git_hash", "installed_ops", "torch_info", "version"]
 
@@ -26,10 +27,11 @@ def _release(text: str | None) -> str:
     return ".".join(text.split("+")[0].split(".")[:2])
 
 
+_releases = release_info()
 torch_info = {
-    "version": _release(torch.__version__),
+    "version": _release(_releases["torch"]),
     "bf16_support": torch.cuda.is_available() and torch.cuda.is_bf16_supported(),
-    "cuda_version": _release(torch.version.cuda),
+    "cuda_version": _release(_releases["cuda"]),
     "nccl_version": ".".join(map(str, torch.cuda.nccl.version()[:2])) if torch.cuda.is_available() else "0.0",
-    "hip_version": _release(getattr(torch.version, "hip", None)),
+    "hip_version": _release(_releases["hip"]),
 }

@@ -3,8 +3,9 @@ features on the running torch."""
 
 from __future__ import annotations
 
-import torch
 from packaging.version import Version
+
+from shardwise.runtime.base.torch_compat import release_info
 
 __all__ = ["required_torch_version"]
 
@@ -13,7 +14,7 @@ def required_torch_version(min_version: float | str | None = None, max_version: 
     """Whether the running torch is at least `min_version` and at most `max_version`."""
     if min_version is None and max_version is None:
         raise ValueError("required_torch_version needs min_version or max_version")
-    running = Version(torch.__version__.split("+")[0])
+    running = Version(release_info()["torch"].split("+")[0])
     if min_version is not None and Version(str(min_version)) > running:
         return False
     return max_version is None or Version(str(max_version)) >= running
