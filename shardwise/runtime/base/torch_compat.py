@@ -186,3 +186,10 @@ def release_info() -> dict[str, str | None]:
     (DeepSpeed's `git_version_info`, `required_torch_version`), never to choose a code path:
     the detections above do that, by what torch has rather than by its number."""
     return {"torch": torch.__version__, "cuda": torch.version.cuda, "hip": getattr(torch.version, "hip", None)}
+
+
+def saved_tensor_hooks_active() -> bool:
+    """Whether saved-tensor hooks (a checkpointed region's, the activation tracker's) are
+    installed on this thread: torch's checkpoint reads the same private accessor, present
+    in every supported release."""
+    return torch._C._autograd._top_saved_tensors_default_hooks(False) is not None

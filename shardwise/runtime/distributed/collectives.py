@@ -366,10 +366,11 @@ class Communicator:
             return tensor
         self._count("all_reduce", self._bytes(tensor), category="control")
         on_cpu = tensor.detach().cpu()
-        self._issue("all_reduce", what, lambda: dist.all_reduce(
-            on_cpu, op=op, group=self.control_group, async_op=True), self._bytes(on_cpu),
-            control=True).wait(timeout)
-        retire(on_cpu)  # a temporary gloo's thread must not free (retired_works.py)
+        pending = self._issue("all_reduce", what, lambda: dist.all_reduce(
+            on_cpu, op=op, group=self.control_group, async_op=True), self._bytes(on_cpu), control=True)
+        work = pending.work
+        pending.wait(timeout)
+        retire(work, on_cpu)  # what gloo's thread must not be the last to free (retired_works.py)
         if tensor.device.type != "cpu":
             tensor.copy_(on_cpu)
         return tensor
@@ -381,10 +382,11 @@ class Communicator:
             return
         self._count("all_gather", self._bytes(output), category="control")
         gathered, mine = output.detach(), tensor.detach()
-        self._issue("all_gather", what, lambda: all_gather_single(
-            gathered, mine, group=self.control_group, async_op=True), self._bytes(output),
-            control=True).wait()
-        retire(gathered, mine)  # temporaries gloo's thread must not free (retired_works.py)
+        pending = self._issue("all_gather", what, lambda: all_gather_single(
+            gathered, mine, group=self.control_group, async_op=True), self._bytes(output), control=True)
+        work = pending.work
+        pending.wait()
+        retire(work, gathered, mine)  # what gloo's thread must not be the last to free (retired_works.py)
 
     def control_all_gather_object(self, value: object) -> list[object]:
         """Every member's `value` (pickled): for error reports, never on the hot path."""

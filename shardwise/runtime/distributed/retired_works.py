@@ -10,14 +10,17 @@ the GIL. If the interpreter has begun to exit by then, CPython ends the thread w
 job's work is done, but the process dies with SIGABRT ("terminate called without an
 active exception"), about once in 20 runs of a short script on 2 cores.
 
-Keeping the most recent small temporaries here makes the main thread their last holder;
-the oldest are released as new ones arrive (long after gloo's thread is done with them),
-and `keep_past_exit` leaves the rest to the operating system when the process exits, so
-no thread has to free them while the interpreter is finalizing. The tensors are kept, not
-the collectives' work objects: a work carries the thread-local state it was issued under
-(a checkpointed region's saved-tensor hooks among it), so keeping it would keep that
-region's checkpoints alive. Only control collectives' temporaries (a few bytes each) come
-here, never the data collectives' tensors, which outlive their `wait()` anyway.
+Keeping the most recent control collectives' works and temporaries here makes the main
+thread their last holder: the oldest are released as new ones arrive (long after gloo's
+thread is done with them), and `keep_past_exit` leaves the rest to the operating system
+when the process exits, so no thread has to free them while the interpreter is
+finalizing. The works themselves must be kept, not only their tensors: a work holds the
+thread-local state it was issued under, whose Python objects also need the GIL to be
+released (measured: keeping the tensors alone still aborts about 1 run in 7). That state
+includes the saved-tensor hooks of a checkpointed region, so a work issued inside one
+(the stage-3 gather-order checks of a forward) is not kept: it would keep the region's
+checkpoints alive; only its tensors are. Data collectives never come here: their
+tensors outlive their `wait()` anyway.
 """
 
 from __future__ import annotations
@@ -25,14 +28,17 @@ from __future__ import annotations
 import ctypes
 from collections import deque
 
+from shardwise.runtime.base.torch_compat import saved_tensor_hooks_active
+
 _KEPT = 64  # far more collectives than gloo's worker threads (2 per group) can be behind on
 
 _retired: deque[object] = deque(maxlen=_KEPT)
 
 
-def retire(*temporaries: object) -> None:
-    """Keep a finished collective's temporaries referenced for a while."""
-    _retired.append(temporaries)
+def retire(work: object, *temporaries: object) -> None:
+    """Keep a finished control collective's work and temporaries referenced for a while (its
+    work only when no saved-tensor hooks are installed, see above)."""
+    _retired.append((None if saved_tensor_hooks_active() else work, *temporaries))
 
 
 def keep_past_exit() -> None:

@@ -135,7 +135,7 @@ class PipelineChannel:
             first = torch.zeros(1, device=self.device)
             work = dist.all_reduce(first, group=self.handle.group, async_op=True)
             work.wait()
-            retire(first)
+            retire(work, first)
             self.connected = True
 
     def post(self, message: Message, value: torch.Tensor | tuple | list, described: bool = False) -> None:
