@@ -84,7 +84,7 @@ EXCLUDED: dict[str, str] = {
         "is_checkpointable_results) and the engine's private _reentrant_activation_checkpointing()",
     "unit/runtime/zero/test_zero_grad_clip.py::TestZeroGradClip":
         "the private _get_norm_groups() of DeepSpeed's stage-3 optimizer class",
-    "unit/runtime/zero/test_unwrap_model.py::TestUnwrapModel":
+    "unit/runtime/zero/test_unwrap_model.py::TestUnwrapModel::test":  # not TestUnwrapModelTraceInvalidate
         "counts the forward hooks DeepSpeed's parameter-offload object keeps (optimizer.parameter_offload)",
 }
 
