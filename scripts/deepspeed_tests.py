@@ -77,6 +77,15 @@ EXCLUDED: dict[str, str] = {
         "a parameter's own all_gather()/partition() methods: DeepSpeed's per-parameter internals",
     "unit/runtime/zero/test_zero_context.py::TestGatherUpdate":
         "a parameter's own all_gather()/partition() methods: DeepSpeed's per-parameter internals",
+    "unit/runtime/zero/test_zero_context.py::test_multiple_all_gather_handles_wait_passes_dependency_by_keyword":
+        "MultipleAllGatherHandles, the handle DeepSpeed's parameter all-gathers return internally",
+    "unit/pipe/test_pipe_module.py::TestPipeModuleCheckpointInterval":
+        "PipelineModule's private recomputation cache (_precompute_checkpointable_values, "
+        "is_checkpointable_results) and the engine's private _reentrant_activation_checkpointing()",
+    "unit/runtime/zero/test_zero_grad_clip.py::TestZeroGradClip":
+        "the private _get_norm_groups() of DeepSpeed's stage-3 optimizer class",
+    "unit/runtime/zero/test_unwrap_model.py::TestUnwrapModel::test":  # not TestUnwrapModelTraceInvalidate
+        "counts the forward hooks DeepSpeed's parameter-offload object keeps (optimizer.parameter_offload)",
 }
 
 # Records every test's outcome from inside pytest, whatever ends the session (DeepSpeed's

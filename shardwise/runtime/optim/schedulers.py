@@ -7,7 +7,10 @@ rate of iteration -1 (the warm-up's minimum, OneCycle's and the range test's min
 the first update runs at it; the warm-up lasts `max(2, warmup_num_steps)` steps; a
 scalar setting applies to every param group and a list gives one value per group; and
 the engine steps the schedule after each optimizer step it applies (not after one an
-fp16 overflow skipped), as DeepSpeed's engine does.
+fp16 overflow skipped), as DeepSpeed's engine does. A group whose lr is a tensor keeps that
+tensor (filled in place), so a caller holding it sees every new rate; an unknown
+`warmup_type` warns and warms up logarithmically, and `warmup_num_steps` must be a positive
+integer, as in DeepSpeed.
 tests/runtime/optim/test_schedulers.py compares every step with DeepSpeed's own classes.
 """
 
@@ -41,6 +44,21 @@ def per_group(optimizer: torch.optim.Optimizer, value: float | Sequence[float], 
     return [value] * len(optimizer.param_groups)
 
 
+def set_lr(group: dict[str, Any], lr: float | torch.Tensor) -> None:
+    """Write `lr` into a param group: in place into a tensor lr (its identity, shape and
+    dtype kept: optimizers built with a tensor lr, and callers holding it, read that
+    tensor), else as the number."""
+    if torch.is_tensor(group["lr"]):
+        group["lr"].fill_(lr.squeeze() if torch.is_tensor(lr) else lr)
+    else:
+        group["lr"] = lr
+
+
+def number(lr: float | torch.Tensor) -> float:
+    """A group's lr as a number: a tensor lr is read once (it is filled in place later)."""
+    return lr.item() if torch.is_tensor(lr) else lr
+
+
 class _Schedule(ABC):
     """Shared mechanics: `last_batch_iteration` counts optimizer steps taken so far;
     `step()` moves it on and writes every group's rate."""
@@ -55,7 +73,7 @@ class _Schedule(ABC):
 
     def _write(self) -> None:
         for group, lr in zip(self.optimizer.param_groups, self.get_lr()):
-            group["lr"] = lr
+            set_lr(group, lr)
 
     def step(self, last_batch_iteration: int | None = None) -> None:
         self.last_batch_iteration = self.last_batch_iteration + 1 if last_batch_iteration is None else last_batch_iteration
@@ -77,8 +95,11 @@ class _Warmup(_Schedule):
 
     def __init__(self, optimizer: torch.optim.Optimizer, warmup_num_steps: int, warmup_type: str,
                  last_batch_iteration: int):
+        if isinstance(warmup_num_steps, bool) or not isinstance(warmup_num_steps, int) or warmup_num_steps <= 0:
+            raise ValueError(f"warmup_num_steps must be a positive integer, got {warmup_num_steps!r}")
         if warmup_type not in WARMUP_TYPES:
-            raise ValueError(f"warmup_type must be 'log' or 'linear', got {warmup_type!r}")
+            log.warning("unknown warmup_type %r: warming up logarithmically ('log'), as DeepSpeed does", warmup_type)
+            warmup_type = "log"
         super().__init__(optimizer, last_batch_iteration)
         self.warmup_num_steps = max(2, warmup_num_steps)
         self.warmup_type = warmup_type
@@ -99,7 +120,7 @@ class WarmupLR(_Warmup):
         """`warmup_max_lr=None` warms each group up to its own lr."""
         super().__init__(optimizer, warmup_num_steps, warmup_type, last_batch_iteration)
         if warmup_max_lr is None:
-            warmup_max_lr = [group["lr"] for group in optimizer.param_groups]
+            warmup_max_lr = [number(group["lr"]) for group in optimizer.param_groups]
         self.min_lrs = per_group(optimizer, warmup_min_lr, "warmup_min_lr")
         self.max_lrs = per_group(optimizer, warmup_max_lr, "warmup_max_lr")
         self.delta_lrs = [high - low for high, low in zip(self.max_lrs, self.min_lrs)]
@@ -145,11 +166,12 @@ class WarmupCosineLR(_Warmup):
         self.warmup_min_ratio = warmup_min_ratio
         self.cos_min_ratio = cos_min_ratio
         warn_short_total(total_num_steps, self.warmup_num_steps)
-        self.org_lrs = [group["lr"] for group in optimizer.param_groups]
+        self.org_lrs = [number(group["lr"]) for group in optimizer.param_groups]
         if last_batch_iteration == -1:
             self._write()
 
-    def _ratio(self) -> float:
+    def get_lr_ratio(self) -> float:
+        """The fraction of each group's construction-time lr at `last_batch_iteration`."""
         if self.last_batch_iteration < 0:
             return 0.0
         if self.last_batch_iteration < self.warmup_num_steps:
@@ -162,7 +184,7 @@ class WarmupCosineLR(_Warmup):
     def get_lr(self) -> list[float]:
         if self.last_batch_iteration < 0:
             return [0.0 for _ in self.org_lrs]
-        ratio = self._ratio()
+        ratio = self.get_lr_ratio()
         return [base * ratio for base in self.org_lrs]
 
 
@@ -183,7 +205,7 @@ class LRRangeTest(_Schedule):
         self.staircase = lr_range_test_staircase
         if last_batch_iteration == -1:
             for group, lr in zip(optimizer.param_groups, self.min_lr):
-                group["lr"] = lr
+                set_lr(group, lr)
 
     def _interval(self) -> float:
         steps = float(self.last_batch_iteration + 1) / self.step_size
@@ -229,7 +251,7 @@ class OneCycle(_Schedule):
         self.decay_mom_rate = decay_mom_rate
         if last_batch_iteration == -1:
             for group, lr in zip(optimizer.param_groups, self.min_lrs):
-                group["lr"] = lr
+                set_lr(group, lr)
         # DeepSpeed cycles momentum only for optimizers whose defaults have betas (it warns otherwise)
         self.cycle_momentum = cycle_momentum and "betas" in optimizer.defaults
         if self.cycle_momentum:

@@ -61,6 +61,13 @@ class ShardedOptimizer:
             self.optimizer.attach_gradient_exchange(communicator, use_local_gradients, partitions)
         self.record_state_bytes()
 
+    @property
+    def param_groups(self) -> list[dict]:
+        """The torch optimizer's groups (hyper-parameters and this rank's fp32 segments):
+        where scripts read and set the learning rate through `engine.optimizer`, as on
+        DeepSpeed's ZeRO optimizers, which expose their wrapped optimizer's groups."""
+        return self.optimizer.param_groups
+
     def _segments_by_group(self) -> list[list[torch.Tensor]]:
         by_group: dict[int, list[torch.Tensor]] = defaultdict(list)
         for segment in self.segments:

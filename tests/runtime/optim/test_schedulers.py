@@ -180,3 +180,31 @@ def test_the_engine_steps_the_schedule_after_each_applied_update():
         assert rate == deepspeeds[applied]  # the rate after `applied` updates
         applied += not was_skipped
     assert any(skipped) and not all(skipped)
+
+
+@pytest.mark.parametrize("name", sorted(SCHEDULERS))
+def test_a_tensor_lr_is_filled_in_place(name):
+    """An optimizer built with a tensor lr keeps that tensor: construction and every step fill it."""
+    initial = torch.full((1,), 0.1, dtype=torch.float64)
+    sgd = torch.optim.SGD([torch.nn.Parameter(torch.zeros(1))], lr=initial)
+    params = {"WarmupLR": {"warmup_num_steps": 10}, "WarmupDecayLR": {"total_num_steps": 100, "warmup_num_steps": 10},
+              "WarmupCosineLR": {"total_num_steps": 100, "warmup_num_steps": 10}, "LRRangeTest": {},
+              "OneCycle": {"cycle_min_lr": 0.01, "cycle_max_lr": 0.1, "cycle_first_step_size": 10}}[name]
+    scheduler = SCHEDULERS[name](sgd, **params)
+    scheduler.step(1)
+    lr = sgd.param_groups[0]["lr"]
+    assert lr is initial and lr.shape == (1,) and lr.dtype == torch.float64
+    assert lr.item() == pytest.approx(scheduler.get_lr()[0])
+
+
+@pytest.mark.parametrize("steps", [None, 0, -5, 2.5])
+def test_warmup_num_steps_must_be_a_positive_integer(steps):
+    with pytest.raises(ValueError, match="warmup_num_steps must be a positive integer"):
+        WarmupLR(optimizer(), warmup_num_steps=steps)
+
+
+def test_an_unknown_warmup_type_warms_up_logarithmically():
+    unknown = WarmupCosineLR(optimizer(), total_num_steps=100, warmup_num_steps=10, warmup_type="cubic")
+    assert unknown.warmup_type == "log"
+    unknown.step(1)
+    assert unknown.get_lr_ratio() == pytest.approx(math.log(2) / math.log(10))

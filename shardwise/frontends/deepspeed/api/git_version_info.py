@@ -1,13 +1,15 @@
 """`deepspeed.git_version_info`: what DeepSpeed records about its build, answered for this
 package. `version` is the DeepSpeed release whose Python API this package follows (the
 one its behaviour is checked against); no DeepSpeed C++/CUDA op is built (`installed_ops`
-empty); `torch_info` describes the torch running now."""
+empty), and the ops shardwise does in Python are all usable (`compatible_ops`, from
+api/ops/op_builder.py); `torch_info` describes the torch running now."""
 
 from __future__ import annotations
 
 import torch
 
 from shardwise.frontends.deepspeed.alias import DEEPSPEED_API_VERSION
+from shardwise.frontends.deepspeed.api.ops.op_builder import compatible_ops
 from shardwise.runtime.base.torch_compat import release_info
 
 __all__ = ["accelerator_name", "compatible_ops", "git_branch", "git_hash", "installed_ops", "torch_info", "version"]
@@ -16,7 +18,6 @@ version = DEEPSPEED_API_VERSION
 git_hash = "[none]"
 git_branch = "[none]"
 installed_ops: dict[str, bool] = {}
-compatible_ops: dict[str, bool] = {}
 accelerator_name = "cuda" if torch.cuda.is_available() else "cpu"
 
 

@@ -62,7 +62,13 @@ def helpers(rank: int, world_size: int, stage: int) -> dict:
         "masters_before": {name: safe_get_full_fp32_param(p) for name, p in params.items()},
         "local_masters": {name: safe_get_local_fp32_param(p) for name, p in params.items()},
     }
-    safe_update_full_grad_vectorized(list(params.values()), lambda grads: [grad * 1.0 for grad in grads])
+    # DeepSpeed's call: once per parameter, (full gradient, parameter); doubled, then halved back
+    seen = []
+    safe_update_full_grad_vectorized(list(params.values()), lambda grad, param: (seen.append(param), grad * 2.0)[1])
+    report["doubled_grads"] = {name: safe_get_full_grad(p) for name, p in params.items()}
+    with_grads = [p for name, p in params.items() if report["grads"][name] is not None]  # not the frozen bias
+    report["update_saw_every_param"] = [id(p) for p in seen] == [id(p) for p in with_grads]
+    safe_update_full_grad_vectorized(list(params.values()), lambda grad, param: grad / 2.0)
     engine.step()
     report["moments"] = {name: safe_get_full_optimizer_state(p, "exp_avg") for name, p in params.items()}
     report["weights"] = {name: safe_get_full_fp32_param(p) for name, p in params.items()}

@@ -106,3 +106,27 @@ def test_the_alias_finds_the_data_efficiency_schedules():
     result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert result.returncode == 0, result.stderr
     assert result.stdout.strip() == "32"
+
+
+def test_every_op_builder_is_compatible_and_load_names_the_python_class():
+    """shardwise compiles no DeepSpeed op: each builder says which Python class does its op."""
+    import pytest
+
+    from shardwise.frontends.deepspeed.api.ops import op_builder
+    from shardwise.frontends.deepspeed.api.ops.aio import AsyncIOBuilder
+
+    assert deepspeed.ops.__compatible_ops__ == {"fused_adam": True, "cpu_adam": True, "fused_lamb": True,
+                                                "async_io": True}
+    assert deepspeed.git_version_info.compatible_ops is deepspeed.ops.__compatible_ops__
+    assert AsyncIOBuilder is op_builder.AsyncIOBuilder and AsyncIOBuilder.NAME == "async_io"
+    with pytest.raises(RuntimeError, match="deepspeed.ops.adam.FusedAdam"):
+        op_builder.FusedAdamBuilder().load()
+
+
+def test_offload_names_and_the_swap_threshold_are_deepspeed_s():
+    from shardwise.frontends.deepspeed.api.runtime.swap_tensor import MIN_SWAPPABLE_BYTES
+    from shardwise.frontends.deepspeed.api.runtime.zero import config, offload_config
+
+    assert offload_config.OffloadDeviceEnum is config.OffloadDeviceEnum
+    assert offload_config.OffloadDeviceEnum("nvme").value == "nvme"
+    assert MIN_SWAPPABLE_BYTES == 1048576  # DeepSpeed 0.19.8's value

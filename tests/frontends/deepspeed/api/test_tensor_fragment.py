@@ -22,8 +22,10 @@ def test_safe_helpers_read_and_write_the_training_state(stage):
     reports = run_distributed(fragment_workers.helpers, 2, stage)
     for report in reports:
         assert report["grads"]["0.bias"] is None and report["moments"]["0.bias"] is None  # frozen
+        assert report["update_saw_every_param"]
         for name, grad in want["grads"].items():
             close(report["grads"][name], grad)
+            close(report["doubled_grads"][name], 2 * grad)
             close(report["moments"][name], want["moments"][name])
             close(report["weights"][name], want["weights"][name])
         close(report["output_after_edit"], report["expected_after_edit"])

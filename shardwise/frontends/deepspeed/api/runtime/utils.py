@@ -1,6 +1,8 @@
 """`deepspeed.runtime.utils`: the helpers scripts and model code import from it:
 `set_random_seed`, the layer-partitioning functions pipeline code uses to assign layers
-to stages (`partition_uniform`, `partition_balanced`, `prefix_sum_inc`), and
+to stages (`partition_uniform`, `partition_balanced`, `prefix_sum_inc`),
+`PartitionedTensor` (a tensor cut into one flat, contiguous piece per rank of a group,
+which pipeline code sends between stages as its pieces plus a small meta tensor), and
 `see_memory_usage`."""
 
 from __future__ import annotations
@@ -10,8 +12,9 @@ import random
 
 import numpy as np
 import torch
+import torch.distributed as dist
 
-__all__ = ["partition_balanced", "partition_uniform", "prefix_sum_inc", "see_memory_usage", "set_random_seed"]
+__all__ = ["PartitionedTensor", "partition_balanced", "partition_uniform", "prefix_sum_inc", "see_memory_usage", "set_random_seed"]
 
 log = logging.getLogger("DeepSpeed")
 
@@ -88,3 +91,75 @@ def see_memory_usage(message: str, force: bool = False) -> None:
     with open("/proc/self/status") as status:
         resident = next((line.split()[1] for line in status if line.startswith("VmRSS:")), "0")
     log.info("%s%s | host resident %.2f GB", message, device, int(resident) / 2**20)
+
+
+class PartitionedTensor:
+    """One rank's piece of a tensor split over a process group: the tensor is flattened and
+    cut by `partition_uniform` into `world` contiguous pieces (the first ones one element
+    longer when it does not divide), and this rank keeps piece `rank` as `local_data`.
+
+    `to_meta()` encodes the split as a long tensor, DeepSpeed's layout so pieces and meta
+    can travel between processes running either library: `[ndim, *shape, num_parts, rank,
+    *boundaries]` with the `num_parts + 1` boundaries of `partition_uniform`.
+    `from_meta(meta, local_part, group)` rebuilds the object on the receiving side, and
+    `full()` gathers every rank's piece back into the whole tensor (a collective: every
+    rank of the group calls it)."""
+
+    def __init__(self, tensor: torch.Tensor, group: dist.ProcessGroup | None = None):
+        self.group = group
+        self.num_parts = dist.get_world_size(group=group)
+        self.rank = dist.get_rank(group=group)
+        self.orig_size = list(tensor.size())
+        self.orig_device = tensor.device
+        self.partition = partition_uniform(tensor.numel(), self.num_parts)
+        start, stop = self.partition[self.rank], self.partition[self.rank + 1]
+        self.local_data = tensor.detach().reshape(-1)[start:stop].clone()
+
+    @classmethod
+    def from_meta(cls, meta: torch.Tensor, local_part: torch.Tensor, group: dist.ProcessGroup | None = None,
+                  device: torch.device | str | None = None) -> PartitionedTensor:
+        """The partitioned tensor `meta` (from `to_meta()`) describes, holding `local_part`
+        as this rank's piece."""
+        if meta.dtype != torch.long:
+            raise TypeError(f"PartitionedTensor.from_meta: meta must be a torch.long tensor (from to_meta()), "
+                            f"got {meta.dtype}")
+        values = meta.tolist()
+        ndim = values[0]
+        shape, (num_parts, rank), boundaries = values[1:1 + ndim], values[1 + ndim:3 + ndim], values[3 + ndim:]
+        world, own_rank = dist.get_world_size(group=group), dist.get_rank(group=group)
+        if (num_parts, rank) != (world, own_rank) or len(boundaries) != num_parts + 1:
+            raise ValueError(f"PartitionedTensor.from_meta: the meta describes piece {rank} of {num_parts} "
+                             f"but this is rank {own_rank} of a group of {world}: rebuild it on the rank, in "
+                             f"the group, that made the meta (the pieces are not re-split)")
+        part = cls.__new__(cls)
+        part.group, part.num_parts, part.rank = group, num_parts, rank
+        part.orig_size, part.partition = shape, boundaries
+        part.orig_device = torch.device(device) if device is not None else local_part.device
+        part.local_data = local_part.detach()
+        return part
+
+    def full(self, device: torch.device | str | None = None) -> torch.Tensor:
+        """The whole tensor, gathered from every rank's piece (pieces padded to the longest
+        so one all-gather moves them)."""
+        longest = max(high - low for low, high in zip(self.partition, self.partition[1:]))
+        padded = torch.zeros(longest, dtype=self.local_data.dtype, device=self.local_data.device)
+        padded[:self.local_data.numel()] = self.local_data
+        gathered = torch.empty(longest * self.num_parts, dtype=padded.dtype, device=padded.device)
+        dist.all_gather_into_tensor(gathered, padded, group=self.group)
+        pieces = [gathered[part * longest:part * longest + high - low]
+                  for part, (low, high) in enumerate(zip(self.partition, self.partition[1:]))]
+        whole = torch.cat(pieces).view(self.orig_size)
+        return whole.to(device if device is not None else self.orig_device)
+
+    def to_meta(self) -> torch.Tensor:
+        return torch.tensor([len(self.orig_size), *self.orig_size, self.num_parts, self.rank, *self.partition],
+                            dtype=torch.long, device=self.orig_device)
+
+    def data(self) -> torch.Tensor:
+        return self.local_data
+
+    def local_size(self) -> torch.Size:
+        return self.local_data.size()
+
+    def full_size(self) -> list[int]:
+        return self.orig_size

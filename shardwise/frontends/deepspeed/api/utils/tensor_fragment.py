@@ -186,13 +186,15 @@ def safe_set_local_optimizer_state(param: torch.Tensor, value: torch.Tensor, opt
 
 
 def safe_update_full_grad_vectorized(param_list: list[torch.Tensor],
-                                     update_func: Callable[[list[torch.Tensor]], list[torch.Tensor]]) -> None:
-    """Replace the full gradients of `param_list` by `update_func(full gradients)` (one
-    list in, one list out, in order); parameters not trained are left out of both."""
-    trained = [param for param in param_list if _trained(param) is not None]
-    updated = update_func([safe_get_full_grad(param) for param in trained])
-    if len(updated) != len(trained):
-        raise ValueError(f"safe_update_full_grad_vectorized: update_func returned {len(updated)} gradients for "
-                         f"{len(trained)} parameters")
-    for param, grad in zip(trained, updated):
-        safe_set_full_grad(param, grad)
+                                     update_func: Callable[[torch.Tensor, torch.Tensor], torch.Tensor]) -> None:
+    """Replace each parameter's full gradient by `update_func(full gradient, parameter)`, as
+    DeepSpeed calls it (once per parameter, the parameter passed so the function can look
+    up what belongs to it). A parameter no engine trains but holding a `.grad` has that
+    updated in place; one without a gradient is left alone."""
+    for param in param_list:
+        if _trained(param) is not None:
+            old = safe_get_full_grad(param)
+            if old is not None:
+                safe_set_full_grad(param, update_func(old, param))
+        elif param.grad is not None:
+            param.grad.copy_(update_func(param.grad, param))

@@ -2,6 +2,7 @@
 (`deepspeed.zero` is the same names: api/zero.py)."""
 
 from shardwise.frontends.deepspeed.api.runtime.zero import config, partition_parameters, utils
+from shardwise.frontends.deepspeed.api.runtime.zero.generation import unwrap_model_for_generation
 from shardwise.frontends.deepspeed.api.runtime.zero.partition_parameters import (
     GatheredParameters,
     Init,
@@ -11,4 +12,4 @@ from shardwise.frontends.deepspeed.api.runtime.zero.partition_parameters import 
 )
 
 __all__ = ["GatheredParameters", "Init", "ZeroParamStatus", "ZeroParamType", "config", "partition_parameters",
-           "register_external_parameter", "utils"]
+           "register_external_parameter", "unwrap_model_for_generation", "utils"]
