@@ -2,6 +2,7 @@
 the failing rank is named in one line before torchrun's report, and a SIGINT during
 start-up stops the job."""
 
+import re
 import signal
 import subprocess
 import time
@@ -17,8 +18,12 @@ def test_the_failing_rank_and_its_exception_come_first_in_one_line(tmp_path):
     finished = run_shardwise(["--nproc", "2", str(script)], tmp_path)
 
     assert finished.returncode == 1
-    first = finished.stderr.index("shardwise run: rank 1 failed first: ValueError: bad batch 7\n")
-    assert first < finished.stderr.index("fails.py FAILED"), finished.stderr
+    # Rank 0 may still be starting when rank 1 fails (a loaded machine): then torchrun stops
+    # it, and the line counts it as having failed after rank 1.
+    line = re.search(r"^shardwise run: rank 1 failed first: ValueError: bad batch 7( \(rank\(s\) 0 failed too\))?$",
+                     finished.stderr, re.MULTILINE)
+    assert line is not None, finished.stderr
+    assert line.start() < finished.stderr.index("fails.py FAILED"), finished.stderr
 
 
 def catches_sigint(pid: int) -> bool:
