@@ -10,34 +10,17 @@ before Lightning is; the same range is pinned in pyproject.toml's `lightning` ex
 
 from __future__ import annotations
 
-import importlib.metadata
+from collections.abc import Mapping
+
+from shardwise.frontends.releases import require_releases
 
 # Tested: lightning 2.6.6. Widen only after running tests/frontends/lightning with the new release.
 SUPPORTED = {"lightning": ">=2.6,<2.7"}
 EXTRA = "pip install 'shardwise[lightning]'"
 
 
-def check_versions(installed: dict[str, str | None] | None = None) -> None:
+def check_versions(installed: Mapping[str, str | None] | None = None) -> None:
     """Raise ImportError unless Lightning is installed at a supported version.
     `installed` (package -> version, None for missing) defaults to this environment's."""
-    from packaging.specifiers import SpecifierSet
-    from packaging.version import Version
-
-    if installed is None:
-        installed = {}
-        for package in SUPPORTED:
-            try:
-                installed[package] = importlib.metadata.version(package)
-            except importlib.metadata.PackageNotFoundError:
-                installed[package] = None
-    problems = []
-    for package, wanted in SUPPORTED.items():
-        version = installed.get(package)
-        if version is None:
-            problems.append(f"{package} is not installed (ShardwiseStrategy needs {package}{wanted})")
-        elif Version(version) not in SpecifierSet(wanted):
-            problems.append(f"{package} {version} is installed; ShardwiseStrategy supports {package}{wanted}")
-    if problems:
-        raise ImportError("; ".join(problems) + ". The strategy overrides Lightning's internal loop hooks, which "
-                          f"change between releases, so only tested releases are accepted: {EXTRA}, or "
-                          + " ".join(f"pip install '{package}{wanted}'" for package, wanted in SUPPORTED.items()))
+    require_releases(SUPPORTED, user="ShardwiseStrategy", extra=EXTRA, installed=installed,
+                     reason="The strategy overrides Lightning's internal loop hooks, which change between releases")
