@@ -35,8 +35,9 @@ def require_releases(supported: Mapping[str, str], *, user: str, reason: str, ex
         elif Version(version) not in SpecifierSet(wanted):
             problems.append(f"{package} {version} is installed; {user} supports {package}{wanted}")
     if problems:
-        raise ImportError("; ".join(problems) + f". {reason}, so only tested releases are accepted: {extra}, or pip install "
-                          + " ".join(f"'{package}{wanted}'" for package, wanted in supported.items()))
+        pins = " ".join(f"'{package}{wanted}'" for package, wanted in supported.items())
+        raise ImportError("; ".join(problems) + f". {reason}, so only tested releases are accepted: {extra}, or "
+                          f"pip install {pins}")
 
 
 def _installed_versions(packages: Mapping[str, str]) -> dict[str, str | None]:
