@@ -41,7 +41,8 @@ ZeRO stage 0 only: DeepSpeed refuses ZeRO with 0/1 Adam ("0/1 Adam is not compat
 ZeRO"), and so does shardwise (config/checks.py): every rank keeps the whole momentum,
 variance, accumulated update and error buffer, and takes whole local steps. Checkpoints
 keep the moments, u and the schedule's counters; the error-feedback buffers restart from
-zero after a load, as the 1-bit optimizers' do.
+zero after a load, as the 1-bit optimizers' do. Stage 0 saves rank 0's copy, so after a
+load between synchronisations every rank continues from rank 0's local steps.
 """
 
 from __future__ import annotations

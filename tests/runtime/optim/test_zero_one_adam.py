@@ -77,12 +77,16 @@ def _snapshot(optimizer: ZeroOneAdam, with_grads: bool) -> dict:
     return snapshot
 
 
-def train_recording(rank: int, world_size: int, settings: Settings) -> dict:
-    """Train through shardwise.initialize from the DeepSpeed config; record every optimizer
-    step's state before and after, and the bytes each step sent."""
+def train_recording(rank: int, world_size: int, settings: Settings, steps: range | None = None,
+                    load_dir: str | None = None, save_dir: str | None = None) -> dict:
+    """Train through shardwise.initialize from the DeepSpeed config (optionally loading
+    first and saving after); record every optimizer step's state before and after, and the
+    bytes each step sent."""
     config = {"train_micro_batch_size_per_gpu": settings.rows, "optimizer": settings.optimizer_block(),
               "zero_optimization": {"stage": 0}}
     engine = shardwise.initialize(build_model("gpt"), config)
+    if load_dir is not None:
+        engine.load_checkpoint(load_dir)
     optimizer = engine.optimizer.optimizer
     records, volumes, step = [], [], optimizer.step
 
@@ -93,13 +97,15 @@ def train_recording(rank: int, world_size: int, settings: Settings) -> dict:
         return result
 
     optimizer.step = recording_step
-    for index in range(settings.steps):
+    for index in range(settings.steps) if steps is None else steps:
         x, y = global_batch(index, settings.rows * world_size)
         rows = slice(rank * settings.rows, (rank + 1) * settings.rows)
         engine.reset_comm_volume()
         engine.backward(model_loss(engine, "gpt", x[rows], y[rows]))
         engine.step()
         volumes.append(engine.comm_volume())
+    if save_dir is not None:
+        engine.save_checkpoint(save_dir)
     return {"records": records, "volumes": volumes, "numel": engine.num_parameters(),
             "optimizer_states": engine.memory_breakdown()["optimizer_states"]}
 
@@ -186,6 +192,21 @@ def relative(actual: list[torch.Tensor], expected: list[torch.Tensor]) -> float:
     return ((a - e).norm() / e.norm().clamp_min(1e-30)).item() if e.norm() > 0 else a.norm().item()
 
 
+def assert_steps_follow_the_rule(results: list[dict], settings: Settings, first: int) -> None:
+    """Each recorded step (numbered from `first`), from the engine's state before it, equals
+    the written-out rule within 1e-5 (float32 against float64), on every rank."""
+    kinds = settings.kinds()
+    for index in range(len(results[0]["records"])):
+        t = first + index
+        before = [result["records"][index][0] for result in results]
+        expected = reference_step(t, before, settings)
+        for rank, result in enumerate(results):
+            got = result["records"][index][1]
+            for key in ("params", "m", "v", "u"):
+                error = relative(got[key], expected[rank][key])
+                assert error < 1e-5, f"step {t} ({kinds[t - 1]}), rank {rank}: {key} off by {error:.2e}"
+
+
 def test_each_step_equals_deepspeeds_rule_and_its_bytes_the_formula():
     """Steps 1-16 on 2 ranks through every phase: each step, from the engine's state
     before it, equals the written-out rule (relative 1e-5, float32 against float64); the
@@ -197,14 +218,8 @@ def test_each_step_equals_deepspeeds_rule_and_its_bytes_the_formula():
     assert kinds == ["setup", "variance", "variance", "variance", "onebit_gradient", "variance", "onebit_gradient",
                      "sync", "sync", "sync", "local", "sync", "local", "local", "local", "sync"]
     results = run_distributed(train_recording, RANKS, settings)
+    assert_steps_follow_the_rule(results, settings, first=1)
     for t in range(1, settings.steps + 1):
-        before = [result["records"][t - 1][0] for result in results]
-        expected = reference_step(t, before, settings)
-        for rank, result in enumerate(results):
-            got = result["records"][t - 1][1]
-            for key in ("params", "m", "v", "u"):
-                error = relative(got[key], expected[rank][key])
-                assert error < 1e-5, f"step {t} ({kinds[t - 1]}), rank {rank}: {key} off by {error:.2e}"
         ours, theirs = (result["records"][t - 1][1]["params"] for result in results)
         if kinds[t - 1] in ("sync", "setup", "variance", "onebit_gradient"):  # (local steps differ by design)
             # bit-equal until the freeze; a synchronisation undoes each rank's own local steps
@@ -291,3 +306,27 @@ def test_constructor_and_k():
         ZeroOneAdam(params, amsgrad=True)
     assert optimizer_spec("ZeroOneAdam").state_bytes_per_param({}, "fp32") == 12  # m, v, u
     assert optimizer_spec("ZeroOneAdam").zero_stages == (0,)
+
+
+def test_resume_between_synchronisations(tmp_path):
+    """Saved after a local step (t = 11: u and Σlr non-zero), resumed at 2 ranks: every rank
+    starts from the saved moments, accumulated update, counters and weights (stage 0 saves
+    rank 0's copy: its local steps become every rank's), the error buffers restart from
+    zero, and steps 12-16 follow the rule and the formula's bytes."""
+    settings, saved_at = Settings(), 11
+    saved = run_distributed(train_recording, RANKS, settings, range(saved_at), None, str(tmp_path))
+    resumed = run_distributed(train_recording, RANKS, settings, range(saved_at, settings.steps), str(tmp_path))
+    last = saved[0]["records"][-1][1]
+    assert last["lrs"] > 0 and any(u.any() for u in last["u"])
+    for result in resumed:
+        first = result["records"][0][0]
+        assert first["errors"] is None
+        assert (first["lrs"], first["var_interval"], first["local_step_interval"]) == (
+            last["lrs"], last["var_interval"], last["local_step_interval"])
+        for key in ("params", "m", "v", "u"):
+            assert all(torch.equal(a, b) for a, b in zip(first[key], last[key])), key
+    assert_steps_follow_the_rule(resumed, settings, first=saved_at + 1)
+    numel = resumed[0]["numel"]
+    for t, volume in enumerate(resumed[0]["volumes"], start=saved_at + 1):
+        want = zero_one_adam_step_bytes(settings.kinds()[t - 1], numel, RANKS)
+        assert {key: volume[key] for key in want} == want, f"step {t}"
