@@ -22,6 +22,7 @@ from shardwise.formulas.communication import zero_one_adam_step_bytes, zero_one_
 from shardwise.formulas.memory import zero_one_adam_state_bytes
 from shardwise.runtime.optim import ZeroOneAdam
 from shardwise.runtime.optim.registry import optimizer_spec
+from shardwise.tools.planner import Hardware, ModelShape, estimate
 from shardwise.tools.testing import DistributedTestError, run_distributed
 from tests.runtime.zero.workers import build_model, global_batch, model_loss
 
@@ -330,3 +331,13 @@ def test_resume_between_synchronisations(tmp_path):
     for t, volume in enumerate(resumed[0]["volumes"], start=saved_at + 1):
         want = zero_one_adam_step_bytes(settings.kinds()[t - 1], numel, RANKS)
         assert {key: volume[key] for key in want} == want, f"step {t}"
+
+
+def test_estimator_offers_stage_0_with_its_state_formula():
+    """`shardwise estimate --optimizer zerooneadam`: stage 0 only, without offload; bf16
+    model states 2Ψ + 2Ψ + (4 + 16)Ψ + 4Ψ/N (master, m, v, u, worker error; server error)."""
+    psi, gpus = 1_500_000_000, 8
+    result = estimate(ModelShape("1.5B", psi), Hardware(num_gpus=gpus), optimizer="zerooneadam")
+    assert [(option.stage, option.offload.label) for option in result.options] == [(0, "none")]
+    assert result.options[0].per_rank["gpu"] == {"params": 2 * psi, "grads": 2 * psi,
+                                                 "optimizer_states": 20 * psi + 4 * psi // gpus}
