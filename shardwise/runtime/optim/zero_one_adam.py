@@ -48,13 +48,14 @@ load between synchronisations every rank continues from rank 0's local steps.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Iterable, Literal
+from typing import Any, Callable, Iterable, Literal
 
 import torch
 
 from shardwise.formulas.memory import zero_one_adam_state_terms
+from shardwise.runtime.distributed.collectives import Communicator
 from shardwise.runtime.distributed.compressed import CompressedAllReduce, padded_length
-from shardwise.runtime.optim.onebit import MAIN_JOB_WARM_UP, OneBitCodec, OneBitOptimizer
+from shardwise.runtime.optim.onebit import MAIN_JOB_WARM_UP, MomentumPartitions, OneBitCodec, OneBitOptimizer
 from shardwise.runtime.optim.onebit_adam import _clip_elsewhere, _no_amsgrad, refuse_unsupported
 from shardwise.runtime.optim.params import check_betas, param
 from shardwise.runtime.optim.registry import OptimizerSpec, accepted_params, register_optimizer
@@ -103,7 +104,9 @@ class ZeroOneAdam(OneBitOptimizer):
         self.local_step_clipper = local_step_clipper
 
     # -- the engine's side ------------------------------------------------------------------
-    def attach_gradient_exchange(self, communicator, use_local_gradients, partitions=None) -> None:
+    def attach_gradient_exchange(self, communicator: Communicator, use_local_gradients: Callable[[bool], None],
+                                 partitions: MomentumPartitions | None = None) -> None:
+        """The 1-bit optimizers' hook; ZeRO's partitions (stages 1-2) are refused."""
         if partitions is not None:
             raise ValueError("ZeroOneAdam runs at zero_optimization.stage 0 only (DeepSpeed: \"0/1 Adam is not "
                              "compatible with ZeRO\"): every rank takes whole local steps on the whole momentum, "
@@ -291,7 +294,8 @@ class ZeroOneAdamParams:
     eps_inside_sqrt: bool = param(False, check=_no_eps_inside_sqrt, description="accepted as false only "
                                   "(DeepSpeed never applies it)")
     weight_decay: float = param(0.0, ge=0)
-    max_grad_norm: float = param(0.0, check=_clip_elsewhere, description="accepted as 0 only: clip with gradient_clipping")
+    max_grad_norm: float = param(0.0, check=_clip_elsewhere,
+                                 description="accepted as 0 only: clip with gradient_clipping")
     var_freeze_step: int = param(100000, ge=1, description="the last step that may update the variance; "
                                  "from step var_freeze_step + 2 the ranks take local steps")
     var_update_scaler: int = param(16, ge=1, description="variance steps at each interval before it doubles")

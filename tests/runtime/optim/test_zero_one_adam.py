@@ -63,8 +63,11 @@ class Settings:
 def _snapshot(optimizer: ZeroOneAdam, with_grads: bool) -> dict:
     params = optimizer._params()
     state = [optimizer.state.get(p, {}) for p in params]
-    copy = lambda key: [s[key].detach().double().clone() if key in s else torch.zeros_like(p, dtype=torch.float64)  # noqa: E731
-                        for s, p in zip(state, params)]
+
+    def copy(key: str) -> list[torch.Tensor]:
+        return [s[key].detach().double().clone() if key in s else torch.zeros_like(p, dtype=torch.float64)
+                for s, p in zip(state, params)]
+
     snapshot = {"params": [p.detach().double().clone() for p in params], "m": copy("exp_avg"),
                 "v": copy("exp_avg_sq"), "u": copy("momentum_accumulator"),
                 "lrs": state[0].get("lrs", 0.0), "lr": optimizer.param_groups[0]["lr"],
