@@ -1,7 +1,7 @@
 """Optimizer step time per million parameters and state memory, every optimizer on the
 same shard, in one run (issue 14, C16-C18).
 
-    .venv/bin/python benchmarks/optimizer_step.py [--model-size 10m] [--threads 1] [--repeats 7]
+    .venv/bin/python benchmarks/optimizer_step.py [--model-size 10m] [--threads 1] [--repeats 7] [--only A,B]
 
 The shard is the main job's GPT's fp32 parameters (whole, as at ZeRO stage 0 or one
 rank's view of them), with fixed random gradients. Each optimizer takes warm-up steps
@@ -29,7 +29,10 @@ The 1-bit optimizers run as one rank of two: a loopback group stands in for the 
 (what this rank sends comes back as the peer's), so the time is the compression,
 packing, decompression and update arithmetic without the network; their "(warm-up)" rows
 are the same optimizers before `freeze_step` (Adam / LAMB on a reduced gradient, no
-exchange), so the difference is what the compression costs.
+exchange), so the difference is what the compression costs. 0/1 Adam's rows are its three
+kinds of step after the set-up (formulas/communication.py `zero_one_adam_step_kinds`):
+the gradient through the exchange, a synchronisation of the accumulated update, and a
+local step (no exchange). `--only ZeroOneAdam,OneBitAdam` runs those rows alone.
 """
 
 from __future__ import annotations
@@ -118,11 +121,18 @@ def bitsandbytes_adam8bit() -> Callable[[list[torch.nn.Parameter]], torch.optim.
 
 
 def optimizers(lr: float) -> dict[str, Callable[[list[torch.nn.Parameter]], torch.optim.Optimizer]]:
-    from shardwise.runtime.optim import Adafactor, Adam8bit, Lamb, Lars, Muon, OneBitAdam, OneBitLamb
+    from shardwise.runtime.optim import Adafactor, Adam8bit, Lamb, Lars, Muon, OneBitAdam, OneBitLamb, ZeroOneAdam
 
     def onebit(cls: type, freeze_step: int = 1) -> Callable[[list[torch.nn.Parameter]], torch.optim.Optimizer]:
         def build(params: list[torch.nn.Parameter]) -> torch.optim.Optimizer:
             optimizer = cls(params, lr=lr, freeze_step=freeze_step)
+            optimizer.attach_gradient_exchange(_Loopback(), lambda on: None)
+            return optimizer
+        return build
+
+    def zero_one(**schedule: int) -> Callable[[list[torch.nn.Parameter]], torch.optim.Optimizer]:
+        def build(params: list[torch.nn.Parameter]) -> torch.optim.Optimizer:
+            optimizer = ZeroOneAdam(params, lr=lr, **schedule)
             optimizer.attach_gradient_exchange(_Loopback(), lambda on: None)
             return optimizer
         return build
@@ -146,6 +156,10 @@ def optimizers(lr: float) -> dict[str, Callable[[list[torch.nn.Parameter]], torc
         "OneBitAdam": onebit(OneBitAdam),
         "OneBitLamb (warm-up)": onebit(OneBitLamb, freeze_step=10**6),
         "OneBitLamb": onebit(OneBitLamb),
+        # (the timed steps 4-10 by the schedule; the median is the row's kind)
+        "ZeroOneAdam (1-bit gradient)": zero_one(var_freeze_step=10**6, var_update_scaler=1),  # 5 of 7
+        "ZeroOneAdam (synchronisation)": zero_one(var_freeze_step=1),  # all 7
+        "ZeroOneAdam (local)": zero_one(var_freeze_step=1, local_step_scaler=1, local_step_clipper=1024),  # 6 of 7
     }
     theirs = bitsandbytes_adam8bit()
     if theirs is not None:
@@ -186,7 +200,10 @@ def main() -> None:
     parser.add_argument("--model-size", default="10m")
     parser.add_argument("--threads", type=int, default=1)
     parser.add_argument("--repeats", type=int, default=7)
+    parser.add_argument("--only", default="", help="comma-separated row-name prefixes to run (torch's fused "
+                        "AdamW always runs, for the ratio); default: every row")
     args = parser.parse_args()
+    prefixes = [prefix for prefix in args.only.split(",") if prefix]
     torch.set_num_threads(args.threads)
     model = GPT(GPTConfig.preset(args.model_size))
     shapes = [param.shape for param in model.parameters()]
@@ -197,6 +214,8 @@ def main() -> None:
     bandwidth = copy_bandwidth()
     results = {}
     for name, build in optimizers(1e-3).items():
+        if prefixes and name != "torch AdamW (fused)" and not any(name.startswith(p) for p in prefixes):
+            continue
         with environment(NATIVE_OFF if "torch ops" in name else {}):
             results[name] = measure(build, shapes, grads, args.repeats)
     fused = results["torch AdamW (fused)"][0]

@@ -327,6 +327,57 @@ def onebit_exchange_bytes(num_params: int, ranks: int, stage: int = 0, param_byt
     return volume
 
 
+# -- 0/1 Adam (C18) -------------------------------------------------------------------------
+# DeepSpeed's ZeroOneAdam (Lu et al., 2022) at stage 0 over N data-parallel ranks: what a
+# step sends depends on its place in the schedule, which is counters only (the optimizer's
+# own state machine, runtime/optim/zero_one_adam.py, is checked against this one):
+#
+#     step 1              nothing: the step only sets the optimizer up, as DeepSpeed's
+#     variance steps      the engine's fp32 gradient all-reduce, 2·gΨ(N−1)/N: steps t
+#                         (2 ≤ t ≤ var_freeze_step + 1) with t % interval = 0; the interval
+#                         starts at 1 and doubles after every var_update_scaler of them
+#     other steps to then the local gradient through the 1-bit exchange (onebit_exchange_bytes)
+#     later steps         local: nothing; or, at t % local_interval = 0, the accumulated
+#                         update through the 1-bit exchange. local_interval starts at 1 and
+#                         doubles (up to local_step_clipper) after every local_step_scaler steps
+ZERO_ONE_ADAM_STEP_KINDS = ("setup", "variance", "onebit_gradient", "local", "sync")
+
+
+def zero_one_adam_step_kinds(steps: int, *, var_freeze_step: int, var_update_scaler: int = 16,
+                             local_step_scaler: int = 32678, local_step_clipper: int = 16) -> list[str]:
+    """What each of steps 1..`steps` exchanges (ZERO_ONE_ADAM_STEP_KINDS), by the schedule above."""
+    kinds, var_interval, var_counter, local_interval, local_counter = [], 1, 0, 1, 0
+    for step in range(1, steps + 1):
+        if step == 1:
+            kinds.append("setup")
+        elif step <= var_freeze_step + 1:
+            variance = step % var_interval == 0
+            kinds.append("variance" if variance else "onebit_gradient")
+            if variance:
+                var_counter += 1
+                if var_counter == var_update_scaler:
+                    var_counter, var_interval = 0, var_interval * 2
+        else:
+            kinds.append("sync" if step % local_interval == 0 else "local")
+            local_counter += 1
+            if local_counter == local_step_scaler:
+                local_counter, local_interval = 0, min(local_step_clipper, local_interval * 2)
+    return kinds
+
+
+def zero_one_adam_step_bytes(kind: str, num_params: int, ranks: int, grad_bytes: int = 4) -> dict[str, int]:
+    """Bytes one rank sends in a step of `kind` (`zero_one_adam_step_kinds`) with `num_params`
+    parameters over `ranks` data-parallel ranks, gradients of `grad_bytes` bytes."""
+    volume = {"all_reduce": 0, "all_to_all": 0, "all_gather": 0}
+    if kind not in ZERO_ONE_ADAM_STEP_KINDS:
+        raise ValueError(f"step kind {kind!r} is not one of {', '.join(ZERO_ONE_ADAM_STEP_KINDS)}")
+    if kind == "variance":
+        volume["all_reduce"] = _ring("all_reduce", num_params * grad_bytes, ranks)
+    elif kind in ("onebit_gradient", "sync"):
+        volume.update(onebit_exchange_bytes(num_params, ranks))
+    return volume
+
+
 # -- recomputation under ZeRO-3 (C9) -------------------------------------------------------
 # A checkpointed layer re-runs its forward in backward, and ZeRO-3 gathers its units for
 # that recomputation; they are then kept for the layer's backward, which would otherwise

@@ -95,6 +95,31 @@ def onebit_partitioned_state_bytes(owned: int, partition: int, ranks: int, lamb:
     return 4 * ((2 if lamb else 1) * owned + 2 * ranks * partition + partition)
 
 
+def zero_one_adam_state_bytes(numel: int, ranks: int) -> int:
+    """0/1 Adam's fp32 state for `numel` trained elements at stage 0 over `ranks` ranks, once
+    it has exchanged: momentum, variance and the accumulated update u per element, u's flat
+    buffer padded to whole bytes per rank (L = numel rounded up to a multiple of 8·ranks),
+    and with ranks to exchange with the worker's error buffer (L) and the server's (L / ranks)."""
+    padded = ceil(numel / (8 * ranks)) * 8 * ranks
+    errors = padded + padded // ranks if ranks > 1 else 0
+    return 4 * (3 * numel + (padded - numel) + errors)
+
+
+def zero_one_adam_state_terms(stage: int, dtype: str) -> list[StateTerm]:
+    """`zero_one_adam_state_bytes` as summands (padding aside), stage 0 only (DeepSpeed runs
+    0/1 Adam without ZeRO): the master, momentum, variance, accumulated update and worker
+    error whole, the server error 1/N."""
+    if stage != 0:
+        raise ValueError(f"0/1 Adam runs at ZeRO stage 0 only, not {stage} (runtime/optim/zero_one_adam.py)")
+    p = element_bytes(dtype)
+    master = 0 if p == MASTER_WEIGHT_BYTES else MASTER_WEIGHT_BYTES
+    return [StateTerm("params", "params", "gpu", p, sharded=False),
+            StateTerm("grads", "grads", "gpu", p, sharded=False),
+            StateTerm("optimizer + accumulated update + worker error", "optimizer_states", "gpu", master + 16,
+                      sharded=False),
+            StateTerm("server error", "optimizer_states", "gpu", 4, sharded=True)]
+
+
 def _check_onebit_stage(stage: int) -> None:
     """1-bit Adam / LAMB keep the whole momentum, the worker's error and the whole local
     gradient on every rank, more than partitioning the parameters would save: stages 0-2

@@ -15,6 +15,7 @@ from shardwise.runtime.optim.adam8bit import Adam8bit, AdamW8bit
 from shardwise.runtime.optim.muon import Muon
 from shardwise.runtime.optim.onebit_adam import OneBitAdam
 from shardwise.runtime.optim.onebit_lamb import OneBitLamb
+from shardwise.runtime.optim.zero_one_adam import ZeroOneAdam
 
 from shardwise.runtime.optim.codec import ElementwiseCodec, StateCodec
 from shardwise.runtime.optim.registry import (OptimizerSpec, optimizer_spec, optimizer_specs, register_optimizer,
@@ -38,6 +39,7 @@ __all__ = [
     "WarmupCosineLR",
     "WarmupDecayLR",
     "WarmupLR",
+    "ZeroOneAdam",
     "optimizer_spec",
     "optimizer_specs",
     "register_optimizer",

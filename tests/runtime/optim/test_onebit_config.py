@@ -135,3 +135,26 @@ def test_config_bias_correction_reaches_the_optimizer(type_name):
     params = [torch.nn.Parameter(torch.zeros(8))]
     built = optimizer_spec(type_name).build([{"params": params}], {"bias_correction": False, "betas": [0.9, 0.99]})
     assert built.defaults["bias_correction"] is False and built.defaults["betas"] == (0.9, 0.99)
+
+
+def test_zero_one_adam_config_loads_and_runs_at_stage_0_only():
+    """DeepSpeed's 0/1 Adam tutorial block loads (case-insensitive type, its transport
+    switches, bias_correction); ZeRO is refused with DeepSpeed's reason."""
+    block = {"type": "zerooneadam", "params": {
+        "lr": 1e-3, "weight_decay": 0.01, "bias_correction": False, "var_freeze_step": 1000,
+        "var_update_scaler": 16, "local_step_scaler": 1000, "local_step_clipper": 16, "cuda_aware": False,
+        "comm_backend_name": "nccl"}}
+    config = load_config({"train_batch_size": 4, "optimizer": block}, world_size=2)
+    assert config.optimizer.type == "ZeroOneAdam" and config.optimizer.params["local_step_scaler"] == 1000
+    for stage in (1, 2, 3):
+        assert problems({"optimizer": block, "zero_optimization": {"stage": stage}}) == [
+            f"optimizer.type 'ZeroOneAdam' runs at zero_optimization.stage 0 only, not {stage}, as in DeepSpeed "
+            "(\"0/1 Adam is not compatible with ZeRO\"): between synchronisations every rank takes whole local "
+            "steps with the whole momentum, variance and accumulated update; use stage 0, or OneBitAdam at "
+            "stages 1-2"]
+    found = problems({"optimizer": {"type": "ZeroOneAdam", "params": {
+        "eps_inside_sqrt": True, "var_freeze_step": 0, "local_step_clipper": 0}}})
+    assert any("eps_inside_sqrt true: DeepSpeed's ZeroOneAdam accepts it and never applies it" in line
+               for line in found)
+    assert any(line.startswith("optimizer.params.var_freeze_step") for line in found)
+    assert any(line.startswith("optimizer.params.local_step_clipper") for line in found)

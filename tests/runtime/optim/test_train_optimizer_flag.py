@@ -1,5 +1,5 @@
 """`shardwise train --optimizer NAME`: every name gives a config the ranks accept, the
-1-bit optimizers get ZeRO stage 2 (the highest they support) unless the user chose a
+1-bit optimizers get ZeRO stage 2 (the highest they support; 0/1 Adam stage 0) unless the user chose a
 stage, and --lr still wins."""
 
 from __future__ import annotations
@@ -8,7 +8,7 @@ import pytest
 
 from shardwise.tools.cli.main import build_parser
 from shardwise.frontends.deepspeed.config import ConfigError, load_config
-from shardwise.runtime.optim.registry import registered_optimizers
+from shardwise.runtime.optim.registry import optimizer_spec, registered_optimizers
 from shardwise.tools.train.options import apply_flags, default_config, optimizer_block, optimizer_names
 
 HIDDEN = 384  # the 10m preset's width, which "auto" bucket sizes follow
@@ -18,7 +18,8 @@ HIDDEN = 384  # the 10m preset's width, which "auto" bucket sizes follow
 def test_every_name_resolves_to_a_registered_optimizer(name):
     block = optimizer_block(name, steps=200)
     assert block["type"] in registered_optimizers()
-    stage = 2 if name.startswith("onebit") else None
+    stages = optimizer_spec(block["type"]).zero_stages
+    stage = None if 3 in stages else max(stages)  # the highest stage it runs at, as `shardwise train` picks
     config = load_config(apply_flags(default_config(200), stage, False, 1, optimizer=block), world_size=2,
                          hidden_size=HIDDEN)
     assert config.optimizer.type == block["type"]

@@ -161,12 +161,18 @@ def _zenflow_contradictions(cfg: ShardwiseConfig, batch_known: bool) -> list[str
 
 
 def _onebit_contradictions(cfg: ShardwiseConfig) -> list[str]:
-    """1-bit Adam / LAMB exchange every rank's momentum of the whole model themselves
-    (optim/onebit.py): stages 0-2, one exchange group, the momentum on the device."""
-    if cfg.optimizer is None or cfg.optimizer.type not in ("OneBitAdam", "OneBitLamb"):
+    """1-bit Adam / LAMB and 0/1 Adam exchange every rank's momentum (0/1 Adam: gradient or
+    accumulated update) of the whole model themselves (optim/onebit.py): stages 0-2 (0/1
+    Adam: 0), one exchange group, the momentum on the device."""
+    if cfg.optimizer is None or cfg.optimizer.type not in ("OneBitAdam", "OneBitLamb", "ZeroOneAdam"):
         return []
     name, problems, zero = cfg.optimizer.type, [], cfg.zero_optimization
-    if partitions_parameters(zero.stage):
+    if name == "ZeroOneAdam" and zero.stage != 0:
+        problems.append(f"optimizer.type 'ZeroOneAdam' runs at zero_optimization.stage 0 only, not {zero.stage}, "
+                        "as in DeepSpeed (\"0/1 Adam is not compatible with ZeRO\"): between synchronisations "
+                        "every rank takes whole local steps with the whole momentum, variance and accumulated "
+                        "update; use stage 0, or OneBitAdam at stages 1-2")
+    elif partitions_parameters(zero.stage):
         problems.append(f"optimizer.type '{name}' runs at zero_optimization.stage 0, 1 or 2, not 3: after "
                         "freeze_step each rank folds its whole local gradient into the whole model's momentum and "
                         "keeps a whole error-feedback buffer (10 bytes per parameter with 16-bit gradients, more "

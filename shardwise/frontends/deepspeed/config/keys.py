@@ -41,7 +41,6 @@ from shardwise.frontends.deepspeed.config.params import (
     DEEPSPEED_OPTIMIZERS_UNSUPPORTED,
     DEEPSPEED_SCHEDULERS_UNSUPPORTED,
     OPTIMIZER_PARAMS,
-    OPTIMIZERS_NOT_YET,
     SCHEDULER_PARAMS,
 )
 from shardwise.frontends.deepspeed.config.schema import OptimizerConfig, SchedulerConfig, ShardwiseConfig
@@ -93,17 +92,16 @@ def deepspeed_key_table() -> list[tuple[str, str, str]]:
 
 
 class _TypedBlock(NamedTuple):
-    """A block whose `params` keys depend on its `type`, with the types it cannot have."""
+    """A block whose `params` keys depend on its `type`, with DeepSpeed's types it cannot have."""
 
     model: type[BaseModel]
     params_by_type: dict[str, type[Section]]
-    types_not_yet: tuple[str, ...]
     deepspeed_types_unsupported: tuple[str, ...]
 
 
 _TYPED_BLOCKS = {
-    "optimizer": _TypedBlock(OptimizerConfig, OPTIMIZER_PARAMS, OPTIMIZERS_NOT_YET, DEEPSPEED_OPTIMIZERS_UNSUPPORTED),
-    "scheduler": _TypedBlock(SchedulerConfig, SCHEDULER_PARAMS, (), DEEPSPEED_SCHEDULERS_UNSUPPORTED),
+    "optimizer": _TypedBlock(OptimizerConfig, OPTIMIZER_PARAMS, DEEPSPEED_OPTIMIZERS_UNSUPPORTED),
+    "scheduler": _TypedBlock(SchedulerConfig, SCHEDULER_PARAMS, DEEPSPEED_SCHEDULERS_UNSUPPORTED),
 }
 
 
@@ -244,8 +242,6 @@ def _canonical_type(given: str, names: Iterable[str]) -> str | None:
 
 def _describe_bad_type(given: str, path: str, block: _TypedBlock) -> str:
     choices = ", ".join(block.params_by_type)
-    if _canonical_type(given, block.types_not_yet) is not None:
-        return f"{path}.type '{given}' is not supported yet: use one of {choices}"
     if _canonical_type(given, block.deepspeed_types_unsupported) is not None:
         return f"{path}.type '{given}' is a DeepSpeed {path} that shardwise does not support yet: use one of {choices}"
     closest = _closest(given, list(block.params_by_type))

@@ -170,8 +170,6 @@ SCHEDULER_PARAMS: dict[str, type[Section]] = {
     "LRRangeTest": LRRangeTestParams,
 }
 
-# DeepSpeed's types a later capability may add (0/1 Adam: C18's variant with adaptive variance freezing).
-OPTIMIZERS_NOT_YET = ("ZeroOneAdam",)
 # Types DeepSpeed builds itself that no shardwise capability covers.
 DEEPSPEED_OPTIMIZERS_UNSUPPORTED = ("Adagrad", "Lion", "MuAdam", "MuAdamW", "MuSGD")
 DEEPSPEED_SCHEDULERS_UNSUPPORTED: tuple[str, ...] = ()
