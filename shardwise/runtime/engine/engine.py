@@ -31,6 +31,7 @@ from torch import nn
 
 from shardwise.runtime.accounting import MemoryLedger
 from shardwise.runtime.activation.accounting import ActivationTracker
+from shardwise.runtime.checkpoint.auto_resume import resume_latest
 from shardwise.runtime.checkpoint.background import BackgroundWriter
 from shardwise.runtime.distributed.collectives import Communicator
 from shardwise.runtime.distributed.setup import call_check_timeout
@@ -160,6 +161,9 @@ class Engine(nn.Module):
         self._checkpoint_writer: BackgroundWriter | None = None  # made at the first asynchronous save
         self._destroyed = False
         self.reset_comm_volume()
+        # an elastic restart continues from the folder's newest checkpoint (None: none loaded)
+        self.resumed_client_state = (resume_latest(self, policies.checkpoint.resume_from)
+                                     if policies.checkpoint.resume_from is not None and self.trains else None)
 
     # -- the training step ---------------------------------------------------------------
     def __call__(self, *args: Any, **kwargs: Any) -> Any:

@@ -95,6 +95,23 @@ def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParse
         help="job id shared by the nodes of one job (default: shardwise)",
     )
     parser.add_argument(
+        "--max-restarts",
+        "--max_restarts",
+        type=_non_negative_int,
+        default=0,
+        metavar="N",
+        help="restart the workers up to N times when one fails (torchrun's elastic restarts); with "
+        "--nnodes MIN:MAX the restart goes on with the nodes still there. Pair it with the config's "
+        "auto_resume.checkpoint_dir so each restart continues from the newest checkpoint (default: 0)",
+    )
+    parser.add_argument(
+        "--rdzv-conf",
+        default=None,
+        metavar="KEY=VALUE,...",
+        help="torchrun's rendezvous settings for --rdzv-endpoint, e.g. last_call_timeout=5 (how long a "
+        "restart waits for more than MIN nodes, default 30 s)",
+    )
+    parser.add_argument(
         "--master-port",
         "--master_port",
         type=_port,
@@ -147,6 +164,12 @@ def build_torchrun_args(args: argparse.Namespace) -> list[str]:
     nnodes = args.nnodes or "1"
     min_nodes, max_nodes = _parse_node_count(nnodes)
     torchrun_args = ["--nproc-per-node", str(args.nproc), "--nnodes", nnodes]
+    if args.max_restarts:
+        torchrun_args += ["--max-restarts", str(args.max_restarts)]
+    if args.rdzv_conf is not None:
+        if args.rdzv_endpoint is None or args.node_rank is not None:
+            raise ValueError("--rdzv-conf configures the c10d rendezvous of --rdzv-endpoint (without --node-rank)")
+        torchrun_args += ["--rdzv-conf", args.rdzv_conf]
 
     if args.master_port is not None:
         if max_nodes > 1 or args.rdzv_endpoint is not None or args.node_rank is not None:
@@ -222,6 +245,8 @@ def _launch(args: argparse.Namespace) -> int:
     try:
         with watch, _script_environment(args) as (environment, first_args):
             environment = {**environment, **watch.environment()}
+            if args.max_restarts:
+                environment = {**environment, **_restartable_store()}
             if args.visible_devices is not None:  # the slots of a hostfile's one selected host
                 environment = {**environment, "CUDA_VISIBLE_DEVICES": args.visible_devices}
             run_agent([*torchrun_options, "--module"], CHILD_MODULE, [script, *first_args, *args.script_args],
@@ -237,6 +262,19 @@ def _launch(args: argparse.Namespace) -> int:
     if watch.summary is not None:  # the script caught its failed collective and went on
         print(watch.summary, file=sys.stderr)
     return 0
+
+
+def _restartable_store() -> dict[str, str]:
+    """Workers that meet again after an elastic restart.
+
+    By default torchrun's workers share the rendezvous store of the agents and tell their
+    rounds apart by a key prefix made of TORCHELASTIC_RESTART_COUNT. That count is each
+    agent's own: an agent restarted because a peer failed counts one restart, one that
+    restarts for the changed membership counts none, so after a lost node the survivors
+    can look for each other under different prefixes and never meet (or find the dead
+    round's addresses). torch's TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 gives every round a
+    fresh store on the new rank 0 instead; a value the user set is kept."""
+    return {"TORCH_DISABLE_SHARE_RDZV_TCP_STORE": os.environ.get("TORCH_DISABLE_SHARE_RDZV_TCP_STORE", "1")}
 
 
 def first_failure(failures: dict) -> str:

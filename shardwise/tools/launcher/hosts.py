@@ -61,7 +61,7 @@ def plan_hosts(args: argparse.Namespace) -> Job | None:
     """The job on the selected hosts, or None when one host is selected: then `args` is
     set up for a launch on this machine (its process count and visible devices)."""
     for flag, value in (("--nproc", args.nproc), ("--nnodes", args.nnodes), ("--node-rank", args.node_rank),
-                        ("--rdzv-endpoint", args.rdzv_endpoint)):
+                        ("--rdzv-endpoint", args.rdzv_endpoint), ("--rdzv-conf", args.rdzv_conf)):
         if value is not None:
             raise ValueError(f"{flag} comes from the hostfile with --hostfile: leave it out")
     pool = read_hostfile(args.hostfile)
@@ -111,6 +111,8 @@ def _job(args: argparse.Namespace, hosts: dict[str, list[int]], *, master_addr: 
     node_options = ["--as-deepspeed"] if args.as_deepspeed else []
     if args.no_local_rank:
         node_options.append("--no-local-rank")
+    if args.max_restarts:  # every node's agent restarts its workers (the hosts stay fixed)
+        node_options += ["--max-restarts", str(args.max_restarts)]
     cwd = Path.cwd()
     return Job(
         hosts=hosts,

@@ -238,3 +238,14 @@ def test_the_script_sees_what_python_would_show_it(tmp_path):
         "file": "sub/show.py",
         "launcher_pid_left": False,
     }
+
+
+def test_elastic_restarts_and_rendezvous_settings_reach_torchrun():
+    args = parse(["--nproc", "1", "--nnodes", "2:4", "--rdzv-endpoint", "node0:29400", "--max-restarts", "3",
+                  "--rdzv-conf", "last_call_timeout=5", "train.py"])
+    torchrun_args = build_torchrun_args(args)
+    assert torchrun_args[torchrun_args.index("--max-restarts") + 1] == "3"
+    assert torchrun_args[torchrun_args.index("--rdzv-conf") + 1] == "last_call_timeout=5"
+    assert "--max-restarts" not in build_torchrun_args(parse(["--nproc", "2", "train.py"]))
+    with pytest.raises(ValueError, match="--rdzv-conf configures the c10d rendezvous"):
+        build_torchrun_args(parse(["--nproc", "2", "--rdzv-conf", "last_call_timeout=5", "train.py"]))

@@ -24,6 +24,7 @@ from shardwise.frontends.deepspeed.config.resolve import (
     BATCH_KEYS,
     batch_left_to_auto,
     fill_auto,
+    keep_global_batch,
     resolve_auto,
     resolve_batch,
     resolve_data_parallel_size,
@@ -56,6 +57,8 @@ def load_config(
     batch_auto = batch_left_to_auto(cleaned)
     resolve_auto(cleaned, hidden_size, problems)
     data_parallel = resolve_data_parallel_size(cleaned, world_size, problems)
+    if data_parallel is not None:
+        keep_global_batch(cleaned, data_parallel)
     batch_resolved = data_parallel is not None and resolve_batch(
         cleaned, data_parallel, problems, world_size, auto=batch_auto
     )

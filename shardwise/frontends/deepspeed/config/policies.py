@@ -22,6 +22,7 @@ from shardwise.formulas.stages import partitions_parameters
 from shardwise.frontends.deepspeed.config.schema import OffloadConfig, ShardwiseConfig, ZenFlowConfig
 from shardwise.frontends.deepspeed.config.sparse_attention import SparseLayout
 from shardwise.runtime.activation.policy import ActivationPolicy, RecomputePolicy
+from shardwise.runtime.checkpoint.policy import CheckpointPolicy
 from shardwise.runtime.compile.policy import CompilePolicy
 from shardwise.runtime.distributed.topology import TopologyPolicy
 from shardwise.runtime.engine.policies import OptimizerPolicy, Policies, SchedulerPolicy, TrainingPolicy
@@ -67,6 +68,7 @@ def policies_from_config(cfg: ShardwiseConfig) -> Policies:
                              SparseLayout.from_section(cfg.sparse_attention) if cfg.sparse_attention else None,
                              cfg.seed or 0),
         topology=TopologyPolicy(cfg.topology.ranks_per_node),
+        checkpoint=CheckpointPolicy(resume_from=cfg.auto_resume.checkpoint_dir),
         optimizer=OptimizerPolicy(cfg.optimizer.type, dict(cfg.optimizer.params)) if cfg.optimizer else None,
         scheduler=SchedulerPolicy(cfg.scheduler.type, dict(cfg.scheduler.params)) if cfg.scheduler else None,
     )

@@ -213,6 +213,33 @@ def resolve_batch(cfg: dict[str, Any], world_size: int, problems: list[str], pro
     return True
 
 
+def keep_global_batch(cfg: dict[str, Any], world_size: int) -> None:
+    """Under `auto_resume` (an elastic job restarted at another size), keep
+    train_batch_size and derive the rest at this data-parallel size `world_size`.
+
+    A config written for one size gives all three batch keys; at another size they no
+    longer multiply out. The global batch is what the run's learning-rate schedule and
+    loss curve depend on, so it stays: the accumulation count is dropped (resolve_batch
+    derives it again) and, if `auto_resume.adjust_micro_batch` allows it, the micro-batch
+    is lowered to the largest that divides the global batch among the ranks. What still
+    cannot be kept is reported by resolve_batch, as for any config.
+    """
+    resume = cfg.get("auto_resume")
+    if not isinstance(resume, dict) or not resume.get("checkpoint_dir"):
+        return
+    train, micro = (_positive_int(cfg.get(key)) for key in BATCH_KEYS[:2])
+    if train is None or micro is None:
+        return
+    accumulation = _positive_int(cfg.get(BATCH_KEYS[2]))
+    if accumulation is not None and train == micro * accumulation * world_size:
+        return
+    cfg.pop(BATCH_KEYS[2], None)
+    if train % (micro * world_size) and resume.get("adjust_micro_batch") is True:
+        fitting = [size for size in range(micro, 0, -1) if train % (size * world_size) == 0]
+        if fitting:
+            cfg[BATCH_KEYS[1]] = fitting[0]
+
+
 _BATCH_FILL = ("; the config says 'auto': pass auto_values={'train_micro_batch_size_per_gpu': ...} to initialize() "
                "(shardwise train fills train_batch_size from its default), or write it")
 

@@ -484,6 +484,18 @@ class ReplicaCheckConfig(Section):
     interval: Int = Field(0, ge=0)
 
 
+class AutoResumeConfig(Section):
+    """shardwise addition, for elastic jobs (docs/launching.md#elastic-training): every
+    engine built loads the newest checkpoint in `checkpoint_dir`, if any, at the world size
+    it is built at (runtime/checkpoint/auto_resume.py). The global batch is kept across
+    sizes: `gradient_accumulation_steps` is derived again from `train_batch_size` and the
+    micro-batch, and, with `adjust_micro_batch`, the micro-batch is lowered to the largest
+    size that divides the global batch among the ranks when it does not."""
+
+    checkpoint_dir: str | None = None
+    adjust_micro_batch: Bool = False
+
+
 class ShardwiseConfig(Section):
     """A whole training config with DeepSpeed's key names, every value resolved."""
 
@@ -511,6 +523,7 @@ class ShardwiseConfig(Section):
         "steps skipped for non-finite gradients that loss scaling cannot explain",
     )
     replica_check: ReplicaCheckConfig = Field(default_factory=ReplicaCheckConfig)
+    auto_resume: AutoResumeConfig = Field(default_factory=AutoResumeConfig)
     steps_per_print: Int = Field(10, ge=1)
     dataloader_drop_last: Bool = Field(
         False, description="the data loader built by deepspeed.initialize(training_data=...) drops the last, "
