@@ -2,8 +2,9 @@
 exactly like one process at tensor_parallel.size 2 and at pipeline_parallel.size 2 (fp32,
 losses and final weights < 1e-5 relative): Gemma (scaled embedding, GQA), Gemma 2
 (alternating sliding-window and full layers, soft-capped logits), Gemma 3 (q/k norms, local
-and global rotary embeddings), Phi-3 (fused qkv_proj and gate_up_proj) and Mixtral (4
-experts, 2 per token, each expert split over the tensor group).
+and global rotary embeddings), Phi-3 (fused qkv_proj with 4 query and 2 key/value heads,
+fused gate_up_proj) and Mixtral (4 experts, 2 per token, each expert split over the tensor
+group).
 
 Mixtral's router picks experts by top-k, a discontinuous choice: the test compares a
 2-step trajectory, in which the tiny model's router margins (~1e-2 between logits) are
@@ -84,7 +85,12 @@ def test_a_model_of_no_known_layout_is_told_to_write_a_model_plan():
             run_distributed(_initialize, 2, key)
 
 
-def _initialize(rank: int, world_size: int, key: str) -> None:
-    model = Unknown()
+def test_phi3_key_value_heads_that_do_not_split_are_refused_with_the_numbers():
+    with pytest.raises(DistributedTestError, match=r"tensor_parallel.size 2 must divide.*num_key_value_heads\) 1"):
+        run_distributed(_initialize, 2, "tensor_parallel", "phi3_one_kv_head")
+
+
+def _initialize(rank: int, world_size: int, key: str, family: str | None = None) -> None:
+    model = build_model(family) if family else Unknown()
     shardwise.initialize(model, {"train_micro_batch_size_per_gpu": 1, key: {"size": 2}},
                          optimizer=torch.optim.SGD(model.parameters(), lr=0.1))
