@@ -40,6 +40,7 @@ class FamilyCase:
     clipping: float = 0.5
     recompute: str | None = None  # activation_checkpointing.policy, applied through the family's plan
     split_points: tuple[int, ...] | None = None  # pipeline_parallel.split_points (else balanced by parameters)
+    save_to: str | None = None  # a directory the trained engine saves a checkpoint to
 
     def config(self) -> dict:
         recompute = {"activation_checkpointing": {"policy": self.recompute, "profile": True}} if self.recompute else {}
@@ -149,6 +150,8 @@ def train_parallel(rank: int, world_size: int, case: FamilyCase) -> dict:
             engine.step()
             total += loss.item() / case.micro_batches
         losses.append(total)
+    if case.save_to is not None:
+        engine.save_checkpoint(case.save_to)
     tensor = Communicator(engine.mesh["tensor"])
     with shardwise.gathered_parameters(list(model.parameters())):
         params = {name: gather_full(p.detach().float(), tensor_shard(p), tensor).cpu()

@@ -59,6 +59,22 @@ def test_tp2_and_pp2_match_single_process(family):
     assert_matches(pipeline, want)
 
 
+def test_phi3_tp2_checkpoint_of_unequal_qkv_parts_converts_to_one_hugging_face_folder(tmp_path):
+    """Each rank's qkv_proj holds its q rows and its (fewer) k and v rows: the checkpoint's
+    pieces put them back where they are in the whole matrix."""
+    from transformers import Phi3ForCausalLM
+
+    from shardwise.runtime.checkpoint import convert_checkpoint
+
+    run_distributed(train_parallel, 2, FamilyCase("phi3", tensor=2, save_to=str(tmp_path / "checkpoint")))
+    convert_checkpoint(tmp_path / "checkpoint", tmp_path / "hf", hf=True)
+    loaded = dict(Phi3ForCausalLM.from_pretrained(tmp_path / "hf").named_parameters())
+    assert loaded["model.layers.0.self_attn.qkv_proj.weight"].shape == (64, 32)  # 4 q + 2 k + 2 v heads of 8
+    for name, expected in reference("phi3")["params"].items():
+        error = relative_error(loaded[name].detach(), expected)
+        assert error < TOLERANCE, f"{name}: relative error {error:.2e}"
+
+
 def test_the_plan_is_detected_from_module_names():
     styles = plan_for(build_model("phi3")).tensor_styles
     assert styles["model.layers.*.mlp.down_proj"] == "rowwise" and "model.layers.*.self_attn.qkv_proj" in styles
