@@ -7,7 +7,7 @@ below; the plan is then built from what the first layer holds:
 
     attention   q_proj, k_proj, v_proj -> o_proj       (Llama's names: Gemma, Mixtral),
                 optionally q_norm, k_norm per head     (Gemma 3)
-                qkv_proj -> o_proj                     (fused, Phi-3; q and kv widths equal)
+                qkv_proj -> o_proj                     (fused, Phi-3; fewer kv heads or not)
     MLP         gate_proj, up_proj -> down_proj        (gated)
                 gate_up_proj -> down_proj              (fused gated, Phi-3)
                 fc1 -> fc2                             (two-matrix)
@@ -17,7 +17,8 @@ below; the plan is then built from what the first layer holds:
                 Gemma's, keeps its scale; a head whose logits are soft-capped, Gemma 2 / 3,
                 gathers them, since tanh over a vocabulary slice is no slice of the whole);
                 q, k, v (gate, up) column-parallel inside one tensor region, each rank
-                keeping whole KV heads; a fused projection split per part; per-head q/k
+                keeping whole KV heads; a fused projection split per part (q, k, v
+                of unequal widths with grouped key/value heads); per-head q/k
                 norms replicated, their gradients summed over the group; o_proj and
                 down_proj row-parallel; MoE: every expert's intermediate width split
                 (Megatron's tensor-parallel experts), the router replicated
@@ -196,17 +197,20 @@ def _sum_over_group(region: TensorRegion, name: str) -> Callable[[torch.Tensor],
 
 
 def fused_qkv(heads: int, kv_heads: int) -> Style:
-    """q, k and v in one matrix, each part split by heads: the parts must be equal, as the
-    shard layout cuts a fused matrix into equal blocks."""
+    """q, k and v in one matrix (q's heads x head_dim rows, then k's and v's kv_heads x
+    head_dim each), each part split by heads: every rank keeps its query heads and the
+    key/value heads they use (grouped-query attention keeps consecutive query heads per
+    key/value head, so rank r's q heads go with its kv heads)."""
 
     def split(module: nn.Module, region: TensorRegion, cache: ShardCache) -> nn.Module:
-        if heads != kv_heads:
+        if kv_heads % region.size:
             raise ValueError(
-                f"tensor_parallel.size {region.size}: this model fuses q, k and v in one qkv_proj with "
-                f"{heads} query heads and {kv_heads} key/value heads; shardwise splits a fused projection in "
-                "equal parts only; use tensor_parallel.size 1 for it, or write a ModelPlan whose style "
-                "for qkv_proj splits it (docs/parallelism.md#your-own-model)")
-        return ColumnParallelLinear(module, region, cache, blocks=3)
+                f"tensor_parallel.size {region.size}: this model's fused qkv_proj has {kv_heads} key/value heads "
+                f"(num_key_value_heads), which do not split over {region.size} ranks; every rank keeps whole "
+                "key/value heads; use a tensor_parallel.size that divides num_key_value_heads")
+        head_dim = module.out_features // (heads + 2 * kv_heads)
+        parts = (heads * head_dim, kv_heads * head_dim, kv_heads * head_dim)
+        return ColumnParallelLinear(module, region, cache, blocks=parts)
 
     return split
 

@@ -39,6 +39,8 @@ class FamilyCase:
     lr: float = 0.05
     clipping: float = 0.5
     recompute: str | None = None  # activation_checkpointing.policy, applied through the family's plan
+    split_points: tuple[int, ...] | None = None  # pipeline_parallel.split_points (else balanced by parameters)
+    save_to: str | None = None  # a directory the trained engine saves a checkpoint to
 
     def config(self) -> dict:
         recompute = {"activation_checkpointing": {"policy": self.recompute, "profile": True}} if self.recompute else {}
@@ -48,7 +50,8 @@ class FamilyCase:
             "gradient_accumulation_steps": self.micro_batches,
             "gradient_clipping": self.clipping,
             "tensor_parallel": {"size": self.tensor},
-            "pipeline_parallel": {"size": self.pipeline, "schedule": "1f1b"},
+            "pipeline_parallel": {"size": self.pipeline, "schedule": "1f1b",
+                                  **({"split_points": list(self.split_points)} if self.split_points else {})},
         }
 
 
@@ -69,8 +72,9 @@ def build_model(family: str) -> torch.nn.Module:
     if family == "qwen3":  # q/k norms per head
         config = transformers.Qwen3Config(**SMALL, num_key_value_heads=2, head_dim=8)
         return transformers.Qwen3ForCausalLM(config)
-    if family == "phi3":  # fused qkv_proj and gate_up_proj
-        config = transformers.Phi3Config(**SMALL, num_key_value_heads=4, pad_token_id=0, bos_token_id=0,
+    if family.startswith("phi3"):  # fused qkv_proj (4 query heads, 2 key/value heads) and gate_up_proj
+        kv_heads = {"phi3": 2, "phi3_one_kv_head": 1}[family]
+        config = transformers.Phi3Config(**SMALL, num_key_value_heads=kv_heads, pad_token_id=0, bos_token_id=0,
                                          eos_token_id=0)
         return transformers.Phi3ForCausalLM(config)
     if family == "mixtral":  # 4 experts, 2 per token
@@ -146,6 +150,8 @@ def train_parallel(rank: int, world_size: int, case: FamilyCase) -> dict:
             engine.step()
             total += loss.item() / case.micro_batches
         losses.append(total)
+    if case.save_to is not None:
+        engine.save_checkpoint(case.save_to)
     tensor = Communicator(engine.mesh["tensor"])
     with shardwise.gathered_parameters(list(model.parameters())):
         params = {name: gather_full(p.detach().float(), tensor_shard(p), tensor).cpu()

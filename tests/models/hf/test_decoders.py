@@ -2,8 +2,9 @@
 exactly like one process at tensor_parallel.size 2 and at pipeline_parallel.size 2 (fp32,
 losses and final weights < 1e-5 relative): Gemma (scaled embedding, GQA), Gemma 2
 (alternating sliding-window and full layers, soft-capped logits), Gemma 3 (q/k norms, local
-and global rotary embeddings), Phi-3 (fused qkv_proj and gate_up_proj) and Mixtral (4
-experts, 2 per token, each expert split over the tensor group).
+and global rotary embeddings), Phi-3 (fused qkv_proj with 4 query and 2 key/value heads,
+fused gate_up_proj) and Mixtral (4 experts, 2 per token, each expert split over the tensor
+group).
 
 Mixtral's router picks experts by top-k, a discontinuous choice: the test compares a
 2-step trajectory, in which the tiny model's router margins (~1e-2 between logits) are
@@ -58,6 +59,22 @@ def test_tp2_and_pp2_match_single_process(family):
     assert_matches(pipeline, want)
 
 
+def test_phi3_tp2_checkpoint_of_unequal_qkv_parts_converts_to_one_hugging_face_folder(tmp_path):
+    """Each rank's qkv_proj holds its q rows and its (fewer) k and v rows: the checkpoint's
+    pieces put them back where they are in the whole matrix."""
+    from transformers import Phi3ForCausalLM
+
+    from shardwise.runtime.checkpoint import convert_checkpoint
+
+    run_distributed(train_parallel, 2, FamilyCase("phi3", tensor=2, save_to=str(tmp_path / "checkpoint")))
+    convert_checkpoint(tmp_path / "checkpoint", tmp_path / "hf", hf=True)
+    loaded = dict(Phi3ForCausalLM.from_pretrained(tmp_path / "hf").named_parameters())
+    assert loaded["model.layers.0.self_attn.qkv_proj.weight"].shape == (64, 32)  # 4 q + 2 k + 2 v heads of 8
+    for name, expected in reference("phi3")["params"].items():
+        error = relative_error(loaded[name].detach(), expected)
+        assert error < TOLERANCE, f"{name}: relative error {error:.2e}"
+
+
 def test_the_plan_is_detected_from_module_names():
     styles = plan_for(build_model("phi3")).tensor_styles
     assert styles["model.layers.*.mlp.down_proj"] == "rowwise" and "model.layers.*.self_attn.qkv_proj" in styles
@@ -84,7 +101,12 @@ def test_a_model_of_no_known_layout_is_told_to_write_a_model_plan():
             run_distributed(_initialize, 2, key)
 
 
-def _initialize(rank: int, world_size: int, key: str) -> None:
-    model = Unknown()
+def test_phi3_key_value_heads_that_do_not_split_are_refused_with_the_numbers():
+    with pytest.raises(DistributedTestError, match=r"tensor_parallel.size 2 must divide.*num_key_value_heads\) 1"):
+        run_distributed(_initialize, 2, "tensor_parallel", "phi3_one_kv_head")
+
+
+def _initialize(rank: int, world_size: int, key: str, family: str | None = None) -> None:
+    model = build_model(family) if family else Unknown()
     shardwise.initialize(model, {"train_micro_batch_size_per_gpu": 1, key: {"size": 2}},
                          optimizer=torch.optim.SGD(model.parameters(), lr=0.1))

@@ -90,3 +90,20 @@ def test_no_plan_and_bad_plans_are_errors_naming_the_key():
     assert "tensor_parallel.plan: shardwise has no tensor-parallel plan for TwoLayers" in missing
     assert "no module of TwoLayers matches 'fc3'" in typo
     assert "unknown tensor-parallel style 'columnwise'" in style
+
+
+def test_a_fused_projection_of_unequal_parts_splits_each_part():
+    """q of 8 rows, k and v of 4 (grouped key/value heads): rank r keeps its half of each,
+    and its placement maps every local element back to where it is in the whole."""
+    from shardwise.runtime.parallel.tensor.placement import shard_parameter, tensor_shard
+
+    full = torch.arange(16 * 3).reshape(16, 3).float()
+    for rank, rows in ((0, [*range(0, 4), 8, 9, 12, 13]), (1, [*range(4, 8), 10, 11, 14, 15])):
+        local = shard_parameter(torch.nn.Parameter(full.clone()), 0, (8, 4, 4), rank, 2)
+        assert torch.equal(local.data, full[rows])
+        shard = tensor_shard(local)
+        assert shard.parts == (8, 4, 4) and shard.local_shape == (8, 3)
+        flat = [index for first, last, _ in shard.global_runs(0, local.numel()) for index in range(first, last)]
+        assert flat == full[rows].reshape(-1).long().tolist()
+    with pytest.raises(ValueError, match="do not make up"):
+        shard_parameter(torch.nn.Parameter(full.clone()), 0, (8, 4, 2), 0, 2)

@@ -3,7 +3,10 @@
 A stage cannot call the model's own `forward` (it holds only some layers and receives
 hidden states instead of token ids), so each family says where its layer list is, which
 modules belong to the first stage (embeddings) and the last (final norm, output layer),
-and how one micro-batch goes through those three parts. Every stage gets the whole
+and how one micro-batch goes through those three parts. The layers are one sequence of
+modules (`layer_paths`), usually one nn.ModuleList's; what passes between two of them is a
+tensor or a tuple of tensors (an encoder-decoder carries the encoder output beside the
+decoder's hidden states). Every stage gets the whole
 micro-batch (shapes, positions, masks); only the first reads the token ids and only the
 last the labels. A list of layers (`SequentialStages`, DeepSpeed's PipelineModule) has an
 adapter of its own here (sequential.py).
@@ -41,6 +44,12 @@ class Adapter(ABC):
 
     def layers(self, model: nn.Module) -> nn.ModuleList:
         return model.get_submodule(self.layers_path)
+
+    def layer_paths(self, model: nn.Module) -> list[str]:
+        """Where each layer is in the model, in the order the stages run them: one list
+        (`layers_path`) for most families; an encoder-decoder names its two stacks' blocks
+        and what runs between them (the encoder's final norm) as one sequence."""
+        return [f"{self.layers_path}.{index}" for index in range(len(self.layers(model)))]
 
     @abstractmethod
     def hidden_size(self, model: nn.Module) -> int:

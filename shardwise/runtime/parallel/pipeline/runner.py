@@ -63,7 +63,8 @@ class PipelineRunner:
         self.channel = PipelineChannel(mesh["pipeline"], stats, engine.device, engine.context.timeout)
         self.pipeline = Communicator(mesh["pipeline"], stats)
         self.data = Communicator(mesh["data"], stats)
-        self.layers = adapter.layers(self.model)
+        self.layers = {index: self.model.get_submodule(layout.paths[index])
+                       for chunk in layout.chunks for index in chunk}  # this rank's, by index
         self.tied = layout.tied
         self.tied_leaf: torch.Tensor | None = None
         self.shared = SharedExchange(self.model, layout.shared, layout.rank) if layout.shared else None
@@ -226,7 +227,7 @@ class PipelineRunner:
         with torch.autograd.graph.saved_tensors_hooks(lambda tensor: _count_saved(tensor, saved,
                                                                                   self.parameter_storage),
                                                       lambda tensor: tensor):
-            hidden = self.adapter.run_layers([self.layers[str(index)] for index in self.layout.chunks[action.chunk]],
+            hidden = self.adapter.run_layers([self.layers[index] for index in self.layout.chunks[action.chunk]],
                                              hidden, context)
             if stage == self.layout.last_stage:
                 hidden = self.adapter.loss(self.model, hidden, context, loss_fn)

@@ -10,9 +10,10 @@ of four rules (`pipeline_parallel.partition`):
     uniform      the same number of layers per run (the count must divide)
     split_points explicit: the index of the first layer of every run after the first
 
-The model is pruned *in place*: the layer list becomes an `nn.ModuleDict` keyed by the
-original indices, and the first stage's and last stage's modules are set to None
-elsewhere, so every parameter a rank keeps has its original fully-qualified name
+The model is pruned *in place*: each layer list becomes an `nn.ModuleDict` keyed by the
+original indices, a layer that is no list's item (an encoder's final norm between two
+stacks) is set to None where it does not run, and the first stage's and last stage's
+modules are set to None elsewhere, so every parameter a rank keeps has its original fully-qualified name
 ("blocks.3.attn.qkv.weight") and checkpoints, optimizer groups and Hugging Face exports
 keep matching the unsplit model.
 
@@ -55,13 +56,14 @@ class StageLayout:
     rank: int
     size: int
     virtual: int
-    chunks: list[list[int]]
+    chunks: list[list[int]]  # indices into `paths`
     first: bool
     last: bool
     tied: bool = False  # the first stage's embedding is the last stage's output weight
     tied_shape: torch.Size | None = None  # the tied output weight the last stage receives
     runs: list[list[int]] = field(default_factory=list)  # every virtual stage's layers
     shared: "SharedParameters | None" = None  # parameters of layers on several ranks
+    paths: list[str] = field(default_factory=list)  # every layer's path in the model (Adapter.layer_paths)
 
     def stage(self, chunk: int) -> int:
         return chunk * self.size + self.rank
@@ -84,7 +86,7 @@ class SharedParameters:
 
 
 def find_shared_parameters(layers: list[nn.Module], runs: list[list[int]], size: int, rank: int,
-                           layers_path: str) -> SharedParameters | None:
+                           paths: list[str]) -> SharedParameters | None:
     """Which parameters cross ranks, and this rank's part in moving them (see above)."""
     stage_of = {index: stage for stage, run in enumerate(runs) for index in run}
     uses: dict[int, dict[int, str]] = {}  # parameter -> {virtual stage: its path in that stage's first layer}
@@ -92,7 +94,7 @@ def find_shared_parameters(layers: list[nn.Module], runs: list[list[int]], size:
     for index, layer in enumerate(layers):
         for name, param in layer.named_parameters():
             params[id(param)] = param
-            uses.setdefault(id(param), {}).setdefault(stage_of[index], f"{layers_path}.{index}.{name}")
+            uses.setdefault(id(param), {}).setdefault(stage_of[index], f"{paths[index]}.{name}")
     crossing = {key: by_stage for key, by_stage in uses.items() if len({stage % size for stage in by_stage}) > 1}
     if crossing and len(runs) != size:
         raise ValueError("pipeline_parallel.virtual_stages > 1 with a module that layers of several ranks share "
@@ -162,23 +164,21 @@ def split_model(model: nn.Module, adapter: Adapter, *, rank: int, size: int, vir
     """Prune `model` to this rank's layers (`rank` of `size` stages, `virtual` chunks
     each); returns what the schedule needs to run it. `costs` (rule "time"): measured
     per-layer weights instead of parameter counts."""
-    layers = adapter.layers(model)
+    paths = adapter.layer_paths(model)
+    layers = [model.get_submodule(path) for path in paths]
     first = [model.get_submodule(path) for path in adapter.first_modules]
     last = [model.get_submodule(path) for path in adapter.last_modules]
     embedding, head = model.get_submodule(adapter.embedding_path), model.get_submodule(adapter.head_path)
     tied = getattr(head, "weight", None) is not None and head.weight is getattr(embedding, "weight", None)
     if costs is None:
-        costs = LayerCosts([_numel(layer) for layer in layers], sum(_numel(module) for module in first),
-                           sum(_numel(module) for module in last) - (_numel(head) if tied else 0))
+        costs = LayerCosts([_numel(layer) for layer in layers], _numel(*first),
+                           _numel(*last) - (_numel(head) if tied else 0))
     runs = partition(costs.layers, size * virtual, first_extra=costs.first, last_extra=costs.last,
                      rule="parameters" if rule == "time" else rule, split_points=split_points)
     chunks = [runs[chunk * size + rank] for chunk in range(virtual)]
-    layout = StageLayout(rank, size, virtual, chunks, rank == 0, rank == size - 1, tied, runs=runs)
-    layout.shared = find_shared_parameters(list(layers), runs, size, rank, adapter.layers_path)
-    kept = {index for chunk in chunks for index in chunk}
-    parent_path, _, name = adapter.layers_path.rpartition(".")
-    parent = model.get_submodule(parent_path) if parent_path else model
-    setattr(parent, name, nn.ModuleDict({str(index): layers[index] for index in sorted(kept)}))
+    layout = StageLayout(rank, size, virtual, chunks, rank == 0, rank == size - 1, tied, runs=runs, paths=paths)
+    layout.shared = find_shared_parameters(layers, runs, size, rank, paths)
+    _prune_layers(model, paths, kept={paths[index] for chunk in chunks for index in chunk})
     for paths in (layout.shared.receives.values() if layout.shared else ()):
         for path, _ in paths:  # the owner's values arrive every batch (runner.py)
             module_path, _, name = path.rpartition(".")
@@ -195,5 +195,27 @@ def split_model(model: nn.Module, adapter: Adapter, *, rank: int, size: int, vir
     return layout
 
 
-def _numel(module: nn.Module) -> int:
-    return sum(param.numel() for param in module.parameters())
+def _prune_layers(model: nn.Module, paths: list[str], kept: set[str]) -> None:
+    """Drop the layers this rank does not run, keeping every name: a layer list becomes an
+    nn.ModuleDict of its kept items under their original indices; a layer of its own
+    becomes None."""
+    lists: dict[str, nn.ModuleDict] = {}
+    for path in paths:
+        parent_path, _, name = path.rpartition(".")
+        parent = model.get_submodule(parent_path) if parent_path else model
+        if isinstance(parent, nn.ModuleList):
+            kept_items = lists.setdefault(parent_path, nn.ModuleDict())
+            if path in kept:
+                kept_items[name] = parent[int(name)]
+        elif path not in kept:
+            setattr(parent, name, None)
+    for list_path, kept_items in lists.items():
+        owner_path, _, name = list_path.rpartition(".")
+        setattr(model.get_submodule(owner_path) if owner_path else model, name, kept_items)
+
+
+def _numel(*modules: nn.Module) -> int:
+    """Parameters of `modules`, one tied between them (T5's shared embedding and each
+    stack's embed_tokens) counted once."""
+    unique = {id(param): param for module in modules for param in module.parameters()}
+    return sum(param.numel() for param in unique.values())

@@ -45,11 +45,11 @@ def measure_layer_costs(model: nn.Module, adapter: Adapter, micro_batch: int, se
         hidden = adapter.embed(model, context)
         embed = _time(lambda: adapter.embed(model, context))
         layers = []
-        for layer in adapter.layers(model):
-            inputs = hidden.detach().requires_grad_()
+        for path in adapter.layer_paths(model):
+            layer, inputs = model.get_submodule(path), _detached(hidden, requires_grad=True)
             layers.append(_time(lambda: adapter.layer(layer, inputs, context)))
-            hidden = adapter.layer(layer, hidden.detach(), context)
-        last_input = hidden.detach().requires_grad_()
+            hidden = adapter.layer(layer, _detached(hidden), context)
+        last_input = _detached(hidden, requires_grad=True)
         head = _time(lambda: adapter.loss(model, last_input, context, None))
     model.zero_grad(set_to_none=True)
     return LayerCosts(layers, embed, head)
@@ -62,15 +62,25 @@ def agreed_costs(costs: LayerCosts, world: Any) -> LayerCosts:
     return world.control_all_gather_object(costs)[0]
 
 
-def _time(forward: Callable[[], torch.Tensor]) -> int:
-    """Median microseconds of forward + backward after one warm-up run."""
+def _detached(hidden: Any, requires_grad: bool = False) -> Any:
+    """A layer's input cut from the graph before it: a tensor, or a tuple of them (an
+    encoder-decoder's), floating ones taking a gradient with `requires_grad`."""
+    if isinstance(hidden, tuple):
+        return tuple(_detached(tensor, requires_grad) for tensor in hidden)
+    return hidden.detach().requires_grad_(requires_grad and hidden.is_floating_point())
+
+
+def _time(forward: Callable[[], Any]) -> int:
+    """Median microseconds of forward + backward (of every output that has a graph) after
+    one warm-up run."""
     samples = []
     for repeat in range(REPEATS + 1):
         started = time.perf_counter()
-        output = forward()
-        output.float().sum().backward()
-        if output.is_cuda:
-            torch.cuda.synchronize(output.device)
+        outputs = forward()
+        outputs = [tensor for tensor in (outputs if isinstance(outputs, tuple) else (outputs,)) if tensor.requires_grad]
+        torch.stack([tensor.float().sum() for tensor in outputs]).sum().backward()
+        if outputs[0].is_cuda:
+            torch.cuda.synchronize(outputs[0].device)
         if repeat:
             samples.append(time.perf_counter() - started)
     return max(1, round(statistics.median(samples) * 1e6))

@@ -56,9 +56,10 @@ class ShardCache:
     (embedding and output layer) is split once, and both must split it the same way."""
 
     def __init__(self) -> None:
-        self._made: dict[int, tuple[int, int]] = {}
+        self._made: dict[int, tuple[int, int | tuple[int, ...]]] = {}
 
-    def shard(self, param: nn.Parameter, dim: int, blocks: int, region: TensorRegion) -> nn.Parameter:
+    def shard(self, param: nn.Parameter, dim: int, blocks: int | tuple[int, ...],
+              region: TensorRegion) -> nn.Parameter:
         key = (dim, blocks)
         made = self._made.get(id(param))
         if made is not None:
@@ -80,9 +81,10 @@ def _weight_of(module: nn.Module) -> tuple[torch.Tensor, bool]:
 
 class ColumnParallelLinear(nn.Module):
     """Output features split over the tensor group (`blocks` > 1: a fused projection whose
-    `blocks` equal parts, e.g. q, k and v, are each split)."""
+    `blocks` equal parts, e.g. q, k and v, are each split; a tuple: parts of those lengths,
+    as q, k, v with fewer key/value heads than query heads)."""
 
-    def __init__(self, module: nn.Module, region: TensorRegion, cache: ShardCache, blocks: int = 1,
+    def __init__(self, module: nn.Module, region: TensorRegion, cache: ShardCache, blocks: int | tuple[int, ...] = 1,
                  enter: bool = True, gather_output: bool = False):
         super().__init__()
         weight, self.conv1d = _weight_of(module)

@@ -1,11 +1,13 @@
 """Where a tensor-parallel rank's local parameter sits in the full one.
 
 Every sharded parameter carries a `TensorShard` (attribute `_shardwise_tensor_shard`): the
-global shape, the dimension it is split along, and the global index ranges along that
-dimension that this rank holds, in the order they are concatenated locally. A fused
-projection (GPT's qkv, GPT-2's c_attn) is split per block, so rank r holds three ranges
-(its heads of q, of k and of v), not one: splitting the fused matrix in two halves would
-give rank 0 all of q and half of k.
+global shape, the dimension it is split along, the lengths of the fused parts along it, and
+the global index ranges along that dimension that this rank holds, in the order they are
+concatenated locally. A fused projection (GPT's qkv, GPT-2's c_attn) is split per part, so
+rank r holds three ranges (its heads of q, of k and of v), not one: splitting the fused
+matrix in two halves would give rank 0 all of q and half of k. The parts need not be equal:
+Phi-3's qkv_proj with grouped key/value heads is q (heads x head_dim rows), then k and v
+(kv_heads x head_dim rows each).
 
 Parameters without the attribute are replicated over the tensor group: identical on every
 tensor rank, so a global quantity (the gradient norm) counts them once.
@@ -29,6 +31,7 @@ class TensorShard:
     global_shape: tuple[int, ...]
     dim: int
     ranges: tuple[tuple[int, int], ...]  # global [start, stop) along `dim`, concatenated locally
+    parts: tuple[int, ...]  # lengths of the fused parts along `dim` (one part: the whole dimension)
 
     @property
     def local_shape(self) -> tuple[int, ...]:
@@ -63,12 +66,27 @@ class TensorShard:
         return runs
 
 
-def split_ranges(length: int, blocks: int, rank: int, size: int) -> tuple[tuple[int, int], ...]:
-    """Rank `rank`'s ranges of a dimension of `length` made of `blocks` equal fused blocks,
-    each split in `size` equal chunks."""
-    block = length // blocks
-    chunk = block // size
-    return tuple((b * block + rank * chunk, b * block + (rank + 1) * chunk) for b in range(blocks))
+def fused_parts(length: int, blocks: int | tuple[int, ...]) -> tuple[int, ...]:
+    """The lengths of the fused parts of a dimension of `length`: `blocks` equal ones, or
+    the lengths given (which must add up to it)."""
+    if isinstance(blocks, int):
+        return (length // blocks,) * blocks
+    if sum(blocks) != length:
+        raise ValueError(f"fused parts of lengths {blocks} (sum {sum(blocks)}) do not make up a dimension of {length}")
+    return tuple(blocks)
+
+
+def split_ranges(length: int, blocks: int | tuple[int, ...], rank: int, size: int) -> tuple[tuple[int, int], ...]:
+    """Rank `rank`'s ranges of a dimension of `length` made of fused parts (`blocks` equal
+    ones, or of the lengths given), each split in `size` equal chunks."""
+    ranges, start = [], 0
+    for part in fused_parts(length, blocks):
+        if part % size:
+            raise ValueError(f"a fused part of length {part} does not split over {size} tensor-parallel ranks")
+        chunk = part // size
+        ranges.append((start + rank * chunk, start + (rank + 1) * chunk))
+        start += part
+    return tuple(ranges)
 
 
 def take(tensor: torch.Tensor, dim: int, ranges: tuple[tuple[int, int], ...]) -> torch.Tensor:
@@ -77,14 +95,16 @@ def take(tensor: torch.Tensor, dim: int, ranges: tuple[tuple[int, int], ...]) ->
     return torch.cat(pieces, dim).clone() if len(pieces) > 1 else pieces[0].clone()
 
 
-def shard_parameter(param: nn.Parameter, dim: int, blocks: int, rank: int, size: int) -> nn.Parameter:
+def shard_parameter(param: nn.Parameter, dim: int, blocks: int | tuple[int, ...], rank: int,
+                    size: int) -> nn.Parameter:
     """Keep only this rank's block of `param` along `dim`, in place: the parameter object
     stays the same, so an optimizer built over the full model still holds it, and a
     parameter tied between modules stays tied."""
     global_shape = tuple(param.shape)
-    ranges = split_ranges(global_shape[dim], blocks, rank, size)
+    parts = fused_parts(global_shape[dim], blocks)
+    ranges = split_ranges(global_shape[dim], parts, rank, size)
     param.data = take(param.data, dim, ranges)
-    setattr(param, ATTRIBUTE, TensorShard(global_shape, dim, ranges))
+    setattr(param, ATTRIBUTE, TensorShard(global_shape, dim, ranges, parts))
     return param
 
 
@@ -105,10 +125,9 @@ def gather_full(local: torch.Tensor, shard: TensorShard | None, comm: Communicat
     gathered = blocks.new_empty((comm.size, *blocks.shape))
     comm.all_gather(gathered.view(-1), blocks.view(-1), "tensor-parallel shards of a parameter").wait()
     full = blocks.new_empty(shard.global_shape)
-    blocks_per_rank = len(shard.ranges)
     for rank in range(comm.size):
         position = 0
-        for start, stop in split_ranges(shard.global_shape[shard.dim], blocks_per_rank, rank, comm.size):
+        for start, stop in split_ranges(shard.global_shape[shard.dim], shard.parts, rank, comm.size):
             piece = gathered[rank].narrow(shard.dim, position, stop - start)
             full.narrow(shard.dim, start, stop - start).copy_(piece)
             position += stop - start
