@@ -128,10 +128,7 @@ def train_shardwise(rank: int, world_size: int, run: GrpoRun) -> dict:
 
     from shardwise.frontends.trl.trainers import shardwise_trainer
 
-    config = hf_style_config(run.stage)
-    if run.stage == 3:  # partition every parameter of the tiny model, none kept whole
-        config["zero_optimization"]["stage3_param_persistence_threshold"] = 0
-    trainer = _make(shardwise_trainer(GRPOTrainer), run, shardwise_config=config)
+    trainer = _make(shardwise_trainer(GRPOTrainer), run, shardwise_config=hf_style_config(run.stage))
     result: dict = {"ref_is_engine": type(trainer.ref_model).__name__}
     record_generations(trainer, result)
     trainer.train()
