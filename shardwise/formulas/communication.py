@@ -390,6 +390,19 @@ def recompute_gather_bytes(layer_params: int, recomputed_layers: int, param_byte
     return recomputed_layers * ring_share(layer_params, param_bytes, shard_size)
 
 
+# -- generation from a ZeRO-3 policy (C32: TRL's GRPO) -------------------------------------
+# Generation runs one forward per new token. Gathered once for the whole `generate` call
+# (`gathered_for_generation`, TRL's ds3_gather_for_generation), it costs one all-gather of
+# the partitioned parameters, (Ψ−P)p(S−1)/S, whatever the completion length; gathered by
+# each forward's hooks it would cost that per new token.
+def generation_gather_bytes(num_params: int, *, persistent_params: int, param_bytes: int, shard_size: int,
+                            gathers: int) -> int:
+    """Bytes one rank sends in `gathers` all-gathers of the stage-3 policy (Ψ = `num_params`
+    padded, P = `persistent_params` kept whole): 1 for a generation gathered once, one per
+    new token without that gather."""
+    return gathers * ring_share(num_params - persistent_params, param_bytes, shard_size)
+
+
 # -- ZeRO++ (C28) ---------------------------------------------------------------------------
 # Stage 3 over a shard group of N = n·L ranks, n nodes of L (ranks r·L .. r·L+L−1 on node r),
 # per rank per optimizer step, for each partitioned unit u of P_u padded elements (Ψ = Σ P_u,

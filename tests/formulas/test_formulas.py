@@ -1,10 +1,11 @@
-"""Model-state, offload and activation formulas against hand-computed numbers (docs/formulas.md)."""
+"""Model-state, offload, activation and generation-gather formulas against hand-computed numbers (docs/formulas.md)."""
 
 import pytest
 
 from shardwise.tools.planner import Offload, activation_bytes, model_state_bytes, placed_model_state_bytes
 from shardwise.formulas.memory import ADAM_FP32_STATES, optimizer_state_bytes
 from shardwise.formulas.layers import stage3_gather_bytes
+from shardwise.formulas.communication import generation_gather_bytes
 
 PSI = 7_500_000_000
 N = 64
@@ -204,3 +205,11 @@ def test_hpz_secondary_partition_memory():
     assert hpz_secondary_bytes(1024, 1, "bf16") == 0
     with pytest.raises(ValueError, match="must be >= 1 and divide"):
         hpz_secondary_bytes(1000, 3, "fp32")
+
+
+def test_generation_gathers_the_partitioned_policy_once_or_per_token() -> None:
+    # Ψ = 20 640 padded fp32 elements, P = 640 of them whole, over S = 4: (Ψ−P)·p(S−1)/S per gather
+    once = generation_gather_bytes(20_640, persistent_params=640, param_bytes=4, shard_size=4, gathers=1)
+    assert once == 20_000 * 4 * 3 // 4 == 60_000
+    assert generation_gather_bytes(20_640, persistent_params=640, param_bytes=4, shard_size=4, gathers=6) == 6 * once
+    assert generation_gather_bytes(20_640, persistent_params=0, param_bytes=4, shard_size=1, gathers=1) == 0

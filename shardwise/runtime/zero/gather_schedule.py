@@ -35,6 +35,17 @@ evaluation) would otherwise gather along the trace, pair its gathers with the ot
 ranks' next forward, and leave every later collective one pass apart until the timeout;
 checked, it meets their forward's check or backward's end check and is named at once.
 
+Two departures from "a module's units are its own parameters":
+- `register_external`: a module's forward may read parameters of a module whose forward
+  never runs (a fused loss reading the output embedding's weight straight from the head);
+  those units are then gathered with the reading module's own, for its whole forward, and
+  again before its backward, so the gradient computed through them lands on whole units.
+- `standing_aside`: inside it, the hooks do nothing at all (no record, gather or rank
+  check) and modules compute with units someone already holds whole
+  (`gathered_for_generation`). Generation needs this: each rank decodes until its own
+  sequences end, so ranks run different numbers of forwards, and any per-forward
+  collective would pair one rank's forward with another's next step.
+
 Activation recomputation re-runs a checkpointed layer's forward inside backward, and its
 modules' hooks fire again. There each unit is gathered again (on demand, or by prefetch
 along the trace; counted in `recompute_gathers`) and then kept: not counted as a user, not
@@ -51,6 +62,8 @@ import datetime
 import math
 import zlib
 from collections import defaultdict
+from collections.abc import Iterator
+from contextlib import contextmanager
 
 import torch
 import torch.distributed as dist
@@ -97,13 +110,49 @@ class GatherSchedule:
         self.recompute_gathers = 0  # unit uses by recomputations (each gathered again), since start
         self.backward_use_callbacks: list = []  # called with each trained unit about to run backward
         self.positions: dict[nn.Module, list[list[int]]] = defaultdict(list)
+        self.standing_aside_depth = 0  # > 0 inside `standing_aside`
         self.handles = []
-        for module in module_units:
-            self.handles.append(module.register_forward_pre_hook(self._pre_forward))
-            self.handles.append(module.register_forward_hook(self._post_forward))
-        if root not in module_units:
-            self.handles.append(root.register_forward_pre_hook(self._pre_forward))
-            self.handles.append(root.register_forward_hook(self._post_forward))
+        self.hooked: set[nn.Module] = set()
+        for module in [*module_units, root]:
+            self._hook(module)
+
+    def _hook(self, module: nn.Module) -> None:
+        if module in self.hooked:
+            return
+        self.hooked.add(module)
+        self.handles.append(module.register_forward_pre_hook(self._pre_forward))
+        self.handles.append(module.register_forward_hook(self._post_forward))
+
+    def register_external(self, module: nn.Module, params: list[nn.Parameter]) -> None:
+        """`module`'s forward reads `params` although the modules owning them do not run
+        in it: gather their units with `module`'s own. Parameters kept whole (below the
+        persistence threshold) need nothing. Call it on every rank, before a forward."""
+        unit_of = {id(slot.param): unit for unit in self.units.values() for slot in unit.slots}
+        units = self.module_units.get(module, [])
+        added = [unit for p in params if (unit := unit_of.get(id(p))) is not None and unit not in units]
+        if added:
+            self.module_units[module] = units + list({id(unit): unit for unit in added}.values())
+            self._hook(module)
+
+    @contextmanager
+    def standing_aside(self) -> Iterator[None]:
+        """Forwards without gradients that need no hook: every unit they read is held
+        whole by the caller, and each rank may run any number of them."""
+        self.standing_aside_depth += 1
+        try:
+            yield
+        finally:
+            self.standing_aside_depth -= 1
+
+    def _check_standing_aside(self, module: nn.Module) -> None:
+        if torch.is_grad_enabled():
+            raise RuntimeError(f"{type(module).__name__} ran a forward with gradients while the stage-3 hooks stand "
+                               "aside (inside gathered_for_generation): backward would find no gathered units; "
+                               "generate under torch.no_grad()")
+        missing = [str(unit) for unit in self.module_units.get(module, []) if not self.params.is_available(unit)]
+        if missing:
+            raise RuntimeError(f"{type(module).__name__} ran while the stage-3 hooks stand aside, but its units "
+                               f"{', '.join(missing)} are not gathered: gather every parameter of the model")
 
     # -- uses, fetches and prefetches ------------------------------------------------------
     def _use(self, units: list[FlatUnit]) -> list[int]:
@@ -158,6 +207,9 @@ class GatherSchedule:
 
     # -- module hooks -------------------------------------------------------------------------
     def _pre_forward(self, module: nn.Module, args: tuple) -> None:
+        if self.standing_aside_depth:
+            self._check_standing_aside(module)
+            return
         if recomputing():  # keep what a recomputation gathers: backward uses it next
             units = self.module_units.get(module, [])
             self._use(units)
@@ -174,7 +226,7 @@ class GatherSchedule:
             self.params.users[unit.index] = self.params.users.get(unit.index, 0) + 1
 
     def _post_forward(self, module: nn.Module, args: tuple, output: object) -> None:
-        if recomputing():
+        if self.standing_aside_depth or recomputing():
             return
         units = self.module_units.get(module, [])
         for unit, position in zip(units, self.positions[module].pop()):
@@ -331,6 +383,7 @@ class GatherSchedule:
         for handle in self.handles:
             handle.remove()
         self.handles.clear()
+        self.hooked.clear()
 
 
 def _needing_grad(value: object) -> list[torch.Tensor]:

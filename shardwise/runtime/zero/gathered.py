@@ -15,6 +15,12 @@ Stages 0-2 keep full weights already; there the context only does that write-bac
 
 The gathered memory is released on exit: keep values beyond the block by copying them
 (`p.detach().clone()`), not through views or `p.detach()`, which share that memory.
+
+`gathered_for_generation(params)` gathers the same way, once, and within it the stage-3
+forward hooks stand aside: generation runs one forward per new token, and each rank runs
+as many as its own sequences need, with no collective (gather_schedule.py explains why one
+per forward cannot work there). DeepSpeed's `GatheredParameters` around `generate`, as
+TRL uses it, does the same with its hooks removed.
 """
 
 from __future__ import annotations
@@ -75,6 +81,20 @@ def _gathered_of_engine(zero: ZeroState, params: list[nn.Parameter], modifier_ra
                 if id(unit) in trained:  # frozen units (and a forward-only engine's) have no master
                     zero.store.refresh_master(unit)
         strategy.release(units)
+
+
+@contextmanager
+def gathered_for_generation(params: Iterable[nn.Parameter]) -> Iterator[None]:
+    """`gathered_parameters(params)` (one all-gather of each unit, on every rank at the
+    same point), inside which the model's forwards read the gathered units and communicate
+    nothing: any number per rank, without gradients. Pass every parameter of the model."""
+    params = list(params)
+    engines = {id(zero): zero for param in params if (zero := zero_of(param)) is not None}
+    with gathered_parameters(params), ExitStack() as stack:
+        for zero in engines.values():
+            if zero.policy.partitions_parameters:
+                stack.enter_context(zero.params.schedule.standing_aside())
+        yield
 
 
 def _group_rank(members: tuple[int, ...], modifier_rank: int) -> int:

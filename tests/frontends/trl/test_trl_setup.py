@@ -42,3 +42,19 @@ def test_sync_ref_model_is_refused_before_anything_is_built(tmp_path):
     args = DPOConfig(output_dir=str(tmp_path), sync_ref_model=True, report_to="none", bf16=False)
     with pytest.raises(ValueError, match="sync_ref_model=True is not supported.*sync_ref_model=False"):
         shardwise_trainer(DPOTrainer)(model=None, ref_model=None, args=args, shardwise_config={})
+
+
+def test_grpo_generation_settings_that_cannot_work_are_refused_before_anything_is_built(tmp_path):
+    from trl import GRPOConfig, GRPOTrainer
+
+    from shardwise.frontends.trl.trainers import shardwise_trainer
+
+    def args(**extra):
+        return GRPOConfig(output_dir=str(tmp_path), report_to="none", bf16=False, **extra)
+
+    trainer = shardwise_trainer(GRPOTrainer)
+    with pytest.raises(ValueError, match="use_vllm=True is not supported.*use_vllm=False"):
+        trainer(model=None, args=args(use_vllm=True), shardwise_config={})
+    with pytest.raises(ValueError, match="ds3_gather_for_generation=False is not supported.*each rank stops"):
+        trainer(model=None, args=args(ds3_gather_for_generation=False),
+                shardwise_config={"zero_optimization": {"stage": 3}})

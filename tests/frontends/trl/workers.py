@@ -103,8 +103,8 @@ def arguments(run: Run, world_size: int, **extra):
 
 def hf_style_config(stage: int) -> dict:
     zero = {"stage": stage}
-    if stage == 3:
-        zero["stage3_gather_16bit_weights_on_model_save"] = "auto"
+    if stage == 3:  # every parameter of the tiny models partitioned (the default threshold would keep them all whole)
+        zero.update(stage3_gather_16bit_weights_on_model_save="auto", stage3_param_persistence_threshold=0)
     return {"zero_optimization": zero, "gradient_clipping": "auto", "train_micro_batch_size_per_gpu": "auto",
             "gradient_accumulation_steps": "auto", "train_batch_size": "auto", "bf16": {"enabled": "auto"}}
 
