@@ -1,5 +1,6 @@
 """`unwrap_model_for_generation`: under ZeRO-3, inside the block every parameter is whole
-and a forward gives the single-process model's output; training goes on after it."""
+and a forward gives the single-process model's output, however many forwards each rank
+runs; training goes on after it."""
 
 import torch
 from torch import nn
@@ -27,7 +28,8 @@ def _generate_between_steps(rank: int, world_size: int) -> dict:
     with unwrap_model_for_generation(engine) as unwrapped:
         sizes = [parameter.numel() for parameter in unwrapped.module.parameters()]
         with torch.no_grad():
-            generated = unwrapped(inputs)
+            for _ in range(rank + 1):  # ranks whose sequences end at different lengths
+                generated = unwrapped(inputs)
     loss = engine(inputs).square().sum()
     engine.backward(loss)
     engine.step()
