@@ -32,6 +32,7 @@ from torch import nn
 from shardwise.runtime.accounting import MemoryLedger
 from shardwise.runtime.activation.accounting import ActivationTracker
 from shardwise.runtime.checkpoint.background import BackgroundWriter
+from shardwise.runtime.engine_protocol import DataPosition
 from shardwise.runtime.distributed.collectives import Communicator
 from shardwise.runtime.distributed.setup import call_check_timeout
 from shardwise.runtime.engine.arguments import make_scheduler, optimizer_factory, refuse_second_engine
@@ -142,6 +143,7 @@ class Engine(nn.Module):
         self.global_steps = 0
         self.skipped_steps = 0
         self.last_grad_norm: float | None = None
+        self.data_position: DataPosition | None = None  # a front end's loader, checkpointed with the engine
         self.zenflow = self._zenflow_for(policies) if self.trains else None
         # what each loss is divided by: the accumulation count (ZenFlow's update interval)
         self.loss_divisor = (self.zenflow.update_interval if self.zenflow is not None
