@@ -18,7 +18,7 @@ restored by `engine.load_checkpoint`: the next pass over the loader that starts 
 saved epoch starts at the saved position. A pass that had yielded all its batches is
 saved as the start of the next one. A loader the script builds itself is not the
 engine's: its position is the script's to save, in `client_state`
-(docs/guide/checkpoints.md).
+(docs/checkpoints.md#where-the-data-was).
 """
 
 from __future__ import annotations
