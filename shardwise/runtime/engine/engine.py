@@ -191,12 +191,17 @@ class Engine(nn.Module):
             raise
 
     def _pass_failures_for(self, policies: Policies) -> PassFailures | None:
-        """With a tensor- or sequence-parallel group, a forward or backward that raises on
-        some of its ranks only is named on every rank at once (reliability/pass_failures.py)."""
+        """With a tensor- or sequence-parallel group on gloo, a forward or backward that
+        raises on some of its ranks only is named on every rank at once
+        (reliability/pass_failures.py). NCCL's collectives do not block the host, so a
+        peer would never read the note: there the raising rank raises its own error."""
         if (policies.tensor.size == 1 and policies.sequence.size == 1) or not dist.is_initialized():
             return None
-        peers = {rank for purpose in ("tensor", "sequence") if purpose in self.mesh.handles
-                 for rank in self.mesh[purpose].ranks}
+        groups = [self.mesh[purpose] for purpose in ("tensor", "sequence")
+                  if purpose in self.mesh.handles and self.mesh[purpose].group is not None]
+        if any(dist.get_backend(handle.group) != "gloo" for handle in groups):
+            return None
+        peers = {rank for handle in groups for rank in handle.ranks}
         failures = PassFailures(self.rank, peers, self.context.timeout.total_seconds())
         watch_blocked_waits(failures.check_blocked)
         return failures
