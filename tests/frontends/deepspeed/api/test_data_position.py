@@ -76,3 +76,38 @@ def test_a_position_the_new_size_cannot_split_is_refused():
         loader.load_state_dict({"epoch": 0, "consumed": 8, "seed": 0, "shuffle": True, "samples": 40})
     with pytest.raises(ValueError, match="dataset of 41 samples"):
         loader.load_state_dict({"epoch": 0, "consumed": 6, "seed": 0, "shuffle": True, "samples": 41})
+
+
+def batches_of(loader, count: int) -> list[list[int]]:
+    iterator = iter(loader)
+    return [next(iterator)[2].tolist() for _ in range(count)]
+
+
+def single_rank_loader():
+    from shardwise.frontends.deepspeed.api.runtime.dataloader import DeepSpeedDataLoader
+
+    data = IndexedRows()
+    sampler = PositionedSampler(data, num_replicas=1, rank=0, drop_last=False)
+    return DeepSpeedDataLoader(data, batch_size=8, sampler=sampler, collate_fn=None, drop_last=False)
+
+
+@pytest.mark.parametrize("read", [3, 5, 7])
+def test_a_repeating_loader_built_before_the_load_resumes_where_the_saved_one_stood(read):
+    """RepeatingLoader (DeepSpeed's, which pipeline scripts and train_batch use) calls
+    iter() when built; the position applies to that pass all the same. 5 batches make an
+    epoch: read 5 is a finished pass (the next starts the order again), read 7 is inside
+    the second pass."""
+    from shardwise.frontends.deepspeed.api.utils import RepeatingLoader
+
+    original = single_rank_loader()
+    expected = batches_of(RepeatingLoader(original), read + 4)
+    saved = single_rank_loader()
+    repeating = RepeatingLoader(saved)
+    for _ in range(read):
+        next(repeating)
+    state = saved.state_dict()
+    assert state["consumed"] == (read % 5) * 8
+    fresh = single_rank_loader()
+    resumed = RepeatingLoader(fresh)
+    fresh.load_state_dict(state)
+    assert [next(resumed)[2].tolist() for _ in range(4)] == expected[read:]
