@@ -30,6 +30,17 @@ from shardwise.runtime.zero.zenflow import ZenFlow
 
 
 @runtime_checkable
+class DataPosition(Protocol):
+    """Where a training-data loader is in its data (epoch, samples consumed, seed): JSON
+    that a checkpoint saves beside the counters, so a resumed run reads the batch the
+    uninterrupted one would have read next (frontends/deepspeed/api/runtime/dataloader.py)."""
+
+    def state_dict(self) -> dict[str, Any]: ...
+
+    def load_state_dict(self, state: dict[str, Any]) -> None: ...
+
+
+@runtime_checkable
 class EngineProtocol(Protocol):
     # -- where it runs ---------------------------------------------------------------------
     rank: int  # this process in the whole job
@@ -57,6 +68,7 @@ class EngineProtocol(Protocol):
     micro_steps: int  # micro-batches run
     skipped_steps: int  # steps an overflow or a failed backward skipped
     last_grad_norm: float | None  # of the last step's gradient, unscaled and unclipped
+    data_position: DataPosition | None  # the loader a front end built for the engine: saved and restored with it
 
     # -- the training step ---------------------------------------------------------------------
     def backward(self, loss: torch.Tensor) -> None:

@@ -10,11 +10,13 @@ one engine after the other, on identically seeded models.
 from __future__ import annotations
 
 import dataclasses
+import time
 from dataclasses import dataclass, field
 
 import torch
 
 import shardwise
+from shardwise.runtime.reliability.errors import DivergentExecutionError
 from tests.runtime.zero.workers import Case, build_model, global_batch, make_optimizer, model_loss
 
 
@@ -216,3 +218,15 @@ def die_before_initialize(rank: int, world: int, store_path: str, report: str) -
     with open(report, "w") as handle:
         handle.write(message)
     os._exit(0)
+
+
+def run_plan_until_divergence(rank: int, world_size: int, plan: Plan) -> dict:
+    """`run_plan`, returning the DivergentExecutionError it ends with, and when (so the
+    test sees every rank's, and that none waited for the collective timeout)."""
+    started = time.monotonic()
+    try:
+        run_plan(rank, world_size, plan)
+    except DivergentExecutionError as error:
+        return {"error": f"{type(error).__name__}: {error}", "cause": repr(error.__cause__),
+                "seconds": time.monotonic() - started}
+    return {"error": None, "seconds": time.monotonic() - started}

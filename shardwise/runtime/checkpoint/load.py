@@ -74,7 +74,9 @@ def load_checkpoint(engine: EngineProtocol, load_dir: str | os.PathLike, tag: st
     checkpoint instead (another format's, opened by its front end; `load_dir` and `tag`
     are then not read).
 
-    Ranks beyond the saved world size keep their own RNG state; the others get theirs back
+    The loader a front end gave the engine (`engine.data_position`) resumes where the
+    saved one stood, at any data-parallel size; a checkpoint without a data position
+    leaves it where it is. Ranks beyond the saved world size keep their own RNG state; the others get theirs back
     (a checkpoint whose records hold no RNG state leaves every rank's as it is).
     `optimizer_states` False restores the weights (the fp32 masters) but keeps this
     engine's optimizer state; `module_only` also keeps its schedule, counters, loss scale
@@ -125,6 +127,8 @@ def load_checkpoint(engine: EngineProtocol, load_dir: str | os.PathLike, tag: st
     engine.global_steps = counters["global_steps"]
     engine.micro_steps = _first_micro_step(engine, counters)
     engine.skipped_steps = counters["skipped_steps"]
+    if engine.data_position is not None and meta.get("data_position") is not None:
+        engine.data_position.load_state_dict(meta["data_position"])
     if engine.rank < len(records) and "rng" in records[engine.rank]:
         restore_rng_state(records[engine.rank]["rng"], engine.device)
     return meta["client_state"]

@@ -352,10 +352,22 @@ def _meta(engine: EngineProtocol, tag: str, client_state: dict, model: dict) -> 
             "gradient_accumulation_steps": engine.gradient_accumulation_steps,
         },
         "client_state": client_state,
+        "data_position": _data_position(engine),
         "hf": _hf_description(engine.module),
         "tensor_parallel": describe_tensor_parallel(engine),
     }
     return meta
+
+
+def _data_position(engine: EngineProtocol) -> dict | None:
+    """Where the loader the engine was given stands (epoch, samples consumed, seed): the
+    ranks step together, so rank 0's position is every rank's. None: the engine reads no
+    loader of its own (the caller's loader is the caller's to save, in client_state)."""
+    if engine.data_position is None:
+        return None
+    position = engine.data_position.state_dict()
+    check_json(position, "the data loader's position")
+    return position
 
 
 def _hf_description(module: torch.nn.Module) -> dict | None:

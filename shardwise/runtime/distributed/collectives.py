@@ -43,6 +43,7 @@ import torch.distributed as dist
 
 from shardwise.runtime.accounting import MemoryLedger
 from shardwise.runtime.distributed import point_to_point
+from shardwise.runtime.distributed.blocked_waits import AbandonedWait, wait_watching, watched_check
 from shardwise.runtime.distributed.flight_recorder import RECORDER, CollectiveRecord
 from shardwise.runtime.distributed.mesh import GroupHandle, ParallelMesh
 from shardwise.runtime.distributed.peers import PeerDirectory
@@ -133,10 +134,18 @@ class PendingCollective:
             stalled_from = torch.cuda.Event(enable_timing=True)
             stalled_from.record()
         blocked_from = time.perf_counter()
+        check = watched_check() if timeout is None and not self.communicator.device_only else None
         try:
-            finished = work.wait() if timeout is None else work.wait(timeout)
+            if check is not None:  # a gloo wait a peer may abandon (blocked_waits.py)
+                finished = wait_watching(work, check, self.communicator.handle.ranks, f"{self.op} of {self.what}")
+            else:
+                finished = work.wait() if timeout is None else work.wait(timeout)
             if finished is False:
                 raise RuntimeError(f"not finished within {timeout.total_seconds():g}s")
+        except AbandonedWait:
+            if self.record is not None:
+                RECORDER.fail(self.record)
+            raise
         except Exception as error:  # gloo/NCCL raise RuntimeError subclasses
             if self.record is not None:
                 RECORDER.fail(self.record)

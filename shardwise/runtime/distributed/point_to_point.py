@@ -37,6 +37,9 @@ class PointToPointWork:
         self.finish()
         return True
 
+    def is_completed(self) -> bool:
+        return all(work.is_completed() for _, _, work in self.works)
+
 
 def _exchange(
     group: dist.ProcessGroup, rank: int, world: int, tag: int,

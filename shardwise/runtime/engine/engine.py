@@ -27,12 +27,15 @@ from contextlib import contextmanager
 from typing import TYPE_CHECKING, Any, Callable, Iterable, Iterator, Sequence
 
 import torch
+import torch.distributed as dist
 from torch import nn
 
 from shardwise.runtime.accounting import MemoryLedger
 from shardwise.runtime.activation.accounting import ActivationTracker
 from shardwise.runtime.checkpoint.auto_resume import resume_latest
 from shardwise.runtime.checkpoint.background import BackgroundWriter
+from shardwise.runtime.engine_protocol import DataPosition
+from shardwise.runtime.distributed.blocked_waits import AbandonedWait, watch_blocked_waits, watched_check
 from shardwise.runtime.distributed.collectives import Communicator
 from shardwise.runtime.distributed.setup import call_check_timeout
 from shardwise.runtime.engine.arguments import make_scheduler, optimizer_factory, refuse_second_engine
@@ -48,6 +51,7 @@ from shardwise.runtime.parallel.tensor.layers import gather_vocab_logits
 from shardwise.runtime.precision import LossScaler
 from shardwise.runtime.precision.casting import autocast_for, cast_floating, cast_unheld_state
 from shardwise.runtime.reliability.replica_check import ReplicaCheck
+from shardwise.runtime.reliability.pass_failures import PassFailures
 from shardwise.runtime.reliability.step_guard import BACKWARD, FORWARD, StepGuard
 from shardwise.runtime.parallel.expert.training import ExpertTraining, connect_expert_layers, expert_parameters
 from shardwise.runtime.zero.apply import ZeroGroups, apply_zero
@@ -143,6 +147,7 @@ class Engine(nn.Module):
         self.global_steps = 0
         self.skipped_steps = 0
         self.last_grad_norm: float | None = None
+        self.data_position: DataPosition | None = None  # a front end's loader, checkpointed with the engine
         self.zenflow = self._zenflow_for(policies) if self.trains else None
         # what each loss is divided by: the accumulation count (ZenFlow's update interval)
         self.loss_divisor = (self.zenflow.update_interval if self.zenflow is not None
@@ -159,6 +164,7 @@ class Engine(nn.Module):
         self._forward_communicates = (zero.partitions_parameters or policies.tensor.size > 1
                                       or policies.sequence.size > 1)
         self._checkpoint_writer: BackgroundWriter | None = None  # made at the first asynchronous save
+        self.pass_failures = self._pass_failures_for(policies)
         self._destroyed = False
         self.reset_comm_volume()
         # an elastic restart continues from the folder's newest checkpoint (None: none loaded)
@@ -177,13 +183,41 @@ class Engine(nn.Module):
         if self._backward_pending and self._forward_communicates:
             self.guard.check_call(FORWARD, self.get_lr())  # pairs with a peer's step check if it skipped one
         args, kwargs = cast_floating((args, kwargs), self.dtype)
+        if self.pass_failures is not None:
+            self.pass_failures.begin_pass()
         try:
             with self.activations.track(), autocast_for(self.policies.precision, self.device):
                 return self.module(*args, **kwargs)
-        except BaseException:
+        except BaseException as error:
             self.zero.params.abort_pass()
             self.guard.note_failed_pass()
+            self._stop_if_raised_alone(error)
             raise
+
+    def _pass_failures_for(self, policies: Policies) -> PassFailures | None:
+        """With a tensor- or sequence-parallel group on gloo, a forward or backward that
+        raises on some of its ranks only is named on every rank at once
+        (reliability/pass_failures.py). NCCL's collectives do not block the host, so a
+        peer would never read the note: there the raising rank raises its own error."""
+        if (policies.tensor.size == 1 and policies.sequence.size == 1) or not dist.is_initialized():
+            return None
+        groups = [self.mesh[purpose] for purpose in ("tensor", "sequence")
+                  if purpose in self.mesh.handles and self.mesh[purpose].group is not None]
+        if any(dist.get_backend(handle.group) != "gloo" for handle in groups):
+            return None
+        peers = {rank for handle in groups for rank in handle.ranks}
+        failures = PassFailures(self.rank, peers, self.context.timeout.total_seconds())
+        watch_blocked_waits(failures.check_blocked)
+        return failures
+
+    def _stop_if_raised_alone(self, error: BaseException) -> None:
+        """After this rank's forward or backward raised `error`: raise instead the error that
+        says it raised on some ranks of its tensor/sequence group only, if it did."""
+        if self.pass_failures is None or isinstance(error, AbandonedWait):
+            return
+        diverged = self.pass_failures.raised(error)
+        if diverged is not None:
+            raise diverged from error
 
     def is_gradient_accumulation_boundary(self) -> bool:
         return (self.micro_steps + 1) % self.gradient_accumulation_steps == 0
@@ -220,8 +254,9 @@ class Engine(nn.Module):
         try:
             (loss.float() * scale).backward()
             self.zero.reducer.end_backward()
-        except BaseException:
+        except BaseException as error:
             self._abort_backward()
+            self._stop_if_raised_alone(error)
             raise
         self.zero.params.end_backward()
         self._backward_pending = True
@@ -232,8 +267,9 @@ class Engine(nn.Module):
         try:
             (loss.float() * self.loss_scaler.scale / self.loss_divisor).backward()
             self.zero.reducer.end_backward()
-        except BaseException:
+        except BaseException as error:
             self._abort_backward()
+            self._stop_if_raised_alone(error)
             raise
 
     def backward_with_gradients(self, tensors: Sequence[torch.Tensor], grads: Sequence[torch.Tensor | None], *,
@@ -571,6 +607,8 @@ class Engine(nn.Module):
             self._detach()
 
     def _detach(self) -> None:
+        if self.pass_failures is not None and watched_check() == self.pass_failures.check_blocked:
+            watch_blocked_waits(None)
         if self.trains:
             self.zero.reducer.remove_hooks()
         self.zero.params.remove_hooks()

@@ -45,6 +45,7 @@ from shardwise.tools.train.run_files import (
     CORPUS_CACHE_DIR,
     LOSS_PLOT,
     MEMORY_PLOT,
+    CHECKPOINT_DIR,
     OPTIONS_FILE,
     SUMMARY_FILE,
     last_checkpoint,
@@ -60,6 +61,7 @@ examples:
   shardwise train --optimizer onebitadam           1-bit Adam (ZeRO stage 2, warm-up 20% of the steps)
   shardwise train --activation-checkpointing full  recompute every layer; activation bytes vs the formulas
   shardwise train --compare-stages                 stages 0-3 side by side: zero_stages.png
+  shardwise train --name r1 --resume --nproc 1     continue run r1 from its last checkpoint, on 1 process
 Results go to OUT_DIR/NAME/: metrics.jsonl, loss.png, memory.png, TensorBoard events,
 checkpoint/, sample.txt, summary.json (and profile/ with --profile).
 Ctrl-C (or SIGTERM) stops after the current step and writes a checkpoint first; a second
@@ -111,6 +113,9 @@ def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParse
     parser.add_argument("--out-dir", default="runs", help="where run directories go (default: runs)")
     parser.add_argument("--save-every", type=_positive_int, default=None, metavar="N",
                         help="also write a checkpoint every N optimizer steps (default: only the final one)")
+    parser.add_argument("--resume", nargs="?", const="latest", default=None, metavar="TAG",
+                        help="continue the run --name in --out-dir from its checkpoint TAG (default: the last one), "
+                        "with the run's own settings; --nproc may differ (the global batch stays)")
     parser.add_argument("--profile", action="store_true",
                         help="record a torch.profiler trace of a few steps into NAME/profile (view with TensorBoard)")
     parser.add_argument("--compare-stages", action="store_true",
@@ -173,6 +178,8 @@ def prepare_run(args: argparse.Namespace) -> tuple[TrainOptions, int]:
     from shardwise.tools.launcher.cli import resolve_nproc
     from shardwise.models import GPTConfig
 
+    if args.resume is not None:
+        return resumed_run(args)
     if args.compare_stages and args.stage is not None:
         raise ValueError("--compare-stages runs every stage; drop --stage")
     if args.compare_stages and args.profile:
@@ -218,6 +225,44 @@ def prepare_run(args: argparse.Namespace) -> tuple[TrainOptions, int]:
         compare_stages=args.compare_stages,
         save_every=args.save_every,
     )
+    options.save(run_dir / OPTIONS_FILE)
+    return options, nproc
+
+
+def resumed_run(args: argparse.Namespace) -> tuple[TrainOptions, int]:
+    """`--resume [TAG]`: the run's own options, to continue from its checkpoint TAG on
+    `--nproc` ranks. Its batches are drawn from the step number and the seed alone
+    (tools/data/sampler.py), so the checkpoint's step is its whole data position, at any
+    number of ranks."""
+    from shardwise.frontends.deepspeed.config import load_config
+    from shardwise.models import GPTConfig
+    from shardwise.runtime.checkpoint.format import META, read_json
+    from shardwise.tools.launcher.cli import resolve_nproc
+
+    if args.name is None:
+        raise ValueError("--resume continues a run: name it with --name (and --out-dir if not runs)")
+    run_dir = Path(args.out_dir) / args.name
+    if not (run_dir / OPTIONS_FILE).is_file():
+        raise ValueError(f"--resume: {run_dir} holds no shardwise train run ({OPTIONS_FILE} is missing)")
+    settings = {"--stage": args.stage, "--config": args.config, "--lr": args.lr, "--optimizer": args.optimizer,
+                "--seed": args.seed, "--steps": args.steps, "--activation-checkpointing": args.activation_checkpointing,
+                "--save-every": args.save_every, "--bf16": args.bf16 or None, "--compile": args.compile or None,
+                "--profile": args.profile or None, "--compare-stages": args.compare_stages or None}
+    given = [flag for flag, value in settings.items() if value is not None]
+    if given:
+        raise ValueError(f"--resume continues the run with its own settings ({run_dir / OPTIONS_FILE}); "
+                         f"drop {', '.join(given)}")
+    options = TrainOptions.load(run_dir / OPTIONS_FILE)
+    tag = last_checkpoint(run_dir) if args.resume == "latest" else args.resume
+    if tag is None or not (run_dir / CHECKPOINT_DIR / tag / META).is_file():
+        raise ValueError(f"--resume: {run_dir / CHECKPOINT_DIR} has no checkpoint {tag or '(none written)'}")
+    step = read_json(run_dir / CHECKPOINT_DIR / tag / META)["client_state"]["step"]
+    if step >= options.steps:
+        raise ValueError(f"--resume: checkpoint {tag} is at step {step}, the run's last ({options.steps}): "
+                         "nothing left to train")
+    nproc = resolve_nproc(args).nproc
+    load_config(options.config, world_size=nproc, hidden_size=GPTConfig.preset(options.model_size).n_embd)
+    options.resume_tag = tag
     options.save(run_dir / OPTIONS_FILE)
     return options, nproc
 

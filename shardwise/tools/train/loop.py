@@ -92,6 +92,18 @@ def save_checkpoint(engine: Engine, options: TrainOptions, step: int) -> str:
     )
 
 
+def resume(engine: Engine, options: TrainOptions) -> int:
+    """Load the run's checkpoint `options.resume_tag` (weights, optimizer, schedule, RNG,
+    counters) and return its step: the next step's batch is drawn from that step number
+    alone, so the resumed run reads what the uninterrupted one would have read."""
+    client_state = engine.load_checkpoint(options.path / CHECKPOINT_DIR, tag=options.resume_tag)
+    saved = {key: client_state.get(key) for key in ("seed", "model_size")}
+    if saved != {"seed": options.seed, "model_size": options.model_size}:
+        raise ValueError(f"checkpoint {options.resume_tag} was written by a run with {saved}, not this run's seed "
+                         f"{options.seed} and model size {options.model_size}")
+    return client_state["step"]
+
+
 def train(options: TrainOptions, stop: StopRequest) -> int:
     """Run the job on this rank; 0 when it ran to the end, else the signal that stopped it
     early (after a checkpoint of the last step)."""
@@ -103,8 +115,9 @@ def train(options: TrainOptions, stop: StopRequest) -> int:
     if engine.rank == 0:
         console.print(_header(options, engine, facts, peak.source), highlight=False, soft_wrap=True)
 
+    first_step = resume(engine, options) + 1 if options.resume_tag is not None else 1
     started = time.perf_counter()
-    steps = run_steps(options, engine, facts, peak, train_sampler, console, stop)
+    steps = run_steps(options, engine, facts, peak, train_sampler, console, stop, first_step=first_step)
     if steps.stopped_by:
         engine.destroy()
         return steps.stopped_by
@@ -153,9 +166,12 @@ def run_steps(
     sampler: BlockSampler,
     console: Console,
     stop: StopRequest,
+    *,
+    first_step: int = 1,
 ) -> StepsRun:
-    """The training steps, metrics, progress and periodic checkpoints, until the last step
-    or the step at which the ranks agree to stop (checkpointed before returning)."""
+    """The training steps from `first_step` (after a resumed checkpoint's), metrics,
+    progress and periodic checkpoints, until the last step or the step at which the ranks
+    agree to stop (checkpointed before returning)."""
     is_rank0 = engine.rank == 0
     tokens_per_step = engine.config.train_batch_size * options.seq_len
     timer = StepTimer(engine.comm_stats, engine.device, enabled=is_rank0)  # only rank 0 writes metrics
@@ -163,9 +179,9 @@ def run_steps(
         profile_dir = options.path / PROFILE_DIR if options.profile else None
         profiler_step = stack.enter_context(profile_steps(profile_dir, f"rank{engine.rank}"))
         if is_rank0:
-            metrics = stack.enter_context(MetricsLog(options.path))
+            metrics = stack.enter_context(MetricsLog(options.path, continue_after=first_step - 1))
             progress = stack.enter_context(TrainingProgress(options.steps, console, engine.config.steps_per_print))
-        for step in range(1, options.steps + 1):
+        for step in range(first_step, options.steps + 1):
             lr = engine.get_lr()[0]  # the rate this step uses; step() moves the schedule on
             local_loss, times, comm = train_step(engine, sampler, step - 1, timer)
             loss = mean_over_ranks(engine, local_loss)

@@ -49,11 +49,17 @@ def step_record(
 class MetricsLog:
     """Appends step records to `<run_dir>/metrics.jsonl` and TensorBoard events in `run_dir`."""
 
-    def __init__(self, run_dir: str | Path):
+    def __init__(self, run_dir: str | Path, *, continue_after: int = 0):
+        """`continue_after`: a resumed run's checkpoint step; the records up to it are
+        kept, those after it (written before the run stopped) are replaced."""
         from torch.utils.tensorboard import SummaryWriter
 
         self.path = Path(run_dir) / METRICS_FILE
+        kept = [record for record in read_metrics(run_dir) if record["step"] <= continue_after] \
+            if continue_after and self.path.is_file() else []
         self._file = self.path.open("w")
+        for record in kept:
+            self._file.write(json.dumps(record) + "\n")
         self._writer = SummaryWriter(log_dir=str(run_dir))
 
     def write(self, record: dict[str, Any]) -> None:

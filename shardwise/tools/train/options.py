@@ -60,6 +60,7 @@ class TrainOptions:
     profile: bool = False
     compare_stages: bool = False
     save_every: int | None = None  # optimizer steps between checkpoints; None: only the final one
+    resume_tag: str | None = None  # continue from this checkpoint of the run (`--resume`); None: a new run
     sample_prompt: str = SAMPLE_PROMPT
     sample_tokens: int = SAMPLE_TOKENS
 

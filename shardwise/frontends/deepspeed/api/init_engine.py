@@ -12,6 +12,7 @@ What DeepSpeed does with each argument, and what this does:
 - `training_data` becomes a loader of micro-batches, each rank reading its own share
   of every epoch (DeepSpeed's DistributedSampler: shuffled with seed 0, the same order
   every epoch unless the script calls `loader.sampler.set_epoch`), through `collate_fn`;
+  the engine's checkpoints hold its position (api/runtime/dataloader.py);
 - `args.local_rank` is set to this process's LOCAL_RANK.
 It returns (engine, optimizer, training_dataloader, lr_scheduler): the optimizer is the
 torch optimizer that steps this rank's fp32 partition (the one passed in, re-pointed).
@@ -30,13 +31,14 @@ from typing import Any, Callable, Iterable
 
 import torch
 from torch import nn
-from torch.utils.data import DataLoader, Dataset, DistributedSampler, IterableDataset
+from torch.utils.data import DataLoader, Dataset, IterableDataset
 
 from shardwise.frontends.deepspeed.api.checkpoint_arguments import tag_validation_mode
 from shardwise.frontends.deepspeed.api.comm import DEFAULT_PORT, init_distributed
 from shardwise.frontends.deepspeed.api.engine import DeepSpeedEngine
 from shardwise.frontends.deepspeed.api.pipe import PipelineModule
 from shardwise.frontends.deepspeed.api.runtime.config import DeepSpeedConfigError
+from shardwise.frontends.deepspeed.api.runtime.dataloader import DeepSpeedDataLoader, PositionedSampler
 from shardwise.frontends.deepspeed.config import load_config, read_config
 from shardwise.frontends.deepspeed.initialize import initialize as initialize_engine
 from shardwise.runtime.engine.arguments import hidden_size
@@ -188,13 +190,17 @@ def _all_trainable_in_one_group(model: nn.Module, groups: list[dict[str, Any]]) 
     return len(groups) == 1 and set(groups[0]) == {"params"} and [id(p) for p in groups[0]["params"]] == trainable
 
 
-def _data_loader(engine: DeepSpeedEngine, dataset: Dataset, collate_fn: Callable | None) -> DataLoader:
+def _data_loader(engine: DeepSpeedEngine, dataset: Dataset, collate_fn: Callable | None) -> DeepSpeedDataLoader:
+    """DeepSpeed's loader of micro-batches, whose position the engine's checkpoints hold
+    (api/runtime/dataloader.py)."""
     if isinstance(dataset, IterableDataset) or not hasattr(dataset, "__len__"):
         raise ValueError("training_data must be a map-style torch Dataset (with __len__ and __getitem__), as "
                          "DeepSpeed's loader samples it by index; build a DataLoader for an iterable dataset "
                          "yourself")
     replicas = engine.comm  # the data-parallel ranks: each reads its own share
-    sampler = DistributedSampler(dataset, num_replicas=replicas.size, rank=replicas.rank,
-                                 drop_last=engine.config.dataloader_drop_last)
-    return DataLoader(dataset, batch_size=engine.train_micro_batch_size_per_gpu(), sampler=sampler,
-                      collate_fn=collate_fn, drop_last=engine.config.dataloader_drop_last)
+    drop_last = engine.config.dataloader_drop_last
+    sampler = PositionedSampler(dataset, num_replicas=replicas.size, rank=replicas.rank, drop_last=drop_last)
+    loader = DeepSpeedDataLoader(dataset, batch_size=engine.train_micro_batch_size_per_gpu(), sampler=sampler,
+                                 collate_fn=collate_fn, drop_last=drop_last)
+    engine.data_position = loader
+    return loader

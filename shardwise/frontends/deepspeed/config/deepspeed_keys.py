@@ -28,6 +28,7 @@ the others) are accepted when their name marks them as comments: `"_comment"`,
 
 Sources: deepspeed/runtime/constants.py, runtime/config.py, runtime/zero/config.py,
 runtime/zero/offload_config.py, runtime/precision_config.py, monitor/config.py,
+runtime/model_checkpointing/constants.py,
 profiling/config.py, comm/config.py, runtime/checkpoint_engine, compression/constants.py,
 elasticity/constants.py, autotuning/constants.py, runtime/data_pipeline/constants.py.
 """
@@ -75,6 +76,12 @@ KeyRule = Accepted | AcceptedWhen | Translated | Ignored | Removed
 
 def _is(expected: Any) -> Callable[[Any], bool]:
     return lambda value: value == expected and isinstance(value, bool) == isinstance(expected, bool)
+
+
+def _one_of(*choices: str | None) -> Callable[[Any], bool]:
+    """A string among `choices` in any case (DeepSpeed upper-cases before it checks), or None if listed."""
+    names = {choice.upper() for choice in choices if choice is not None}
+    return lambda value: (value is None and None in choices) or (isinstance(value, str) and value.upper() in names)
 
 
 def _disabled(block: Any) -> bool:
@@ -175,9 +182,6 @@ RULES: dict[str, dict[str, KeyRule]] = {
         "data_types": AcceptedWhen(_grad_accum_dtype, '{"grad_accum_dtype": "fp32"}',
                                    "shardwise accumulates gradients in the gradients' dtype and reduces in "
                                    "communication_data_type; remove the block"),
-        "checkpoint": Accepted("tag validation, universal loading and node-local storage are DeepSpeed "
-                               "checkpoint-engine options; shardwise checkpoints are always verified on load "
-                               "and load at any world size"),
         "autotuning": AcceptedWhen(_disabled, OFF, "shardwise has no autotuner: `shardwise plan` estimates "
                                    "memory per stage and recommends one"),
         "elasticity": Removed(_disabled, "elastic training: set the batch sizes directly (shardwise checkpoints "
@@ -271,6 +275,29 @@ RULES: dict[str, dict[str, KeyRule]] = {
                                                 "all-reduces in the autocast dtype; shardwise reduces every "
                                                 "gradient in communication_data_type (default: the parameters' "
                                                 "fp32), the same sum rounded less"),
+    },
+    "checkpoint": {
+        "checkpoint_serialization": Accepted("the serialization of DeepSpeed's torch.save files; shardwise writes "
+                                             "safetensors and JSON, never pickles"),
+        "load_universal": Accepted("DeepSpeed's universal checkpoints load at another parallel layout; shardwise "
+                                   "checkpoints always do"),
+        "use_node_local_storage": Accepted("where DeepSpeed's ranks write on each node; every shardwise rank "
+                                           "writes its share into the one checkpoint folder"),
+        "parallel_write": Accepted("DeepSpeed's pipeline stages writing their layer files in parallel; every "
+                                   "shardwise rank writes its own share in parallel always"),
+    },
+    "checkpoint.writer": {
+        "type": AcceptedWhen(_one_of("fast", "python"), '"fast" or "python" (any case)',
+                             "DeepSpeed's mock writer writes no files (an I/O benchmark); shardwise always writes a "
+                             "loadable checkpoint: use fast or python, or remove the key"),
+        "io_buffer_size": Accepted("the pinned buffer of DeepSpeed's fast file writer; shardwise streams each "
+                                   "rank's share into its safetensors file"),
+        "io_buffer_double": Accepted("double buffering in DeepSpeed's fast file writer"),
+        "io_multiplier": Accepted("how many files DeepSpeed's fast writer splits a rank's share into"),
+        "show_statistics": Accepted(DIAGNOSTICS),
+        "data_parallel": AcceptedWhen(_one_of("replica", "socket", "machine", None),
+                                      '"replica", "socket", "machine" (any case) or null',
+                                      "DeepSpeed accepts only these units for its parallel writers"),
     },
     "aio": {
         "intra_op_parallelism": Accepted("a libaio threading knob; shardwise's swap uses aio.thread_count"),

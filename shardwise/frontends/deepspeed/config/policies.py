@@ -9,7 +9,8 @@ is tensor parallelism's own sequence split, `pipeline_parallel.micro_batches` de
 the accumulation steps, `torch_autocast` is the forward under autocast from fp32 parameters,
 `bf16.bf16_master_weights_and_grads` is bf16 masters (the partition trained in place),
 `zero_optimization.offload_param` applies at stage 3 only (DeepSpeed ignores it below),
-`compile.deepcompile` is torch.compile per block beside the run-time ZeRO.
+`compile.deepcompile` is torch.compile per block beside the run-time ZeRO,
+`checkpoint.writer.decoupled` is the asynchronous checkpoint save.
 """
 
 from __future__ import annotations
@@ -68,7 +69,8 @@ def policies_from_config(cfg: ShardwiseConfig) -> Policies:
                              SparseLayout.from_section(cfg.sparse_attention) if cfg.sparse_attention else None,
                              cfg.seed or 0),
         topology=TopologyPolicy(cfg.topology.ranks_per_node),
-        checkpoint=CheckpointPolicy(resume_from=cfg.auto_resume.checkpoint_dir),
+        checkpoint=CheckpointPolicy(asynchronous=cfg.checkpoint.writer is not None and cfg.checkpoint.writer.decoupled,
+                                    resume_from=cfg.auto_resume.checkpoint_dir),
         optimizer=OptimizerPolicy(cfg.optimizer.type, dict(cfg.optimizer.params)) if cfg.optimizer else None,
         scheduler=SchedulerPolicy(cfg.scheduler.type, dict(cfg.scheduler.params)) if cfg.scheduler else None,
     )

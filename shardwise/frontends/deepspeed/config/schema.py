@@ -333,6 +333,32 @@ class TopologyConfig(Section):
     ranks_per_node: Int | None = Field(None, ge=1, json_schema_extra={"default_doc": "LOCAL_WORLD_SIZE"})
 
 
+class CheckpointWriterConfig(Section):
+    """DeepSpeed 0.19.8's `checkpoint.writer` (runtime/model_checkpointing/config.py): the
+    present block switches DeepSpeed to its fast checkpoint engine, and `decoupled` true to
+    its DecoupledCheckpointEngine, which writes in the background while training goes on.
+    shardwise's equivalent is its asynchronous save (runtime/checkpoint/policy.py): the
+    state is copied to host memory and a background thread writes and publishes it. The
+    block's other keys tune DeepSpeed's own file writers (deepspeed_keys.py)."""
+
+    decoupled: Bool = Field(False, description="save checkpoints in the background (shardwise's asynchronous save)")
+
+
+class CheckpointConfig(Section):
+    """DeepSpeed's `checkpoint` block. `tag_validation` (Ignore / Warn / Fail) is read by
+    the DeepSpeed API's save and load (api/checkpoint_arguments.py); the keys of DeepSpeed's
+    own checkpoint engines are classified in deepspeed_keys.py."""
+
+    tag_validation: Literal["IGNORE", "WARN", "FAIL"] = "WARN"
+    writer: CheckpointWriterConfig | None = None
+
+    @field_validator("tag_validation", mode="before")
+    @classmethod
+    def _upper_case(cls, mode: Any) -> Any:
+        """DeepSpeed upper-cases the mode before checking it (Warn, warn and WARN are one)."""
+        return mode.upper() if isinstance(mode, str) else mode
+
+
 class TensorBoardConfig(Section):
     """TensorBoard event files, written under output_path/job_name by rank 0 after every
     optimizer step (frontends/deepspeed/monitors/)."""
@@ -544,6 +570,7 @@ class ShardwiseConfig(Section):
     sequence_parallel: SequenceParallelConfig = Field(default_factory=SequenceParallelConfig)
     pipeline_parallel: PipelineParallelConfig = Field(default_factory=PipelineParallelConfig)
     topology: TopologyConfig = Field(default_factory=TopologyConfig)
+    checkpoint: CheckpointConfig = Field(default_factory=CheckpointConfig)
     tensorboard: TensorBoardConfig = Field(default_factory=TensorBoardConfig)
     csv_monitor: CsvMonitorConfig = Field(default_factory=CsvMonitorConfig)
     wandb: WandbConfig = Field(default_factory=WandbConfig)

@@ -10,6 +10,7 @@ import sys
 
 import torch.distributed as dist
 
+from shardwise.frontends.deepspeed.api.runtime.dataloader import RepeatingLoader
 from shardwise.frontends.deepspeed.api.utils.tensor_fragment import (
     safe_get_full_fp32_param,
     safe_get_full_grad,
@@ -59,22 +60,3 @@ def log_dist(message: str, ranks: list[int] | None = None, level: int = logging.
     rank = dist.get_rank()
     if ranks and (ranks[0] == -1 or rank in set(ranks)):
         logger.log(level, f"[Rank {rank}] {message}")
-
-
-class RepeatingLoader:
-    """Iterate `loader` forever, restarting it at its end (a pipeline's `train_batch` pulls
-    micro-batches and must never meet the end of an epoch mid-batch)."""
-
-    def __init__(self, loader):
-        self.loader = loader
-        self.data_iter = iter(loader)
-
-    def __iter__(self):
-        return self
-
-    def __next__(self):
-        try:
-            return next(self.data_iter)
-        except StopIteration:
-            self.data_iter = iter(self.loader)
-            return next(self.data_iter)
