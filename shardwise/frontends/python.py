@@ -23,6 +23,7 @@ from torch import nn
 
 from shardwise.models.families import parallelize
 from shardwise.models.core.plan import ModelPlan
+from shardwise.runtime.checkpoint.auto_resume import resume_latest
 from shardwise.runtime.distributed.setup import DistributedContext
 from shardwise.runtime.engine import Engine, Policies, start_job
 from shardwise.runtime.engine.arguments import check_arguments, refuse_second_engine
@@ -52,5 +53,9 @@ def build_engine(
     job = start_job(model, policies, optimizer, context, settings)
     model = parallelize(model, mesh=job.mesh, policies=policies, plan=plan, tensor_styles=tensor_styles,
                         world=job.world)
-    return engine_class(model, job=job, policies=policies, optimizer=optimizer, lr_scheduler=lr_scheduler,
-                        param_init_fn=param_init_fn)
+    engine = engine_class(model, job=job, policies=policies, optimizer=optimizer, lr_scheduler=lr_scheduler,
+                          param_init_fn=param_init_fn)
+    if policies.checkpoint.resume_from is not None and engine.trains:  # an elastic restart goes on from there
+        engine.resumed_client_state = resume_latest(
+            engine, policies.checkpoint.resume_from, lambda folder, tag: Engine.load_checkpoint(engine, folder, tag))
+    return engine

@@ -3,7 +3,7 @@
 What makes a job elastic: torchrun (`shardwise run --max-restarts N`, with `--nnodes
 MIN:MAX` across nodes) restarts the workers when one dies, at whatever world size the
 surviving nodes make, but the restarted script starts from scratch. With
-`CheckpointPolicy.resume_from` set, every engine built in it first loads the checkpoint
+`CheckpointPolicy.resume_from` set, every engine `shardwise.build_engine` builds first loads the checkpoint
 `latest` names in that folder, whatever world size or stage wrote it (checkpoints are
 resharded on load, runtime/checkpoint/load.py), so the script needs no resume logic of
 its own: it continues from `engine.global_steps`. `latest` only ever names a complete,
@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import logging
 from pathlib import Path
+from typing import Callable
 
 from shardwise.runtime.checkpoint.format import LATEST, CheckpointError
 from shardwise.runtime.checkpoint.manifest import read_latest
@@ -27,9 +28,11 @@ from shardwise.runtime.engine_protocol import EngineProtocol
 log = logging.getLogger("shardwise")
 
 
-def resume_latest(engine: EngineProtocol, directory: str | Path) -> dict | None:
-    """Load the checkpoint `directory/latest` names into `engine` and return its
-    client_state; None (and nothing loaded) when the folder holds no checkpoint yet."""
+def resume_latest(engine: EngineProtocol, directory: str | Path,
+                  load: Callable[[Path, str], dict]) -> dict | None:
+    """Load the checkpoint `directory/latest` names into `engine` with `load(folder, tag)`
+    (the runtime engine's load_checkpoint, whatever a front end's subclass returns) and
+    return its client_state; None (and nothing loaded) when the folder holds no checkpoint."""
     root = Path(directory)
     tag, problem = None, None
     if (root / LATEST).is_file():
@@ -50,7 +53,7 @@ def resume_latest(engine: EngineProtocol, directory: str | Path) -> dict | None:
     if tag is None:
         log.info("auto-resume: no checkpoint in %s yet, starting from the beginning", root)
         return None
-    client_state = engine.load_checkpoint(root, tag)
+    client_state = load(root, tag)
     log.info("auto-resume: continued from %s/%s at step %d with %d processes",
              root, tag, engine.global_steps, engine.world_size)
     return client_state

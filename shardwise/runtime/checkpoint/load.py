@@ -127,8 +127,11 @@ def load_checkpoint(engine: EngineProtocol, load_dir: str | os.PathLike, tag: st
     engine.global_steps = counters["global_steps"]
     engine.micro_steps = _first_micro_step(engine, counters)
     engine.skipped_steps = counters["skipped_steps"]
-    if engine.data_position is not None and meta.get("data_position") is not None:
-        engine.data_position.load_state_dict(meta["data_position"])
+    if meta.get("data_position") is not None:
+        if engine.data_position is not None:
+            engine.data_position.load_state_dict(meta["data_position"])
+        else:  # loaded at construction (auto-resume): the front end's loader comes after
+            engine.pending_data_position = meta["data_position"]
     if engine.rank < len(records) and "rng" in records[engine.rank]:
         restore_rng_state(records[engine.rank]["rng"], engine.device)
     return meta["client_state"]

@@ -9,7 +9,7 @@ a host copy of the rank's share, kept between saves so that only the first one
 allocates it.
 
 `resume_from` makes restarts resume by themselves (runtime/checkpoint/auto_resume.py):
-the engine, once built, loads the checkpoint `latest` names in that folder, if any, at
+`shardwise.build_engine`, once the engine is built, loads the checkpoint `latest` names in that folder, if any, at
 whatever world size the restart has (the DeepSpeed config's shardwise block
 `auto_resume.checkpoint_dir`).
 """

@@ -32,7 +32,6 @@ from torch import nn
 
 from shardwise.runtime.accounting import MemoryLedger
 from shardwise.runtime.activation.accounting import ActivationTracker
-from shardwise.runtime.checkpoint.auto_resume import resume_latest
 from shardwise.runtime.checkpoint.background import BackgroundWriter
 from shardwise.runtime.engine_protocol import DataPosition
 from shardwise.runtime.distributed.blocked_waits import AbandonedWait, watch_blocked_waits, watched_check
@@ -148,6 +147,7 @@ class Engine(nn.Module):
         self.skipped_steps = 0
         self.last_grad_norm: float | None = None
         self.data_position: DataPosition | None = None  # a front end's loader, checkpointed with the engine
+        self.pending_data_position: dict[str, Any] | None = None  # see attach_data_position
         self.zenflow = self._zenflow_for(policies) if self.trains else None
         # what each loss is divided by: the accumulation count (ZenFlow's update interval)
         self.loss_divisor = (self.zenflow.update_interval if self.zenflow is not None
@@ -167,9 +167,8 @@ class Engine(nn.Module):
         self.pass_failures = self._pass_failures_for(policies)
         self._destroyed = False
         self.reset_comm_volume()
-        # an elastic restart continues from the folder's newest checkpoint (None: none loaded)
-        self.resumed_client_state = (resume_latest(self, policies.checkpoint.resume_from)
-                                     if policies.checkpoint.resume_from is not None and self.trains else None)
+        # what an automatic resume loaded (CheckpointPolicy.resume_from; shardwise.build_engine)
+        self.resumed_client_state: dict | None = None
 
     # -- the training step ---------------------------------------------------------------
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
@@ -494,6 +493,15 @@ class Engine(nn.Module):
         return self.pipeline
 
     # -- checkpoints (runtime/checkpoint/) ----------------------------------------------
+    def attach_data_position(self, loader: DataPosition) -> None:
+        """Give the engine the loader a front end built for it: checkpoints save where it is
+        and loads put it back. A position loaded before the loader existed (the automatic
+        resume at construction, CheckpointPolicy.resume_from) is applied to it now."""
+        if self.pending_data_position is not None:
+            loader.load_state_dict(self.pending_data_position)
+            self.pending_data_position = None
+        self.data_position = loader
+
     def save_checkpoint(self, save_dir: str | os.PathLike, tag: str | None = None,
                         client_state: dict | None = None, *, asynchronous: bool | None = None) -> str:
         """Write this rank's shard of everything needed to resume; returns the tag.

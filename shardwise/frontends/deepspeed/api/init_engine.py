@@ -202,5 +202,5 @@ def _data_loader(engine: DeepSpeedEngine, dataset: Dataset, collate_fn: Callable
     sampler = PositionedSampler(dataset, num_replicas=replicas.size, rank=replicas.rank, drop_last=drop_last)
     loader = DeepSpeedDataLoader(dataset, batch_size=engine.train_micro_batch_size_per_gpu(), sampler=sampler,
                                  collate_fn=collate_fn, drop_last=drop_last)
-    engine.data_position = loader
+    engine.attach_data_position(loader)
     return loader

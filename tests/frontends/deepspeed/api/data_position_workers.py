@@ -29,7 +29,7 @@ class IndexedRows(Dataset):
 
 
 def train(rank: int, world_size: int, directory: str, *, steps: int, stop_at: int | None = None,
-          resume: bool = False, set_epoch: bool = True) -> list[dict]:
+          resume: bool = False, set_epoch: bool = True, auto_resume: bool = False) -> list[dict]:
     """Train until optimizer step `steps` (or `stop_at`, then save); `resume`: from the
     checkpoint in `directory`. `set_epoch`: the script calls loader.sampler.set_epoch each
     epoch (else every epoch has the same order, DeepSpeed's default). One record per
@@ -39,9 +39,13 @@ def train(rank: int, world_size: int, directory: str, *, steps: int, stop_at: in
     config = {"train_batch_size": GLOBAL_BATCH, "train_micro_batch_size_per_gpu": MICRO,
               "optimizer": {"type": "AdamW", "params": {"lr": 0.01, "eps": 1e-4}},
               "zero_optimization": {"stage": 2}}
+    if auto_resume:
+        config["auto_resume"] = {"checkpoint_dir": directory}
     engine, _, loader, _ = deepspeed.initialize(model=model, config=config, training_data=IndexedRows())
     epoch = 0
-    if resume:
+    if auto_resume and engine.resumed_client_state is not None:
+        epoch = engine.resumed_client_state["epoch"]
+    elif resume:
         _, client_state = engine.load_checkpoint(directory)
         epoch = client_state["epoch"]
     records: list[dict] = []

@@ -41,6 +41,16 @@ def test_a_resumed_run_equals_the_uninterrupted_one_step_for_step(tmp_path, set_
         assert relative_error([r["loss"] for r in resumed], [r["loss"] for r in whole[rank]]) < 1e-6
 
 
+def test_an_automatic_resume_puts_the_loader_back_too(tmp_path):
+    """auto_resume loads the checkpoint while the engine is built, before
+    deepspeed.initialize builds its loader: the loader still starts where the checkpoint was."""
+    whole = run_distributed(train, 2, str(tmp_path / "unused"), steps=STEPS)
+    first = run_distributed(train, 2, str(tmp_path / "run"), steps=STEPS, stop_at=STOP, auto_resume=True)
+    rest = run_distributed(train, 2, str(tmp_path / "run"), steps=STEPS, auto_resume=True)
+    for rank in range(2):
+        assert [r["indices"] for r in first[rank] + rest[rank]] == [r["indices"] for r in whole[rank]]
+
+
 @pytest.mark.parametrize(("before", "after"), [(2, 1), (1, 2)])
 def test_a_run_resumed_at_another_size_reads_every_sample_once(tmp_path, before, after):
     whole = run_distributed(train, before, str(tmp_path / "unused"), steps=STEPS)
