@@ -56,8 +56,12 @@ def _launch(tmp_path: Path, name: str, *args: str, deepspeed_config: dict | None
         command += ["--as-deepspeed", "--no-local-rank", "--nproc", "2", str(SCRIPTS / "gloo_for_nccl.py"),
                     str(SCRIPTS / "clm_no_trainer.py")]
     prefix = tmp_path / name
-    result = subprocess.run([*command, *SCRIPT_ARGS, "--losses", str(prefix), *args], capture_output=True,
-                            text=True, timeout=240, env=environment)
+    try:
+        result = subprocess.run([*command, *SCRIPT_ARGS, "--losses", str(prefix), *args], capture_output=True,
+                                text=True, timeout=240, env=environment)
+    except subprocess.TimeoutExpired as timeout:  # before pytest's own timeout, so the output is seen
+        stderr = (timeout.stderr or b"").decode(errors="replace")  # bytes even with text=True
+        pytest.fail(f"{name} did not finish in {timeout.timeout:g}s:\n{stderr[-6000:]}")
     assert result.returncode == 0, f"{name} exited with {result.returncode}:\n{result.stderr[-6000:]}"
     return [json.loads(Path(f"{prefix}.rank{rank}.json").read_text()) for rank in range(2)]
 
