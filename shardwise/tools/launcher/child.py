@@ -7,7 +7,8 @@ The script runs unmodified and sees what `python SCRIPT ARGS...` would show it:
 status 1, and its one-line summary goes to torchrun's error file for the worker, which
 the launcher reads to name the failing rank and its exception. Before it starts, the worker is tied to the launcher's life
 (`die_with_launcher`), which a plain `python` cannot do, and takes part in the
-launcher's hang watch (`watch_this_worker`). A KeyboardInterrupt the script
+launcher's hang watch (`watch_this_worker`); process groups the script destroys stay
+referenced until it has returned (`destroyed_groups`: a torch deadlock at exit). A KeyboardInterrupt the script
 lets through (the launcher forwards a Ctrl-C as SIGINT) ends the worker quietly with
 status 130, as shells report it, and without running exit handlers: the launcher prints
 the one line about the interrupt.
@@ -23,7 +24,9 @@ import sys
 import time
 from types import TracebackType
 
+from shardwise.tools.launcher.destroyed_groups import keep_destroyed_groups, release_destroyed_groups
 from shardwise.tools.launcher.lifeline import die_with_launcher
+from shardwise.tools.launcher.torch_import import after_torch_import
 from shardwise.tools.launcher.worker_watch import watch_this_worker
 
 INTERRUPTED = 128 + signal.SIGINT  # the status a shell reports for a Ctrl-C
@@ -39,8 +42,12 @@ def main() -> None:
     script = sys.argv[1]
     sys.argv = sys.argv[1:]
     sys.path[0] = os.path.dirname(os.path.realpath(script))
+    after_torch_import(keep_destroyed_groups)
     try:
-        runpy.run_path(script, run_name="__main__")
+        try:
+            runpy.run_path(script, run_name="__main__")
+        finally:
+            release_destroyed_groups()
     except KeyboardInterrupt:
         _exit_quietly(INTERRUPTED)
     except Exception as error:

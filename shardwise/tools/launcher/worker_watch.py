@@ -25,17 +25,15 @@ runs unmodified. The worker then
 from __future__ import annotations
 
 import faulthandler
-import importlib.abc
-import importlib.util
 import json
 import os
 import signal
-import sys
 import threading
 import time
 from pathlib import Path
 
 from shardwise.runtime.distributed.flight_recorder import RECORDER, CollectiveRecord
+from shardwise.tools.launcher.torch_import import after_torch_import
 
 HANG_DIR_ENV = "SHARDWISE_HANG_DIR"
 REPORT_SIGNAL = signal.SIGUSR1
@@ -67,10 +65,7 @@ def watch_this_worker() -> None:
     writer = _SnapshotWriter(folder, rank)
     RECORDER.on_failure = writer.report_failure
     threading.Thread(target=writer.run, name="shardwise-flight-recorder", daemon=True).start()
-    if "torch" in sys.modules:
-        _record_torch()
-    else:
-        sys.meta_path.insert(0, _AfterTorchImport())
+    after_torch_import(_record_torch)
 
 
 def _record_torch() -> None:
@@ -112,23 +107,3 @@ class _SnapshotWriter:
         deadline = time.monotonic() + COLLECT_WAIT_SECONDS
         while not (self.folder / COLLECTED).exists() and time.monotonic() < deadline:
             time.sleep(0.05)
-
-
-class _AfterTorchImport(importlib.abc.MetaPathFinder):
-    """Finds `torch` as usual, and records its collectives once its import has finished."""
-
-    def find_spec(self, fullname, path, target=None):
-        if fullname != "torch":
-            return None
-        sys.meta_path.remove(self)
-        spec = importlib.util.find_spec(fullname)
-        if spec is None or spec.loader is None:
-            return spec
-        execute = spec.loader.exec_module
-
-        def exec_module(module) -> None:
-            execute(module)
-            _record_torch()
-
-        spec.loader.exec_module = exec_module
-        return spec

@@ -15,10 +15,11 @@ so a decaying schedule differs between those two launches by accelerate's own de
 The config leaves out `gradient_clipping`: accelerate fills its `"auto"` with 1.0, and
 the DDP script does not clip.
 
-The DDP reference runs through `scripts/groups_outlive_script.py`: without it, 4 runs in
-15 on a loaded 2-core machine never exited, in a deadlock of torch 2.13's own
-(DDP's Reducer frees the gloo process group with the GIL held while a gloo thread needs
-the GIL to free a finished work); that file says how and why.
+The DDP reference is a plain accelerate script under `shardwise run`: without the
+launcher's guard (shardwise/tools/launcher/destroyed_groups.py), 4 runs in 15 on a loaded
+2-core machine never exited, in a deadlock of torch 2.13's own (DDP's Reducer frees the
+gloo process group with the GIL held while a gloo thread needs the GIL to free a finished
+work); that file says how and why.
 """
 
 from __future__ import annotations
@@ -48,7 +49,7 @@ def _launch(tmp_path: Path, name: str, *args: str, deepspeed_config: dict | None
     command = [sys.executable, "-m", "shardwise.tools.cli.main", "run"]
     if deepspeed_config is None:
         environment["ACCELERATE_USE_CPU"] = "true"
-        command += ["--nproc", "2", str(SCRIPTS / "groups_outlive_script.py"), str(SCRIPTS / "clm_no_trainer.py")]
+        command += ["--nproc", "2", str(SCRIPTS / "clm_no_trainer.py")]
     else:
         config_file = tmp_path / f"{name}.ds.json"
         config_file.write_text(json.dumps(deepspeed_config))
