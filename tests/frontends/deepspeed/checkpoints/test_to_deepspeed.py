@@ -32,6 +32,9 @@ LAYOUTS = {
     "stage3_sub_groups": (["--world-size", "2", "--zero-stage", "3", "--sub-group-size", "100"], [
         "zero_pp_rank_0_mp_rank_00_model_states.pt", "zero_pp_rank_0_mp_rank_00_optim_states.pt",
         "zero_pp_rank_1_mp_rank_00_model_states.pt", "zero_pp_rank_1_mp_rank_00_optim_states.pt"]),
+    "stage2_bf16": (["--world-size", "2"], [
+        "bf16_zero_pp_rank_0_mp_rank_00_optim_states.pt", "bf16_zero_pp_rank_1_mp_rank_00_optim_states.pt",
+        "mp_rank_00_model_states.pt"]),
     "bf16_optimizer": (["--world-size", "2", "--zero-stage", "1"], [
         "bf16_zero_pp_rank_0_mp_rank_00_optim_states.pt", "bf16_zero_pp_rank_1_mp_rank_00_optim_states.pt",
         "mp_rank_00_model_states.pt"]),
