@@ -16,7 +16,7 @@ from tests.frontends.deepspeed.checkpoints.fixtures import make_fixtures
 from tests.frontends.deepspeed.checkpoints.workers import FIXTURES, fixture_losses, resume
 
 FP32_TOLERANCE, BF16_TOLERANCE = 1e-6, 2e-2
-FP16_TOLERANCE = 5e-3  # fp16 keeps 11 significant bits to bf16's 8
+FP16_TOLERANCE = 1e-3  # measured 5e-5 here; fp16 keeps 11 significant bits to bf16's 8
 QUICK = {"stage2_fp32", "stage3_bf16", "pipeline_fp32", "universal", "fp16_dynamic"}  # each layout and precision once
 CASES = [pytest.param(case, marks=() if case in QUICK else pytest.mark.slow) for case in make_fixtures.CASES]
 
