@@ -38,6 +38,7 @@ import math
 import os
 import re
 from dataclasses import dataclass
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -84,6 +85,10 @@ def write_deepspeed_checkpoint(checkpoint_dir: str | os.PathLike, output: str | 
     if stage not in (1, 2, 3):
         raise ValueError(f"--to-deepspeed writes ZeRO-1/2/3 files, not stage {stage}; train the DeepSpeed run at "
                          "stage 1, 2 or 3 to resume, then change the stage")
+    if pipeline_parts is not None and (len(pipeline_parts) < 2 or pipeline_parts[0] != 0
+                                       or any(b <= a for a, b in zip(pipeline_parts, pipeline_parts[1:]))):
+        raise ValueError(f"pipeline_parts {pipeline_parts}: give DeepSpeed's PipelineModule.parts, the first layer "
+                         "of each stage and then the number of layers (e.g. 0,4,8 for two stages of four layers)")
     if pipeline_parts is not None and stage != 1:
         raise ValueError(f"a pipeline is written for DeepSpeed's ZeRO-1 (its pipeline engine refuses ZeRO-2/3), not "
                          f"stage {stage}")
@@ -176,7 +181,7 @@ def _module(meta: dict, index: PieceIndex) -> dict[str, torch.Tensor]:
 
 def _model_file(meta: dict, module: dict[str, torch.Tensor] | None, groups: list[list[dict]], target: _Target, *,
                 dp_world_size: int, frozen_fragments: dict[str, torch.Tensor] | None = None,
-                pipeline_stages: int = 1, rename: Any = None) -> dict:
+                pipeline_stages: int = 1, rename: Callable[[str], str] | None = None) -> dict:
     """A DeepSpeed model-states file: the module (None for a pipeline, whose layers have their
     own files), each group's parameter shapes, scheduler, counters and client_state."""
     rename = rename or (lambda name: name)
@@ -333,10 +338,6 @@ def _zero3_optimizer_file(meta: dict, index: PieceIndex, sub_groups: list[tuple[
 # -- a pipeline -------------------------------------------------------------------------------------
 def _write_pipeline(folder: Path, meta: dict, index: PieceIndex, groups: list[list[dict]], steps: list[int],
                     target: _Target, parts: list[int]) -> None:
-    layers = len(parts) - 1
-    if layers < 1 or parts[0] != 0 or any(b <= a for a, b in zip(parts, parts[1:])):
-        raise ValueError(f"pipeline_parts {parts}: give DeepSpeed's PipelineModule.parts, the first layer of each "
-                         "stage and then the number of layers (e.g. 0,4,8 for two stages of four layers)")
     module = _module(meta, index)
     layer_of: dict[str, int] = {}
     for name in module:

@@ -188,6 +188,9 @@ def test_to_deepspeed_refuses_bad_pipeline_parts(shardwise_checkpoints, tmp_path
     assert cli(["convert", "--to-deepspeed", "--world-size", "2", "--pipeline-parts", "0,4,8", "--zero-stage", "2",
                 str(directory), str(tmp_path)]) == 2
     assert "ZeRO-1" in capsys.readouterr().err
+    assert cli(["convert", "--to-deepspeed", "--world-size", "2", "--pipeline-parts", "0,4,4", str(directory),
+                str(tmp_path)]) == 2
+    assert "PipelineModule.parts" in capsys.readouterr().err
 
 
 @NEEDS_DEEPSPEED
