@@ -36,14 +36,20 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
                         help="CHECKPOINT_DIR is DeepSpeed's (latest + tag folder, or a Trainer's checkpoint-N): write "
                         "it as a shardwise checkpoint under OUTPUT, optimizer state and counters included")
     parser.add_argument("--to-deepspeed", action="store_true",
-                        help="write the shardwise checkpoint as DeepSpeed's ZeRO-1/2 folder under OUTPUT, which "
-                        "DeepSpeed's load_checkpoint resumes (needs --world-size)")
+                        help="write the shardwise checkpoint as DeepSpeed's ZeRO-1/2/3 or pipeline folder under "
+                        "OUTPUT, which DeepSpeed's load_checkpoint resumes (needs --world-size)")
     parser.add_argument("--world-size", type=int, metavar="N",
                         help="with --to-deepspeed: the DeepSpeed run's data-parallel size (DeepSpeed resumes ZeRO "
                         "files only at the size that wrote them)")
-    parser.add_argument("--zero-stage", type=int, choices=[1, 2], default=2,
-                        help="with --to-deepspeed: the ZeRO stage recorded in the files (default 2; DeepSpeed's "
-                        "stages 1 and 2 read the same files)")
+    parser.add_argument("--zero-stage", type=int, choices=[1, 2, 3],
+                        help="with --to-deepspeed: the DeepSpeed run's ZeRO stage (default 2, which stage 1 reads "
+                        "too; a pipeline: 1)")
+    parser.add_argument("--pipeline-parts", metavar="L0,L1,...,N",
+                        help="with --to-deepspeed, for a PipelineModule's checkpoint: the DeepSpeed run's "
+                        "PipelineModule.parts, the first layer of each stage then the layer count (e.g. 0,4,8)")
+    parser.add_argument("--sub-group-size", type=int, metavar="N",
+                        help="with --to-deepspeed --zero-stage 3: the DeepSpeed run's zero_optimization."
+                        "sub_group_size (default DeepSpeed's, 1e9)")
     parser.add_argument("--optimizer", metavar="CLASS",
                         help="with --from-deepspeed: the torch optimizer class the run trains with (AdamW, ...), "
                         "needed when the DeepSpeed config has no optimizer block")
@@ -98,18 +104,27 @@ def _from_deepspeed(args: argparse.Namespace) -> int:
 
 
 def _to_deepspeed(args: argparse.Namespace) -> int:
-    from shardwise.frontends.deepspeed.checkpoints.to_deepspeed import write_deepspeed_checkpoint
+    from shardwise.frontends.deepspeed.checkpoints.to_deepspeed import SUB_GROUP_SIZE, write_deepspeed_checkpoint
 
     if args.world_size is None:
         print("shardwise convert: error: --to-deepspeed needs --world-size N, the data-parallel size of the DeepSpeed "
               "run that will resume it (DeepSpeed reads ZeRO files only at the size that wrote them)", file=sys.stderr)
         return 2
     try:
+        parts = None if args.pipeline_parts is None else [int(part) for part in args.pipeline_parts.split(",")]
+    except ValueError:
+        print(f"shardwise convert: error: --pipeline-parts {args.pipeline_parts!r}: give comma-separated layer "
+              "indices, e.g. 0,4,8", file=sys.stderr)
+        return 2
+    stage = args.zero_stage if args.zero_stage is not None else 1 if parts is not None else 2
+    try:
         written = write_deepspeed_checkpoint(args.checkpoint_dir, args.output, world_size=args.world_size,
-                                             stage=args.zero_stage, tag=args.tag)
+                                             stage=stage, tag=args.tag, pipeline_parts=parts,
+                                             sub_group_size=args.sub_group_size or SUB_GROUP_SIZE)
     except (CheckpointError, ValueError) as error:
         print(f"shardwise convert: error: {error}", file=sys.stderr)
         return 2
-    print(f"wrote {written} (DeepSpeed's ZeRO-{args.zero_stage} layout for {args.world_size} ranks; resume it with "
+    layout = f"pipeline of {len(parts) - 1} stages, ZeRO-{stage}" if parts is not None else f"ZeRO-{stage}"
+    print(f"wrote {written} (DeepSpeed's {layout} layout for {args.world_size} ranks; resume it with "
           f"engine.load_checkpoint({args.output!r}) under DeepSpeed)")
     return 0

@@ -27,7 +27,7 @@ from torch import nn
 from shardwise.frontends.deepspeed.call_arguments import folder_problem, name_problem, raise_on_every_rank
 from shardwise.frontends.deepspeed.checkpoints.detect import deepspeed_checkpoint_dir
 from shardwise.frontends.deepspeed.checkpoints.resume import open_deepspeed_checkpoint
-from shardwise.frontends.deepspeed.checkpoints.to_deepspeed import write_deepspeed_checkpoint
+from shardwise.frontends.deepspeed.checkpoints.to_deepspeed import SUB_GROUP_SIZE, write_deepspeed_checkpoint
 from shardwise.frontends.deepspeed.config import ShardwiseConfig
 from shardwise.frontends.deepspeed.monitors import MonitorMaster, step_events
 from shardwise.runtime.checkpoint.format import CheckpointError
@@ -148,22 +148,33 @@ class ConfiguredEngine(Engine):
                                        strict=strict, opened=opened)
 
     def save_deepspeed_checkpoint(self, save_dir: str | os.PathLike, tag: str | None = None,
-                                  client_state: dict | None = None, *, zero_stage: int = 2) -> Path:
-        """Save a checkpoint in DeepSpeed's ZeRO-1/2 layout under `save_dir/tag` (with `latest`),
-        for a DeepSpeed run of this data-parallel size to resume: the way back to DeepSpeed
+                                  client_state: dict | None = None, *, zero_stage: int | None = None,
+                                  sub_group_size: int = SUB_GROUP_SIZE) -> Path:
+        """Save a checkpoint in DeepSpeed's layout under `save_dir/tag` (with `latest`), for a
+        DeepSpeed run of this data-parallel size to resume: the way back to DeepSpeed
         (frontends/deepspeed/checkpoints/to_deepspeed.py says what it writes and refuses).
-        Collective. shardwise's own checkpoint is written first, into a hidden folder under
-        `save_dir` that is removed once rank 0 has converted it."""
+        `zero_stage`: the DeepSpeed run's (default: this engine's; 2 for an engine without
+        ZeRO; a pipeline is written for ZeRO-1 with its own stage split); `sub_group_size`:
+        the DeepSpeed run's at ZeRO-3. Collective. shardwise's own checkpoint is written
+        first, into a hidden folder under `save_dir` that is removed once rank 0 has
+        converted it."""
+        parts = None
         if self.pipeline is not None:
-            raise ValueError("save_deepspeed_checkpoint writes data-parallel (ZeRO-1/2) checkpoints; a pipeline's "
-                             "is not written in DeepSpeed's layer-file layout")
+            layout = self.pipeline.layout
+            if layout.virtual != 1:
+                raise ValueError("save_deepspeed_checkpoint: DeepSpeed's pipeline runs one chunk per stage; this "
+                                 f"engine runs {layout.virtual} (interleaved schedule)")
+            parts = [run[0] for run in layout.runs] + [layout.runs[-1][-1] + 1]
+            zero_stage = 1 if zero_stage is None else zero_stage
+        elif zero_stage is None:
+            zero_stage = self.stage if self.stage in (1, 2, 3) else 2
         staging = Path(save_dir) / ".shardwise-for-deepspeed"
         written_tag = Engine.save_checkpoint(self, staging, tag, client_state, asynchronous=False)  # converted next
         failure = None
         if self.rank == 0:
             try:
-                write_deepspeed_checkpoint(staging, save_dir, world_size=self.world_size, stage=zero_stage,
-                                           tag=written_tag)
+                write_deepspeed_checkpoint(staging, save_dir, world_size=self.mesh["data"].size, stage=zero_stage,
+                                           tag=written_tag, pipeline_parts=parts, sub_group_size=sub_group_size)
             except (CheckpointError, ValueError) as error:
                 failure = str(error)
             shutil.rmtree(staging, ignore_errors=True)

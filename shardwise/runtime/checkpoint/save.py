@@ -5,8 +5,8 @@ and the matching slices of every per-element optimizer state, as the optimizer's
 gives them), named by parameter and element range, so no rank ever holds more of the
 model than it already did. Where shards are replicated (stage 0, where every rank owns
 everything, and hybrid sharding) only the first replica writes model and optimizer data;
-frozen parameters and buffers, whole on every rank, are written once, by rank 0. Every
-rank writes its own RNG state.
+frozen parameters and buffers, whole on every rank, are written once, by rank 0 (with a
+pipeline, by each stage's first rank). Every rank writes its own RNG state.
 
 Failures are agreed on: after each phase the ranks all-reduce a success flag, so a full
 disk on one rank makes every rank raise instead of leaving its peers blocked in a
@@ -236,6 +236,13 @@ def _stream(engine: EngineProtocol, tensors: list[tuple[str, torch.Tensor, int]]
                 consume(key, tensor)
 
 
+def _writes_extras(engine: EngineProtocol) -> bool:
+    """Frozen parameters and buffers are whole on every rank holding their pipeline stage:
+    the stage's first rank writes them (rank 0 without a pipeline), so a later stage's
+    buffers are saved too."""
+    return all(index == 0 for dimension, index in engine.mesh.coordinates.items() if dimension != "pipeline")
+
+
 def _rank_share(engine: EngineProtocol, staging: Path) -> _RankShare:
     """This rank's tensors (views of the training buffers, in file order) and record."""
     zero = engine.zero
@@ -276,7 +283,7 @@ def _rank_share(engine: EngineProtocol, staging: Path) -> _RankShare:
             for start, run, stride, count, at in strided_pieces(owned_runs(low, high, shards.get(name))):
                 add(name, start, start + (count - 1) * stride + run, {VALUE: values[at : at + run * count]}, -1,
                     *((run, stride) if count > 1 else ()))
-    if engine.rank == 0:
+    if _writes_extras(engine):
         for name, tensor in module_extras(engine):
             add(name, 0, tensor.numel(), {VALUE: tensor.detach().reshape(-1)}, -1)
 

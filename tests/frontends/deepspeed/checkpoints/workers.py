@@ -41,10 +41,13 @@ def resume(rank: int, world_size: int, case: str, directory: str, *, stage: int 
     start = engine.global_steps
     steps = range(start, start + tiny.STEPS_AFTER_SAVE)
     lr = [group["lr"] for group in engine.optimizer.optimizer.param_groups]
+    scaler = engine.loss_scaler.state_dict() if engine.loss_scaler.dynamic else None  # as loaded
+    skipped = engine.skipped_steps
     losses = make_fixtures.run_steps(engine, case, steps)
     if save_to is not None:
         engine.save_checkpoint(save_to, tag="resumed")
-    return {"losses": losses, "global_steps": start, "client_state": client_state, "path": path, "lr": lr}
+    return {"losses": losses, "global_steps": start, "client_state": client_state, "path": path, "lr": lr,
+            "loss_scaler": scaler, "skipped_steps": skipped}
 
 
 def fixture_losses(case: str) -> dict:
