@@ -37,7 +37,7 @@ def launch_ranks(options_path: Path, nproc: int, threads: int) -> int:
 
     single_node = argparse.Namespace(
         nproc=nproc, nnodes="1", node_rank=None, rdzv_endpoint=None, rdzv_id="shardwise-train",
-        master_port=None, script=WORKER_MODULE,
+        master_port=None, max_restarts=0, rdzv_conf=None, script=WORKER_MODULE,
     )
     *torchrun_options, module = build_torchrun_args(single_node)
     # OMP_NUM_THREADS set here also stops torchrun from overriding it with 1 (and warning).
