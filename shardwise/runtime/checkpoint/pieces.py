@@ -91,12 +91,14 @@ def describe_model(engine: EngineProtocol) -> dict[str, Any]:
     shapes.update({name: list(shard.global_shape) for name, shard in tensor_shards(engine.module).items()
                    if name in shapes})
     module = engine.module
+    experts = {id(param) for _, param, _ in engine.experts.params} if engine.experts is not None else set()
     groups = {slot.name: slot.group for unit in engine.zero.units for slot in unit.slots} if engine.trains else {}
     parameters = [  # dtype: of the stored values (fp32 masters for trained parameters); group: its param group
         {"name": name, "shape": shapes.get(name, list(param.shape)), "trainable": name in trained,
          "dtype": "float32" if name in trained else _dtype_name(param.dtype),
          **({"group": groups[name]} if name in groups else {})}
         for name, param in module.named_parameters()
+        if id(param) not in experts  # each rank's own, under local names (expert_state.py)
     ]
     persistent = set(module.state_dict(keep_vars=True))
     buffers = [

@@ -328,14 +328,6 @@ class Engine(nn.Module):
         if self.replica_check is not None and self.replica_check.due(self.global_steps):
             self.replica_check.check(list(self.module.named_parameters()), f"after optimizer step {self.global_steps}")
 
-    def _refuse_expert_checkpoints(self, operation: str) -> None:
-        """Experts of expert-parallel layers sit outside ZeRO's stores, which checkpoints
-        write; refused rather than saving or resuming a model without its experts."""
-        if self.experts is not None:
-            raise ValueError(f"{operation}: checkpoints of expert-parallel layers (ep_size > 1) are not supported "
-                             "yet: the experts and their optimizer state are trained apart from ZeRO's stores. "
-                             "Train with ep_size=1 where you need checkpoints")
-
     def _expert_scheduler(self, lr_scheduler: Any, policies: Policies) -> Any:
         """The schedule of the experts' own optimizer: the same schedule, built over its groups.
         A scheduler object built before `initialize` holds the optimizer the experts were
@@ -362,18 +354,21 @@ class Engine(nn.Module):
                              "(ZeRO 0-3, no tensor, sequence or pipeline parallelism, bf16/fp16 or ZenFlow); "
                              "use ep_size=1 for the others")
         ids = {id(param) for _, param, _ in experts}
+        build: Callable[[list[dict]], torch.optim.Optimizer]
         if optimizer is not None:
             groups, index = ExpertTraining.split_optimizer(optimizer, ids)
-            expert_optimizer = type(optimizer)(groups)
+            build = type(optimizer)
             named = [(name, param, index[group]) for name, param, group in named if id(param) not in ids]
         else:
-            expert_optimizer = optimizer_spec(policies.optimizer.type).build(
-                [{"params": [param for _, param, _ in experts]}], dict(policies.optimizer.params))
+            groups = [{"params": [param for _, param, _ in experts]}]
+            spec, hyper = optimizer_spec(policies.optimizer.type), dict(policies.optimizer.params)
+            build = lambda groups: spec.build(groups, hyper)  # noqa: E731
             named = [entry for entry in named if id(entry[1]) not in ids]
         expert_data = {size: Communicator(self.mesh.expert_handles(size)[1], self.comm_stats, self.ledger,
                                           self.job.peers)
                        for size in sorted({size for _, _, size in experts})}
-        return named, ExpertTraining(experts, expert_optimizer, expert_data, data_size=self.mesh.data_size)
+        return named, ExpertTraining(experts, groups, build, expert_data, data_size=self.mesh.data_size,
+                                     partitioned=policies.zero.partitions_model_states, ledger=self.ledger)
 
     def _replica_check(self, interval: int) -> ReplicaCheck | None:
         if not interval:
@@ -463,7 +458,6 @@ class Engine(nn.Module):
         from shardwise.runtime.checkpoint import save_checkpoint
 
         self._require_alive("save_checkpoint")
-        self._refuse_expert_checkpoints("save_checkpoint")
         self.world.agree_on_call("save_checkpoint", call_check_timeout(self.context.timeout))
         self.wait_for_checkpoint()  # one save at a time; an earlier write's failure raises here
         if self.replica_check is not None:  # never save replicas that diverged
@@ -494,7 +488,6 @@ class Engine(nn.Module):
         from shardwise.runtime.checkpoint import load_checkpoint
 
         self._require_alive("load_checkpoint")
-        self._refuse_expert_checkpoints("load_checkpoint")
         self.world.agree_on_call("load_checkpoint", call_check_timeout(self.context.timeout))
         self.wait_for_checkpoint()  # never read a checkpoint while one is being written
         return load_checkpoint(self, load_dir, tag, optimizer_states=optimizer_states, module_only=module_only,

@@ -12,8 +12,17 @@ so the experts stay out of ZeRO's flat buffers: each rank keeps its experts whol
 are already 1/P of the experts, at any ZeRO stage, stage 3 included) and steps them with
 an optimizer of its own, built from the caller's expert param groups.
 
-The global gradient norm counts each expert once: a rank adds its experts' squares
-divided by the D/P ranks holding copies of them.
+At ZeRO stages 1-3 the experts' optimizer state is partitioned over the expert-data
+group, as DeepSpeed's ZeRO does for expert groups: each param group's experts of one
+size live in one flat buffer (the parameters become views of it), padded to a multiple
+of N = D/P; a rank's optimizer steps only its 1/N slice of the buffer (a parameter that
+shares the buffer's storage, so no copy), the gradients are reduce-scattered into that
+slice instead of all-reduced, and the updated slices are all-gathered back into the
+buffer. At stage 0 the slice is the whole buffer and the gradients are all-reduced.
+
+The global gradient norm counts each expert once: partitioned, a rank adds the squares
+of its slice (every element is in exactly one rank's slice of its expert-data group);
+whole, its experts' squares divided by the D/P ranks holding copies of them.
 """
 
 from __future__ import annotations
@@ -32,17 +41,86 @@ from shardwise.runtime.parallel.expert.marking import ExpertParallelLayer, exper
 BuildOptimizer = Callable[[list[dict]], torch.optim.Optimizer]
 
 
+class ExpertBucket:
+    """One param group's experts of one expert-parallel size, in one flat buffer, and the
+    slice of it this rank's optimizer steps (`slice`: shares the buffer's storage)."""
+
+    def __init__(self, params: list[tuple[str, nn.Parameter]], *, size: int, group: int, comm: Communicator,
+                 partitioned: bool):
+        self.params, self.size, self.group, self.comm = params, size, group, comm
+        self.partitioned = partitioned and comm.size > 1
+        parts = comm.size if self.partitioned else 1
+        self.numel = sum(param.numel() for _, param in params)
+        padded = -(-self.numel // parts) * parts
+        first = params[0][1]
+        self.flat = torch.zeros(padded, dtype=first.dtype, device=first.device)
+        offset = 0
+        with torch.no_grad():
+            for _, param in params:
+                self.flat[offset : offset + param.numel()].copy_(param.reshape(-1))
+                param.data = self.flat[offset : offset + param.numel()].view_as(param)
+                offset += param.numel()
+        width = padded // parts
+        at = (comm.rank if self.partitioned else 0) * width
+        self.slice = nn.Parameter(self.flat[at : at + width])
+
+    @property
+    def name(self) -> str:
+        """How a checkpoint names the slice's optimizer state."""
+        return f"ep_size_{self.size}.group_{self.group}"
+
+    def reduce_gradients(self, data_size: int) -> None:
+        """The mean gradient over the D ranks, into `slice.grad` (its part only, partitioned)."""
+        grads = [param.grad if param.grad is not None else torch.zeros_like(param) for _, param in self.params]
+        full = torch.zeros(self.flat.numel(), dtype=torch.float32, device=self.flat.device)
+        torch.cat([grad.reshape(-1).float() for grad in grads], out=full[: self.numel])
+        what = f"expert gradients (ep_size {self.size})"
+        if self.partitioned:
+            width = self.slice.numel()
+            mine = full[self.comm.rank * width : (self.comm.rank + 1) * width]
+            self.comm.reduce_scatter(mine, full, what).wait()
+            self.slice.grad = mine.div_(data_size).clone()
+        else:
+            self.comm.all_reduce(full, what).wait()
+            self.slice.grad = full.div_(data_size)
+
+    def norm_squared(self, data_size: int) -> torch.Tensor:
+        """This rank's share of the squared norm of the experts' gradient (each counted once)."""
+        squares = torch.linalg.vector_norm(self.slice.grad, dtype=torch.float32).cpu().square()
+        return squares if self.partitioned else squares / (data_size // self.size)  # whole: D/P copies
+
+    def after_step(self) -> None:
+        """Every replica's updated slice back into every replica's buffer."""
+        if self.partitioned:
+            self.comm.all_gather(self.flat, self.slice.detach(), f"updated experts (ep_size {self.size})").wait()
+
+
 class ExpertTraining:
     """The experts' gradients, norm and update; the engine calls it beside ZeRO's."""
 
-    def __init__(self, params: list[tuple[str, nn.Parameter, int]], optimizer: torch.optim.Optimizer,
-                 expert_data: dict[int, Communicator], *, data_size: int):
-        """`params`: (name, parameter, expert-parallel size); `expert_data`: the
-        expert-data communicator for each size; `data_size`: D."""
+    def __init__(self, params: list[tuple[str, nn.Parameter, int]], groups: list[dict], build: BuildOptimizer,
+                 expert_data: dict[int, Communicator], *, data_size: int, partitioned: bool, ledger: MemoryLedger):
+        """`params`: (name, parameter, expert-parallel size); `groups`: the experts' param
+        groups (their hyper-parameters); `build`: the optimizer over param groups;
+        `expert_data`: the expert-data communicator for each size; `data_size`: D;
+        `partitioned`: the optimizer state split over the expert-data group (ZeRO >= 1)."""
         self.params = params
-        self.optimizer = optimizer
-        self.expert_data = expert_data
         self.data_size = data_size
+        self.partitioned = partitioned
+        self.ledger = ledger
+        names = {id(param): (name, size) for name, param, size in params}
+        self.buckets: list[ExpertBucket] = []
+        optimizer_groups = []
+        for index, group in enumerate(groups):
+            for size in sorted({names[id(param)][1] for param in group["params"]}):
+                members = [(names[id(param)][0], param) for param in group["params"] if names[id(param)][1] == size]
+                bucket = ExpertBucket(members, size=size, group=index, comm=expert_data[size],
+                                      partitioned=partitioned)
+                self.buckets.append(bucket)
+                optimizer_groups.append({**{key: value for key, value in group.items() if key != "params"},
+                                         "params": [bucket.slice]})
+        self.optimizer = build(optimizer_groups)
+        self._counted_state = 0
 
     @staticmethod
     def split_optimizer(optimizer: torch.optim.Optimizer, experts: set[int]) -> tuple[list[dict], dict[int, int]]:
@@ -65,36 +143,44 @@ class ExpertTraining:
         return expert_groups, index
 
     def reduce_gradients(self) -> None:
-        """Sum each expert's gradient over its expert-data group and divide by D."""
-        for _, param, size in self.params:
-            if param.grad is None:  # an expert no token reached on any rank of its group still steps (weight decay)
-                param.grad = torch.zeros_like(param)
-        for size, comm in self.expert_data.items():
-            grads = [param.grad for _, param, each in self.params if each == size]
-            flat = torch.cat([grad.reshape(-1).float() for grad in grads])
-            comm.all_reduce(flat, f"expert gradients (ep_size {size})").wait()
-            flat.div_(self.data_size)
-            for grad, piece in zip(grads, flat.split([grad.numel() for grad in grads])):
-                grad.copy_(piece.view_as(grad))
+        """Each expert's gradient summed over its expert-data group and divided by D, into
+        the slices the optimizer steps."""
+        for bucket in self.buckets:
+            bucket.reduce_gradients(self.data_size)
 
     def norm_squared_share(self, replicate_size: int) -> torch.Tensor:
         """This rank's part of the squared gradient norm, in the step guard's units (it
         divides every rank's share by `replicate_size` and sums over the D ranks)."""
         total = torch.zeros((), dtype=torch.float32)
-        for _, param, size in self.params:
-            copies = self.data_size // size
-            total += torch.linalg.vector_norm(param.grad, dtype=torch.float32).cpu().square() / copies
+        for bucket in self.buckets:
+            total += bucket.norm_squared(self.data_size)
         return total * replicate_size
 
     def step(self, grad_scale: float) -> None:
         if grad_scale != 1.0:
-            for _, param, _ in self.params:
-                param.grad.mul_(grad_scale)
+            for bucket in self.buckets:
+                bucket.slice.grad.mul_(grad_scale)
         self.optimizer.step()
+        for bucket in self.buckets:
+            bucket.after_step()
+        self.count_state_bytes()
+
+    def state_bytes(self) -> int:
+        """Bytes of the optimizer's per-element state this rank holds for the experts."""
+        return sum(value.numel() * value.element_size() for bucket in self.buckets
+                   for value in self.optimizer.state.get(bucket.slice, {}).values()
+                   if torch.is_tensor(value) and value.dim() > 0)
+
+    def count_state_bytes(self) -> None:
+        """Add the experts' optimizer state to the ledger's: ZeRO sets its own total after
+        every step it takes (before the experts step), so the experts hold theirs on top."""
+        self.ledger.hold("optimizer_states", self.state_bytes())
 
     def zero_grads(self) -> None:
         for _, param, _ in self.params:
             param.grad = None
+        for bucket in self.buckets:
+            bucket.slice.grad = None
 
 
 def expert_parameters(named: list[tuple[str, nn.Parameter, int]]) -> list[tuple[str, nn.Parameter, int]]:

@@ -15,6 +15,8 @@ from shardwise.frontends.deepspeed.api.moe.layer import MoE
 from shardwise.frontends.deepspeed.api.moe.sharded_moe import top1_gating, top2_gating
 from shardwise.frontends.deepspeed.api.moe.utils import split_params_into_different_moe_groups_for_optimizer
 from shardwise.formulas.communication import moe_all_to_all_bytes
+from shardwise.formulas.memory import expert_optimizer_state_bytes
+from shardwise.runtime.checkpoint.format import CheckpointError
 from shardwise.runtime.distributed.collectives import Communicator
 from shardwise.runtime.distributed.mesh import ParallelMesh, ParallelSizes
 from shardwise.runtime.distributed.setup import collective_timeout
@@ -248,29 +250,114 @@ def test_equals_deepspeeds_moe_layer(arguments, tmp_path):
     assert torch.equal(l_aux, theirs["l_aux"]) and counts.tolist() == theirs["counts"].tolist()
 
 
-def refuse_a_ready_scheduler_and_checkpoints(rank: int, world_size: int, tmp: str) -> list[str]:
+def refuse_a_ready_scheduler(rank: int, world_size: int) -> str:
     model = MoeNet(1, False, 2)
     optimizer = torch.optim.AdamW(groups_of(model), lr=1e-2)
-    errors = []
-    try:
+    with pytest.raises(ValueError) as error:
         shardwise.initialize(model, {"train_micro_batch_size_per_gpu": ROWS}, optimizer=optimizer,
                              lr_scheduler=schedule(optimizer))
-    except ValueError as error:
-        errors.append(str(error))
-    model = MoeNet(1, False, 2)
-    engine = shardwise.initialize(model, {"train_micro_batch_size_per_gpu": ROWS},
-                                  optimizer=torch.optim.AdamW(groups_of(model), lr=1e-2))
-    try:
-        engine.save_checkpoint(tmp)
-    except ValueError as error:
-        errors.append(str(error))
-    return errors
+    return str(error.value)
 
 
-def test_expert_parallelism_refuses_a_ready_scheduler_and_checkpoints(tmp_path):
+def test_expert_parallelism_refuses_a_ready_scheduler():
     """A scheduler object holds the optimizer the experts were taken out of (it would leave
-    their rate at its start); checkpoints would lack the experts: both refused with the fix."""
-    for errors in run_distributed(refuse_a_ready_scheduler_and_checkpoints, 2, str(tmp_path), timeout=120):
-        assert len(errors) == 2, errors
-        assert "callable that builds it from an optimizer" in errors[0]
-        assert "save_checkpoint: checkpoints of expert-parallel layers" in errors[1]
+    their rate at its start): refused with the fix."""
+    for error in run_distributed(refuse_a_ready_scheduler, 2, timeout=120):
+        assert "callable that builds it from an optimizer" in error
+
+
+def expert_engine(stage: int, ep_size: int) -> tuple[nn.Module, object]:
+    model = MoeNet(1, False, ep_size)
+    config = {"train_micro_batch_size_per_gpu": ROWS, "zero_optimization": {"stage": stage,
+                                                                            "stage3_param_persistence_threshold": 0}}
+    return model, shardwise.initialize(model, config, optimizer=torch.optim.AdamW(groups_of(model), lr=1e-2),
+                                       lr_scheduler=schedule)
+
+
+def train_steps(engine, rank: int, world_size: int, steps: range) -> list[float]:
+    losses = []
+    for step in steps:
+        x, y = batch(step, ROWS * world_size)
+        torch.manual_seed(1000 * step + rank)
+        loss = engine(x[rank * ROWS:(rank + 1) * ROWS], y[rank * ROWS:(rank + 1) * ROWS])
+        engine.backward(loss)
+        engine.step()
+        losses.append(loss.item())
+    return losses
+
+
+def resume_with_experts(rank: int, world_size: int, stage: int, tmp: str) -> dict:
+    """Four steps uninterrupted; two steps, a checkpoint, and two steps of a fresh engine
+    that loads it; then the checkpoint offered to layouts that would put experts elsewhere."""
+    model, engine = expert_engine(stage, 2)
+    uninterrupted = train_steps(engine, rank, world_size, range(4))
+    with shardwise.gathered_parameters(list(model.parameters())):
+        final = {name: param.detach().clone() for name, param in model.named_parameters()}
+    _, engine = expert_engine(stage, 2)
+    train_steps(engine, rank, world_size, range(2))
+    engine.save_checkpoint(tmp)
+    model, engine = expert_engine(stage, 2)
+    engine.load_checkpoint(tmp)
+    resumed = train_steps(engine, rank, world_size, range(2, 4))
+    with shardwise.gathered_parameters(list(model.parameters())):
+        errors = {name: ((param - final[name]).norm() / final[name].norm()).item()
+                  for name, param in model.named_parameters()}
+    refusals = []
+    for ep_size in (1, world_size):
+        if ep_size == 2:
+            continue
+        _, other = expert_engine(stage, ep_size)
+        with pytest.raises(CheckpointError) as error:
+            other.load_checkpoint(tmp)
+        refusals.append(str(error.value))
+    return {"uninterrupted": uninterrupted, "resumed": resumed, "errors": errors, "refusals": refusals}
+
+
+@pytest.mark.parametrize("world_size, stage", [(2, 2), pytest.param(4, 3, marks=pytest.mark.slow)],
+                         ids=["ep2-stage2", "ep2xdp2-stage3"])
+def test_expert_parallel_checkpoint_resumes_exactly(world_size, stage, tmp_path):
+    """Each rank saves its own experts and their Adam moments and schedule: the steps after
+    a resume at the same layout are the uninterrupted run's (fp32, < 1e-6 relative), and
+    the experts' places are checked before anything is read (ep_size 1 or 4 refused)."""
+    for result in run_distributed(resume_with_experts, world_size, stage, str(tmp_path), timeout=240):
+        for got, want in zip(result["resumed"], result["uninterrupted"][2:]):
+            assert abs(got - want) < 1e-6 * abs(want), (result["resumed"], result["uninterrupted"])
+        assert any(".deepspeed_experts." in name for name in result["errors"])
+        assert max(result["errors"].values()) < 1e-6, result["errors"]
+        assert len(result["refusals"]) == (1 if world_size == 2 else 2)
+        assert "saved without expert parallelism" not in result["refusals"][0]
+        assert "trains none: resume at the saving ep_size" in result["refusals"][0]
+        if world_size == 4:
+            assert "regrouping them at another world size or ep_size is not supported" in result["refusals"][1]
+
+
+def expert_state_memory(rank: int, world_size: int) -> dict:
+    """ep=2 x 2 expert-data ranks, AdamW: the experts' optimizer state at stage 1 (split over
+    the expert-data group) and at stage 0 (whole), as the ledger counts it."""
+    result = {}
+    for stage in (0, 1):
+        model, engine = expert_engine(stage, 2)
+        train_steps(engine, rank, world_size, range(2))
+        dense = sum(engine.zero.codec.state_bytes(engine.optimizer.optimizer.state.get(segment.master, {}),
+                                                  segment.numel) for segment in engine.optimizer.segments)
+        result[stage] = {"buckets": [bucket.numel for bucket in engine.experts.buckets],
+                         "experts": engine.experts.state_bytes(), "dense": dense,
+                         "ledger": engine.memory_breakdown()["optimizer_states"],
+                         "local": sum(param.numel() for name, param in model.named_parameters()
+                                      if ".deepspeed_experts." in name)}
+    return result
+
+
+def test_expert_optimizer_state_is_partitioned_over_the_expert_data_group():
+    """At ZeRO 1 each of the 2 ranks holding the same experts keeps half their Adam moments
+    (the buckets padded to a multiple of 2), at stage 0 all of them; the engine's ledger
+    counts them beside ZeRO's, and both equal the formula to the byte."""
+    for result in run_distributed(expert_state_memory, 4, timeout=240):
+        for stage in (0, 1):
+            counted = result[stage]
+            assert counted["buckets"] == [counted["local"]] == [2 * 2 * (12 * 12 + 12)]
+            want = expert_optimizer_state_bytes(bucket_numels=counted["buckets"], expert_data_size=2,
+                                                state_bytes_per_element=8, partitioned=stage >= 1)
+            assert counted["experts"] == want
+            assert counted["ledger"] == counted["dense"] + want, counted
+        assert result[1]["experts"] * 2 == result[0]["experts"]
