@@ -79,7 +79,7 @@ def expert_optimizer_state_bytes(*, bucket_numels: list[int], expert_data_size: 
     each bucket (a param group's experts of one expert-parallel size, `bucket_numels`
     elements on this rank) is padded to a multiple of the expert-data size N and split N
     ways at ZeRO >= 1 (`partitioned`), whole at stage 0; K = `state_bytes_per_element`
-    (8 for fp32 Adam: two fp32 moments)."""
+    (8 for fp32 Adam: two fp32 moments; 12 for bf16 Adam: and the fp32 master)."""
     parts = expert_data_size if partitioned else 1
     return sum(ceil(numel / parts) * state_bytes_per_element for numel in bucket_numels)
 

@@ -5,8 +5,8 @@ whole parameters of its 1/P of a layer's experts, under the layer's *local* name
 (`deepspeed_experts.0 .. E/P - 1`), and a torch optimizer of their own over one slice of
 each bucket (a param group's experts of one size; at ZeRO >= 1 the rank's 1/N of it).
 Their values and the optimizer's per-element states go into the rank's own tensor file
-(so the manifest checks them like every piece), as `experts/<name>/value` and
-`experts/<bucket>/<state>`; the rank's JSON record lists the names and each bucket's
+(so the manifest checks them like every piece), as `experts/<name>/value` (the compute dtype),
+`experts/<bucket>/<state>` and, in bf16 training, `experts/<bucket>/master` (fp32); the rank's JSON record lists the names and each bucket's
 scalar state; the meta holds the layout, the experts' param groups and their schedule.
 
 Local names mean different experts on different ranks, so a checkpoint resumes at the
@@ -36,7 +36,7 @@ def expert_layout(engine: EngineProtocol) -> dict[str, Any] | None:
         return None
     return {"world_size": engine.world_size, "data_size": engine.mesh.data_size,
             "ep_sizes": sorted({size for _, _, size in engine.experts.params}),
-            "partitioned": engine.experts.partitioned}
+            "partitioned": engine.experts.partitioned, "dtype": str(engine.dtype).removeprefix("torch.")}
 
 
 def expert_meta(engine: EngineProtocol) -> dict[str, Any] | None:
@@ -69,16 +69,18 @@ def expert_share(engine: EngineProtocol) -> tuple[list[tuple[str, torch.Tensor]]
     buckets = {}
     for bucket in experts.buckets:
         scalars, elements = {}, []
-        for key, value in experts.optimizer.state.get(bucket.slice, {}).items():
+        for key, value in experts.optimizer.state.get(bucket.master, {}).items():
             if torch.is_tensor(value) and value.dim() > 0:
-                if value.shape != bucket.slice.shape:
+                if value.shape != bucket.master.shape:
                     raise CheckpointError(f"optimizer state {key!r} of the experts {bucket.name} has shape "
-                                          f"{tuple(value.shape)}, not their slice's {tuple(bucket.slice.shape)}; "
+                                          f"{tuple(value.shape)}, not their slice's {tuple(bucket.master.shape)}; "
                                           "checkpoints store per-element state and scalars")
                 tensors.append((expert_key(bucket.name, key), value.detach().reshape(-1)))
                 elements.append(key)
             else:
                 scalars[key] = encode_value(value, f"optimizer state {key!r} of the experts {bucket.name}")
+        if bucket.master.data_ptr() != bucket.slice.data_ptr():  # bf16: the fp32 master is a copy
+            tensors.append((expert_key(bucket.name, "master"), bucket.master.detach()))
         buckets[bucket.name] = {"scalars": scalars, "elements": elements}
     return tensors, {"names": [name for name, _, _ in experts.params], "buckets": buckets}
 
@@ -116,6 +118,9 @@ def load_experts(engine: EngineProtocol, meta: dict, record: dict, reader: Safet
     with torch.no_grad():
         for name, param, _ in experts.params:
             param.copy_(reader.read(expert_key(name, "value"), 0, param.numel()).view(param.shape))
+        for bucket in experts.buckets:
+            if bucket.master.data_ptr() != bucket.slice.data_ptr():
+                bucket.master.copy_(reader.read(expert_key(bucket.name, "master"), 0, bucket.master.numel()))
     saved = meta["experts"]
     if optimizer_states:
         optimizer = experts.optimizer
@@ -127,12 +132,12 @@ def load_experts(engine: EngineProtocol, meta: dict, record: dict, reader: Safet
                                   f"groups, this engine's has {len(optimizer.param_groups)}")
         state, groups = {}, []
         for position, (group, hyper) in enumerate(zip(optimizer.param_groups, saved["optimizer"]["param_groups"])):
-            (slice_,) = group["params"]
-            bucket = next(bucket for bucket in experts.buckets if bucket.slice is slice_)
+            (master,) = group["params"]
+            bucket = next(bucket for bucket in experts.buckets if bucket.master is master)
             stored = record["buckets"][bucket.name]
             entry = {key: decode_value(value) for key, value in stored["scalars"].items()}
             for what in stored["elements"]:
-                entry[what] = reader.read(expert_key(bucket.name, what), 0, slice_.numel()).view(slice_.shape)
+                entry[what] = reader.read(expert_key(bucket.name, what), 0, master.numel()).view(master.shape)
             if entry:
                 state[position] = entry
             kept = {key: value for key, value in group.items() if key != "params"}

@@ -16,7 +16,7 @@ buffers in their own dtype) or one per-element optimizer state (`exp_avg`, ...).
 Everything is keyed by parameter *name* and element range, never by rank or flat-buffer
 offset, so a checkpoint can be read back under any world size, stage or bucket size.
 The experts of expert-parallel layers are the exception (expert_state.py): each rank's
-own, whole, as `experts/<local name>/value` and `experts/<local name>/<state>`, read back
+own, as `experts/<local name>/value` and `experts/<bucket>/<state>` (and `/master`), read back
 at the saving layout only.
 JSON and safetensors only: loading a checkpoint never runs code from it (no pickle).
 """

@@ -348,11 +348,13 @@ class Engine(nn.Module):
         experts = expert_parameters(named)
         if not experts:
             return named, None
+        precision = policies.precision
         if (self.mesh.sizes.tensor > 1 or self.mesh.sizes.sequence > 1 or self.mesh.sizes.pipeline > 1
-                or policies.precision.param_dtype != torch.float32 or policies.zero.zenflow is not None):
-            raise ValueError("expert parallelism (ep_size > 1) is provided for fp32 data-parallel training "
-                             "(ZeRO 0-3, no tensor, sequence or pipeline parallelism, bf16/fp16 or ZenFlow); "
-                             "use ep_size=1 for the others")
+                or precision.param_dtype not in (torch.float32, torch.bfloat16)
+                or precision.master_dtype != torch.float32 or policies.zero.zenflow is not None):
+            raise ValueError("expert parallelism (ep_size > 1) is provided for fp32 and bf16 (fp32 masters) "
+                             "data-parallel training (ZeRO 0-3; not tensor, sequence or pipeline parallelism, "
+                             "fp16, bf16 masters or ZenFlow); use ep_size=1 for the others")
         ids = {id(param) for _, param, _ in experts}
         build: Callable[[list[dict]], torch.optim.Optimizer]
         if optimizer is not None:
@@ -368,7 +370,8 @@ class Engine(nn.Module):
                                           self.job.peers)
                        for size in sorted({size for _, _, size in experts})}
         return named, ExpertTraining(experts, groups, build, expert_data, data_size=self.mesh.data_size,
-                                     partitioned=policies.zero.partitions_model_states, ledger=self.ledger)
+                                     partitioned=policies.zero.partitions_model_states, ledger=self.ledger,
+                                     dtype=precision.param_dtype)
 
     def _replica_check(self, interval: int) -> ReplicaCheck | None:
         if not interval:

@@ -12,6 +12,10 @@ so the experts stay out of ZeRO's flat buffers: each rank keeps its experts whol
 are already 1/P of the experts, at any ZeRO stage, stage 3 included) and steps them with
 an optimizer of its own, built from the caller's expert param groups.
 
+In bf16 training the buffer is bf16 and the optimizer steps an fp32 copy of the slice
+(the master), rounded back into the buffer after each update, as ZeRO does for the
+dense parameters.
+
 At ZeRO stages 1-3 the experts' optimizer state is partitioned over the expert-data
 group, as DeepSpeed's ZeRO does for expert groups: each param group's experts of one
 size live in one flat buffer (the parameters become views of it), padded to a multiple
@@ -42,18 +46,19 @@ BuildOptimizer = Callable[[list[dict]], torch.optim.Optimizer]
 
 
 class ExpertBucket:
-    """One param group's experts of one expert-parallel size, in one flat buffer, and the
-    slice of it this rank's optimizer steps (`slice`: shares the buffer's storage)."""
+    """One param group's experts of one expert-parallel size, in one flat buffer of the
+    compute dtype, and what this rank's optimizer steps: `master`, its slice of the buffer
+    (sharing its storage) in fp32 training, an fp32 copy of that slice in bf16 training."""
 
     def __init__(self, params: list[tuple[str, nn.Parameter]], *, size: int, group: int, comm: Communicator,
-                 partitioned: bool):
+                 partitioned: bool, dtype: torch.dtype):
         self.params, self.size, self.group, self.comm = params, size, group, comm
         self.partitioned = partitioned and comm.size > 1
         parts = comm.size if self.partitioned else 1
         self.numel = sum(param.numel() for _, param in params)
         padded = -(-self.numel // parts) * parts
         first = params[0][1]
-        self.flat = torch.zeros(padded, dtype=first.dtype, device=first.device)
+        self.flat = torch.zeros(padded, dtype=dtype, device=first.device)
         offset = 0
         with torch.no_grad():
             for _, param in params:
@@ -62,7 +67,8 @@ class ExpertBucket:
                 offset += param.numel()
         width = padded // parts
         at = (comm.rank if self.partitioned else 0) * width
-        self.slice = nn.Parameter(self.flat[at : at + width])
+        self.slice = self.flat[at : at + width]
+        self.master = nn.Parameter(self.slice if dtype == torch.float32 else self.slice.float())
 
     @property
     def name(self) -> str:
@@ -79,18 +85,22 @@ class ExpertBucket:
             width = self.slice.numel()
             mine = full[self.comm.rank * width : (self.comm.rank + 1) * width]
             self.comm.reduce_scatter(mine, full, what).wait()
-            self.slice.grad = mine.div_(data_size).clone()
+            self.master.grad = mine.div_(data_size).clone()
         else:
             self.comm.all_reduce(full, what).wait()
-            self.slice.grad = full.div_(data_size)
+            self.master.grad = full.div_(data_size)
 
     def norm_squared(self, data_size: int) -> torch.Tensor:
         """This rank's share of the squared norm of the experts' gradient (each counted once)."""
-        squares = torch.linalg.vector_norm(self.slice.grad, dtype=torch.float32).cpu().square()
+        squares = torch.linalg.vector_norm(self.master.grad, dtype=torch.float32).cpu().square()
         return squares if self.partitioned else squares / (data_size // self.size)  # whole: D/P copies
 
     def after_step(self) -> None:
-        """Every replica's updated slice back into every replica's buffer."""
+        """The updated master into this rank's slice (bf16: rounded), and every replica's
+        slice into every replica's buffer."""
+        if self.master.data_ptr() != self.slice.data_ptr():
+            with torch.no_grad():
+                self.slice.copy_(self.master)
         if self.partitioned:
             self.comm.all_gather(self.flat, self.slice.detach(), f"updated experts (ep_size {self.size})").wait()
 
@@ -99,11 +109,13 @@ class ExpertTraining:
     """The experts' gradients, norm and update; the engine calls it beside ZeRO's."""
 
     def __init__(self, params: list[tuple[str, nn.Parameter, int]], groups: list[dict], build: BuildOptimizer,
-                 expert_data: dict[int, Communicator], *, data_size: int, partitioned: bool, ledger: MemoryLedger):
+                 expert_data: dict[int, Communicator], *, data_size: int, partitioned: bool, ledger: MemoryLedger,
+                 dtype: torch.dtype = torch.float32):
         """`params`: (name, parameter, expert-parallel size); `groups`: the experts' param
         groups (their hyper-parameters); `build`: the optimizer over param groups;
         `expert_data`: the expert-data communicator for each size; `data_size`: D;
-        `partitioned`: the optimizer state split over the expert-data group (ZeRO >= 1)."""
+        `partitioned`: the optimizer state split over the expert-data group (ZeRO >= 1);
+        `dtype`: of the parameters the model computes with (bf16: fp32 masters apart)."""
         self.params = params
         self.data_size = data_size
         self.partitioned = partitioned
@@ -115,10 +127,10 @@ class ExpertTraining:
             for size in sorted({names[id(param)][1] for param in group["params"]}):
                 members = [(names[id(param)][0], param) for param in group["params"] if names[id(param)][1] == size]
                 bucket = ExpertBucket(members, size=size, group=index, comm=expert_data[size],
-                                      partitioned=partitioned)
+                                      partitioned=partitioned, dtype=dtype)
                 self.buckets.append(bucket)
                 optimizer_groups.append({**{key: value for key, value in group.items() if key != "params"},
-                                         "params": [bucket.slice]})
+                                         "params": [bucket.master]})
         self.optimizer = build(optimizer_groups)
         self._counted_state = 0
 
@@ -159,17 +171,21 @@ class ExpertTraining:
     def step(self, grad_scale: float) -> None:
         if grad_scale != 1.0:
             for bucket in self.buckets:
-                bucket.slice.grad.mul_(grad_scale)
+                bucket.master.grad.mul_(grad_scale)
         self.optimizer.step()
         for bucket in self.buckets:
             bucket.after_step()
         self.count_state_bytes()
 
     def state_bytes(self) -> int:
-        """Bytes of the optimizer's per-element state this rank holds for the experts."""
-        return sum(value.numel() * value.element_size() for bucket in self.buckets
-                   for value in self.optimizer.state.get(bucket.slice, {}).values()
-                   if torch.is_tensor(value) and value.dim() > 0)
+        """Bytes of the optimizer's per-element state this rank holds for the experts, and
+        of their fp32 masters where those are copies (bf16), as ZeRO counts its own."""
+        states = sum(value.numel() * value.element_size() for bucket in self.buckets
+                     for value in self.optimizer.state.get(bucket.master, {}).values()
+                     if torch.is_tensor(value) and value.dim() > 0)
+        masters = sum(bucket.master.numel() * bucket.master.element_size() for bucket in self.buckets
+                      if bucket.master.data_ptr() != bucket.slice.data_ptr())
+        return states + masters
 
     def count_state_bytes(self) -> None:
         """Add the experts' optimizer state to the ledger's: ZeRO sets its own total after
@@ -180,7 +196,7 @@ class ExpertTraining:
         for _, param, _ in self.params:
             param.grad = None
         for bucket in self.buckets:
-            bucket.slice.grad = None
+            bucket.master.grad = None
 
 
 def expert_parameters(named: list[tuple[str, nn.Parameter, int]]) -> list[tuple[str, nn.Parameter, int]]:

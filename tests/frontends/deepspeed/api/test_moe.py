@@ -107,10 +107,10 @@ def train_parallel(rank: int, world_size: int, stage: int, k: int, residual: boo
     return {"losses": losses, "params": params}
 
 
-def train_reference(world_size: int, k: int, residual: bool) -> dict:
+def train_reference(world_size: int, k: int, residual: bool, eps: float = 1e-8) -> dict:
     """Each rank's rows routed on their own (capacity is per rank), losses averaged."""
     model = MoeNet(k, residual)
-    optimizer = torch.optim.AdamW(groups_of(model), lr=1e-2)
+    optimizer = torch.optim.AdamW(groups_of(model), lr=1e-2, eps=eps)
     scheduler = schedule(optimizer)
     losses = []
     for step in range(STEPS):
@@ -250,26 +250,32 @@ def test_equals_deepspeeds_moe_layer(arguments, tmp_path):
     assert torch.equal(l_aux, theirs["l_aux"]) and counts.tolist() == theirs["counts"].tolist()
 
 
-def refuse_a_ready_scheduler(rank: int, world_size: int) -> str:
+def refuse_a_ready_scheduler_and_fp16(rank: int, world_size: int) -> list[str]:
     model = MoeNet(1, False, 2)
     optimizer = torch.optim.AdamW(groups_of(model), lr=1e-2)
-    with pytest.raises(ValueError) as error:
+    with pytest.raises(ValueError) as scheduler:
         shardwise.initialize(model, {"train_micro_batch_size_per_gpu": ROWS}, optimizer=optimizer,
                              lr_scheduler=schedule(optimizer))
-    return str(error.value)
+    model = MoeNet(1, False, 2)
+    with pytest.raises(ValueError) as fp16:
+        shardwise.initialize(model, {"train_micro_batch_size_per_gpu": ROWS, "fp16": {"enabled": True}},
+                             optimizer=torch.optim.AdamW(groups_of(model), lr=1e-2))
+    return [str(scheduler.value), str(fp16.value)]
 
 
-def test_expert_parallelism_refuses_a_ready_scheduler():
+def test_expert_parallelism_refuses_a_ready_scheduler_and_fp16():
     """A scheduler object holds the optimizer the experts were taken out of (it would leave
-    their rate at its start): refused with the fix."""
-    for error in run_distributed(refuse_a_ready_scheduler, 2, timeout=120):
-        assert "callable that builds it from an optimizer" in error
+    their rate at its start); fp16 (loss scaling) is not provided for the experts: both
+    refused with the fix."""
+    for scheduler, fp16 in run_distributed(refuse_a_ready_scheduler_and_fp16, 2, timeout=120):
+        assert "callable that builds it from an optimizer" in scheduler
+        assert "fp32 and bf16 (fp32 masters)" in fp16 and "use ep_size=1" in fp16
 
 
-def expert_engine(stage: int, ep_size: int) -> tuple[nn.Module, object]:
+def expert_engine(stage: int, ep_size: int, bf16: bool = False) -> tuple[nn.Module, object]:
     model = MoeNet(1, False, ep_size)
-    config = {"train_micro_batch_size_per_gpu": ROWS, "zero_optimization": {"stage": stage,
-                                                                            "stage3_param_persistence_threshold": 0}}
+    config = {"train_micro_batch_size_per_gpu": ROWS, "bf16": {"enabled": bf16},
+              "zero_optimization": {"stage": stage, "stage3_param_persistence_threshold": 0}}
     return model, shardwise.initialize(model, config, optimizer=torch.optim.AdamW(groups_of(model), lr=1e-2),
                                        lr_scheduler=schedule)
 
@@ -286,17 +292,17 @@ def train_steps(engine, rank: int, world_size: int, steps: range) -> list[float]
     return losses
 
 
-def resume_with_experts(rank: int, world_size: int, stage: int, tmp: str) -> dict:
+def resume_with_experts(rank: int, world_size: int, stage: int, bf16: bool, tmp: str) -> dict:
     """Four steps uninterrupted; two steps, a checkpoint, and two steps of a fresh engine
     that loads it; then the checkpoint offered to layouts that would put experts elsewhere."""
-    model, engine = expert_engine(stage, 2)
+    model, engine = expert_engine(stage, 2, bf16)
     uninterrupted = train_steps(engine, rank, world_size, range(4))
     with shardwise.gathered_parameters(list(model.parameters())):
         final = {name: param.detach().clone() for name, param in model.named_parameters()}
-    _, engine = expert_engine(stage, 2)
+    _, engine = expert_engine(stage, 2, bf16)
     train_steps(engine, rank, world_size, range(2))
     engine.save_checkpoint(tmp)
-    model, engine = expert_engine(stage, 2)
+    model, engine = expert_engine(stage, 2, bf16)
     engine.load_checkpoint(tmp)
     resumed = train_steps(engine, rank, world_size, range(2, 4))
     with shardwise.gathered_parameters(list(model.parameters())):
@@ -306,20 +312,22 @@ def resume_with_experts(rank: int, world_size: int, stage: int, tmp: str) -> dic
     for ep_size in (1, world_size):
         if ep_size == 2:
             continue
-        _, other = expert_engine(stage, ep_size)
+        _, other = expert_engine(stage, ep_size, bf16)
         with pytest.raises(CheckpointError) as error:
             other.load_checkpoint(tmp)
         refusals.append(str(error.value))
     return {"uninterrupted": uninterrupted, "resumed": resumed, "errors": errors, "refusals": refusals}
 
 
-@pytest.mark.parametrize("world_size, stage", [(2, 2), pytest.param(4, 3, marks=pytest.mark.slow)],
-                         ids=["ep2-stage2", "ep2xdp2-stage3"])
-def test_expert_parallel_checkpoint_resumes_exactly(world_size, stage, tmp_path):
-    """Each rank saves its own experts and their Adam moments and schedule: the steps after
-    a resume at the same layout are the uninterrupted run's (fp32, < 1e-6 relative), and
-    the experts' places are checked before anything is read (ep_size 1 or 4 refused)."""
-    for result in run_distributed(resume_with_experts, world_size, stage, str(tmp_path), timeout=240):
+@pytest.mark.parametrize("world_size, stage, bf16", [(2, 2, False), (4, 1, True),
+                                                     pytest.param(4, 3, False, marks=pytest.mark.slow)],
+                         ids=["ep2-stage2", "ep2xdp2-stage1-bf16", "ep2xdp2-stage3"])
+def test_expert_parallel_checkpoint_resumes_exactly(world_size, stage, bf16, tmp_path):
+    """Each rank saves its own experts, their Adam moments (its partition of them at ZeRO
+    >= 1), fp32 masters (bf16) and schedule: the steps after a resume at the same layout
+    are the uninterrupted run's (< 1e-6 relative), and the experts' places are checked
+    before anything is read (ep_size 1 or 4 refused)."""
+    for result in run_distributed(resume_with_experts, world_size, stage, bf16, str(tmp_path), timeout=240):
         for got, want in zip(result["resumed"], result["uninterrupted"][2:]):
             assert abs(got - want) < 1e-6 * abs(want), (result["resumed"], result["uninterrupted"])
         assert any(".deepspeed_experts." in name for name in result["errors"])
@@ -361,3 +369,40 @@ def test_expert_optimizer_state_is_partitioned_over_the_expert_data_group():
             assert counted["experts"] == want
             assert counted["ledger"] == counted["dense"] + want, counted
         assert result[1]["experts"] * 2 == result[0]["experts"]
+
+
+BF16_ADAM_EPS = 1e-3  # Adam's slope near a zero gradient would turn bf16's rounding into large steps
+
+
+def train_bf16(rank: int, world_size: int, stage: int, ep_size: int) -> dict:
+    model = MoeNet(1, False, ep_size)
+    config = {"train_micro_batch_size_per_gpu": ROWS, "bf16": {"enabled": True},
+              "zero_optimization": {"stage": stage, "stage3_param_persistence_threshold": 0}}
+    engine = shardwise.initialize(model, config, lr_scheduler=schedule,
+                                  optimizer=torch.optim.AdamW(groups_of(model), lr=1e-2, eps=BF16_ADAM_EPS))
+    losses = train_steps(engine, rank, world_size, range(STEPS))
+    with shardwise.gathered_parameters(list(model.parameters())):
+        params = {name: param.detach().float().clone() for name, param in model.named_parameters()}
+    experts = {name: str(param.dtype) for name, param in model.named_parameters() if ".deepspeed_experts." in name}
+    return {"losses": losses, "params": params, "expert_dtypes": set(experts.values()),
+            "expert_state": engine.experts.state_bytes(), "buckets": [b.numel for b in engine.experts.buckets]}
+
+
+@pytest.mark.parametrize("world_size, stage", [(4, 1), pytest.param(2, 3, marks=pytest.mark.slow)],
+                         ids=["ep2xdp2-stage1", "ep2-stage3"])
+def test_bf16_expert_parallel_training_equals_every_expert_model(world_size, stage):
+    """bf16 experts with fp32 masters (partitioned over the expert-data group at stage 1):
+    losses and parameters within bf16's tolerance of the fp32 every-expert model, and the
+    masters counted beside the moments (K = 12 bytes per element for AdamW)."""
+    expected = train_reference(world_size, 1, residual=False, eps=BF16_ADAM_EPS)
+    for rank, result in enumerate(run_distributed(train_bf16, world_size, stage, 2, timeout=240)):
+        assert result["expert_dtypes"] == {"torch.bfloat16"}
+        for step in range(STEPS):
+            want = expected["losses"][step][rank]
+            assert abs(result["losses"][step] - want) < 2e-2 * abs(want), (step, result["losses"], want)
+        for name, weight in result["params"].items():
+            reference = expected["params"][expert_name(name, rank, 2)]
+            assert ((weight - reference).norm() / reference.norm()).item() < 2e-2, name
+        assert result["expert_state"] == expert_optimizer_state_bytes(
+            bucket_numels=result["buckets"], expert_data_size=world_size // 2, state_bytes_per_element=12,
+            partitioned=True)
