@@ -76,11 +76,6 @@ def convert_checkpoint(
         raise ValueError("--hf writes a folder; give a directory as the output, not a .safetensors file")
     earlier = _check_output(folder, stem, hf, overwrite)
     directory, meta, records = open_verified(checkpoint_dir, tag)
-    if meta.get("experts") is not None:
-        raise CheckpointError(f"checkpoint {directory} holds expert-parallel layers (ep_size "
-                              f"{meta['experts']['layout']['ep_sizes']}): each rank saved its own experts under "
-                              "local names, which a single-file export cannot regroup yet; export a run trained "
-                              "with ep_size 1")
     if hf and meta.get("hf") is None:
         raise CheckpointError(f"checkpoint {directory} has no Hugging Face config: the model "
                               "was not a transformers PreTrainedModel, so --hf cannot apply")

@@ -1,51 +1,46 @@
 """The experts of expert-parallel layers in a checkpoint (runtime/parallel/expert/).
 
 Experts train apart from ZeRO's stores (parallel/expert/training.py): each rank holds
-whole parameters of its 1/P of a layer's experts, under the layer's *local* names
-(`deepspeed_experts.0 .. E/P - 1`), and a torch optimizer of their own over one slice of
-each bucket (a param group's experts of one size; at ZeRO >= 1 the rank's 1/N of it).
-Their values and the optimizer's per-element states go into the rank's own tensor file
-(so the manifest checks them like every piece), as `experts/<name>/value` (the compute dtype),
-`experts/<bucket>/<state>` and, in bf16 training, `experts/<bucket>/master` (fp32); the rank's JSON record lists the names and each bucket's
-scalar state; the meta holds the layout, the experts' param groups and their schedule.
+whole parameters of its 1/P of a layer's experts, under the layer's local names, in flat
+buckets (a param group's experts of one size), and a torch optimizer of their own over
+its slice of each bucket (its 1/N at ZeRO >= 1). They are written as ordinary pieces:
+each slice once, cut into the ranges of the parameters it covers, named by the
+parameter's name in the every-expert model (`global_expert_name`) and element range,
+with the fp32 master values and every per-element optimizer state. So the index finds
+them whatever the layout that reads them, as it finds the dense pieces: a checkpoint
+resumes at another world size, data-parallel size or expert-parallel size (> 1), the
+experts regrouped, and exports to one file with every expert. The experts' optimizer
+scalars are kept per expert param group in each rank's record; their param groups and
+schedule in the meta.
 
-Local names mean different experts on different ranks, so a checkpoint resumes at the
-layout that saved it (the same world size, data-parallel size and expert-parallel
-sizes): every rank reads back its own experts. Regrouping the experts at another layout
-is refused with that reason rather than loading experts into the wrong places.
+A model that trains the experts as dense parameters (ep_size 1) has other optimizer
+groups than the run that saved them apart, so loading across that line is refused with
+the reason.
 """
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import Any
 
 import torch
 
-from shardwise.runtime.checkpoint.format import CheckpointError
-from shardwise.runtime.checkpoint.safetensors_io import SafetensorsReader
+from shardwise.runtime.checkpoint.format import VALUE, CheckpointError
+from shardwise.runtime.checkpoint.index import PieceIndex
+from shardwise.runtime.checkpoint.safetensors_io import DTYPES, dtype_name
 from shardwise.runtime.checkpoint.state import decode_value, encode_value
 from shardwise.runtime.engine_protocol import EngineProtocol
 
-def expert_key(name: str, what: str) -> str:
-    return f"experts/{name}/{what}"
 
-
-def expert_layout(engine: EngineProtocol) -> dict[str, Any] | None:
-    """What decides which experts a rank holds: a checkpoint resumes only where it agrees."""
-    if engine.experts is None:
-        return None
-    return {"world_size": engine.world_size, "data_size": engine.mesh.data_size,
-            "ep_sizes": sorted({size for _, _, size in engine.experts.params}),
-            "partitioned": engine.experts.partitioned, "dtype": str(engine.dtype).removeprefix("torch.")}
-
-
-def expert_meta(engine: EngineProtocol) -> dict[str, Any] | None:
-    """The meta's `experts` entry: layout, param groups' hyper-parameters, schedule."""
-    if engine.experts is None:
-        return None
+def expert_meta(engine: EngineProtocol) -> dict[str, Any]:
+    """The meta's `experts` entry: the saving layout (for the reader), the experts' param
+    groups' hyper-parameters and their schedule."""
     optimizer, scheduler = engine.experts.optimizer, engine.expert_lr_scheduler
     return {
-        "layout": expert_layout(engine),
+        "layout": {"world_size": engine.world_size, "data_size": engine.mesh.data_size,
+                   "ep_sizes": sorted({size for _, _, size in engine.experts.params})},
+        "groups": len({bucket.group for bucket in engine.experts.buckets}),
+        "bucket_groups": [bucket.group for bucket in engine.experts.buckets],  # of each optimizer param group
         "optimizer": {
             "class": type(optimizer).__name__,
             "param_groups": [
@@ -59,90 +54,107 @@ def expert_meta(engine: EngineProtocol) -> dict[str, Any] | None:
     }
 
 
-def expert_share(engine: EngineProtocol) -> tuple[list[tuple[str, torch.Tensor]], dict[str, Any]]:
-    """This rank's expert tensors (key, flat view of the live tensor) and its record: the
-    parameter names in training order and, per bucket (parallel/expert/training.py), the
-    optimizer's scalar state and the names of its per-element states, which cover the
-    bucket's slice (this rank's 1/N of its buffer when partitioned)."""
+def describe_experts(engine: EngineProtocol) -> list[dict[str, Any]]:
+    """This rank's experts as the meta lists parameters: every-expert names, fp32 masters."""
     experts = engine.experts
-    tensors = [(expert_key(name, "value"), param.detach().reshape(-1)) for name, param, _ in experts.params]
-    buckets = {}
+    return [{"name": experts.global_names[id(param)], "shape": list(param.shape), "trainable": True,
+             "dtype": "float32"} for _, param, _ in experts.params]
+
+
+def expert_pieces(engine: EngineProtocol) -> tuple[list[tuple[str, int, int, dict[str, torch.Tensor]]], dict]:
+    """The pieces this rank writes (every-expert name, start, stop, {VALUE: master values,
+    state: values}) and its record: per expert param group, the optimizer's scalar state
+    and the dtypes of its per-element states."""
+    experts = engine.experts
+    pieces, groups = [], {}
     for bucket in experts.buckets:
-        scalars, elements = {}, []
-        for key, value in experts.optimizer.state.get(bucket.master, {}).items():
+        state = experts.optimizer.state.get(bucket.master, {})
+        elements, scalars = {}, {}
+        for key, value in state.items():
             if torch.is_tensor(value) and value.dim() > 0:
                 if value.shape != bucket.master.shape:
-                    raise CheckpointError(f"optimizer state {key!r} of the experts {bucket.name} has shape "
-                                          f"{tuple(value.shape)}, not their slice's {tuple(bucket.master.shape)}; "
-                                          "checkpoints store per-element state and scalars")
-                tensors.append((expert_key(bucket.name, key), value.detach().reshape(-1)))
-                elements.append(key)
+                    raise CheckpointError(f"optimizer state {key!r} of the experts of param group {bucket.group} "
+                                          f"has shape {tuple(value.shape)}, not their slice's "
+                                          f"{tuple(bucket.master.shape)}; checkpoints store per-element state")
+                elements[key] = value.detach()
             else:
-                scalars[key] = encode_value(value, f"optimizer state {key!r} of the experts {bucket.name}")
-        if bucket.master.data_ptr() != bucket.slice.data_ptr():  # bf16: the fp32 master is a copy
-            tensors.append((expert_key(bucket.name, "master"), bucket.master.detach()))
-        buckets[bucket.name] = {"scalars": scalars, "elements": elements}
-    return tensors, {"names": [name for name, _, _ in experts.params], "buckets": buckets}
+                scalars[key] = encode_value(value, f"optimizer state {key!r} of expert param group {bucket.group}")
+        if state:
+            groups.setdefault(str(bucket.group), {"scalars": scalars, "elements": {
+                key: dtype_name(value.dtype) for key, value in elements.items()}})
+        if not bucket.writes:
+            continue
+        master = bucket.master.detach()
+        for index, start, stop, at in bucket.owned_pieces():
+            name = experts.global_names[id(bucket.params[index][1])]
+            width = stop - start
+            named = {VALUE: master[at : at + width]}
+            named.update({key: value[at : at + width] for key, value in elements.items()})
+            pieces.append((name, start, stop, named))
+    return pieces, {"groups": groups}
 
 
-def check_expert_layout(engine: EngineProtocol, meta: dict, directory: Any) -> None:
-    """Refuse, before anything is read, a checkpoint whose experts would land elsewhere."""
+def check_expert_layout(engine: EngineProtocol, meta: dict, directory: Path) -> None:
+    """Refuse, before anything is read, a checkpoint whose experts this engine cannot take."""
     saved = meta.get("experts")
-    current = expert_layout(engine)
-    if saved is None and current is None:
+    if saved is None and engine.experts is None:
         return
     if saved is None:
         raise CheckpointError(f"checkpoint {directory} was saved without expert parallelism (ep_size 1, or by "
-                              f"another format), and this engine trains experts at ep_size {current['ep_sizes']}: "
-                              "resume it with ep_size 1")
-    if current is None:
-        raise CheckpointError(f"checkpoint {directory} holds the experts of expert-parallel layers (ep_size "
-                              f"{saved['layout']['ep_sizes']}, each rank its own) and this engine trains none: "
-                              "resume at the saving ep_size and world size")
-    if saved["layout"] != current:
-        raise CheckpointError(f"checkpoint {directory} was saved with experts laid out as {saved['layout']}, and "
-                              f"this engine lays them out as {current}: each rank saved its own experts under local "
-                              "names, and regrouping them at another world size or ep_size is not supported; "
-                              "resume at the saving world size and ep_size")
+                              "another format), and this engine trains its experts apart (ep_size > 1), with "
+                              "optimizer groups of their own: resume it with ep_size 1")
+    if engine.experts is None:
+        raise CheckpointError(f"checkpoint {directory} trained its experts apart (ep_size "
+                              f"{saved['layout']['ep_sizes']}), with optimizer groups of their own, and this engine "
+                              "trains none apart: resume it with ep_size > 1 (any that divides the experts and the "
+                              "data-parallel size), or export its weights with shardwise convert")
+    groups = len({bucket.group for bucket in engine.experts.buckets})
+    if saved["groups"] != groups:
+        raise CheckpointError(f"checkpoint {directory} has {saved['groups']} expert param group(s), this engine's "
+                              f"experts have {groups}")
 
 
-def load_experts(engine: EngineProtocol, meta: dict, record: dict, reader: SafetensorsReader, *,
+def load_experts(engine: EngineProtocol, index: PieceIndex, meta: dict, records: list[dict], *,
                  optimizer_states: bool, schedule: bool) -> None:
-    """Restore this rank's experts from its own record and tensor file (`optimizer_states`:
-    their optimizer state and hyper-parameters too; `schedule`: their lr schedule)."""
+    """Fill this rank's slice of every bucket from the pieces that hold it (any saving
+    layout), then its replicas' slices by all-gather; `optimizer_states`: the optimizer's
+    state of the slice and the experts' hyper-parameters; `schedule`: their schedule."""
     experts = engine.experts
-    names = [name for name, _, _ in experts.params]
-    if record["names"] != names:
-        raise CheckpointError(f"rank {engine.rank} saved experts {record['names'][:4]}..., this rank trains "
-                              f"{names[:4]}...: the models differ")
-    with torch.no_grad():
-        for name, param, _ in experts.params:
-            param.copy_(reader.read(expert_key(name, "value"), 0, param.numel()).view(param.shape))
-        for bucket in experts.buckets:
-            if bucket.master.data_ptr() != bucket.slice.data_ptr():
-                bucket.master.copy_(reader.read(expert_key(bucket.name, "master"), 0, bucket.master.numel()))
     saved = meta["experts"]
+    scalars: dict[str, dict] = {}
+    elements: dict[str, dict] = {}
+    for record in records:
+        for group, state in record.get("experts", {}).get("groups", {}).items():
+            scalars.setdefault(group, state["scalars"])
+            elements.setdefault(group, state["elements"])
+    states: dict[int, dict[str, torch.Tensor]] = {}
+    with torch.no_grad():
+        for position, bucket in enumerate(experts.buckets):
+            master = bucket.master.data
+            parts = {key: torch.zeros(master.numel(), dtype=DTYPES[dtype], device=master.device)
+                     for key, dtype in elements.get(str(bucket.group), {}).items()} if optimizer_states else {}
+            for param_index, start, stop, at in bucket.owned_pieces():
+                name = experts.global_names[id(bucket.params[param_index][1])]
+                index.read_into(name, VALUE, start, master[at : at + stop - start])
+                for key, tensor in parts.items():
+                    index.read_into(name, key, start, tensor[at : at + stop - start])
+            bucket.after_step()  # the master into the compute-dtype buffer, the slices to every replica
+            if str(bucket.group) in scalars and optimizer_states:
+                states[position] = {**{key: decode_value(value) for key, value in scalars[str(bucket.group)].items()},
+                                    **{key: tensor.view(master.shape) for key, tensor in parts.items()}}
     if optimizer_states:
         optimizer = experts.optimizer
         if saved["optimizer"]["class"] != type(optimizer).__name__:
             raise CheckpointError(f"the experts were trained with {saved['optimizer']['class']}, this engine "
                                   f"trains them with {type(optimizer).__name__}")
-        if len(saved["optimizer"]["param_groups"]) != len(optimizer.param_groups):
-            raise CheckpointError(f"the experts' optimizer had {len(saved['optimizer']['param_groups'])} param "
-                                  f"groups, this engine's has {len(optimizer.param_groups)}")
-        state, groups = {}, []
-        for position, (group, hyper) in enumerate(zip(optimizer.param_groups, saved["optimizer"]["param_groups"])):
-            (master,) = group["params"]
-            bucket = next(bucket for bucket in experts.buckets if bucket.master is master)
-            stored = record["buckets"][bucket.name]
-            entry = {key: decode_value(value) for key, value in stored["scalars"].items()}
-            for what in stored["elements"]:
-                entry[what] = reader.read(expert_key(bucket.name, what), 0, master.numel()).view(master.shape)
-            if entry:
-                state[position] = entry
+        hyper: dict[int, dict] = {}  # per expert param group: its saved buckets share hyper-parameters
+        for group, values in zip(saved["bucket_groups"], saved["optimizer"]["param_groups"]):
+            hyper.setdefault(group, values)
+        groups = []
+        for position, group in enumerate(optimizer.param_groups):
             kept = {key: value for key, value in group.items() if key != "params"}
-            kept.update({key: decode_value(value) for key, value in hyper.items()})
+            kept.update({key: decode_value(value) for key, value in hyper[experts.buckets[position].group].items()})
             groups.append({**kept, "params": [position]})
-        optimizer.load_state_dict({"state": state, "param_groups": groups})
+        optimizer.load_state_dict({"state": states, "param_groups": groups})
     if schedule and engine.expert_lr_scheduler is not None and saved["lr_scheduler"] is not None:
         engine.expert_lr_scheduler.load_state_dict(decode_value(saved["lr_scheduler"]))

@@ -28,14 +28,13 @@ from shardwise.runtime.checkpoint.format import (
     VALUE,
     CheckpointError,
     rank_json,
-    rank_tensors,
     read_json,
 )
 from shardwise.runtime.checkpoint.expert_state import check_expert_layout, load_experts
 from shardwise.runtime.checkpoint.index import PieceIndex
 from shardwise.runtime.checkpoint.manifest import check_file, read_manifest, resolve_tag
 from shardwise.runtime.checkpoint.pieces import describe_whole_model, module_extras, owned_runs, tensor_shards
-from shardwise.runtime.checkpoint.safetensors_io import DTYPES, SafetensorsReader
+from shardwise.runtime.checkpoint.safetensors_io import DTYPES
 from shardwise.runtime.checkpoint.state import decode_value, restore_rng_state
 from shardwise.runtime.checkpoint.zenflow_state import load_zenflow
 from shardwise.runtime.engine_protocol import EngineProtocol
@@ -114,13 +113,9 @@ def load_checkpoint(engine: EngineProtocol, load_dir: str | os.PathLike, tag: st
                     continue
                 for start, stop, at in owned_runs(low, high, shards.get(name)):
                     index.read_into(name, VALUE, start, values[at : at + stop - start])
-    if engine.experts is not None:
-        reader = SafetensorsReader(opened.directory / rank_tensors(engine.rank))
-        try:
-            load_experts(engine, meta, records[engine.rank]["experts"], reader,
-                         optimizer_states=optimizer_states and not module_only, schedule=not module_only)
-        finally:
-            reader.close()
+        if engine.experts is not None:
+            load_experts(engine, index, meta, records, optimizer_states=optimizer_states and not module_only,
+                         schedule=not module_only)
     engine.zero.refresh_from_masters()
     if module_only:
         return meta["client_state"]

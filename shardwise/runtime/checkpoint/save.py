@@ -26,7 +26,7 @@ import torch
 import torch.distributed as dist
 
 from shardwise.runtime.checkpoint.background import BackgroundWriter, HostBuffers
-from shardwise.runtime.checkpoint.expert_state import expert_meta, expert_share
+from shardwise.runtime.checkpoint.expert_state import expert_meta, expert_pieces
 from shardwise.runtime.checkpoint.format import (
     FORMAT_VERSION,
     META,
@@ -281,9 +281,10 @@ def _rank_share(engine: EngineProtocol, staging: Path) -> _RankShare:
         for name, tensor in module_extras(engine):
             add(name, 0, tensor.numel(), {VALUE: tensor.detach().reshape(-1)}, -1)
     experts_record = None
-    if engine.experts is not None:  # every rank its own experts (expert_state.py)
-        expert_tensors, experts_record = expert_share(engine)
-        tensors.extend((key, tensor, -1) for key, tensor in expert_tensors)
+    if engine.experts is not None:  # experts trained apart from ZeRO, as pieces of their own (expert_state.py)
+        written, experts_record = expert_pieces(engine)
+        for name, start, stop, named in written:
+            add(name, start, stop, named, -1)
 
     tensors.sort(key=lambda item: (item[2] < 0, item[2]))  # by sub-group; untrained pieces (-1) last
     record = {

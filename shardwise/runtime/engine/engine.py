@@ -48,7 +48,12 @@ from shardwise.runtime.precision import LossScaler
 from shardwise.runtime.precision.casting import autocast_for, cast_floating, cast_unheld_state
 from shardwise.runtime.reliability.replica_check import ReplicaCheck
 from shardwise.runtime.reliability.step_guard import BACKWARD, FORWARD, StepGuard
-from shardwise.runtime.parallel.expert.training import ExpertTraining, connect_expert_layers, expert_parameters
+from shardwise.runtime.parallel.expert.training import (
+    ExpertTraining,
+    connect_expert_layers,
+    expert_parameters,
+    global_expert_names,
+)
 from shardwise.runtime.zero.apply import ZeroGroups, apply_zero
 from shardwise.runtime.zero.zenflow import ZenFlow
 from shardwise.runtime.zero.trainable import evaluated_parameters, frozen_parameters, trainable_parameters
@@ -371,7 +376,7 @@ class Engine(nn.Module):
                        for size in sorted({size for _, _, size in experts})}
         return named, ExpertTraining(experts, groups, build, expert_data, data_size=self.mesh.data_size,
                                      partitioned=policies.zero.partitions_model_states, ledger=self.ledger,
-                                     dtype=precision.param_dtype)
+                                     global_names=global_expert_names(self.module), dtype=precision.param_dtype)
 
     def _replica_check(self, interval: int) -> ReplicaCheck | None:
         if not interval:

@@ -66,24 +66,36 @@ class ExpertBucket:
                 param.data = self.flat[offset : offset + param.numel()].view_as(param)
                 offset += param.numel()
         width = padded // parts
-        at = (comm.rank if self.partitioned else 0) * width
-        self.slice = self.flat[at : at + width]
+        self.start = (comm.rank if self.partitioned else 0) * width  # the slice's place in the buffer
+        self.slice = self.flat[self.start : self.start + width]
         self.master = nn.Parameter(self.slice if dtype == torch.float32 else self.slice.float())
 
     @property
-    def name(self) -> str:
-        """How a checkpoint names the slice's optimizer state."""
-        return f"ep_size_{self.size}.group_{self.group}"
+    def writes(self) -> bool:
+        """Whether this rank writes the slice to a checkpoint: each slice once (whole
+        slices are alike on every replica, so the first one writes)."""
+        return self.partitioned or self.comm.rank == 0
+
+    def owned_pieces(self) -> list[tuple[int, int, int, int]]:
+        """(parameter index, start, stop within the flattened parameter, position in the
+        slice) of every parameter range inside this rank's slice."""
+        low, high = self.start, self.start + self.master.numel()
+        pieces, offset = [], 0
+        for index, (_, param) in enumerate(self.params):
+            first, last = max(low, offset), min(high, offset + param.numel())
+            if first < last:
+                pieces.append((index, first - offset, last - offset, first - low))
+            offset += param.numel()
+        return pieces
 
     def reduce_gradients(self, data_size: int) -> None:
-        """The mean gradient over the D ranks, into `slice.grad` (its part only, partitioned)."""
+        """The mean gradient over the D ranks, into `master.grad` (its slice only, partitioned)."""
         grads = [param.grad if param.grad is not None else torch.zeros_like(param) for _, param in self.params]
         full = torch.zeros(self.flat.numel(), dtype=torch.float32, device=self.flat.device)
         torch.cat([grad.reshape(-1).float() for grad in grads], out=full[: self.numel])
         what = f"expert gradients (ep_size {self.size})"
         if self.partitioned:
-            width = self.slice.numel()
-            mine = full[self.comm.rank * width : (self.comm.rank + 1) * width]
+            mine = full[self.start : self.start + self.slice.numel()]
             self.comm.reduce_scatter(mine, full, what).wait()
             self.master.grad = mine.div_(data_size).clone()
         else:
@@ -110,15 +122,16 @@ class ExpertTraining:
 
     def __init__(self, params: list[tuple[str, nn.Parameter, int]], groups: list[dict], build: BuildOptimizer,
                  expert_data: dict[int, Communicator], *, data_size: int, partitioned: bool, ledger: MemoryLedger,
-                 dtype: torch.dtype = torch.float32):
+                 global_names: dict[int, str], dtype: torch.dtype = torch.float32):
         """`params`: (name, parameter, expert-parallel size); `groups`: the experts' param
         groups (their hyper-parameters); `build`: the optimizer over param groups;
         `expert_data`: the expert-data communicator for each size; `data_size`: D;
         `partitioned`: the optimizer state split over the expert-data group (ZeRO >= 1);
+        `global_names`: each expert parameter's name in the every-expert model, by id;
         `dtype`: of the parameters the model computes with (bf16: fp32 masters apart)."""
         self.params = params
+        self.global_names = global_names
         self.data_size = data_size
-        self.partitioned = partitioned
         self.ledger = ledger
         names = {id(param): (name, size) for name, param, size in params}
         self.buckets: list[ExpertBucket] = []
@@ -203,6 +216,19 @@ def expert_parameters(named: list[tuple[str, nn.Parameter, int]]) -> list[tuple[
     """(name, parameter, expert-parallel size) of the marked parameters split over > 1 rank."""
     return [(name, param, size) for name, param, _ in named
             if (size := expert_parallel_size(param)) is not None and size > 1]
+
+
+def global_expert_names(model: nn.Module) -> dict[int, str]:
+    """The every-expert model's name of each expert parameter of `model`, by id (the layers
+    name their experts, `ExpertParallelLayer.global_expert_name`)."""
+    names = {}
+    for path, layer in model.named_modules():
+        if isinstance(layer, ExpertParallelLayer) and layer.expert_parallel_size > 1:
+            for name, param in layer.named_parameters():
+                if expert_parallel_size(param) is not None:
+                    names[id(param)] = f"{path}.{layer.global_expert_name(name)}" if path else \
+                        layer.global_expert_name(name)
+    return names
 
 
 def connect_expert_layers(model: nn.Module, mesh: ParallelMesh, stats: CommStats, ledger: MemoryLedger,

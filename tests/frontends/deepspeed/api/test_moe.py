@@ -7,6 +7,7 @@ import os
 import subprocess
 
 import pytest
+import safetensors.torch
 import torch
 from torch import nn
 
@@ -16,6 +17,7 @@ from shardwise.frontends.deepspeed.api.moe.sharded_moe import top1_gating, top2_
 from shardwise.frontends.deepspeed.api.moe.utils import split_params_into_different_moe_groups_for_optimizer
 from shardwise.formulas.communication import moe_all_to_all_bytes
 from shardwise.formulas.memory import expert_optimizer_state_bytes
+from shardwise.runtime.checkpoint.convert import convert_checkpoint
 from shardwise.runtime.checkpoint.format import CheckpointError
 from shardwise.runtime.distributed.collectives import Communicator
 from shardwise.runtime.distributed.mesh import ParallelMesh, ParallelSizes
@@ -107,13 +109,15 @@ def train_parallel(rank: int, world_size: int, stage: int, k: int, residual: boo
     return {"losses": losses, "params": params}
 
 
-def train_reference(world_size: int, k: int, residual: bool, eps: float = 1e-8) -> dict:
-    """Each rank's rows routed on their own (capacity is per rank), losses averaged."""
+def train_reference(world_size: int, k: int, residual: bool, eps: float = 1e-8,
+                    worlds: list[int] | None = None) -> dict:
+    """Each rank's rows routed on their own (capacity is per rank), losses averaged;
+    `worlds`: the number of ranks of each step (default `world_size` for STEPS steps)."""
     model = MoeNet(k, residual)
     optimizer = torch.optim.AdamW(groups_of(model), lr=1e-2, eps=eps)
     scheduler = schedule(optimizer)
     losses = []
-    for step in range(STEPS):
+    for step, world_size in enumerate(worlds or [world_size] * STEPS):
         x, y = batch(step, ROWS * world_size)
         per_rank = []
         for r in range(world_size):
@@ -308,15 +312,10 @@ def resume_with_experts(rank: int, world_size: int, stage: int, bf16: bool, tmp:
     with shardwise.gathered_parameters(list(model.parameters())):
         errors = {name: ((param - final[name]).norm() / final[name].norm()).item()
                   for name, param in model.named_parameters()}
-    refusals = []
-    for ep_size in (1, world_size):
-        if ep_size == 2:
-            continue
-        _, other = expert_engine(stage, ep_size, bf16)
-        with pytest.raises(CheckpointError) as error:
-            other.load_checkpoint(tmp)
-        refusals.append(str(error.value))
-    return {"uninterrupted": uninterrupted, "resumed": resumed, "errors": errors, "refusals": refusals}
+    _, dense = expert_engine(stage, 1, bf16)  # the experts among the dense parameters: other optimizer groups
+    with pytest.raises(CheckpointError) as refusal:
+        dense.load_checkpoint(tmp)
+    return {"uninterrupted": uninterrupted, "resumed": resumed, "errors": errors, "refusal": str(refusal.value)}
 
 
 @pytest.mark.parametrize("world_size, stage, bf16", [(2, 2, False), (4, 1, True),
@@ -326,17 +325,56 @@ def test_expert_parallel_checkpoint_resumes_exactly(world_size, stage, bf16, tmp
     """Each rank saves its own experts, their Adam moments (its partition of them at ZeRO
     >= 1), fp32 masters (bf16) and schedule: the steps after a resume at the same layout
     are the uninterrupted run's (< 1e-6 relative), and the experts' places are checked
-    before anything is read (ep_size 1 or 4 refused)."""
+    before anything is read (ep_size 1, which trains the experts among the dense
+    parameters, refused)."""
     for result in run_distributed(resume_with_experts, world_size, stage, bf16, str(tmp_path), timeout=240):
         for got, want in zip(result["resumed"], result["uninterrupted"][2:]):
             assert abs(got - want) < 1e-6 * abs(want), (result["resumed"], result["uninterrupted"])
         assert any(".deepspeed_experts." in name for name in result["errors"])
         assert max(result["errors"].values()) < 1e-6, result["errors"]
-        assert len(result["refusals"]) == (1 if world_size == 2 else 2)
-        assert "saved without expert parallelism" not in result["refusals"][0]
-        assert "trains none: resume at the saving ep_size" in result["refusals"][0]
-        if world_size == 4:
-            assert "regrouping them at another world size or ep_size is not supported" in result["refusals"][1]
+        assert "trains none apart: resume it with ep_size > 1" in result["refusal"]
+
+
+def save_after_two_steps(rank: int, world_size: int, tmp: str) -> None:
+    _, engine = expert_engine(2, 2)
+    train_steps(engine, rank, world_size, range(2))
+    engine.save_checkpoint(tmp)
+
+
+def resume_regrouped(rank: int, world_size: int, ep_size: int, tmp: str) -> dict:
+    model, engine = expert_engine(2, ep_size)
+    engine.load_checkpoint(tmp)
+    losses = train_steps(engine, rank, world_size, range(2, 4))
+    with shardwise.gathered_parameters(list(model.parameters())):
+        params = {name: param.detach().clone() for name, param in model.named_parameters()}
+    return {"losses": losses, "params": params}
+
+
+@pytest.mark.parametrize("ep_size", [2, pytest.param(4, marks=pytest.mark.slow)], ids=["ep2xdp2", "ep4"])
+def test_expert_checkpoint_regroups_at_another_world_and_ep_size(ep_size, tmp_path):
+    """Saved at ep=2 on 2 ranks (ZeRO 2), resumed on 4 ranks at ep=2 (the experts' Adam
+    moments now split over 2 expert-data ranks) or ep=4 (one expert per rank): the pieces
+    are named by the every-expert model, so each rank reads its experts and its slice of
+    their moments wherever they were saved, and the two steps after equal the every-expert
+    model trained 2 steps at 2 ranks' batch and 2 at 4 ranks' (fp32, 1e-5); `convert` exports
+    every expert under its every-expert name."""
+    run_distributed(save_after_two_steps, 2, str(tmp_path / "run"), timeout=240)
+    expected = train_reference(4, 1, residual=False, worlds=[2, 2, 4, 4])
+    if ep_size == 2:  # the export holds every expert under the every-expert model's names
+        convert_checkpoint(tmp_path / "run", tmp_path / "model.safetensors")
+        exported = safetensors.torch.load_file(tmp_path / "model.safetensors")
+        after_two = train_reference(2, 1, residual=False, worlds=[2, 2])["params"]
+        assert exported.keys() == after_two.keys()
+        for name, weight in after_two.items():
+            assert ((exported[name] - weight).norm() / weight.norm()).item() < 1e-5, name
+    for rank, result in enumerate(run_distributed(resume_regrouped, 4, ep_size, str(tmp_path / "run"),
+                                                  timeout=240)):
+        for step, got in zip((2, 3), result["losses"]):
+            want = expected["losses"][step][rank]
+            assert abs(got - want) < 1e-5 * abs(want), (step, result["losses"], want)
+        for name, weight in result["params"].items():
+            reference = expected["params"][expert_name(name, rank, ep_size)]
+            assert ((weight - reference).norm() / reference.norm()).item() < 1e-5, name
 
 
 def expert_state_memory(rank: int, world_size: int) -> dict:
