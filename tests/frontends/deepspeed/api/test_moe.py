@@ -298,14 +298,17 @@ def train_steps(engine, rank: int, world_size: int, steps: range) -> list[float]
 
 def resume_with_experts(rank: int, world_size: int, stage: int, bf16: bool, tmp: str) -> dict:
     """Four steps uninterrupted; two steps, a checkpoint, and two steps of a fresh engine
-    that loads it; then the checkpoint offered to layouts that would put experts elsewhere."""
+    that loads it; then the checkpoint offered to a model that trains its experts among
+    the dense parameters (ep_size 1)."""
     model, engine = expert_engine(stage, 2, bf16)
     uninterrupted = train_steps(engine, rank, world_size, range(4))
     with shardwise.gathered_parameters(list(model.parameters())):
         final = {name: param.detach().clone() for name, param in model.named_parameters()}
     _, engine = expert_engine(stage, 2, bf16)
     train_steps(engine, rank, world_size, range(2))
-    engine.save_checkpoint(tmp)
+    engine.save_checkpoint(tmp, asynchronous=bf16)  # bf16: through the background writer, which must have
+    train_steps(engine, rank, world_size, range(2, 3))  # copied the experts before this step changes them
+    engine.wait_for_checkpoint()
     model, engine = expert_engine(stage, 2, bf16)
     engine.load_checkpoint(tmp)
     resumed = train_steps(engine, rank, world_size, range(2, 4))
