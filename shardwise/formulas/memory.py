@@ -73,6 +73,17 @@ def optimizer_state_bytes(fp32_states: float, dtype: str = "bf16", *, bf16_maste
     return 4 * fp32_states + master
 
 
+def expert_optimizer_state_bytes(*, bucket_numels: list[int], expert_data_size: int, state_bytes_per_element: int,
+                                 partitioned: bool) -> int:
+    """Bytes of the experts' optimizer state on one rank (docs/formulas.md#expert-parallelism):
+    each bucket (a param group's experts of one expert-parallel size, `bucket_numels`
+    elements on this rank) is padded to a multiple of the expert-data size N and split N
+    ways at ZeRO >= 1 (`partitioned`), whole at stage 0; K = `state_bytes_per_element`
+    (8 for fp32 Adam: two fp32 moments; 12 for bf16 Adam: and the fp32 master)."""
+    parts = expert_data_size if partitioned else 1
+    return sum(ceil(numel / parts) * state_bytes_per_element for numel in bucket_numels)
+
+
 def onebit_state_bytes(numel: int, ranks: int, lamb: bool = False) -> int:
     """1-bit Adam's (`lamb`: 1-bit LAMB's) fp32 state for `numel` trained elements after the
     warm-up, at stage 0 over `ranks` data-parallel ranks: momentum and variance (LAMB: also

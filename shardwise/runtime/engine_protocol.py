@@ -23,6 +23,7 @@ from torch import nn
 from shardwise.runtime.distributed.collectives import CommStats, Communicator
 from shardwise.runtime.distributed.mesh import ParallelMesh
 from shardwise.runtime.distributed.setup import DistributedContext
+from shardwise.runtime.parallel.expert.training import ExpertTraining
 from shardwise.runtime.precision import LossScaler
 from shardwise.runtime.zero.apply import ZeroState
 from shardwise.runtime.zero.sharded_optimizer import ShardedOptimizer
@@ -60,6 +61,8 @@ class EngineProtocol(Protocol):
     optimizer: ShardedOptimizer | None  # `zero.optimizer`: the torch optimizer on this rank's segments
     lr_scheduler: Any  # the caller's or the policies' scheduler: any object with step(); or None
     zenflow: ZenFlow | None  # ZenFlow's step (zero/zenflow.py), when the policy asks for it
+    experts: ExpertTraining | None  # experts of expert-parallel layers, trained apart from ZeRO (ep_size > 1)
+    expert_lr_scheduler: Any  # the experts' own schedule (None without experts or a schedule)
     loss_scaler: LossScaler
 
     # -- counters a checkpoint saves and restores ---------------------------------------------

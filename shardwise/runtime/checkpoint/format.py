@@ -15,6 +15,8 @@ of the flattened parameter: `value` (its fp32 master values; frozen parameters a
 buffers in their own dtype) or one per-element optimizer state (`exp_avg`, ...).
 Everything is keyed by parameter *name* and element range, never by rank or flat-buffer
 offset, so a checkpoint can be read back under any world size, stage or bucket size.
+The experts of expert-parallel layers are pieces like the others, named as the
+every-expert model names them (expert_state.py).
 JSON and safetensors only: loading a checkpoint never runs code from it (no pickle).
 """
 

@@ -12,6 +12,7 @@ from typing import Any
 
 import torch
 
+from shardwise.runtime.checkpoint.expert_state import describe_experts
 from shardwise.runtime.distributed.collectives import mesh_communicator
 from shardwise.runtime.engine_protocol import EngineProtocol
 from shardwise.runtime.parallel.tensor.placement import TensorShard, tensor_shard
@@ -91,12 +92,14 @@ def describe_model(engine: EngineProtocol) -> dict[str, Any]:
     shapes.update({name: list(shard.global_shape) for name, shard in tensor_shards(engine.module).items()
                    if name in shapes})
     module = engine.module
+    experts = {id(param) for _, param, _ in engine.experts.params} if engine.experts is not None else set()
     groups = {slot.name: slot.group for unit in engine.zero.units for slot in unit.slots} if engine.trains else {}
     parameters = [  # dtype: of the stored values (fp32 masters for trained parameters); group: its param group
         {"name": name, "shape": shapes.get(name, list(param.shape)), "trainable": name in trained,
          "dtype": "float32" if name in trained else _dtype_name(param.dtype),
          **({"group": groups[name]} if name in groups else {})}
         for name, param in module.named_parameters()
+        if id(param) not in experts  # under their every-expert names (describe_whole_model)
     ]
     persistent = set(module.state_dict(keep_vars=True))
     buffers = [
@@ -117,8 +120,14 @@ def describe_whole_model(engine: EngineProtocol) -> dict[str, Any]:
     """`describe_model` of the whole model: with pipeline parallelism each rank holds only
     its stage's parameters, so the stages' descriptions are merged, in stage order
     (collective over the pipeline group). A checkpoint then names every parameter,
-    whatever pipeline size saves or loads it."""
+    whatever pipeline size saves or loads it. Experts trained apart (ep_size > 1) are
+    gathered from every rank, under their names in the every-expert model (collective)."""
     description = describe_model(engine)
+    if engine.experts is not None:  # each rank holds some experts: every rank's, under every-expert names
+        known: set[str] = set()
+        for part in engine.world.control_all_gather_object(describe_experts(engine)):
+            description["parameters"] += [entry for entry in part if entry["name"] not in known]
+            known.update(entry["name"] for entry in part)
     if engine.mesh["pipeline"].size == 1:
         return description
     merged: dict[str, Any] = {"parameters": [], "buffers": [], "aliases": {}}

@@ -26,6 +26,7 @@ import torch
 import torch.distributed as dist
 
 from shardwise.runtime.checkpoint.background import BackgroundWriter, HostBuffers
+from shardwise.runtime.checkpoint.expert_state import expert_meta, expert_pieces
 from shardwise.runtime.checkpoint.format import (
     FORMAT_VERSION,
     META,
@@ -286,6 +287,11 @@ def _rank_share(engine: EngineProtocol, staging: Path) -> _RankShare:
     if _writes_extras(engine):
         for name, tensor in module_extras(engine):
             add(name, 0, tensor.numel(), {VALUE: tensor.detach().reshape(-1)}, -1)
+    experts_record = None
+    if engine.experts is not None:  # experts trained apart from ZeRO, as pieces of their own (expert_state.py)
+        written, experts_record = expert_pieces(engine)
+        for name, start, stop, named in written:
+            add(name, start, stop, named, -1)
 
     tensors.sort(key=lambda item: (item[2] < 0, item[2]))  # by sub-group; untrained pieces (-1) last
     record = {
@@ -297,6 +303,8 @@ def _rank_share(engine: EngineProtocol, staging: Path) -> _RankShare:
     }
     if zenflow_record is not None:
         record["zenflow"] = zenflow_record
+    if experts_record is not None:
+        record["experts"] = experts_record
     return _RankShare(tensors, record)
 
 
@@ -363,6 +371,8 @@ def _meta(engine: EngineProtocol, tag: str, client_state: dict, model: dict) -> 
         "hf": _hf_description(engine.module),
         "tensor_parallel": describe_tensor_parallel(engine),
     }
+    if engine.experts is not None:
+        meta["experts"] = expert_meta(engine)
     return meta
 
 

@@ -52,7 +52,12 @@ from shardwise.runtime.precision.casting import autocast_for, cast_floating, cas
 from shardwise.runtime.reliability.replica_check import ReplicaCheck
 from shardwise.runtime.reliability.pass_failures import PassFailures
 from shardwise.runtime.reliability.step_guard import BACKWARD, FORWARD, StepGuard
-from shardwise.runtime.parallel.expert.training import ExpertTraining, connect_expert_layers, expert_parameters
+from shardwise.runtime.parallel.expert.training import (
+    ExpertTraining,
+    connect_expert_layers,
+    expert_parameters,
+    global_expert_names,
+)
 from shardwise.runtime.zero.apply import ZeroGroups, apply_zero
 from shardwise.runtime.zero.zenflow import ZenFlow
 from shardwise.runtime.zero.trainable import evaluated_parameters, frozen_parameters, trainable_parameters
@@ -367,14 +372,6 @@ class Engine(nn.Module):
         if self.replica_check is not None and self.replica_check.due(self.global_steps):
             self.replica_check.check(list(self.module.named_parameters()), f"after optimizer step {self.global_steps}")
 
-    def _refuse_expert_checkpoints(self, operation: str) -> None:
-        """Experts of expert-parallel layers sit outside ZeRO's stores, which checkpoints
-        write; refused rather than saving or resuming a model without its experts."""
-        if self.experts is not None:
-            raise ValueError(f"{operation}: checkpoints of expert-parallel layers (ep_size > 1) are not supported "
-                             "yet: the experts and their optimizer state are trained apart from ZeRO's stores. "
-                             "Train with ep_size=1 where you need checkpoints")
-
     def _expert_scheduler(self, lr_scheduler: Any, policies: Policies) -> Any:
         """The schedule of the experts' own optimizer: the same schedule, built over its groups.
         A scheduler object built before `initialize` holds the optimizer the experts were
@@ -395,24 +392,30 @@ class Engine(nn.Module):
         experts = expert_parameters(named)
         if not experts:
             return named, None
+        precision = policies.precision
         if (self.mesh.sizes.tensor > 1 or self.mesh.sizes.sequence > 1 or self.mesh.sizes.pipeline > 1
-                or policies.precision.param_dtype != torch.float32 or policies.zero.zenflow is not None):
-            raise ValueError("expert parallelism (ep_size > 1) is provided for fp32 data-parallel training "
-                             "(ZeRO 0-3, no tensor, sequence or pipeline parallelism, bf16/fp16 or ZenFlow); "
-                             "use ep_size=1 for the others")
+                or precision.param_dtype not in (torch.float32, torch.bfloat16)
+                or precision.master_dtype != torch.float32 or policies.zero.zenflow is not None):
+            raise ValueError("expert parallelism (ep_size > 1) is provided for fp32 and bf16 (fp32 masters) "
+                             "data-parallel training (ZeRO 0-3; not tensor, sequence or pipeline parallelism, "
+                             "fp16, bf16 masters or ZenFlow); use ep_size=1 for the others")
         ids = {id(param) for _, param, _ in experts}
+        build: Callable[[list[dict]], torch.optim.Optimizer]
         if optimizer is not None:
             groups, index = ExpertTraining.split_optimizer(optimizer, ids)
-            expert_optimizer = type(optimizer)(groups)
+            build = type(optimizer)
             named = [(name, param, index[group]) for name, param, group in named if id(param) not in ids]
         else:
-            expert_optimizer = optimizer_spec(policies.optimizer.type).build(
-                [{"params": [param for _, param, _ in experts]}], dict(policies.optimizer.params))
+            groups = [{"params": [param for _, param, _ in experts]}]
+            spec, hyper = optimizer_spec(policies.optimizer.type), dict(policies.optimizer.params)
+            build = lambda groups: spec.build(groups, hyper)  # noqa: E731
             named = [entry for entry in named if id(entry[1]) not in ids]
         expert_data = {size: Communicator(self.mesh.expert_handles(size)[1], self.comm_stats, self.ledger,
                                           self.job.peers)
                        for size in sorted({size for _, _, size in experts})}
-        return named, ExpertTraining(experts, expert_optimizer, expert_data, data_size=self.mesh.data_size)
+        return named, ExpertTraining(experts, groups, build, expert_data, data_size=self.mesh.data_size,
+                                     partitioned=policies.zero.partitions_model_states, ledger=self.ledger,
+                                     global_names=global_expert_names(self.module), dtype=precision.param_dtype)
 
     def _replica_check(self, interval: int) -> ReplicaCheck | None:
         if not interval:
@@ -511,7 +514,6 @@ class Engine(nn.Module):
         from shardwise.runtime.checkpoint import save_checkpoint
 
         self._require_alive("save_checkpoint")
-        self._refuse_expert_checkpoints("save_checkpoint")
         self.world.agree_on_call("save_checkpoint", call_check_timeout(self.context.timeout))
         self.wait_for_checkpoint()  # one save at a time; an earlier write's failure raises here
         if self.replica_check is not None:  # never save replicas that diverged
@@ -542,7 +544,6 @@ class Engine(nn.Module):
         from shardwise.runtime.checkpoint import load_checkpoint
 
         self._require_alive("load_checkpoint")
-        self._refuse_expert_checkpoints("load_checkpoint")
         self.world.agree_on_call("load_checkpoint", call_check_timeout(self.context.timeout))
         self.wait_for_checkpoint()  # never read a checkpoint while one is being written
         return load_checkpoint(self, load_dir, tag, optimizer_states=optimizer_states, module_only=module_only,

@@ -12,8 +12,21 @@ so the experts stay out of ZeRO's flat buffers: each rank keeps its experts whol
 are already 1/P of the experts, at any ZeRO stage, stage 3 included) and steps them with
 an optimizer of its own, built from the caller's expert param groups.
 
-The global gradient norm counts each expert once: a rank adds its experts' squares
-divided by the D/P ranks holding copies of them.
+In bf16 training the buffer is bf16 and the optimizer steps an fp32 copy of the slice
+(the master), rounded back into the buffer after each update, as ZeRO does for the
+dense parameters.
+
+At ZeRO stages 1-3 the experts' optimizer state is partitioned over the expert-data
+group, as DeepSpeed's ZeRO does for expert groups: each param group's experts of one
+size live in one flat buffer (the parameters become views of it), padded to a multiple
+of N = D/P; a rank's optimizer steps only its 1/N slice of the buffer (a parameter that
+shares the buffer's storage, so no copy), the gradients are reduce-scattered into that
+slice instead of all-reduced, and the updated slices are all-gathered back into the
+buffer. At stage 0 the slice is the whole buffer and the gradients are all-reduced.
+
+The global gradient norm counts each expert once: partitioned, a rank adds the squares
+of its slice (every element is in exactly one rank's slice of its expert-data group);
+whole, its experts' squares divided by the D/P ranks holding copies of them.
 """
 
 from __future__ import annotations
@@ -32,17 +45,107 @@ from shardwise.runtime.parallel.expert.marking import ExpertParallelLayer, exper
 BuildOptimizer = Callable[[list[dict]], torch.optim.Optimizer]
 
 
+class ExpertBucket:
+    """One param group's experts of one expert-parallel size, in one flat buffer of the
+    compute dtype, and what this rank's optimizer steps: `master`, its slice of the buffer
+    (sharing its storage) in fp32 training, an fp32 copy of that slice in bf16 training."""
+
+    def __init__(self, params: list[tuple[str, nn.Parameter]], *, size: int, group: int, comm: Communicator,
+                 partitioned: bool, dtype: torch.dtype):
+        self.params, self.size, self.group, self.comm = params, size, group, comm
+        self.partitioned = partitioned and comm.size > 1
+        parts = comm.size if self.partitioned else 1
+        self.numel = sum(param.numel() for _, param in params)
+        padded = -(-self.numel // parts) * parts
+        first = params[0][1]
+        self.flat = torch.zeros(padded, dtype=dtype, device=first.device)
+        offset = 0
+        with torch.no_grad():
+            for _, param in params:
+                self.flat[offset : offset + param.numel()].copy_(param.reshape(-1))
+                param.data = self.flat[offset : offset + param.numel()].view_as(param)
+                offset += param.numel()
+        width = padded // parts
+        self.start = (comm.rank if self.partitioned else 0) * width  # the slice's place in the buffer
+        self.slice = self.flat[self.start : self.start + width]
+        self.master = nn.Parameter(self.slice if dtype == torch.float32 else self.slice.float())
+
+    @property
+    def writes(self) -> bool:
+        """Whether this rank writes the slice to a checkpoint: each slice once (whole
+        slices are alike on every replica, so the first one writes)."""
+        return self.partitioned or self.comm.rank == 0
+
+    def owned_pieces(self) -> list[tuple[int, int, int, int]]:
+        """(parameter index, start, stop within the flattened parameter, position in the
+        slice) of every parameter range inside this rank's slice."""
+        low, high = self.start, self.start + self.master.numel()
+        pieces, offset = [], 0
+        for index, (_, param) in enumerate(self.params):
+            first, last = max(low, offset), min(high, offset + param.numel())
+            if first < last:
+                pieces.append((index, first - offset, last - offset, first - low))
+            offset += param.numel()
+        return pieces
+
+    def reduce_gradients(self, data_size: int) -> None:
+        """The mean gradient over the D ranks, into `master.grad` (its slice only, partitioned)."""
+        grads = [param.grad if param.grad is not None else torch.zeros_like(param) for _, param in self.params]
+        full = torch.zeros(self.flat.numel(), dtype=torch.float32, device=self.flat.device)
+        torch.cat([grad.reshape(-1).float() for grad in grads], out=full[: self.numel])
+        what = f"expert gradients (ep_size {self.size})"
+        if self.partitioned:
+            mine = full[self.start : self.start + self.slice.numel()]
+            self.comm.reduce_scatter(mine, full, what).wait()
+            self.master.grad = mine.div_(data_size).clone()
+        else:
+            self.comm.all_reduce(full, what).wait()
+            self.master.grad = full.div_(data_size)
+
+    def norm_squared(self, data_size: int) -> torch.Tensor:
+        """This rank's share of the squared norm of the experts' gradient (each counted once)."""
+        squares = torch.linalg.vector_norm(self.master.grad, dtype=torch.float32).cpu().square()
+        return squares if self.partitioned else squares / (data_size // self.size)  # whole: D/P copies
+
+    def after_step(self) -> None:
+        """The updated master into this rank's slice (bf16: rounded), and every replica's
+        slice into every replica's buffer."""
+        if self.master.data_ptr() != self.slice.data_ptr():
+            with torch.no_grad():
+                self.slice.copy_(self.master)
+        if self.partitioned:
+            self.comm.all_gather(self.flat, self.slice.detach(), f"updated experts (ep_size {self.size})").wait()
+
+
 class ExpertTraining:
     """The experts' gradients, norm and update; the engine calls it beside ZeRO's."""
 
-    def __init__(self, params: list[tuple[str, nn.Parameter, int]], optimizer: torch.optim.Optimizer,
-                 expert_data: dict[int, Communicator], *, data_size: int):
-        """`params`: (name, parameter, expert-parallel size); `expert_data`: the
-        expert-data communicator for each size; `data_size`: D."""
+    def __init__(self, params: list[tuple[str, nn.Parameter, int]], groups: list[dict], build: BuildOptimizer,
+                 expert_data: dict[int, Communicator], *, data_size: int, partitioned: bool, ledger: MemoryLedger,
+                 global_names: dict[int, str], dtype: torch.dtype = torch.float32):
+        """`params`: (name, parameter, expert-parallel size); `groups`: the experts' param
+        groups (their hyper-parameters); `build`: the optimizer over param groups;
+        `expert_data`: the expert-data communicator for each size; `data_size`: D;
+        `partitioned`: the optimizer state split over the expert-data group (ZeRO >= 1);
+        `global_names`: each expert parameter's name in the every-expert model, by id;
+        `dtype`: of the parameters the model computes with (bf16: fp32 masters apart)."""
         self.params = params
-        self.optimizer = optimizer
-        self.expert_data = expert_data
+        self.global_names = global_names
         self.data_size = data_size
+        self.ledger = ledger
+        names = {id(param): (name, size) for name, param, size in params}
+        self.buckets: list[ExpertBucket] = []
+        optimizer_groups = []
+        for index, group in enumerate(groups):
+            for size in sorted({names[id(param)][1] for param in group["params"]}):
+                members = [(names[id(param)][0], param) for param in group["params"] if names[id(param)][1] == size]
+                bucket = ExpertBucket(members, size=size, group=index, comm=expert_data[size],
+                                      partitioned=partitioned, dtype=dtype)
+                self.buckets.append(bucket)
+                optimizer_groups.append({**{key: value for key, value in group.items() if key != "params"},
+                                         "params": [bucket.master]})
+        self.optimizer = build(optimizer_groups)
+        self._counted_state = 0
 
     @staticmethod
     def split_optimizer(optimizer: torch.optim.Optimizer, experts: set[int]) -> tuple[list[dict], dict[int, int]]:
@@ -65,42 +168,67 @@ class ExpertTraining:
         return expert_groups, index
 
     def reduce_gradients(self) -> None:
-        """Sum each expert's gradient over its expert-data group and divide by D."""
-        for _, param, size in self.params:
-            if param.grad is None:  # an expert no token reached on any rank of its group still steps (weight decay)
-                param.grad = torch.zeros_like(param)
-        for size, comm in self.expert_data.items():
-            grads = [param.grad for _, param, each in self.params if each == size]
-            flat = torch.cat([grad.reshape(-1).float() for grad in grads])
-            comm.all_reduce(flat, f"expert gradients (ep_size {size})").wait()
-            flat.div_(self.data_size)
-            for grad, piece in zip(grads, flat.split([grad.numel() for grad in grads])):
-                grad.copy_(piece.view_as(grad))
+        """Each expert's gradient summed over its expert-data group and divided by D, into
+        the slices the optimizer steps."""
+        for bucket in self.buckets:
+            bucket.reduce_gradients(self.data_size)
 
     def norm_squared_share(self, replicate_size: int) -> torch.Tensor:
         """This rank's part of the squared gradient norm, in the step guard's units (it
         divides every rank's share by `replicate_size` and sums over the D ranks)."""
         total = torch.zeros((), dtype=torch.float32)
-        for _, param, size in self.params:
-            copies = self.data_size // size
-            total += torch.linalg.vector_norm(param.grad, dtype=torch.float32).cpu().square() / copies
+        for bucket in self.buckets:
+            total += bucket.norm_squared(self.data_size)
         return total * replicate_size
 
     def step(self, grad_scale: float) -> None:
         if grad_scale != 1.0:
-            for _, param, _ in self.params:
-                param.grad.mul_(grad_scale)
+            for bucket in self.buckets:
+                bucket.master.grad.mul_(grad_scale)
         self.optimizer.step()
+        for bucket in self.buckets:
+            bucket.after_step()
+        self.count_state_bytes()
+
+    def state_bytes(self) -> int:
+        """Bytes of the optimizer's per-element state this rank holds for the experts, and
+        of their fp32 masters where those are copies (bf16), as ZeRO counts its own."""
+        states = sum(value.numel() * value.element_size() for bucket in self.buckets
+                     for value in self.optimizer.state.get(bucket.master, {}).values()
+                     if torch.is_tensor(value) and value.dim() > 0)
+        masters = sum(bucket.master.numel() * bucket.master.element_size() for bucket in self.buckets
+                      if bucket.master.data_ptr() != bucket.slice.data_ptr())
+        return states + masters
+
+    def count_state_bytes(self) -> None:
+        """Add the experts' optimizer state to the ledger's: ZeRO sets its own total after
+        every step it takes (before the experts step), so the experts hold theirs on top."""
+        self.ledger.hold("optimizer_states", self.state_bytes())
 
     def zero_grads(self) -> None:
         for _, param, _ in self.params:
             param.grad = None
+        for bucket in self.buckets:
+            bucket.master.grad = None
 
 
 def expert_parameters(named: list[tuple[str, nn.Parameter, int]]) -> list[tuple[str, nn.Parameter, int]]:
     """(name, parameter, expert-parallel size) of the marked parameters split over > 1 rank."""
     return [(name, param, size) for name, param, _ in named
             if (size := expert_parallel_size(param)) is not None and size > 1]
+
+
+def global_expert_names(model: nn.Module) -> dict[int, str]:
+    """The every-expert model's name of each expert parameter of `model`, by id (the layers
+    name their experts, `ExpertParallelLayer.global_expert_name`)."""
+    names = {}
+    for path, layer in model.named_modules():
+        if isinstance(layer, ExpertParallelLayer) and layer.expert_parallel_size > 1:
+            for name, param in layer.named_parameters():
+                if expert_parallel_size(param) is not None:
+                    names[id(param)] = f"{path}.{layer.global_expert_name(name)}" if path else \
+                        layer.global_expert_name(name)
+    return names
 
 
 def connect_expert_layers(model: nn.Module, mesh: ParallelMesh, stats: CommStats, ledger: MemoryLedger,

@@ -7,6 +7,7 @@ import os
 import subprocess
 
 import pytest
+import safetensors.torch
 import torch
 from torch import nn
 
@@ -15,6 +16,9 @@ from shardwise.frontends.deepspeed.api.moe.layer import MoE
 from shardwise.frontends.deepspeed.api.moe.sharded_moe import top1_gating, top2_gating
 from shardwise.frontends.deepspeed.api.moe.utils import split_params_into_different_moe_groups_for_optimizer
 from shardwise.formulas.communication import moe_all_to_all_bytes
+from shardwise.formulas.memory import expert_optimizer_state_bytes
+from shardwise.runtime.checkpoint.convert import convert_checkpoint
+from shardwise.runtime.checkpoint.format import CheckpointError
 from shardwise.runtime.distributed.collectives import Communicator
 from shardwise.runtime.distributed.mesh import ParallelMesh, ParallelSizes
 from shardwise.runtime.distributed.setup import collective_timeout
@@ -105,13 +109,15 @@ def train_parallel(rank: int, world_size: int, stage: int, k: int, residual: boo
     return {"losses": losses, "params": params}
 
 
-def train_reference(world_size: int, k: int, residual: bool) -> dict:
-    """Each rank's rows routed on their own (capacity is per rank), losses averaged."""
+def train_reference(world_size: int, k: int, residual: bool, eps: float = 1e-8,
+                    worlds: list[int] | None = None) -> dict:
+    """Each rank's rows routed on their own (capacity is per rank), losses averaged;
+    `worlds`: the number of ranks of each step (default `world_size` for STEPS steps)."""
     model = MoeNet(k, residual)
-    optimizer = torch.optim.AdamW(groups_of(model), lr=1e-2)
+    optimizer = torch.optim.AdamW(groups_of(model), lr=1e-2, eps=eps)
     scheduler = schedule(optimizer)
     losses = []
-    for step in range(STEPS):
+    for step, world_size in enumerate(worlds or [world_size] * STEPS):
         x, y = batch(step, ROWS * world_size)
         per_rank = []
         for r in range(world_size):
@@ -248,29 +254,196 @@ def test_equals_deepspeeds_moe_layer(arguments, tmp_path):
     assert torch.equal(l_aux, theirs["l_aux"]) and counts.tolist() == theirs["counts"].tolist()
 
 
-def refuse_a_ready_scheduler_and_checkpoints(rank: int, world_size: int, tmp: str) -> list[str]:
+def refuse_a_ready_scheduler_and_fp16(rank: int, world_size: int) -> list[str]:
     model = MoeNet(1, False, 2)
     optimizer = torch.optim.AdamW(groups_of(model), lr=1e-2)
-    errors = []
-    try:
+    with pytest.raises(ValueError) as scheduler:
         shardwise.initialize(model, {"train_micro_batch_size_per_gpu": ROWS}, optimizer=optimizer,
                              lr_scheduler=schedule(optimizer))
-    except ValueError as error:
-        errors.append(str(error))
     model = MoeNet(1, False, 2)
-    engine = shardwise.initialize(model, {"train_micro_batch_size_per_gpu": ROWS},
-                                  optimizer=torch.optim.AdamW(groups_of(model), lr=1e-2))
-    try:
-        engine.save_checkpoint(tmp)
-    except ValueError as error:
-        errors.append(str(error))
-    return errors
+    with pytest.raises(ValueError) as fp16:
+        shardwise.initialize(model, {"train_micro_batch_size_per_gpu": ROWS, "fp16": {"enabled": True}},
+                             optimizer=torch.optim.AdamW(groups_of(model), lr=1e-2))
+    return [str(scheduler.value), str(fp16.value)]
 
 
-def test_expert_parallelism_refuses_a_ready_scheduler_and_checkpoints(tmp_path):
+def test_expert_parallelism_refuses_a_ready_scheduler_and_fp16():
     """A scheduler object holds the optimizer the experts were taken out of (it would leave
-    their rate at its start); checkpoints would lack the experts: both refused with the fix."""
-    for errors in run_distributed(refuse_a_ready_scheduler_and_checkpoints, 2, str(tmp_path), timeout=120):
-        assert len(errors) == 2, errors
-        assert "callable that builds it from an optimizer" in errors[0]
-        assert "save_checkpoint: checkpoints of expert-parallel layers" in errors[1]
+    their rate at its start); fp16 (loss scaling) is not provided for the experts: both
+    refused with the fix."""
+    for scheduler, fp16 in run_distributed(refuse_a_ready_scheduler_and_fp16, 2, timeout=120):
+        assert "callable that builds it from an optimizer" in scheduler
+        assert "fp32 and bf16 (fp32 masters)" in fp16 and "use ep_size=1" in fp16
+
+
+def expert_engine(stage: int, ep_size: int, bf16: bool = False) -> tuple[nn.Module, object]:
+    model = MoeNet(1, False, ep_size)
+    config = {"train_micro_batch_size_per_gpu": ROWS, "bf16": {"enabled": bf16},
+              "zero_optimization": {"stage": stage, "stage3_param_persistence_threshold": 0}}
+    return model, shardwise.initialize(model, config, optimizer=torch.optim.AdamW(groups_of(model), lr=1e-2),
+                                       lr_scheduler=schedule)
+
+
+def train_steps(engine, rank: int, world_size: int, steps: range) -> list[float]:
+    losses = []
+    for step in steps:
+        x, y = batch(step, ROWS * world_size)
+        torch.manual_seed(1000 * step + rank)
+        loss = engine(x[rank * ROWS:(rank + 1) * ROWS], y[rank * ROWS:(rank + 1) * ROWS])
+        engine.backward(loss)
+        engine.step()
+        losses.append(loss.item())
+    return losses
+
+
+def resume_with_experts(rank: int, world_size: int, stage: int, bf16: bool, tmp: str) -> dict:
+    """Four steps uninterrupted; two steps, a checkpoint, and two steps of a fresh engine
+    that loads it; then the checkpoint offered to a model that trains its experts among
+    the dense parameters (ep_size 1)."""
+    model, engine = expert_engine(stage, 2, bf16)
+    uninterrupted = train_steps(engine, rank, world_size, range(4))
+    with shardwise.gathered_parameters(list(model.parameters())):
+        final = {name: param.detach().clone() for name, param in model.named_parameters()}
+    _, engine = expert_engine(stage, 2, bf16)
+    train_steps(engine, rank, world_size, range(2))
+    engine.save_checkpoint(tmp, asynchronous=bf16)  # bf16: through the background writer, which must have
+    train_steps(engine, rank, world_size, range(2, 3))  # copied the experts before this step changes them
+    engine.wait_for_checkpoint()
+    model, engine = expert_engine(stage, 2, bf16)
+    engine.load_checkpoint(tmp)
+    resumed = train_steps(engine, rank, world_size, range(2, 4))
+    with shardwise.gathered_parameters(list(model.parameters())):
+        errors = {name: ((param - final[name]).norm() / final[name].norm()).item()
+                  for name, param in model.named_parameters()}
+    _, dense = expert_engine(stage, 1, bf16)  # the experts among the dense parameters: other optimizer groups
+    with pytest.raises(CheckpointError) as refusal:
+        dense.load_checkpoint(tmp)
+    return {"uninterrupted": uninterrupted, "resumed": resumed, "errors": errors, "refusal": str(refusal.value)}
+
+
+@pytest.mark.parametrize("world_size, stage, bf16", [(2, 2, False), (4, 1, True),
+                                                     pytest.param(4, 3, False, marks=pytest.mark.slow)],
+                         ids=["ep2-stage2", "ep2xdp2-stage1-bf16", "ep2xdp2-stage3"])
+def test_expert_parallel_checkpoint_resumes_exactly(world_size, stage, bf16, tmp_path):
+    """Each rank saves its own experts, their Adam moments (its partition of them at ZeRO
+    >= 1), fp32 masters (bf16) and schedule: the steps after a resume at the same layout
+    are the uninterrupted run's (< 1e-6 relative), and the experts' places are checked
+    before anything is read (ep_size 1, which trains the experts among the dense
+    parameters, refused)."""
+    for result in run_distributed(resume_with_experts, world_size, stage, bf16, str(tmp_path), timeout=240):
+        for got, want in zip(result["resumed"], result["uninterrupted"][2:]):
+            assert abs(got - want) < 1e-6 * abs(want), (result["resumed"], result["uninterrupted"])
+        assert any(".deepspeed_experts." in name for name in result["errors"])
+        assert max(result["errors"].values()) < 1e-6, result["errors"]
+        assert "trains none apart: resume it with ep_size > 1" in result["refusal"]
+
+
+def save_after_two_steps(rank: int, world_size: int, tmp: str) -> None:
+    _, engine = expert_engine(2, 2)
+    train_steps(engine, rank, world_size, range(2))
+    engine.save_checkpoint(tmp)
+
+
+def resume_regrouped(rank: int, world_size: int, ep_size: int, tmp: str) -> dict:
+    model, engine = expert_engine(2, ep_size)
+    engine.load_checkpoint(tmp)
+    losses = train_steps(engine, rank, world_size, range(2, 4))
+    with shardwise.gathered_parameters(list(model.parameters())):
+        params = {name: param.detach().clone() for name, param in model.named_parameters()}
+    return {"losses": losses, "params": params}
+
+
+@pytest.mark.parametrize("ep_size", [2, pytest.param(4, marks=pytest.mark.slow)], ids=["ep2xdp2", "ep4"])
+def test_expert_checkpoint_regroups_at_another_world_and_ep_size(ep_size, tmp_path):
+    """Saved at ep=2 on 2 ranks (ZeRO 2), resumed on 4 ranks at ep=2 (the experts' Adam
+    moments now split over 2 expert-data ranks) or ep=4 (one expert per rank): the pieces
+    are named by the every-expert model, so each rank reads its experts and its slice of
+    their moments wherever they were saved, and the two steps after equal the every-expert
+    model trained 2 steps at 2 ranks' batch and 2 at 4 ranks' (fp32, 1e-5); `convert` exports
+    every expert under its every-expert name."""
+    run_distributed(save_after_two_steps, 2, str(tmp_path / "run"), timeout=240)
+    expected = train_reference(4, 1, residual=False, worlds=[2, 2, 4, 4])
+    if ep_size == 2:  # the export holds every expert under the every-expert model's names
+        convert_checkpoint(tmp_path / "run", tmp_path / "model.safetensors")
+        exported = safetensors.torch.load_file(tmp_path / "model.safetensors")
+        after_two = train_reference(2, 1, residual=False, worlds=[2, 2])["params"]
+        assert exported.keys() == after_two.keys()
+        for name, weight in after_two.items():
+            assert ((exported[name] - weight).norm() / weight.norm()).item() < 1e-5, name
+    for rank, result in enumerate(run_distributed(resume_regrouped, 4, ep_size, str(tmp_path / "run"),
+                                                  timeout=240)):
+        for step, got in zip((2, 3), result["losses"]):
+            want = expected["losses"][step][rank]
+            assert abs(got - want) < 1e-5 * abs(want), (step, result["losses"], want)
+        for name, weight in result["params"].items():
+            reference = expected["params"][expert_name(name, rank, ep_size)]
+            assert ((weight - reference).norm() / reference.norm()).item() < 1e-5, name
+
+
+def expert_state_memory(rank: int, world_size: int) -> dict:
+    """ep=2 x 2 expert-data ranks, AdamW: the experts' optimizer state at stage 1 (split over
+    the expert-data group) and at stage 0 (whole), as the ledger counts it."""
+    result = {}
+    for stage in (0, 1):
+        model, engine = expert_engine(stage, 2)
+        train_steps(engine, rank, world_size, range(2))
+        dense = sum(engine.zero.codec.state_bytes(engine.optimizer.optimizer.state.get(segment.master, {}),
+                                                  segment.numel) for segment in engine.optimizer.segments)
+        result[stage] = {"buckets": [bucket.numel for bucket in engine.experts.buckets],
+                         "experts": engine.experts.state_bytes(), "dense": dense,
+                         "ledger": engine.memory_breakdown()["optimizer_states"],
+                         "local": sum(param.numel() for name, param in model.named_parameters()
+                                      if ".deepspeed_experts." in name)}
+    return result
+
+
+def test_expert_optimizer_state_is_partitioned_over_the_expert_data_group():
+    """At ZeRO 1 each of the 2 ranks holding the same experts keeps half their Adam moments
+    (the buckets padded to a multiple of 2), at stage 0 all of them; the engine's ledger
+    counts them beside ZeRO's, and both equal the formula to the byte."""
+    for result in run_distributed(expert_state_memory, 4, timeout=240):
+        for stage in (0, 1):
+            counted = result[stage]
+            assert counted["buckets"] == [counted["local"]] == [2 * 2 * (12 * 12 + 12)]
+            want = expert_optimizer_state_bytes(bucket_numels=counted["buckets"], expert_data_size=2,
+                                                state_bytes_per_element=8, partitioned=stage >= 1)
+            assert counted["experts"] == want
+            assert counted["ledger"] == counted["dense"] + want, counted
+        assert result[1]["experts"] * 2 == result[0]["experts"]
+
+
+BF16_ADAM_EPS = 1e-3  # Adam's slope near a zero gradient would turn bf16's rounding into large steps
+
+
+def train_bf16(rank: int, world_size: int, stage: int, ep_size: int) -> dict:
+    model = MoeNet(1, False, ep_size)
+    config = {"train_micro_batch_size_per_gpu": ROWS, "bf16": {"enabled": True},
+              "zero_optimization": {"stage": stage, "stage3_param_persistence_threshold": 0}}
+    engine = shardwise.initialize(model, config, lr_scheduler=schedule,
+                                  optimizer=torch.optim.AdamW(groups_of(model), lr=1e-2, eps=BF16_ADAM_EPS))
+    losses = train_steps(engine, rank, world_size, range(STEPS))
+    with shardwise.gathered_parameters(list(model.parameters())):
+        params = {name: param.detach().float().clone() for name, param in model.named_parameters()}
+    experts = {name: str(param.dtype) for name, param in model.named_parameters() if ".deepspeed_experts." in name}
+    return {"losses": losses, "params": params, "expert_dtypes": set(experts.values()),
+            "expert_state": engine.experts.state_bytes(), "buckets": [b.numel for b in engine.experts.buckets]}
+
+
+@pytest.mark.parametrize("world_size, stage", [(4, 1), pytest.param(2, 3, marks=pytest.mark.slow)],
+                         ids=["ep2xdp2-stage1", "ep2-stage3"])
+def test_bf16_expert_parallel_training_equals_every_expert_model(world_size, stage):
+    """bf16 experts with fp32 masters (partitioned over the expert-data group at stage 1):
+    losses and parameters within bf16's tolerance of the fp32 every-expert model, and the
+    masters counted beside the moments (K = 12 bytes per element for AdamW)."""
+    expected = train_reference(world_size, 1, residual=False, eps=BF16_ADAM_EPS)
+    for rank, result in enumerate(run_distributed(train_bf16, world_size, stage, 2, timeout=240)):
+        assert result["expert_dtypes"] == {"torch.bfloat16"}
+        for step in range(STEPS):
+            want = expected["losses"][step][rank]
+            assert abs(result["losses"][step] - want) < 2e-2 * abs(want), (step, result["losses"], want)
+        for name, weight in result["params"].items():
+            reference = expected["params"][expert_name(name, rank, 2)]
+            assert ((weight - reference).norm() / reference.norm()).item() < 2e-2, name
+        assert result["expert_state"] == expert_optimizer_state_bytes(
+            bucket_numels=result["buckets"], expert_data_size=world_size // 2, state_bytes_per_element=12,
+            partitioned=True)

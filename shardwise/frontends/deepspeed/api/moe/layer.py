@@ -78,6 +78,16 @@ class MoE(nn.Module):
             raise ValueError(f"MoE(ep_size={self.ep_size}) was given an expert group of {expert.size} ranks")
         self.deepspeed_moe.expert_group = expert
 
+    def global_expert_name(self, name: str) -> str:
+        """`deepspeed_moe.experts.deepspeed_experts.<i>.*` of member p of the expert group is
+        expert p·E/P + i of the every-expert layer (checkpoints store it under that name)."""
+        head, marker, tail = name.partition(".deepspeed_experts.")
+        group = self.deepspeed_moe.expert_group
+        if not marker or group is None:
+            raise ValueError(f"{name} is not an expert parameter of an MoE layer given its expert group")
+        local, rest = tail.split(".", 1)
+        return f"{head}.deepspeed_experts.{group.rank * self.num_local_experts + int(local)}.{rest}"
+
     def set_deepspeed_parallelism(self, use_data_before_expert_parallel_: bool = False) -> None:
         """DeepSpeed's engine calls this to create the expert groups; shardwise's engine
         creates them itself (`use_expert_groups`)."""

@@ -6,10 +6,11 @@ most `capacity` tokens, ⌈S/E · capacity_factor⌉ (× k for top-2) but no few
 `min_capacity`, of the S tokens this rank holds. Tokens over capacity are dropped (their
 output is zero): in arrival order for top-2, chosen at random for top-1 with Random Token
 Selection (`use_rts`), or none with `drop_tokens=False` (capacity = the fullest expert's
-count). Routing is a dense einsum over one-hot masks, as DeepSpeed does it:
-dispatch (S, E, C) sends tokens into per-expert slots, the experts run on (E, C, d), and
-the combine weights (the gate probabilities, top-2 renormalised over the pair) bring their
-outputs back. The auxiliary load-balancing loss is E · Σ_e mean_s(gate_e) · fraction
+count). The gate gives DeepSpeed's dense one-hot masks: dispatch (S, E, C) sends tokens
+into per-expert slots, the experts run on (E, C, d), and the combine weights (the gate
+probabilities, top-2 renormalised over the pair) bring their outputs back; the layer
+moves the tokens by index along the masks' routes (`Routes`), as DeepSpeed 0.19.8 does,
+rather than by einsums over the whole masks. The auxiliary load-balancing loss is E · Σ_e mean_s(gate_e) · fraction
 routed to e (top-2: the mean, × E²), for the script to add to its loss.
 
 With expert parallelism size P, a rank holds E/P experts; the (E, C, d) buffer goes to
@@ -155,6 +156,40 @@ class Experts(nn.Module):
         return torch.cat(outputs, dim=1)
 
 
+class Routes:
+    """Where each routed token goes: the (token, expert, slot) triples of the dispatch mask
+    and their gate weights. Moving tokens by index costs O(routes · d), where the dense
+    einsum over the (S, E, C) mask costs O(S · E · C · d) to move the same values (the
+    benchmark in BENCHMARKS.md measured it at half the layer's time); the results are the
+    same (a slot holds one token, so each sum of the einsum has one term per route)."""
+
+    def __init__(self, token: torch.Tensor, slot: torch.Tensor, weight: torch.Tensor, *, tokens: int,
+                 experts: int, capacity: int):
+        self.token, self.slot, self.weight = token, slot, weight
+        self.tokens, self.experts, self.capacity = tokens, experts, capacity
+
+    @classmethod
+    def of(cls, dispatch: torch.Tensor, combine: torch.Tensor) -> "Routes":
+        tokens, experts, capacity = dispatch.shape
+        token, expert, slot = dispatch.nonzero(as_tuple=True)
+        return cls(token, expert * capacity + slot, combine[token, expert, slot], tokens=tokens, experts=experts,
+                   capacity=capacity)
+
+    def dispatch(self, tokens: torch.Tensor) -> torch.Tensor:
+        """(E, C, d): each slot's token, zeros where no token was routed."""
+        source = torch.full((self.experts * self.capacity,), self.tokens, dtype=torch.long, device=tokens.device)
+        source[self.slot] = self.token
+        padded = torch.cat([tokens, tokens.new_zeros(1, tokens.shape[-1])])  # row S: the empty slots' zeros
+        return padded.index_select(0, source).view(self.experts, self.capacity, -1)
+
+    def combine(self, expert_out: torch.Tensor) -> torch.Tensor:
+        """(S, d): each token's expert outputs weighted by their gates, summed in fp32."""
+        width = expert_out.shape[-1]
+        routed = expert_out.reshape(-1, width).index_select(0, self.slot).float() * self.weight.float().unsqueeze(1)
+        out = torch.zeros(self.tokens, width, dtype=torch.float32, device=expert_out.device)
+        return out.index_add(0, self.token, routed).to(expert_out.dtype)
+
+
 class MOELayer(nn.Module):
     def __init__(self, gate: TopKGate, experts: Experts, ep_group_name: str, ep_size: int, num_local_experts: int):
         super().__init__()
@@ -168,7 +203,8 @@ class MOELayer(nn.Module):
         width = hidden.shape[-1]
         tokens = hidden.reshape(-1, width)
         self.l_aux, combine, dispatch, self.exp_counts = self.gate(tokens, used_token)
-        dispatched = torch.einsum("sec,sm->ecm", dispatch.type_as(tokens), tokens)
+        routes = Routes.of(dispatch, combine)
+        dispatched = routes.dispatch(tokens)
         if self.ep_size > 1:
             if self.expert_group is None:
                 raise RuntimeError(f"MoE(ep_size={self.ep_size}) holds 1/{self.ep_size} of the experts and needs its "
@@ -179,4 +215,4 @@ class MOELayer(nn.Module):
         expert_out = expert_out.reshape(self.ep_size * self.num_local_experts, -1, width)
         if self.ep_size > 1:
             expert_out = exchange_with_experts(expert_out, self.expert_group, "expert outputs")
-        return torch.einsum("sec,ecm->sm", combine.type_as(tokens), expert_out).reshape(hidden.shape)
+        return routes.combine(expert_out).reshape(hidden.shape)
