@@ -19,6 +19,15 @@ sum once every `update_interval` steps. The rule, as DeepSpeed 0.19.8 runs it wi
   number set to m + 1, the parameters become the new masters, and the selected columns get
   back their device values before this step's selective update is applied to them.
 
+`update_interval` "auto" is the schedule DeepSpeed 0.19.8 actually runs (run it: the
+engine's boundary reads `zenflow_need_update[state ^ 1]`, which the optimizer's
+`backward_prologue` of the same step has just cleared, so the adaptive flag never decides
+an update): the CPU updates at every step m with m + 1 <= `full_warm_up_rounds` and at
+every selection boundary ((m + 1) % `select_interval` == 0), never otherwise. DeepSpeed
+divides the loss by its accumulation count, which "auto" sets to 0 (every gradient
+becomes inf and the weights NaN); shardwise divides by 1, which is DeepSpeed's run with
+`engine.backward(loss, scale_wrt_gas=False)`.
+
 Here the whole parameters are on every rank (stages 1-2), so every rank runs the same
 selective update: the column sums are all-reduced (each rank adds its chunk's part), and
 the selected gradients are summed from the chunks that hold them (each element comes
@@ -46,7 +55,7 @@ class ZenFlowSchedule:
     """When ZenFlow selects columns and when the CPU optimizer updates (DeepSpeed's
     `is_zenflow_select_boundary` and `is_zenflow_update_boundary`), by micro-step m."""
 
-    update_interval: int
+    update_interval: int | None  # None: "auto" (the CPU updates at warm-up and selections only)
     select_interval: int  # steps; 0: select once, when warm-up ends
     warm_up: int
 
@@ -60,10 +69,12 @@ class ZenFlowSchedule:
         return m == self.warm_up or (self.select_interval != 0 and m % self.select_interval == 0)
 
     def updates(self, m: int) -> bool:
+        at_selection = self.select_interval != 0 and (m + 1) % self.select_interval == 0
+        if self.update_interval is None:
+            return m + 1 <= self.warm_up or at_selection
         if m + 1 < self.warm_up:
             return True
-        return ((m + 1 - self.warm_up) % self.update_interval == 0
-                or (self.select_interval != 0 and (m + 1) % self.select_interval == 0))
+        return (m + 1 - self.warm_up) % self.update_interval == 0 or at_selection
 
 
 @dataclass
@@ -109,8 +120,8 @@ class ZenFlow:
             raise ValueError(f"ZenFlow updates with AdamW (DeepSpeed: the CPU Adam and a selective AdamW); the "
                              f"optimizer is {type(torch_optimizer).__name__}: use optimizer type Adam or AdamW")
         self.policy = policy
-        self.schedule = ZenFlowSchedule(policy.update_interval, policy.select_interval_steps,
-                                        policy.full_warm_up_rounds)
+        self.schedule = ZenFlowSchedule(None if policy.update_interval == "auto" else policy.update_interval,
+                                        policy.select_interval_steps, policy.full_warm_up_rounds)
         self.optimizer = optimizer
         self.store = optimizer.store
         self.params = params
@@ -136,7 +147,7 @@ class ZenFlow:
         if not epochs:
             return
         interval = epochs * steps_per_epoch
-        if interval < self.policy.update_interval:
+        if self.schedule.update_interval is not None and interval < self.schedule.update_interval:
             raise ValueError(f"zenflow select interval ({epochs} epoch(s) of {steps_per_epoch} steps) is shorter than "
                              f"update_interval {self.policy.update_interval}: select by steps, or update more often")
         self.schedule = replace(self.schedule, select_interval=interval)
@@ -216,8 +227,9 @@ class ZenFlow:
 
     @property
     def update_interval(self) -> int:
-        """What the loss is divided by (DeepSpeed sets its accumulation count to this)."""
-        return self.policy.update_interval
+        """What the loss is divided by (DeepSpeed sets its accumulation count to this; for
+        "auto", 1: see the module's docstring)."""
+        return self.schedule.update_interval or 1
 
     # -- one step ----------------------------------------------------------------------------
     def step(self, m: int, *, grad_scale: float, max_norm: float) -> None:

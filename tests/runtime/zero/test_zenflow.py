@@ -12,6 +12,8 @@ and the parameters are compared after every step.
 from __future__ import annotations
 
 import math
+import os
+import subprocess
 
 import pytest
 import torch
@@ -28,6 +30,10 @@ ROWS = 8  # global batch
 STEPS = 9
 ZENFLOW = {"topk_ratio": 0.25, "select_strategy": "step", "select_interval": 4, "update_interval": 2,
            "full_warm_up_rounds": 1}
+# "auto" as DeepSpeed 0.19.8 runs it: the CPU updates at warm-up (m = 0, 1) and at every
+# selection boundary (m = 3, 7), so the gaps between updates are 1, 2 and 4 steps
+AUTO = {**ZENFLOW, "update_interval": "auto", "full_warm_up_rounds": 2}
+AUTO_UPDATES = [0, 1, 3, 7]
 
 
 def build_model() -> torch.nn.Module:
@@ -40,17 +46,17 @@ def batch(step: int) -> tuple[torch.Tensor, torch.Tensor]:
     return torch.randn(ROWS, 8, generator=generator), torch.randn(ROWS, 6, generator=generator)
 
 
-def config(stage: int, world: int, clip: float = 0.0) -> dict:
+def config(stage: int, world: int, clip: float = 0.0, block: dict = ZENFLOW) -> dict:
     return {"train_micro_batch_size_per_gpu": ROWS // world, "gradient_accumulation_steps": 1,
             "gradient_clipping": clip,
-            "zero_optimization": {"stage": stage, "offload_optimizer": {"device": "cpu"}, "zenflow": ZENFLOW}}
+            "zero_optimization": {"stage": stage, "offload_optimizer": {"device": "cpu"}, "zenflow": block}}
 
 
-def train(rank: int, world: int, stage: int, clip: float = 0.0) -> dict:
+def train(rank: int, world: int, stage: int, clip: float = 0.0, block: dict = ZENFLOW) -> dict:
     model = build_model()
     initial = {name: p.detach().clone() for name, p in model.named_parameters()}
     optimizer = torch.optim.AdamW(model.parameters(), lr=LR, eps=EPS, weight_decay=DECAY, betas=BETAS)
-    engine = shardwise.initialize(model, config(stage, world, clip), optimizer=optimizer)
+    engine = shardwise.initialize(model, config(stage, world, clip, block), optimizer=optimizer)
     per_step, columns = [], []
     rows = slice(rank * ROWS // world, (rank + 1) * ROWS // world)
     for step in range(STEPS):
@@ -67,6 +73,7 @@ def train(rank: int, world: int, stage: int, clip: float = 0.0) -> dict:
             "moved": engine.comm_volume(per_group=True)["offload"],
             "partition": (engine.num_parameters() + engine.padding_elements()) // world,
             "updates": sum(schedule.updates(m) for m in range(STEPS)),
+            "update_steps": [m for m in range(STEPS) if schedule.updates(m)],
             "selective_steps": sum(schedule.selective(m) for m in range(STEPS)),
             "shapes": [tuple(p.shape) for p in model.parameters()]}
 
@@ -74,8 +81,9 @@ def train(rank: int, world: int, stage: int, clip: float = 0.0) -> dict:
 class Reference:
     """ZenFlow's rule in float64 on whole parameters."""
 
-    def __init__(self, initial: dict[str, torch.Tensor], clip: float = 0.0):
+    def __init__(self, initial: dict[str, torch.Tensor], clip: float = 0.0, block: dict = ZENFLOW):
         self.clip = clip
+        self.block = block
         self.model = build_model().double()
         with torch.no_grad():
             for name, p in self.model.named_parameters():
@@ -89,12 +97,21 @@ class Reference:
         self.columns: dict[str, list[int] | None] = {}
 
     def selects(self, m: int) -> bool:
-        warm, interval = ZENFLOW["full_warm_up_rounds"], ZENFLOW["select_interval"]
+        warm, interval = self.block["full_warm_up_rounds"], self.block["select_interval"]
         return m >= warm and (m == warm or m % interval == 0)
 
     def updates(self, m: int) -> bool:
-        warm, interval, select = ZENFLOW["full_warm_up_rounds"], ZENFLOW["update_interval"], ZENFLOW["select_interval"]
+        warm, interval, select = (self.block[key] for key in ("full_warm_up_rounds", "update_interval",
+                                                               "select_interval"))
+        if interval == "auto":
+            return m + 1 <= warm or (m + 1) % select == 0
         return m + 1 < warm or (m + 1 - warm) % interval == 0 or (m + 1) % select == 0
+
+    @property
+    def loss_divisor(self) -> int:
+        """DeepSpeed divides by its accumulation count; "auto" makes that 0 (NaN), shardwise 1."""
+        interval = self.block["update_interval"]
+        return 1 if interval == "auto" else interval
 
     def part(self, name: str, tensor: torch.Tensor) -> torch.Tensor:
         columns = self.columns.get(name)
@@ -103,7 +120,7 @@ class Reference:
     def step(self, m: int, engine_columns: dict[str, list[int] | None]) -> None:
         x, y = batch(m)
         self.model.zero_grad()
-        (torch.nn.functional.mse_loss(self.model(x.double()), y.double()) / ZENFLOW["update_interval"]).backward()
+        (torch.nn.functional.mse_loss(self.model(x.double()), y.double()) / self.loss_divisor).backward()
         grads = {n: p.grad.detach().clone() for n, p in self.params.items()}
         if self.selects(m):
             if m != 0:
@@ -112,7 +129,7 @@ class Reference:
                 self.columns[name] = self._check_top_k(name, grad, engine_columns[name])
                 part = self.part(name, grad)
                 self.selective[name] = [torch.zeros_like(part), torch.zeros_like(part)]
-        selective = m >= ZENFLOW["full_warm_up_rounds"]
+        selective = m >= self.block["full_warm_up_rounds"]
         for name, grad in grads.items():
             self.window[name] += grad
         with torch.no_grad():
@@ -131,7 +148,7 @@ class Reference:
             assert chosen is None
             return None
         scores = grad.abs().sum(dim=0)
-        count = max(1, int(scores.numel() * ZENFLOW["topk_ratio"]))
+        count = max(1, int(scores.numel() * self.block["topk_ratio"]))
         assert len(chosen) == count, name
         others = [c for c in range(scores.numel()) if c not in chosen]
         # every chosen column scores at least as much as every other one, up to rounding
@@ -175,16 +192,20 @@ class Reference:
             self._write(name, value)
 
 
-@pytest.mark.parametrize(("stage", "world", "clip"), [(1, 1, 0.0), (2, 2, 0.0), (2, 1, 0.05)])
-def test_zenflow_matches_its_rule_in_float64(stage, world, clip):
-    results = run_distributed(train, world, stage, clip)
+@pytest.mark.parametrize(("stage", "world", "clip", "block"), [
+    (1, 1, 0.0, ZENFLOW), (2, 2, 0.0, ZENFLOW), (2, 1, 0.05, ZENFLOW), (1, 2, 0.0, AUTO), (2, 2, 0.0, AUTO),
+], ids=["stage1", "stage2-2ranks", "stage2-clip", "auto-stage1-2ranks", "auto-stage2-2ranks"])
+def test_zenflow_matches_its_rule_in_float64(stage, world, clip, block):
+    results = run_distributed(train, world, stage, clip, block)
     for result in results[1:]:  # every rank holds the same parameters and choices
         assert result["columns"] == results[0]["columns"]
         for mine, first in zip(result["params"], results[0]["params"]):
             for name in mine:
                 assert mine[name].equal(first[name]), name
     result = results[0]
-    reference = Reference(result["initial"], clip)
+    reference = Reference(result["initial"], clip, block)
+    if block is AUTO:
+        assert result["update_steps"] == AUTO_UPDATES
     changed_columns = False
     for m in range(STEPS):
         reference.step(m, result["columns"][m])
@@ -200,6 +221,51 @@ def test_zenflow_matches_its_rule_in_float64(stage, world, clip):
         assert result["moved"] == zenflow_transfer_bytes(
             result["partition"], selected, steps=STEPS, updates=result["updates"],
             selective_steps=result["selective_steps"], grad_bytes=4, param_bytes=4)
+
+
+DEEPSPEED_SIDE = """
+import os, sys, torch
+os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", MASTER_ADDR="127.0.0.1", MASTER_PORT="29679",
+                  DS_ACCELERATOR="cpu")
+import deepspeed
+given = torch.load(sys.argv[1])
+model = torch.nn.Sequential(torch.nn.Linear(8, 12), torch.nn.Tanh(), torch.nn.Linear(12, 6))
+engine, *_ = deepspeed.initialize(model=model, model_parameters=model.parameters(), config=given["config"])
+boundaries, finite = [], []
+for x, y in given["batches"]:
+    engine.backward(torch.nn.functional.mse_loss(engine(x), y), scale_wrt_gas=given["scale_wrt_gas"])
+    boundaries.append(engine.is_gradient_accumulation_boundary())
+    engine.step()
+    finite.append(all(bool(p.isfinite().all()) for p in model.parameters()))
+torch.save({"boundaries": boundaries, "finite": finite, "accumulation": engine.gradient_accumulation_steps()},
+           sys.argv[2])
+"""
+
+
+@pytest.mark.skipif(not os.environ.get("DEEPSPEED_PYTHON"), reason="set DEEPSPEED_PYTHON to an interpreter with "
+                    "DeepSpeed installed (benchmarks/zero3_vs_fsdp2_deepspeed.py's docstring shows one)")
+@pytest.mark.parametrize("stage", [1, 2])
+def test_auto_schedule_is_deepspeeds(stage, tmp_path):
+    """DeepSpeed 0.19.8's own ZenFlow with update_interval "auto": its update boundaries are
+    the warm-up steps and the selection boundaries (AUTO_UPDATES, as ours), and with the
+    loss divided as usual (by its accumulation count, which "auto" makes 0) the weights
+    are not finite once warm-up ends. Only the schedule is compared: on the CPU
+    accelerator DeepSpeed's ZenFlow hands its 2-D weights back in transposed memory order
+    after the first step (its ZenFlow flattening transposes them), so its weights are not a
+    reference here."""
+    ours = run_distributed(train, 1, stage, 0.0, AUTO)[0]
+    assert ours["update_steps"] == AUTO_UPDATES
+    for scale_wrt_gas in (False, True):
+        given = {"config": config(stage, 1, 0.0, AUTO) | {"optimizer": {"type": "AdamW", "params": {"lr": LR}}},
+                 "batches": [batch(m) for m in range(STEPS)], "scale_wrt_gas": scale_wrt_gas}
+        torch.save(given, tmp_path / "given.pt")
+        subprocess.run([os.environ["DEEPSPEED_PYTHON"], "-c", DEEPSPEED_SIDE, str(tmp_path / "given.pt"),
+                        str(tmp_path / "theirs.pt")], check=True, capture_output=True, timeout=600)
+        theirs = torch.load(tmp_path / "theirs.pt")
+        assert [m for m, boundary in enumerate(theirs["boundaries"]) if boundary] == AUTO_UPDATES
+        assert theirs["accumulation"] == 0
+        # divided by 0: the warm-up steps are skipped for overflow, the first selective step makes NaN
+        assert all(theirs["finite"]) if not scale_wrt_gas else not any(theirs["finite"][AUTO["full_warm_up_rounds"]:])
 
 
 def test_selected_elements_and_bytes_per_window():

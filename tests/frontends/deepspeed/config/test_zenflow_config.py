@@ -25,6 +25,12 @@ def test_keys_become_the_policy():
                                    full_warm_up_rounds=2)
 
 
+def test_auto_update_interval_is_deepspeeds_default():
+    assert zenflow({}).update_interval == "auto"
+    # no select_interval >= update_interval check for "auto" (DeepSpeed skips it too)
+    assert zenflow({"select_strategy": "step", "select_interval": 1}).update_interval == "auto"
+
+
 def test_epoch_strategies_wait_for_the_training_data():
     assert zenflow({"update_interval": 2}).select_interval_epochs == 1  # "auto": every epoch
     epochs = zenflow({"select_strategy": "epoch", "select_interval": 3, "update_interval": 2})
@@ -32,8 +38,6 @@ def test_epoch_strategies_wait_for_the_training_data():
 
 
 @pytest.mark.parametrize(("block", "stage", "top", "message"), [
-    ({"update_interval": "auto"}, 2, {}, 'zenflow.update_interval "auto"'),
-    ({}, 2, {}, 'zenflow.update_interval "auto"'),  # DeepSpeed's default
     ({"update_interval": 2, "overlap_step": True}, 2, {}, "zenflow.overlap_step true"),
     ({"update_interval": 2, "topk_ratio": 1.0}, 2, {}, "topk_ratio"),
     ({"update_interval": 2, "select_strategy": "auto", "select_interval": 3}, 2, {}, 'select_strategy "auto"'),
