@@ -94,13 +94,15 @@ class ZenFlowPolicy:
     `update_interval` "auto" is DeepSpeed 0.19.8's adaptive interval as it runs: the CPU
     updates at warm-up and at every selection boundary only (its "need update" flag is read
     after it is cleared, so it never fires), and the loss is not divided (DeepSpeed divides
-    by its accumulation count, which "auto" sets to 0)."""
+    by its accumulation count, which "auto" sets to 0). `overlap_step` runs the CPU update
+    on a background thread and applies it one update later (runtime/zero/zenflow_overlap.py)."""
 
     topk_ratio: float = 0.1
     update_interval: int | Literal["auto"] = 1
     select_interval_steps: int = 0
     select_interval_epochs: int = 0
     full_warm_up_rounds: int = 0
+    overlap_step: bool = False
 
     def __post_init__(self) -> None:
         if not 0.0 < self.topk_ratio < 1.0:

@@ -48,6 +48,7 @@ from shardwise.runtime.zero.layout import FlatUnit, ParamSlot
 from shardwise.runtime.zero.policy import ZenFlowPolicy
 from shardwise.runtime.zero.replicated_params import ReplicatedParameters
 from shardwise.runtime.zero.sharded_optimizer import ShardedOptimizer
+from shardwise.runtime.zero.zenflow_overlap import OverlappedCpuStep
 
 
 @dataclass(frozen=True)
@@ -139,6 +140,9 @@ class ZenFlow:
         # the host's window sum, laid out as the store's gradient partition
         self.window = [torch.zeros_like(grad, dtype=torch.float32) for grad in self.store.gradients()]
         ledger.hold("grads", sum(tensor_bytes(window) for window in self.window), tier="host")
+        self.overlap = (OverlappedCpuStep(optimizer=optimizer, params=params, shard=shard, ledger=ledger,
+                                          device=device, windows=self.window) if policy.overlap_step else None)
+        self.first_update_after_warm_up = True  # overlap_step: it has no earlier step to wait for
 
     def learn_epoch_length(self, steps_per_epoch: int) -> None:
         """The training data's batches per epoch (DeepSpeed reads `len(training_dataloader)`):
@@ -158,6 +162,11 @@ class ZenFlow:
         masters of selected columns (and 1-D parameters) are stale: training never reads
         them (the device values are restored after every CPU update, and a selection takes
         the masters from the device), but a checkpoint saves the masters as the weights."""
+        if self.overlap is not None:
+            raise ValueError("saving a checkpoint with zenflow.overlap_step true is not supported: the fp32 masters "
+                             "run one CPU update ahead of the device's weights, and the two sets of CPU Adam moments "
+                             "(DeepSpeed 0.19.8 keeps them inside its optimizer process, out of its checkpoints) "
+                             "are not saved; train with overlap_step false to checkpoint")
         entries = {id(entry.slot): entry for entry in self.selected if entry.columns is not None or
                    (not entry.is_matrix and entry.exp_avg is not None)}
         for unit in self.store.units:
@@ -238,6 +247,8 @@ class ZenFlow:
         schedule = self.schedule
         if schedule.selects(m):
             if m != 0:
+                if self.overlap is not None:
+                    self.overlap.keep_before_refresh()
                 for unit in self.store.units:
                     self.store.refresh_master(unit)
             self._select()
@@ -249,11 +260,34 @@ class ZenFlow:
             self._selective_step(grads)
             return
         kept = [entry.values() for entry in self.selected] if selective else None
-        self._cpu_step(m, grad_scale=grad_scale, max_norm=max_norm)
+        if self.overlap is None:
+            self._cpu_step(m, grad_scale=grad_scale, max_norm=max_norm)
+        else:
+            self._overlapped_cpu_step(m, grad_scale=grad_scale, max_norm=max_norm)
         if selective:
             for entry, values in zip(self.selected, kept):
                 entry.write(values)
             self._selective_step(grads)
+
+    def _overlapped_cpu_step(self, m: int, *, grad_scale: float, max_norm: float) -> None:
+        """DeepSpeed's order (ZenFlowZeroOptimizerParallel.step): during warm-up submit and
+        wait; after it, first land the previous step's result, then submit this one."""
+        overlap, warm_up = self.overlap, self.schedule.warm_up
+        if m < warm_up:
+            state = m & 1
+        elif self.schedule.update_interval is None:
+            state = (m + 1) & 1  # DeepSpeed's zenflow_state, toggled every backward from 0
+        else:
+            state = (m // self.schedule.update_interval) & 1
+        if m < warm_up:
+            overlap.submit(m, state, self.window, grad_scale=grad_scale, max_norm=max_norm)
+        if overlap.started:
+            if m + 1 > warm_up and self.first_update_after_warm_up:
+                self.first_update_after_warm_up = False
+            else:
+                overlap.land()
+        if m >= warm_up:
+            overlap.submit(m, state, self.window, grad_scale=grad_scale, max_norm=max_norm)
 
     def _select(self) -> None:
         """Top columns by the sum of |gradient| over each column, the same on every rank."""
