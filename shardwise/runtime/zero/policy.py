@@ -83,7 +83,7 @@ class ZeroPlusPlusPolicy:
 @dataclass(frozen=True)
 class ZenFlowPolicy:
     """ZenFlow (Lan et al., 2025, "ZenFlow: Enabling Stall-Free Offloading Training via
-    Asynchronous Updates"), as DeepSpeed 0.19.8 runs it with `overlap_step` off: with the
+    Asynchronous Updates"), as DeepSpeed 0.19.8 runs it: with the
     optimizer offloaded to the CPU, the `topk_ratio` columns of each 2-D weight whose
     gradient is largest (and every 1-D parameter) are updated on the device every step by
     a selective AdamW; every gradient accumulates on the host and the CPU optimizer applies

@@ -19,6 +19,9 @@ sum once every `update_interval` steps. The rule, as DeepSpeed 0.19.8 runs it wi
   number set to m + 1, the parameters become the new masters, and the selected columns get
   back their device values before this step's selective update is applied to them.
 
+With `overlap_step` the CPU update runs in the background and lands one update later
+(runtime/zero/zenflow_overlap.py).
+
 `update_interval` "auto" is the schedule DeepSpeed 0.19.8 actually runs (run it: the
 engine's boundary reads `zenflow_need_update[state ^ 1]`, which the optimizer's
 `backward_prologue` of the same step has just cleared, so the adaptive flag never decides
@@ -204,6 +207,10 @@ class ZenFlow:
         """Restore what `state_record` / `state_tensors` saved; `read(key, out)` fills a tensor.
         The window sum is laid out by this rank's partition: at another world size it can
         only be resumed empty (a checkpoint taken right after a CPU update)."""
+        if self.overlap is not None:
+            raise ValueError("loading a checkpoint with zenflow.overlap_step true is not supported: its two sets of "
+                             "CPU Adam moments cannot be rebuilt from a checkpoint's one; resume with overlap_step "
+                             "false")
         for entry in self.selected:
             columns = record["columns"].get(entry.slot.name)
             entry.columns = None if columns is None else torch.tensor(columns, dtype=torch.long, device=self.device)
