@@ -11,6 +11,7 @@ and the parameters are compared after every step.
 
 from __future__ import annotations
 
+import json
 import math
 import os
 import subprocess
@@ -307,6 +308,56 @@ def test_auto_schedule_is_deepspeeds(stage, tmp_path):
         assert theirs["accumulation"] == 0
         # divided by 0: the warm-up steps are skipped for overflow, the first selective step makes NaN
         assert all(theirs["finite"]) if not scale_wrt_gas else not any(theirs["finite"][AUTO["full_warm_up_rounds"]:])
+
+
+DEEPSPEED_OVERLAP_SIDE = """
+import json, os, sys, torch
+os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", MASTER_ADDR="127.0.0.1", MASTER_PORT="29683",
+                  DS_ACCELERATOR="cpu")
+import deepspeed
+from deepspeed.runtime.zenflow.zenflow_stage_1_and_2 import ZenFlowZeroOptimizerParallel as Parallel
+events, submit, wait = [], Parallel.zenflow_cpu_optimizer_step, Parallel._wait_for_optimizer_process
+def submitted(self, state, norm):
+    events.append(["submit", self.micro_step, state])
+    return submit(self, state, norm)
+def landed(self):
+    events.append(["land", self.micro_step])
+    return wait(self)
+Parallel.zenflow_cpu_optimizer_step, Parallel._wait_for_optimizer_process = submitted, landed
+if __name__ == "__main__":
+    given = torch.load(sys.argv[1])
+    model = torch.nn.Sequential(torch.nn.Linear(8, 12), torch.nn.Tanh(), torch.nn.Linear(12, 6))
+    engine, *_ = deepspeed.initialize(model=model, model_parameters=model.parameters(), config=given["config"])
+    for x, y in given["batches"]:
+        engine.backward(torch.nn.functional.mse_loss(engine(x), y), scale_wrt_gas=False)
+        engine.step()
+    with open(sys.argv[2], "w") as out:
+        json.dump(events, out)
+"""
+
+
+@pytest.mark.skipif(not os.environ.get("DEEPSPEED_PYTHON"), reason="set DEEPSPEED_PYTHON to an interpreter with "
+                    "DeepSpeed installed (benchmarks/zero3_vs_fsdp2_deepspeed.py's docstring shows one)")
+@pytest.mark.parametrize(("block", "events"), [
+    (OVERLAP, [["submit", 0, 0], ["land", 0], ["submit", 2, 1], ["land", 3], ["submit", 3, 1], ["land", 4],
+               ["submit", 4, 0], ["land", 6], ["submit", 6, 1], ["land", 7], ["submit", 7, 1], ["land", 8],
+               ["submit", 8, 0]]),
+    (OVERLAP_COLD, [["submit", 1, 0], ["submit", 3, 1], ["land", 5], ["submit", 5, 0], ["land", 7],
+                    ["submit", 7, 1]]),
+    (OVERLAP_AUTO, [["submit", 0, 0], ["land", 0], ["submit", 1, 1], ["land", 1], ["submit", 3, 0], ["land", 7],
+                    ["submit", 7, 0]]),
+], ids=["warm-up", "cold", "auto"])
+def test_overlap_schedule_is_deepspeeds(block, events, tmp_path):
+    """DeepSpeed 0.19.8's own ZenFlowZeroOptimizerParallel, its CPU steps (micro-step,
+    state) and its landings recorded: they are the ones the float64 reference of
+    test_zenflow_matches_its_rule_in_float64 follows (submit = a CPU step on that state's
+    buffer and moments; land = the device gets the last step's parameters)."""
+    given = {"config": config(2, 1, 0.0, block) | {"optimizer": {"type": "AdamW", "params": {"lr": LR}}},
+             "batches": [batch(m) for m in range(STEPS)]}
+    torch.save(given, tmp_path / "given.pt")
+    subprocess.run([os.environ["DEEPSPEED_PYTHON"], "-c", DEEPSPEED_OVERLAP_SIDE, str(tmp_path / "given.pt"),
+                    str(tmp_path / "events.json")], check=True, capture_output=True, timeout=600)
+    assert json.loads((tmp_path / "events.json").read_text()) == events
 
 
 def test_selected_elements_and_bytes_per_window():
