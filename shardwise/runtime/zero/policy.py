@@ -11,6 +11,7 @@ which the planner shares.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Literal
 
 from shardwise.formulas import stages
 
@@ -82,33 +83,40 @@ class ZeroPlusPlusPolicy:
 @dataclass(frozen=True)
 class ZenFlowPolicy:
     """ZenFlow (Lan et al., 2025, "ZenFlow: Enabling Stall-Free Offloading Training via
-    Asynchronous Updates"), as DeepSpeed 0.19.8 runs it with `overlap_step` off: with the
+    Asynchronous Updates"), as DeepSpeed 0.19.8 runs it: with the
     optimizer offloaded to the CPU, the `topk_ratio` columns of each 2-D weight whose
     gradient is largest (and every 1-D parameter) are updated on the device every step by
     a selective AdamW; every gradient accumulates on the host and the CPU optimizer applies
     the sum every `update_interval` steps. Columns are chosen again every
     `select_interval_steps`, or every `select_interval_epochs` epochs of the training data
     once its length is known (neither: only once, after warm-up); the first
-    `full_warm_up_rounds` steps are ordinary offloaded steps (runtime/zero/zenflow.py)."""
+    `full_warm_up_rounds` steps are ordinary offloaded steps (runtime/zero/zenflow.py).
+    `update_interval` "auto" is DeepSpeed 0.19.8's adaptive interval as it runs: the CPU
+    updates at warm-up and at every selection boundary only (its "need update" flag is read
+    after it is cleared, so it never fires), and the loss is not divided (DeepSpeed divides
+    by its accumulation count, which "auto" sets to 0). `overlap_step` runs the CPU update
+    on a background thread and applies it one update later (runtime/zero/zenflow_overlap.py)."""
 
     topk_ratio: float = 0.1
-    update_interval: int = 1
+    update_interval: int | Literal["auto"] = 1
     select_interval_steps: int = 0
     select_interval_epochs: int = 0
     full_warm_up_rounds: int = 0
+    overlap_step: bool = False
 
     def __post_init__(self) -> None:
         if not 0.0 < self.topk_ratio < 1.0:
             raise ValueError(f"zenflow topk_ratio must be in (0, 1), got {self.topk_ratio}")
-        if self.update_interval < 1:
-            raise ValueError(f"zenflow update_interval must be at least 1, got {self.update_interval}")
+        if self.update_interval != "auto" and self.update_interval < 1:
+            raise ValueError(f"zenflow update_interval must be at least 1 or \"auto\", got {self.update_interval}")
         if min(self.select_interval_steps, self.select_interval_epochs, self.full_warm_up_rounds) < 0:
             raise ValueError("zenflow select intervals and full_warm_up_rounds must not be negative, got "
                              f"{self.select_interval_steps}, {self.select_interval_epochs} and "
                              f"{self.full_warm_up_rounds}")
         if self.select_interval_steps and self.select_interval_epochs:
             raise ValueError("zenflow selects by steps or by epochs, not both")
-        if self.select_interval_steps and self.select_interval_steps < self.update_interval:
+        if (self.select_interval_steps and self.update_interval != "auto"
+                and self.select_interval_steps < self.update_interval):
             raise ValueError(f"zenflow select interval ({self.select_interval_steps} steps) must be at least "
                              f"update_interval ({self.update_interval}), as DeepSpeed requires: the columns "
                              "updated on the device change only at an update")

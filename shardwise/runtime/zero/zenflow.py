@@ -19,6 +19,18 @@ sum once every `update_interval` steps. The rule, as DeepSpeed 0.19.8 runs it wi
   number set to m + 1, the parameters become the new masters, and the selected columns get
   back their device values before this step's selective update is applied to them.
 
+With `overlap_step` the CPU update runs in the background and lands one update later
+(runtime/zero/zenflow_overlap.py).
+
+`update_interval` "auto" is the schedule DeepSpeed 0.19.8 actually runs (run it: the
+engine's boundary reads `zenflow_need_update[state ^ 1]`, which the optimizer's
+`backward_prologue` of the same step has just cleared, so the adaptive flag never decides
+an update): the CPU updates at every step m with m + 1 <= `full_warm_up_rounds` and at
+every selection boundary ((m + 1) % `select_interval` == 0), never otherwise. DeepSpeed
+divides the loss by its accumulation count, which "auto" sets to 0 (every gradient
+becomes inf and the weights NaN); shardwise divides by 1, which is DeepSpeed's run with
+`engine.backward(loss, scale_wrt_gas=False)`.
+
 Here the whole parameters are on every rank (stages 1-2), so every rank runs the same
 selective update: the column sums are all-reduced (each rank adds its chunk's part), and
 the selected gradients are summed from the chunks that hold them (each element comes
@@ -39,6 +51,7 @@ from shardwise.runtime.zero.layout import FlatUnit, ParamSlot
 from shardwise.runtime.zero.policy import ZenFlowPolicy
 from shardwise.runtime.zero.replicated_params import ReplicatedParameters
 from shardwise.runtime.zero.sharded_optimizer import ShardedOptimizer
+from shardwise.runtime.zero.zenflow_overlap import OverlappedCpuStep
 
 
 @dataclass(frozen=True)
@@ -46,7 +59,7 @@ class ZenFlowSchedule:
     """When ZenFlow selects columns and when the CPU optimizer updates (DeepSpeed's
     `is_zenflow_select_boundary` and `is_zenflow_update_boundary`), by micro-step m."""
 
-    update_interval: int
+    update_interval: int | None  # None: "auto" (the CPU updates at warm-up and selections only)
     select_interval: int  # steps; 0: select once, when warm-up ends
     warm_up: int
 
@@ -60,10 +73,12 @@ class ZenFlowSchedule:
         return m == self.warm_up or (self.select_interval != 0 and m % self.select_interval == 0)
 
     def updates(self, m: int) -> bool:
+        at_selection = self.select_interval != 0 and (m + 1) % self.select_interval == 0
+        if self.update_interval is None:
+            return m + 1 <= self.warm_up or at_selection
         if m + 1 < self.warm_up:
             return True
-        return ((m + 1 - self.warm_up) % self.update_interval == 0
-                or (self.select_interval != 0 and (m + 1) % self.select_interval == 0))
+        return (m + 1 - self.warm_up) % self.update_interval == 0 or at_selection
 
 
 @dataclass
@@ -109,8 +124,8 @@ class ZenFlow:
             raise ValueError(f"ZenFlow updates with AdamW (DeepSpeed: the CPU Adam and a selective AdamW); the "
                              f"optimizer is {type(torch_optimizer).__name__}: use optimizer type Adam or AdamW")
         self.policy = policy
-        self.schedule = ZenFlowSchedule(policy.update_interval, policy.select_interval_steps,
-                                        policy.full_warm_up_rounds)
+        self.schedule = ZenFlowSchedule(None if policy.update_interval == "auto" else policy.update_interval,
+                                        policy.select_interval_steps, policy.full_warm_up_rounds)
         self.optimizer = optimizer
         self.store = optimizer.store
         self.params = params
@@ -128,6 +143,9 @@ class ZenFlow:
         # the host's window sum, laid out as the store's gradient partition
         self.window = [torch.zeros_like(grad, dtype=torch.float32) for grad in self.store.gradients()]
         ledger.hold("grads", sum(tensor_bytes(window) for window in self.window), tier="host")
+        self.overlap = (OverlappedCpuStep(optimizer=optimizer, params=params, shard=shard, ledger=ledger,
+                                          device=device, windows=self.window) if policy.overlap_step else None)
+        self.first_update_after_warm_up = True  # overlap_step: it has no earlier step to wait for
 
     def learn_epoch_length(self, steps_per_epoch: int) -> None:
         """The training data's batches per epoch (DeepSpeed reads `len(training_dataloader)`):
@@ -136,7 +154,7 @@ class ZenFlow:
         if not epochs:
             return
         interval = epochs * steps_per_epoch
-        if interval < self.policy.update_interval:
+        if self.schedule.update_interval is not None and interval < self.schedule.update_interval:
             raise ValueError(f"zenflow select interval ({epochs} epoch(s) of {steps_per_epoch} steps) is shorter than "
                              f"update_interval {self.policy.update_interval}: select by steps, or update more often")
         self.schedule = replace(self.schedule, select_interval=interval)
@@ -147,6 +165,11 @@ class ZenFlow:
         masters of selected columns (and 1-D parameters) are stale: training never reads
         them (the device values are restored after every CPU update, and a selection takes
         the masters from the device), but a checkpoint saves the masters as the weights."""
+        if self.overlap is not None:
+            raise ValueError("saving a checkpoint with zenflow.overlap_step true is not supported: the fp32 masters "
+                             "run one CPU update ahead of the device's weights, and the two sets of CPU Adam moments "
+                             "(DeepSpeed 0.19.8 keeps them inside its optimizer process, out of its checkpoints) "
+                             "are not saved; train with overlap_step false to checkpoint")
         entries = {id(entry.slot): entry for entry in self.selected if entry.columns is not None or
                    (not entry.is_matrix and entry.exp_avg is not None)}
         for unit in self.store.units:
@@ -184,6 +207,10 @@ class ZenFlow:
         """Restore what `state_record` / `state_tensors` saved; `read(key, out)` fills a tensor.
         The window sum is laid out by this rank's partition: at another world size it can
         only be resumed empty (a checkpoint taken right after a CPU update)."""
+        if self.overlap is not None:
+            raise ValueError("loading a checkpoint with zenflow.overlap_step true is not supported: its two sets of "
+                             "CPU Adam moments cannot be rebuilt from a checkpoint's one; resume with overlap_step "
+                             "false")
         for entry in self.selected:
             columns = record["columns"].get(entry.slot.name)
             entry.columns = None if columns is None else torch.tensor(columns, dtype=torch.long, device=self.device)
@@ -216,8 +243,9 @@ class ZenFlow:
 
     @property
     def update_interval(self) -> int:
-        """What the loss is divided by (DeepSpeed sets its accumulation count to this)."""
-        return self.policy.update_interval
+        """What the loss is divided by (DeepSpeed sets its accumulation count to this; for
+        "auto", 1: see the module's docstring)."""
+        return self.schedule.update_interval or 1
 
     # -- one step ----------------------------------------------------------------------------
     def step(self, m: int, *, grad_scale: float, max_norm: float) -> None:
@@ -226,6 +254,8 @@ class ZenFlow:
         schedule = self.schedule
         if schedule.selects(m):
             if m != 0:
+                if self.overlap is not None:
+                    self.overlap.keep_before_refresh()
                 for unit in self.store.units:
                     self.store.refresh_master(unit)
             self._select()
@@ -237,11 +267,34 @@ class ZenFlow:
             self._selective_step(grads)
             return
         kept = [entry.values() for entry in self.selected] if selective else None
-        self._cpu_step(m, grad_scale=grad_scale, max_norm=max_norm)
+        if self.overlap is None:
+            self._cpu_step(m, grad_scale=grad_scale, max_norm=max_norm)
+        else:
+            self._overlapped_cpu_step(m, grad_scale=grad_scale, max_norm=max_norm)
         if selective:
             for entry, values in zip(self.selected, kept):
                 entry.write(values)
             self._selective_step(grads)
+
+    def _overlapped_cpu_step(self, m: int, *, grad_scale: float, max_norm: float) -> None:
+        """DeepSpeed's order (ZenFlowZeroOptimizerParallel.step): during warm-up submit and
+        wait; after it, first land the previous step's result, then submit this one."""
+        overlap, warm_up = self.overlap, self.schedule.warm_up
+        if m < warm_up:
+            state = m & 1
+        elif self.schedule.update_interval is None:
+            state = (m + 1) & 1  # DeepSpeed's zenflow_state, toggled every backward from 0
+        else:
+            state = (m // self.schedule.update_interval) & 1
+        if m < warm_up:
+            overlap.submit(m, state, self.window, grad_scale=grad_scale, max_norm=max_norm)
+        if overlap.started:
+            if m + 1 > warm_up and self.first_update_after_warm_up:
+                self.first_update_after_warm_up = False
+            else:
+                overlap.land()
+        if m >= warm_up:
+            overlap.submit(m, state, self.window, grad_scale=grad_scale, max_norm=max_norm)
 
     def _select(self) -> None:
         """Top columns by the sum of |gradient| over each column, the same on every rank."""

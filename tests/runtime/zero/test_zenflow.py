@@ -11,7 +11,10 @@ and the parameters are compared after every step.
 
 from __future__ import annotations
 
+import json
 import math
+import os
+import subprocess
 
 import pytest
 import torch
@@ -28,6 +31,18 @@ ROWS = 8  # global batch
 STEPS = 9
 ZENFLOW = {"topk_ratio": 0.25, "select_strategy": "step", "select_interval": 4, "update_interval": 2,
            "full_warm_up_rounds": 1}
+# "auto" as DeepSpeed 0.19.8 runs it: the CPU updates at warm-up (m = 0, 1) and at every
+# selection boundary (m = 3, 7), so the gaps between updates are 1, 2 and 4 steps
+AUTO = {**ZENFLOW, "update_interval": "auto", "full_warm_up_rounds": 2}
+AUTO_UPDATES = [0, 1, 3, 7]
+# overlap_step: updates at m = 0 (warm-up: waited for), 2, 3, 4, 6, 7, 8, in states
+# 0, 1, 1, 0, 1, 1, 0 (m // 2 & 1: 2 and 3 share buffers and moments); each lands one update late
+OVERLAP = {**ZENFLOW, "overlap_step": True}
+# no warm-up: updates at m = 1, 3, 5, 7; the first two land nothing; selections at 4 and 8
+OVERLAP_COLD = {**OVERLAP, "full_warm_up_rounds": 0}
+# "auto": updates at 0, 1 (warm-up), 3 (lands nothing) and 7 (lands 3's result, which the
+# selection at 4 took away from the masters)
+OVERLAP_AUTO = {**AUTO, "overlap_step": True}
 
 
 def build_model() -> torch.nn.Module:
@@ -40,17 +55,17 @@ def batch(step: int) -> tuple[torch.Tensor, torch.Tensor]:
     return torch.randn(ROWS, 8, generator=generator), torch.randn(ROWS, 6, generator=generator)
 
 
-def config(stage: int, world: int, clip: float = 0.0) -> dict:
+def config(stage: int, world: int, clip: float = 0.0, block: dict = ZENFLOW) -> dict:
     return {"train_micro_batch_size_per_gpu": ROWS // world, "gradient_accumulation_steps": 1,
             "gradient_clipping": clip,
-            "zero_optimization": {"stage": stage, "offload_optimizer": {"device": "cpu"}, "zenflow": ZENFLOW}}
+            "zero_optimization": {"stage": stage, "offload_optimizer": {"device": "cpu"}, "zenflow": block}}
 
 
-def train(rank: int, world: int, stage: int, clip: float = 0.0) -> dict:
+def train(rank: int, world: int, stage: int, clip: float = 0.0, block: dict = ZENFLOW) -> dict:
     model = build_model()
     initial = {name: p.detach().clone() for name, p in model.named_parameters()}
     optimizer = torch.optim.AdamW(model.parameters(), lr=LR, eps=EPS, weight_decay=DECAY, betas=BETAS)
-    engine = shardwise.initialize(model, config(stage, world, clip), optimizer=optimizer)
+    engine = shardwise.initialize(model, config(stage, world, clip, block), optimizer=optimizer)
     per_step, columns = [], []
     rows = slice(rank * ROWS // world, (rank + 1) * ROWS // world)
     for step in range(STEPS):
@@ -67,6 +82,7 @@ def train(rank: int, world: int, stage: int, clip: float = 0.0) -> dict:
             "moved": engine.comm_volume(per_group=True)["offload"],
             "partition": (engine.num_parameters() + engine.padding_elements()) // world,
             "updates": sum(schedule.updates(m) for m in range(STEPS)),
+            "update_steps": [m for m in range(STEPS) if schedule.updates(m)],
             "selective_steps": sum(schedule.selective(m) for m in range(STEPS)),
             "shapes": [tuple(p.shape) for p in model.parameters()]}
 
@@ -74,27 +90,41 @@ def train(rank: int, world: int, stage: int, clip: float = 0.0) -> dict:
 class Reference:
     """ZenFlow's rule in float64 on whole parameters."""
 
-    def __init__(self, initial: dict[str, torch.Tensor], clip: float = 0.0):
+    def __init__(self, initial: dict[str, torch.Tensor], clip: float = 0.0, block: dict = ZENFLOW):
         self.clip = clip
+        self.block = block
         self.model = build_model().double()
         with torch.no_grad():
             for name, p in self.model.named_parameters():
                 p.copy_(initial[name])
         self.params = dict(self.model.named_parameters())
         self.masters = {n: p.detach().clone() for n, p in self.params.items()}
-        self.moments = {n: (torch.zeros_like(p), torch.zeros_like(p)) for n, p in self.params.items()}
+        # overlap_step: two sets of CPU moments and the masters as the last CPU step left them
+        self.moment_sets = [{n: (torch.zeros_like(p), torch.zeros_like(p)) for n, p in self.params.items()}
+                            for _ in range(2)]
+        self.stale: dict[str, torch.Tensor] | None = None
+        self.first_update_after_warm_up = True
         self.window = {n: torch.zeros_like(p) for n, p in self.params.items()}
         self.selective: dict[str, list] = {}
         self.selective_steps = 0
         self.columns: dict[str, list[int] | None] = {}
 
     def selects(self, m: int) -> bool:
-        warm, interval = ZENFLOW["full_warm_up_rounds"], ZENFLOW["select_interval"]
+        warm, interval = self.block["full_warm_up_rounds"], self.block["select_interval"]
         return m >= warm and (m == warm or m % interval == 0)
 
     def updates(self, m: int) -> bool:
-        warm, interval, select = ZENFLOW["full_warm_up_rounds"], ZENFLOW["update_interval"], ZENFLOW["select_interval"]
+        warm, interval, select = (self.block[key] for key in ("full_warm_up_rounds", "update_interval",
+                                                               "select_interval"))
+        if interval == "auto":
+            return m + 1 <= warm or (m + 1) % select == 0
         return m + 1 < warm or (m + 1 - warm) % interval == 0 or (m + 1) % select == 0
+
+    @property
+    def loss_divisor(self) -> int:
+        """DeepSpeed divides by its accumulation count; "auto" makes that 0 (NaN), shardwise 1."""
+        interval = self.block["update_interval"]
+        return 1 if interval == "auto" else interval
 
     def part(self, name: str, tensor: torch.Tensor) -> torch.Tensor:
         columns = self.columns.get(name)
@@ -103,7 +133,7 @@ class Reference:
     def step(self, m: int, engine_columns: dict[str, list[int] | None]) -> None:
         x, y = batch(m)
         self.model.zero_grad()
-        (torch.nn.functional.mse_loss(self.model(x.double()), y.double()) / ZENFLOW["update_interval"]).backward()
+        (torch.nn.functional.mse_loss(self.model(x.double()), y.double()) / self.loss_divisor).backward()
         grads = {n: p.grad.detach().clone() for n, p in self.params.items()}
         if self.selects(m):
             if m != 0:
@@ -112,16 +142,19 @@ class Reference:
                 self.columns[name] = self._check_top_k(name, grad, engine_columns[name])
                 part = self.part(name, grad)
                 self.selective[name] = [torch.zeros_like(part), torch.zeros_like(part)]
-        selective = m >= ZENFLOW["full_warm_up_rounds"]
+        selective = m >= self.block["full_warm_up_rounds"]
         for name, grad in grads.items():
             self.window[name] += grad
         with torch.no_grad():
             if self.updates(m):
                 kept = {n: self.part(n, p).clone() for n, p in self.params.items()} if selective else None
-                self._cpu_adamw(m + 1)
-                for name, p in self.params.items():
-                    p.copy_(self.masters[name])
-                    if selective:
+                if self.block.get("overlap_step"):
+                    self._overlapped_cpu_adamw(m)
+                else:
+                    self._cpu_adamw(m + 1, 0)
+                    self._land(self.masters)
+                if selective:
+                    for name in self.params:
                         self._write(name, kept[name])
             if selective:
                 self._selective_adamw(grads)
@@ -131,7 +164,7 @@ class Reference:
             assert chosen is None
             return None
         scores = grad.abs().sum(dim=0)
-        count = max(1, int(scores.numel() * ZENFLOW["topk_ratio"]))
+        count = max(1, int(scores.numel() * self.block["topk_ratio"]))
         assert len(chosen) == count, name
         others = [c for c in range(scores.numel()) if c not in chosen]
         # every chosen column scores at least as much as every other one, up to rounding
@@ -145,20 +178,40 @@ class Reference:
         else:
             self.params[name][:, columns] = values
 
-    def _cpu_adamw(self, step: int) -> None:
+    def _land(self, values: dict[str, torch.Tensor]) -> None:
+        for name, p in self.params.items():
+            p.copy_(values[name])
+
+    def _overlapped_cpu_adamw(self, m: int) -> None:
+        """Two moment sets by state; warm-up steps land at once, later ones at the next
+        update, the first one after warm-up (two without warm-up) landing nothing."""
+        warm, interval = self.block["full_warm_up_rounds"], self.block["update_interval"]
+        state = m & 1 if m < warm else (m + 1) & 1 if interval == "auto" else (m // interval) & 1
+        if m < warm:
+            self._cpu_adamw(m + 1, state)
+        if self.stale is not None:
+            if m + 1 > warm and self.first_update_after_warm_up:
+                self.first_update_after_warm_up = False
+            else:
+                self._land(self.stale)
+        if m >= warm:
+            self._cpu_adamw(m + 1, state)
+
+    def _cpu_adamw(self, step: int, state: int) -> None:
         if self.clip > 0:  # the window's sum, clipped by its own norm
             norm = torch.stack([grad.norm() for grad in self.window.values()]).norm()
             for grad in self.window.values():
                 grad.mul_(min(1.0, self.clip / (float(norm) + 1e-6)))
         for name, master in self.masters.items():
             grad = self.window[name]
-            m1, m2 = self.moments[name]
+            m1, m2 = self.moment_sets[state][name]
             master.mul_(1 - LR * DECAY)
             m1.mul_(BETAS[0]).add_(grad, alpha=1 - BETAS[0])
             m2.mul_(BETAS[1]).addcmul_(grad, grad, value=1 - BETAS[1])
             denom = (m2.sqrt() / math.sqrt(1 - BETAS[1] ** step)).add_(EPS)
             master.addcdiv_(m1, denom, value=-LR / (1 - BETAS[0] ** step))
             grad.zero_()
+        self.stale = {name: master.clone() for name, master in self.masters.items()}
 
     def _selective_adamw(self, grads: dict[str, torch.Tensor]) -> None:
         self.selective_steps += 1
@@ -175,16 +228,26 @@ class Reference:
             self._write(name, value)
 
 
-@pytest.mark.parametrize(("stage", "world", "clip"), [(1, 1, 0.0), (2, 2, 0.0), (2, 1, 0.05)])
-def test_zenflow_matches_its_rule_in_float64(stage, world, clip):
-    results = run_distributed(train, world, stage, clip)
+@pytest.mark.parametrize(("stage", "world", "clip", "block"), [
+    (1, 1, 0.0, ZENFLOW), (2, 2, 0.0, ZENFLOW), (2, 1, 0.05, ZENFLOW), (1, 2, 0.0, AUTO), (2, 2, 0.0, AUTO),
+    (1, 2, 0.0, OVERLAP), (2, 2, 0.0, OVERLAP),
+    pytest.param(2, 2, 0.0, OVERLAP_COLD, marks=pytest.mark.slow),
+    pytest.param(2, 2, 0.0, OVERLAP_AUTO, marks=pytest.mark.slow),
+    pytest.param(2, 1, 0.05, OVERLAP, marks=pytest.mark.slow),
+], ids=["stage1", "stage2-2ranks", "stage2-clip", "auto-stage1-2ranks", "auto-stage2-2ranks",
+        "overlap-stage1-2ranks", "overlap-stage2-2ranks", "overlap-cold-stage2-2ranks", "overlap-auto-stage2-2ranks",
+        "overlap-stage2-clip"])
+def test_zenflow_matches_its_rule_in_float64(stage, world, clip, block):
+    results = run_distributed(train, world, stage, clip, block)
     for result in results[1:]:  # every rank holds the same parameters and choices
         assert result["columns"] == results[0]["columns"]
         for mine, first in zip(result["params"], results[0]["params"]):
             for name in mine:
                 assert mine[name].equal(first[name]), name
     result = results[0]
-    reference = Reference(result["initial"], clip)
+    reference = Reference(result["initial"], clip, block)
+    if block is AUTO:
+        assert result["update_steps"] == AUTO_UPDATES
     changed_columns = False
     for m in range(STEPS):
         reference.step(m, result["columns"][m])
@@ -195,11 +258,106 @@ def test_zenflow_matches_its_rule_in_float64(stage, world, clip):
         changed_columns |= m > 0 and result["columns"][m] != result["columns"][m - 1]
     assert changed_columns  # the selection did change at a reselection
     assert len(result["columns"][-1]["2.weight"]) == 3  # 12 columns x 0.25
-    if world == 1:  # every selected element is this rank's: the formula to the byte
+    if world == 1 and not block.get("overlap_step"):  # every selected element is this rank's: the formula to the byte
         selected = zenflow_selected_elements(result["shapes"], ZENFLOW["topk_ratio"])
         assert result["moved"] == zenflow_transfer_bytes(
             result["partition"], selected, steps=STEPS, updates=result["updates"],
             selective_steps=result["selective_steps"], grad_bytes=4, param_bytes=4)
+
+
+DEEPSPEED_SIDE = """
+import os, sys, torch
+os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", MASTER_ADDR="127.0.0.1", MASTER_PORT="29679",
+                  DS_ACCELERATOR="cpu")
+import deepspeed
+given = torch.load(sys.argv[1])
+model = torch.nn.Sequential(torch.nn.Linear(8, 12), torch.nn.Tanh(), torch.nn.Linear(12, 6))
+engine, *_ = deepspeed.initialize(model=model, model_parameters=model.parameters(), config=given["config"])
+boundaries, finite = [], []
+for x, y in given["batches"]:
+    engine.backward(torch.nn.functional.mse_loss(engine(x), y), scale_wrt_gas=given["scale_wrt_gas"])
+    boundaries.append(engine.is_gradient_accumulation_boundary())
+    engine.step()
+    finite.append(all(bool(p.isfinite().all()) for p in model.parameters()))
+torch.save({"boundaries": boundaries, "finite": finite, "accumulation": engine.gradient_accumulation_steps()},
+           sys.argv[2])
+"""
+
+
+@pytest.mark.skipif(not os.environ.get("DEEPSPEED_PYTHON"), reason="set DEEPSPEED_PYTHON to an interpreter with "
+                    "DeepSpeed installed (benchmarks/zero3_vs_fsdp2_deepspeed.py's docstring shows one)")
+@pytest.mark.parametrize("stage", [1, 2])
+def test_auto_schedule_is_deepspeeds(stage, tmp_path):
+    """DeepSpeed 0.19.8's own ZenFlow with update_interval "auto": its update boundaries are
+    the warm-up steps and the selection boundaries (AUTO_UPDATES, as ours), and with the
+    loss divided as usual (by its accumulation count, which "auto" makes 0) the weights
+    are not finite once warm-up ends. Only the schedule is compared: on the CPU
+    accelerator DeepSpeed's ZenFlow hands its 2-D weights back in transposed memory order
+    after the first step (its ZenFlow flattening transposes them), so its weights are not a
+    reference here."""
+    ours = run_distributed(train, 1, stage, 0.0, AUTO)[0]
+    assert ours["update_steps"] == AUTO_UPDATES
+    for scale_wrt_gas in (False, True):
+        given = {"config": config(stage, 1, 0.0, AUTO) | {"optimizer": {"type": "AdamW", "params": {"lr": LR}}},
+                 "batches": [batch(m) for m in range(STEPS)], "scale_wrt_gas": scale_wrt_gas}
+        torch.save(given, tmp_path / "given.pt")
+        subprocess.run([os.environ["DEEPSPEED_PYTHON"], "-c", DEEPSPEED_SIDE, str(tmp_path / "given.pt"),
+                        str(tmp_path / "theirs.pt")], check=True, capture_output=True, timeout=600)
+        theirs = torch.load(tmp_path / "theirs.pt")
+        assert [m for m, boundary in enumerate(theirs["boundaries"]) if boundary] == AUTO_UPDATES
+        assert theirs["accumulation"] == 0
+        # divided by 0: the warm-up steps are skipped for overflow, the first selective step makes NaN
+        assert all(theirs["finite"]) if not scale_wrt_gas else not any(theirs["finite"][AUTO["full_warm_up_rounds"]:])
+
+
+DEEPSPEED_OVERLAP_SIDE = """
+import json, os, sys, torch
+os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", MASTER_ADDR="127.0.0.1", MASTER_PORT="29683",
+                  DS_ACCELERATOR="cpu")
+import deepspeed
+from deepspeed.runtime.zenflow.zenflow_stage_1_and_2 import ZenFlowZeroOptimizerParallel as Parallel
+events, submit, wait = [], Parallel.zenflow_cpu_optimizer_step, Parallel._wait_for_optimizer_process
+def submitted(self, state, norm):
+    events.append(["submit", self.micro_step, state])
+    return submit(self, state, norm)
+def landed(self):
+    events.append(["land", self.micro_step])
+    return wait(self)
+Parallel.zenflow_cpu_optimizer_step, Parallel._wait_for_optimizer_process = submitted, landed
+if __name__ == "__main__":
+    given = torch.load(sys.argv[1])
+    model = torch.nn.Sequential(torch.nn.Linear(8, 12), torch.nn.Tanh(), torch.nn.Linear(12, 6))
+    engine, *_ = deepspeed.initialize(model=model, model_parameters=model.parameters(), config=given["config"])
+    for x, y in given["batches"]:
+        engine.backward(torch.nn.functional.mse_loss(engine(x), y), scale_wrt_gas=False)
+        engine.step()
+    with open(sys.argv[2], "w") as out:
+        json.dump(events, out)
+"""
+
+
+@pytest.mark.skipif(not os.environ.get("DEEPSPEED_PYTHON"), reason="set DEEPSPEED_PYTHON to an interpreter with "
+                    "DeepSpeed installed (benchmarks/zero3_vs_fsdp2_deepspeed.py's docstring shows one)")
+@pytest.mark.parametrize(("block", "events"), [
+    (OVERLAP, [["submit", 0, 0], ["land", 0], ["submit", 2, 1], ["land", 3], ["submit", 3, 1], ["land", 4],
+               ["submit", 4, 0], ["land", 6], ["submit", 6, 1], ["land", 7], ["submit", 7, 1], ["land", 8],
+               ["submit", 8, 0]]),
+    (OVERLAP_COLD, [["submit", 1, 0], ["submit", 3, 1], ["land", 5], ["submit", 5, 0], ["land", 7],
+                    ["submit", 7, 1]]),
+    (OVERLAP_AUTO, [["submit", 0, 0], ["land", 0], ["submit", 1, 1], ["land", 1], ["submit", 3, 0], ["land", 7],
+                    ["submit", 7, 0]]),
+], ids=["warm-up", "cold", "auto"])
+def test_overlap_schedule_is_deepspeeds(block, events, tmp_path):
+    """DeepSpeed 0.19.8's own ZenFlowZeroOptimizerParallel, its CPU steps (micro-step,
+    state) and its landings recorded: they are the ones the float64 reference of
+    test_zenflow_matches_its_rule_in_float64 follows (submit = a CPU step on that state's
+    buffer and moments; land = the device gets the last step's parameters)."""
+    given = {"config": config(2, 1, 0.0, block) | {"optimizer": {"type": "AdamW", "params": {"lr": LR}}},
+             "batches": [batch(m) for m in range(STEPS)]}
+    torch.save(given, tmp_path / "given.pt")
+    subprocess.run([os.environ["DEEPSPEED_PYTHON"], "-c", DEEPSPEED_OVERLAP_SIDE, str(tmp_path / "given.pt"),
+                    str(tmp_path / "events.json")], check=True, capture_output=True, timeout=600)
+    assert json.loads((tmp_path / "events.json").read_text()) == events
 
 
 def test_selected_elements_and_bytes_per_window():
@@ -245,3 +403,34 @@ def test_a_resume_mid_window_continues_the_same_run(tmp_path):
     consolidated = load_file(written)
     for name, tensor in resumed["saved"].items():
         assert consolidated[name].equal(tensor), name
+
+
+def checkpoint_with_overlap(rank: int, world: int, directory: str) -> list[str]:
+    """Save from an overlap_step run, then load a plain ZenFlow checkpoint into one."""
+    messages = []
+    for block, action in ((OVERLAP, "save"), (ZENFLOW, "save"), (OVERLAP, "load")):
+        model = build_model()
+        optimizer = torch.optim.AdamW(model.parameters(), lr=LR, eps=EPS, weight_decay=DECAY, betas=BETAS)
+        engine = shardwise.initialize(model, config(2, world, block=block), optimizer=optimizer)
+        x, y = batch(0)
+        engine.backward(torch.nn.functional.mse_loss(engine(x), y))
+        engine.step()
+        try:
+            engine.save_checkpoint(f"{directory}/{len(messages)}") if action == "save" else engine.load_checkpoint(
+                f"{directory}/1")
+            messages.append("done")
+        except ValueError as error:
+            messages.append(str(error))
+        engine.destroy()
+    return messages
+
+
+def test_checkpoints_with_overlap_step_are_refused(tmp_path):
+    """The masters run one update ahead of the device and the two CPU moment sets are not
+    saved (nor are they in DeepSpeed's checkpoints): saving and loading are refused with
+    the fix; a plain ZenFlow run saves."""
+    [(saved, plain, loaded)] = run_distributed(checkpoint_with_overlap, 1, str(tmp_path))
+    assert "saving a checkpoint with zenflow.overlap_step true is not supported" in saved
+    assert plain == "done"
+    assert "loading a checkpoint with zenflow.overlap_step true is not supported" in loaded
+    assert "overlap_step false" in saved and "overlap_step false" in loaded

@@ -154,7 +154,8 @@ def _zenflow_contradictions(cfg: ShardwiseConfig, batch_known: bool) -> list[str
                         f"{cfg.gradient_accumulation_steps}: ZenFlow accumulates over zenflow.update_interval "
                         "itself (DeepSpeed replaces gradient_accumulation_steps by it); set it to 1")
     interval = zenflow.select_interval
-    if zenflow.select_strategy == "step" and isinstance(interval, int) and interval < zenflow.update_interval:
+    if (zenflow.select_strategy == "step" and isinstance(interval, int) and isinstance(zenflow.update_interval, int)
+            and interval < zenflow.update_interval):
         problems.append(f"zero_optimization.zenflow.select_interval {interval} < update_interval "
                         f"{zenflow.update_interval}: DeepSpeed requires columns to change only at an update")
     return problems

@@ -119,7 +119,8 @@ def zenflow_policy(section: ZenFlowConfig) -> ZenFlowPolicy:
     epochs = 1 if section.select_strategy == "auto" else section.select_interval
     return ZenFlowPolicy(topk_ratio=section.topk_ratio, update_interval=section.update_interval,
                          select_interval_steps=section.select_interval if step else 0,
-                         select_interval_epochs=0 if step else epochs, full_warm_up_rounds=section.full_warm_up_rounds)
+                         select_interval_epochs=0 if step else epochs, full_warm_up_rounds=section.full_warm_up_rounds,
+                         overlap_step=section.overlap_step)
 
 
 def offload_policy(section: OffloadConfig, cfg: ShardwiseConfig) -> OffloadPolicy:

@@ -136,14 +136,16 @@ class ZenFlowConfig(Section):
     "step" reselects every `select_interval` steps; "epoch" (and "auto", which is "epoch"
     with an interval of 1) every `select_interval` epochs of the training data given to
     `initialize`, or, without it, only once after the `full_warm_up_rounds` ordinary
-    offloaded steps. `offload` (the selective state on the host) and
+    offloaded steps. `update_interval` "auto" runs as DeepSpeed 0.19.8 runs it: CPU
+    updates during warm-up and at every selection boundary only (runtime/zero/zenflow.py).
+    `overlap_step` runs the CPU update in the background and applies it one update later
+    (runtime/zero/zenflow_overlap.py). `offload` (the selective state on the host) and
     `pt_reserved_cores_perc` only place memory and threads."""
 
     topk_ratio: Float = Field(0.1, gt=0.0, lt=1.0)
     select_strategy: Literal["auto", "step", "epoch"] = "auto"
     select_interval: Int | Literal["auto"] = "auto"
-    update_interval: Int | Literal["auto"] = Field(
-        "auto", json_schema_extra={"default_doc": "\"auto\" (refused: give a number of steps)"})
+    update_interval: Int | Literal["auto"] = "auto"
     overlap_step: Bool = False
     offload: Bool = False
     auto_ratio: Float = Field(0.99, ge=0.0, le=1.0)
@@ -152,14 +154,8 @@ class ZenFlowConfig(Section):
 
     @model_validator(mode="after")
     def _supported(self) -> "ZenFlowConfig":
-        if self.update_interval == "auto":
-            raise ValueError("zenflow.update_interval \"auto\" (DeepSpeed's adaptive interval) is not supported: "
-                             "give the number of steps between CPU updates, e.g. 4")
-        if self.update_interval < 1:
+        if self.update_interval != "auto" and self.update_interval < 1:
             raise ValueError(f"zenflow.update_interval must be at least 1, got {self.update_interval}")
-        if self.overlap_step:
-            raise ValueError("zenflow.overlap_step true (the CPU update applied one window late, in a background "
-                             "process) is not supported: set it to false")
         if self.select_strategy == "auto" and self.select_interval != "auto":
             raise ValueError("zenflow.select_strategy \"auto\" sets select_interval to 1 epoch; DeepSpeed refuses a "
                              "number with it: remove select_interval or choose \"step\" or \"epoch\"")
