@@ -622,6 +622,8 @@ class Engine(nn.Module):
             self.zero.reducer.remove_hooks()
         self.zero.params.remove_hooks()
         self.zero.close()
+        if self.zenflow is not None:
+            self.zenflow.close()
         for param in self.module.parameters():
             for attribute in ("_shardwise_zero", "_shardwise_hooks"):
                 if hasattr(param, attribute):

@@ -147,6 +147,12 @@ class ZenFlow:
                                           device=device, windows=self.window) if policy.overlap_step else None)
         self.first_update_after_warm_up = True  # overlap_step: it has no earlier step to wait for
 
+
+    def close(self) -> None:
+        """Stop the background CPU step of `overlap_step` (engine.destroy)."""
+        if self.overlap is not None:
+            self.overlap.close()
+
     def learn_epoch_length(self, steps_per_epoch: int) -> None:
         """The training data's batches per epoch (DeepSpeed reads `len(training_dataloader)`):
         an epoch-based selection interval becomes a number of steps."""

@@ -111,6 +111,13 @@ class OverlappedCpuStep:
             self.running.result()
             self.running, self.running_state = None, -1
 
+    def close(self) -> None:
+        """The engine is destroyed: let a step in flight finish, then end the thread."""
+        try:
+            self.wait()
+        finally:
+            self.executor.shutdown(wait=True)
+
     def keep_before_refresh(self) -> None:
         """A selection is about to take the masters from the device: the finished step's
         result still goes to the device at the next update."""
