@@ -560,10 +560,14 @@ class Engine(nn.Module):
 
     def destroy(self) -> None:
         """Detach from the model (hooks removed); the model can then get a new engine. An
-        asynchronous save in progress is finished first (and its failure raised after)."""
+        asynchronous save in progress is finished first (and its failure raised after), and
+        the writer's process group destroyed. The mesh's groups stay: the model may still
+        run on them, and later engines of the same layout share them (group_cache.py)."""
         try:
             self.wait_for_checkpoint()
         finally:
+            if self._checkpoint_writer is not None:
+                self._checkpoint_writer.close()
             self._detach()
 
     def _detach(self) -> None:
