@@ -284,8 +284,10 @@ class Engine(nn.Module):
                 "engine.step() was called without engine.backward() since the last step: there "
                 "is no gradient to apply. Call engine.backward(loss) first"
             )
-        self._backward_pending = False
         boundary = self.is_gradient_accumulation_boundary()
+        if boundary and self.policies.zero.refuse_unused_parameters:
+            self.zero.reducer.refuse_unused_parameters(self.comm)  # before anything of the step happens
+        self._backward_pending = False
         self.micro_steps += 1
         if not boundary:
             return
