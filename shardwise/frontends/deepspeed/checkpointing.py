@@ -25,7 +25,7 @@ import torch.distributed as dist
 from shardwise.runtime.activation.checkpoint import RegionStats, run_checkpointed
 from shardwise.runtime.activation.rng import MODEL_PARALLEL_RNG, RNGStatesTracker, manual_seed, rng_tracker
 from shardwise.runtime.activation.store import CheckpointStore
-from shardwise.frontends.deepspeed.config.schema import ActivationCheckpointingConfig
+from shardwise.frontends.deepspeed.config.schema import ActivationCheckpointingConfig, ShardwiseConfig
 from shardwise.runtime.distributed.collectives import Communicator
 from shardwise.runtime.distributed.mesh import GroupHandle
 
@@ -48,7 +48,7 @@ _settings = _Settings()
 
 def configure(
     mpu_: Any = None,
-    deepspeed_config: str | os.PathLike | dict | None = None,
+    deepspeed_config: str | os.PathLike | dict | ShardwiseConfig | None = None,
     partition_activations: bool | None = None,
     contiguous_checkpointing: bool | None = None,
     num_checkpoints: int | None = None,
@@ -119,9 +119,13 @@ def model_parallel_cuda_manual_seed(seed: int) -> None:
     tracker.add(MODEL_PARALLEL_RNG, seed + TENSOR_PARALLEL_SEED_OFFSET + _settings.tensor_rank)
 
 
-def _block_of(config: str | os.PathLike | dict | None) -> ActivationCheckpointingConfig:
+def _block_of(config: str | os.PathLike | dict | ShardwiseConfig | None) -> ActivationCheckpointingConfig:
+    """The block of a config given as a path, a dict, or an engine's loaded `engine.config`
+    (DeepSpeed's pipeline tests pass `deepspeed_config=engine.config`)."""
     if config is None:
         return ActivationCheckpointingConfig()
+    if isinstance(config, ShardwiseConfig):
+        return config.activation_checkpointing
     if not isinstance(config, dict):
         with open(config, encoding="utf-8") as handle:
             config = json.load(handle)

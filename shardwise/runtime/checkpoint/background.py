@@ -103,6 +103,13 @@ class BackgroundWriter:
         self._thread = threading.Thread(target=run, name=f"shardwise-checkpoint-{tag}", daemon=False)
         self._thread.start()
 
+    def close(self) -> None:
+        """Destroy the writers' process group (its engine is destroyed): it is this
+        writer's alone, and each holds threads until destroyed. Call after `wait`."""
+        group, self._group = self._group, None
+        if group is not None:
+            dist.destroy_process_group(group)
+
     def wait(self) -> None:
         """Join the write in progress, if any, and raise what it raised."""
         thread, self._thread = self._thread, None

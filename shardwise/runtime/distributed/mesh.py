@@ -49,8 +49,10 @@ links inside a node and between nodes apart (collectives.py).
 
 Each purpose has a data group (for NCCL, on the device) from torch's `DeviceMesh`, and a
 CPU-side gloo *control* group for small agreement collectives, created up front so that
-creating a group never happens in the middle of training. `DeviceMesh._flatten` (how
-torchtitan names merged dimensions) is private torch API; it is the only one used here.
+creating a group never happens in the middle of training. A layout's groups are built once
+per process and shared by every engine built on it (group_cache.py), so engines built and
+destroyed one after another do not pile up groups and their threads. `DeviceMesh._flatten`
+(how torchtitan names merged dimensions) is private torch API; it is the only one used here.
 """
 
 from __future__ import annotations
@@ -64,6 +66,7 @@ import torch
 import torch.distributed as dist
 
 from shardwise.runtime.base.torch_compat import mesh_groups_time_out_after
+from shardwise.runtime.distributed.group_cache import shared_groups
 
 if TYPE_CHECKING:
     from shardwise.runtime.distributed.collectives import CommStats
@@ -268,12 +271,22 @@ class ParallelMesh:
         if dist.get_world_size() != sizes.world:
             raise ValueError(f"the parallel layout ({sizes.describe()}) needs {sizes.world} processes, "
                              f"but the job has {dist.get_world_size()}")
+
+        def build() -> tuple[object, dict[str, GroupHandle]]:
+            self._build_groups()
+            return self.device_mesh, self.handles
+
+        # one set of groups per layout for the whole process, shared by its engines (group_cache.py)
+        self.device_mesh, self.handles = shared_groups(("mesh", sizes, rank, device, timeout), build)
+
+    def _build_groups(self) -> None:
         from torch.distributed.device_mesh import init_device_mesh
 
-        options = _group_options(device, timeout)
+        sizes, rank, timeout = self.sizes, self.rank, self._timeout
+        options = _group_options(self.device, timeout)
         with mesh_groups_time_out_after(timeout):
             self.device_mesh = init_device_mesh(
-                device.type, sizes.shape, mesh_dim_names=DIMENSIONS,
+                self.device.type, sizes.shape, mesh_dim_names=DIMENSIONS,
                 backend_override=dict.fromkeys(DIMENSIONS, options),
             )
             flattened = {purpose: self.device_mesh[dims]._flatten(purpose, backend_override=options)
@@ -322,7 +335,8 @@ class ParallelMesh:
 
     def expert_handles(self, expert: int) -> tuple[GroupHandle, GroupHandle]:
         """(expert, expert_data) handles for expert-parallel size `expert`, created once per
-        size (collective: every rank asks for the same sizes in the same order)."""
+        size and kept with the layout's other groups, for later engines too (collective:
+        every rank asks for the same sizes in the same order)."""
         key = f"expert_{expert}"
         if key not in self.handles:
             groups = self.sizes.expert_groups(expert)

@@ -18,6 +18,7 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
+from shardwise.runtime.distributed.group_cache import shared_groups
 from shardwise.runtime.distributed.launcher_variables import torchrun_variables
 from shardwise.runtime.distributed.mesh import GroupHandle
 from shardwise.runtime.distributed.retired_works import keep_past_exit
@@ -68,11 +69,13 @@ def call_check_timeout(timeout: datetime.timedelta) -> datetime.timedelta:
 def world_handle(context: DistributedContext) -> GroupHandle:
     """All ranks as one group, with a control group of its own: start-up agreement and the
     checks that every rank enters a collective API call use it and nothing else, so they
-    can never pair with another operation's collective."""
+    can never pair with another operation's collective. Built once and shared by the
+    process's engines (group_cache.py)."""
     ranks = tuple(range(context.world_size))
     if context.group is None or context.world_size == 1:
         return GroupHandle("world", ranks, context.rank, context.group, None)
-    control = dist.new_group(backend="gloo", timeout=context.timeout)
+    control = shared_groups(("world control", context.timeout),
+                            lambda: dist.new_group(backend="gloo", timeout=context.timeout))
     return GroupHandle("world", ranks, context.rank, context.group, control)
 
 

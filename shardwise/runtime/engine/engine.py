@@ -328,8 +328,10 @@ class Engine(nn.Module):
                 "engine.step() was called without engine.backward() since the last step: there "
                 "is no gradient to apply. Call engine.backward(loss) first"
             )
-        self._backward_pending = False
         boundary = self.is_gradient_accumulation_boundary()
+        if boundary and self.policies.zero.refuse_unused_parameters:
+            self.zero.reducer.refuse_unused_parameters(self.comm)  # before anything of the step happens
+        self._backward_pending = False
         self.micro_steps += 1
         if not boundary:
             return
@@ -609,10 +611,14 @@ class Engine(nn.Module):
 
     def destroy(self) -> None:
         """Detach from the model (hooks removed); the model can then get a new engine. An
-        asynchronous save in progress is finished first (and its failure raised after)."""
+        asynchronous save in progress is finished first (and its failure raised after), and
+        the writer's process group destroyed. The mesh's groups stay: the model may still
+        run on them, and later engines of the same layout share them (group_cache.py)."""
         try:
             self.wait_for_checkpoint()
         finally:
+            if self._checkpoint_writer is not None:
+                self._checkpoint_writer.close()
             self._detach()
 
     def _detach(self) -> None:

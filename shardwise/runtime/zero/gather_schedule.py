@@ -35,7 +35,7 @@ evaluation) would otherwise gather along the trace, pair its gathers with the ot
 ranks' next forward, and leave every later collective one pass apart until the timeout;
 checked, it meets their forward's check or backward's end check and is named at once.
 
-Two departures from "a module's units are its own parameters":
+Three departures from "a module's units are its own parameters":
 - `register_external`: a module's forward may read parameters of a module whose forward
   never runs (a fused loss reading the output embedding's weight straight from the head);
   those units are then gathered with the reading module's own, for its whole forward, and
@@ -45,6 +45,12 @@ Two departures from "a module's units are its own parameters":
   (`gathered_for_generation`). Generation needs this: each rank decodes until its own
   sequences end, so ranks run different numbers of forwards, and any per-forward
   collective would pair one rank's forward with another's next step.
+- returned parameters: a forward may return one of its module's parameters (a layer
+  handing its bias to its caller, which adds it): the unit holding it then stays gathered
+  as a use of the caller, released
+  when the caller's forward ends (or passed on again if the caller returns it too), as
+  DeepSpeed registers such a parameter as an external parameter of the caller. Only modules
+  with hooks count as callers (those owning partitioned parameters, and the root).
 
 Activation recomputation re-runs a checkpointed layer's forward inside backward, and its
 modules' hooks fire again. There each unit is gathered again (on demand, or by prefetch
@@ -111,6 +117,9 @@ class GatherSchedule:
         self.backward_use_callbacks: list = []  # called with each trained unit about to run backward
         self.positions: dict[nn.Module, list[list[int]]] = defaultdict(list)
         self.standing_aside_depth = 0  # > 0 inside `standing_aside`
+        # hooked modules whose forward is running, outermost first, each with the units it
+        # holds for parameters returned to it by the modules it called
+        self.running: list[tuple[nn.Module, list[FlatUnit]]] = []
         self.handles = []
         self.hooked: set[nn.Module] = set()
         for module in [*module_units, root]:
@@ -224,13 +233,24 @@ class GatherSchedule:
         self.positions[module].append(self._use(units))
         for unit in units:
             self.params.users[unit.index] = self.params.users.get(unit.index, 0) + 1
+        self.running.append((module, []))
 
     def _post_forward(self, module: nn.Module, args: tuple, output: object) -> None:
         if self.standing_aside_depth or recomputing():
             return
         units = self.module_units.get(module, [])
+        _, carried = self.running.pop() if self.running else (module, [])
+        returned = _returned_parameters(output) if self.running else set()
+        caller_holds = self.running[-1][1] if self.running else []
         for unit, position in zip(units, self.positions[module].pop()):
-            if self.params.release_use(unit) == 0 and not self._reused_soon(position):
+            if returned and any(id(slot.param) in returned for slot in unit.slots):
+                caller_holds.append(unit)  # the caller uses it next: its use goes on until the caller's ends
+            elif self.params.release_use(unit) == 0 and not self._reused_soon(position):
+                self.params.free(unit)
+        for unit in carried:
+            if returned and any(id(slot.param) in returned for slot in unit.slots):
+                caller_holds.append(unit)
+            elif self.params.release_use(unit) == 0:
                 self.params.free(unit)
         if units and torch.is_grad_enabled():
             tensors = _needing_grad(output)
@@ -293,6 +313,10 @@ class GatherSchedule:
                 for unit in self.module_units.get(module, []):
                     self.params.release_use(unit)
         self.positions.clear()
+        for _, carried in self.running:
+            for unit in carried:
+                self.params.release_use(unit)
+        self.running.clear()
         self.backward_uses.clear()
         self._free_unused()
         self.record = []
@@ -384,6 +408,16 @@ class GatherSchedule:
             handle.remove()
         self.handles.clear()
         self.hooked.clear()
+
+
+def _returned_parameters(output: object) -> set[int]:
+    """The ids of the parameters a forward returned: in its containers, or attributes of an
+    object it returned (DeepSpeed looks there too)."""
+    found = set()
+    for leaf in tree_flatten(output)[0]:
+        values = [leaf] if torch.is_tensor(leaf) else list(vars(leaf).values()) if hasattr(leaf, "__dict__") else []
+        found.update(id(value) for value in values if isinstance(value, nn.Parameter))
+    return found
 
 
 def _needing_grad(value: object) -> list[torch.Tensor]:

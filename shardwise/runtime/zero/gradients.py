@@ -53,6 +53,7 @@ from dataclasses import dataclass
 from typing import Any, Callable
 
 import torch
+import torch.distributed as dist
 
 from shardwise.runtime.accounting import MemoryLedger, tensor_bytes
 from shardwise.runtime.distributed.collectives import Communicator, PendingCollective
@@ -70,6 +71,21 @@ class _Launched:
     unit: FlatUnit
     pending: PendingCollective
     finalize: Callable[[], None]  # may start the next hop
+
+
+class UnusedParametersError(AssertionError):
+    """Trainable parameters took no part in the loss while the configuration asks for every
+    one to (`ignore_unused_parameters: false`). An AssertionError, as DeepSpeed raises it."""
+
+    def __init__(self, names: list[str]):
+        shown = ", ".join(names[:8]) + (f" and {len(names) - 8} more" if len(names) > 8 else "")
+        super().__init__(
+            f"{len(names)} trainable parameter(s) got no gradient in this accumulation window on any rank: {shown}. "
+            "They took no part in producing the loss, and zero_optimization.ignore_unused_parameters is false "
+            "(checked, as DeepSpeed does, at stages 1-2 with the optimizer offloaded to the CPU). Make every "
+            "trainable parameter take part in the loss, freeze the unused ones (requires_grad=False), or set "
+            "ignore_unused_parameters to true: their gradient then counts as zero")
+        self.names = names
 
 
 class GradientReducer(OptimizerExchangeMixin):
@@ -118,6 +134,7 @@ class GradientReducer(OptimizerExchangeMixin):
                 for slot in unit.slots:
                     self._slot_views[id(slot)] = flat[slot.offset : slot.offset + slot.numel].view(slot.shape)
         self._written: list[set[int]] = [set() for _ in units]  # stages 0-1, this window
+        self._got_gradient: set[int] = set()  # slots whose gradient arrived in this window (any stage)
         for unit in units:
             for slot in unit.slots:
                 slot.param.grad = None  # a gradient from before initialize() is not ours
@@ -153,6 +170,7 @@ class GradientReducer(OptimizerExchangeMixin):
     def zero_grads(self) -> None:
         """Start a new accumulation window (after the optimizer step)."""
         self.store.start_window()
+        self._got_gradient = set()
         if not self._full_buffers:
             return
         for unit in self.units:
@@ -233,8 +251,20 @@ class GradientReducer(OptimizerExchangeMixin):
                 target.add_(source) if id(slot) in seen else target.copy_(source)
             param.grad = None
         seen.add(id(slot))
+        self._got_gradient.add(id(slot))
         if self._reducing and len(seen) == len(unit.slots):
             self._mark_ready(unit)
+
+    def refuse_unused_parameters(self, replicas: Communicator) -> None:
+        """Raise `UnusedParametersError` on every rank when a trainable parameter got no
+        gradient in this window on any of `replicas` (a MAX all-reduce of one flag per
+        parameter, so that ranks agree)."""
+        slots = [slot for unit in self.units for slot in unit.slots if slot.param.requires_grad]
+        got = torch.tensor([id(slot) in self._got_gradient for slot in slots], dtype=torch.int32)
+        replicas.control_all_reduce(got, "which parameters got a gradient in this window", op=dist.ReduceOp.MAX)
+        unused = [slot.name for slot, flag in zip(slots, got.tolist()) if not flag]
+        if unused:
+            raise UnusedParametersError(unused)
 
     def _accept_foreign_gradient(self, unit: FlatUnit, slot: ParamSlot, param: torch.Tensor) -> None:
         """A gradient from another loss's backward (another engine's, or plain autograd):

@@ -140,6 +140,9 @@ class ZeroPolicy:
     gather_16bit_weights_on_save: bool = False  # stage 3: a whole 16-bit model may be gathered to save it
     plus_plus: ZeroPlusPlusPolicy = ZeroPlusPlusPolicy()  # ZeRO++ (stage 3)
     zenflow: ZenFlowPolicy | None = None  # stall-free offloading (stages 1-2, optimizer on the CPU)
+    # step() raises when a trainable parameter got no gradient in the accumulation window on
+    # any rank (False: its gradient counts as zero, as plain PyTorch's optimizers skip it)
+    refuse_unused_parameters: bool = False
 
     def __post_init__(self) -> None:
         stages.check_stage(self.stage)

@@ -91,6 +91,66 @@ def test_module_called_twice_and_parameters_without_gradients(zero):
             assert error < 1e-5, f"{name}: relative error {error:.2e}"
 
 
+class ReturnsItsBias(nn.Linear):
+    def forward(self, h):
+        return F.linear(h, self.weight), self.bias
+
+
+class PassesItOn(nn.Module):
+    """Owns no parameter: the bias rises through it to the module that adds it."""
+
+    def __init__(self):
+        super().__init__()
+        self.inner = ReturnsItsBias(32, 32)
+
+    def forward(self, h):
+        return self.inner(h)
+
+
+class ReturnedBiasNet(nn.Module):
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(11)
+        self.embed = nn.Embedding(VOCAB, 32)
+        self.passer = PassesItOn()
+        self.head = nn.Linear(32, VOCAB, bias=False)
+
+    def forward(self, x, y):
+        out, bias = self.passer(self.embed(x))
+        logits = self.head(torch.tanh(out + bias))
+        return F.cross_entropy(logits.reshape(-1, VOCAB), y.reshape(-1))
+
+
+def _returned_bias_worker(rank: int, world_size: int) -> dict:
+    model = ReturnedBiasNet()
+    engine = shardwise.initialize(model, config(STAGE3), optimizer=torch.optim.SGD(model.parameters(), lr=0.5))
+    for step in range(3):
+        x, y = global_batch(step, 2 * world_size)
+        engine.backward(engine(x[2 * rank : 2 * rank + 2], y[2 * rank : 2 * rank + 2]))
+        engine.step()
+    with shardwise.gathered_parameters(list(model.parameters())):
+        return {n: p.detach().clone() for n, p in model.named_parameters()}
+
+
+def test_a_parameter_returned_by_its_module_stays_gathered_for_the_caller():
+    """A forward returning its module's (partitioned) bias to a caller that adds it: the
+    unit stays gathered until the caller's forward ends, as DeepSpeed keeps an external
+    parameter of the caller gathered."""
+    results = run_distributed(_returned_bias_worker, 2)
+    model = ReturnedBiasNet()
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.5)
+    for step in range(3):
+        x, y = global_batch(step, 4)
+        model(x, y).backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        optimizer.step()
+        optimizer.zero_grad()
+    for result in results:
+        for name, want in model.named_parameters():
+            error = relative_error(result[name], want.detach())
+            assert error < 1e-5, f"{name}: relative error {error:.2e}"
+
+
 def _gathered_worker(rank: int, world_size: int) -> dict:
     model = build_model("gpt")
     engine = shardwise.initialize(model, config(STAGE3), optimizer=torch.optim.AdamW(model.parameters(), lr=1e-3))

@@ -25,6 +25,7 @@ from shardwise.runtime.checkpoint.format import LATEST
 from shardwise.runtime.checkpoint.manifest import write_synced
 from shardwise.runtime.checkpoint.state import capture_rng_state, restore_rng_state
 from shardwise.frontends.deepspeed.api.checkpoint_arguments import agreed_location
+from shardwise.frontends.deepspeed.api.runtime.zero.external_parameters import ReturnedParameterTracker
 from shardwise.frontends.deepspeed.api.runtime.zero.partition_parameters import mark_partitioned, unmark_partitioned
 from shardwise.frontends.deepspeed.api.utils import RepeatingLoader
 from shardwise.frontends.deepspeed.api.utils.zero_to_fp32 import RECOVERY_SCRIPT
@@ -92,8 +93,10 @@ class DeepSpeedEngine(ConfiguredEngine):
         self.training_dataloader = None  # set by initialize when it builds one
         self.tput_timer = ThroughputTimer(self.train_batch_size())
         self.tag_validation = "WARN"  # the config's checkpoint.tag_validation, set by initialize
+        self._returned_parameters: ReturnedParameterTracker | None = None
         if self.policies.zero.partitions_parameters:
             self._mark_partitioned()
+            self._returned_parameters = ReturnedParameterTracker(self.module)  # module._external_params
 
     # -- ZeRO-3 as DeepSpeed shows it to user code ---------------------------------------------
     def _mark_partitioned(self) -> None:
@@ -116,6 +119,8 @@ class DeepSpeedEngine(ConfiguredEngine):
     def destroy(self) -> None:
         super().destroy()
         unmark_partitioned(self.module.parameters())
+        if self._returned_parameters is not None:
+            self._returned_parameters.remove()
 
     def checkpoint_tag_validation_enabled(self) -> bool:
         return self.tag_validation != "IGNORE"

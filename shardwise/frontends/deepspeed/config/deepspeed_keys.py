@@ -236,8 +236,6 @@ RULES: dict[str, dict[str, KeyRule]] = {
         "cpu_offload_use_pin_memory": Translated("zero_optimization.offload_optimizer.pin_memory", _pin_memory),
         "round_robin_gradients": Accepted("orders DeepSpeed's gradient copies to the host; the result is the same"),
         "elastic_checkpoint": Accepted("shardwise checkpoints always load at another world size"),
-        "ignore_unused_parameters": Accepted("parameters without a gradient are treated as zero gradient at "
-                                             "every stage"),
         "load_from_fp32_weights": Accepted("shardwise always restores the fp32 masters from the checkpoint"),
         "legacy_stage1": AcceptedWhen(_is(False), "false", "DeepSpeed's legacy stage-1 implementation does not "
                                       "exist in shardwise: remove the key"),

@@ -20,7 +20,7 @@ import logging
 import torch
 
 from shardwise.formulas.stages import partitions_parameters
-from shardwise.frontends.deepspeed.config.schema import OffloadConfig, ShardwiseConfig, ZenFlowConfig
+from shardwise.frontends.deepspeed.config.schema import OffloadConfig, ShardwiseConfig, ZenFlowConfig, ZeroConfig
 from shardwise.frontends.deepspeed.config.sparse_attention import SparseLayout
 from shardwise.runtime.activation.policy import ActivationPolicy, RecomputePolicy
 from shardwise.runtime.checkpoint.policy import CheckpointPolicy
@@ -85,6 +85,7 @@ def zero_policy(cfg: ShardwiseConfig) -> ZeroPolicy:
         overlap_comm=bool(zero.overlap_comm),
         reduce_scatter=zero.reduce_scatter,
         sub_group_size=zero.sub_group_size,
+        refuse_unused_parameters=refuses_unused_parameters(zero),
         prefetch=PrefetchPolicy(zero.stage3_prefetch_bucket_size, zero.stage3_max_live_parameters,
                                 zero.stage3_max_reuse_distance, zero.stage3_param_persistence_threshold),
         offload_optimizer=offload_policy(zero.offload_optimizer, cfg),
@@ -94,6 +95,14 @@ def zero_policy(cfg: ShardwiseConfig) -> ZeroPolicy:
         zenflow=zenflow_policy(zero.zenflow) if zero.zenflow is not None else None,
         plus_plus=plus_plus_policy(cfg),
     )
+
+
+def refuses_unused_parameters(zero: ZeroConfig) -> bool:
+    """`ignore_unused_parameters: false` as DeepSpeed 0.19.8 enforces it: only its stage 1-2
+    optimizer with the optimizer offloaded to the CPU checks (when it sums the gradient
+    norm on the host); elsewhere a parameter without a gradient counts as a zero gradient."""
+    return (not zero.ignore_unused_parameters and zero.stage in (1, 2)
+            and zero.offload_optimizer.device == "cpu")
 
 
 def plus_plus_policy(cfg: ShardwiseConfig) -> ZeroPlusPlusPolicy:

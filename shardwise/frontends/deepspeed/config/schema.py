@@ -180,6 +180,9 @@ class ZeroConfig(Section):
     stage3_max_reuse_distance: Int = Field(1_000_000_000, ge=0)
     stage3_gather_16bit_weights_on_model_save: Bool = False
     sub_group_size: Int = 1_000_000_000
+    # false: a trainable parameter that got no gradient in an accumulation window raises at
+    # step(), where DeepSpeed 0.19.8 raises (stages 1-2 with the optimizer offloaded to the CPU)
+    ignore_unused_parameters: Bool = True
     mics_shard_size: Int = Field(
         -1, json_schema_extra={"default_doc": "-1 (off: states sharded over the whole data-parallel group)"}
     )

@@ -72,6 +72,20 @@ def test_conversions_write_the_same_weights(saved, tmp_path):
         assert torch.equal(tensor, state[name]), name
 
 
+def convert_on_every_rank(rank: int, world_size: int, directory: str, output: str) -> None:
+    for _ in range(5):  # every rank writes the same file at once, as DeepSpeed's own test has them do
+        torch.distributed.barrier()
+        convert_zero_checkpoint_to_fp32_state_dict(directory, output)
+
+
+def test_ranks_converting_to_the_same_path_at_once_do_not_collide(saved, tmp_path):
+    directory, _ = saved
+    run_distributed(convert_on_every_rank, 2, str(directory), str(tmp_path), timeout=240)
+    written = torch.load(tmp_path / "pytorch_model.bin")
+    assert written.keys() == get_fp32_state_dict_from_zero_checkpoint(directory).keys()
+    assert [path.name for path in tmp_path.iterdir()] == ["pytorch_model.bin"]  # no temporary left
+
+
 def save_with_deepspeed_api(rank: int, world_size: int, directory: str) -> None:
     import shardwise.frontends.deepspeed.api as deepspeed
 

@@ -315,3 +315,25 @@ def test_harmless_keys_load_and_switched_on_features_are_refused_with_the_fix():
     ]
     # a comment is only a comment at the top level, where DeepSpeed never reads unknown keys
     assert problems_of({"train_batch_size": 8, "fp16": {"_comment": "x"}})[0].startswith("unknown key 'fp16._comment'")
+
+
+def _unused_parameters_config(stage: int, ignore: bool, offload: bool) -> dict:
+    zero = {"stage": stage, "ignore_unused_parameters": ignore}
+    if offload:
+        zero["offload_optimizer"] = {"device": "cpu"}
+    return {"train_batch_size": 2, "zero_optimization": zero}
+
+
+@pytest.mark.parametrize(("stage", "ignore", "offload", "refuses"), [
+    (2, False, True, True),
+    (1, False, True, True),
+    (2, True, True, False),  # DeepSpeed's default
+    (2, False, False, False),  # DeepSpeed checks only when it sums the gradient norm on the host
+    (3, False, True, False),  # its stage-3 optimizer never checks
+    (0, False, False, False),
+])
+def test_ignore_unused_parameters_false_is_checked_where_deepspeed_checks(stage, ignore, offload, refuses):
+    """Found by running DeepSpeed 0.19.8 (tests/runtime/zero/test_unused_parameters.py has the check)."""
+    policies = policies_from_config(load_config(_unused_parameters_config(stage, ignore, offload), world_size=1))
+    assert policies.zero.refuse_unused_parameters is refuses
+

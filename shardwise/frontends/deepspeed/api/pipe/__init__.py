@@ -9,9 +9,19 @@ A `PipelineModule` is shardwise's `SequentialStages` (a list of layers run in or
 into stages by the pipeline step) that also tells `initialize` its number of stages and how
 to split: `initialize` sets `pipeline_parallel.size` to `num_stages` (data parallelism over
 the rest of the world) and, for `partition_method="type:REGEX"`, the split points that
-balance the layers whose class name matches. `LayerSpec`s are built when the module is
-(each rank builds every layer, then keeps its stage's; DeepSpeed builds only its own), with
-`seed_layers` seeding each from `base_seed + index` as DeepSpeed does. Recomputation
+balance the layers whose class name matches. `LayerSpec`s are built when the module is,
+with `seed_layers` seeding each from `base_seed + index` as DeepSpeed does.
+
+Built once the job's world is known (the process group exists), a `PipelineModule` holds
+only this rank's stage's layers, as DeepSpeed's does: the split is decided in the
+constructor (by the same rule `initialize` applies, then handed to it as split points),
+and every other layer is replaced by a parameter-free `OtherStageLayer`, so `parameters()`
+summed over the stages counts each layer once. Each rank still builds every layer first
+(DeepSpeed builds only its own), to weigh them for the split. A module that several
+layers share (`TiedLayerSpec`) keeps every layer on every rank until `initialize`, which
+resolves the tie. Before the process group exists (a single process), every layer is kept.
+
+Recomputation
 uses `torch.utils.checkpoint` whatever `activation_checkpoint_func` names; `dynamic_shape`
 needs nothing (every activation travels with a header of its shapes).
 
@@ -35,12 +45,13 @@ import re
 from typing import Any, Callable, Iterable
 
 import torch
+import torch.distributed as dist
 from torch import nn
 
 from shardwise.runtime.parallel.pipeline.sequential import SequentialStages
 from shardwise.runtime.parallel.pipeline.split import partition
 
-__all__ = ["LayerSpec", "PipelineModule", "TiedLayerSpec"]
+__all__ = ["LayerSpec", "OtherStageLayer", "PipelineModule", "TiedLayerSpec"]
 
 
 class LayerSpec:
@@ -87,9 +98,30 @@ class PipelineModule(SequentialStages):
         self.num_stages = num_stages
         self.partition_method = partition_method
         self.dynamic_shape = dynamic_shape
+        self._split_points: list[int] | None = None  # decided here once the world is known
+        self._keep_local_stage()
+
+    def _keep_local_stage(self) -> None:
+        """Replace the layers of other stages by `OtherStageLayer`s (module docstring)."""
+        if self.num_stages == 1 or not (dist.is_available() and dist.is_initialized()):
+            return
+        world = dist.get_world_size()
+        layers = list(self.layers)
+        if world % self.num_stages or len(layers) < self.num_stages or _shared_between_layers(layers):
+            return  # initialize names a world the stages do not divide; a shared module is tied there
+        wanted = self.pipeline_config()
+        runs = partition([sum(param.numel() for param in layer.parameters()) for layer in layers], self.num_stages,
+                         rule=wanted.get("partition", "parameters"), split_points=wanted.get("split_points"))
+        self._split_points = [run[0] for run in runs[1:]]
+        stage = dist.get_rank() // (world // self.num_stages)  # the pipeline is the mesh's outermost dimension
+        stage_of = {index: run_stage for run_stage, run in enumerate(runs) for index in run}
+        self.layers = nn.ModuleList(layer if stage_of[index] == stage else OtherStageLayer(index, stage_of[index])
+                                    for index, layer in enumerate(layers))
 
     def pipeline_config(self) -> dict[str, Any]:
         """The config's `pipeline_parallel` block this module asks for."""
+        if self._split_points is not None:
+            return {"size": self.num_stages, "split_points": list(self._split_points)}
         method = self.partition_method.lower()
         if method in ("parameters", "uniform"):
             return {"size": self.num_stages, "partition": method}
@@ -102,6 +134,34 @@ class PipelineModule(SequentialStages):
             return {"size": self.num_stages, "split_points": [run[0] for run in runs[1:]]}
         raise ValueError(f"PipelineModule(partition_method={self.partition_method!r}): use 'parameters', 'uniform' "
                          "or 'type:REGEX'")
+
+
+class OtherStageLayer(nn.Module):
+    """Layer `index`, which pipeline stage `stage` holds: this rank keeps none of its
+    parameters, and the pipeline never runs it here."""
+
+    def __init__(self, index: int, stage: int):
+        super().__init__()
+        self.index, self.stage = index, stage
+
+    def forward(self, *args: Any) -> Any:
+        raise RuntimeError(f"layer {self.index} of this PipelineModule belongs to pipeline stage {self.stage}, "
+                           "held by other ranks: run the module through the engine deepspeed.initialize "
+                           "returns (train_batch, eval_batch)")
+
+    def extra_repr(self) -> str:
+        return f"index={self.index}, stage={self.stage}"
+
+
+def _shared_between_layers(layers: list[nn.Module]) -> bool:
+    """Whether two layers hold the same parameter (a TiedLayerSpec used twice)."""
+    seen: set[int] = set()
+    for layer in layers:
+        mine = {id(param) for param in layer.parameters()}
+        if mine & seen:
+            return True
+        seen |= mine
+    return False
 
 
 class TiedForward(nn.Module):

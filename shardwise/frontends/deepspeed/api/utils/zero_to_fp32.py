@@ -86,9 +86,11 @@ def convert_zero_checkpoint_to_fp32_state_dict(checkpoint_dir: str | os.PathLike
     path = target if target.suffix in FILE_SUFFIXES else target / "pytorch_model.bin"
     path.parent.mkdir(parents=True, exist_ok=True)
     state = get_fp32_state_dict_from_zero_checkpoint(checkpoint_dir, tag, exclude_frozen_parameters)
-    partial = path.with_name(path.name + ".partial")
+    # a reader never sees half a file; the temporary is this process's own, since every
+    # rank of a job may convert to the same path at once (DeepSpeed's own test does)
+    partial = path.with_name(f"{path.name}.{os.getpid()}.partial")
     torch.save(state, partial)
-    os.replace(partial, path)  # a reader never sees half a file
+    os.replace(partial, path)
 
 
 RECOVERY_SCRIPT = (

@@ -57,6 +57,8 @@ from torch import nn
 
 import torch.distributed as dist
 
+from shardwise.frontends.deepspeed.api.runtime.zero.external_parameters import (register_external_parameter,
+                                                                               unregister_external_parameter)
 from shardwise.runtime.distributed.setup import init_distributed
 from shardwise.runtime.distributed.staging import group_device, staged_on
 from shardwise.runtime.zero.gathered import gathered_parameters, zero_of
@@ -115,19 +117,6 @@ def unmark_partitioned(params: Iterable[nn.Parameter]) -> None:
 def is_zero_param(parameter: Any) -> bool:
     """Whether `parameter` is held by a ZeRO-3 engine (DeepSpeed's test: it has a `ds_id`)."""
     return torch.is_tensor(parameter) and hasattr(parameter, "ds_id")
-
-
-def register_external_parameter(module: nn.Module, parameter: nn.Parameter) -> None:
-    """DeepSpeed's way to say that `module`'s forward reads a parameter of another module.
-    shardwise gathers every unit a forward reads (its hooks follow use, not ownership), so
-    there is nothing to register; the call checks its arguments and returns."""
-    if not isinstance(module, nn.Module) or not torch.is_tensor(parameter):
-        raise TypeError("register_external_parameter(module, parameter) takes an nn.Module and a parameter, got "
-                        f"{type(module).__name__} and {type(parameter).__name__}")
-
-
-def unregister_external_parameter(module: nn.Module, parameter: nn.Parameter) -> None:
-    register_external_parameter(module, parameter)
 
 
 # Hugging Face's `prevent_arange_dtype_change` (entered with `zero.Init` by `from_pretrained`)
