@@ -72,7 +72,7 @@ class EngineProtocol(Protocol):
     skipped_steps: int  # steps an overflow or a failed backward skipped
     last_grad_norm: float | None  # of the last step's gradient, unscaled and unclipped
     data_position: DataPosition | None  # the loader a front end built for the engine: saved and restored with it
-    pending_data_position: dict[str, Any] | None  # loaded before the loader was attached (attach_data_position)
+    pending_data_position: dict | None  # loaded before the loader was attached (attach_data_position)
 
     # -- the training step ---------------------------------------------------------------------
     def backward(self, loss: torch.Tensor) -> None:
