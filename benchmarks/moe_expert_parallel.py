@@ -19,15 +19,12 @@ import argparse
 import json
 import math
 import os
-import statistics
-import subprocess
-import sys
-import tempfile
-import time
 from pathlib import Path
 
 import torch
 from torch import nn
+
+from beside_deepspeed import launch_and_summarize, time_both_and_write
 
 
 def parse_args() -> argparse.Namespace:
@@ -67,19 +64,6 @@ def own_experts(layer: nn.Module, whole: dict[str, torch.Tensor], rank: int, loc
     layer.load_state_dict(mine, strict=True)
 
 
-def timed(step, args: argparse.Namespace) -> tuple[list[float], list[torch.Tensor]]:
-    import torch.distributed as dist
-
-    times, result = [], []
-    for index in range(args.warmup + args.steps):
-        dist.barrier()
-        started = time.perf_counter()
-        result = step()
-        if index >= args.warmup:
-            times.append(time.perf_counter() - started)
-    return times, result
-
-
 def worker(args: argparse.Namespace) -> None:
     import deepspeed
     import torch.distributed as dist
@@ -117,14 +101,7 @@ def worker(args: argparse.Namespace) -> None:
             return [out.detach(), x.grad]
         return step
 
-    shardwise_times, shardwise_result = timed(step_of(ours), args)
-    steps = args.warmup + args.steps
-    shardwise_bytes = {key: value // steps for key, value in stats.totals().items()}
-    deepspeed_times, deepspeed_result = timed(step_of(theirs), args)
-    difference = max((a - b).abs().max().item() for a, b in zip(shardwise_result, deepspeed_result))
-    result = {"shardwise": shardwise_times, "deepspeed": deepspeed_times, "difference": difference,
-              "shardwise_bytes": shardwise_bytes}
-    (args.worker / f"{rank}.json").write_text(json.dumps(result))
+    time_both_and_write(step_of(ours), step_of(theirs), stats, rank, args)
 
 
 def main() -> None:
@@ -132,35 +109,14 @@ def main() -> None:
     if args.worker is not None:
         worker(args)
         return
-    if not Path(args.deepspeed_python).exists():
-        sys.exit(f"no DeepSpeed interpreter at {args.deepspeed_python}: see benchmarks/zero3_vs_fsdp2_deepspeed.py "
-                 "for the install commands, or pass --deepspeed-python")
     from shardwise.formulas.communication import moe_all_to_all_bytes
 
-    with tempfile.TemporaryDirectory(prefix="moe-") as directory:
-        argv = [f"--{name.replace('_', '-')}={value}" for name, value in vars(args).items()
-                if name not in ("deepspeed_python", "worker")]
-        command = [args.deepspeed_python, "-m", "torch.distributed.run", f"--nproc_per_node={args.world}",
-                   "--master_port=29536", str(Path(__file__).resolve()), *argv, "--worker", directory]
-        environment = os.environ | {"PYTHONPATH": str(Path(__file__).resolve().parent.parent), "OMP_NUM_THREADS": "1",
-                                    "DS_ACCELERATOR": "cpu"}
-        done = subprocess.run(command, env=environment, capture_output=True, text=True, timeout=1800)
-        if done.returncode != 0:
-            sys.exit(f"the torchrun job failed:\n{done.stdout[-2000:]}\n{done.stderr[-4000:]}")
-        results = [json.loads((Path(directory) / f"{rank}.json").read_text()) for rank in range(args.world)]
-    summary = {}
+    summary = launch_and_summarize(__file__, args, port=29536, environment={"DS_ACCELERATOR": "cpu"})
     for side in ("shardwise", "deepspeed"):
-        per_step = [max(result[side][i] for result in results) for i in range(args.steps)]
-        summary[f"{side}_step_s"] = round(statistics.median(per_step), 4)
         summary[f"{side}_tokens_per_s"] = round(args.tokens * args.world / summary[f"{side}_step_s"])
-    summary["shardwise_over_deepspeed"] = round(summary["shardwise_step_s"] / summary["deepspeed_step_s"], 3)
-    summary["max_abs_difference"] = max(result["difference"] for result in results)
-    summary["shardwise_bytes_per_step_rank0"] = results[0]["shardwise_bytes"]
     capacity = math.ceil(args.tokens / args.experts * 1.0)  # top-1, capacity factor 1
     summary["formula_all_to_all_bytes"] = moe_all_to_all_bytes(
         experts=args.experts, capacity=capacity, width=args.hidden, bytes_per_element=4, ep_size=args.world)
-    summary["load_average_1min"] = round(os.getloadavg()[0], 2)
-    summary["args"] = {key: value for key, value in vars(args).items() if key != "worker"}
     print(json.dumps(summary, indent=1))
 
 

@@ -19,15 +19,12 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import statistics
-import subprocess
-import sys
-import tempfile
-import time
 from pathlib import Path
 
 import torch
 import torch.nn.functional as F
+
+from beside_deepspeed import launch_and_summarize, time_both_and_write
 
 
 def parse_args() -> argparse.Namespace:
@@ -48,19 +45,6 @@ def local_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.
     """[batch, seq, heads, dim] in and out: the kernel both sides wrap."""
     out = F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), is_causal=True)
     return out.transpose(1, 2)
-
-
-def timed(step, args: argparse.Namespace) -> tuple[list[float], list[torch.Tensor]]:
-    import torch.distributed as dist
-
-    times, result = [], []
-    for index in range(args.warmup + args.steps):
-        dist.barrier()
-        started = time.perf_counter()
-        result = step()
-        if index >= args.warmup:
-            times.append(time.perf_counter() - started)
-    return times, result
 
 
 def worker(args: argparse.Namespace) -> None:
@@ -99,13 +83,7 @@ def worker(args: argparse.Namespace) -> None:
         out.sum().backward()
         return [out.detach(), q.grad, k.grad, v.grad]
 
-    ours, ours_result = timed(shardwise_step, args)
-    steps = args.warmup + args.steps
-    shardwise_bytes = {key: value // steps for key, value in stats.totals().items()}
-    theirs, theirs_result = timed(deepspeed_step, args)
-    difference = max((a - b).abs().max().item() for a, b in zip(ours_result, theirs_result))
-    result = {"shardwise": ours, "deepspeed": theirs, "difference": difference, "shardwise_bytes": shardwise_bytes}
-    (args.worker / f"{rank}.json").write_text(json.dumps(result))
+    time_both_and_write(shardwise_step, deepspeed_step, stats, rank, args)
 
 
 def main() -> None:
@@ -113,28 +91,7 @@ def main() -> None:
     if args.worker is not None:
         worker(args)
         return
-    if not Path(args.deepspeed_python).exists():
-        sys.exit(f"no DeepSpeed interpreter at {args.deepspeed_python}: see benchmarks/zero3_vs_fsdp2_deepspeed.py "
-                 "for the install commands, or pass --deepspeed-python")
-    with tempfile.TemporaryDirectory(prefix="ulysses-") as directory:
-        argv = [f"--{name.replace('_', '-')}={value}" for name, value in vars(args).items()
-                if name not in ("deepspeed_python", "worker")]
-        command = [args.deepspeed_python, "-m", "torch.distributed.run", f"--nproc_per_node={args.world}",
-                   "--master_port=29534", str(Path(__file__).resolve()), *argv, "--worker", directory]
-        environment = os.environ | {"PYTHONPATH": str(Path(__file__).resolve().parent.parent), "OMP_NUM_THREADS": "1"}
-        done = subprocess.run(command, env=environment, capture_output=True, text=True, timeout=1800)
-        if done.returncode != 0:
-            sys.exit(f"the torchrun job failed:\n{done.stdout[-2000:]}\n{done.stderr[-4000:]}")
-        results = [json.loads((Path(directory) / f"{rank}.json").read_text()) for rank in range(args.world)]
-    summary = {}
-    for side in ("shardwise", "deepspeed"):
-        per_step = [max(result[side][i] for result in results) for i in range(args.steps)]
-        summary[f"{side}_step_s"] = round(statistics.median(per_step), 4)
-    summary["shardwise_over_deepspeed"] = round(summary["shardwise_step_s"] / summary["deepspeed_step_s"], 3)
-    summary["max_abs_difference"] = max(result["difference"] for result in results)
-    summary["shardwise_bytes_per_step_rank0"] = results[0]["shardwise_bytes"]
-    summary["load_average_1min"] = round(os.getloadavg()[0], 2)
-    summary["args"] = {key: value for key, value in vars(args).items() if key != "worker"}
+    summary = launch_and_summarize(__file__, args, port=29534)
     print(json.dumps(summary, indent=1))
 
 
