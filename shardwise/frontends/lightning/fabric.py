@@ -22,8 +22,6 @@ from shardwise.frontends.lightning.versions import check_fabric_versions
 
 check_fabric_versions()
 
-import copy  # noqa: E402
-import json  # noqa: E402
 import os  # noqa: E402
 from contextlib import AbstractContextManager, nullcontext  # noqa: E402
 from pathlib import Path  # noqa: E402
@@ -39,6 +37,7 @@ from torch.nn import Module  # noqa: E402
 from torch.optim import Optimizer  # noqa: E402
 
 from shardwise.frontends.deepspeed.api import initialize  # noqa: E402
+from shardwise.frontends.lightning.config import register_shortcuts, strategy_config  # noqa: E402
 from shardwise.runtime.engine import Engine  # noqa: E402
 
 CHECKPOINT_TAG = "checkpoint"
@@ -57,11 +56,7 @@ class ShardwiseFabricStrategy(DDPStrategy):
     def __init__(self, config: dict | str | os.PathLike | None = None, *, stage: int | None = None,
                  **ddp_arguments: Any):
         super().__init__(**ddp_arguments)
-        self.config = _read_config(config)
-        if stage is not None:
-            if stage not in (1, 2, 3):
-                raise ValueError(f"ShardwiseFabricStrategy(stage={stage!r}): the ZeRO stage is 1, 2 or 3")
-            self.config.setdefault("zero_optimization", {})["stage"] = stage
+        self.config = strategy_config(config, stage, "ShardwiseFabricStrategy")
         steps = self.config.get("gradient_accumulation_steps", 1)
         if steps != 1:
             raise ValueError(
@@ -196,10 +191,7 @@ class ShardwiseFabricStrategy(DDPStrategy):
 
     @classmethod
     def register_strategies(cls, strategy_registry: Any) -> None:
-        strategy_registry.register("shardwise", cls, description="shardwise's ZeRO engine (the config's stage)")
-        for stage in (1, 2, 3):
-            strategy_registry.register(f"shardwise_stage_{stage}", cls,
-                                       description=f"shardwise's ZeRO engine at stage {stage}", stage=stage)
+        register_shortcuts(strategy_registry, cls)
 
 
 class _EngineBackwardSync(_BackwardSyncControl):
@@ -219,17 +211,6 @@ class _EngineBackwardSync(_BackwardSyncControl):
 _CLIPPING_IN_CONFIG = ("ShardwiseFabricStrategy: fabric.clip_gradients is not supported; the engine clips the "
                        "partitioned gradient by its global norm inside optimizer.step(): set `gradient_clipping` "
                        "(the max norm) in the config instead")
-
-
-def _read_config(config: dict | str | os.PathLike | None) -> dict:
-    if config is None:
-        return {}
-    if isinstance(config, dict):
-        return copy.deepcopy(config)  # `stage=` and the accumulation key change it
-    if not os.path.isfile(config):
-        raise FileNotFoundError(f"ShardwiseFabricStrategy(config={str(config)!r}): no such file; pass a DeepSpeed "
-                                "config dict or the path of its JSON file")
-    return json.loads(Path(config).read_text())
 
 
 if "shardwise" not in STRATEGY_REGISTRY:

@@ -20,7 +20,6 @@ from shardwise.frontends.lightning.versions import check_versions
 
 check_versions()
 
-import json  # noqa: E402
 import os  # noqa: E402
 from pathlib import Path  # noqa: E402
 from typing import Any, Callable, Mapping  # noqa: E402
@@ -34,6 +33,7 @@ from lightning.pytorch.trainer.states import TrainerFn  # noqa: E402
 from lightning.pytorch.utilities.exceptions import MisconfigurationException  # noqa: E402
 
 from shardwise.frontends.deepspeed.api import initialize  # noqa: E402
+from shardwise.frontends.lightning.config import register_shortcuts, strategy_config  # noqa: E402
 
 CHECKPOINT_TAG = "checkpoint"
 LIGHTNING_STATE = "lightning_state.pt"  # the Trainer's own state (loops, callbacks, hyperparameters), rank 0
@@ -52,22 +52,7 @@ class ShardwiseStrategy(DDPStrategy):
     def __init__(self, config: dict | str | os.PathLike | None = None, *, stage: int | None = None,
                  **ddp_arguments: Any):
         super().__init__(**ddp_arguments)
-        self.config = self._read_config(config)
-        if stage is not None:
-            if stage not in (1, 2, 3):
-                raise ValueError(f"ShardwiseStrategy(stage={stage!r}): the ZeRO stage is 1, 2 or 3")
-            self.config.setdefault("zero_optimization", {})["stage"] = stage
-
-    @staticmethod
-    def _read_config(config: dict | str | os.PathLike | None) -> dict:
-        if config is None:
-            return {}
-        if isinstance(config, dict):
-            return dict(config)
-        if not os.path.isfile(config):
-            raise FileNotFoundError(f"ShardwiseStrategy(config={str(config)!r}): no such file; pass a DeepSpeed "
-                                    "config dict or the path of its JSON file")
-        return json.loads(Path(config).read_text())
+        self.config = strategy_config(config, stage, "ShardwiseStrategy")
 
     # -- setup: the engine in place of DDP -------------------------------------------------
     def setup(self, trainer: pl.Trainer) -> None:
@@ -194,10 +179,7 @@ class ShardwiseStrategy(DDPStrategy):
 
     @classmethod
     def register_strategies(cls, strategy_registry: dict) -> None:
-        strategy_registry.register("shardwise", cls, description="shardwise's ZeRO engine (the config's stage)")
-        for stage in (1, 2, 3):
-            strategy_registry.register(f"shardwise_stage_{stage}", cls,
-                                       description=f"shardwise's ZeRO engine at stage {stage}", stage=stage)
+        register_shortcuts(strategy_registry, cls)
 
 
 if "shardwise" not in StrategyRegistry:

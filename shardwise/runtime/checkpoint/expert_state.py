@@ -28,7 +28,7 @@ import torch
 from shardwise.runtime.checkpoint.format import VALUE, CheckpointError
 from shardwise.runtime.checkpoint.index import PieceIndex
 from shardwise.runtime.checkpoint.safetensors_io import DTYPES, dtype_name
-from shardwise.runtime.checkpoint.state import decode_value, encode_value
+from shardwise.runtime.checkpoint.state import decode_value, describe_optimizer, encode_value
 from shardwise.runtime.engine_protocol import EngineProtocol
 
 
@@ -41,14 +41,7 @@ def expert_meta(engine: EngineProtocol) -> dict[str, Any]:
                    "ep_sizes": sorted({size for _, _, size in engine.experts.params})},
         "groups": len({bucket.group for bucket in engine.experts.buckets}),
         "bucket_groups": [bucket.group for bucket in engine.experts.buckets],  # of each optimizer param group
-        "optimizer": {
-            "class": type(optimizer).__name__,
-            "param_groups": [
-                {key: encode_value(value, f"expert param group {index} {key!r}")
-                 for key, value in group.items() if key not in ("params", "param_names")}
-                for index, group in enumerate(optimizer.param_groups)
-            ],
-        },
+        "optimizer": describe_optimizer(optimizer, "expert param group"),
         "lr_scheduler": None if scheduler is None else encode_value(scheduler.state_dict(),
                                                                    "expert lr scheduler state"),
     }

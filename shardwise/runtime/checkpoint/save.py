@@ -49,7 +49,7 @@ from shardwise.runtime.checkpoint.pieces import (
     tensor_shards,
 )
 from shardwise.runtime.checkpoint.safetensors_io import SafetensorsWriter, TensorEntry, dtype_name
-from shardwise.runtime.checkpoint.state import capture_rng_state, check_json, encode_value
+from shardwise.runtime.checkpoint.state import capture_rng_state, check_json, describe_optimizer, encode_value
 from shardwise.runtime.checkpoint.zenflow_state import save_zenflow
 from shardwise.runtime.engine_protocol import EngineProtocol
 
@@ -350,14 +350,7 @@ def _meta(engine: EngineProtocol, tag: str, client_state: dict, model: dict) -> 
         "stage": engine.stage,
         "dtype": str(engine.dtype).removeprefix("torch."),
         **model,
-        "optimizer": {
-            "class": type(optimizer).__name__,
-            "param_groups": [
-                {key: encode_value(value, f"param group {index} {key!r}")
-                 for key, value in group.items() if key not in ("params", "param_names")}
-                for index, group in enumerate(optimizer.param_groups)
-            ],
-        },
+        "optimizer": describe_optimizer(optimizer),
         "lr_scheduler": None if scheduler is None else encode_value(scheduler.state_dict(), "lr scheduler state"),
         "loss_scaler": engine.loss_scaler.state_dict() if engine.loss_scaler.dynamic else None,
         "counters": {

@@ -58,6 +58,19 @@ def encode_value(value: Any, where: str) -> Any:
     )
 
 
+def describe_optimizer(optimizer: torch.optim.Optimizer, what: str = "param group") -> dict[str, Any]:
+    """The meta's record of an optimizer: its class and each param group's settings
+    (learning rate, betas...; not the parameters), named `what` in encoding errors."""
+    return {
+        "class": type(optimizer).__name__,
+        "param_groups": [
+            {key: encode_value(value, f"{what} {index} {key!r}")
+             for key, value in group.items() if key not in ("params", "param_names")}
+            for index, group in enumerate(optimizer.param_groups)
+        ],
+    }
+
+
 def decode_value(value: Any) -> Any:
     if isinstance(value, list):
         return [decode_value(item) for item in value]
