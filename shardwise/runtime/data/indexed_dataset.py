@@ -83,10 +83,10 @@ class IndexedDataset:
 
 
 class IndexedDatasetWriter:
-    """Writes rows, then `finish()` writes the index: one document holding every row, as
-    DeepSpeed's builders close it; `merged` adds the empty closing document DeepSpeed's
-    DataAnalyzer leaves in the files it merges from one reduce chunk (document index
-    [0, rows, rows]), so those files are equal byte for byte."""
+    """Writes rows, each `end_document()` closes a document, `finish()` writes the index.
+    DeepSpeed closes its builders with one `end_document()` (document index [0, rows]); the
+    files its DataAnalyzer merges from one reduce chunk carry the chunk's document end too
+    ([0, rows, rows]), which `write_rows(merged=True)` reproduces byte for byte."""
 
     def __init__(self, prefix: str | Path, dtype: type[np.generic] | np.dtype):
         self.prefix = str(prefix)
@@ -96,19 +96,32 @@ class IndexedDatasetWriter:
                              f"got {self.dtype}")
         self._data = open(f"{self.prefix}.bin", "wb")
         self._sizes: list[int] = []
+        self._documents = [0]
 
     def add(self, row: np.ndarray) -> None:
         values = np.ascontiguousarray(np.asarray(row).reshape(-1).astype(self.dtype, copy=False))
         self._data.write(values.tobytes())
         self._sizes.append(values.size)
 
-    def finish(self, *, merged: bool = False) -> None:
+    def end_document(self) -> None:
+        self._documents.append(len(self._sizes))
+
+    def append(self, other: IndexedDataset) -> None:
+        """Every row and document end of `other` after those written so far."""
+        if other.dtype != self.dtype:
+            raise ValueError(f"{other.prefix} holds {other.dtype}, this writer {self.dtype}")
+        offset = len(self._sizes)
+        for row in range(len(other)):
+            self.add(other[row])
+        self._documents.extend(int(end) + offset for end in other.doc_idx[1:])
+
+    def finish(self) -> None:
         self._data.close()
         sizes = np.asarray(self._sizes, dtype=np.int64)
         pointers = np.zeros(len(sizes), dtype=np.int64)
         if len(sizes) > 1:
             pointers[1:] = np.cumsum(sizes[:-1] * self.dtype.itemsize)
-        documents = np.asarray([0, len(sizes)] + [len(sizes)] * merged, dtype=np.int64)
+        documents = np.asarray(self._documents, dtype=np.int64)
         with open(f"{self.prefix}.idx", "wb") as index:
             index.write(MAGIC)
             index.write(struct.pack("<QBQQ", VERSION, CODES[self.dtype], len(sizes), len(documents)))
@@ -122,4 +135,6 @@ def write_rows(prefix: str | Path, rows: list[np.ndarray], dtype: type[np.generi
     writer = IndexedDatasetWriter(prefix, dtype)
     for row in rows:
         writer.add(row)
-    writer.finish(merged=merged)
+    for _ in range(1 + merged):
+        writer.end_document()
+    writer.finish()

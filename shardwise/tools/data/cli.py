@@ -13,7 +13,8 @@ from __future__ import annotations
 import argparse
 from typing import Any
 
-from shardwise.tools.data.analyze import METRICS, token_rows, write_metric_index
+from shardwise.runtime.data.metric_index import write_metric_index
+from shardwise.tools.data.analyze import METRICS, token_rows
 
 
 def add_parser(subparsers: Any) -> argparse.ArgumentParser:
