@@ -48,8 +48,10 @@ class CurriculumDataLoader(DataLoader):
         self.post_process_func: Callable[[Any, dict[str, Any]], Any] | None = None
 
     def __len__(self) -> int:
-        """DeepSpeed's length: the samples offered (num_epochs epochs) over the micro-batch size."""
-        return len(self.data_sampler) // self.data_sampler.micro_batch_size
+        """DeepSpeed's length: the samples offered (num_epochs epochs) over the micro-batch
+        size, rounded down with `dataloader_drop_last`, else up."""
+        samples, size = len(self.data_sampler), self.data_sampler.micro_batch_size
+        return samples // size if self.data_sampler.drop_last else -(-samples // size)
 
     def __iter__(self) -> Iterator[Any]:
         for batch in super().__iter__():

@@ -174,7 +174,8 @@ class DifficultySampler:
             if members is not None and len(members) > 0:
                 log.info("shardwise: curriculum cluster of %d samples for difficulties %s", len(members),
                          self.current_difficulties)
-                self.cluster_history.append({"previous": dict(previous), "difficulties": dict(self.current_difficulties),
+                self.cluster_history.append({"previous": dict(previous),
+                                             "difficulties": dict(self.current_difficulties),
                                              "shuffles": [self.rng.bit_generator.state]})
                 self.rng.shuffle(members)
                 self._write_cluster(name, members)

@@ -170,6 +170,7 @@ def two_rank_draws(rank: int, world: int, folder: Path) -> list[list[int]]:
     return drawn(sampler, STEPS * ACCUMULATION)
 
 
+@pytest.mark.slow  # the default run's 2-rank case: tests/frontends/deepspeed/api/test_curriculum_loader.py
 def test_two_ranks_slice_the_reference_batches(tmp_path):
     per_rank = run_distributed(two_rank_draws, 2, tmp_path)
     assert as_global(per_rank, STEPS) == reference_batches(tmp_path, "two", STEPS)

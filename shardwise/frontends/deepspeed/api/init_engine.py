@@ -204,13 +204,14 @@ def _data_loader(engine: DeepSpeedEngine, dataset: Dataset,
     drop_last = engine.config.dataloader_drop_last
     sampling = engine.policies.data_sampling
     if sampling is not None:  # curriculum learning: DeepSpeed's DeepSpeedDataSampler (runtime/data)
-        sampler = DifficultySampler(sampling, samples=len(dataset), micro_batch_size=engine.train_micro_batch_size_per_gpu(),
+        sampler = DifficultySampler(sampling, samples=len(dataset),
+                                    micro_batch_size=engine.train_micro_batch_size_per_gpu(),
                                     gradient_accumulation_steps=engine.gradient_accumulation_steps(),
                                     replicas=replicas, drop_last=drop_last)
-        loader = CurriculumDataLoader(dataset, sampler=sampler, collate_fn=collate_fn,
-                                      num_workers=sampling.num_workers, pin_memory=sampling.pin_memory)
-        engine.attach_data_position(loader)
-        return loader
+        curriculum = CurriculumDataLoader(dataset, sampler=sampler, collate_fn=collate_fn,
+                                          num_workers=sampling.num_workers, pin_memory=sampling.pin_memory)
+        engine.attach_data_position(curriculum)
+        return curriculum
     sampler = PositionedSampler(dataset, num_replicas=replicas.size, rank=replicas.rank, drop_last=drop_last)
     loader = DeepSpeedDataLoader(dataset, batch_size=engine.train_micro_batch_size_per_gpu(), sampler=sampler,
                                  collate_fn=collate_fn, drop_last=drop_last)

@@ -69,7 +69,8 @@ def config(folder: str, world_size: int, clusters: str | None = None) -> dict:
             "zero_optimization": {"stage": 2},
             "data_efficiency": {"enabled": True, "seed": SEED, "data_sampling": {
                 "enabled": True, "num_epochs": 10, "curriculum_learning": {
-                    "enabled": True, "data_cluster_path": clusters or f"{folder}/clusters", "curriculum_metrics": metrics}}}}
+                    "enabled": True, "data_cluster_path": clusters or f"{folder}/clusters",
+                    "curriculum_metrics": metrics}}}}
 
 
 def train(rank: int, world_size: int, folder: str, *, steps: int, stop_at: int | None = None,
@@ -78,7 +79,11 @@ def train(rank: int, world_size: int, folder: str, *, steps: int, stop_at: int |
     engine, _, loader, _ = deepspeed.initialize(model=TinyLM(), config=config(folder, world_size),
                                                 training_data=Tokens())
     seen: list[dict] = []
-    engine.set_data_post_process_func(lambda batch, state: seen.append(dict(state["current_difficulties"])) or batch)
+    def post_process(batch, state):
+        seen.append(dict(state["current_difficulties"]))
+        return batch
+
+    engine.set_data_post_process_func(post_process)
     if resume:
         engine.load_checkpoint(f"{folder}/checkpoint")
     records: list[dict] = []

@@ -6,6 +6,7 @@ uninterrupted one."""
 
 from __future__ import annotations
 
+import pytest
 import torch
 
 from shardwise.frontends.deepspeed.config import load_config
@@ -57,7 +58,8 @@ def test_curriculum_batches_truncated_and_trained_as_the_reference(tmp_path):
     write_index(str(tmp_path))
     runs = run_distributed(train, WORLD, str(tmp_path), steps=STEPS)
     # the indices: a single-process sampler's global batches, each rank its slice
-    policy = policies_from_config(load_config(config(str(tmp_path), WORLD, str(tmp_path / "single")), world_size=WORLD)).data_sampling
+    single = load_config(config(str(tmp_path), WORLD, str(tmp_path / "single")), world_size=WORLD)
+    policy = policies_from_config(single).data_sampling
     sampler = iter(DifficultySampler(policy, samples=len(Tokens()), micro_batch_size=MICRO * WORLD,
                                      gradient_accumulation_steps=ACCUMULATION, replicas=Alone()))
     for micro in range(len(runs[0])):
@@ -70,6 +72,7 @@ def test_curriculum_batches_truncated_and_trained_as_the_reference(tmp_path):
         assert relative_error([r["loss"] for r in ours], theirs) < 1e-5
 
 
+@pytest.mark.slow  # the default run's exact resume: tests/runtime/data/test_difficulty_sampler.py
 def test_a_resumed_curriculum_run_equals_the_uninterrupted_one(tmp_path):
     for folder in ("whole", "run"):
         write_index(str(tmp_path / folder))

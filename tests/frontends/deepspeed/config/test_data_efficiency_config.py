@@ -11,7 +11,8 @@ from shardwise.frontends.deepspeed.config.errors import ConfigError
 from shardwise.frontends.deepspeed.config.policies import policies_from_config
 from shardwise.runtime.data.policy import CurriculumMetricPolicy, DataSamplingPolicy
 
-METRIC = {"index_to_sample_path": "/data/seqlen_index_to_sample", "index_to_metric_path": "/data/seqlen_index_to_metric",
+METRIC = {"index_to_sample_path": "/data/seqlen_index_to_sample",
+          "index_to_metric_path": "/data/seqlen_index_to_metric",
           "difficulty_type": "value", "clustering_type": "schedule_based", "min_difficulty": 64,
           "max_difficulty": 1024, "schedule_type": "fixed_root",
           "schedule_config": {"total_curriculum_step": 1000, "difficulty_step": 8, "root_degree": 2}}
@@ -53,8 +54,8 @@ def test_mistakes_are_refused_with_the_reason(curriculum, message):
 
 def test_an_ordering_metric_needs_its_index():
     metric = {key: value for key, value in METRIC.items() if key != "index_to_metric_path"}
-    cfg = load_config(config({"enabled": True, "data_cluster_path": "/tmp/c", "curriculum_metrics": {"seqlen": metric}}),
-                      world_size=1)
+    block = {"enabled": True, "data_cluster_path": "/tmp/c", "curriculum_metrics": {"seqlen": metric}}
+    cfg = load_config(config(block), world_size=1)
     with pytest.raises(ValueError, match="needs index_to_metric_path"):
         policies_from_config(cfg)
 

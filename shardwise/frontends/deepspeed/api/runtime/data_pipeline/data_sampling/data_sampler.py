@@ -41,8 +41,8 @@ class DeepSpeedDataSampler(DifficultySampler):
                  gradient_accumulation_steps: int, global_rank: int, drop_last: bool = True):
         sampling = data_efficiency_config.get("data_sampling", {})
         block = {"seed": data_efficiency_config.get("seed", 1234),
-                 "data_sampling": {key: sampling[key] for key in
-                                   ("num_epochs", "num_workers", "pin_memory", "curriculum_learning") if key in sampling}}
+                 "data_sampling": {key: sampling[key] for key in ("num_epochs", "num_workers", "pin_memory",
+                                                                  "curriculum_learning") if key in sampling}}
         policy = data_sampling_policy(DataEfficiencyConfig.model_validate(block))
         if policy is None:
             raise ValueError("DeepSpeedDataSampler draws curriculum batches: its config needs "
