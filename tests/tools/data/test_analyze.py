@@ -41,6 +41,25 @@ def test_the_index_holds_each_sample_under_its_length(tmp_path):
     assert IndexedDataset(f"{prefix}_index_to_sample").dtype == np.uint8
 
 
+def test_vocab_rarity_is_the_recipes_sum_of_negative_log_frequencies(tmp_path):
+    """The Megatron data-efficiency recipe's metric, written out in torch float64 as it
+    computes it: counts over the dataset (pad excluded, unseen ids counted once), -ln of
+    their share, summed over each sample's tokens and cut to an integer."""
+    import torch
+
+    rows = tokens(tmp_path / "tokens.npy")
+    assert shardwise_main(["data", "analyze", "--metric", "vocab_rarity", "--pad-id", "0", "--vocab-size", "64",
+                           str(tmp_path / "tokens.npy"), str(tmp_path / "out")]) == 0
+    text = torch.from_numpy(rows)
+    mask = (text != 0).double()
+    counts = torch.bincount(text.view(-1), minlength=64, weights=mask.view(-1))
+    counts[counts == 0] = 1
+    rarity = -torch.log(counts / counts.sum())
+    expected = torch.sum(mask * rarity[text], dim=1).to(torch.long).tolist()
+    prefix = tmp_path / "out" / "vocab_rarity" / "vocab_rarity"
+    assert [int(v[0]) for v in IndexedDataset(f"{prefix}_sample_to_metric")[:]] == expected
+
+
 DEEPSPEED_SIDE = r"""
 import sys
 import numpy as np
