@@ -237,3 +237,18 @@ def test_equals_deepspeeds_sampler(tmp_path, kind, ranks):
                                 gradient_accumulation_steps=ACCUMULATION, replicas=Alone())
     ours = as_global([drawn(sampler, STEPS * ACCUMULATION)], STEPS)
     assert as_global(theirs, STEPS) == ours
+
+
+def test_a_custom_schedule_sets_the_difficulty(tmp_path):
+    """schedule_type custom: the caller's function of the step (DeepSpeed's
+    set_custom_curriculum_learning_schedule) decides which samples each batch may hold."""
+    metric = CurriculumMetricPolicy("mod", 0, 8, "custom", {}, "value", "schedule_based",
+                                    *metric_index(tmp_path, "mod", np.arange(SAMPLES) % 9))
+    sampler = DifficultySampler(DataSamplingPolicy((metric,), str(tmp_path / "clusters"), seed=SEED, num_epochs=4),
+                                samples=SAMPLES, micro_batch_size=4, gradient_accumulation_steps=1, replicas=Alone())
+    sampler.set_custom_curriculum_learning_schedule({"mod": lambda step: min(8, 2 * step)})
+    it = iter(sampler)
+    for step in range(1, 7):
+        batch = next(it)
+        assert sampler.current_difficulties == {"mod": min(8, 2 * step)}
+        assert max(index % 9 for index in batch) <= min(8, 2 * step)
