@@ -16,6 +16,7 @@ COMMANDS = {
     "run": "shardwise.tools.launcher.cli",
     "estimate": "shardwise.tools.planner.cli",
     "convert": "shardwise.tools.convert",
+    "data": "shardwise.tools.data.cli",
 }
 
 

@@ -31,6 +31,7 @@ from shardwise.frontends.deepspeed.api.utils import RepeatingLoader
 from shardwise.frontends.deepspeed.api.utils.zero_to_fp32 import RECOVERY_SCRIPT
 from shardwise.frontends.deepspeed.config import ShardwiseConfig
 from shardwise.frontends.deepspeed.engine import ConfiguredEngine
+from shardwise.runtime.data.curriculum_loader import CurriculumDataLoader
 from shardwise.runtime.distributed.setup import call_check_timeout
 from shardwise.runtime.engine import Job, Policies
 from shardwise.runtime.precision.casting import to_device
@@ -237,6 +238,20 @@ class DeepSpeedEngine(ConfiguredEngine):
         return str(directory), client_state
 
     # -- DeepSpeed's PipelineEngine ----------------------------------------------------------
+    def set_data_post_process_func(self, post_process_func: Callable[[Any, dict], Any]) -> None:
+        """DeepSpeed's hook on the curriculum loader's batches: `post_process_func(batch,
+        sampler_state)` returns the batch to train on (runtime/data/curriculum_loader.py)."""
+        if self.training_dataloader is not None:
+            self.training_dataloader.post_process_func = post_process_func
+
+    def set_custom_curriculum_learning_schedule(self, schedule_func_dict: dict[str, Callable[[int], Any]]) -> None:
+        """The difficulty functions of the metrics with schedule_type "custom", by metric name."""
+        if isinstance(self.training_dataloader, CurriculumDataLoader):
+            self.training_dataloader.data_sampler.set_custom_curriculum_learning_schedule(schedule_func_dict)
+
+    def curriculum_learning_enabled(self) -> bool:
+        return self.policies.data_sampling is not None
+
     def set_dataiterator(self, iterator: Any) -> None:
         """The iterator `train_batch()` / `eval_batch()` pull micro-batches from when given none."""
         self._data_iterator = iterator

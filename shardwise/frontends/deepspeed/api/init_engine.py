@@ -41,6 +41,8 @@ from shardwise.frontends.deepspeed.api.runtime.config import DeepSpeedConfigErro
 from shardwise.frontends.deepspeed.api.runtime.dataloader import DeepSpeedDataLoader, PositionedSampler
 from shardwise.frontends.deepspeed.config import load_config, read_config
 from shardwise.frontends.deepspeed.initialize import initialize as initialize_engine
+from shardwise.runtime.data.curriculum_loader import CurriculumDataLoader
+from shardwise.runtime.data.difficulty_sampler import DifficultySampler
 from shardwise.runtime.engine.arguments import hidden_size
 from shardwise.runtime.optim.registry import optimizer_spec
 
@@ -190,7 +192,8 @@ def _all_trainable_in_one_group(model: nn.Module, groups: list[dict[str, Any]]) 
     return len(groups) == 1 and set(groups[0]) == {"params"} and [id(p) for p in groups[0]["params"]] == trainable
 
 
-def _data_loader(engine: DeepSpeedEngine, dataset: Dataset, collate_fn: Callable | None) -> DeepSpeedDataLoader:
+def _data_loader(engine: DeepSpeedEngine, dataset: Dataset,
+                 collate_fn: Callable | None) -> DeepSpeedDataLoader | CurriculumDataLoader:
     """DeepSpeed's loader of micro-batches, whose position the engine's checkpoints hold
     (api/runtime/dataloader.py)."""
     if isinstance(dataset, IterableDataset) or not hasattr(dataset, "__len__"):
@@ -199,6 +202,16 @@ def _data_loader(engine: DeepSpeedEngine, dataset: Dataset, collate_fn: Callable
                          "yourself")
     replicas = engine.comm  # the data-parallel ranks: each reads its own share
     drop_last = engine.config.dataloader_drop_last
+    sampling = engine.policies.data_sampling
+    if sampling is not None:  # curriculum learning: DeepSpeed's DeepSpeedDataSampler (runtime/data)
+        sampler = DifficultySampler(sampling, samples=len(dataset),
+                                    micro_batch_size=engine.train_micro_batch_size_per_gpu(),
+                                    gradient_accumulation_steps=engine.gradient_accumulation_steps(),
+                                    replicas=replicas, drop_last=drop_last)
+        curriculum = CurriculumDataLoader(dataset, sampler=sampler, collate_fn=collate_fn,
+                                          num_workers=sampling.num_workers, pin_memory=sampling.pin_memory)
+        engine.attach_data_position(curriculum)
+        return curriculum
     sampler = PositionedSampler(dataset, num_replicas=replicas.size, rank=replicas.rank, drop_last=drop_last)
     loader = DeepSpeedDataLoader(dataset, batch_size=engine.train_micro_batch_size_per_gpu(), sampler=sampler,
                                  collate_fn=collate_fn, drop_last=drop_last)

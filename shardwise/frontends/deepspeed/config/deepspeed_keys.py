@@ -195,8 +195,6 @@ RULES: dict[str, dict[str, KeyRule]] = {
         "curriculum_learning": Removed(_disabled, "the legacy top-level curriculum learning (DeepSpeed moved it to "
                                        "data_efficiency.data_sampling.curriculum_learning): order your data in the "
                                        "data loader"),
-        "data_efficiency": AcceptedWhen(_disabled, OFF, "DeepSpeed's data-efficiency library is not "
-                                        "supported: sample in your data loader"),
         "eigenvalue": Removed(_disabled, "eigenvalue-based MoQ: remove the block"),
         "hybrid_engine": Accepted("speed only: DeepSpeed-Chat's hybrid engine swaps the actor into DeepSpeed's "
                                   "inference kernels for `generate`; shardwise generates with the same module "
@@ -296,6 +294,14 @@ RULES: dict[str, dict[str, KeyRule]] = {
         "data_parallel": AcceptedWhen(_one_of("replica", "socket", "machine", None),
                                       '"replica", "socket", "machine" (any case) or null',
                                       "DeepSpeed accepts only these units for its parallel writers"),
+    },
+    "data_efficiency": {
+        "data_routing": AcceptedWhen(_disabled, OFF, "random-LTD (random layer-wise token dropping) is not "
+                                     "supported yet: remove the block"),
+    },
+    "data_efficiency.data_sampling": {
+        "dynamic_batching": AcceptedWhen(_disabled, OFF, "dynamic batching (variable batch size and learning rate "
+                                         "by token count) is not supported: batch in your data loader"),
     },
     "aio": {
         "intra_op_parallelism": Accepted("a libaio threading knob; shardwise's swap uses aio.thread_count"),

@@ -20,6 +20,7 @@ import logging
 import torch
 
 from shardwise.formulas.stages import partitions_parameters
+from shardwise.frontends.deepspeed.config.data_efficiency import data_sampling_policy
 from shardwise.frontends.deepspeed.config.schema import OffloadConfig, ShardwiseConfig, ZenFlowConfig, ZeroConfig
 from shardwise.frontends.deepspeed.config.sparse_attention import SparseLayout
 from shardwise.runtime.activation.policy import ActivationPolicy, RecomputePolicy
@@ -73,6 +74,7 @@ def policies_from_config(cfg: ShardwiseConfig) -> Policies:
                                     resume_from=cfg.auto_resume.checkpoint_dir),
         optimizer=OptimizerPolicy(cfg.optimizer.type, dict(cfg.optimizer.params)) if cfg.optimizer else None,
         scheduler=SchedulerPolicy(cfg.scheduler.type, dict(cfg.scheduler.params)) if cfg.scheduler else None,
+        data_sampling=data_sampling_policy(cfg.data_efficiency),
     )
 
 

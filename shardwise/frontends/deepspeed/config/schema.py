@@ -19,6 +19,7 @@ from typing import Any, Literal
 from pydantic import Field, field_validator, model_validator
 
 from shardwise.formulas.stages import STAGES, partitions_parameters
+from shardwise.frontends.deepspeed.config.data_efficiency import DataEfficiencyConfig
 from shardwise.frontends.deepspeed.config.fields import Bool, Float, Int, Section
 from shardwise.runtime.optim.registry import optimizer_spec
 from shardwise.runtime.optim.torch_optimizers import constructor_kwargs, torch_class_name
@@ -577,6 +578,7 @@ class ShardwiseConfig(Section):
     torch_autocast: TorchAutocastConfig = Field(default_factory=TorchAutocastConfig)
     compile: CompileConfig = Field(default_factory=CompileConfig)
     sparse_attention: SparseAttentionConfig | None = None
+    data_efficiency: DataEfficiencyConfig = Field(default_factory=DataEfficiencyConfig)
 
     @field_validator("gradient_clipping", mode="before")
     @classmethod

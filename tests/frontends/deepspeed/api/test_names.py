@@ -102,6 +102,11 @@ def test_the_alias_finds_the_data_efficiency_schedules():
         "from deepspeed.runtime.data_pipeline.data_routing.scheduler import RandomLTDScheduler\n"
         "from shardwise.runtime.data.token_schedule import RandomLTDScheduler as ours\n"
         "assert RandomLTDScheduler is ours\n"
+        "from deepspeed.runtime.data_pipeline.data_sampling.data_sampler import DeepSpeedDataSampler\n"
+        "from deepspeed.runtime.data_pipeline.data_sampling.data_analyzer import DataAnalyzer\n"
+        "from deepspeed.runtime.data_pipeline.data_sampling.indexed_dataset import MMapIndexedDataset\n"
+        "from deepspeed.runtime.data_pipeline.constants import CURRICULUM_LEARNING_METRICS\n"
+        "assert CURRICULUM_LEARNING_METRICS == 'curriculum_metrics'\n"
     )
     result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert result.returncode == 0, result.stderr
