@@ -32,7 +32,7 @@ def gpt(config: GPTConfig) -> GPT:
 def engine_config(stage: int, fp16: bool = False) -> dict:
     return {"train_micro_batch_size_per_gpu": ROWS,
             "optimizer": {"type": "AdamW", "params": {"lr": LR, "eps": EPS, "weight_decay": 0.0}},
-            "fp16": {"enabled": fp16, "initial_scale_power": 8},
+            "fp16": {"enabled": fp16, "initial_scale_power": 8, "hysteresis": 1},
             "zero_optimization": {"stage": stage, "stage3_param_persistence_threshold": 0}}
 
 
@@ -109,3 +109,59 @@ def test_expert_parallel_gpt_equals_every_expert_gpt(world_size, stage, top_k):
     results = run_distributed(train_split, world_size, stage, top_k, timeout=240)
     assert all(result["local"] == 2 for result in results)  # 2 of the 4 experts on each rank
     assert_equal_runs(results, expected, 1e-5)
+
+
+def train_split_fp16(rank: int, world_size: int, stage: int) -> dict:
+    model = gpt(CONFIG)
+    engine = shardwise.initialize(model, engine_config(stage, fp16=True))
+    losses = []
+    for step in range(STEPS):
+        x, y = tokens(step, ROWS * world_size)
+        loss = engine(x[rank * ROWS:(rank + 1) * ROWS], y[rank * ROWS:(rank + 1) * ROWS])
+        engine.backward(loss)
+        engine.step()
+        losses.append(loss.item())
+    return {"losses": losses, "params": every_expert_params(model, engine), "skipped": engine.skipped_steps}
+
+
+@pytest.mark.parametrize("stage", [1, pytest.param(3, marks=pytest.mark.slow)], ids=["stage1", "stage3"])
+def test_fp16_expert_parallel_gpt_equals_every_expert_gpt(stage):
+    """fp16 with loss scaling: the experts' gradients carry the scale and are unscaled with
+    the dense ones, their fp32 masters stepped; equal to the fp32 every-expert model within
+    fp16's tolerance."""
+    expected = train_every_expert(2, 1)
+    results = run_distributed(train_split_fp16, 2, stage, timeout=240)
+    assert all(result["skipped"] == 0 for result in results)
+    assert_equal_runs(results, expected, 2e-2)
+
+
+def overflow_in_one_expert(rank: int, world_size: int) -> dict:
+    """Rank 1 makes one of its experts' gradients infinite in the first step: every rank
+    must skip that step (dense weights and every expert unchanged, the scale lowered) and
+    apply the next."""
+    model = gpt(CONFIG)
+    engine = shardwise.initialize(model, engine_config(1, fp16=True))
+    before = every_expert_params(model, engine)
+    scale = engine.loss_scaler.scale
+    layer = next(module for module in model.modules() if isinstance(module, MixtureOfExperts))
+    poisoned = layer.experts.local[1].fc.weight
+    hook = poisoned.register_hook(lambda grad: grad * float("inf")) if rank == 1 else None
+    x, y = tokens(0, ROWS * world_size)
+    engine.backward(engine(x[rank * ROWS:(rank + 1) * ROWS], y[rank * ROWS:(rank + 1) * ROWS]))
+    engine.step()
+    after_overflow = every_expert_params(model, engine)
+    if hook is not None:
+        hook.remove()
+    engine.backward(engine(x[rank * ROWS:(rank + 1) * ROWS], y[rank * ROWS:(rank + 1) * ROWS]))
+    engine.step()
+    unchanged = all(torch.equal(after_overflow[name], value) for name, value in before.items())
+    moved = [name for name, value in every_expert_params(model, engine).items() if not torch.equal(value, before[name])]
+    return {"skipped": engine.skipped_steps, "unchanged": unchanged, "moved": moved,
+            "scales": (scale, engine.loss_scaler.scale), "names": list(before)}
+
+
+def test_fp16_overflow_in_one_expert_on_one_rank_skips_the_step_everywhere():
+    for result in run_distributed(overflow_in_one_expert, 2, timeout=240):
+        assert result["skipped"] == 1 and result["unchanged"]
+        assert sorted(result["moved"]) == sorted(result["names"])  # the next step updates every weight
+        assert result["scales"][1] < result["scales"][0]

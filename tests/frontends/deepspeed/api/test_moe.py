@@ -254,26 +254,28 @@ def test_equals_deepspeeds_moe_layer(arguments, tmp_path):
     assert torch.equal(l_aux, theirs["l_aux"]) and counts.tolist() == theirs["counts"].tolist()
 
 
-def refuse_a_ready_scheduler_and_fp16(rank: int, world_size: int) -> list[str]:
+def refuse_a_ready_scheduler_and_bf16_masters(rank: int, world_size: int) -> list[str]:
     model = MoeNet(1, False, 2)
     optimizer = torch.optim.AdamW(groups_of(model), lr=1e-2)
     with pytest.raises(ValueError) as scheduler:
         shardwise.initialize(model, {"train_micro_batch_size_per_gpu": ROWS}, optimizer=optimizer,
                              lr_scheduler=schedule(optimizer))
     model = MoeNet(1, False, 2)
-    with pytest.raises(ValueError) as fp16:
-        shardwise.initialize(model, {"train_micro_batch_size_per_gpu": ROWS, "fp16": {"enabled": True}},
+    with pytest.raises(ValueError) as bf16_masters:
+        shardwise.initialize(model, {"train_micro_batch_size_per_gpu": ROWS, "zero_optimization": {"stage": 1},
+                                     "bf16": {"enabled": True, "bf16_master_weights_and_grads": True,
+                                              "bf16_optimizer_states": True}},
                              optimizer=torch.optim.AdamW(groups_of(model), lr=1e-2))
-    return [str(scheduler.value), str(fp16.value)]
+    return [str(scheduler.value), str(bf16_masters.value)]
 
 
-def test_expert_parallelism_refuses_a_ready_scheduler_and_fp16():
+def test_expert_parallelism_refuses_a_ready_scheduler_and_bf16_masters():
     """A scheduler object holds the optimizer the experts were taken out of (it would leave
-    their rate at its start); fp16 (loss scaling) is not provided for the experts: both
-    refused with the fix."""
-    for scheduler, fp16 in run_distributed(refuse_a_ready_scheduler_and_fp16, 2, timeout=120):
+    their rate at its start); the experts keep fp32 masters (bf16 masters are not provided
+    for them): both refused with the fix. (fp16 is provided: tests/models/gpt/test_moe.py.)"""
+    for scheduler, bf16_masters in run_distributed(refuse_a_ready_scheduler_and_bf16_masters, 2, timeout=120):
         assert "callable that builds it from an optimizer" in scheduler
-        assert "fp32 and bf16 (fp32 masters)" in fp16 and "use ep_size=1" in fp16
+        assert "(fp32 masters;" in bf16_masters and "use ep_size=1" in bf16_masters
 
 
 def expert_engine(stage: int, ep_size: int, bf16: bool = False) -> tuple[nn.Module, object]:
