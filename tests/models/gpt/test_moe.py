@@ -4,6 +4,8 @@ and 3, every step's loss and every final weight equal the single-process model h
 every expert, trained on the same global batch (each rank's rows routed on their own:
 the capacity is per rank)."""
 
+from dataclasses import replace
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -43,25 +45,30 @@ def every_expert_params(model: torch.nn.Module, engine) -> dict[str, torch.Tenso
         return {names.get(id(param), name): param.detach().float().clone() for name, param in model.named_parameters()}
 
 
-def train_split(rank: int, world_size: int, stage: int, top_k: int) -> dict:
-    model = gpt(GPTConfig(**{**CONFIG.__dict__, "moe_top_k": top_k}))
-    engine = shardwise.initialize(model, engine_config(stage))
+def train_steps(engine, rank: int, world_size: int, steps: range) -> list[float]:
     losses = []
-    for step in range(STEPS):
+    for step in steps:
         x, y = tokens(step, ROWS * world_size)
         loss = engine(x[rank * ROWS:(rank + 1) * ROWS], y[rank * ROWS:(rank + 1) * ROWS])
         engine.backward(loss)
         engine.step()
         losses.append(loss.item())
+    return losses
+
+
+def train_split(rank: int, world_size: int, stage: int, top_k: int) -> dict:
+    model = gpt(replace(CONFIG, moe_top_k=top_k))
+    engine = shardwise.initialize(model, engine_config(stage))
+    losses = train_steps(engine, rank, world_size, range(STEPS))
     layer = next(module for module in model.modules() if isinstance(module, MixtureOfExperts))
     return {"losses": losses, "params": every_expert_params(model, engine), "local": layer.num_local_experts}
 
 
-def train_every_expert(world_size: int, top_k: int) -> dict:
-    model = gpt(GPTConfig(**{**CONFIG.__dict__, "moe_top_k": top_k}))
+def train_every_expert(world_size: int, top_k: int, steps: int = STEPS) -> dict:
+    model = gpt(replace(CONFIG, moe_top_k=top_k))
     optimizer = torch.optim.AdamW(model.parameters(), lr=LR, eps=EPS, weight_decay=0.0)
     losses = []
-    for step in range(STEPS):
+    for step in range(steps):
         x, y = tokens(step, ROWS * world_size)
         per_rank = [model(x[r * ROWS:(r + 1) * ROWS], y[r * ROWS:(r + 1) * ROWS]) for r in range(world_size)]
         optimizer.zero_grad()
@@ -114,13 +121,7 @@ def test_expert_parallel_gpt_equals_every_expert_gpt(world_size, stage, top_k):
 def train_split_fp16(rank: int, world_size: int, stage: int) -> dict:
     model = gpt(CONFIG)
     engine = shardwise.initialize(model, engine_config(stage, fp16=True))
-    losses = []
-    for step in range(STEPS):
-        x, y = tokens(step, ROWS * world_size)
-        loss = engine(x[rank * ROWS:(rank + 1) * ROWS], y[rank * ROWS:(rank + 1) * ROWS])
-        engine.backward(loss)
-        engine.step()
-        losses.append(loss.item())
+    losses = train_steps(engine, rank, world_size, range(STEPS))
     return {"losses": losses, "params": every_expert_params(model, engine), "skipped": engine.skipped_steps}
 
 
@@ -165,3 +166,31 @@ def test_fp16_overflow_in_one_expert_on_one_rank_skips_the_step_everywhere():
         assert result["skipped"] == 1 and result["unchanged"]
         assert sorted(result["moved"]) == sorted(result["names"])  # the next step updates every weight
         assert result["scales"][1] < result["scales"][0]
+
+
+def checkpoints_across_ep_sizes(rank: int, world_size: int, stage: int, tmp: str) -> dict:
+    """Two steps at ep=2 saved, resumed at ep=1 (every expert on every rank, trained among
+    the dense parameters) for two more; and the other way round."""
+    losses = {}
+    for saving, loading in ((2, 1), (1, 2)):
+        folder = f"{tmp}/ep{saving}"
+        engine = shardwise.initialize(gpt(replace(CONFIG, moe_ep_size=saving)), engine_config(stage))
+        train_steps(engine, rank, world_size, range(2))
+        engine.save_checkpoint(folder)
+        engine = shardwise.initialize(gpt(replace(CONFIG, moe_ep_size=loading)), engine_config(stage))
+        engine.load_checkpoint(folder)
+        assert (engine.experts is None) == (loading == 1)
+        losses[f"{saving}->{loading}"] = train_steps(engine, rank, world_size, range(2, 4))
+    return losses
+
+
+def test_checkpoints_move_between_expert_parallel_and_every_expert(tmp_path):
+    """Experts are saved under their every-expert names with their Adam moments, so a
+    checkpoint of ep=2 resumes at ep=1 and one of ep=1 at ep=2 (ZeRO 2), the two steps
+    after equal to the every-expert model's 3rd and 4th (fp32, 1e-5)."""
+    expected = train_every_expert(2, 1, steps=4)
+    for rank, result in enumerate(run_distributed(checkpoints_across_ep_sizes, 2, 2, str(tmp_path), timeout=240)):
+        for direction, losses in result.items():
+            for step, got in zip((2, 3), losses):
+                want = expected["losses"][step][rank]
+                assert abs(got - want) < 1e-5 * abs(want), (direction, step, losses, want)

@@ -317,10 +317,10 @@ def resume_with_experts(rank: int, world_size: int, stage: int, bf16: bool, tmp:
     with shardwise.gathered_parameters(list(model.parameters())):
         errors = {name: ((param - final[name]).norm() / final[name].norm()).item()
                   for name, param in model.named_parameters()}
-    _, dense = expert_engine(stage, 1, bf16)  # the experts among the dense parameters: other optimizer groups
-    with pytest.raises(CheckpointError) as refusal:
-        dense.load_checkpoint(tmp)
-    return {"uninterrupted": uninterrupted, "resumed": resumed, "errors": errors, "refusal": str(refusal.value)}
+    _, dense = expert_engine(stage, 1, bf16)  # the experts among the dense parameters, their groups appended
+    dense.load_checkpoint(tmp)
+    across = train_steps(dense, rank, world_size, range(2, 4))
+    return {"uninterrupted": uninterrupted, "resumed": resumed, "errors": errors, "across": across}
 
 
 @pytest.mark.parametrize("world_size, stage, bf16", [(2, 2, False), (4, 1, True),
@@ -330,14 +330,16 @@ def test_expert_parallel_checkpoint_resumes_exactly(world_size, stage, bf16, tmp
     """Each rank saves its own experts, their Adam moments (its partition of them at ZeRO
     >= 1), fp32 masters (bf16) and schedule: the steps after a resume at the same layout
     are the uninterrupted run's (< 1e-6 relative), and the experts' places are checked
-    before anything is read (ep_size 1, which trains the experts among the dense
-    parameters, refused)."""
+    before anything is read; ep_size 1 (the experts among the dense parameters, their
+    groups after the dense ones) resumes from it too."""
     for result in run_distributed(resume_with_experts, world_size, stage, bf16, str(tmp_path), timeout=240):
         for got, want in zip(result["resumed"], result["uninterrupted"][2:]):
             assert abs(got - want) < 1e-6 * abs(want), (result["resumed"], result["uninterrupted"])
         assert any(".deepspeed_experts." in name for name in result["errors"])
         assert max(result["errors"].values()) < 1e-6, result["errors"]
-        assert "trains none apart: resume it with ep_size > 1" in result["refusal"]
+        tolerance = 2e-2 if bf16 else 1e-5  # bf16: ZeRO reduces the experts' gradients in bf16 at ep_size 1
+        for got, want in zip(result["across"], result["uninterrupted"][2:]):
+            assert abs(got - want) < tolerance * abs(want), (result["across"], result["uninterrupted"])
 
 
 def save_after_two_steps(rank: int, world_size: int, tmp: str) -> None:
