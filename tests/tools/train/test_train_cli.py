@@ -101,7 +101,7 @@ def test_a_hugging_face_auto_config_is_filled_from_the_flags(tmp_path):
 
 def test_moe_flags_make_the_gpt_an_moe_gpt(tmp_path):
     """`--moe-experts`, `--moe-top-k`, `--moe-every`, `--ep-size` reach the model's config
-    (the expert step of parallelize then splits the experts: tests/models/gpt/test_moe.py)."""
+    (the expert step of parallelize then splits the experts: tests/models/gpt/test_gpt_moe.py)."""
     from shardwise.tools.train.cli import prepare_run
     from shardwise.tools.train.setup import model_config
 

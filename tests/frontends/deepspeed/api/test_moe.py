@@ -272,7 +272,7 @@ def refuse_a_ready_scheduler_and_bf16_masters(rank: int, world_size: int) -> lis
 def test_expert_parallelism_refuses_a_ready_scheduler_and_bf16_masters():
     """A scheduler object holds the optimizer the experts were taken out of (it would leave
     their rate at its start); the experts keep fp32 masters (bf16 masters are not provided
-    for them): both refused with the fix. (fp16 is provided: tests/models/gpt/test_moe.py.)"""
+    for them): both refused with the fix. (fp16 is provided: tests/models/gpt/test_gpt_moe.py.)"""
     for scheduler, bf16_masters in run_distributed(refuse_a_ready_scheduler_and_bf16_masters, 2, timeout=120):
         assert "callable that builds it from an optimizer" in scheduler
         assert "(fp32 masters;" in bf16_masters and "use ep_size=1" in bf16_masters
