@@ -9,15 +9,16 @@ import shardwise
 from shardwise.models.core import steps
 from tests.runtime.zero.workers import build_model, global_batch
 
-ORDER = ["tensor", "sequence", "activation", "kernels and compile", "pipeline"]
-STEPS = {"tensor": "apply_tensor_step", "sequence": "apply_sequence_step", "activation": "apply_activation_step",
+ORDER = ["tensor", "sequence", "expert", "activation", "kernels and compile", "pipeline"]
+STEPS = {"tensor": "apply_tensor_step", "sequence": "apply_sequence_step", "expert": "apply_expert_step",
+         "activation": "apply_activation_step",
          "kernels and compile": "apply_kernel_and_compile_step", "pipeline": "apply_pipeline_step"}
 
 
 def test_the_steps_run_in_the_documented_order(monkeypatch):
     seen = []
     for name, function in STEPS.items():
-        monkeypatch.setattr(steps, function, lambda model, plan, name=name, **options: seen.append(name))
+        monkeypatch.setattr(steps, function, lambda model, plan=None, name=name, **options: seen.append(name))
     model = build_model("gpt")
     shardwise.initialize(model, {"train_micro_batch_size_per_gpu": 2},
                          optimizer=torch.optim.SGD(model.parameters(), lr=0.1))

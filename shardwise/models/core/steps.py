@@ -1,10 +1,12 @@
 """A model's parallelisms, applied in one fixed order by explicit calls (`apply_plan`).
 
-    tensor parallel -> sequence parallel -> activation checkpointing -> kernels and compile
-        -> pipeline split                       (then the engine's ZeRO takes the parameters)
+    tensor parallel -> sequence parallel -> expert parallel -> activation checkpointing
+        -> kernels and compile -> pipeline split  (then the engine's ZeRO takes the parameters)
 
 Tensor parallelism replaces weights with their local shards, so it comes first; sequence
-parallelism changes where activations are split inside those layers; checkpointing wraps
+parallelism changes where activations are split inside those layers; expert parallelism
+keeps this rank's experts of each mixture-of-experts layer built with every expert and an
+expert-parallel size > 1 (the runtime's layer says so itself); checkpointing wraps
 the (now parallel) layers; kernels and compilation see the final layers; the pipeline
 split decides which layers this rank keeps; ZeRO (the engine) partitions whatever
 parameters remain. The order is torchtitan's. Each step is a runtime function that can
@@ -27,6 +29,7 @@ from shardwise.runtime.distributed.collectives import Communicator, mesh_communi
 from shardwise.runtime.distributed.mesh import ParallelMesh
 from shardwise.runtime.engine.policies import Policies
 from shardwise.runtime.ops.sparse_attention import seeded_layout
+from shardwise.runtime.parallel.expert.layer import shard_expert_layers
 from shardwise.runtime.parallel.pipeline.stages import split_pipeline
 from shardwise.runtime.parallel.sequence.megatron import apply_megatron_sequence_parallel
 from shardwise.runtime.parallel.sequence.ulysses import apply_ulysses
@@ -50,6 +53,7 @@ def apply_plan(model: nn.Module, plan: ModelPlan, *, mesh: ParallelMesh, policie
     `world`: every rank, for steps whose ranks must agree (a pipeline split by measured time)."""
     apply_tensor_step(model, plan, mesh=mesh, policies=policies, tensor_styles=tensor_styles)
     apply_sequence_step(model, plan, mesh=mesh, policies=policies)
+    apply_expert_step(model, mesh=mesh)
     apply_activation_step(model, plan, mesh=mesh, policies=policies)
     apply_kernel_and_compile_step(model, plan, policies=policies)
     apply_pipeline_step(model, plan, mesh=mesh, policies=policies, world=world)
@@ -84,6 +88,12 @@ def apply_sequence_step(model: nn.Module, plan: ModelPlan, *, mesh: ParallelMesh
                          f"`ulysses` and `layers` ({GUIDE})")
     apply_ulysses(model, mesh_communicator(mesh, "sequence"), plan.tensor_plan(), exchange_in_attention=plan.ulysses,
                   split_kwargs=plan.ulysses_split_kwargs, tensor_size=policies.tensor.size)
+
+
+def apply_expert_step(model: nn.Module, *, mesh: ParallelMesh) -> None:
+    """Each mixture of experts built with every expert and an ep_size P > 1 keeps its E/P
+    experts of this rank's expert group (the engine connects the group and trains them)."""
+    shard_expert_layers(model, mesh)
 
 
 def apply_activation_step(model: nn.Module, plan: ModelPlan, *, mesh: ParallelMesh, policies: Policies) -> None:

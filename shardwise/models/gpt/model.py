@@ -3,6 +3,15 @@
 It is a plain `nn.Module` with no knowledge of parallelism: shardwise's parallelisms are
 applied to models from the outside, and this model is just a realistic subject for them
 (embedding tied to the output layer, pre-norm blocks, fused attention).
+
+With `moe_experts` > 0, every `moe_every`-th block's MLP is a mixture of that many
+MLP experts (the runtime's layer, shardwise/runtime/parallel/expert/layer.py: top-1 or
+top-2 gating with a capacity, tokens over it dropped), and the load-balancing losses of
+those layers, times `moe_aux_loss_coef`, are added to the loss. The model always holds
+every expert; `moe_ep_size` P > 1 asks `parallelize` to keep 1/P of them on each rank of
+an expert group (models/gpt/parallelize.py), so the same config, unsplit, is the
+every-expert reference. Routing is deterministic (no Random Token Selection, no sampled
+second expert), so a split model routes exactly as the every-expert one.
 """
 
 from __future__ import annotations
@@ -12,6 +21,9 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 from torch import nn
+
+from shardwise.runtime.parallel.expert.gating import TopKGate
+from shardwise.runtime.parallel.expert.layer import ExpertList, MixtureOfExperts
 
 
 @dataclass(frozen=True)
@@ -24,6 +36,24 @@ class GPTConfig:
     dropout: float = 0.0
     bias: bool = True
     tie_embeddings: bool = True
+    moe_experts: int = 0  # experts per MoE block; 0: every block dense
+    moe_top_k: int = 1  # experts per token (1 or 2)
+    moe_every: int = 1  # blocks n-1, 2n-1, ... are MoE (1: every block)
+    moe_capacity_factor: float = 1.0  # expert capacity: ceil(tokens / experts * factor) (x k), per rank
+    moe_min_capacity: int = 4
+    moe_aux_loss_coef: float = 0.01  # times the load-balancing losses, added to the loss
+    moe_ep_size: int = 1  # expert-parallel size parallelize splits the experts over
+
+    def __post_init__(self) -> None:
+        if self.moe_experts < 0 or self.moe_every < 1 or self.moe_top_k not in (1, 2):
+            raise ValueError(f"GPTConfig: moe_experts {self.moe_experts} (>= 0), moe_every {self.moe_every} (>= 1) "
+                             f"and moe_top_k {self.moe_top_k} (1 or 2) are out of range")
+        if self.moe_experts and (self.moe_ep_size < 1 or self.moe_experts % self.moe_ep_size):
+            raise ValueError(f"GPTConfig: moe_ep_size {self.moe_ep_size} must divide moe_experts "
+                             f"{self.moe_experts} (each rank of an expert group holds experts / ep_size)")
+
+    def is_moe_block(self, index: int) -> bool:
+        return self.moe_experts > 0 and (index + 1) % self.moe_every == 0
 
     @staticmethod
     def preset(name: str) -> "GPTConfig":
@@ -69,13 +99,22 @@ class MLP(nn.Module):
         return self.dropout(self.proj(F.gelu(self.fc(x), approximate="tanh")))
 
 
+def mixture_of_mlps(config: GPTConfig) -> MixtureOfExperts:
+    """`moe_experts` MLPs behind a router, each initialised on its own."""
+    gate = TopKGate(config.n_embd, config.moe_experts, k=config.moe_top_k, capacity_factor=config.moe_capacity_factor,
+                    eval_capacity_factor=config.moe_capacity_factor, min_capacity=config.moe_min_capacity,
+                    use_rts=False, top2_2nd_expert_sampling=False)
+    experts = ExpertList(MLP(config) for _ in range(config.moe_experts))
+    return MixtureOfExperts(gate, experts, num_experts=config.moe_experts, ep_size=config.moe_ep_size)
+
+
 class Block(nn.Module):
-    def __init__(self, config: GPTConfig):
+    def __init__(self, config: GPTConfig, moe: bool = False):
         super().__init__()
         self.ln_1 = nn.LayerNorm(config.n_embd, bias=config.bias)
         self.attn = CausalSelfAttention(config)
         self.ln_2 = nn.LayerNorm(config.n_embd, bias=config.bias)
-        self.mlp = MLP(config)
+        self.mlp = mixture_of_mlps(config) if moe else MLP(config)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         x = x + self.attn(self.ln_1(x))
@@ -89,7 +128,7 @@ class GPT(nn.Module):
         self.wte = nn.Embedding(config.vocab_size, config.n_embd)
         self.wpe = nn.Embedding(config.block_size, config.n_embd)
         self.drop = nn.Dropout(config.dropout)
-        self.blocks = nn.ModuleList(Block(config) for _ in range(config.n_layer))
+        self.blocks = nn.ModuleList(Block(config, config.is_moe_block(index)) for index in range(config.n_layer))
         self.ln_f = nn.LayerNorm(config.n_embd, bias=config.bias)
         self.lm_head = nn.Linear(config.n_embd, config.vocab_size, bias=False)
         if config.tie_embeddings:
@@ -122,15 +161,27 @@ class GPT(nn.Module):
             x = block(x)
         hidden = self.ln_f(x)
         if targets is not None and getattr(self.lm_head, "computes_loss", False):
-            return self.lm_head(hidden, targets)  # a fused output layer + loss (shardwise.runtime.ops) skips the logits
+            # a fused output layer + loss (shardwise.runtime.ops) skips the logits
+            return self.lm_head(hidden, targets) + self.auxiliary_loss()
         logits = self.lm_head(hidden)
         if targets is None:
             return logits
-        return F.cross_entropy(logits.view(-1, logits.size(-1)).float(), targets.reshape(-1))
+        return F.cross_entropy(logits.view(-1, logits.size(-1)).float(), targets.reshape(-1)) + self.auxiliary_loss()
+
+    def auxiliary_loss(self) -> torch.Tensor | float:
+        """`moe_aux_loss_coef` times the sum of the MoE blocks' load-balancing losses of the
+        last forward (0 for a dense model)."""
+        losses = [block.mlp.l_aux for block in self.blocks if isinstance(block.mlp, MixtureOfExperts)]
+        return self.config.moe_aux_loss_coef * torch.stack(losses).sum() if losses else 0.0
 
     def flops_per_token(self) -> int:
-        """Training FLOPs per token (6N + attention), as in the PaLM appendix."""
+        """Training FLOPs per token (6N + attention), as in the PaLM appendix; N counts the
+        parameters a token goes through (an MoE block's router and top-k of its experts)."""
         n_params = sum(p.numel() for p in self.parameters())
+        for block in self.blocks:
+            if isinstance(block.mlp, MixtureOfExperts):
+                per_expert = sum(p.numel() for p in block.mlp.experts.local[0].parameters())
+                n_params -= per_expert * (block.mlp.num_local_experts - self.config.moe_top_k)
         layers, embd, time = self.config.n_layer, self.config.n_embd, self.config.block_size
         return 6 * n_params + 12 * layers * embd * time
 

@@ -7,6 +7,10 @@
     recompute   the blocks; selective keeps every linear layer's output ("linear_outputs")
     kernels     fused LayerNorm, bias+GeLU, output layer + loss; block-sparse attention
     pipeline    blocks split; wte, wpe, drop on the first stage, ln_f, lm_head on the last
+    experts     MoE blocks (config.moe_experts > 0) with moe_ep_size P > 1: each rank keeps
+                1/P of every MoE block's experts (core/steps.py's expert step); such a
+                model has no tensor, sequence or pipeline plan (the blocks' MLPs are
+                mixtures, and each stage would need the load-balancing losses)
 """
 
 from __future__ import annotations
@@ -29,6 +33,11 @@ from shardwise.runtime.parallel.tensor.layers import ColumnParallelLinear, RowPa
 
 def plan(model: GPT) -> ModelPlan:
     config = model.config
+    if config.moe_experts:
+        return ModelPlan(name="shardwise GPT with MoE blocks", layers="blocks", final_norm="ln_f",
+                         pipeline_refused="its MoE blocks' load-balancing losses join the loss at the end of the "
+                                          "model; use pipeline_parallel.size 1 (expert and data parallelism)",
+                         fused_ops=use_fused_ops)
     return ModelPlan(
         name="shardwise GPT",
         layers="blocks",

@@ -13,9 +13,10 @@ experts regrouped, and exports to one file with every expert. The experts' optim
 scalars are kept per expert param group in each rank's record; their param groups and
 schedule in the meta.
 
-A model that trains the experts as dense parameters (ep_size 1) has other optimizer
-groups than the run that saved them apart, so loading across that line is refused with
-the reason.
+A model that trains the experts as dense parameters (ep_size 1) finds the experts'
+pieces under the same names; its optimizer groups differ from a run that trained them
+apart, and `align_expert_layout` matches them up either way (or refuses, with the
+reason, groups it cannot match).
 """
 
 from __future__ import annotations
@@ -87,24 +88,124 @@ def expert_pieces(engine: EngineProtocol) -> tuple[list[tuple[str, int, int, dic
     return pieces, {"groups": groups}
 
 
-def check_expert_layout(engine: EngineProtocol, meta: dict, directory: Path) -> None:
-    """Refuse, before anything is read, a checkpoint whose experts this engine cannot take."""
+def align_expert_layout(engine: EngineProtocol, meta: dict, records: list[dict],
+                        directory: Path) -> tuple[dict, list[dict]]:
+    """The checkpoint's meta and records as this engine's layout reads them, or a refusal
+    before anything is read. Across the line between experts trained among the dense
+    parameters (ep_size 1) and apart (ep_size > 1), the pieces need nothing: experts are
+    named as in the every-expert model either way. Only the optimizer's param groups
+    differ, and they are matched up here (`_experts_among_dense`, `_experts_apart`)."""
     saved = meta.get("experts")
-    if saved is None and engine.experts is None:
-        return
-    if saved is None:
-        raise CheckpointError(f"checkpoint {directory} was saved without expert parallelism (ep_size 1, or by "
-                              "another format), and this engine trains its experts apart (ep_size > 1), with "
-                              "optimizer groups of their own: resume it with ep_size 1")
-    if engine.experts is None:
-        raise CheckpointError(f"checkpoint {directory} trained its experts apart (ep_size "
-                              f"{saved['layout']['ep_sizes']}), with optimizer groups of their own, and this engine "
-                              "trains none apart: resume it with ep_size > 1 (any that divides the experts and the "
-                              "data-parallel size), or export its weights with shardwise convert")
-    groups = len({bucket.group for bucket in engine.experts.buckets})
-    if saved["groups"] != groups:
-        raise CheckpointError(f"checkpoint {directory} has {saved['groups']} expert param group(s), this engine's "
-                              f"experts have {groups}")
+    if saved is not None and engine.experts is not None:
+        groups = len({bucket.group for bucket in engine.experts.buckets})
+        if saved["groups"] != groups:
+            raise CheckpointError(f"checkpoint {directory} has {saved['groups']} expert param group(s), this "
+                                  f"engine's experts have {groups}")
+        return meta, records
+    if saved is not None and engine.trains:
+        return _experts_among_dense(engine, meta, records, directory)
+    if engine.experts is not None:
+        return _experts_apart(engine, meta, records, directory)
+    return meta, records
+
+
+def _experts_among_dense(engine: EngineProtocol, meta: dict, records: list[dict],
+                         directory: Path) -> tuple[dict, list[dict]]:
+    """Saved with the experts apart (ep_size > 1), loaded with them among the dense
+    parameters (ep_size 1). This engine's param groups are either the saved dense ones
+    with the experts inside them (the same count: a group's scalar state, its step count,
+    is the experts' too, as both stepped together), or the saved dense groups followed by
+    the expert groups (DeepSpeed's `split_params_into_different_moe_groups_for_optimizer`):
+    the expert groups' settings and scalar state are appended to the dense ones."""
+    saved = meta["experts"]
+    dense = len(meta["optimizer"]["param_groups"])
+    here = len(engine.optimizer.optimizer.param_groups)
+    if saved["optimizer"]["class"] != meta["optimizer"]["class"]:
+        raise CheckpointError(f"checkpoint {directory} trained its experts with {saved['optimizer']['class']} and "
+                              f"the rest with {meta['optimizer']['class']}; one optimizer cannot take both")
+    if here == dense:
+        return meta, records
+    if here != dense + saved["groups"]:
+        raise CheckpointError(f"checkpoint {directory} trained its experts apart (ep_size {saved['layout']['ep_sizes']}) "
+                              f"in {saved['groups']} param group(s) beside {dense} dense one(s); this engine (every "
+                              f"expert on every rank) has {here} param groups: give it the same dense groups, with "
+                              "the experts inside them or in groups of their own after them")
+    hyper: dict[int, dict] = {}
+    for group, values in zip(saved["bucket_groups"], saved["optimizer"]["param_groups"]):
+        hyper.setdefault(group, values)
+    meta = {**meta, "optimizer": {**meta["optimizer"], "param_groups": meta["optimizer"]["param_groups"]
+                                  + [hyper[group] for group in range(saved["groups"])]},
+            "lr_scheduler": _joined_schedules(meta["lr_scheduler"], saved["lr_scheduler"], dense,
+                                              len(saved["bucket_groups"]))}
+    records = [{**record, "optimizer_groups": {
+        **record["optimizer_groups"],
+        **{str(dense + int(group)): state for group, state in record.get("experts", {}).get("groups", {}).items()},
+    }} for record in records]
+    return meta, records
+
+
+def _experts_apart(engine: EngineProtocol, meta: dict, records: list[dict],
+                   directory: Path) -> tuple[dict, list[dict]]:
+    """Saved with every expert among the dense parameters (ep_size 1), loaded with the
+    experts apart (ep_size > 1): the saved groups are this engine's dense groups followed
+    by its expert groups (DeepSpeed's split), or one group that held everything (its
+    settings, scalar state and schedule become every expert group's)."""
+    experts = engine.experts
+    count = len({bucket.group for bucket in experts.buckets})
+    dense = len(engine.optimizer.optimizer.param_groups)
+    saved_groups = meta["optimizer"]["param_groups"]
+    schedule = meta["lr_scheduler"]
+    if len(saved_groups) == dense + count:
+        source = {group: dense + group for group in range(count)}
+        schedule = _schedule_part(meta["lr_scheduler"], slice(0, dense), dense + count)
+        expert_schedule = _schedule_part(meta["lr_scheduler"], slice(dense, None), dense + count)
+    elif len(saved_groups) == dense == 1:
+        source = {group: 0 for group in range(count)}
+        expert_schedule = _schedule_part(meta["lr_scheduler"], [0] * len(experts.buckets), 1)
+    else:
+        raise CheckpointError(f"checkpoint {directory} was saved with every expert among {len(saved_groups)} param "
+                              f"group(s); this engine trains its experts apart (ep_size > 1) in {count} group(s) "
+                              f"beside {dense} dense one(s): save with the experts in groups of their own after the "
+                              "dense ones, or with one group for everything")
+    if count != len(experts.buckets):
+        expert_schedule = _schedule_part(expert_schedule, [bucket.group for bucket in experts.buckets], count)
+    meta = {**meta, "optimizer": {**meta["optimizer"], "param_groups": saved_groups[:dense]}, "lr_scheduler": schedule,
+            "experts": {"layout": {"world_size": len(records), "ep_sizes": [1]}, "groups": count,
+                        "bucket_groups": [bucket.group for bucket in experts.buckets],
+                        "optimizer": {"class": meta["optimizer"]["class"],
+                                      "param_groups": [saved_groups[source[bucket.group]]
+                                                       for bucket in experts.buckets]},
+                        "lr_scheduler": expert_schedule}}
+    records = [{**record, "experts": {"groups": {
+        str(group): record["optimizer_groups"][str(origin)] for group, origin in source.items()
+        if str(origin) in record["optimizer_groups"]}}} for record in records]
+    return meta, records
+
+
+def _joined_schedules(dense: Any, experts: Any, dense_groups: int, expert_groups: int) -> Any:
+    """The dense schedule's saved state with the experts' per-group lists (base rates,
+    last rates...) after its own: the schedule of one optimizer holding both."""
+    if dense is None or experts is None:
+        return dense
+    values = dict(dense["dict"])
+    for key, value in experts["dict"].items():
+        mine = values.get(key)
+        if isinstance(value, list) and isinstance(mine, list) and (len(mine), len(value)) == (dense_groups,
+                                                                                              expert_groups):
+            values[key] = mine + value
+    return {"dict": values}
+
+
+def _schedule_part(state: Any, groups: slice | list[int], total: int) -> Any:
+    """A saved schedule's state for some of its `total` param groups (a slice of them, or
+    a list of positions, repeated as needed)."""
+    if state is None:
+        return None
+    def part(value: Any) -> Any:
+        if not (isinstance(value, list) and len(value) == total):
+            return value
+        return value[groups] if isinstance(groups, slice) else [value[index] for index in groups]
+    return {"dict": {key: part(value) for key, value in state["dict"].items()}}
 
 
 def load_experts(engine: EngineProtocol, index: PieceIndex, meta: dict, records: list[dict], *,

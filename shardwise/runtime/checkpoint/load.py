@@ -30,7 +30,7 @@ from shardwise.runtime.checkpoint.format import (
     rank_json,
     read_json,
 )
-from shardwise.runtime.checkpoint.expert_state import check_expert_layout, load_experts
+from shardwise.runtime.checkpoint.expert_state import align_expert_layout, load_experts
 from shardwise.runtime.checkpoint.index import PieceIndex
 from shardwise.runtime.checkpoint.manifest import check_file, read_manifest, resolve_tag
 from shardwise.runtime.checkpoint.pieces import describe_whole_model, module_extras, owned_runs, tensor_shards
@@ -98,7 +98,7 @@ def load_checkpoint(engine: EngineProtocol, load_dir: str | os.PathLike, tag: st
     meta, records = opened.meta, opened.records
     with opened.index as index:
         module_only = module_only or not engine.trains  # an engine without an optimizer takes the weights
-        check_expert_layout(engine, meta, opened.directory)
+        meta, records = align_expert_layout(engine, meta, records, opened.directory)
         absent = check_model(engine, meta, index, strict=strict, restoring_state=optimizer_states and not module_only)
         engine.zero.release_gathered()  # forwards must gather the loaded values
         if engine.trains:

@@ -396,11 +396,11 @@ class Engine(nn.Module):
             return named, None
         precision = policies.precision
         if (self.mesh.sizes.tensor > 1 or self.mesh.sizes.sequence > 1 or self.mesh.sizes.pipeline > 1
-                or precision.param_dtype not in (torch.float32, torch.bfloat16)
                 or precision.master_dtype != torch.float32 or policies.zero.zenflow is not None):
-            raise ValueError("expert parallelism (ep_size > 1) is provided for fp32 and bf16 (fp32 masters) "
-                             "data-parallel training (ZeRO 0-3; not tensor, sequence or pipeline parallelism, "
-                             "fp16, bf16 masters or ZenFlow); use ep_size=1 for the others")
+            raise ValueError("expert parallelism (ep_size > 1) is provided for fp32, bf16 and fp16 (fp32 masters; "
+                             "fp16's loss scaling covers the experts' gradients) data-parallel training (ZeRO 0-3; "
+                             "not tensor, sequence or pipeline parallelism, bf16 masters or ZenFlow); use ep_size=1 "
+                             "for the others")
         ids = {id(param) for _, param, _ in experts}
         build: Callable[[list[dict]], torch.optim.Optimizer]
         if optimizer is not None:

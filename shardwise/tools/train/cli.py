@@ -57,6 +57,7 @@ examples:
   shardwise train                                  ZeRO-3, GPT 10m, 2 CPU processes, ≈2 minutes
   shardwise train --stage 2 --steps 50 --bf16
   shardwise train --model-size 1m --nproc 4 --profile
+  shardwise train --moe-experts 4 --moe-every 2 --ep-size 2    MoE GPT, experts split over 2 ranks
   shardwise train --config ds_config.json          a DeepSpeed config laid over the defaults
   shardwise train --optimizer onebitadam           1-bit Adam (ZeRO stage 2, warm-up 20% of the steps)
   shardwise train --activation-checkpointing full  recompute every layer; activation bytes vs the formulas
@@ -84,6 +85,15 @@ def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParse
     parser.add_argument("--steps", type=_positive_int, default=None,
                         help=f"optimizer steps (default: {DEFAULT_STEPS}; {DEFAULT_COMPARE_STEPS} per stage "
                         "with --compare-stages)")
+    parser.add_argument("--moe-experts", type=_positive_int, default=None, metavar="E",
+                        help="make MLPs mixtures of E experts (see --moe-every, --moe-top-k, --ep-size; default: "
+                        "every block dense)")
+    parser.add_argument("--moe-top-k", type=int, choices=(1, 2), default=1, help="experts per token (default: 1)")
+    parser.add_argument("--moe-every", type=_positive_int, default=1, metavar="N",
+                        help="every N-th block is MoE (default: 1, every block)")
+    parser.add_argument("--ep-size", type=_positive_int, default=1, metavar="P",
+                        help="expert parallelism: each rank of a group of P holds E/P experts of each MoE block "
+                        "(P divides E and --nproc; default: 1, every expert on every rank)")
     parser.add_argument("--nproc", type=_positive_int, default=None,
                         help="processes (default: one per CUDA device, or 2 without CUDA)")
     parser.add_argument("--seq-len", type=_positive_int, default=DEFAULT_SEQ_LEN,
@@ -195,6 +205,7 @@ def prepare_run(args: argparse.Namespace) -> tuple[TrainOptions, int]:
                 f"--profile needs at least {steps_needed(1)} steps (one skipped, one warm-up, one recorded)"
             )
     nproc = resolve_nproc(args).nproc
+    moe = _moe_options(args, nproc)
     user_config = _read_config(args.config) if args.config else {}
     seed = args.seed if args.seed is not None else user_config.get("seed", DEFAULT_SEED)
     optimizer = optimizer_block(args.optimizer, steps) if args.optimizer else None
@@ -224,9 +235,26 @@ def prepare_run(args: argparse.Namespace) -> tuple[TrainOptions, int]:
         profile=args.profile,
         compare_stages=args.compare_stages,
         save_every=args.save_every,
+        **moe,
     )
     options.save(run_dir / OPTIONS_FILE)
     return options, nproc
+
+
+def _moe_options(args: argparse.Namespace, nproc: int) -> dict[str, int]:
+    """The MoE flags as TrainOptions fields, checked before any process starts."""
+    moe = {"moe_experts": args.moe_experts or 0, "moe_top_k": args.moe_top_k, "moe_every": args.moe_every,
+           "ep_size": args.ep_size}
+    if not args.moe_experts:
+        given = [flag for flag, value, default in (("--moe-top-k", args.moe_top_k, 1), ("--moe-every", args.moe_every,
+                 1), ("--ep-size", args.ep_size, 1)) if value != default]
+        if given:
+            raise ValueError(f"{', '.join(given)} shape MoE blocks: give --moe-experts too")
+        return moe
+    if args.moe_experts % args.ep_size or nproc % args.ep_size:
+        raise ValueError(f"--ep-size {args.ep_size} must divide --moe-experts {args.moe_experts} and the "
+                         f"{nproc} processes (each rank of an expert group holds experts / ep-size of each MoE block)")
+    return moe
 
 
 def resumed_run(args: argparse.Namespace) -> tuple[TrainOptions, int]:
@@ -246,7 +274,7 @@ def resumed_run(args: argparse.Namespace) -> tuple[TrainOptions, int]:
         raise ValueError(f"--resume: {run_dir} holds no shardwise train run ({OPTIONS_FILE} is missing)")
     settings = {"--stage": args.stage, "--config": args.config, "--lr": args.lr, "--optimizer": args.optimizer,
                 "--seed": args.seed, "--steps": args.steps, "--activation-checkpointing": args.activation_checkpointing,
-                "--save-every": args.save_every, "--bf16": args.bf16 or None, "--compile": args.compile or None,
+                "--save-every": args.save_every, "--moe-experts": args.moe_experts, "--bf16": args.bf16 or None, "--compile": args.compile or None,
                 "--profile": args.profile or None, "--compare-stages": args.compare_stages or None}
     given = [flag for flag, value in settings.items() if value is not None]
     if given:

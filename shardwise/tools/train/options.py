@@ -61,6 +61,10 @@ class TrainOptions:
     compare_stages: bool = False
     save_every: int | None = None  # optimizer steps between checkpoints; None: only the final one
     resume_tag: str | None = None  # continue from this checkpoint of the run (`--resume`); None: a new run
+    moe_experts: int = 0  # experts of each MoE block (GPTConfig.moe_experts); 0: a dense GPT
+    moe_top_k: int = 1
+    moe_every: int = 1
+    ep_size: int = 1  # expert-parallel size (GPTConfig.moe_ep_size)
     sample_prompt: str = SAMPLE_PROMPT
     sample_tokens: int = SAMPLE_TOKENS
 

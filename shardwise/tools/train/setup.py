@@ -30,8 +30,11 @@ class ModelFacts:
 
 
 def model_config(options: TrainOptions) -> GPTConfig:
-    """The preset's depth and width, with a byte vocabulary and the training context."""
-    return replace(GPTConfig.preset(options.model_size), vocab_size=BYTE_VOCABULARY, block_size=options.seq_len)
+    """The preset's depth and width, with a byte vocabulary, the training context and the
+    MoE flags (`--moe-experts`, `--moe-top-k`, `--moe-every`, `--ep-size`)."""
+    return replace(GPTConfig.preset(options.model_size), vocab_size=BYTE_VOCABULARY, block_size=options.seq_len,
+                   moe_experts=options.moe_experts, moe_top_k=options.moe_top_k, moe_every=options.moe_every,
+                   moe_ep_size=options.ep_size)
 
 
 def build_model(options: TrainOptions) -> tuple[GPT, ModelFacts]:

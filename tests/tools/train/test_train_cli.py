@@ -27,6 +27,8 @@ def test_no_arguments_select_the_main_job():
         (["--profile", "--steps", "2"], "--profile needs at least 3 steps"),
         (["--nproc", "3"], "train_batch_size 8 is not divisible by gradient_accumulation_steps 1 * world_size 3"),
         (["--compare-stages", "--save-every", "2"], "--save-every checkpoints a training run"),
+        (["--ep-size", "2"], "--ep-size shape MoE blocks: give --moe-experts too"),
+        (["--moe-experts", "4", "--ep-size", "3", "--nproc", "3"], "--ep-size 3 must divide --moe-experts 4"),
     ],
 )
 def test_contradictory_flags_are_refused(capsys, tmp_path, argv, message):
@@ -95,3 +97,17 @@ def test_a_hugging_face_auto_config_is_filled_from_the_flags(tmp_path):
     assert cfg.optimizer.params["lr"] == 1e-3 and cfg.scheduler.params["warmup_max_lr"] == 1e-3
     assert cfg.scheduler.params["total_num_steps"] == 20 and cfg.scheduler.params["warmup_num_steps"] == 2
     assert cfg.train_batch_size == 8 and cfg.zero_optimization.stage == 3
+
+
+def test_moe_flags_make_the_gpt_an_moe_gpt(tmp_path):
+    """`--moe-experts`, `--moe-top-k`, `--moe-every`, `--ep-size` reach the model's config
+    (the expert step of parallelize then splits the experts: tests/models/gpt/test_gpt_moe.py)."""
+    from shardwise.tools.train.cli import prepare_run
+    from shardwise.tools.train.setup import model_config
+
+    args = build_parser().parse_args(["train", "--moe-experts", "4", "--moe-top-k", "2", "--moe-every", "2",
+                                      "--ep-size", "2", "--nproc", "2", "--out-dir", str(tmp_path)])
+    options, _ = prepare_run(args)
+    config = model_config(options)
+    assert (config.moe_experts, config.moe_top_k, config.moe_every, config.moe_ep_size) == (4, 2, 2, 2)
+    assert [config.is_moe_block(index) for index in range(4)] == [False, True, False, True]

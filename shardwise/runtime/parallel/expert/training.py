@@ -12,9 +12,12 @@ so the experts stay out of ZeRO's flat buffers: each rank keeps its experts whol
 are already 1/P of the experts, at any ZeRO stage, stage 3 included) and steps them with
 an optimizer of its own, built from the caller's expert param groups.
 
-In bf16 training the buffer is bf16 and the optimizer steps an fp32 copy of the slice
-(the master), rounded back into the buffer after each update, as ZeRO does for the
-dense parameters.
+In bf16 or fp16 training the buffer is 16-bit and the optimizer steps an fp32 copy of the
+slice (the master), rounded back into the buffer after each update, as ZeRO does for the
+dense parameters. fp16's loss scale reaches the experts' gradients through the same
+backward; their squares join the step check's norm (`norm_squared_share`), so an
+overflow in any expert on any rank makes the norm non-finite on every rank and the step
+is skipped everywhere, and an applied step unscales them with the dense ones.
 
 At ZeRO stages 1-3 the experts' optimizer state is partitioned over the expert-data
 group, as DeepSpeed's ZeRO does for expert groups: each param group's experts of one
@@ -48,7 +51,7 @@ BuildOptimizer = Callable[[list[dict]], torch.optim.Optimizer]
 class ExpertBucket:
     """One param group's experts of one expert-parallel size, in one flat buffer of the
     compute dtype, and what this rank's optimizer steps: `master`, its slice of the buffer
-    (sharing its storage) in fp32 training, an fp32 copy of that slice in bf16 training."""
+    (sharing its storage) in fp32 training, an fp32 copy of that slice in bf16 or fp16."""
 
     def __init__(self, params: list[tuple[str, nn.Parameter]], *, size: int, group: int, comm: Communicator,
                  partitioned: bool, dtype: torch.dtype):
@@ -128,7 +131,7 @@ class ExpertTraining:
         `expert_data`: the expert-data communicator for each size; `data_size`: D;
         `partitioned`: the optimizer state split over the expert-data group (ZeRO >= 1);
         `global_names`: each expert parameter's name in the every-expert model, by id;
-        `dtype`: of the parameters the model computes with (bf16: fp32 masters apart)."""
+        `dtype`: of the parameters the model computes with (bf16, fp16: fp32 masters apart)."""
         self.params = params
         self.global_names = global_names
         self.data_size = data_size

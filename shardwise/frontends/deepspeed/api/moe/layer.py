@@ -13,7 +13,8 @@ token dropping and Random Token Selection, the "Jitter" and "RSample" noisy gate
 a learned 2-way softmax), and expert parallelism: with `ep_size` P > 1 each rank holds
 num_experts / P experts (`deepspeed_experts.0 .. E/P - 1`, the experts p·E/P.. of member
 p of its expert group) and tokens travel to them and back by all-to-all
-(shardwise/runtime/parallel/expert/); the engine gives the layer its expert group and
+(shardwise/runtime/parallel/expert/, whose mixture-of-experts layer this wraps under
+DeepSpeed's names); the engine gives the layer its expert group and
 sums the experts' gradients over the ranks holding the same ones, at every ZeRO stage.
 With ep_size 1 every rank holds every expert, and their gradients are averaged with the
 rest. `use_tutel` (a CUDA kernel library) changes no result and is ignored.
@@ -67,26 +68,11 @@ class MoE(nn.Module):
             self.mlp = expert
             self.coefficient = nn.Linear(hidden_size, 2)
 
-    @property
-    def expert_parallel_size(self) -> int:
-        return self.ep_size
-
     def use_expert_groups(self, expert: Communicator) -> None:
-        """The engine gives the layer its expert group (DeepSpeed's engine does this through
-        `set_deepspeed_parallelism`)."""
-        if expert.size != self.ep_size:
-            raise ValueError(f"MoE(ep_size={self.ep_size}) was given an expert group of {expert.size} ranks")
-        self.deepspeed_moe.expert_group = expert
-
-    def global_expert_name(self, name: str) -> str:
-        """`deepspeed_moe.experts.deepspeed_experts.<i>.*` of member p of the expert group is
-        expert p·E/P + i of the every-expert layer (checkpoints store it under that name)."""
-        head, marker, tail = name.partition(".deepspeed_experts.")
-        group = self.deepspeed_moe.expert_group
-        if not marker or group is None:
-            raise ValueError(f"{name} is not an expert parameter of an MoE layer given its expert group")
-        local, rest = tail.split(".", 1)
-        return f"{head}.deepspeed_experts.{group.rank * self.num_local_experts + int(local)}.{rest}"
+        """Give the layer its expert group, as the engine does for the inner layer
+        (`deepspeed_moe`, the runtime's expert-parallel layer); DeepSpeed's engine does this
+        through `set_deepspeed_parallelism`."""
+        self.deepspeed_moe.use_expert_groups(expert)
 
     def set_deepspeed_parallelism(self, use_data_before_expert_parallel_: bool = False) -> None:
         """DeepSpeed's engine calls this to create the expert groups; shardwise's engine

@@ -1,17 +1,11 @@
 """DeepSpeed's mixture-of-experts routing (`deepspeed.moe.sharded_moe`): the gate, the
 experts and the layer that dispatches tokens to them and combines their outputs.
 
-Per token, the gate's softmax over E experts picks the top 1 or 2; each expert takes at
-most `capacity` tokens, ⌈S/E · capacity_factor⌉ (× k for top-2) but no fewer than
-`min_capacity`, of the S tokens this rank holds. Tokens over capacity are dropped (their
-output is zero): in arrival order for top-2, chosen at random for top-1 with Random Token
-Selection (`use_rts`), or none with `drop_tokens=False` (capacity = the fullest expert's
-count). The gate gives DeepSpeed's dense one-hot masks: dispatch (S, E, C) sends tokens
-into per-expert slots, the experts run on (E, C, d), and the combine weights (the gate
-probabilities, top-2 renormalised over the pair) bring their outputs back; the layer
-moves the tokens by index along the masks' routes (`Routes`), as DeepSpeed 0.19.8 does,
-rather than by einsums over the whole masks. The auxiliary load-balancing loss is E · Σ_e mean_s(gate_e) · fraction
-routed to e (top-2: the mean, × E²), for the script to add to its loss.
+The layer is the runtime's (shardwise/runtime/parallel/expert/: gating.py for top-1 and
+top-2 gating, capacity and dropping; routing.py for moving tokens by index along the
+masks' routes, as DeepSpeed 0.19.8 does; layer.py for the all-to-all over the expert
+group); here it takes DeepSpeed's constructor arguments and parameter names
+(`gate.wg.weight`, `experts.deepspeed_experts.<i>.*`).
 
 With expert parallelism size P, a rank holds E/P experts; the (E, C, d) buffer goes to
 them by all-to-all over the expert group (chunk p to member p) and the outputs come back
@@ -21,198 +15,41 @@ the same way. With P = 1 every expert lives on every rank and the exchange is sk
 from __future__ import annotations
 
 import copy
-import math
 
-import torch
-import torch.nn.functional as F
 from torch import nn
 
-from shardwise.runtime.distributed.collectives import Communicator
-from shardwise.runtime.parallel.expert import exchange_with_experts
+from shardwise.runtime.parallel.expert.gating import (
+    JITTER_EPSILON,
+    Fp32Linear,
+    TopKGate,
+    capacity,
+    gumbel_noise,
+    top1_gating,
+    top2_gating,
+)
+from shardwise.runtime.parallel.expert.layer import ExpertList, MixtureOfExperts
+from shardwise.runtime.parallel.expert.routing import Routes
 
-JITTER_EPSILON = 1e-2  # the Switch Transformer's multiplicative input noise (noisy_gate_policy "Jitter")
-
-
-def capacity(tokens: int, experts: int, factor: float, min_capacity: int) -> int:
-    return max(math.ceil(tokens / experts * factor), min_capacity)
-
-
-def gumbel_noise(shape: torch.Size, device: torch.device) -> torch.Tensor:
-    uniform = torch.rand(shape, device=device).clamp(1e-20, 1.0)
-    return -torch.log(-torch.log(uniform) + 1e-20)
-
-
-def _slots(locations: torch.Tensor, mask: torch.Tensor, slots: int) -> torch.Tensor:
-    """(S, C) one-hot of each token's slot in its expert's buffer (zero where dropped)."""
-    return F.one_hot((locations * mask).sum(dim=1), num_classes=slots).float()
+__all__ = ["JITTER_EPSILON", "Experts", "Fp32Linear", "MOELayer", "Routes", "TopKGate", "capacity", "gumbel_noise",
+           "top1_gating", "top2_gating"]
 
 
-def top1_gating(logits: torch.Tensor, capacity_factor: float, min_capacity: int, used_token: torch.Tensor | None,
-                noisy_gate_policy: str | None, drop_tokens: bool, use_rts: bool):
-    """(l_aux, combine_weights (S, E, C), dispatch_mask, exp_counts) for top-1 routing."""
-    gates = F.softmax(logits, dim=1)
-    tokens, experts = gates.shape
-    slots = capacity(tokens, experts, capacity_factor, min_capacity)
-    scores = logits + gumbel_noise(logits.shape, logits.device) if noisy_gate_policy == "RSample" else gates
-    mask = F.one_hot(scores.argmax(dim=1), num_classes=experts)
-    if used_token is not None:
-        mask = mask * used_token.unsqueeze(1).to(mask.dtype)
-    exp_counts = mask.sum(dim=0).detach()
-    if not drop_tokens:
-        slots = min(int(exp_counts.max()), tokens)
-    l_aux = torch.sum(gates.mean(dim=0) * mask.float().mean(dim=0)) * experts
-    ranked = mask * torch.rand(mask.shape, device=mask.device) if use_rts else mask
-    if tokens < slots:
-        raise ValueError(f"MoE: {tokens} tokens on this rank, fewer than the expert capacity {slots} "
-                         "(min_capacity); lower min_capacity or give each rank more tokens")
-    kept = torch.zeros_like(mask).scatter_(0, torch.topk(ranked, k=slots, dim=0).indices, 1)
-    mask = mask * kept
-    locations = torch.cumsum(mask, dim=0) - 1
-    combine = torch.einsum("se,sc->sec", gates * mask.float(), _slots(locations, mask, slots))
-    return l_aux, combine, combine.bool(), exp_counts
-
-
-def top2_gating(logits: torch.Tensor, capacity_factor: float, min_capacity: int, drop_tokens: bool,
-                second_expert_sampling: bool):
-    """Top-2 routing: the best expert, and a second one (sampled with Gumbel noise by
-    default); the pair's probabilities renormalised to sum to one."""
-    gates = F.softmax(logits, dim=1)
-    tokens, experts = gates.shape
-    mask1 = F.one_hot(gates.argmax(dim=1), num_classes=experts)
-    noisy = logits + gumbel_noise(logits.shape, logits.device) if second_expert_sampling else logits
-    mask2 = F.one_hot(noisy.masked_fill(mask1.bool(), float("-inf")).argmax(dim=1), num_classes=experts)
-    locations1 = torch.cumsum(mask1, dim=0) - 1
-    locations2 = torch.cumsum(mask2, dim=0) - 1 + mask1.sum(dim=0, keepdim=True)  # after every first choice
-    l_aux = torch.mean(gates.mean(dim=0) * mask1.float().mean(dim=0)) * experts * experts
-    exp_counts = (mask1 + mask2).sum(dim=0).detach()
-    if drop_tokens:
-        slots = capacity(tokens, experts, capacity_factor * 2, min_capacity)
-        mask1 = mask1 * (locations1 < slots)
-        mask2 = mask2 * (locations2 < slots)
-    else:
-        slots = int(exp_counts.max())
-    gates1 = (gates * mask1.float()).sum(dim=1)
-    gates2 = (gates * mask2.float()).sum(dim=1)
-    denominator = (gates1 + gates2).clamp(min=torch.finfo(gates.dtype).eps)
-    combine = (torch.einsum("s,se,sc->sec", gates1 / denominator, mask1.float(), _slots(locations1, mask1, slots))
-               + torch.einsum("s,se,sc->sec", gates2 / denominator, mask2.float(), _slots(locations2, mask2, slots)))
-    return l_aux, combine, combine.bool(), exp_counts
-
-
-class Fp32Linear(nn.Linear):
-    """A linear layer computed in fp32 whatever its weights' dtype (the router's logits
-    decide routing; 16-bit rounding would flip near-ties). Its own forward, so ZeRO-3
-    gathers its weight like any module's."""
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return F.linear(x.float(), self.weight.float())
-
-
-class TopKGate(nn.Module):
-    """The router: a bias-free linear layer in fp32 from the model width to the experts."""
-
-    def __init__(self, model_dim: int, num_experts: int, k: int = 1, capacity_factor: float = 1.0,
-                 eval_capacity_factor: float = 1.0, min_capacity: int = 8, noisy_gate_policy: str | None = None,
-                 drop_tokens: bool = True, use_rts: bool = True, top2_2nd_expert_sampling: bool = True):
-        super().__init__()
-        if k not in (1, 2):
-            raise ValueError(f"MoE: k={k}; top-1 and top-2 gating are provided")
-        self.wg = Fp32Linear(model_dim, num_experts, bias=False).float()
-        self.k, self.capacity_factor, self.eval_capacity_factor = k, capacity_factor, eval_capacity_factor
-        self.min_capacity, self.noisy_gate_policy, self.drop_tokens = min_capacity, noisy_gate_policy, drop_tokens
-        self.use_rts, self.top2_2nd_expert_sampling = use_rts, top2_2nd_expert_sampling
-
-    def forward(self, hidden: torch.Tensor, used_token: torch.Tensor | None = None):
-        hidden = hidden.float()
-        if self.noisy_gate_policy == "Jitter" and self.training:
-            hidden = hidden * torch.empty_like(hidden).uniform_(1 - JITTER_EPSILON, 1 + JITTER_EPSILON)
-        logits = self.wg(hidden)
-        factor = self.capacity_factor if self.training else self.eval_capacity_factor
-        if self.k == 1:
-            policy = self.noisy_gate_policy if self.training else None
-            return top1_gating(logits, factor, self.min_capacity, used_token, policy, self.drop_tokens, self.use_rts)
-        return top2_gating(logits, factor, self.min_capacity, self.drop_tokens, self.top2_2nd_expert_sampling)
-
-
-class Experts(nn.Module):
+class Experts(ExpertList):
     """`num_local_experts` copies of `expert` (identical at the start, as DeepSpeed makes
     them), marked as expert parameters (`allreduce = False`, `group_name`)."""
 
+    list_name = "deepspeed_experts"
+
     def __init__(self, expert: nn.Module, num_local_experts: int = 1, expert_group_name: str | None = None):
-        super().__init__()
-        self.deepspeed_experts = nn.ModuleList(copy.deepcopy(expert) for _ in range(num_local_experts))
+        super().__init__(copy.deepcopy(expert) for _ in range(num_local_experts))
         self.num_local_experts = num_local_experts
         for module in self.deepspeed_experts:
             for param in module.parameters():
                 param.allreduce = False
                 param.group_name = expert_group_name
 
-    def forward(self, inputs: torch.Tensor) -> torch.Tensor:
-        """(groups, local experts, capacity, d): each expert on its slice of dim 1."""
-        outputs = []
-        for chunk, expert in zip(inputs.chunk(self.num_local_experts, dim=1), self.deepspeed_experts):
-            output = expert(chunk)
-            outputs.append(output[0] if isinstance(output, tuple) else output)
-        return torch.cat(outputs, dim=1)
 
-
-class Routes:
-    """Where each routed token goes: the (token, expert, slot) triples of the dispatch mask
-    and their gate weights. Moving tokens by index costs O(routes · d), where the dense
-    einsum over the (S, E, C) mask costs O(S · E · C · d) to move the same values (the
-    benchmark in BENCHMARKS.md measured it at half the layer's time); the results are the
-    same (a slot holds one token, so each sum of the einsum has one term per route)."""
-
-    def __init__(self, token: torch.Tensor, slot: torch.Tensor, weight: torch.Tensor, *, tokens: int,
-                 experts: int, capacity: int):
-        self.token, self.slot, self.weight = token, slot, weight
-        self.tokens, self.experts, self.capacity = tokens, experts, capacity
-
-    @classmethod
-    def of(cls, dispatch: torch.Tensor, combine: torch.Tensor) -> "Routes":
-        tokens, experts, capacity = dispatch.shape
-        token, expert, slot = dispatch.nonzero(as_tuple=True)
-        return cls(token, expert * capacity + slot, combine[token, expert, slot], tokens=tokens, experts=experts,
-                   capacity=capacity)
-
-    def dispatch(self, tokens: torch.Tensor) -> torch.Tensor:
-        """(E, C, d): each slot's token, zeros where no token was routed."""
-        source = torch.full((self.experts * self.capacity,), self.tokens, dtype=torch.long, device=tokens.device)
-        source[self.slot] = self.token
-        padded = torch.cat([tokens, tokens.new_zeros(1, tokens.shape[-1])])  # row S: the empty slots' zeros
-        return padded.index_select(0, source).view(self.experts, self.capacity, -1)
-
-    def combine(self, expert_out: torch.Tensor) -> torch.Tensor:
-        """(S, d): each token's expert outputs weighted by their gates, summed in fp32."""
-        width = expert_out.shape[-1]
-        routed = expert_out.reshape(-1, width).index_select(0, self.slot).float() * self.weight.float().unsqueeze(1)
-        out = torch.zeros(self.tokens, width, dtype=torch.float32, device=expert_out.device)
-        return out.index_add(0, self.token, routed).to(expert_out.dtype)
-
-
-class MOELayer(nn.Module):
+class MOELayer(MixtureOfExperts):
     def __init__(self, gate: TopKGate, experts: Experts, ep_group_name: str, ep_size: int, num_local_experts: int):
-        super().__init__()
-        self.gate, self.experts = gate, experts
-        self.ep_group_name, self.ep_size, self.num_local_experts = ep_group_name, ep_size, num_local_experts
-        self.l_aux: torch.Tensor | None = None
-        self.exp_counts: torch.Tensor | None = None
-        self.expert_group: Communicator | None = None  # given by the engine when ep_size > 1
-
-    def forward(self, hidden: torch.Tensor, used_token: torch.Tensor | None = None) -> torch.Tensor:
-        width = hidden.shape[-1]
-        tokens = hidden.reshape(-1, width)
-        self.l_aux, combine, dispatch, self.exp_counts = self.gate(tokens, used_token)
-        routes = Routes.of(dispatch, combine)
-        dispatched = routes.dispatch(tokens)
-        if self.ep_size > 1:
-            if self.expert_group is None:
-                raise RuntimeError(f"MoE(ep_size={self.ep_size}) holds 1/{self.ep_size} of the experts and needs its "
-                                   "expert group: run it inside the engine (shardwise.initialize / "
-                                   "deepspeed.initialize), which gives the layer its group")
-            dispatched = exchange_with_experts(dispatched, self.expert_group, "tokens for the experts")
-        expert_out = self.experts(dispatched.reshape(self.ep_size, self.num_local_experts, -1, width))
-        expert_out = expert_out.reshape(self.ep_size * self.num_local_experts, -1, width)
-        if self.ep_size > 1:
-            expert_out = exchange_with_experts(expert_out, self.expert_group, "expert outputs")
-        return routes.combine(expert_out).reshape(hidden.shape)
+        super().__init__(gate, experts, num_experts=ep_size * num_local_experts, ep_size=ep_size)
+        self.ep_group_name = ep_group_name
