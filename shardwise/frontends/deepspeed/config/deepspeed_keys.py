@@ -195,8 +195,6 @@ RULES: dict[str, dict[str, KeyRule]] = {
         "curriculum_learning": Removed(_disabled, "the legacy top-level curriculum learning (DeepSpeed moved it to "
                                        "data_efficiency.data_sampling.curriculum_learning): order your data in the "
                                        "data loader"),
-        "data_efficiency": AcceptedWhen(_disabled, OFF, "DeepSpeed's data-efficiency library is not "
-                                        "supported: sample in your data loader"),
         "eigenvalue": Removed(_disabled, "eigenvalue-based MoQ: remove the block"),
         "hybrid_engine": Accepted("speed only: DeepSpeed-Chat's hybrid engine swaps the actor into DeepSpeed's "
                                   "inference kernels for `generate`; shardwise generates with the same module "

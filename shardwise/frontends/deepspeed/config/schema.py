@@ -20,6 +20,7 @@ from pydantic import Field, field_validator, model_validator
 
 from shardwise.formulas.stages import STAGES, partitions_parameters
 from shardwise.frontends.deepspeed.config.fields import Bool, Float, Int, Section
+from shardwise.frontends.deepspeed.config.random_ltd import DataRoutingConfig
 from shardwise.runtime.optim.registry import optimizer_spec
 from shardwise.runtime.optim.torch_optimizers import constructor_kwargs, torch_class_name
 
@@ -521,6 +522,24 @@ class AutoResumeConfig(Section):
     adjust_micro_batch: Bool = False
 
 
+class DataEfficiencyConfig(Section):
+    """DeepSpeed's data-efficiency library: `data_routing.random_ltd` runs (random_ltd.py);
+    `seed` seeds its kept-token draws. `data_sampling` (curriculum sampling) only switched off."""
+
+    enabled: Bool = False
+    seed: Int = Field(1234, ge=0)
+    data_sampling: dict[str, Any] | None = None
+    data_routing: DataRoutingConfig = Field(default_factory=DataRoutingConfig)
+
+    @field_validator("data_sampling")
+    @classmethod
+    def _sampling_off(cls, block: dict[str, Any] | None) -> dict[str, Any] | None:
+        if block and block.get("enabled", False) is not False:
+            raise ValueError("data_efficiency.data_sampling (curriculum sampling) is not supported: sample in your "
+                             "data loader, or set data_sampling.enabled to false")
+        return block
+
+
 class ShardwiseConfig(Section):
     """A whole training config with DeepSpeed's key names, every value resolved."""
 
@@ -577,6 +596,7 @@ class ShardwiseConfig(Section):
     torch_autocast: TorchAutocastConfig = Field(default_factory=TorchAutocastConfig)
     compile: CompileConfig = Field(default_factory=CompileConfig)
     sparse_attention: SparseAttentionConfig | None = None
+    data_efficiency: DataEfficiencyConfig = Field(default_factory=DataEfficiencyConfig)
 
     @field_validator("gradient_clipping", mode="before")
     @classmethod

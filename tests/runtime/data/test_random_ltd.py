@@ -1,0 +1,141 @@
+"""Random-LTD (runtime/data/random_ltd.py): the layer against DeepSpeed's formula, and
+training with it at ZeRO stages 0 and 3 on 2 gloo ranks (shardwise GPT and Hugging Face
+Llama) against the single-process reference of random_ltd_workers.py, with a checkpoint
+resumed exactly.
+
+DeepSpeed's own RandomLayerTokenDrop cannot run here: its gather, scatter and sort are the
+`random_ltd` CUDA op (RandomLTDBuilder), which DeepSpeed 0.19.8's CPU accelerator refuses to
+load ("This op had not been implemented on CPU backend"). Its schedule is compared with
+DeepSpeed's in test_token_schedule.py.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import nn
+
+from shardwise.runtime.data.random_ltd import (
+    RandomLayerTokenDrop,
+    RandomLTDPolicy,
+    RandomLTDState,
+    draw_kept_indices,
+    wrap_layers,
+)
+from shardwise.tools.testing import run_distributed
+from tests.runtime.data import random_ltd_workers as workers
+
+
+def policy(**change) -> RandomLTDPolicy:
+    settings = dict(total_layer_num=3, layer_ids=(1,), min_value=3, max_value=8, require_steps=4, seq_per_step=1,
+                    global_batch_size=2, seed=5)
+    return RandomLTDPolicy(**{**settings, **change})
+
+
+class Scaled(nn.Module):
+    """A layer whose output depends on every kept token (a causal prefix sum) and on a weight."""
+
+    def __init__(self, seq_dim: int = 1):
+        super().__init__()
+        self.seq_dim = seq_dim
+        self.weight = nn.Parameter(torch.linspace(0.5, 1.5, 4, dtype=torch.float64))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.cumsum(x, dim=self.seq_dim) * self.weight
+
+
+@pytest.mark.parametrize("batch_first", [True, False])
+def test_the_layer_runs_on_the_kept_tokens_and_passes_the_others(batch_first):
+    layers = nn.ModuleList([nn.Identity(), Scaled(1 if batch_first else 0), nn.Identity()])
+    order = "batch_seq_dim" if batch_first else "seq_batch_dim"
+    state = RandomLTDState(policy(hidden_state_order=order), data_rank=0)
+    wrap_layers(layers, state)
+    state.update_seq(1)  # kept(1) = floor(1/4 * 5 + 3) = 4 of 8
+    hidden = torch.randn(3, 8, 4, dtype=torch.float64, requires_grad=True)
+    out = layers[1](hidden if batch_first else hidden.transpose(0, 1))
+    out = out if batch_first else out.transpose(0, 1)
+    indices = draw_kept_indices(seed=5, data_rank=0, step=1, draw=0, layers=1, batch=3, seq=8, kept=4)[0]
+    assert torch.equal(state.indices[0], indices) and indices.shape == (3, 4)
+    assert all(torch.equal(row, row.sort().values) and len(set(row.tolist())) == 4 for row in indices)
+
+    expected = hidden.clone()
+    rows = torch.arange(3)[:, None]
+    expected[rows, indices] = Scaled.forward(layers[1].random_ltd_layer, hidden[rows, indices]) if batch_first else \
+        Scaled.forward(layers[1].random_ltd_layer, hidden[rows, indices].transpose(0, 1)).transpose(0, 1)
+    torch.testing.assert_close(out, expected, rtol=0, atol=0)
+    weights = torch.randn_like(out)
+    grads = torch.autograd.grad((out * weights).sum(), [hidden, layers[1].random_ltd_layer.weight])
+    expected_grads = torch.autograd.grad((expected * weights).sum(), [hidden, layers[1].random_ltd_layer.weight])
+    for got, want in zip(grads, expected_grads):
+        torch.testing.assert_close(got, want, rtol=1e-12, atol=1e-12)
+    dropped = torch.ones(3, 8, dtype=torch.bool)
+    dropped[rows, indices] = False
+    assert torch.equal(out[dropped], hidden[dropped])  # the others passed unchanged
+
+    layers.eval()  # evaluation: every token through the layer
+    whole = hidden if batch_first else hidden.transpose(0, 1)
+    torch.testing.assert_close(layers[1](whole), layers[1].random_ltd_layer(whole))
+
+
+def test_a_decoder_mask_is_cut_to_the_kept_corner_and_an_encoder_mask_gathered():
+    seen = {}
+
+    class Masked(nn.Module):
+        def forward(self, x, mask=None):
+            seen["mask"] = mask
+            return x
+
+    for model_type, expected in (("decoder", lambda m, i: m[:, :, :4, :4]),
+                                 ("encoder", lambda m, i: torch.stack([m[b][:, i[b]][:, :, i[b]] for b in range(2)]))):
+        layers = nn.ModuleList([Masked()])
+        state = RandomLTDState(policy(total_layer_num=1, layer_ids=(0,), mask_name="mask", model_type=model_type),
+                               data_rank=1)
+        wrap_layers(layers, state)
+        state.update_seq(1)
+        mask = torch.randn(2, 1, 8, 8)
+        layers[0](torch.randn(2, 8, 4), mask=mask)
+        torch.testing.assert_close(seen["mask"], expected(mask, state.indices[0]), rtol=0, atol=0)
+
+
+def test_draws_are_seeded_and_differ_by_rank_step_and_draw():
+    base = dict(seed=1, data_rank=0, step=3, draw=0, layers=2, batch=2, seq=32, kept=8)
+    first = draw_kept_indices(**base)
+    assert torch.equal(first, draw_kept_indices(**base))
+    for change in ({"data_rank": 1}, {"step": 4}, {"draw": 1}, {"seed": 2}):
+        assert not torch.equal(first, draw_kept_indices(**{**base, **change}))
+    assert not torch.equal(first[0], first[1])  # each layer its own tokens
+
+
+def test_wrong_layer_counts_and_orders_are_refused():
+    with pytest.raises(ValueError, match="total_layer_num is 3 but the model has 2 layers"):
+        wrap_layers(nn.ModuleList([nn.Identity(), nn.Identity()]), RandomLTDState(policy(), data_rank=0))
+    with pytest.raises(ValueError, match=r"random_ltd_layer_id \[1, 3\]"):
+        policy(layer_ids=(1, 3))
+    with pytest.raises(ValueError, match="min_value <= max_value"):
+        policy(min_value=9)
+    with pytest.raises(ValueError, match="needs model_mask_name"):
+        policy(model_type="encoder")
+
+
+def test_training_equals_the_reference_at_stages_0_and_3_and_resumes_exactly(tmp_path):
+    """fp32, 2 ranks, 3 steps while the kept count rises 4 -> 8 -> 12 of 16 tokens, in
+    layers 1 and 2 of 4; the reference draws each rank's indices and runs the global batch."""
+    results = run_distributed(workers.train_all, 2, str(tmp_path / "checkpoint"), timeout=240)
+    assert results[0]["gpt0"]["kept"] == [workers.kept_tokens(step) for step in range(workers.STEPS)] == [4, 8, 12]
+    for kind, cases in (("gpt", ("gpt0", "gpt3")), ("llama", ("llama3",))):
+        reference = workers.train_reference(kind, world=2)
+        for case in cases:
+            got = results[0][case]
+            torch.testing.assert_close(torch.tensor(got["losses"]), torch.tensor(reference["losses"]),
+                                       rtol=1e-5, atol=0)
+            assert got["params"].keys() == reference["params"].keys()
+            for name, want in reference["params"].items():
+                torch.testing.assert_close(got["params"][name], want, rtol=1e-5, atol=1e-6, msg=f"{case} {name}")
+    straight, resumed = results[0]["gpt3"], results[0]["gpt3-resumed"]
+    assert resumed["losses"] == straight["losses"][1:]
+    assert resumed["state"] == straight["state"]
+    # DeepSpeed's count: global batch * (kept * dropping layers + max * the other layers), per step
+    assert straight["state"]["consumed_layer_tokens"] == sum(4 * (workers.kept_tokens(s) * 2 + 16 * 2)
+                                                            for s in range(workers.STEPS))
+    for name, value in straight["params"].items():
+        assert torch.equal(resumed["params"][name], value), name
