@@ -123,14 +123,14 @@ def apply_kernel_and_compile_step(model: nn.Module, plan: ModelPlan, *, policies
 
 
 def apply_random_ltd_step(model: nn.Module, plan: ModelPlan, *, mesh: ParallelMesh, policies: Policies) -> None:
-    """Data efficiency's random-LTD: the chosen layers run on a random subset of the tokens."""
+    """Data efficiency's random-LTD: the chosen layers run on a random subset of the tokens.
+    A model whose plan does not say where its layers are is left to DeepSpeed's API
+    (`convert_to_random_ltd(engine, LayerClass)` after initialize), as DeepSpeed scripts do."""
     policy = policies.random_ltd
     if policy is None:
         return
-    if plan.layers is None:
-        raise ValueError(f"data_efficiency.data_routing.random_ltd: shardwise does not know where "
-                         f"{type(model).__name__}'s layers are (built in: {KNOWN}); give a ModelPlan with `layers` "
-                         f"({GUIDE}), or wrap them with convert_to_random_ltd under --as-deepspeed")
+    if plan.layers is None:  # the caller wraps them (convert_to_random_ltd); else the engine's forward refuses
+        return
     splits = [name for name, on in (("pipeline_parallel", policies.pipeline.enabled),
                                     ("sequence_parallel", policies.sequence.enabled),
                                     ("tensor_parallel.sequence_parallel", policies.tensor.sequence_parallel)) if on]

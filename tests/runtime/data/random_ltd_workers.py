@@ -120,6 +120,7 @@ def train_all(rank: int, world: int, directory: str) -> dict:
         "gpt3": train(rank, world, "gpt", 3, checkpoint=directory),
         "gpt3-resumed": train(rank, world, "gpt", 3, resume=directory),
         "llama3": train(rank, world, "llama", 3),
+        "api": train_through_deepspeed_api(rank, world),
     }
 
 
@@ -177,3 +178,53 @@ def train_reference(kind: str, world: int) -> dict:
         opt.step()
         losses.append(loss.item())
     return {"losses": losses, "params": {name: p.detach().clone() for name, p in model.named_parameters()}}
+
+
+class Decoder(torch.nn.Module):
+    """The tiny GPT inside a model shardwise has no plan for: its layers are wrapped by
+    DeepSpeed's API (`convert_to_random_ltd`), not by a family's parallelize."""
+
+    def __init__(self):
+        super().__init__()
+        self.gpt = build("gpt")
+
+    def forward(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        return self.gpt(x, y)
+
+
+def train_through_deepspeed_api(rank: int, world: int) -> dict:
+    """A DeepSpeed script's order: initialize, then convert_to_random_ltd(engine, Block)."""
+    import shardwise.frontends.deepspeed.api as deepspeed
+    from shardwise.frontends.deepspeed.api.runtime.data_pipeline.data_routing.helper import (
+        convert_to_random_ltd,
+        save_without_random_ltd,
+    )
+    from shardwise.models.gpt.model import Block
+
+    model = Decoder()
+    plain_names = sorted(model.state_dict())
+    engine, *_ = deepspeed.initialize(model=model, optimizer=optimizer(model), config=config(0))
+    x, y = batch(0, world * MICRO)
+    try:
+        engine(x[:MICRO], y[:MICRO])
+        refusal = ""
+    except RuntimeError as error:
+        refusal = str(error)
+    engine = convert_to_random_ltd(engine, Block)
+    losses = []
+    for step in range(STEPS):
+        x, y = batch(step, world * MICRO)
+        loss = engine(x[rank * MICRO:(rank + 1) * MICRO], y[rank * MICRO:(rank + 1) * MICRO])
+        engine.backward(loss)
+        engine.step()
+        losses.append(loss.detach())
+    mean = engine.comm.control_all_reduce(torch.stack(losses), "test losses") / world
+    wrapped = [name for name, module in model.named_modules() if type(module).__name__ == "RandomLayerTokenDrop"]
+    attached = [module.random_ltd_layer_id for module in model.modules()
+                if type(module).__name__ == "RandomLayerTokenDrop"]
+    engine.destroy()
+    return {"losses": mean.tolist(), "refusal": refusal, "wrapped": wrapped, "attached": attached,
+            "unwrapped_names": sorted(save_without_random_ltd(engine)) == plain_names,
+            "scheduler_state": engine.random_ltd_scheduler.state_dict(), "enabled": engine.random_ltd_enabled(),
+            "params": {name.replace(".random_ltd_layer", "").removeprefix("gpt."): p.detach().clone()
+                       for name, p in model.named_parameters()}}

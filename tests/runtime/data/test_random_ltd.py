@@ -119,11 +119,13 @@ def test_wrong_layer_counts_and_orders_are_refused():
 
 def test_training_equals_the_reference_at_stages_0_and_3_and_resumes_exactly(tmp_path):
     """fp32, 2 ranks, 3 steps while the kept count rises 4 -> 8 -> 12 of 16 tokens, in
-    layers 1 and 2 of 4; the reference draws each rank's indices and runs the global batch."""
+    layers 1 and 2 of 4; the reference draws each rank's indices and runs the global batch.
+    Every case shares one start of the ranks (the suite's time budget)."""
     results = run_distributed(workers.train_all, 2, str(tmp_path / "checkpoint"), timeout=240)
     assert results[0]["gpt0"]["kept"] == [workers.kept_tokens(step) for step in range(workers.STEPS)] == [4, 8, 12]
-    for kind, cases in (("gpt", ("gpt0", "gpt3")), ("llama", ("llama3",))):
-        reference = workers.train_reference(kind, world=2)
+    references = {kind: workers.train_reference(kind, world=2) for kind in ("gpt", "llama")}
+    for kind, cases in (("gpt", ("gpt0", "gpt3", "api")), ("llama", ("llama3",))):
+        reference = references[kind]
         for case in cases:
             got = results[0][case]
             torch.testing.assert_close(torch.tensor(got["losses"]), torch.tensor(reference["losses"]),
@@ -139,3 +141,13 @@ def test_training_equals_the_reference_at_stages_0_and_3_and_resumes_exactly(tmp
                                                             for s in range(workers.STEPS))
     for name, value in straight["params"].items():
         assert torch.equal(resumed["params"][name], value), name
+
+    # DeepSpeed's API (frontends/deepspeed/api/.../data_routing/helper.py; its losses and
+    # weights compared above): a model shardwise has no plan for is refused until its layers
+    # are wrapped by convert_to_random_ltd(engine, Block) after initialize, as DeepSpeed scripts do
+    api = results[0]["api"]
+    assert "no layer of Decoder drops tokens" in api["refusal"] and "convert_to_random_ltd" in api["refusal"]
+    assert api["wrapped"] == [f"gpt.blocks.{i}" for i in range(workers.LAYERS)]  # every Block
+    assert api["attached"] == [-1, 0, 1, -1]  # names holding the sorted random_ltd_layer_id, in order
+    assert api["unwrapped_names"] and api["enabled"]
+    assert api["scheduler_state"] == straight["state"]

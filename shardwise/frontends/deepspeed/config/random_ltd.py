@@ -54,8 +54,11 @@ class LayerTokenLRScheduleConfig(Section):
     """`layer_token_lr_schedule`: a learning rate by consumed layer-tokens, which DeepSpeed
     0.19.8 does not run (NotImplementedError); accepted only switched off."""
 
-    model_config = Section.model_config | {"extra": "allow"}  # its unused settings, as DeepSpeed ignores them
     enabled: Bool = False
+    # its settings (DeepSpeed's constants.py), unused while it is off
+    total_layer_tokens: Int | None = None
+    warmup_type: str | None = None
+    warmup_layer_tokens: Int | None = None
 
     @model_validator(mode="after")
     def _off(self) -> "LayerTokenLRScheduleConfig":
