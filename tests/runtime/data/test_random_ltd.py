@@ -3,13 +3,19 @@ training with it at ZeRO stages 0 and 3 on 2 gloo ranks (shardwise GPT and Huggi
 Llama) against the single-process reference of random_ltd_workers.py, with a checkpoint
 resumed exactly.
 
-DeepSpeed's own RandomLayerTokenDrop cannot run here: its gather, scatter and sort are the
-`random_ltd` CUDA op (RandomLTDBuilder), which DeepSpeed 0.19.8's CPU accelerator refuses to
-load ("This op had not been implemented on CPU backend"). Its schedule is compared with
-DeepSpeed's in test_token_schedule.py.
+DeepSpeed's own RandomLayerTokenDrop cannot run here as shipped: its gather, scatter and
+sort are the `random_ltd` CUDA op (RandomLTDBuilder), which DeepSpeed 0.19.8's CPU
+accelerator refuses to load ("This op had not been implemented on CPU backend"). With
+DEEPSPEED_PYTHON set, its wrapper runs with that op replaced by torch code written from the
+op's source (the one mock here, for CUDA) and equals ours forward and backward. Its
+schedule is compared with DeepSpeed's in test_token_schedule.py.
 """
 
 from __future__ import annotations
+
+import json
+import os
+import subprocess
 
 import pytest
 import torch
@@ -151,3 +157,112 @@ def test_training_equals_the_reference_at_stages_0_and_3_and_resumes_exactly(tmp
     assert api["attached"] == [-1, 0, 1, -1]  # names holding the sorted random_ltd_layer_id, in order
     assert api["unwrapped_names"] and api["enabled"]
     assert api["scheduler_state"] == straight["state"]
+
+
+# DeepSpeed's RandomLayerTokenDrop with its CUDA op (`random_ltd_module`: token_sort_,
+# token_gather, token_scatter_) replaced by torch code written from the op's source
+# (csrc/random_ltd/: the scatter overwrites the kept positions) -- the op alone cannot run on
+# CPU. Its wrapper, masks and autograd functions (GatherTokens / ScatterTokens) run as
+# DeepSpeed ships them, on the indices given.
+DEEPSPEED_LAYER = """
+import json, sys
+import torch
+from torch import nn
+from deepspeed.ops.random_ltd import dropping_utils
+from deepspeed.runtime.data_pipeline.data_routing.basic_layer import RandomLayerTokenDrop
+from deepspeed.runtime.data_pipeline.data_routing.scheduler import RandomLTDScheduler
+
+class CudaOpStandIn:
+    @staticmethod
+    def token_sort_(indices, seq):
+        return indices.sort(dim=-1).values
+    @staticmethod
+    def token_gather(acts, indices, batch_first):
+        acts = acts if batch_first else acts.transpose(0, 1)
+        rows = torch.arange(acts.shape[0])[:, None]
+        out = acts[rows, indices.long()]
+        return out if batch_first else out.transpose(0, 1).contiguous()
+    @staticmethod
+    def token_scatter_(all_acts, layer_acts, indices, batch_first):
+        target = all_acts if batch_first else all_acts.transpose(0, 1)
+        source = layer_acts if batch_first else layer_acts.transpose(0, 1)
+        rows = torch.arange(target.shape[0])[:, None]
+        target[rows, indices.long()] = source
+        return all_acts
+
+dropping_utils.random_ltd_module = CudaOpStandIn
+case = json.loads(sys.argv[1])
+indices = torch.tensor(case["indices"], dtype=torch.int32)
+kept = indices.shape[-1]
+
+class Layer(nn.Module):
+    def __init__(self, seq_dim):
+        super().__init__()
+        self.seq_dim = seq_dim
+        self.weight = nn.Parameter(torch.tensor(case["weight"], dtype=torch.float64))
+    def forward(self, x, mask=None):
+        return (torch.cumsum(x, dim=self.seq_dim) * self.weight, mask.sum())
+
+scheduler = RandomLTDScheduler({"total_layer_num": 1, "random_ltd_layer_num": 1, "global_batch_size": 2,
+    "random_ltd_schedule": {"min_value": kept, "max_value": 8, "schedule_type": "fixed_linear",
+                            "schedule_config": {"require_steps": 10, "seq_per_step": 1}},
+    "layer_token_lr_schedule": {"enabled": False}})
+layer = RandomLayerTokenDrop(Layer(1 if case["batch_first"] else 0))
+layer.init_config({"model_mask_name": "mask", "micro_batch_size": 2, "model_type": "decoder",
+                   "hidden_state_order": "batch_seq_dim" if case["batch_first"] else "seq_batch_dim"}, scheduler, 0)
+layer.index_generator = lambda reserved, seq, batch, layers, device, mask: (indices, mask[:, :, :reserved, :reserved])
+hidden = torch.tensor(case["hidden"], dtype=torch.float64, requires_grad=True)
+mask = torch.tensor(case["mask"], dtype=torch.float64)
+layer.train()
+out, mask_sum = layer(hidden if case["batch_first"] else hidden.transpose(0, 1), mask=mask)
+out = out if case["batch_first"] else out.transpose(0, 1)
+(out * torch.tensor(case["upstream"], dtype=torch.float64)).sum().backward()
+print(json.dumps({"out": out.tolist(), "mask_sum": mask_sum.item(), "hidden_grad": hidden.grad.tolist(),
+                  "weight_grad": layer.random_ltd_layer.weight.grad.tolist()}))
+"""
+
+
+@pytest.mark.skipif(not os.environ.get("DEEPSPEED_PYTHON"), reason="set DEEPSPEED_PYTHON to an interpreter with "
+                    "DeepSpeed installed (benchmarks/zero3_vs_fsdp2_deepspeed.py's docstring shows one)")
+@pytest.mark.parametrize("batch_first", [True, False])
+def test_the_layer_equals_deepspeed_s_wrapper_forward_and_backward(batch_first):
+    generator = torch.Generator().manual_seed(3)
+    hidden = torch.randn(2, 8, 4, dtype=torch.float64, generator=generator)
+    upstream = torch.randn(2, 8, 4, dtype=torch.float64, generator=generator)
+    mask = torch.randn(2, 1, 8, 8, dtype=torch.float64, generator=generator)
+    weight = [0.5, 0.75, 1.25, 1.5]
+    order = "batch_seq_dim" if batch_first else "seq_batch_dim"
+    layers = nn.ModuleList([MaskSum(1 if batch_first else 0, weight)])
+    state = RandomLTDState(policy(total_layer_num=1, layer_ids=(0,), min_value=3, max_value=8, mask_name="mask",
+                                  hidden_state_order=order), data_rank=0)
+    wrap_layers(layers, state)
+    state.update_seq(0)
+    hidden_ours = hidden.clone().requires_grad_()
+    out, mask_sum = layers[0](hidden_ours if batch_first else hidden_ours.transpose(0, 1), mask=mask)
+    out = out if batch_first else out.transpose(0, 1)
+    (out * upstream).sum().backward()
+
+    case = {"indices": state.indices.tolist(), "hidden": hidden.tolist(), "upstream": upstream.tolist(),
+            "mask": mask.tolist(), "weight": weight, "batch_first": batch_first}
+    ran = subprocess.run([os.environ["DEEPSPEED_PYTHON"], "-c", DEEPSPEED_LAYER, json.dumps(case)],
+                         capture_output=True, text=True, timeout=300, env={**os.environ, "DS_ACCELERATOR": "cpu"})
+    assert ran.returncode == 0, ran.stderr[-3000:]
+    theirs = json.loads(ran.stdout.strip().splitlines()[-1])
+    torch.testing.assert_close(out, torch.tensor(theirs["out"], dtype=torch.float64), rtol=1e-12, atol=1e-12)
+    assert mask_sum.item() == pytest.approx(theirs["mask_sum"], rel=1e-12)  # the decoder mask's kept corner
+    torch.testing.assert_close(hidden_ours.grad, torch.tensor(theirs["hidden_grad"], dtype=torch.float64),
+                               rtol=1e-12, atol=1e-12)
+    torch.testing.assert_close(layers[0].random_ltd_layer.weight.grad,
+                               torch.tensor(theirs["weight_grad"], dtype=torch.float64), rtol=1e-12, atol=1e-12)
+
+
+class MaskSum(nn.Module):
+    """The DeepSpeed side's layer: a causal prefix sum times a weight, and the mask it got."""
+
+    def __init__(self, seq_dim: int, weight: list[float]):
+        super().__init__()
+        self.seq_dim = seq_dim
+        self.weight = nn.Parameter(torch.tensor(weight, dtype=torch.float64))
+
+    def forward(self, x: torch.Tensor, mask: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        return torch.cumsum(x, dim=self.seq_dim) * self.weight, mask.sum()
