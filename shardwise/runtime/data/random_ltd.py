@@ -112,7 +112,7 @@ def draw_kept_indices(*, seed: int, data_rank: int, step: int, draw: int, layers
 
 class RandomLTDState:
     """What the token-dropping layers of one model share (DeepSpeed keeps it in its
-    scheduler's `state`): the schedule, and the indices and mask the first layer drew."""
+    scheduler's `state`): the schedule, and the indices the first layer drew."""
 
     def __init__(self, policy: RandomLTDPolicy, *, data_rank: int):
         self.policy = policy
@@ -120,7 +120,6 @@ class RandomLTDState:
         self.scheduler = RandomLTDScheduler(policy.scheduler_config())
         self.layer_num = len(policy.layer_ids)
         self.indices: torch.Tensor | None = None  # [layers, batch, kept], drawn by the first layer
-        self.mask: Any = None
         self._draws_in_step = 0
         self._step = -1
 
@@ -208,7 +207,6 @@ class RandomLayerTokenDrop(nn.Module):
             return self.random_ltd_layer(hidden_states, *args, **kwargs)
         if self.random_ltd_layer_id == 0:
             state.draw(batch=batch, seq=seq, device=hidden_states.device)
-            state.mask = None
         if state.indices is None:
             raise RuntimeError("random-LTD: a dropping layer ran before the first one drew the kept tokens; the "
                                "layers in random_ltd_layer_id must run in the model's order")
