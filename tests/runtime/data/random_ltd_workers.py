@@ -86,18 +86,21 @@ def optimizer(model: torch.nn.Module) -> torch.optim.Optimizer:
 
 
 def train(rank: int, world: int, kind: str, stage: int, steps: int = STEPS, *, checkpoint: str | None = None,
-          resume: str | None = None) -> dict:
-    """`checkpoint`: save after the first step; `resume`: load it first and run the rest."""
+          resume: str | None = None, tensor: int = 1) -> dict:
+    """`checkpoint`: save after the first step; `resume`: load it first and run the rest;
+    `tensor`: the tensor-parallel size (its ranks read the same rows)."""
     model = build(kind)
-    engine = shardwise.initialize(model, config(stage), optimizer=optimizer(model))
+    engine = shardwise.initialize(model, {**config(stage), "tensor_parallel": {"size": tensor}},
+                                  optimizer=optimizer(model))
+    data_rank, data_size = engine.mesh.data_rank, engine.mesh.data_size
     first = 0
     if resume is not None:
         engine.load_checkpoint(resume)
         first = engine.global_steps
     losses, kept = [], []
     for step in range(first, steps):
-        x, y = batch(step, world * MICRO)
-        rows = slice(rank * MICRO, (rank + 1) * MICRO)
+        x, y = batch(step, data_size * MICRO)
+        rows = slice(data_rank * MICRO, (data_rank + 1) * MICRO)
         loss = loss_of(engine, kind, x[rows], y[rows])
         engine.backward(loss)
         engine.step()
@@ -105,12 +108,13 @@ def train(rank: int, world: int, kind: str, stage: int, steps: int = STEPS, *, c
         kept.append(engine.random_ltd.kept())
         if checkpoint is not None and step == 0:
             engine.save_checkpoint(checkpoint, tag="first")
-    mean = engine.comm.control_all_reduce(torch.stack(losses), "test losses") / world
-    with shardwise.gathered_parameters(list(model.parameters())):
+    mean = engine.comm.control_all_reduce(torch.stack(losses), "test losses") / data_size
+    with shardwise.gathered_parameters(list(model.parameters())):  # tensor-parallel: this rank's shards
         params = {name.replace(".random_ltd_layer", ""): p.detach().clone() for name, p in model.named_parameters()}
     state = engine.random_ltd.state_dict()
+    indices = engine.random_ltd.indices.cpu()
     engine.destroy()
-    return {"losses": mean.tolist(), "params": params, "kept": kept, "state": state}
+    return {"losses": mean.tolist(), "params": params, "kept": kept, "state": state, "indices": indices}
 
 
 def train_gpt(rank: int, world: int, directory: str) -> dict:
@@ -123,8 +127,10 @@ def train_gpt(rank: int, world: int, directory: str) -> dict:
 
 
 def train_llama_and_api(rank: int, world: int) -> dict:
-    """Hugging Face Llama through its parallelize, and the GPT through DeepSpeed's API."""
-    return {"llama3": train(rank, world, "llama", 3), "api": train_through_deepspeed_api(rank, world)}
+    """Hugging Face Llama through its parallelize, the GPT through DeepSpeed's API, and the
+    GPT split over a tensor-parallel group of both ranks (one data slice)."""
+    return {"llama3": train(rank, world, "llama", 3), "api": train_through_deepspeed_api(rank, world),
+            "gpt-tp": train(rank, world, "gpt", 0, tensor=2)}
 
 
 # -- the reference -----------------------------------------------------------------------

@@ -143,13 +143,20 @@ def test_training_equals_the_reference_at_stages_0_and_3_and_resumes_exactly(tmp
 
 
 @pytest.mark.slow
-def test_hugging_face_llama_and_deepspeed_s_api_train_like_the_reference():
+def test_llama_deepspeed_s_api_and_tensor_parallel_train_like_the_reference():
     """Llama (4 layers) at ZeRO 3 through its family's parallelize (rotary tables gathered
-    for the kept tokens), and a model shardwise has no plan for, refused until its layers
-    are wrapped by DeepSpeed's convert_to_random_ltd(engine, Block) after initialize, as
-    DeepSpeed scripts do (frontends/deepspeed/api/.../data_routing/helper.py)."""
-    results = run_distributed(workers.train_llama_and_api, 2, timeout=240)[0]
+    for the kept tokens); a model shardwise has no plan for, refused until its layers are
+    wrapped by DeepSpeed's convert_to_random_ltd(engine, Block) after initialize, as
+    DeepSpeed scripts do (frontends/deepspeed/api/.../data_routing/helper.py); the GPT
+    tensor-parallel over both ranks."""
+    ranks = run_distributed(workers.train_llama_and_api, 2, timeout=240)
+    results = ranks[0]
     assert_matches(results["llama3"], workers.train_reference("llama", world=2), "llama3")
+    # a tensor-parallel group (one data slice) drops the same tokens on both ranks; its
+    # weights are shards, so the losses of 3 updated steps stand for them
+    assert torch.equal(ranks[0]["gpt-tp"]["indices"], ranks[1]["gpt-tp"]["indices"])
+    torch.testing.assert_close(torch.tensor(results["gpt-tp"]["losses"]),
+                               torch.tensor(workers.train_reference("gpt", world=1)["losses"]), rtol=1e-5, atol=0)
     api = results["api"]
     assert_matches(api, workers.train_reference("gpt", world=2), "api")
     assert "no layer of Decoder drops tokens" in api["refusal"] and "convert_to_random_ltd" in api["refusal"]
