@@ -28,6 +28,7 @@ from shardwise.runtime.precision import LossScaler
 from shardwise.runtime.zero.apply import ZeroState
 from shardwise.runtime.zero.sharded_optimizer import ShardedOptimizer
 from shardwise.runtime.zero.zenflow import ZenFlow
+from shardwise.runtime.data.random_ltd import RandomLTDState
 
 
 @runtime_checkable
@@ -73,6 +74,7 @@ class EngineProtocol(Protocol):
     last_grad_norm: float | None  # of the last step's gradient, unscaled and unclipped
     data_position: DataPosition | None  # the loader a front end built for the engine: saved and restored with it
     pending_data_position: dict | None  # loaded before the loader was attached (attach_data_position)
+    random_ltd: RandomLTDState | None  # random-LTD's schedule (current kept tokens, consumed layer-tokens)
 
     # -- the training step ---------------------------------------------------------------------
     def backward(self, loss: torch.Tensor) -> None:

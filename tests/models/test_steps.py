@@ -7,12 +7,18 @@ from torch import nn
 
 import shardwise
 from shardwise.models.core import steps
+from shardwise.models.gpt.parallelize import plan as gpt_plan
+from shardwise.runtime.data.random_ltd import RandomLTDPolicy
+from shardwise.runtime.engine.policies import Policies
+from shardwise.runtime.parallel.pipeline.policy import PipelinePolicy
+from shardwise.runtime.parallel.sequence.policy import SequencePolicy
+from shardwise.runtime.parallel.tensor.policy import TensorPolicy
 from tests.runtime.zero.workers import build_model, global_batch
 
-ORDER = ["tensor", "sequence", "expert", "activation", "kernels and compile", "pipeline"]
+ORDER = ["tensor", "sequence", "expert", "activation", "kernels and compile", "random-LTD", "pipeline"]
 STEPS = {"tensor": "apply_tensor_step", "sequence": "apply_sequence_step", "expert": "apply_expert_step",
-         "activation": "apply_activation_step",
-         "kernels and compile": "apply_kernel_and_compile_step", "pipeline": "apply_pipeline_step"}
+         "activation": "apply_activation_step", "kernels and compile": "apply_kernel_and_compile_step",
+         "random-LTD": "apply_random_ltd_step", "pipeline": "apply_pipeline_step"}
 
 
 def test_the_steps_run_in_the_documented_order(monkeypatch):
@@ -50,3 +56,20 @@ def test_a_step_its_policy_does_not_ask_for_does_nothing(monkeypatch):
     model = build_model("gpt")
     shardwise.initialize(model, {"train_micro_batch_size_per_gpu": 2},
                          optimizer=torch.optim.SGD(model.parameters(), lr=0.1))
+
+
+@pytest.mark.parametrize(("policy", "named"), [
+    (PipelinePolicy(size=2), "pipeline_parallel"),
+    (SequencePolicy(size=2), "sequence_parallel"),
+    (TensorPolicy(size=2, sequence_parallel=True), "tensor_parallel.sequence_parallel"),
+])
+def test_random_ltd_is_refused_where_a_rank_lacks_the_whole_sequence(policy, named):
+    """The first dropping layer draws every layer's kept tokens over the whole sequence:
+    a pipeline stage or a sequence shard does not have it."""
+    random_ltd = RandomLTDPolicy(total_layer_num=2, layer_ids=(1,), min_value=4, max_value=16, require_steps=4,
+                                 seq_per_step=4, global_batch_size=2)
+    field = {PipelinePolicy: "pipeline", SequencePolicy: "sequence", TensorPolicy: "tensor"}[type(policy)]
+    policies = Policies(random_ltd=random_ltd, **{field: policy})
+    model = build_model("gpt")
+    with pytest.raises(ValueError, match=f"random_ltd with {named}:"):
+        steps.apply_random_ltd_step(model, gpt_plan(model), mesh=None, policies=policies)

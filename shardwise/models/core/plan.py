@@ -31,6 +31,7 @@ from torch import nn
 from shardwise.runtime.parallel.tensor.plans import TensorPlan
 
 if TYPE_CHECKING:  # what the fields hold; importing them would import the runtime's parallelisms
+    from shardwise.runtime.data.random_ltd import KeptInputs
     from shardwise.runtime.distributed.collectives import Communicator
     from shardwise.runtime.ops.policy import LayoutFactory
     from shardwise.runtime.parallel.pipeline.adapter import Adapter
@@ -62,6 +63,10 @@ class ModelPlan:
     sparse_attention: "Callable[[nn.Module, LayoutFactory], None] | None" = None
     # recomputation: which operator outputs a selectively checkpointed layer keeps
     selective_rule: str = "linear_outputs"
+    # random-LTD: how a layer's other inputs (rotary tables, masks) are cut to the kept tokens
+    # (runtime/data/random_ltd.py's KeptInputs); None: the layer takes the hidden states alone
+    # (or only the config's model_mask_name)
+    token_drop_inputs: "KeptInputs | None" = None
 
     def tensor_plan(self, styles: "Mapping[str, str | Style] | None" = None) -> TensorPlan:
         """The runtime's tensor-parallel plan; `styles` (a config's `tensor_parallel.plan`)

@@ -1,13 +1,14 @@
 """A model's parallelisms, applied in one fixed order by explicit calls (`apply_plan`).
 
     tensor parallel -> sequence parallel -> expert parallel -> activation checkpointing
-        -> kernels and compile -> pipeline split  (then the engine's ZeRO takes the parameters)
+        -> kernels and compile -> random-LTD -> pipeline split  (then the engine's ZeRO takes the parameters)
 
 Tensor parallelism replaces weights with their local shards, so it comes first; sequence
 parallelism changes where activations are split inside those layers; expert parallelism
 keeps this rank's experts of each mixture-of-experts layer built with every expert and an
 expert-parallel size > 1 (the runtime's layer says so itself); checkpointing wraps
-the (now parallel) layers; kernels and compilation see the final layers; the pipeline
+the (now parallel) layers; kernels and compilation see the final layers; random-LTD wraps
+the finished layers (a recomputed layer reruns on the tokens its forward kept); the pipeline
 split decides which layers this rank keeps; ZeRO (the engine) partitions whatever
 parameters remain. The order is torchtitan's. Each step is a runtime function that can
 also be called on its own; what a step needs to know about the model comes from the
@@ -25,6 +26,7 @@ from torch import nn
 from shardwise.models.core.plan import ModelPlan
 from shardwise.runtime.activation import CheckpointStore, RegionStats, apply_activation_checkpointing
 from shardwise.runtime.compile import compile_blocks
+from shardwise.runtime.data.random_ltd import RandomLTDState, wrap_layers
 from shardwise.runtime.distributed.collectives import Communicator, mesh_communicator
 from shardwise.runtime.distributed.mesh import ParallelMesh
 from shardwise.runtime.engine.policies import Policies
@@ -56,6 +58,7 @@ def apply_plan(model: nn.Module, plan: ModelPlan, *, mesh: ParallelMesh, policie
     apply_expert_step(model, mesh=mesh)
     apply_activation_step(model, plan, mesh=mesh, policies=policies)
     apply_kernel_and_compile_step(model, plan, policies=policies)
+    apply_random_ltd_step(model, plan, mesh=mesh, policies=policies)
     apply_pipeline_step(model, plan, mesh=mesh, policies=policies, world=world)
     return model
 
@@ -127,6 +130,27 @@ def apply_kernel_and_compile_step(model: nn.Module, plan: ModelPlan, *, policies
             require_selective_policy_outputs('compile.enabled with activation_checkpointing.policy "selective"')
         blocks = list(model.get_submodule(plan.layers)) if plan.layers else None
         compile_blocks(model, policies.compile, blocks)
+
+
+def apply_random_ltd_step(model: nn.Module, plan: ModelPlan, *, mesh: ParallelMesh, policies: Policies) -> None:
+    """Data efficiency's random-LTD: the chosen layers run on a random subset of the tokens.
+    A model whose plan does not say where its layers are is left to DeepSpeed's API
+    (`convert_to_random_ltd(engine, LayerClass)` after initialize), as DeepSpeed scripts do."""
+    policy = policies.random_ltd
+    if policy is None:
+        return
+    if plan.layers is None:  # the caller wraps them (convert_to_random_ltd); else the engine's forward refuses
+        return
+    splits = [name for name, on in (("pipeline_parallel", policies.pipeline.enabled),
+                                    ("sequence_parallel", policies.sequence.enabled),
+                                    ("tensor_parallel.sequence_parallel", policies.tensor.sequence_parallel)) if on]
+    if splits:
+        raise ValueError(f"data_efficiency.data_routing.random_ltd with {', '.join(splits)}: random-LTD draws each "
+                         "sample's kept tokens over the whole sequence in its first dropping layer, which a split "
+                         "sequence or a pipeline stage without that layer does not have; use data and tensor "
+                         "parallelism with ZeRO")
+    wrap_layers(model.get_submodule(plan.layers), RandomLTDState(policy, data_rank=mesh.data_rank),
+                plan.token_drop_inputs)
 
 
 def apply_pipeline_step(model: nn.Module, plan: ModelPlan, *, mesh: ParallelMesh, policies: Policies,

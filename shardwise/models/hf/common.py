@@ -16,6 +16,7 @@ from torch import nn
 
 from shardwise.models.core.kernels import layer_sparse_attention
 from shardwise.models.core.plan import UlyssesAttention
+from shardwise.runtime.data.random_ltd import gather_tokens, kept_mask
 from shardwise.runtime.distributed.collectives import Communicator
 from shardwise.runtime.ops.policy import LayoutFactory
 from shardwise.runtime.parallel.pipeline.adapter import Adapter, StageContext
@@ -130,3 +131,26 @@ class CausalLMAdapter(Adapter):
         if labels is None:
             raise ValueError("a Hugging Face micro-batch needs `labels` (or pass (inputs, labels) with a loss_fn)")
         return model.loss_function(logits=logits, labels=labels, vocab_size=model.config.vocab_size)
+
+
+def kept_decoder_inputs(kwargs: dict[str, Any], indices: torch.Tensor, batch_first: bool) -> dict[str, Any]:
+    """A Hugging Face decoder layer's inputs for random-LTD's kept tokens ([batch, kept]
+    positions): each kept token keeps its own rotary position (`position_embeddings`' cos
+    and sin and `position_ids` gathered), and a mask tensor keeps the rows and columns of
+    the kept positions. A mask of None stays None: attention is then causal over the kept
+    tokens, which keep their order. (DeepSpeed's wrapper passes these inputs whole, which a
+    rotary decoder cannot run: its layers would get tables for more positions than tokens.)"""
+    if not batch_first:
+        raise ValueError("random_ltd.hidden_state_order: Hugging Face decoders run batch first (batch_seq_dim)")
+    batch = indices.shape[0]
+    inputs = dict(kwargs)
+    tables = kwargs.get("position_embeddings")
+    if tables is not None:
+        inputs["position_embeddings"] = tuple(gather_tokens(table.expand(batch, *table.shape[1:]), indices, True)
+                                              for table in tables)
+    if kwargs.get("position_ids") is not None:
+        inputs["position_ids"] = kwargs["position_ids"].expand(batch, -1).gather(1, indices)
+    if isinstance(kwargs.get("attention_mask"), torch.Tensor):
+        mask = kwargs["attention_mask"]
+        inputs["attention_mask"] = kept_mask(mask.expand(batch, *mask.shape[1:]), indices, "encoder")
+    return inputs

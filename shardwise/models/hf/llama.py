@@ -12,6 +12,7 @@ gradients summed over the tensor group; Ulysses is not tested on it and is refus
     recompute   model.layers; selective keeps every linear layer's output
     kernels     Llama only: fused RMSNorm and SwiGLU; block-sparse attention
     pipeline    model.layers split; rotary embeddings and the causal mask on every stage
+    random-LTD  the chosen model.layers on the kept tokens, rotary tables and mask cut to them
 """
 
 from __future__ import annotations
@@ -24,7 +25,7 @@ from torch import nn
 from shardwise.formulas.model_shape import ModelShape
 from shardwise.models.core.hf_config import check_divides, optional, require
 
-from shardwise.models.hf.common import CausalLMAdapter, ulysses_for, use_sparse_attention
+from shardwise.models.hf.common import CausalLMAdapter, kept_decoder_inputs, ulysses_for, use_sparse_attention
 from shardwise.models.hf.decoders import per_head_norm
 from shardwise.models.core.kernels import replace_module
 from shardwise.models.core.steps import apply_plan
@@ -80,6 +81,7 @@ def plan(model: nn.Module) -> ModelPlan:
         pipeline=LlamaAdapter(),
         fused_ops=use_fused_ops if llama else None,
         sparse_attention=use_sparse_attention("LlamaAttention") if llama else None,
+        token_drop_inputs=kept_decoder_inputs,
     )
 
 

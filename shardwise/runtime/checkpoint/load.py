@@ -137,6 +137,8 @@ def load_checkpoint(engine: EngineProtocol, load_dir: str | os.PathLike, tag: st
             engine.data_position.load_state_dict(meta["data_position"])
         else:  # loaded at construction (auto-resume): the front end's loader comes after
             engine.pending_data_position = meta["data_position"]
+    if engine.random_ltd is not None and meta.get("random_ltd") is not None:
+        engine.random_ltd.load_state_dict(meta["random_ltd"])
     if engine.rank < len(records) and "rng" in records[engine.rank]:
         restore_rng_state(records[engine.rank]["rng"], engine.device)
     return meta["client_state"]

@@ -361,6 +361,7 @@ def _meta(engine: EngineProtocol, tag: str, client_state: dict, model: dict) -> 
         },
         "client_state": client_state,
         "data_position": _data_position(engine),
+        "random_ltd": engine.random_ltd.state_dict() if engine.random_ltd is not None else None,
         "hf": _hf_description(engine.module),
         "tensor_parallel": describe_tensor_parallel(engine),
     }

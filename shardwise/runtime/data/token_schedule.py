@@ -18,8 +18,9 @@ layer-tokens, what the layer-token learning-rate schedule and the benchmarks cou
 
 from __future__ import annotations
 
-import math
 from typing import Any
+
+from shardwise.formulas.data_efficiency import random_ltd_kept_tokens, random_ltd_layer_tokens
 
 
 class RandomLTDScheduler:
@@ -55,10 +56,9 @@ class RandomLTDScheduler:
 
     def get_value(self, global_steps: int) -> int:
         schedule = self.state["schedule_config"]
-        low, high = self.state["min_value"], self.state["max_value"]
-        kept = math.floor(float(global_steps) / schedule["require_steps"] * (high - low) + low)
-        kept -= kept % schedule["seq_per_step"]
-        return min(kept, high)
+        return random_ltd_kept_tokens(global_steps, min_value=self.state["min_value"],
+                                      max_value=self.state["max_value"], require_steps=schedule["require_steps"],
+                                      seq_per_step=schedule["seq_per_step"])
 
     def update_seq(self, global_steps: int) -> None:
         """The kept count for `global_steps` (the engine calls it before each forward); a new
@@ -66,9 +66,9 @@ class RandomLTDScheduler:
         if self.state["current_value"] < self.state["max_value"]:
             self.state["current_value"] = self.get_value(global_steps)
         if global_steps != self.state["current_steps"]:
-            dropping = self.random_ltd_layer_num
-            self.state["consumed_layer_tokens"] += self.global_batch_size * (
-                self.state["current_value"] * dropping + self.state["max_value"] * (self.model_layer_num - dropping))
+            self.state["consumed_layer_tokens"] += random_ltd_layer_tokens(
+                self.state["current_value"], max_value=self.state["max_value"], layers=self.model_layer_num,
+                dropping_layers=self.random_ltd_layer_num, global_batch=self.global_batch_size)
             self.state["current_steps"] = global_steps
 
     def get_total_layer_tokens(self, train_iters: int) -> int:

@@ -33,6 +33,7 @@ from torch import nn
 from shardwise.runtime.accounting import MemoryLedger
 from shardwise.runtime.activation.accounting import ActivationTracker
 from shardwise.runtime.checkpoint.background import BackgroundWriter
+from shardwise.runtime.data.random_ltd import RandomLTDState, random_ltd_state
 from shardwise.runtime.engine_protocol import DataPosition
 from shardwise.runtime.distributed.blocked_waits import AbandonedWait, watch_blocked_waits, watched_check
 from shardwise.runtime.distributed.collectives import Communicator
@@ -153,6 +154,8 @@ class Engine(nn.Module):
         self.last_grad_norm: float | None = None
         self.data_position: DataPosition | None = None  # a front end's loader, checkpointed with the engine
         self.pending_data_position: dict[str, Any] | None = None  # see attach_data_position
+        # random-LTD's schedule, shared by the layers the model family's parallelize wrapped
+        self.random_ltd: RandomLTDState | None = random_ltd_state(model)
         self.zenflow = self._zenflow_for(policies) if self.trains else None
         # what each loss is divided by: the accumulation count (ZenFlow's update interval)
         self.loss_divisor = (self.zenflow.update_interval if self.zenflow is not None
@@ -187,6 +190,8 @@ class Engine(nn.Module):
         if self._backward_pending and self._forward_communicates:
             self.guard.check_call(FORWARD, self.get_lr())  # pairs with a peer's step check if it skipped one
         args, kwargs = cast_floating((args, kwargs), self.dtype)
+        if self.policies.random_ltd is not None and self.module.training:
+            self._require_random_ltd_layers().update_seq(self.global_steps)  # the kept-token count for this step
         if self.pass_failures is not None:
             self.pass_failures.begin_pass()
         try:
@@ -197,6 +202,16 @@ class Engine(nn.Module):
             self.guard.note_failed_pass()
             self._stop_if_raised_alone(error)
             raise
+
+    def _require_random_ltd_layers(self) -> RandomLTDState:
+        if self.random_ltd is None:
+            raise RuntimeError(
+                f"random-LTD is enabled (data_efficiency.data_routing.random_ltd) but no layer of "
+                f"{type(self.module).__name__} drops tokens: shardwise knows the layers of its own GPT and Hugging "
+                "Face Llama-style models only; wrap yours with DeepSpeed's "
+                "convert_to_random_ltd(engine, LayerClass) after initialize (as DeepSpeed requires), or give a "
+                "ModelPlan with `layers` (docs/parallelism.md#your-own-model)")
+        return self.random_ltd
 
     def _pass_failures_for(self, policies: Policies) -> PassFailures | None:
         """With a tensor- or sequence-parallel group on gloo, a forward or backward that

@@ -17,6 +17,7 @@ from shardwise.runtime.activation.policy import ActivationPolicy
 from shardwise.runtime.checkpoint.policy import CheckpointPolicy
 from shardwise.runtime.compile.policy import CompilePolicy
 from shardwise.runtime.data.policy import DataSamplingPolicy
+from shardwise.runtime.data.random_ltd import RandomLTDPolicy
 from shardwise.runtime.distributed.topology import TopologyPolicy
 from shardwise.runtime.ops.policy import KernelPolicy
 from shardwise.runtime.parallel.pipeline.policy import PipelinePolicy
@@ -83,6 +84,7 @@ class Policies:
     optimizer: OptimizerPolicy | None = None
     scheduler: SchedulerPolicy | None = None
     data_sampling: DataSamplingPolicy | None = None  # curriculum sampling of the loader a front end builds
+    random_ltd: RandomLTDPolicy | None = None  # data efficiency's random layer-wise token dropping
 
     def __post_init__(self) -> None:
         if self.zero.partitions_parameters and self.compile.cuda_graph_settings():

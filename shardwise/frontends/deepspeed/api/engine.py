@@ -32,6 +32,8 @@ from shardwise.frontends.deepspeed.api.utils.zero_to_fp32 import RECOVERY_SCRIPT
 from shardwise.frontends.deepspeed.config import ShardwiseConfig
 from shardwise.frontends.deepspeed.engine import ConfiguredEngine
 from shardwise.runtime.data.curriculum_loader import CurriculumDataLoader
+from shardwise.runtime.data.random_ltd import RandomLayerTokenDrop, RandomLTDState
+from shardwise.runtime.data.token_schedule import RandomLTDScheduler
 from shardwise.runtime.distributed.setup import call_check_timeout
 from shardwise.runtime.engine import Job, Policies
 from shardwise.runtime.precision.casting import to_device
@@ -122,6 +124,40 @@ class DeepSpeedEngine(ConfiguredEngine):
         unmark_partitioned(self.module.parameters())
         if self._returned_parameters is not None:
             self._returned_parameters.remove()
+
+    # -- random-LTD as DeepSpeed's engine runs it (data_routing/helper.py wraps the layers) ----
+    @property
+    def random_ltd_scheduler(self) -> RandomLTDScheduler | None:
+        return self.random_ltd.scheduler if self.random_ltd is not None else None
+
+    def random_ltd_enabled(self) -> bool:
+        return self.policies.random_ltd is not None
+
+    def random_ltd_initialize(self) -> None:
+        """Attach the model's RandomLayerTokenDrop wrappers as DeepSpeed 0.19.8 does: walking
+        the modules in order, a wrapper whose name contains the next of the sorted
+        `random_ltd_layer_id` (as text) becomes the next dropping layer; the other wrappers
+        run their layer on all tokens."""
+        policy = self.policies.random_ltd
+        if policy is None:
+            raise ValueError("random_ltd_initialize(): data_efficiency.data_routing.random_ltd.enabled is false in "
+                             "the config; enable it (with its layers and schedule) to drop tokens")
+        state = self.random_ltd or RandomLTDState(policy, data_rank=self.mesh.data_rank)
+        queue = sorted(policy.layer_ids)
+        count = 0
+        for name, wrapper in self.module.named_modules():
+            if not isinstance(wrapper, RandomLayerTokenDrop):
+                continue
+            if queue and str(queue[0]) in name:
+                wrapper.attach(state, count, wrapper.kept_inputs)
+                queue.pop(0)
+                count += 1
+            else:
+                wrapper.random_ltd_state, wrapper.random_ltd_scheduler = None, None
+        if count != len(policy.layer_ids):
+            raise ValueError(f"random_ltd_layer_num {len(policy.layer_ids)} must equal the number of wrapped layers "
+                             f"whose names contain random_ltd_layer_id {sorted(policy.layer_ids)}: found {count}")
+        self.random_ltd = state
 
     def checkpoint_tag_validation_enabled(self) -> bool:
         return self.tag_validation != "IGNORE"

@@ -7,7 +7,7 @@ DataSamplingPolicy.
                                       curriculum_learning: {enabled, data_cluster_path,
                                                             curriculum_metrics: {NAME: {...}}},
                                       dynamic_batching (refused unless off)},
-                      data_routing (refused unless off, deepspeed_keys.py)}
+                      data_routing (random-LTD: random_ltd.py)}
 
 DeepSpeed builds its curriculum sampler whenever
 `data_sampling.curriculum_learning.enabled` is true, whatever the two `enabled` above it
@@ -24,6 +24,7 @@ from typing import Any, Literal
 from pydantic import Field, model_validator
 
 from shardwise.frontends.deepspeed.config.fields import Bool, Int, Section
+from shardwise.frontends.deepspeed.config.random_ltd import DataRoutingConfig
 from shardwise.runtime.data.curriculum import CurriculumScheduler
 from shardwise.runtime.data.policy import CurriculumMetricPolicy, DataSamplingPolicy
 
@@ -72,12 +73,14 @@ class DataSamplingConfig(Section):
 
 
 class DataEfficiencyConfig(Section):
-    """DeepSpeed's data-efficiency library: curriculum sampling (`data_sampling`) here;
-    `data_routing` (random-LTD) is classified in deepspeed_keys.py."""
+    """DeepSpeed's data-efficiency library: curriculum sampling (`data_sampling`, here) and
+    random-LTD (`data_routing`, random_ltd.py); `seed` seeds both the sampler and the
+    kept-token draws."""
 
     enabled: Bool = False
     seed: Int = 1234
     data_sampling: DataSamplingConfig = Field(default_factory=DataSamplingConfig)
+    data_routing: DataRoutingConfig = Field(default_factory=DataRoutingConfig)
 
 
 def data_sampling_policy(block: DataEfficiencyConfig) -> DataSamplingPolicy | None:

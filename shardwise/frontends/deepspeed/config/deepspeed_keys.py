@@ -295,10 +295,6 @@ RULES: dict[str, dict[str, KeyRule]] = {
                                       '"replica", "socket", "machine" (any case) or null',
                                       "DeepSpeed accepts only these units for its parallel writers"),
     },
-    "data_efficiency": {
-        "data_routing": AcceptedWhen(_disabled, OFF, "random-LTD (random layer-wise token dropping) is not "
-                                     "supported yet: remove the block"),
-    },
     "data_efficiency.data_sampling": {
         "dynamic_batching": AcceptedWhen(_disabled, OFF, "dynamic batching (variable batch size and learning rate "
                                          "by token count) is not supported: batch in your data loader"),

@@ -22,6 +22,7 @@ import torch
 from shardwise.formulas.stages import partitions_parameters
 from shardwise.frontends.deepspeed.config.data_efficiency import data_sampling_policy
 from shardwise.frontends.deepspeed.config.schema import OffloadConfig, ShardwiseConfig, ZenFlowConfig, ZeroConfig
+from shardwise.frontends.deepspeed.config.random_ltd import random_ltd_policy
 from shardwise.frontends.deepspeed.config.sparse_attention import SparseLayout
 from shardwise.runtime.activation.policy import ActivationPolicy, RecomputePolicy
 from shardwise.runtime.checkpoint.policy import CheckpointPolicy
@@ -75,6 +76,8 @@ def policies_from_config(cfg: ShardwiseConfig) -> Policies:
         optimizer=OptimizerPolicy(cfg.optimizer.type, dict(cfg.optimizer.params)) if cfg.optimizer else None,
         scheduler=SchedulerPolicy(cfg.scheduler.type, dict(cfg.scheduler.params)) if cfg.scheduler else None,
         data_sampling=data_sampling_policy(cfg.data_efficiency),
+        random_ltd=random_ltd_policy(cfg.data_efficiency.data_routing, seed=cfg.data_efficiency.seed,
+                                     global_batch_size=cfg.train_batch_size),
     )
 
 

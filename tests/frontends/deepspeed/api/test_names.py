@@ -107,6 +107,12 @@ def test_the_alias_finds_the_data_efficiency_schedules():
         "from deepspeed.runtime.data_pipeline.data_sampling.indexed_dataset import MMapIndexedDataset\n"
         "from deepspeed.runtime.data_pipeline.constants import CURRICULUM_LEARNING_METRICS\n"
         "assert CURRICULUM_LEARNING_METRICS == 'curriculum_metrics'\n"
+        "from deepspeed.runtime.data_pipeline.data_routing.basic_layer import RandomLayerTokenDrop\n"
+        "from deepspeed.runtime.data_pipeline.data_routing.helper import convert_to_random_ltd\n"
+        "from deepspeed.runtime.data_pipeline.data_routing.helper import save_without_random_ltd\n"
+        "from shardwise.runtime.data import random_ltd\n"
+        "assert RandomLayerTokenDrop is random_ltd.RandomLayerTokenDrop\n"
+        "assert convert_to_random_ltd.__module__.endswith('data_pipeline.data_routing.helper')\n"
     )
     result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert result.returncode == 0, result.stderr
