@@ -170,18 +170,18 @@ class GPT(nn.Module):
 
     def auxiliary_loss(self) -> torch.Tensor | float:
         """`moe_aux_loss_coef` times the sum of the MoE blocks' load-balancing losses of the
-        last forward (0 for a dense model)."""
-        losses = [block.mlp.l_aux for block in self.blocks if isinstance(block.mlp, MixtureOfExperts)]
+        last forward (0 for a dense model). Found among all modules, not by block: a block
+        may be wrapped (random-LTD, activation checkpointing)."""
+        losses = [module.l_aux for module in self.modules() if isinstance(module, MixtureOfExperts)]
         return self.config.moe_aux_loss_coef * torch.stack(losses).sum() if losses else 0.0
 
     def flops_per_token(self) -> int:
         """Training FLOPs per token (6N + attention), as in the PaLM appendix; N counts the
         parameters a token goes through (an MoE block's router and top-k of its experts)."""
         n_params = sum(p.numel() for p in self.parameters())
-        for block in self.blocks:
-            if isinstance(block.mlp, MixtureOfExperts):
-                per_expert = sum(p.numel() for p in block.mlp.experts.local[0].parameters())
-                n_params -= per_expert * (block.mlp.num_local_experts - self.config.moe_top_k)
+        for moe in (module for module in self.modules() if isinstance(module, MixtureOfExperts)):
+            per_expert = sum(p.numel() for p in moe.experts.local[0].parameters())
+            n_params -= per_expert * (moe.num_local_experts - self.config.moe_top_k)
         layers, embd, time = self.config.n_layer, self.config.n_embd, self.config.block_size
         return 6 * n_params + 12 * layers * embd * time
 

@@ -60,15 +60,10 @@ def test_an_ordering_metric_needs_its_index():
         policies_from_config(cfg)
 
 
-@pytest.mark.parametrize(("block", "key"), [
-    ({"data_routing": {"enabled": True, "random_ltd": {"enabled": True}}}, "data_efficiency.data_routing.enabled"),
-    ({"data_sampling": {"dynamic_batching": {"enabled": True, "max_tokens": 100}}},
-     "data_efficiency.data_sampling.dynamic_batching.enabled"),
-])
-def test_routing_and_dynamic_batching_are_refused_unless_off(block, key):
+def test_dynamic_batching_is_refused_unless_off():
+    key = "data_efficiency.data_sampling.dynamic_batching.enabled"
+    block = {"data_sampling": {"dynamic_batching": {"enabled": True, "max_tokens": 100}}}
     with pytest.raises(ConfigError, match=key.replace(".", r"\.")):
         load_config({"train_batch_size": 8, "data_efficiency": block}, world_size=1)
-    off = {name: {**value, "enabled": False} for name, value in block.items()}
-    if "data_sampling" in off:
-        off["data_sampling"] = {"dynamic_batching": {"enabled": False}}
-    load_config({"train_batch_size": 8, "data_efficiency": off}, world_size=1)
+    load_config({"train_batch_size": 8, "data_efficiency": {"data_sampling": {"dynamic_batching": {"enabled": False}}}},
+                world_size=1)

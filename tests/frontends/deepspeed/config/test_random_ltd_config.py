@@ -67,13 +67,6 @@ def test_a_missing_required_key_is_named():
     assert "random_ltd.enabled needs model_mask_name" in str(raised.value)
 
 
-def test_curriculum_sampling_is_still_refused():
-    with pytest.raises(ConfigError) as raised:
-        load_config({"train_micro_batch_size_per_gpu": 1,
-                     "data_efficiency": {"data_sampling": {"enabled": True}}}, world_size=1)
-    assert "data_sampling" in str(raised.value)
-
-
 DEEPSPEED_SIDE = """
 import json, sys
 from deepspeed.runtime.data_pipeline.config import get_data_efficiency_config
