@@ -1,9 +1,11 @@
 """A model's parallelisms, applied in one fixed order by explicit calls (`apply_plan`).
 
-    tensor parallel -> sequence parallel -> activation checkpointing -> kernels and compile
-        -> pipeline split                       (then the engine's ZeRO takes the parameters)
+    expert parallel -> tensor parallel -> sequence parallel -> activation checkpointing
+        -> kernels and compile -> pipeline split (then the engine's ZeRO takes the parameters)
 
-Tensor parallelism replaces weights with their local shards, so it comes first; sequence
+Expert parallelism decides which experts a rank keeps (as the pipeline split decides which
+layers, but the experts' module must be in place before tensor parallelism splits the
+width of the experts kept and wraps them in its region); tensor parallelism replaces weights with their local shards, so it comes first; sequence
 parallelism changes where activations are split inside those layers; checkpointing wraps
 the (now parallel) layers; kernels and compilation see the final layers; the pipeline
 split decides which layers this rank keeps; ZeRO (the engine) partitions whatever
@@ -48,12 +50,27 @@ def apply_plan(model: nn.Module, plan: ModelPlan, *, mesh: ParallelMesh, policie
     order; returns the model ZeRO will partition (the same object, rewritten).
     `tensor_styles`: a config's `tensor_parallel.plan`, replacing the plan's styles.
     `world`: every rank, for steps whose ranks must agree (a pipeline split by measured time)."""
+    apply_expert_step(model, plan, mesh=mesh, policies=policies)
     apply_tensor_step(model, plan, mesh=mesh, policies=policies, tensor_styles=tensor_styles)
     apply_sequence_step(model, plan, mesh=mesh, policies=policies)
     apply_activation_step(model, plan, mesh=mesh, policies=policies)
     apply_kernel_and_compile_step(model, plan, policies=policies)
     apply_pipeline_step(model, plan, mesh=mesh, policies=policies, world=world)
     return model
+
+
+def apply_expert_step(model: nn.Module, plan: ModelPlan, *, mesh: ParallelMesh, policies: Policies) -> None:
+    """This rank's experts of each MoE layer, the expert group carved from its data-parallel
+    group (the engine connects the layers to the group and trains the experts apart)."""
+    if not policies.expert.enabled:
+        return
+    if plan.expert_parallel is None:
+        raise ValueError(f"expert_parallel.autoep_size {policies.expert.size}: shardwise does not know how to spread "
+                         f"{type(model).__name__}'s experts (built in: Hugging Face models with Mixtral's stacked "
+                         "experts; DeepSpeed's MoE layers take ep_size themselves); disable expert_parallel, or "
+                         f"give a ModelPlan with `expert_parallel` ({GUIDE})")
+    expert, _ = mesh.expert_handles(policies.expert.size)
+    plan.expert_parallel(model, size=policies.expert.size, rank=expert.rank)
 
 
 def apply_tensor_step(model: nn.Module, plan: ModelPlan, *, mesh: ParallelMesh, policies: Policies,

@@ -26,13 +26,15 @@ below; the plan is then built from what the first layer holds:
     pipeline    model.layers split; rotary embeddings and the causal mask (per layer type:
                 full or sliding window) on every stage; soft-capped logits as the model does
 
-Expert parallelism (experts spread over ranks) is not this plan's: here every rank holds
-every expert, each split over the tensor group.
+    experts     Mixtral's stacked experts spread over the expert-parallel group (experts.py),
+                the router replicated; with tensor parallelism too, each kept expert's
+                width is split over the tensor group as above
 """
 
 from __future__ import annotations
 
 import copy
+import functools
 import inspect
 from typing import Any, Callable
 
@@ -41,6 +43,7 @@ from torch import nn
 
 from shardwise.models.core.plan import ModelPlan
 from shardwise.models.hf.common import CausalLMAdapter
+from shardwise.models.hf.experts import spread_stacked_experts
 from shardwise.runtime.parallel.pipeline.adapter import StageContext
 from shardwise.runtime.parallel.tensor.layers import (
     ColumnParallelLinear,
@@ -93,6 +96,8 @@ def detect(model: nn.Module) -> ModelPlan | None:
         kv_heads=kv_heads,
         hf_loss=not capped,
         pipeline=DecoderAdapter(),
+        expert_parallel=(functools.partial(spread_stacked_experts, path=f"{MLP}.experts")
+                         if f"{MLP}.experts" in mlp else None),
     )
 
 

@@ -18,6 +18,7 @@ from shardwise.runtime.checkpoint.policy import CheckpointPolicy
 from shardwise.runtime.compile.policy import CompilePolicy
 from shardwise.runtime.distributed.topology import TopologyPolicy
 from shardwise.runtime.ops.policy import KernelPolicy
+from shardwise.runtime.parallel.expert.policy import ExpertPolicy
 from shardwise.runtime.parallel.pipeline.policy import PipelinePolicy
 from shardwise.runtime.parallel.sequence.policy import SequencePolicy
 from shardwise.runtime.parallel.tensor.policy import TensorPolicy
@@ -74,6 +75,7 @@ class Policies:
     tensor: TensorPolicy = field(default_factory=TensorPolicy)
     sequence: SequencePolicy = field(default_factory=SequencePolicy)
     pipeline: PipelinePolicy = field(default_factory=PipelinePolicy)
+    expert: ExpertPolicy = field(default_factory=ExpertPolicy)
     activation: ActivationPolicy = field(default_factory=ActivationPolicy)
     compile: CompilePolicy = field(default_factory=CompilePolicy)
     kernels: KernelPolicy = field(default_factory=KernelPolicy)

@@ -64,7 +64,7 @@ ALIASES: dict[str, dict[str, str]] = {
 
 DEEPSPEED_KEYS_NOT_SUPPORTED: dict[str, frozenset[str]] = {
     "": frozenset({
-        "expert_parallel", "gradient_allreduce_op", "managed_gradient_accumulation",
+        "gradient_allreduce_op", "managed_gradient_accumulation",
         "use_data_before_expert_parallelism", "vocabulary_size",
     }),
     "optimizer.params": frozenset({"max_grad_norm"}),

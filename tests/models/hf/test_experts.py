@@ -1,0 +1,66 @@
+"""A Hugging Face Mixtral with its stacked experts spread over an expert-parallel group
+(shardwise/models/hf/experts.py) trains exactly like one process on the same global batch
+(fp32, losses and final weights < 1e-5 relative), the router's auxiliary loss included:
+ep=2 on 2 ranks at ZeRO 0, 1 and 3, ep=2 x dp=2 on 4 ranks (the expert-data group), and
+tp=2 x ep=2 (4 ranks, each kept expert's width split over the tensor group).
+
+The router picks experts by top-k, a discontinuous choice: as in test_decoders.py the
+comparison is a 2-step trajectory of a tiny model whose router margins (~1e-2) are orders of
+magnitude above the last-bit differences of the parallel sums.
+"""
+
+from functools import lru_cache
+
+import pytest
+
+from shardwise.formulas.dropless_experts import dropless_exchange_bytes
+from shardwise.tools.testing import DistributedTestError, run_distributed
+from tests.models.hf.expert_workers import ExpertCase, train_parallel, train_reference
+from tests.runtime.zero.workers import relative_error
+
+TOLERANCE = 1e-5
+HIDDEN = 32
+
+
+@lru_cache(maxsize=None)
+def reference(data_size: int) -> dict:
+    return train_reference(ExpertCase(), data_size)
+
+
+def assert_matches(results: list[dict], want: dict) -> None:
+    data_ranks = {result["data_rank"] for result in results}
+    for step, expected in enumerate(want["losses"]):
+        got = sum(next(r for r in results if r["data_rank"] == d)["losses"][step] for d in data_ranks) / len(data_ranks)
+        assert abs(got - expected) / expected < TOLERANCE, f"step {step}: loss {got} vs {expected}"
+    for result in results:
+        assert set(result["params"]) == set(want["params"])
+        for name, expected in want["params"].items():
+            error = relative_error(result["params"][name], expected)
+            assert error < TOLERANCE, f"{name}: relative error {error:.2e}"
+
+
+@pytest.mark.parametrize("stage", [0, pytest.param(1, marks=pytest.mark.slow), 3])
+def test_ep2_matches_single_process_and_its_all_to_all_bytes_match_the_formula(stage):
+    results = run_distributed(train_parallel, 2, ExpertCase(stage=stage))
+    assert_matches(results, reference(2))
+    for result in results:  # every layer call's exchange, forward and backward
+        calls = zip(*(other["routed"] for other in sorted(results, key=lambda r: r["expert_rank"])))
+        want = sum(dropless_exchange_bytes(list(routed), member=result["expert_rank"], hidden_size=HIDDEN,
+                                           bytes_per_element=4) for routed in calls)
+        assert result["bytes"] == {"all_to_all": want}
+
+
+@pytest.mark.slow
+def test_ep2_dp2_with_expert_optimizer_state_partitioned_matches_single_process():
+    """4 ranks, 2 expert groups: each expert's gradient summed over the 2 ranks holding it
+    and its optimizer state split between them (ZeRO 1)."""
+    assert_matches(run_distributed(train_parallel, 4, ExpertCase(stage=1)), reference(4))
+
+
+def test_tp2_ep2_matches_single_process():
+    assert_matches(run_distributed(train_parallel, 4, ExpertCase(tensor=2)), reference(2))
+
+
+def test_an_expert_parallel_size_that_does_not_divide_the_experts_is_refused():
+    with pytest.raises(DistributedTestError, match=r"4 experts.*do not split over 3 ranks"):
+        run_distributed(train_parallel, 3, ExpertCase(expert=3))
