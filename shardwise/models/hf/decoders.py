@@ -76,6 +76,7 @@ def detect(model: nn.Module) -> ModelPlan | None:
     heads = config.num_attention_heads
     kv_heads = getattr(config, "num_key_value_heads", None) or heads
     capped = getattr(config, "final_logit_softcapping", None) is not None
+    router_loss = bool(getattr(config, "output_router_logits", False))
     styles: dict[str, str | Style] = {
         "model.embed_tokens": scaled_vocab_embedding if hasattr(inner.embed_tokens, "embed_scale") else "vocab_embedding",
         **attention,
@@ -95,7 +96,11 @@ def detect(model: nn.Module) -> ModelPlan | None:
         heads=heads,
         kv_heads=kv_heads,
         hf_loss=not capped,
-        pipeline=DecoderAdapter(),
+        pipeline=None if router_loss else DecoderAdapter(),
+        pipeline_refused=("output_router_logits adds the router's auxiliary loss, computed over every layer's "
+                          "router logits together, which the stages do not carry to the last one; set "
+                          "output_router_logits False for pipeline parallelism, or use pipeline_parallel.size 1"
+                          if router_loss else None),
         expert_parallel=(functools.partial(spread_stacked_experts, path=f"{MLP}.experts")
                          if f"{MLP}.experts" in mlp else None),
     )

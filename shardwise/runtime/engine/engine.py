@@ -396,11 +396,10 @@ class Engine(nn.Module):
         if not experts:
             return named, None
         precision = policies.precision
-        if (self.mesh.sizes.sequence > 1 or self.mesh.sizes.pipeline > 1
-                or precision.param_dtype not in (torch.float32, torch.bfloat16)
+        if (self.mesh.sizes.sequence > 1 or precision.param_dtype not in (torch.float32, torch.bfloat16)
                 or precision.master_dtype != torch.float32 or policies.zero.zenflow is not None):
             raise ValueError("expert parallelism (ep_size > 1) is provided for fp32 and bf16 (fp32 masters) "
-                             "data- and tensor-parallel training (ZeRO 0-3; not sequence or pipeline parallelism, "
+                             "data-, tensor- and pipeline-parallel training (ZeRO 0-3; not sequence parallelism, "
                              "fp16, bf16 masters or ZenFlow); use ep_size=1 for the others")
         if self.mesh.sizes.tensor > 1 and not all(is_tensor_sharded(param) for _, param, _ in experts):
             raise ValueError("expert parallelism (ep_size > 1) with tensor_parallel.size > 1 needs experts split "

@@ -7,8 +7,8 @@ micro-batches of b rows of the global batch; the reference runs the same D·m
 micro-batches one after another, so every micro-batch's loss (its auxiliary loss over its
 own tokens included) is the same in both and the step's loss is their mean. SGD with
 momentum and clipping; the experts in a param group of their own (they train apart).
-Each rank returns its losses, every parameter whole (gathered over the tensor group, and
-the experts over the expert group) and the routed counts of every MoE layer call, for the
+Each rank returns its losses, every parameter it holds whole (gathered over the tensor
+group, and the experts over the expert group; a pipeline stage's layers only) and the routed counts of every MoE layer call, for the
 byte count.
 """
 
@@ -32,7 +32,9 @@ EXPERTS = 4
 class ExpertCase:
     expert: int = 2
     tensor: int = 1
+    pipeline: int = 1
     stage: int = 0
+    router_loss: bool = True  # output_router_logits (refused by pipeline stages)
     steps: int = 2
     micro_batches: int = 2
     micro_batch: int = 2
@@ -46,16 +48,18 @@ class ExpertCase:
             "gradient_clipping": self.clipping,
             "zero_optimization": {"stage": self.stage},
             "tensor_parallel": {"size": self.tensor},
+            "pipeline_parallel": {"size": self.pipeline, "schedule": "1f1b"},
             "expert_parallel": {"enabled": True, "autoep_size": self.expert},
         }
 
 
-def build_mixtral() -> torch.nn.Module:
+def build_mixtral(router_loss: bool = True) -> torch.nn.Module:
     import transformers
 
     torch.manual_seed(1234)
     config = transformers.MixtralConfig(**SMALL, num_key_value_heads=2, num_local_experts=EXPERTS,
-                                        num_experts_per_tok=2, output_router_logits=True, router_aux_loss_coef=0.1)
+                                        num_experts_per_tok=2, output_router_logits=router_loss,
+                                        router_aux_loss_coef=0.1)
     return transformers.MixtralForCausalLM(config)
 
 
@@ -75,7 +79,7 @@ def micro_batches(case: ExpertCase, step: int, data_size: int) -> list[dict]:
 
 
 def train_reference(case: ExpertCase, data_size: int) -> dict:
-    model = build_mixtral()
+    model = build_mixtral(case.router_loss)
     optimizer = make_optimizer(model, case.lr)
     losses = []
     for step in range(case.steps):
@@ -93,7 +97,7 @@ def train_reference(case: ExpertCase, data_size: int) -> dict:
 
 
 def train_parallel(rank: int, world_size: int, case: ExpertCase) -> dict:
-    model = build_mixtral()
+    model = build_mixtral(case.router_loss)
     routed: list[list[int]] = []  # per MoE layer call: pairs routed to each expert by this rank
     for layer in model.model.layers:
         layer.mlp.gate.register_forward_hook(
@@ -104,6 +108,9 @@ def train_parallel(rank: int, world_size: int, case: ExpertCase) -> dict:
     losses = []
     for step in range(case.steps):
         mine = micro_batches(case, step, data_size)[data_rank * case.micro_batches:][: case.micro_batches]
+        if engine.pipeline is not None:
+            losses.append(engine.train_batch(data_iter=iter(mine)).item())
+            continue
         total = 0.0
         for batch in mine:
             loss = engine(**batch).loss
