@@ -16,7 +16,8 @@ import pytest
 
 from shardwise.formulas.dropless_experts import dropless_exchange_bytes
 from shardwise.models import plan_for
-from shardwise.tools.testing import DistributedTestError, run_distributed
+from shardwise.models.hf.experts import ExpertParallelStackedExperts
+from shardwise.tools.testing import run_distributed
 from tests.models.hf.expert_workers import ExpertCase, build_mixtral, train_parallel, train_reference
 from tests.runtime.zero.workers import relative_error
 
@@ -81,5 +82,6 @@ def test_pipeline_stages_refuse_the_router_loss_they_cannot_carry():
 
 
 def test_an_expert_parallel_size_that_does_not_divide_the_experts_is_refused():
-    with pytest.raises(DistributedTestError, match=r"4 experts.*do not split over 3 ranks"):
-        run_distributed(train_parallel, 3, ExpertCase(expert=3))
+    experts = build_mixtral().model.layers[0].mlp.experts
+    with pytest.raises(ValueError, match=r"autoep_size 3: .* has 4 experts .* do not split over 3 ranks"):
+        ExpertParallelStackedExperts(experts, size=3, rank=0)

@@ -59,7 +59,6 @@ class DroplessRoute:
         self.receive = per_member.sum(1).tolist()
         self.local_expert = torch.arange(local, device=counts.device).repeat(comm.size).repeat_interleave(
             per_member.reshape(-1))
-        self.counts, self.received_counts = counts, per_member
 
     def dispatch(self, rows: torch.Tensor) -> torch.Tensor:
         """Rows (sorted by expert) to the members holding their experts."""
