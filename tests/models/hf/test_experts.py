@@ -17,7 +17,7 @@ import pytest
 from shardwise.formulas.dropless_experts import dropless_exchange_bytes
 from shardwise.models import plan_for
 from shardwise.models.hf.experts import ExpertParallelStackedExperts
-from shardwise.tools.testing import run_distributed
+from shardwise.tools.testing import DistributedTestError, run_distributed
 from tests.models.hf.expert_workers import ExpertCase, build_mixtral, train_parallel, train_reference
 from tests.runtime.zero.workers import relative_error
 
@@ -79,6 +79,23 @@ def test_pipeline_stages_refuse_the_router_loss_they_cannot_carry():
     plan = plan_for(build_mixtral(router_loss=True))
     assert plan.pipeline is None and "output_router_logits" in plan.pipeline_refused
     assert plan_for(build_mixtral(router_loss=False)).pipeline is not None
+
+
+def _initialize_with_whole_experts(rank: int, world_size: int) -> None:
+    import shardwise
+    from tests.models.hf.expert_workers import make_optimizer
+
+    model = build_mixtral()
+    config = {**ExpertCase(tensor=2).config(), "tensor_parallel": {"size": 2, "plan": {"lm_head": "vocab_head"}}}
+    shardwise.initialize(model, config, optimizer=make_optimizer(model, 0.1))
+
+
+@pytest.mark.slow
+def test_tensor_parallelism_refuses_experts_it_does_not_split():
+    """A tensor plan that leaves the experts whole would count their gradient once per
+    tensor rank: refused with the reason."""
+    with pytest.raises(DistributedTestError, match=r"needs experts split by the tensor group"):
+        run_distributed(_initialize_with_whole_experts, 4)
 
 
 def test_an_expert_parallel_size_that_does_not_divide_the_experts_is_refused():
