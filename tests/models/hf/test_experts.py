@@ -3,7 +3,7 @@
 (fp32, losses and final weights < 1e-5 relative), the router's auxiliary loss included:
 ep=2 on 2 ranks at ZeRO 0, 1 and 3, ep=2 x dp=2 on 4 ranks (the expert-data group), and
 tp=2 x ep=2 (4 ranks, each kept expert's width split over the tensor group), and pp=2 x ep=2
-(4 ranks, the router's auxiliary loss off: the stages refuse it).
+(4 ranks, the auxiliary loss carried across the stages).
 
 The router picks experts by top-k, a discontinuous choice: as in test_decoders.py the
 comparison is a 2-step trajectory of a tiny model whose router margins (~1e-2) are orders of
@@ -16,6 +16,7 @@ import pytest
 
 from shardwise.formulas.dropless_experts import dropless_exchange_bytes
 from shardwise.models import plan_for
+from shardwise.models.hf.decoders import DecoderAdapter, RouterLossDecoderAdapter
 from shardwise.models.hf.experts import ExpertParallelStackedExperts
 from shardwise.tools.testing import DistributedTestError, run_distributed
 from tests.models.hf.expert_workers import ExpertCase, build_mixtral, train_parallel, train_reference
@@ -69,16 +70,15 @@ def test_tp2_ep2_matches_single_process():
 @pytest.mark.slow
 def test_pp2_ep2_matches_single_process():
     """4 ranks: 2 stages of one layer each, every stage's experts over its 2 data-parallel
-    ranks (the router's auxiliary loss off: pipeline stages refuse it)."""
-    results = run_distributed(train_parallel, 4, ExpertCase(pipeline=2, router_loss=False))
+    ranks, the router's auxiliary loss over both stages' routers carried to the last."""
+    results = run_distributed(train_parallel, 4, ExpertCase(pipeline=2))
     assert set(results[0]["params"]) != set(results[-1]["params"])  # each stage keeps its own layers
-    assert_matches(results, reference(2, router_loss=False))
+    assert_matches(results, reference(2))
 
 
-def test_pipeline_stages_refuse_the_router_loss_they_cannot_carry():
-    plan = plan_for(build_mixtral(router_loss=True))
-    assert plan.pipeline is None and "output_router_logits" in plan.pipeline_refused
-    assert plan_for(build_mixtral(router_loss=False)).pipeline is not None
+def test_pipeline_stages_carry_the_router_loss_only_when_the_model_adds_it():
+    assert type(plan_for(build_mixtral(router_loss=True)).pipeline) is RouterLossDecoderAdapter
+    assert type(plan_for(build_mixtral(router_loss=False)).pipeline) is DecoderAdapter
 
 
 def _initialize_with_whole_experts(rank: int, world_size: int) -> None:
