@@ -125,7 +125,7 @@ def train_parallel(rank: int, world_size: int, case: ExpertCase) -> dict:
     with shardwise.gathered_parameters(dense):
         for name, p in model.named_parameters():
             whole = gather_full(p.detach().float(), tensor_shard(p), tensor).cpu()
-            if ".experts." in name:  # this member's experts, then the others' in expert order
+            if ".experts." in name and expert_group.size > 1:  # this member's experts, then the others' in order
                 pieces = [torch.empty_like(whole) for _ in range(expert_group.size)]
                 dist.all_gather(pieces, whole, group=expert_group.group)
                 whole = torch.cat(pieces)

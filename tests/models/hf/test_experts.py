@@ -3,7 +3,7 @@
 (fp32, losses and final weights < 1e-5 relative), the router's auxiliary loss included:
 ep=2 on 2 ranks at ZeRO 0, 1 and 3, ep=2 x dp=2 on 4 ranks (the expert-data group), and
 tp=2 x ep=2 (4 ranks, each kept expert's width split over the tensor group), and pp=2 x ep=2
-(4 ranks, the auxiliary loss carried across the stages).
+(4 ranks) and pp=2 alone (2 ranks), the auxiliary loss carried across the stages.
 
 The router picks experts by top-k, a discontinuous choice: as in test_decoders.py the
 comparison is a 2-step trajectory of a tiny model whose router margins (~1e-2) are orders of
@@ -74,6 +74,11 @@ def test_pp2_ep2_matches_single_process():
     results = run_distributed(train_parallel, 4, ExpertCase(pipeline=2))
     assert set(results[0]["params"]) != set(results[-1]["params"])  # each stage keeps its own layers
     assert_matches(results, reference(2))
+
+
+def test_pp2_adds_the_router_loss_of_every_stage_as_one_process():
+    """Without expert parallelism too: the stages carry the auxiliary loss's sums."""
+    assert_matches(run_distributed(train_parallel, 2, ExpertCase(expert=1, pipeline=2)), reference(1))
 
 
 def test_pipeline_stages_carry_the_router_loss_only_when_the_model_adds_it():
