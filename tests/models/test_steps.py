@@ -15,7 +15,7 @@ from shardwise.runtime.parallel.sequence.policy import SequencePolicy
 from shardwise.runtime.parallel.tensor.policy import TensorPolicy
 from tests.runtime.zero.workers import build_model, global_batch
 
-ORDER = ["tensor", "sequence", "expert", "activation", "kernels and compile", "random-LTD", "pipeline"]
+ORDER = ["expert", "tensor", "sequence", "activation", "kernels and compile", "random-LTD", "pipeline"]
 STEPS = {"tensor": "apply_tensor_step", "sequence": "apply_sequence_step", "expert": "apply_expert_step",
          "activation": "apply_activation_step", "kernels and compile": "apply_kernel_and_compile_step",
          "random-LTD": "apply_random_ltd_step", "pipeline": "apply_pipeline_step"}

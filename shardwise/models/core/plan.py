@@ -52,6 +52,9 @@ class ModelPlan:
     heads: int | None = None
     kv_heads: int | None = None
     hf_loss: bool = False  # a Hugging Face model whose loss_function must become vocabulary-parallel
+    # expert parallelism: give the model only this rank's experts of each MoE layer, called
+    # as expert_parallel(model, size=P, rank=p) (a Hugging Face Mixtral's: models/hf/experts.py)
+    expert_parallel: Callable[..., None] | None = None
     # Ulysses sequence parallelism: how attention exchanges; inputs every layer gets whole
     ulysses: UlyssesAttention | None = None
     ulysses_split_kwargs: tuple[str, ...] = ()

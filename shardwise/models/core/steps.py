@@ -1,14 +1,15 @@
 """A model's parallelisms, applied in one fixed order by explicit calls (`apply_plan`).
 
-    tensor parallel -> sequence parallel -> expert parallel -> activation checkpointing
+    expert parallel -> tensor parallel -> sequence parallel -> activation checkpointing
         -> kernels and compile -> random-LTD -> pipeline split  (then the engine's ZeRO takes the parameters)
 
-Tensor parallelism replaces weights with their local shards, so it comes first; sequence
-parallelism changes where activations are split inside those layers; expert parallelism
-keeps this rank's experts of each mixture-of-experts layer built with every expert and an
-expert-parallel size > 1 (the runtime's layer says so itself); checkpointing wraps
-the (now parallel) layers; kernels and compilation see the final layers; random-LTD wraps
-the finished layers (a recomputed layer reruns on the tokens its forward kept); the pipeline
+Expert parallelism decides which experts a rank keeps (as the pipeline split decides which
+layers, but the experts' module must be in place before tensor parallelism splits the
+width of the experts kept and wraps them in its region); tensor parallelism replaces
+weights with their local shards; sequence parallelism changes where activations are split
+inside those layers; checkpointing wraps the (now parallel) layers; kernels and
+compilation see the final layers; random-LTD wraps the finished layers (a recomputed
+layer reruns on the tokens its forward kept); the pipeline
 split decides which layers this rank keeps; ZeRO (the engine) partitions whatever
 parameters remain. The order is torchtitan's. Each step is a runtime function that can
 also be called on its own; what a step needs to know about the model comes from the
@@ -53,14 +54,32 @@ def apply_plan(model: nn.Module, plan: ModelPlan, *, mesh: ParallelMesh, policie
     order; returns the model ZeRO will partition (the same object, rewritten).
     `tensor_styles`: a config's `tensor_parallel.plan`, replacing the plan's styles.
     `world`: every rank, for steps whose ranks must agree (a pipeline split by measured time)."""
+    apply_expert_step(model, plan, mesh=mesh, policies=policies)
     apply_tensor_step(model, plan, mesh=mesh, policies=policies, tensor_styles=tensor_styles)
     apply_sequence_step(model, plan, mesh=mesh, policies=policies)
-    apply_expert_step(model, mesh=mesh)
     apply_activation_step(model, plan, mesh=mesh, policies=policies)
     apply_kernel_and_compile_step(model, plan, policies=policies)
     apply_random_ltd_step(model, plan, mesh=mesh, policies=policies)
     apply_pipeline_step(model, plan, mesh=mesh, policies=policies, world=world)
     return model
+
+
+def apply_expert_step(model: nn.Module, plan: ModelPlan, *, mesh: ParallelMesh, policies: Policies) -> None:
+    """This rank's experts of each mixture-of-experts layer, the expert group carved from its
+    data-parallel group (the engine connects the layers to the group and trains the experts
+    apart): layers that carry their own ep_size P > 1 (shardwise's and DeepSpeed's MoE) keep
+    their E/P experts; with `expert_parallel` on, the plan spreads a model's own experts
+    (Hugging Face Mixtral's stacked ones)."""
+    shard_expert_layers(model, mesh)
+    if not policies.expert.enabled:
+        return
+    if plan.expert_parallel is None:
+        raise ValueError(f"expert_parallel.autoep_size {policies.expert.size}: shardwise does not know how to spread "
+                         f"{type(model).__name__}'s experts (built in: Hugging Face models with Mixtral's stacked "
+                         "experts; DeepSpeed's MoE layers and shardwise GPT's MoE blocks take ep_size themselves); "
+                         f"disable expert_parallel, or give a ModelPlan with `expert_parallel` ({GUIDE})")
+    expert, _ = mesh.expert_handles(policies.expert.size)
+    plan.expert_parallel(model, size=policies.expert.size, rank=expert.rank)
 
 
 def apply_tensor_step(model: nn.Module, plan: ModelPlan, *, mesh: ParallelMesh, policies: Policies,
@@ -91,12 +110,6 @@ def apply_sequence_step(model: nn.Module, plan: ModelPlan, *, mesh: ParallelMesh
                          f"`ulysses` and `layers` ({GUIDE})")
     apply_ulysses(model, mesh_communicator(mesh, "sequence"), plan.tensor_plan(), exchange_in_attention=plan.ulysses,
                   split_kwargs=plan.ulysses_split_kwargs, tensor_size=policies.tensor.size)
-
-
-def apply_expert_step(model: nn.Module, *, mesh: ParallelMesh) -> None:
-    """Each mixture of experts built with every expert and an ep_size P > 1 keeps its E/P
-    experts of this rank's expert group (the engine connects the group and trains them)."""
-    shard_expert_layers(model, mesh)
 
 
 def apply_activation_step(model: nn.Module, plan: ModelPlan, *, mesh: ParallelMesh, policies: Policies) -> None:

@@ -24,15 +24,18 @@ below; the plan is then built from what the first layer holds:
                 (Megatron's tensor-parallel experts), the router replicated
     recompute   model.layers; selective keeps every linear layer's output
     pipeline    model.layers split; rotary embeddings and the causal mask (per layer type:
-                full or sliding window) on every stage; soft-capped logits as the model does
+                full or sliding window) on every stage; soft-capped logits as the model does;
+                the router's auxiliary loss summed up across the stages (MoE)
 
-Expert parallelism (experts spread over ranks) is not this plan's: here every rank holds
-every expert, each split over the tensor group.
+    experts     Mixtral's stacked experts spread over the expert-parallel group (experts.py),
+                the router replicated; with tensor parallelism too, each kept expert's
+                width is split over the tensor group as above
 """
 
 from __future__ import annotations
 
 import copy
+import functools
 import inspect
 from typing import Any, Callable
 
@@ -41,6 +44,7 @@ from torch import nn
 
 from shardwise.models.core.plan import ModelPlan
 from shardwise.models.hf.common import CausalLMAdapter
+from shardwise.models.hf.experts import spread_stacked_experts
 from shardwise.runtime.parallel.pipeline.adapter import StageContext
 from shardwise.runtime.parallel.tensor.layers import (
     ColumnParallelLinear,
@@ -73,6 +77,7 @@ def detect(model: nn.Module) -> ModelPlan | None:
     heads = config.num_attention_heads
     kv_heads = getattr(config, "num_key_value_heads", None) or heads
     capped = getattr(config, "final_logit_softcapping", None) is not None
+    router_loss = bool(getattr(config, "output_router_logits", False))
     styles: dict[str, str | Style] = {
         "model.embed_tokens": scaled_vocab_embedding if hasattr(inner.embed_tokens, "embed_scale") else "vocab_embedding",
         **attention,
@@ -92,7 +97,9 @@ def detect(model: nn.Module) -> ModelPlan | None:
         heads=heads,
         kv_heads=kv_heads,
         hf_loss=not capped,
-        pipeline=DecoderAdapter(),
+        pipeline=RouterLossDecoderAdapter() if router_loss else DecoderAdapter(),
+        expert_parallel=(functools.partial(spread_stacked_experts, path=f"{MLP}.experts")
+                         if f"{MLP}.experts" in mlp else None),
     )
 
 
@@ -321,6 +328,60 @@ class DecoderAdapter(CausalLMAdapter):
         if labels is None:
             raise ValueError("a Hugging Face micro-batch needs `labels` (or pass (inputs, labels) with a loss_fn)")
         return model.loss_function(logits=logits, labels=labels, vocab_size=model.config.vocab_size)
+
+
+class RouterLossDecoderAdapter(DecoderAdapter):
+    """Stages of an MoE decoder whose loss adds the router's auxiliary loss
+    (`output_router_logits`, Mixtral's load-balancing loss). The model computes it over
+    every layer's router output together: E · Σ_e (c_e / R) · (p_e / R), with c_e the top-k
+    choices of expert e and p_e the sum of its router probabilities over all R = layers x
+    tokens rows (padding excluded by the attention mask). Both sums add up layer by layer,
+    so the stages carry them beside the hidden states, each adding its layers', and the last
+    stage adds the loss; its gradient returns through p to every stage's routers (c is a
+    count and takes none)."""
+
+    def activation_shape(self, model: nn.Module, context: StageContext) -> None:
+        return None  # (hidden states, c, p)
+
+    def prepare(self, model: nn.Module, context: StageContext, dtype: torch.dtype) -> None:
+        super().prepare(model, context, dtype)
+        ids = context.kwargs["input_ids"]
+        mask = context.kwargs.get("attention_mask")
+        context.extras["router_rows"] = (torch.ones(ids.numel(), device=ids.device) if mask is None
+                                         else mask.reshape(-1).float())
+
+    def embed(self, model: nn.Module, context: StageContext) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        hidden = super().embed(model, context)
+        zeros = torch.zeros(model.config.num_local_experts, dtype=torch.float32, device=hidden.device)
+        return hidden, zeros, zeros.clone()
+
+    def layer(self, layer: nn.Module, carried: tuple[torch.Tensor, ...], context: StageContext
+              ) -> tuple[torch.Tensor, ...]:
+        hidden, choices, probabilities = carried
+        logits: list[torch.Tensor] = []
+        handle = layer.mlp.gate.register_forward_hook(lambda _module, _args, output: logits.append(output[0]))
+        try:
+            hidden = super().layer(layer, hidden, context)
+        finally:
+            handle.remove()
+        rows = context.extras["router_rows"]
+        top_k = layer.mlp.gate.top_k
+        weights = torch.softmax(logits[-1].float(), dim=-1)
+        chosen = torch.topk(weights, top_k, dim=-1).indices.reshape(-1)
+        choices = choices + torch.zeros_like(choices).scatter_add(0, chosen, rows.repeat_interleave(top_k))
+        probabilities = probabilities + (weights * rows.unsqueeze(-1)).sum(0)
+        return hidden, choices, probabilities
+
+    def loss(self, model: nn.Module, carried: tuple[torch.Tensor, ...], context: StageContext,
+             loss_fn: Callable[..., torch.Tensor] | None) -> torch.Tensor:
+        hidden, choices, probabilities = carried
+        loss = super().loss(model, hidden, context, loss_fn)
+        if loss_fn is not None:  # a loss of the caller's over the logits, as the model's forward would give it
+            return loss
+        config = model.config
+        rows = context.extras["router_rows"].sum() * config.num_hidden_layers
+        router_loss = torch.sum(choices.detach() / rows * (probabilities / rows)) * config.num_local_experts
+        return loss + config.router_aux_loss_coef * router_loss.to(loss.device)
 
 
 def _layer_type(layer: nn.Module, by_type: dict[str | None, Any]) -> str | None:

@@ -253,6 +253,19 @@ class Communicator:
         self.stats.links[("inter_node", op)] += inter
         self.stats.links[("intra_node", op)] += sent - inter
 
+    def _count_chunks(self, op: str, chunks: list[int]) -> None:
+        """Count bytes sent chunk by chunk: `chunks[r]` bytes to member r (none to itself)."""
+        if self.size == 1:
+            return
+        sent = sum(nbytes for member, nbytes in enumerate(chunks) if member != self.rank)
+        self.stats.volume[(self.name, op)] += sent
+        nodes = self.handle.nodes
+        if nodes is None:
+            return
+        inter = sum(nbytes for member, nbytes in enumerate(chunks) if nodes[member] != nodes[self.rank])
+        self.stats.links[("inter_node", op)] += inter
+        self.stats.links[("intra_node", op)] += sent - inter
+
     @staticmethod
     def _bytes(tensor: torch.Tensor) -> int:
         return tensor.numel() * tensor.element_size()
@@ -351,6 +364,23 @@ class Communicator:
         return self._issue("all_to_all", what,
                            lambda: dist.all_to_all_single(output, tensor, group=self.group, async_op=True),
                            self._bytes(tensor))
+
+    def all_to_all_uneven(self, output: torch.Tensor, tensor: torch.Tensor, *, output_splits: list[int],
+                          input_splits: list[int], what: str) -> PendingCollective:
+        """All-to-all of chunks of unequal sizes along dim 0: `input_splits[r]` rows of
+        `tensor` go to rank r, `output_splits[r]` rows of `output` come from it (tokens
+        routed to experts without a capacity). Counted: the bytes of the rows that leave
+        this rank (its own chunk stays)."""
+        if self.skips_collectives:
+            if output.data_ptr() != tensor.data_ptr():
+                output.copy_(tensor)
+            return self._pending(None, "all_to_all", what)
+        self._require_device("all_to_all", what, output, tensor)
+        row = tensor[0].numel() * tensor.element_size() if tensor.dim() > 1 else tensor.element_size()
+        self._count_chunks("all_to_all", [rows * row for rows in input_splits])
+        return self._issue("all_to_all", what, lambda: dist.all_to_all_single(
+            output, tensor, output_split_sizes=output_splits, input_split_sizes=input_splits, group=self.group,
+            async_op=True), self._bytes(tensor))
 
     def broadcast(self, tensor: torch.Tensor, source: int, what: str) -> None:
         """Copy group rank `source`'s `tensor` to every member (blocking)."""

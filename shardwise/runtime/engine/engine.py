@@ -48,6 +48,7 @@ from shardwise.runtime.parallel.pipeline.split import StageLayout
 from shardwise.runtime.parallel.pipeline.stages import keep_stage_parameters, stage_of
 from shardwise.runtime.parallel.tensor.grad_norm import tensor_parallel_norm
 from shardwise.runtime.parallel.tensor.layers import gather_vocab_logits
+from shardwise.runtime.parallel.tensor.placement import is_tensor_sharded
 from shardwise.runtime.precision import LossScaler
 from shardwise.runtime.precision.casting import autocast_for, cast_floating, cast_unheld_state
 from shardwise.runtime.reliability.replica_check import ReplicaCheck
@@ -410,12 +411,17 @@ class Engine(nn.Module):
         if not experts:
             return named, None
         precision = policies.precision
-        if (self.mesh.sizes.tensor > 1 or self.mesh.sizes.sequence > 1 or self.mesh.sizes.pipeline > 1
-                or precision.master_dtype != torch.float32 or policies.zero.zenflow is not None):
+        if (self.mesh.sizes.sequence > 1 or precision.master_dtype != torch.float32
+                or policies.zero.zenflow is not None):
             raise ValueError("expert parallelism (ep_size > 1) is provided for fp32, bf16 and fp16 (fp32 masters; "
-                             "fp16's loss scaling covers the experts' gradients) data-parallel training (ZeRO 0-3; "
-                             "not tensor, sequence or pipeline parallelism, bf16 masters or ZenFlow); use ep_size=1 "
+                             "fp16's loss scaling covers the experts' gradients) data-, tensor- and pipeline-parallel "
+                             "training (ZeRO 0-3; not sequence parallelism, bf16 masters or ZenFlow); use ep_size=1 "
                              "for the others")
+        if self.mesh.sizes.tensor > 1 and not all(is_tensor_sharded(param) for _, param, _ in experts):
+            raise ValueError("expert parallelism (ep_size > 1) with tensor_parallel.size > 1 needs experts split "
+                             "by the tensor group (a Hugging Face Mixtral's are); these experts are whole on every "
+                             "tensor rank (DeepSpeed's MoE without enable_expert_tensor_parallelism): use "
+                             "tensor_parallel.size 1 or ep_size 1")
         ids = {id(param) for _, param, _ in experts}
         build: Callable[[list[dict]], torch.optim.Optimizer]
         if optimizer is not None:

@@ -20,6 +20,7 @@ from shardwise.runtime.data.policy import DataSamplingPolicy
 from shardwise.runtime.data.random_ltd import RandomLTDPolicy
 from shardwise.runtime.distributed.topology import TopologyPolicy
 from shardwise.runtime.ops.policy import KernelPolicy
+from shardwise.runtime.parallel.expert.policy import ExpertPolicy
 from shardwise.runtime.parallel.pipeline.policy import PipelinePolicy
 from shardwise.runtime.parallel.sequence.policy import SequencePolicy
 from shardwise.runtime.parallel.tensor.policy import TensorPolicy
@@ -76,6 +77,7 @@ class Policies:
     tensor: TensorPolicy = field(default_factory=TensorPolicy)
     sequence: SequencePolicy = field(default_factory=SequencePolicy)
     pipeline: PipelinePolicy = field(default_factory=PipelinePolicy)
+    expert: ExpertPolicy = field(default_factory=ExpertPolicy)
     activation: ActivationPolicy = field(default_factory=ActivationPolicy)
     compile: CompilePolicy = field(default_factory=CompilePolicy)
     kernels: KernelPolicy = field(default_factory=KernelPolicy)

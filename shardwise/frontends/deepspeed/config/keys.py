@@ -64,8 +64,17 @@ ALIASES: dict[str, dict[str, str]] = {
 
 DEEPSPEED_KEYS_NOT_SUPPORTED: dict[str, frozenset[str]] = {
     "": frozenset({
-        "expert_parallel", "gradient_allreduce_op", "managed_gradient_accumulation",
+        "gradient_allreduce_op", "managed_gradient_accumulation",
         "use_data_before_expert_parallelism", "vocabulary_size",
+    }),
+    "expert_parallel": frozenset({  # DeepSpeed's AutoEP beyond `enabled` and `autoep_size`
+        "async_split_plan", "combine_impl", "comm_backend", "comm_max_tokens_per_rank", "comm_num_sm",
+        "comm_qp_margin", "disable_triton_grouped_mm", "expert_activation", "expert_pattern",
+        "expert_tensor_parallel_size", "expert_w1", "expert_w2", "expert_w3", "gate_up_impl",
+        "has_shared_experts", "load_balance_coeff", "moe_layer_pattern", "num_expert_groups", "num_experts_attr",
+        "num_limited_groups", "preset_model", "route_norm", "route_scale", "routed_scaling_factor",
+        "router_pattern", "row_weighting_impl", "score_apply", "score_func", "shared_experts_gate_pattern",
+        "shared_experts_pattern", "top_k", "top_k_attr", "use_grouped_mm", "validate_folding_routing",
     }),
     "optimizer.params": frozenset({"max_grad_norm"}),
     "tensor_parallel": frozenset({

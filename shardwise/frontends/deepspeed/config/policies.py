@@ -31,6 +31,7 @@ from shardwise.runtime.distributed.topology import TopologyPolicy
 from shardwise.runtime.engine.policies import OptimizerPolicy, Policies, SchedulerPolicy, TrainingPolicy
 from shardwise.runtime.ops.policy import KernelPolicy
 from shardwise.runtime.optim.registry import optimizer_spec
+from shardwise.runtime.parallel.expert.policy import ExpertPolicy
 from shardwise.runtime.parallel.pipeline.policy import PipelinePolicy
 from shardwise.runtime.parallel.sequence.policy import SequencePolicy
 from shardwise.runtime.parallel.tensor.policy import TensorPolicy
@@ -65,6 +66,7 @@ def policies_from_config(cfg: ShardwiseConfig) -> Policies:
                             cfg.tensor_parallel.sequence_parallel or cfg.sequence_parallel.mode == "megatron"),
         sequence=SequencePolicy(cfg.sequence_parallel.size),
         pipeline=pipeline_policy(cfg),
+        expert=ExpertPolicy(cfg.expert_parallel.autoep_size if cfg.expert_parallel.enabled else 1),
         activation=activation_policy(cfg),
         compile=compile_policy(cfg),
         kernels=KernelPolicy(cfg.compile.fused_ops,

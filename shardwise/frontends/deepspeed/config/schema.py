@@ -300,6 +300,17 @@ class TensorParallelConfig(Section):
     plan: dict[str, str] | None = None
 
 
+class ExpertParallelConfig(Section):
+    """DeepSpeed's AutoEP block: with `enabled`, a model whose plan spreads its experts (a
+    Hugging Face Mixtral's stacked experts, models/hf/experts.py) splits each MoE layer's
+    experts over `autoep_size` ranks of every data-parallel group, tokens exchanged by
+    all-to-all. DeepSpeed's `MoE(ep_size=...)` layers carry their own size instead. The
+    block's other DeepSpeed keys (presets, patterns, kernels) are not provided."""
+
+    enabled: Bool = False
+    autoep_size: Int = Field(1, ge=1)
+
+
 class SequenceParallelConfig(Section):
     """shardwise addition. `size` matters to Ulysses (Megatron-style SP reuses the TP group),
     hence Ulysses is the default mode."""
@@ -567,6 +578,7 @@ class ShardwiseConfig(Section):
     activation_checkpointing: ActivationCheckpointingConfig = Field(default_factory=ActivationCheckpointingConfig)
     aio: AioConfig | None = None
     tensor_parallel: TensorParallelConfig = Field(default_factory=TensorParallelConfig)
+    expert_parallel: ExpertParallelConfig = Field(default_factory=ExpertParallelConfig)
     sequence_parallel: SequenceParallelConfig = Field(default_factory=SequenceParallelConfig)
     pipeline_parallel: PipelineParallelConfig = Field(default_factory=PipelineParallelConfig)
     topology: TopologyConfig = Field(default_factory=TopologyConfig)

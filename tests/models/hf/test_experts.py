@@ -1,0 +1,109 @@
+"""A Hugging Face Mixtral with its stacked experts spread over an expert-parallel group
+(shardwise/models/hf/experts.py) trains exactly like one process on the same global batch
+(fp32, losses and final weights < 1e-5 relative), the router's auxiliary loss included:
+ep=2 on 2 ranks at ZeRO 0, 1 and 3, ep=2 x dp=2 on 4 ranks (the expert-data group), and
+tp=2 x ep=2 (4 ranks, each kept expert's width split over the tensor group), and pp=2 x ep=2
+(4 ranks) and pp=2 alone (2 ranks), the auxiliary loss carried across the stages.
+
+The router picks experts by top-k, a discontinuous choice: as in test_decoders.py the
+comparison is a 2-step trajectory of a tiny model whose router margins (~1e-2) are orders of
+magnitude above the last-bit differences of the parallel sums.
+"""
+
+from functools import lru_cache
+
+import pytest
+
+from shardwise.formulas.dropless_experts import dropless_exchange_bytes
+from shardwise.models import plan_for
+from shardwise.models.hf.decoders import DecoderAdapter, RouterLossDecoderAdapter
+from shardwise.models.hf.experts import ExpertParallelStackedExperts
+from shardwise.tools.testing import DistributedTestError, run_distributed
+from tests.models.hf.expert_workers import ExpertCase, build_mixtral, train_parallel, train_reference
+from tests.runtime.zero.workers import relative_error
+
+TOLERANCE = 1e-5
+HIDDEN = 32
+
+
+@lru_cache(maxsize=None)
+def reference(data_size: int, router_loss: bool = True) -> dict:
+    return train_reference(ExpertCase(router_loss=router_loss), data_size)
+
+
+def assert_matches(results: list[dict], want: dict) -> None:
+    data_ranks = {result["data_rank"] for result in results}
+    for step, expected in enumerate(want["losses"]):
+        got = sum(next(r for r in results if r["data_rank"] == d)["losses"][step] for d in data_ranks) / len(data_ranks)
+        assert abs(got - expected) / expected < TOLERANCE, f"step {step}: loss {got} vs {expected}"
+    held = set()
+    for result in results:
+        held |= set(result["params"])
+        for name, got in result["params"].items():
+            error = relative_error(got, want["params"][name])
+            assert error < TOLERANCE, f"{name}: relative error {error:.2e}"
+    assert held == set(want["params"])
+
+
+@pytest.mark.parametrize("stage", [0, pytest.param(1, marks=pytest.mark.slow), 3])
+def test_ep2_matches_single_process_and_its_all_to_all_bytes_match_the_formula(stage):
+    results = run_distributed(train_parallel, 2, ExpertCase(stage=stage))
+    assert_matches(results, reference(2))
+    for result in results:  # every layer call's exchange, forward and backward
+        calls = zip(*(other["routed"] for other in sorted(results, key=lambda r: r["expert_rank"])))
+        want = sum(dropless_exchange_bytes(list(routed), member=result["expert_rank"], hidden_size=HIDDEN,
+                                           bytes_per_element=4) for routed in calls)
+        assert result["bytes"] == {"all_to_all": want}
+
+
+@pytest.mark.slow
+def test_ep2_dp2_with_expert_optimizer_state_partitioned_matches_single_process():
+    """4 ranks, 2 expert groups: each expert's gradient summed over the 2 ranks holding it
+    and its optimizer state split between them (ZeRO 1)."""
+    assert_matches(run_distributed(train_parallel, 4, ExpertCase(stage=1)), reference(4))
+
+
+def test_tp2_ep2_matches_single_process():
+    assert_matches(run_distributed(train_parallel, 4, ExpertCase(tensor=2)), reference(2))
+
+
+@pytest.mark.slow
+def test_pp2_ep2_matches_single_process():
+    """4 ranks: 2 stages of one layer each, every stage's experts over its 2 data-parallel
+    ranks, the router's auxiliary loss over both stages' routers carried to the last."""
+    results = run_distributed(train_parallel, 4, ExpertCase(pipeline=2))
+    assert set(results[0]["params"]) != set(results[-1]["params"])  # each stage keeps its own layers
+    assert_matches(results, reference(2))
+
+
+def test_pp2_adds_the_router_loss_of_every_stage_as_one_process():
+    """Without expert parallelism too: the stages carry the auxiliary loss's sums."""
+    assert_matches(run_distributed(train_parallel, 2, ExpertCase(expert=1, pipeline=2)), reference(1))
+
+
+def test_pipeline_stages_carry_the_router_loss_only_when_the_model_adds_it():
+    assert type(plan_for(build_mixtral(router_loss=True)).pipeline) is RouterLossDecoderAdapter
+    assert type(plan_for(build_mixtral(router_loss=False)).pipeline) is DecoderAdapter
+
+
+def _initialize_with_whole_experts(rank: int, world_size: int) -> None:
+    import shardwise
+    from tests.models.hf.expert_workers import make_optimizer
+
+    model = build_mixtral()
+    config = {**ExpertCase(tensor=2).config(), "tensor_parallel": {"size": 2, "plan": {"lm_head": "vocab_head"}}}
+    shardwise.initialize(model, config, optimizer=make_optimizer(model, 0.1))
+
+
+@pytest.mark.slow
+def test_tensor_parallelism_refuses_experts_it_does_not_split():
+    """A tensor plan that leaves the experts whole would count their gradient once per
+    tensor rank: refused with the reason."""
+    with pytest.raises(DistributedTestError, match=r"needs experts split by the tensor group"):
+        run_distributed(_initialize_with_whole_experts, 4)
+
+
+def test_an_expert_parallel_size_that_does_not_divide_the_experts_is_refused():
+    experts = build_mixtral().model.layers[0].mlp.experts
+    with pytest.raises(ValueError, match=r"autoep_size 3: .* has 4 experts .* do not split over 3 ranks"):
+        ExpertParallelStackedExperts(experts, size=3, rank=0)
