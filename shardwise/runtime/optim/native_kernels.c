@@ -461,11 +461,13 @@ void adafactor_apply(float *param, const float *grad, int64_t n, int64_t start, 
         const float ratio = run.row_ratio, factor = run.row_factor;
         if (decay) {
             for (int64_t j = 0; j < run.count; j++)
-                w[j] = fmaf(adafactor_direction(g[j], ratio, factor, columns[j], factors[j], square_floor, floor_factor),
+                w[j] = fmaf(adafactor_direction(g[j], ratio, factor, columns[j], factors[j], square_floor,
+                                                floor_factor),
                             scale, w[j] * decay_factor);
         } else {
             for (int64_t j = 0; j < run.count; j++)
-                w[j] = fmaf(adafactor_direction(g[j], ratio, factor, columns[j], factors[j], square_floor, floor_factor),
+                w[j] = fmaf(adafactor_direction(g[j], ratio, factor, columns[j], factors[j], square_floor,
+                                                floor_factor),
                             scale, w[j]);
         }
     }
@@ -500,5 +502,151 @@ void adafactor_vector_apply(float *restrict param, const float *restrict grad, c
         float v = variance[i];
         float u = grad[i] * (1.0f / sqrtf(v < square_floor ? square_floor : v));
         param[i] = fmaf(u, scale, decay ? param[i] * decay_factor : param[i]);
+    }
+}
+
+/* 1-bit compression (distributed/compressed.py's arithmetic, for optim/onebit_exchange.py):
+   x's signs, 8 per byte (the first element in the highest bit, 1 for >= 0), at the scale
+   ||x|| / sqrt(n) that gives them x's L2 norm; signs decoded as +-scale, exactly as
+   torch's (+-1) x scale. */
+
+#define ONEBIT_BLOCK 1024
+/* 8 bytes of 0/1 read as a little-endian word, times this, have byte i's bit at bit 63 - i
+   (distributed/compressed.py's `_PACK`: the other partial products never carry into the
+   top byte). On a little-endian host; a big-endian one packs bit by bit. */
+#define PACK_MULTIPLIER 0x8040201008040201ull
+
+/* error += x (x NULL: as it is); *scale = ||error|| / sqrt(n) (the norm from a double sum,
+   rounded to fp32, divided as torch divides an fp32 norm by the Python float sqrt(n));
+   packed = error's signs; error -= +-scale, what the compression loses. n: whole bytes. */
+void onebit_compress(const float *restrict x, float *restrict error, int64_t n, uint8_t *restrict packed,
+                     float *scale) {
+    double square = 0.0;
+    if (x != NULL) {
+#pragma omp simd reduction(+ : square)
+        for (int64_t i = 0; i < n; i++) {
+            float e = error[i] + x[i];
+            error[i] = e;
+            square += (double)e * e;
+        }
+    } else {
+#pragma omp simd reduction(+ : square)
+        for (int64_t i = 0; i < n; i++)
+            square += (double)error[i] * error[i];
+    }
+    const float s = (float)sqrt(square) / (float)sqrt((double)n);
+    *scale = s;
+    for (int64_t start = 0; start < n; start += ONEBIT_BLOCK) {
+        const int64_t count = n - start < ONEBIT_BLOCK ? n - start : ONEBIT_BLOCK;
+        float *restrict e = error + start;
+        uint8_t positive[ONEBIT_BLOCK];
+        for (int64_t j = 0; j < count; j++) { /* the signs, then what the compression loses */
+            positive[j] = e[j] >= 0.0f;
+            e[j] -= positive[j] ? s : -s;
+        }
+        for (int64_t byte = 0; byte < count / 8; byte++) { /* 8 bytes of 0/1 -> 1 byte, as torch packs */
+#if __BYTE_ORDER__ == __ORDER_LITTLE_ENDIAN__
+            uint64_t word;
+            memcpy(&word, positive + 8 * byte, 8);
+            packed[start / 8 + byte] = (uint8_t)((word * PACK_MULTIPLIER) >> 56);
+#else
+            unsigned bits = 0;
+            for (int k = 0; k < 8; k++)
+                bits |= (unsigned)positive[8 * byte + k] << (7 - k);
+            packed[start / 8 + byte] = (uint8_t)bits;
+#endif
+        }
+    }
+}
+
+/* Every byte's eight signs as +-1.0f (the first element in the highest bit), filled when
+   the library is loaded: decoding is a lookup and a multiply per element (exact: +-1 x s). */
+static float signs_of_byte[256][8];
+
+__attribute__((constructor)) static void fill_signs_of_byte(void) {
+    for (int byte = 0; byte < 256; byte++)
+        for (int k = 0; k < 8; k++)
+            signs_of_byte[byte][k] = (byte >> (7 - k)) & 1 ? 1.0f : -1.0f;
+}
+
+/* out = the rows' signs at their scales, row r (n elements, whole bytes) from packed + r x stride. */
+void onebit_decode(const uint8_t *restrict packed, int64_t stride, const float *restrict scales, int64_t rows,
+                   int64_t n, float *restrict out) {
+    for (int64_t r = 0; r < rows; r++) {
+        const uint8_t *restrict row = packed + r * stride;
+        const float s = scales[r];
+        for (int64_t byte = 0; byte < n / 8; byte++) {
+            const float *restrict signs = signs_of_byte[row[byte]];
+            float *restrict o = out + r * n + 8 * byte;
+            for (int k = 0; k < 8; k++)
+                o[k] = signs[k] * s;
+        }
+    }
+}
+
+/* out = (sum over the rows of their signs at their scales, in row order, each added to the
+   sum so far as torch's add with alpha adds it) / rows: the server's average, one pass. */
+void onebit_average(const uint8_t *restrict packed, int64_t stride, const float *restrict scales, int64_t rows,
+                    int64_t n, float *restrict out) {
+    const float count = (float)rows;
+    for (int64_t byte = 0; byte < n / 8; byte++) {
+        float sum[8];
+        const float *restrict first = signs_of_byte[packed[byte]];
+        for (int k = 0; k < 8; k++)
+            sum[k] = first[k] * scales[0];
+        for (int64_t r = 1; r < rows; r++) {
+            const float *restrict signs = signs_of_byte[packed[r * stride + byte]];
+            for (int k = 0; k < 8; k++)
+                sum[k] += signs[k] * scales[r];
+        }
+        for (int k = 0; k < 8; k++)
+            out[8 * byte + k] = sum[k] / count;
+    }
+}
+
+/* m <- m x beta1 + weight x g (weight = 1 - beta1; g NULL: no gradient), torch's mul_ then
+   add_ with alpha (a fused multiply-add). */
+void momentum_fold(float *restrict m, const float *restrict g, int64_t n, float beta1, float weight) {
+    if (g == NULL) {
+        for (int64_t i = 0; i < n; i++)
+            m[i] *= beta1;
+        return;
+    }
+    for (int64_t i = 0; i < n; i++)
+        m[i] = fmaf(g[i], weight, m[i] * beta1);
+}
+
+/* 1-bit LAMB after its warm-up, the statistics pass (optim/onebit_lamb.py): the gradient
+   reconstructed from the exchanged momentum m and the previous one, g = (m - beta1 last) /
+   (1 - beta1); the fresh variance advanced, f <- f beta2 + (1 - beta2) g g; out[0] =
+   max(out[0], max of d(v) / d(f)) with d Adam's denominator (NaN kept, as torch's max
+   keeps it); with weight decay, out[1] += sum p^2 and out[2] += sum u^2 of p = m / d(v)
+   and u = p + weight_decay w. */
+void onebit_lamb_statistics(const float *restrict param, const float *restrict m, const float *restrict last,
+                            const float *restrict v, float *restrict fresh, int64_t n, float beta1,
+                            float one_minus_beta1, float beta2, float one_minus_beta2, float eps,
+                            int eps_inside_sqrt, float weight_decay, double *out) {
+    float maximum = -INFINITY;
+    int nan = 0;
+    double preliminary_square = 0.0, update_square = 0.0;
+#pragma omp simd reduction(max : maximum) reduction(| : nan) reduction(+ : preliminary_square, update_square)
+    for (int64_t i = 0; i < n; i++) {
+        float g = (m[i] - beta1 * last[i]) / one_minus_beta1;
+        float f = fresh[i] * beta2 + one_minus_beta2 * g * g;
+        fresh[i] = f;
+        float d = eps_inside_sqrt ? sqrtf(v[i] + eps) : sqrtf(v[i]) + eps;
+        float ratio = d / (eps_inside_sqrt ? sqrtf(f + eps) : sqrtf(f) + eps);
+        maximum = maximum > ratio ? maximum : ratio;
+        nan |= ratio != ratio;
+        float p = m[i] / d;
+        float u = fmaf(param[i], weight_decay, p);
+        preliminary_square += (double)p * p;
+        update_square += (double)u * u;
+    }
+    double found = nan ? NAN : (double)maximum;
+    out[0] = out[0] != out[0] || found != found ? NAN : (found > out[0] ? found : out[0]);
+    if (weight_decay != 0.0f) {
+        out[1] += preliminary_square;
+        out[2] += update_square;
     }
 }

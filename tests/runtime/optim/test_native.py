@@ -22,6 +22,8 @@ from shardwise.runtime.optim.adafactor import Adafactor
 from shardwise.runtime.optim.adam8bit import Adam8bit, AdamW8bit, _native_codebook
 from shardwise.runtime.optim.lamb import Lamb
 from shardwise.runtime.optim.lars import Lars
+from shardwise.runtime.optim.onebit_adam import OneBitAdam
+from shardwise.runtime.optim.onebit_lamb import OneBitLamb
 from shardwise.runtime.optim.sharded import ParameterShard
 from shardwise.runtime.optim.quantization import codebook, dynamic_code, quantize
 
@@ -144,6 +146,40 @@ def test_adafactor_kernels_take_the_torch_paths_step(weight_decay, maximize, eps
         _steps(build, compare, NORM_RTOL, steps=4, shapes=ADAFACTOR_SHAPES)
     finally:
         torch.set_num_threads(previous)
+
+
+@pytest.mark.parametrize(("weight_decay", "eps_inside_sqrt"), [(0.0, False), (0.01, True)])
+def test_onebit_adam_kernels_take_the_torch_paths_step(weight_decay, eps_inside_sqrt):
+    """1-bit Adam's momentum fold (after the warm-up) and its update, on one worker (the
+    exchange's kernels: test_onebit_compression.py): the fold is the same fused
+    multiply-add, so the momentum is equal bit for bit; the update differs by the square
+    root's ulp (see above) and the kernel's unfused step, so the weights to two ulps of the
+    step."""
+    def compare(native_optimizer, torch_optimizer, mine, reference):
+        for param, twin in zip(mine, reference):
+            for key in ("exp_avg", "exp_avg_sq"):
+                assert torch.equal(native_optimizer.state[param][key], torch_optimizer.state[twin][key]), key
+
+    _steps(lambda params: OneBitAdam(params, lr=0.01, freeze_step=1, weight_decay=weight_decay,
+                                     eps_inside_sqrt=eps_inside_sqrt), compare, ULPS, steps=3)
+
+
+@pytest.mark.parametrize("weight_decay", [0.0, 0.01])
+def test_onebit_lamb_kernels_take_the_torch_paths_step(weight_decay):
+    """1-bit LAMB after its warm-up, on one worker: the fresh variance from the
+    reconstructed gradient (the same operations: to one ulp, where torch's vectorised
+    multiply-add differs), the variance factor from square roots (torch's one ulp off) and
+    the weight-decay share from norms (fp32 in torch), so the steps to NORM_RTOL."""
+    def compare(native_optimizer, torch_optimizer, mine, reference):
+        for param, twin in zip(mine, reference):
+            state, twin_state = native_optimizer.state[param], torch_optimizer.state[twin]
+            assert torch.equal(state["exp_avg"], twin_state["exp_avg"])
+            if "exp_avg_sq_fresh" in twin_state:
+                torch.testing.assert_close(state["exp_avg_sq_fresh"], twin_state["exp_avg_sq_fresh"], rtol=ULPS, atol=0)
+                assert state["last_factor"] == pytest.approx(twin_state["last_factor"], rel=NORM_RTOL)
+
+    _steps(lambda params: OneBitLamb(params, lr=0.01, freeze_step=1, weight_decay=weight_decay), compare, NORM_RTOL,
+           steps=3)
 
 
 @pytest.mark.parametrize("cls", [Adam8bit, AdamW8bit])
