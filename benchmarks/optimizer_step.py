@@ -168,8 +168,10 @@ def optimizers(lr: float) -> dict[str, Callable[[list[torch.nn.Parameter]], torc
         "Muon (fp32 Newton-Schulz)": lambda p: Muon(p, lr=lr, ns_dtype="float32"),
         "OneBitAdam (warm-up)": onebit(OneBitAdam, freeze_step=10**6),
         "OneBitAdam": onebit(OneBitAdam),
+        "OneBitAdam (torch ops)": onebit(OneBitAdam),
         "OneBitLamb (warm-up)": onebit(OneBitLamb, freeze_step=10**6),
         "OneBitLamb": onebit(OneBitLamb),
+        "OneBitLamb (torch ops)": onebit(OneBitLamb),
         # (the timed steps 4-10 by the schedule; the median is the row's kind)
         "ZeroOneAdam (1-bit gradient)": zero_one(var_freeze_step=10**6, var_update_scaler=1),  # 5 of 7
         "ZeroOneAdam (synchronisation)": zero_one(var_freeze_step=1),  # all 7
