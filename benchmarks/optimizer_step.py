@@ -18,7 +18,10 @@ still shows in it).
 
 Rows marked "(torch ops)" are the same optimizers with their native kernels off
 (`SHARDWISE_NATIVE_OPTIM=0`, optim/native.py): their multi-tensor torch path, the
-"before" of issue 27. "bitsandbytes Adam8bit" is bitsandbytes' own (its CPU code), where
+"before" of issue 27. "Adafactor (ZeRO order)" is Adafactor with its whole parameters
+declared as ZeRO's pieces over a group of one: the order it steps in under ZeRO (each
+pass over every parameter, a sum between passes), where without ZeRO it runs each
+parameter's passes back to back, in cache. "bitsandbytes Adam8bit" is bitsandbytes' own (its CPU code), where
 it is installed. "limit" is the least time the step could take on this core: the bytes
 the optimizer's algorithm must move per parameter (its arrays read and written once per
 pass it needs, `MIN_BYTES`) at the memory bandwidth of a large copy measured in the same
@@ -122,6 +125,7 @@ def bitsandbytes_adam8bit() -> Callable[[list[torch.nn.Parameter]], torch.optim.
 
 def optimizers(lr: float) -> dict[str, Callable[[list[torch.nn.Parameter]], torch.optim.Optimizer]]:
     from shardwise.runtime.optim import Adafactor, Adam8bit, Lamb, Lars, Muon, OneBitAdam, OneBitLamb, ZeroOneAdam
+    from shardwise.runtime.optim.sharded import ParameterShard, ShardAwareOptimizer
 
     def onebit(cls: type, freeze_step: int = 1) -> Callable[[list[torch.nn.Parameter]], torch.optim.Optimizer]:
         def build(params: list[torch.nn.Parameter]) -> torch.optim.Optimizer:
@@ -137,6 +141,14 @@ def optimizers(lr: float) -> dict[str, Callable[[list[torch.nn.Parameter]], torc
             return optimizer
         return build
 
+    def zero_order(optimizer: ShardAwareOptimizer) -> ShardAwareOptimizer:
+        """The whole parameters declared as ZeRO's pieces, summed over a group of one: the
+        step's order under ZeRO (each pass over every parameter, a sum between passes)."""
+        params = [param for group in optimizer.param_groups for param in group["params"]]
+        optimizer.attach_shards({param: ParameterShard(f"p{index}", tuple(param.shape), 0, param.numel(), index)
+                                 for index, param in enumerate(params)}, len(params), lambda tensor: tensor)
+        return optimizer
+
     rows = {
         "torch AdamW (foreach)": lambda p: torch.optim.AdamW(p, lr=lr, foreach=True),
         "torch AdamW (fused)": lambda p: torch.optim.AdamW(p, lr=lr, fused=True),
@@ -147,6 +159,8 @@ def optimizers(lr: float) -> dict[str, Callable[[list[torch.nn.Parameter]], torc
         "Lars (torch ops)": lambda p: Lars(p, lr=lr, momentum=0.9),
         "Lars (torch ops, compiled)": lambda p: Lars(p, lr=lr, momentum=0.9, compile=True),
         "Adafactor": lambda p: Adafactor(p, lr=lr),
+        "Adafactor (ZeRO order)": lambda p: zero_order(Adafactor(p, lr=lr)),
+        "Adafactor (torch ops)": lambda p: Adafactor(p, lr=lr),
         "torch Adafactor": lambda p: torch.optim.Adafactor(p, lr=lr),
         "Adam8bit": lambda p: Adam8bit(p, lr=lr),
         "Adam8bit (torch ops)": lambda p: Adam8bit(p, lr=lr),
@@ -154,8 +168,10 @@ def optimizers(lr: float) -> dict[str, Callable[[list[torch.nn.Parameter]], torc
         "Muon (fp32 Newton-Schulz)": lambda p: Muon(p, lr=lr, ns_dtype="float32"),
         "OneBitAdam (warm-up)": onebit(OneBitAdam, freeze_step=10**6),
         "OneBitAdam": onebit(OneBitAdam),
+        "OneBitAdam (torch ops)": onebit(OneBitAdam),
         "OneBitLamb (warm-up)": onebit(OneBitLamb, freeze_step=10**6),
         "OneBitLamb": onebit(OneBitLamb),
+        "OneBitLamb (torch ops)": onebit(OneBitLamb),
         # (the timed steps 4-10 by the schedule; the median is the row's kind)
         "ZeroOneAdam (1-bit gradient)": zero_one(var_freeze_step=10**6, var_update_scaler=1),  # 5 of 7
         "ZeroOneAdam (synchronisation)": zero_one(var_freeze_step=1),  # all 7

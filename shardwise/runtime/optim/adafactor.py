@@ -21,6 +21,13 @@ rows, columns and norms, one sum over the shard group completes them (with the s
 row / column statistics, which each rank keeps only in part: optim/adafactor_layout.py),
 and a second sum completes RMS(U). On one process, whole parameters give torch's
 arithmetic operation for operation.
+
+On CPU, fp32 tensors step in native kernels (optim/native.py; `SHARDWISE_NATIVE_OPTIM=0`
+keeps the torch path above): a matrix in three passes (the weight's, rows' and columns'
+squares in one; RMS(U); the update), a tensor that is not factored in two, U computed
+without a per-element division or square root. They agree with the torch path to fp32
+rounding, not bit for bit (their sums are in double). Without ZeRO each parameter's
+passes run back to back, while it is still in the cache.
 """
 
 from __future__ import annotations
@@ -32,6 +39,7 @@ from typing import Any, Iterable
 
 import torch
 
+from shardwise.runtime.optim import native
 from shardwise.runtime.optim.adafactor_layout import Factoring
 from shardwise.runtime.optim.layout import PaddedRows, flat, parameter_shapes, params_with_grad
 from shardwise.runtime.optim.params import param
@@ -117,17 +125,39 @@ class Adafactor(ShardAwareOptimizer):
         pieces = [_Piece(self, param, group) for param, group in params_with_grad(self)]
         device = pieces[0].param.device if pieces else torch.device("cpu")
         totals = torch.zeros(self._offsets[-1], dtype=torch.float64, device=device)
-        for piece in pieces:
-            piece.contribute(totals, self._offsets[piece.shard.index])
-        self.sum_over_shards(totals)
         update_squares = torch.zeros(self.parameter_count, dtype=torch.float64, device=device)
+        if not self.sharded and all(piece.native for piece in pieces):
+            self._step_each_in_cache(pieces, totals, update_squares)
+            return loss
+        for piece in pieces:
+            piece.contribute(totals, self._offsets[piece.shard.index], update_squares)
+        self.sum_over_shards(totals)
         for piece in pieces:
             piece.advance(totals, self._offsets[piece.shard.index])
-            update_squares[piece.shard.index] += _square(piece.update())
+            piece.add_update_square(update_squares)
         self.sum_over_shards(update_squares)
         for piece, (weight_square, update_square) in zip(pieces, self._read_norms(pieces, totals, update_squares)):
             piece.apply(math.sqrt(weight_square), math.sqrt(update_square))
         return loss
+
+    @property
+    def sharded(self) -> bool:
+        """Whether ZeRO cut the parameters into pieces (a shard group to sum over)."""
+        return getattr(self, "_sum", None) is not None
+
+    def _step_each_in_cache(self, pieces: list[_Piece], totals: torch.Tensor, update_squares: torch.Tensor) -> None:
+        """Whole parameters in the native kernels: each parameter's three passes one after
+        the other, so the second and third find its gradient and weights in the cache the
+        first brought them into (the batched order of `step` streams every pass over all
+        parameters from memory, which ZeRO needs: a sum over the shard group between
+        passes). The same arithmetic per parameter, so the same result."""
+        sums, squares = totals.numpy(), update_squares.numpy()  # CPU: views, read without a copy
+        for piece in pieces:
+            offset = self._offsets[piece.shard.index]
+            piece.contribute(totals, offset, update_squares)
+            piece.advance(totals, offset)
+            piece.add_update_square(update_squares)
+            piece.apply(math.sqrt(sums[offset]), math.sqrt(squares[piece.shard.index]))
 
     def _read_norms(self, pieces: list[_Piece], totals: torch.Tensor,
                     update_squares: torch.Tensor) -> list[tuple[float, float]]:
@@ -138,9 +168,9 @@ class Adafactor(ShardAwareOptimizer):
         add) would not reproduce bit for bit."""
         if not pieces:
             return []
-        weights = [totals[self._offsets[piece.shard.index]] for piece in pieces]
-        updates = [update_squares[piece.shard.index] for piece in pieces]
-        values = torch.stack(weights + updates).tolist()
+        weights = torch.tensor([self._offsets[piece.shard.index] for piece in pieces], device=totals.device)
+        updates = torch.tensor([piece.shard.index for piece in pieces], device=totals.device)
+        values = torch.cat([totals[weights], update_squares[updates]]).tolist()
         return list(zip(values[: len(pieces)], values[len(pieces) :]))
 
     def _lay_out(self, shapes: list[tuple[int, ...] | None]) -> None:
@@ -166,10 +196,15 @@ class _Piece:
         if not self.state:
             self.state["step"] = torch.tensor(0.0)
         self.state["step"] += 1
+        self.step = self.state["step"].item()
+        self.weight = self.step ** group["beta2_decay"]
         self.state["piece"] = (self.shard.start, self.shard.shape)
         self._settle_state()
         if self.factoring is not None:
             self.padded = PaddedRows.of(self.shard, self.factoring.width)
+        # the step in the native kernels (optim/native.py) where they take the tensors
+        self.native = (param.dtype == self.grad.dtype == torch.float32 and native.enabled()
+                       and native.takes(param, self.grad))
 
     def _settle_state(self) -> None:
         """Fresh state, or statistics loaded per element, into this parameter's form."""
@@ -179,39 +214,61 @@ class _Piece:
             state.setdefault("variance", torch.zeros(shard.numel, device=self.param.device))
             return
         state.pop("variance", None)
-        for key, positions in (("row_var", factoring.row_start_positions(shard.start, shard.stop)),
-                               ("col_var", factoring.first_row_positions(shard.start, shard.stop))):
+        for key, stored, positions in (("row_var", factoring.stored_rows, factoring.row_start_positions),
+                                       ("col_var", factoring.stored_columns, factoring.first_row_positions)):
             if loaded[key] is not None:
-                state[key] = loaded[key][positions.to(loaded[key].device)].clone()
+                at = positions(shard.start, shard.stop).to(loaded[key].device)
+                state[key] = loaded[key][at].clone()
             elif key not in state:
-                state[key] = torch.zeros(positions.numel(), device=self.param.device)
+                part = stored(shard.start, shard.stop)
+                state[key] = torch.zeros(part.stop - part.start, device=self.param.device)
 
-    def contribute(self, totals: torch.Tensor, offset: int) -> None:
-        totals[offset] += _square(flat(self.param))
-        if self.factoring is None:
-            return
+    def contribute(self, totals: torch.Tensor, offset: int, update_squares: torch.Tensor) -> None:
+        """Adds this piece's squares (weight; matrices: gradient rows and columns, and the
+        stored statistics) to `totals`. A tensor that is not factored needs no sum over the
+        shard group for V, so its kernel also advances V and adds U² to `update_squares`."""
         factoring, shard = self.factoring, self.shard
-        rows = self.padded.pad(self.grad)
+        if self.native and factoring is None:
+            native.library().adafactor_vector_squares(
+                self.param.data_ptr(), self.grad.data_ptr(), self.state["variance"].data_ptr(), shard.numel,
+                self.weight, self.eps1 * self.eps1, totals.data_ptr() + 8 * offset,
+                update_squares.data_ptr() + 8 * shard.index)
+            return
+        if self.native:  # the weight's, rows' and columns' squares in one pass
+            at = totals.data_ptr()
+            native.library().adafactor_squares(
+                self.param.data_ptr(), self.grad.data_ptr(), shard.numel, shard.start, factoring.width,
+                factoring.height, at + 8 * (offset + 1), at + 8 * (offset + 1 + factoring.rows), at + 8 * offset,
+                native.threads())
+        else:
+            totals[offset] += _square(flat(self.param))
+            if factoring is None:
+                return
+            self._contribute_squares(totals, offset)
         r, c = factoring.rows, factoring.columns
+        stored_rows = factoring.stored_rows(shard.start, shard.stop)
+        stored_columns = factoring.stored_columns(shard.start, shard.stop)
+        base = offset + 1 + r + c
+        totals[base + stored_rows.start : base + stored_rows.stop] += self.state["row_var"].double()
+        totals[base + r + stored_columns.start : base + r + stored_columns.stop] += self.state["col_var"].double()
+
+    def _contribute_squares(self, totals: torch.Tensor, offset: int) -> None:
+        """The rows' and columns' squared sums of the gradient, in torch."""
+        factoring = self.factoring
+        rows = self.padded.pad(self.grad)
         first = offset + 1
         totals[first + self.padded.first_row : first + self.padded.first_row + self.padded.rows] += (
             factoring.row_squares(rows).double())
         first_matrix, columns = factoring.column_squares(rows, self.padded)
-        start = first + r + first_matrix * factoring.width
+        start = first + factoring.rows + first_matrix * factoring.width
         totals[start : start + columns.numel()] += columns.reshape(-1).double()
-        stored_rows = factoring.stored_rows(shard.start, shard.stop)
-        stored_columns = factoring.stored_columns(shard.start, shard.stop)
-        base = first + r + c
-        totals[base + stored_rows.start : base + stored_rows.stop] += self.state["row_var"].double()
-        totals[base + r + stored_columns.start : base + r + stored_columns.stop] += self.state["col_var"].double()
 
     def advance(self, totals: torch.Tensor, offset: int) -> None:
         """Update the second-moment statistics (the whole matrix's, on every rank holding a
         piece of it) and keep this rank's stored part."""
-        step = self.state["step"].item()
-        self.weight = step ** self.group["beta2_decay"]
         if self.factoring is None:
-            self.state["variance"].lerp_(self.grad * self.grad, self.weight)
+            if not self.native:  # (the kernel advanced it in `contribute`)
+                self.state["variance"].lerp_(self.grad * self.grad, self.weight)
             return
         factoring, shard = self.factoring, self.shard
         r, c = factoring.rows, factoring.columns
@@ -220,8 +277,19 @@ class _Piece:
         row_mean, col_mean = sums[:r].div_(factoring.width), sums[r : r + c].div_(factoring.height)
         self.row_var = sums[r + c : 2 * r + c].lerp_(row_mean, self.weight)
         self.col_var = sums[2 * r + c :].lerp_(col_mean, self.weight)
+        if self.native:  # per matrix, the mean of its rows' statistics (`Factoring.variance`'s)
+            self.row_means = self.row_var.view(factoring.batches, factoring.height).mean(dim=1).clamp_(min=self.eps1)
         self.state["row_var"].copy_(self.row_var[factoring.stored_rows(shard.start, shard.stop)])
         self.state["col_var"].copy_(self.col_var[factoring.stored_columns(shard.start, shard.stop)])
+
+    def add_update_square(self, update_squares: torch.Tensor) -> None:
+        """Adds this piece's sum of U² to its parameter's entry of `update_squares`."""
+        if self.native and self.factoring is None:
+            return  # added in `contribute`
+        if self.native:
+            self._native_call("adafactor_update_square", update_squares.data_ptr() + 8 * self.shard.index)
+        else:
+            update_squares[self.shard.index] += _square(self.update())
 
     def update(self) -> torch.Tensor:
         """U = g / max(√V, eps1), for this piece (computed again in `apply` rather than
@@ -235,13 +303,31 @@ class _Piece:
 
     def apply(self, weight_norm: float, update_norm: float) -> None:
         group, numel = self.group, self.shard.full_numel
-        step = self.state["step"].item()
-        rho = min(group["lr"], 1 / (step**0.5))
+        rho = min(group["lr"], 1 / (self.step**0.5))
         alpha = max(group["eps"][1], weight_norm / (numel**0.5)) * rho
-        if group["weight_decay"] != 0:
-            self.param.mul_(1 - group["lr"] * group["weight_decay"])
         denominator = max(1.0, update_norm / ((numel**0.5) * group["d"]))
+        decay = group["weight_decay"] != 0
+        if self.native and self.factoring is None:
+            native.library().adafactor_vector_apply(
+                self.param.data_ptr(), self.grad.data_ptr(), self.state["variance"].data_ptr(), self.shard.numel,
+                self.eps1 * self.eps1, 1 - group["lr"] * group["weight_decay"], decay, -alpha / denominator)
+            return
+        if self.native:  # the decay and the update in one pass, U computed again
+            self._native_call("adafactor_apply", 1 - group["lr"] * group["weight_decay"], decay,
+                              -alpha / denominator, param=self.param.data_ptr())
+            return
+        if decay:
+            self.param.mul_(1 - group["lr"] * group["weight_decay"])
         flat(self.param).add_(self.update(), alpha=-alpha / denominator)
+
+    def _native_call(self, kernel: str, *arguments: Any, param: int | None = None) -> None:
+        """A native kernel over this piece's U: the statistics as `update` reads them."""
+        factoring, shard = self.factoring, self.shard
+        leading = () if param is None else (param,)
+        getattr(native.library(), kernel)(
+            *leading, self.grad.data_ptr(), shard.numel, shard.start, factoring.width, factoring.height,
+            self.row_var.data_ptr(), self.col_var.data_ptr(), self.row_means.data_ptr(), self.eps1 * self.eps1,
+            *arguments, native.threads())
 
 
 def _square(values: torch.Tensor) -> torch.Tensor:

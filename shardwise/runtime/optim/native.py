@@ -1,17 +1,20 @@
 """One-pass CPU optimizer kernels (native_kernels.c), compiled on first use.
 
 An optimizer step is memory-bound: torch's fused AdamW reads and writes each array once.
-LAMB, LARS and 8-bit Adam written in torch operations make one pass per operation (8-bit
-Adam's decode, update, block maxima and encode over thirty), and torch has no fused
-kernel for them; Inductor's loops come closest but cost a call and guards per tensor and
-tens of seconds of compiling. So, as DeepSpeed's CPU Adam does, the loops are C: built
-once per machine with the system's C compiler (about a second; OpenMP where the compiler
-has it) into a cache directory, loaded with ctypes (no torch headers, so any torch).
+LAMB, LARS, 8-bit Adam, Adafactor and the 1-bit optimizers' compression written in torch
+operations make one pass per operation (8-bit Adam's decode, update, block maxima and
+encode over thirty), and torch has no fused kernel for them; Inductor's loops come
+closest but cost a call and guards per tensor and tens of seconds of compiling. So, as
+DeepSpeed's CPU Adam does, the loops are C: built once per machine with the system's C
+compiler (about a second; OpenMP where the compiler has it) into a cache directory,
+loaded with ctypes (no torch headers, so any torch).
 
 Without a compiler, or with `SHARDWISE_NATIVE_OPTIM=0`, or for tensors the kernels do not
 take (not CPU, not contiguous fp32), the optimizers take their torch path, which computes
-the same arithmetic (bit for bit but for the squared norms' summation order); a missing
-compiler is warned about once.
+the same arithmetic (bit for bit but for the squared norms' summation order, and
+Adafactor's U, which the kernels compute without a division per element); a missing
+compiler is warned about once. The 1-bit exchange's kernels are used by
+optim/onebit_exchange.py.
 """
 
 from __future__ import annotations
@@ -41,6 +44,16 @@ _SIGNATURES = {
     "adam8bit_step": [_P, _P, _P, _P, _P, _P, _L, _L, _P, _P, _P, _P, _F, _F, _F, _F, _F, _F, _I, _F, _F, _P, _P, _P,
                       _I],
     "quantize_values": [_P, _P, _L, _F, _P],
+    "adafactor_squares": [_P, _P, _L, _L, _L, _L, _P, _P, _P, _I],
+    "adafactor_update_square": [_P, _L, _L, _L, _L, _P, _P, _P, _F, _P, _I],
+    "adafactor_apply": [_P, _P, _L, _L, _L, _L, _P, _P, _P, _F, _F, _I, _F, _I],
+    "adafactor_vector_squares": [_P, _P, _P, _L, _F, _F, _P, _P],
+    "adafactor_vector_apply": [_P, _P, _P, _L, _F, _F, _I, _F],
+    "onebit_compress": [_P, _P, _L, _P, _P],
+    "onebit_decode": [_P, _L, _P, _L, _L, _P],
+    "onebit_average": [_P, _L, _P, _L, _L, _P],
+    "momentum_fold": [_P, _P, _L, _F, _F],
+    "onebit_lamb_statistics": [_P, _P, _P, _P, _P, _L, _F, _F, _F, _F, _F, _I, _F, _P],
 }
 _library: ctypes.CDLL | None = None
 _tried = False
@@ -59,9 +72,9 @@ def library() -> ctypes.CDLL | None:
         try:
             _library = _load(_build())
         except (OSError, RuntimeError, subprocess.SubprocessError) as error:
-            warnings.warn(f"shardwise: the one-pass optimizer kernels could not be built ({error}); LAMB, LARS "
-                          f"and 8-bit Adam take their slower torch path. Install a C compiler (cc) to use them.",
-                          RuntimeWarning, stacklevel=3)
+            warnings.warn(f"shardwise: the one-pass optimizer kernels could not be built ({error}); LAMB, LARS, "
+                          f"8-bit Adam, Adafactor and the 1-bit optimizers take their slower torch path. Install a "
+                          f"C compiler (cc) to use them.", RuntimeWarning, stacklevel=3)
     return _library
 
 

@@ -11,7 +11,11 @@
 
 #include <math.h>
 #include <stdint.h>
+#include <stdlib.h>
 #include <string.h>
+#ifdef _OPENMP
+#include <omp.h>
+#endif
 
 #define PARALLEL_MIN 65536 /* elements below which a loop runs on one thread */
 
@@ -269,5 +273,380 @@ void adam8bit_step(float *param, const float *grad, uint8_t *m_codes, float *m_a
     if (edges != NULL && rows == 1) { /* one block: it is both the first and the last */
         memcpy(edges + BLOCK, edges, BLOCK * sizeof(float));
         memcpy(edges + 3 * BLOCK, edges + 2 * BLOCK, BLOCK * sizeof(float));
+    }
+}
+
+/* Adafactor on a piece of a parameter factored into matrices of `height` rows of `width`
+   elements: the piece is elements [start, start + n) of the flattened parameter (pointers
+   at its first element), the statistics are indexed by the whole parameter's row
+   (position / width) and column ((position / matrix size) x width + position % width). */
+
+/* One run of elements [p, end) inside a row: its squared gradients added to the row's sum
+   (returned) and to the columns' sums; squared weights to *weight_square. */
+static inline double adafactor_row_squares(const float *restrict param, const float *restrict grad,
+                                           double *restrict columns, int64_t count, double *weight_square) {
+    double row = 0.0, weights = 0.0;
+#pragma omp simd reduction(+ : row, weights)
+    for (int64_t j = 0; j < count; j++) {
+        double square = (double)grad[j] * grad[j]; /* exact: a float's square fits a double */
+        row += square;
+        columns[j] += square;
+        weights += (double)param[j] * param[j];
+    }
+    *weight_square += weights;
+    return row;
+}
+
+/* Rows [first_row, last_row) of the piece (clipped to it): row sums into row_squares,
+   column sums into columns (indexed from column `column_base`), weight squares summed. */
+static double adafactor_squares_rows(const float *param, const float *grad, int64_t n, int64_t start, int64_t width,
+                                     int64_t height, int64_t first_row, int64_t last_row, double *row_squares,
+                                     double *columns, int64_t column_base) {
+    double weight_square = 0.0;
+    for (int64_t row = first_row; row < last_row; row++) {
+        int64_t low = row * width > start ? row * width : start;
+        int64_t high = (row + 1) * width < start + n ? (row + 1) * width : start + n;
+        int64_t column = (row / height) * width + (low - row * width) - column_base;
+        row_squares[row] += adafactor_row_squares(param + (low - start), grad + (low - start), columns + column,
+                                                  high - low, &weight_square);
+    }
+    return weight_square;
+}
+
+/* Pass 1: squares[0] += sum w^2; row_squares[row] += sum of the row's g^2 (over the
+   piece's elements); column_squares[column] += the column's. Summed in double, so a
+   piece's sums equal the whole matrix's to fp32 whatever the cut. Threads split the rows,
+   each with its own column sums, added in thread order. */
+void adafactor_squares(const float *param, const float *grad, int64_t n, int64_t start, int64_t width,
+                       int64_t height, double *row_squares, double *column_squares, double *squares, int threads) {
+    if (n == 0)
+        return;
+    const int64_t first_row = start / width, last_row = (start + n - 1) / width + 1;
+    const int64_t column_base = (first_row / height) * width;
+    const int64_t column_count = ((last_row - 1) / height + 1) * width - column_base;
+    double weight_square = 0.0;
+#ifdef _OPENMP
+    if (threads > 1 && n >= PARALLEL_MIN) {
+        double *partial = calloc((size_t)threads * column_count, sizeof(double));
+        double weight_parts[threads];
+        if (partial == NULL)
+            goto one_thread;
+        int used = threads;
+#pragma omp parallel num_threads(threads)
+        {
+            int thread = omp_get_thread_num();
+            used = omp_get_num_threads();
+            int64_t rows = last_row - first_row, share = (rows + used - 1) / used;
+            int64_t low = first_row + thread * share, high = low + share < last_row ? low + share : last_row;
+            weight_parts[thread] = low < high ? adafactor_squares_rows(param, grad, n, start, width, height, low, high,
+                                                                       row_squares, partial + thread * column_count,
+                                                                       column_base)
+                                             : 0.0;
+        }
+        for (int thread = 0; thread < used; thread++) {
+            weight_square += weight_parts[thread];
+            for (int64_t c = 0; c < column_count; c++)
+                column_squares[column_base + c] += partial[thread * column_count + c];
+        }
+        free(partial);
+        squares[0] += weight_square;
+        return;
+    }
+    one_thread:
+#endif
+    weight_square = adafactor_squares_rows(param, grad, n, start, width, height, first_row, last_row, row_squares,
+                                           column_squares + column_base, column_base);
+    squares[0] += weight_square;
+}
+
+/* Adafactor's direction U = g / max(sqrt(V), eps1) with V = row x column / row mean (the
+   matrix's mean row statistic), without a square root or a division per element: per
+   row a = row / row mean and its 1 / sqrt(a), per column 1 / sqrt(column) (computed once
+   per call, `adafactor_column_factors`), so U = g x row factor x column factor, or g / eps1
+   where a x column falls below eps1^2 (`square_floor`). torch's path divides and takes
+   the square root per element; the two agree to a few fp32 ulps (the rounding of three
+   operations instead of two), and a NaN statistic gives NaN in both. */
+static inline float adafactor_direction(float grad, float row_ratio, float row_factor, float column,
+                                        float column_factor, float square_floor, float floor_factor) {
+    return grad * (row_ratio * column < square_floor ? floor_factor : row_factor * column_factor);
+}
+
+/* 1 / sqrt(column statistic) for the columns a piece touches, from `column_base`. */
+static float *adafactor_column_factors(const float *col_var, int64_t start, int64_t n, int64_t width, int64_t height,
+                                       int64_t *column_base) {
+    const int64_t first_row = start / width, last_row = (start + n - 1) / width + 1;
+    *column_base = (first_row / height) * width;
+    const int64_t count = ((last_row - 1) / height + 1) * width - *column_base;
+    float *factors = malloc((size_t)count * sizeof(float));
+    if (factors != NULL)
+        for (int64_t c = 0; c < count; c++)
+            factors[c] = 1.0f / sqrtf(col_var[*column_base + c]);
+    return factors;
+}
+
+/* One row's run [low, high) of the piece's elements, with what U needs of its row and
+   columns: the loop both passes share. */
+struct adafactor_run {
+    int64_t offset, count;          /* the run's first element in the piece, its length */
+    const float *columns, *factors; /* its columns' statistics and their 1 / sqrt */
+    float row_ratio, row_factor;    /* row / row mean, and its 1 / sqrt */
+};
+
+static inline struct adafactor_run adafactor_run_of(int64_t row, int64_t n, int64_t start, int64_t width,
+                                                    int64_t height, const float *row_var, const float *col_var,
+                                                    const float *row_means, const float *column_factors,
+                                                    int64_t column_base) {
+    const int64_t low = row * width > start ? row * width : start;
+    const int64_t high = (row + 1) * width < start + n ? (row + 1) * width : start + n;
+    const int64_t column = (row / height) * width + (low - row * width);
+    const float ratio = row_var[row] / row_means[row / height];
+    return (struct adafactor_run){low - start, high - low, col_var + column, column_factors + (column - column_base),
+                                  ratio, 1.0f / sqrtf(ratio)};
+}
+
+/* Pass 2: *square += sum U^2 over the piece (U is not stored: pass 3 computes it again). */
+void adafactor_update_square(const float *grad, int64_t n, int64_t start, int64_t width, int64_t height,
+                             const float *row_var, const float *col_var, const float *row_means, float square_floor,
+                             double *square, int threads) {
+    if (n == 0)
+        return;
+    int64_t column_base;
+    float *column_factors = adafactor_column_factors(col_var, start, n, width, height, &column_base);
+    if (column_factors == NULL) {
+        *square = NAN; /* out of memory: a NaN step rather than a wrong one */
+        return;
+    }
+    const float floor_factor = 1.0f / sqrtf(square_floor);
+    const int64_t first_row = start / width, last_row = (start + n - 1) / width + 1;
+    double total = 0.0;
+#pragma omp parallel for reduction(+ : total) num_threads(threads) if (n >= PARALLEL_MIN)
+    for (int64_t row = first_row; row < last_row; row++) {
+        struct adafactor_run run = adafactor_run_of(row, n, start, width, height, row_var, col_var, row_means,
+                                                    column_factors, column_base);
+        const float *restrict g = grad + run.offset, *restrict columns = run.columns, *restrict factors = run.factors;
+        double sum = 0.0;
+#pragma omp simd reduction(+ : sum)
+        for (int64_t j = 0; j < run.count; j++) {
+            float u = adafactor_direction(g[j], run.row_ratio, run.row_factor, columns[j], factors[j], square_floor,
+                                          floor_factor);
+            sum += (double)u * u;
+        }
+        total += sum;
+    }
+    free(column_factors);
+    *square += total;
+}
+
+/* Pass 3: w <- w x decay_factor (when `decay`), then w += scale U, with torch's fused
+   multiply-add of `add_(U, alpha=scale)`. */
+void adafactor_apply(float *param, const float *grad, int64_t n, int64_t start, int64_t width, int64_t height,
+                     const float *row_var, const float *col_var, const float *row_means, float square_floor,
+                     float decay_factor, int decay, float scale, int threads) {
+    if (n == 0)
+        return;
+    int64_t column_base;
+    float *column_factors = adafactor_column_factors(col_var, start, n, width, height, &column_base);
+    if (column_factors == NULL) {
+        param[0] = NAN;
+        return;
+    }
+    const float floor_factor = 1.0f / sqrtf(square_floor);
+    const int64_t first_row = start / width, last_row = (start + n - 1) / width + 1;
+#pragma omp parallel for num_threads(threads) if (n >= PARALLEL_MIN)
+    for (int64_t row = first_row; row < last_row; row++) {
+        struct adafactor_run run = adafactor_run_of(row, n, start, width, height, row_var, col_var, row_means,
+                                                    column_factors, column_base);
+        float *restrict w = param + run.offset;
+        const float *restrict g = grad + run.offset, *restrict columns = run.columns, *restrict factors = run.factors;
+        const float ratio = run.row_ratio, factor = run.row_factor;
+        if (decay) {
+            for (int64_t j = 0; j < run.count; j++)
+                w[j] = fmaf(adafactor_direction(g[j], ratio, factor, columns[j], factors[j], square_floor,
+                                                floor_factor),
+                            scale, w[j] * decay_factor);
+        } else {
+            for (int64_t j = 0; j < run.count; j++)
+                w[j] = fmaf(adafactor_direction(g[j], ratio, factor, columns[j], factors[j], square_floor,
+                                                floor_factor),
+                            scale, w[j]);
+        }
+    }
+    free(column_factors);
+}
+
+/* Adafactor on a tensor it does not factor (V per element), pass 1: squares[0] += sum w^2;
+   V <- lerp(V, g^2, weight) in place; squares[1] += sum U^2 with U = g / max(sqrt(V), eps1)
+   as torch computes it (V clamped at eps1^2, then 1 / sqrt). V needs no statistic of the
+   whole tensor, so the update's square is known in the same pass. */
+void adafactor_vector_squares(const float *restrict param, const float *restrict grad, float *restrict variance,
+                              int64_t n, float weight, float square_floor, double *weight_square,
+                              double *update_square) {
+    double weights = 0.0, updates = 0.0;
+#pragma omp simd reduction(+ : weights, updates)
+    for (int64_t i = 0; i < n; i++) {
+        float g = grad[i];
+        float v = lerp(variance[i], g * g, weight);
+        variance[i] = v;
+        float u = g * (1.0f / sqrtf(v < square_floor ? square_floor : v));
+        weights += (double)param[i] * param[i];
+        updates += (double)u * u;
+    }
+    *weight_square += weights;
+    *update_square += updates;
+}
+
+/* Pass 2: w <- w x decay_factor (when `decay`), then w += scale U. */
+void adafactor_vector_apply(float *restrict param, const float *restrict grad, const float *restrict variance,
+                            int64_t n, float square_floor, float decay_factor, int decay, float scale) {
+    for (int64_t i = 0; i < n; i++) {
+        float v = variance[i];
+        float u = grad[i] * (1.0f / sqrtf(v < square_floor ? square_floor : v));
+        param[i] = fmaf(u, scale, decay ? param[i] * decay_factor : param[i]);
+    }
+}
+
+/* 1-bit compression (distributed/compressed.py's arithmetic, for optim/onebit_exchange.py):
+   x's signs, 8 per byte (the first element in the highest bit, 1 for >= 0), at the scale
+   ||x|| / sqrt(n) that gives them x's L2 norm; signs decoded as +-scale, exactly as
+   torch's (+-1) x scale. */
+
+#define ONEBIT_BLOCK 1024
+/* 8 bytes of 0/1 read as a little-endian word, times this, have byte i's bit at bit 63 - i
+   (distributed/compressed.py's `_PACK`: the other partial products never carry into the
+   top byte). On a little-endian host; a big-endian one packs bit by bit. */
+#define PACK_MULTIPLIER 0x8040201008040201ull
+
+/* error += x (x NULL: as it is); *scale = ||error|| / sqrt(n) (the norm from a double sum,
+   rounded to fp32, divided as torch divides an fp32 norm by the Python float sqrt(n));
+   packed = error's signs; error -= +-scale, what the compression loses. n: whole bytes. */
+void onebit_compress(const float *restrict x, float *restrict error, int64_t n, uint8_t *restrict packed,
+                     float *scale) {
+    double square = 0.0;
+    if (x != NULL) {
+#pragma omp simd reduction(+ : square)
+        for (int64_t i = 0; i < n; i++) {
+            float e = error[i] + x[i];
+            error[i] = e;
+            square += (double)e * e;
+        }
+    } else {
+#pragma omp simd reduction(+ : square)
+        for (int64_t i = 0; i < n; i++)
+            square += (double)error[i] * error[i];
+    }
+    const float s = (float)sqrt(square) / (float)sqrt((double)n);
+    *scale = s;
+    for (int64_t start = 0; start < n; start += ONEBIT_BLOCK) {
+        const int64_t count = n - start < ONEBIT_BLOCK ? n - start : ONEBIT_BLOCK;
+        float *restrict e = error + start;
+        uint8_t positive[ONEBIT_BLOCK];
+        for (int64_t j = 0; j < count; j++) { /* the signs, then what the compression loses */
+            positive[j] = e[j] >= 0.0f;
+            e[j] -= positive[j] ? s : -s;
+        }
+        for (int64_t byte = 0; byte < count / 8; byte++) { /* 8 bytes of 0/1 -> 1 byte, as torch packs */
+#if __BYTE_ORDER__ == __ORDER_LITTLE_ENDIAN__
+            uint64_t word;
+            memcpy(&word, positive + 8 * byte, 8);
+            packed[start / 8 + byte] = (uint8_t)((word * PACK_MULTIPLIER) >> 56);
+#else
+            unsigned bits = 0;
+            for (int k = 0; k < 8; k++)
+                bits |= (unsigned)positive[8 * byte + k] << (7 - k);
+            packed[start / 8 + byte] = (uint8_t)bits;
+#endif
+        }
+    }
+}
+
+/* Every byte's eight signs as +-1.0f (the first element in the highest bit), filled when
+   the library is loaded: decoding is a lookup and a multiply per element (exact: +-1 x s). */
+static float signs_of_byte[256][8];
+
+__attribute__((constructor)) static void fill_signs_of_byte(void) {
+    for (int byte = 0; byte < 256; byte++)
+        for (int k = 0; k < 8; k++)
+            signs_of_byte[byte][k] = (byte >> (7 - k)) & 1 ? 1.0f : -1.0f;
+}
+
+/* out = the rows' signs at their scales, row r (n elements, whole bytes) from packed + r x stride. */
+void onebit_decode(const uint8_t *restrict packed, int64_t stride, const float *restrict scales, int64_t rows,
+                   int64_t n, float *restrict out) {
+    for (int64_t r = 0; r < rows; r++) {
+        const uint8_t *restrict row = packed + r * stride;
+        const float s = scales[r];
+        for (int64_t byte = 0; byte < n / 8; byte++) {
+            const float *restrict signs = signs_of_byte[row[byte]];
+            float *restrict o = out + r * n + 8 * byte;
+            for (int k = 0; k < 8; k++)
+                o[k] = signs[k] * s;
+        }
+    }
+}
+
+/* out = (sum over the rows of their signs at their scales, in row order, each added to the
+   sum so far as torch's add with alpha adds it) / rows: the server's average, one pass. */
+void onebit_average(const uint8_t *restrict packed, int64_t stride, const float *restrict scales, int64_t rows,
+                    int64_t n, float *restrict out) {
+    const float count = (float)rows;
+    for (int64_t byte = 0; byte < n / 8; byte++) {
+        float sum[8];
+        const float *restrict first = signs_of_byte[packed[byte]];
+        for (int k = 0; k < 8; k++)
+            sum[k] = first[k] * scales[0];
+        for (int64_t r = 1; r < rows; r++) {
+            const float *restrict signs = signs_of_byte[packed[r * stride + byte]];
+            for (int k = 0; k < 8; k++)
+                sum[k] += signs[k] * scales[r];
+        }
+        for (int k = 0; k < 8; k++)
+            out[8 * byte + k] = sum[k] / count;
+    }
+}
+
+/* m <- m x beta1 + weight x g (weight = 1 - beta1; g NULL: no gradient), torch's mul_ then
+   add_ with alpha (a fused multiply-add). */
+void momentum_fold(float *restrict m, const float *restrict g, int64_t n, float beta1, float weight) {
+    if (g == NULL) {
+        for (int64_t i = 0; i < n; i++)
+            m[i] *= beta1;
+        return;
+    }
+    for (int64_t i = 0; i < n; i++)
+        m[i] = fmaf(g[i], weight, m[i] * beta1);
+}
+
+/* 1-bit LAMB after its warm-up, the statistics pass (optim/onebit_lamb.py): the gradient
+   reconstructed from the exchanged momentum m and the previous one, g = (m - beta1 last) /
+   (1 - beta1); the fresh variance advanced, f <- f beta2 + (1 - beta2) g g; out[0] =
+   max(out[0], max of d(v) / d(f)) with d Adam's denominator (NaN kept, as torch's max
+   keeps it); with weight decay, out[1] += sum p^2 and out[2] += sum u^2 of p = m / d(v)
+   and u = p + weight_decay w. */
+void onebit_lamb_statistics(const float *restrict param, const float *restrict m, const float *restrict last,
+                            const float *restrict v, float *restrict fresh, int64_t n, float beta1,
+                            float one_minus_beta1, float beta2, float one_minus_beta2, float eps,
+                            int eps_inside_sqrt, float weight_decay, double *out) {
+    float maximum = -INFINITY;
+    int nan = 0;
+    double preliminary_square = 0.0, update_square = 0.0;
+#pragma omp simd reduction(max : maximum) reduction(| : nan) reduction(+ : preliminary_square, update_square)
+    for (int64_t i = 0; i < n; i++) {
+        float g = (m[i] - beta1 * last[i]) / one_minus_beta1;
+        float f = fresh[i] * beta2 + one_minus_beta2 * g * g;
+        fresh[i] = f;
+        float d = eps_inside_sqrt ? sqrtf(v[i] + eps) : sqrtf(v[i]) + eps;
+        float ratio = d / (eps_inside_sqrt ? sqrtf(f + eps) : sqrtf(f) + eps);
+        maximum = maximum > ratio ? maximum : ratio;
+        nan |= ratio != ratio;
+        float p = m[i] / d;
+        float u = fmaf(param[i], weight_decay, p);
+        preliminary_square += (double)p * p;
+        update_square += (double)u * u;
+    }
+    double found = nan ? NAN : (double)maximum;
+    out[0] = out[0] != out[0] || found != found ? NAN : (found > out[0] ? found : out[0]);
+    if (weight_decay != 0.0f) {
+        out[1] += preliminary_square;
+        out[2] += update_square;
     }
 }

@@ -53,6 +53,8 @@ import torch
 
 from shardwise.runtime.distributed.collectives import Communicator
 from shardwise.runtime.distributed.compressed import CompressedAllReduce, padded_length
+from shardwise.runtime.optim import native
+from shardwise.runtime.optim.onebit_exchange import NativeCompressedAllReduce
 from shardwise.runtime.optim.sharded import ShardAwareOptimizer
 
 PER_PARAMETER_SCALARS = ("lamb_coeff_freeze", "last_factor")  # 1-bit LAMB's, one value per parameter
@@ -251,13 +253,24 @@ class OneBitOptimizer(ShardAwareOptimizer):
             for group in self.param_groups:
                 beta1 = group["betas"][0]
                 for param in group["params"]:  # (foreach's add with alpha is two passes on CPU)
-                    exp_avg = self.state[param]["exp_avg"].mul_(beta1)
-                    if param.grad is not None:
-                        exp_avg.add_(param.grad, alpha=1 - beta1)
+                    exp_avg, grad = self.state[param]["exp_avg"], param.grad
+                    if native_takes(exp_avg, grad):  # one pass (optim/native.py)
+                        native.library().momentum_fold(exp_avg.data_ptr(), None if grad is None else grad.data_ptr(),
+                                                       exp_avg.numel(), beta1, 1 - beta1)
+                        continue
+                    exp_avg.mul_(beta1)
+                    if grad is not None:
+                        exp_avg.add_(grad, alpha=1 - beta1)
         if self.workers > 1:
             if self._exchange is None:
-                self._exchange = CompressedAllReduce(self._communicator, momentum.numel(), momentum.device)
+                self._exchange = NativeCompressedAllReduce(self._communicator, momentum.numel(), momentum.device)
             self._exchange.all_reduce_(momentum, "momentum")
+
+
+def native_takes(*tensors: torch.Tensor | None) -> bool:
+    """Whether the native kernels can take these tensors (None: absent): fp32, CPU, contiguous."""
+    present = [tensor for tensor in tensors if tensor is not None]
+    return all(tensor.dtype == torch.float32 for tensor in present) and native.enabled() and native.takes(*present)
 
 
 class OneBitCodec:

@@ -27,7 +27,8 @@ from typing import Iterable, Literal
 import torch
 
 from shardwise.formulas.memory import onebit_state_terms
-from shardwise.runtime.optim.onebit import ZERO_STAGES, OneBitCodec, OneBitOptimizer, main_job_params
+from shardwise.runtime.optim import native
+from shardwise.runtime.optim.onebit import ZERO_STAGES, OneBitCodec, OneBitOptimizer, main_job_params, native_takes
 from shardwise.runtime.optim.params import check_betas, param
 from shardwise.runtime.optim.registry import OptimizerSpec, register_optimizer
 
@@ -71,7 +72,13 @@ class OneBitAdam(OneBitOptimizer):
             for param in group["params"]:
                 if param.grad is None and not frozen:
                     continue
-                update = adam_update_(self.state[param]["exp_avg"], group, self.state[param]["exp_avg_sq"])
+                exp_avg, exp_avg_sq = self.state[param]["exp_avg"], self.state[param]["exp_avg_sq"]
+                if native_takes(param, exp_avg, exp_avg_sq):  # the update in one pass (optim/native.py)
+                    native.library().lamb_apply(param.data_ptr(), exp_avg.data_ptr(), exp_avg_sq.data_ptr(),
+                                                param.numel(), -step_size, group["eps"], group["weight_decay"],
+                                                group["eps_inside_sqrt"], native.threads())
+                    continue
+                update = adam_update_(exp_avg, group, exp_avg_sq)
                 if group["weight_decay"]:
                     update.add_(param, alpha=group["weight_decay"])
                 param.add_(update, alpha=-step_size)

@@ -31,7 +31,8 @@ import torch.distributed as dist
 
 from shardwise.formulas.memory import onebit_state_terms
 from shardwise.runtime.optim.lamb import MAIN_JOB_LR
-from shardwise.runtime.optim.onebit import ZERO_STAGES, OneBitCodec, OneBitOptimizer, main_job_params
+from shardwise.runtime.optim import native
+from shardwise.runtime.optim.onebit import ZERO_STAGES, OneBitCodec, OneBitOptimizer, main_job_params, native_takes
 from shardwise.runtime.optim.onebit_adam import (OneBitAdamParams, adam_step_size, adam_update_, refuse_unsupported,
                                                  variance_denominator, warm_up_moments)
 from shardwise.runtime.optim.params import param
@@ -117,8 +118,8 @@ class OneBitLamb(OneBitOptimizer):
         own, _ = self.own_momentum()
         previous = own.clone()  # m_{t-1}: the gradient is reconstructed from it
         self.fold_and_exchange()
-        maxima = torch.zeros(self.parameter_count, dtype=torch.float64, device=own.device)  # read once, below
-        pieces = []
+        # per parameter: the largest variance factor, and (with weight decay) ||m / d||² and ||u||²
+        statistics = torch.zeros(self.parameter_count, 3, dtype=torch.float64, device=own.device)
         for group in self.param_groups:
             beta1, beta2 = group["betas"]
             for param in group["params"]:
@@ -126,37 +127,52 @@ class OneBitLamb(OneBitOptimizer):
                 if "exp_avg_sq_fresh" not in state:
                     state["exp_avg_sq_fresh"] = state["exp_avg_sq"].clone()
                     state["last_factor"] = 1.0
-                momentum = state["exp_avg"]
+                momentum, variance, fresh = state["exp_avg"], state["exp_avg_sq"], state["exp_avg_sq_fresh"]
                 offset = (momentum.data_ptr() - own.data_ptr()) // momentum.element_size()
                 last = previous[offset : offset + param.numel()].view_as(param)
-                gradient = (momentum - beta1 * last) / (1 - beta1)
-                state["exp_avg_sq_fresh"].mul_(beta2).addcmul_(gradient, gradient, value=1 - beta2)
-                denominator = variance_denominator(group, state["exp_avg_sq"])
-                ratio = (denominator / variance_denominator(group, state["exp_avg_sq_fresh"])).max().double()
                 index = self.shard_of(param).index
-                maxima[index] = torch.maximum(maxima[index], ratio)
+                if native_takes(param, momentum, last, variance, fresh):  # one pass (optim/native.py)
+                    native.library().onebit_lamb_statistics(
+                        param.data_ptr(), momentum.data_ptr(), last.data_ptr(), variance.data_ptr(), fresh.data_ptr(),
+                        param.numel(), beta1, 1 - beta1, beta2, 1 - beta2, group["eps"], group["eps_inside_sqrt"],
+                        group["weight_decay"], statistics.data_ptr() + statistics.element_size() * 3 * index)
+                    continue
+                gradient = (momentum - beta1 * last) / (1 - beta1)
+                fresh.mul_(beta2).addcmul_(gradient, gradient, value=1 - beta2)
+                denominator = variance_denominator(group, variance)
+                ratio = (denominator / variance_denominator(group, fresh)).max().double()
+                statistics[index, 0] = torch.maximum(statistics[index, 0], ratio)
                 if group["weight_decay"]:
                     preliminary = momentum / denominator
-                    pieces.append((param, preliminary, preliminary.add(param, alpha=group["weight_decay"])))
+                    update = preliminary.add(param, alpha=group["weight_decay"])
+                    statistics[index, 1] += torch.linalg.vector_norm(preliminary).double().square()
+                    statistics[index, 2] += torch.linalg.vector_norm(update).double().square()
+        maxima = statistics[:, 0].contiguous()
         if self._partitions is not None:  # pieces of one parameter on several ranks
             self._communicator.control_all_reduce(maxima, "1-bit LAMB variance factors (maxima)", op=dist.ReduceOp.MAX)
         maxima = maxima.tolist()  # with the norms, the step's reads of the device, whatever the parameter count
-        norms = self._whole_norms([(p, m) for p, m, _ in pieces], [(p, u) for p, _, u in pieces]).tolist()
-        del pieces
+        norms = self.sum_over_shards(statistics[:, 1:].contiguous()).sqrt().tolist()
         for group in self.param_groups:
             step_size = adam_step_size(group, step, self.freeze_step)
             for param in group["params"]:
                 state = self.state[param]
                 index = self.shard_of(param).index
-                update = adam_update_(state["exp_avg"], group, state["exp_avg_sq"])
                 share = 1.0
                 if group["weight_decay"]:
-                    update.add_(param, alpha=group["weight_decay"])
                     update_norm = norms[index][1]
                     share = min(1.0, norms[index][0] / update_norm) if update_norm else 1.0
                 factor = _bounded_factor(maxima[index], share, state["last_factor"], group)
                 state["last_factor"] = factor
-                param.add_(update, alpha=-step_size * state["lamb_coeff_freeze"] * factor)
+                scale = -step_size * state["lamb_coeff_freeze"] * factor
+                if native_takes(param, state["exp_avg"], state["exp_avg_sq"]):  # the update in one pass
+                    native.library().lamb_apply(param.data_ptr(), state["exp_avg"].data_ptr(),
+                                                state["exp_avg_sq"].data_ptr(), param.numel(), scale, group["eps"],
+                                                group["weight_decay"], group["eps_inside_sqrt"], native.threads())
+                    continue
+                update = adam_update_(state["exp_avg"], group, state["exp_avg_sq"])
+                if group["weight_decay"]:
+                    update.add_(param, alpha=group["weight_decay"])
+                param.add_(update, alpha=scale)
 
 
     def _whole_norms(self, *columns: list[tuple[torch.Tensor, torch.Tensor]]) -> torch.Tensor:

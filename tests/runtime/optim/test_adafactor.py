@@ -4,6 +4,7 @@ whole matrices when ZeRO cuts them into pieces, and O(rows + columns) state."""
 import pytest
 import torch
 
+from shardwise.runtime.optim import native
 from shardwise.runtime.optim.adafactor import Adafactor
 from shardwise.runtime.optim.adafactor import adafactor_state_bytes
 from tests.runtime.optim.pieces import train_in_pieces, train_whole
@@ -35,7 +36,10 @@ def test_adafactor_matches_single_process_at_every_stage(stage, world_size):
 
 
 @pytest.mark.parametrize(("weight_decay", "maximize", "eps1"), [(0.0, False, None), (0.1, True, 1e-4)])
-def test_adafactor_equals_torch_adafactor_bit_for_bit(weight_decay, maximize, eps1):
+def test_adafactor_equals_torch_adafactor_bit_for_bit(weight_decay, maximize, eps1, monkeypatch):
+    """The torch path (the native kernels' path is compared with it step by step in
+    test_native.py: its sums are in double, so not bit for bit)."""
+    monkeypatch.setenv(native.ENABLE_VARIABLE, "0")
     initial, grads = _random_run()
     options = dict(lr=0.05, weight_decay=weight_decay, maximize=maximize, eps=(eps1, 1e-3))
     ours, _ = train_whole(lambda params: Adafactor(params, **options), initial, grads)
@@ -60,10 +64,13 @@ def test_adafactor_agrees_with_transformers_where_their_settings_coincide():
         assert ((mine - reference).norm() / reference.norm()).item() < 1e-6
 
 
+@pytest.mark.parametrize("native_kernels", ["1", "0"])
 @pytest.mark.parametrize("boundaries", [[500, 700, 1500], [100, 2000], [1200, 2200]])
-def test_pieces_cut_anywhere_give_the_whole_matrices_statistics(boundaries):
+def test_pieces_cut_anywhere_give_the_whole_matrices_statistics(boundaries, native_kernels, monkeypatch):
     """Cuts inside rows, a piece inside one row's run, a 3-D parameter cut inside and
-    across its matrices; the gradients are the same, so only summation order differs."""
+    across its matrices; the gradients are the same, so only summation order differs.
+    Both paths: the native kernels (optim/native.py) and torch operations."""
+    monkeypatch.setenv(native.ENABLE_VARIABLE, native_kernels)
     initial, grads = _random_run()
     make = lambda params: Adafactor(params, lr=0.05, weight_decay=0.01)
     whole, _ = train_whole(make, initial, grads)

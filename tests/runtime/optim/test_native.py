@@ -18,23 +18,29 @@ import pytest
 import torch
 
 from shardwise.runtime.optim import native
+from shardwise.runtime.optim.adafactor import Adafactor
 from shardwise.runtime.optim.adam8bit import Adam8bit, AdamW8bit, _native_codebook
 from shardwise.runtime.optim.lamb import Lamb
 from shardwise.runtime.optim.lars import Lars
+from shardwise.runtime.optim.onebit_adam import OneBitAdam
+from shardwise.runtime.optim.onebit_lamb import OneBitLamb
+from shardwise.runtime.optim.sharded import ParameterShard
 from shardwise.runtime.optim.quantization import codebook, dynamic_code, quantize
 
 SHAPES = [(300, 70), (33,), (64, 40), (5000,), (7, 3, 11)]
 ULPS = 2.5e-7  # two fp32 ulps, relative
 NORM_RTOL = 2e-5
+ADAFACTOR_SHAPES = [(300, 70), (33,), (3, 160, 150), (5000,), (7, 3, 11), ()]
+ADAFACTOR_RTOL = 1e-6
 
 pytestmark = pytest.mark.skipif(native.library() is None, reason="no C compiler: the kernels cannot be built here")
 
 
-def _steps(build, compare, step_rtol: float, steps: int = 3) -> None:
+def _steps(build, compare, step_rtol: float, steps: int = 3, shapes: list[tuple[int, ...]] = SHAPES) -> None:
     """`steps` steps of a native and a torch-path optimizer, each from the native one's
     weights and state (copied to the other before the step)."""
     generator = torch.Generator().manual_seed(0)
-    initial = [torch.randn(shape, generator=generator) for shape in SHAPES]
+    initial = [torch.randn(shape, generator=generator) for shape in shapes]
     mine = [torch.nn.Parameter(tensor.clone()) for tensor in initial]
     reference = [torch.nn.Parameter(tensor.clone()) for tensor in initial]
     native_optimizer, torch_optimizer = build(mine), build(reference)
@@ -102,6 +108,78 @@ def test_lars_kernels_take_the_torch_paths_step(options):
                                    rtol=NORM_RTOL, atol=0)
 
     _steps(lambda params: Lars(params, lr=0.1, **options), compare, NORM_RTOL)
+
+
+def _identity_shards(optimizer: Adafactor) -> Adafactor:
+    """Whole parameters declared as ZeRO's pieces with a shard group of one: the batched
+    order of the step (every pass over all parameters, a sum between passes)."""
+    params = [param for group in optimizer.param_groups for param in group["params"]]
+    shards = {param: ParameterShard(f"p{index}", tuple(param.shape), 0, param.numel(), index)
+              for index, param in enumerate(params)}
+    optimizer.attach_shards(shards, len(params), lambda tensor: tensor)
+    return optimizer
+
+
+@pytest.mark.parametrize(("sharded", "threads"), [(False, 1), (True, 2)])
+@pytest.mark.parametrize(("weight_decay", "maximize", "eps1"), [(0.0, False, None), (0.1, True, 1e-4)])
+def test_adafactor_kernels_take_the_torch_paths_step(weight_decay, maximize, eps1, sharded, threads):
+    """Row and column statistics and V of unfactored tensors from double sums (torch's
+    are fp32 norms, squared), U as g x row factor x column factor (three roundings where
+    torch has two): the statistics to ADAFACTOR_RTOL (1e-6). Each step is scaled by
+    RMS(w) and RMS(U), which torch takes from fp32 norms of the whole tensor, so the
+    steps agree to NORM_RTOL, as LAMB's and LARS's do (measured here: 1.2e-6 of the step
+    at most). Gradients of 1, 0.1 and 0.01 over four steps; one 3-D parameter is large
+    enough for two threads to split its rows."""
+    def compare(native_optimizer, torch_optimizer, mine, reference):
+        for param, twin in zip(mine, reference):
+            for key, value in torch_optimizer.state[twin].items():
+                if torch.is_tensor(value) and value.dim() > 0:
+                    torch.testing.assert_close(native_optimizer.state[param][key], value, rtol=ADAFACTOR_RTOL, atol=0)
+
+    def build(params):
+        optimizer = Adafactor(params, lr=0.05, weight_decay=weight_decay, maximize=maximize, eps=(eps1, 1e-3))
+        return _identity_shards(optimizer) if sharded else optimizer
+
+    previous = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        _steps(build, compare, NORM_RTOL, steps=4, shapes=ADAFACTOR_SHAPES)
+    finally:
+        torch.set_num_threads(previous)
+
+
+@pytest.mark.parametrize(("weight_decay", "eps_inside_sqrt"), [(0.0, False), (0.01, True)])
+def test_onebit_adam_kernels_take_the_torch_paths_step(weight_decay, eps_inside_sqrt):
+    """1-bit Adam's momentum fold (after the warm-up) and its update, on one worker (the
+    exchange's kernels: test_onebit_compression.py): the fold is the same fused
+    multiply-add, so the momentum is equal bit for bit; the update differs by the square
+    root's ulp (see above) and the kernel's unfused step, so the weights to two ulps of the
+    step."""
+    def compare(native_optimizer, torch_optimizer, mine, reference):
+        for param, twin in zip(mine, reference):
+            for key in ("exp_avg", "exp_avg_sq"):
+                assert torch.equal(native_optimizer.state[param][key], torch_optimizer.state[twin][key]), key
+
+    _steps(lambda params: OneBitAdam(params, lr=0.01, freeze_step=1, weight_decay=weight_decay,
+                                     eps_inside_sqrt=eps_inside_sqrt), compare, ULPS, steps=3)
+
+
+@pytest.mark.parametrize("weight_decay", [0.0, 0.01])
+def test_onebit_lamb_kernels_take_the_torch_paths_step(weight_decay):
+    """1-bit LAMB after its warm-up, on one worker: the fresh variance from the
+    reconstructed gradient (the same operations: to one ulp, where torch's vectorised
+    multiply-add differs), the variance factor from square roots (torch's one ulp off) and
+    the weight-decay share from norms (fp32 in torch), so the steps to NORM_RTOL."""
+    def compare(native_optimizer, torch_optimizer, mine, reference):
+        for param, twin in zip(mine, reference):
+            state, twin_state = native_optimizer.state[param], torch_optimizer.state[twin]
+            assert torch.equal(state["exp_avg"], twin_state["exp_avg"])
+            if "exp_avg_sq_fresh" in twin_state:
+                torch.testing.assert_close(state["exp_avg_sq_fresh"], twin_state["exp_avg_sq_fresh"], rtol=ULPS, atol=0)
+                assert state["last_factor"] == pytest.approx(twin_state["last_factor"], rel=NORM_RTOL)
+
+    _steps(lambda params: OneBitLamb(params, lr=0.01, freeze_step=1, weight_decay=weight_decay), compare, NORM_RTOL,
+           steps=3)
 
 
 @pytest.mark.parametrize("cls", [Adam8bit, AdamW8bit])

@@ -8,15 +8,16 @@ import pytest
 
 from shardwise.tools.testing import run_distributed
 from tests.runtime.optim.onebit_reference import Exchange, OneBitSettings, Simulation
-from tests.runtime.optim.test_onebit import STEPS, assert_equal_to, train_engine, whole_state
+from tests.runtime.optim.test_onebit import STEPS, assert_equal_to, torch_path, train_engine, whole_state
 
 SAVED_AT = 3  # freeze_step 2: one compressed step before the save
 
 
 @pytest.mark.parametrize("algorithm", ["adam", "lamb"])
-def test_resume_at_same_world_size_restarts_error_feedback(tmp_path, algorithm):
+def test_resume_at_same_world_size_restarts_error_feedback(tmp_path, algorithm, monkeypatch):
     """Saved one step after the warm-up, resumed at 2 ranks: equal to the simulation whose
-    error buffers restart from zero at the resume."""
+    error buffers restart from zero at the resume (on the torch path: `torch_path`)."""
+    torch_path(monkeypatch)
     settings = OneBitSettings(algorithm, weight_decay=0.01)
     saved = run_distributed(train_engine, 2, settings, range(SAVED_AT), None, str(tmp_path))
     resumed = run_distributed(train_engine, 2, settings, range(SAVED_AT, STEPS), str(tmp_path))

@@ -4,6 +4,8 @@ bit, with the bytes it sends counted exactly."""
 
 from __future__ import annotations
 
+import math
+
 import pytest
 import torch
 
@@ -15,11 +17,15 @@ from shardwise.runtime.distributed.compressed import (
     unpack_signs,
 )
 from shardwise.formulas.communication import onebit_exchange_bytes
+from shardwise.runtime.optim import native
+from shardwise.runtime.optim.onebit_exchange import NativeCompressedAllReduce
 from shardwise.tools.testing import run_distributed
 from tests.runtime.optim.onebit_reference import Exchange
 
 CALLS = 3
 LENGTH = 96  # a multiple of 8 x 4: whole bytes per chunk at 2 and 4 ranks
+NATIVE_LENGTH = 8192  # enough elements for the norms' summation orders to differ
+SCALE_RTOL = math.sqrt(NATIVE_LENGTH) * 2**-24  # torch's fp32 norm against the kernels' double sum
 
 
 def test_signs_pack_eight_per_byte_and_unpack_exactly():
@@ -84,6 +90,64 @@ def test_exchange_equals_simulation_bit_for_bit(ranks):
         assert torch.equal(worker_error, reference.worker_errors[rank])
         assert torch.equal(server_error, reference.server_errors[rank])
         sent = onebit_exchange_bytes(LENGTH, ranks)
+        assert output["volume"]["all_to_all"] == CALLS * sent["all_to_all"]
+        assert output["volume"]["all_gather"] == CALLS * sent["all_gather"]
+        assert output["volume"]["all_reduce"] == 0
+
+
+def _both_paths_on_ranks(rank: int, world_size: int) -> dict:
+    """Each call through the torch path and the native kernels (optim/onebit_exchange.py)
+    from the same error buffers (the torch path's, copied), each with its own byte count."""
+    import torch.distributed as dist
+
+    from shardwise.runtime.distributed.mesh import GroupHandle
+
+    handle = GroupHandle("data", tuple(range(world_size)), rank, dist.group.WORLD, dist.group.WORLD)
+    plain, kernels = Communicator(handle, CommStats()), Communicator(handle, CommStats())
+    exchange = CompressedAllReduce(plain, NATIVE_LENGTH, torch.device("cpu"))
+    native_exchange = NativeCompressedAllReduce(kernels, NATIVE_LENGTH, torch.device("cpu"))
+    calls = []
+    for call in range(CALLS):
+        native_exchange.worker_error.copy_(exchange.worker_error)
+        native_exchange.server_error.copy_(exchange.server_error)
+        vector = torch.randn(NATIVE_LENGTH, generator=torch.Generator().manual_seed(10 * call + rank))
+        expected = exchange.all_reduce_(vector.clone(), "torch path").clone()
+        got = native_exchange.all_reduce_(vector.clone(), "native kernels").clone()
+        calls.append({"expected": expected, "got": got, "errors": (exchange.worker_error.clone(),
+                      exchange.server_error.clone()), "native_errors": (native_exchange.worker_error.clone(),
+                      native_exchange.server_error.clone())})
+    return {"calls": calls, "volume": kernels.stats.totals()}
+
+
+@pytest.mark.parametrize("ranks", [2])
+def test_native_exchange_takes_the_torch_paths_call_and_sends_the_same_bytes(ranks):
+    """Step by step from the same state: the worker's signs are the same comparisons (x + e
+    >= 0), so its error buffer differs only through the scale, whose norm the kernels sum
+    in double and torch in fp32 (about √n · 2⁻²⁴ apart: SCALE_RTOL). The server averages
+    scales that differ by as much, so its compensated value may fall on the other side of
+    zero where it is a tie at that precision (|c| < 1e-5 of its scale); everywhere else the
+    averaged momentum has the same signs and its scale agrees to SCALE_RTOL. The bytes
+    sent are the formula's."""
+    if native.library() is None:
+        pytest.skip("no C compiler: the kernels cannot be built here")
+    outputs = run_distributed(_both_paths_on_ranks, ranks)
+    chunk = NATIVE_LENGTH // ranks
+    for call in range(CALLS):
+        expected, got = outputs[0]["calls"][call]["expected"], outputs[0]["calls"][call]["got"]
+        compensated = torch.cat([output["calls"][call]["errors"][1] for output in outputs]) + expected
+        scales = expected.abs().view(ranks, chunk)[:, :1].expand(ranks, chunk).reshape(-1)
+        ties = compensated.abs() < 1e-5 * scales
+        assert torch.equal(got[~ties].sign(), expected[~ties].sign()), f"call {call}"
+        torch.testing.assert_close(got.abs(), expected.abs(), rtol=SCALE_RTOL, atol=0)
+        for rank, output in enumerate(outputs):
+            worker, server = output["calls"][call]["errors"]
+            native_worker, native_server = output["calls"][call]["native_errors"]
+            torch.testing.assert_close(native_worker, worker, rtol=0, atol=SCALE_RTOL * worker.abs().max().item())
+            own = ~ties.view(ranks, chunk)[rank]
+            torch.testing.assert_close(native_server[own], server[own], rtol=0,
+                                       atol=SCALE_RTOL * server.abs().max().item())
+    sent = onebit_exchange_bytes(NATIVE_LENGTH, ranks)
+    for output in outputs:
         assert output["volume"]["all_to_all"] == CALLS * sent["all_to_all"]
         assert output["volume"]["all_gather"] == CALLS * sent["all_gather"]
         assert output["volume"]["all_reduce"] == 0

@@ -94,7 +94,9 @@ def test_codec_keeps_per_parameter_scalars_through_resharding():
 @pytest.mark.parametrize("cls", [OneBitAdam, OneBitLamb])
 def test_one_process_freezes_the_variance_and_keeps_the_momentum_exact(cls):
     """Without ranks the compression has nothing to do: after freeze_step the variance
-    stays as it was and the momentum is Adam's, w <- w − lr · m / (√v + eps) (1-bit Adam)."""
+    stays as it was and the momentum is Adam's, w <- w − lr · m / (√v + eps) (1-bit Adam;
+    the native kernel's square root is correctly rounded, torch's vectorised one up to an
+    ulp off, so the step to 1e-6 of itself)."""
     torch.manual_seed(0)
     model = build_model("gpt")
     optimizer = cls(model.parameters(), lr=1e-2, freeze_step=2, bias_correction=False)
@@ -114,7 +116,8 @@ def test_one_process_freezes_the_variance_and_keeps_the_momentum_exact(cls):
                 assert torch.allclose(state["exp_avg"], 0.9 * momentum[p] + 0.1 * p.grad, rtol=1e-6, atol=1e-9)
                 if cls is OneBitAdam:
                     expected = before[p].add(state["exp_avg"] / (state["exp_avg_sq"].sqrt() + 1e-8), alpha=-1e-2)
-                    assert torch.allclose(p, expected, rtol=1e-6, atol=1e-8)
+                    allowed = 1e-6 * (expected.abs() + (expected - before[p]).abs()) + 1e-8
+                    assert ((p - expected).abs() <= allowed).all()
         optimizer.zero_grad()
 
 

@@ -22,7 +22,7 @@ from shardwise.formulas.communication import onebit_exchange_bytes
 from shardwise.formulas.memory import onebit_model_state_bytes, onebit_partitioned_state_bytes
 from shardwise.tools.testing import run_distributed
 from tests.runtime.optim.onebit_reference import OneBitSettings, Simulation
-from tests.runtime.optim.test_onebit import STEPS, assert_equal_to, train_engine, whole_state
+from tests.runtime.optim.test_onebit import STEPS, assert_equal_to, torch_path, train_engine, whole_state
 from tests.runtime.optim.test_onebit_checkpoint import SAVED_AT
 
 
@@ -37,12 +37,13 @@ def simulate(settings: OneBitSettings, ranks: int, results: list[dict]) -> tuple
 
 @pytest.mark.parametrize(("algorithm", "stage", "ranks", "accumulation"),
                          [("adam", 1, 2, 2), ("lamb", 2, 2, 1), ("adam", 2, 4, 2), ("lamb", 1, 4, 1)])
-def test_equals_simulation_with_partitions_as_servers(algorithm, stage, ranks, accumulation):
+def test_equals_simulation_with_partitions_as_servers(algorithm, stage, ranks, accumulation, monkeypatch):
     """Losses and weights equal the simulation's, with clipping, weight decay and gradient
     accumulation; per step after the first compressed one, the bytes are the formula's:
     the momentum's all-to-all and all-gather at one bit per element plus scales, and
     ZeRO-1/2's all-gather of the updated (fp32) parameters; nothing is reduced. The state
     and the gradient memory equal their formulas (stage 2: partition + whole local buffer)."""
+    torch_path(monkeypatch)
     settings = OneBitSettings(algorithm, weight_decay=0.01, clipping=0.05, accumulation=accumulation, stage=stage)
     results = run_distributed(train_engine, ranks, settings)
     simulation, losses = simulate(settings, ranks, results)
