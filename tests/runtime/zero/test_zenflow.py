@@ -6,7 +6,9 @@ on the window's sum with step number m + 1, the selected columns kept across it.
 discontinuous, so the reference does not choose columns itself: at every selection it
 checks that the engine's choice is a top-k of the float64 column sums (up to a tolerance
 for near ties) and then takes the same columns; from there every operation is continuous
-and the parameters are compared after every step.
+and the parameters are compared after every step. At stage 3 (runtime/zero/zenflow_sharded.py)
+the reference also checks that every chosen column lies whole in one rank's partition of
+the transposed weight, as DeepSpeed partitions it.
 """
 
 from __future__ import annotations
@@ -23,6 +25,7 @@ from safetensors.torch import load_file
 
 import shardwise
 from shardwise.runtime.checkpoint.convert import convert_checkpoint
+from shardwise.runtime.zero.zenflow_sharded import whole_columns
 from shardwise.formulas.communication import zenflow_selected_elements, zenflow_transfer_bytes
 from shardwise.tools.testing import run_distributed
 
@@ -45,14 +48,20 @@ OVERLAP_COLD = {**OVERLAP, "full_warm_up_rounds": 0}
 OVERLAP_AUTO = {**AUTO, "overlap_step": True}
 
 
-def build_model() -> torch.nn.Module:
+def build_model(inputs: int = 8) -> torch.nn.Module:
     torch.manual_seed(0)
-    return torch.nn.Sequential(torch.nn.Linear(8, 12), torch.nn.Tanh(), torch.nn.Linear(12, 6))
+    return torch.nn.Sequential(torch.nn.Linear(inputs, 12), torch.nn.Tanh(), torch.nn.Linear(12, 6))
 
 
-def batch(step: int) -> tuple[torch.Tensor, torch.Tensor]:
+def batch(step: int, inputs: int = 8) -> tuple[torch.Tensor, torch.Tensor]:
     generator = torch.Generator().manual_seed(100 + step)
-    return torch.randn(ROWS, 8, generator=generator), torch.randn(ROWS, 6, generator=generator)
+    return torch.randn(ROWS, inputs, generator=generator), torch.randn(ROWS, 6, generator=generator)
+
+
+def snapshot(model: torch.nn.Module) -> dict[str, torch.Tensor]:
+    """The whole parameters (stage 3 gathers them)."""
+    with shardwise.gathered_parameters(list(model.parameters())):
+        return {n: p.detach().clone() for n, p in model.named_parameters()}
 
 
 def config(stage: int, world: int, clip: float = 0.0, block: dict = ZENFLOW) -> dict:
@@ -61,22 +70,22 @@ def config(stage: int, world: int, clip: float = 0.0, block: dict = ZENFLOW) -> 
             "zero_optimization": {"stage": stage, "offload_optimizer": {"device": "cpu"}, "zenflow": block}}
 
 
-def train(rank: int, world: int, stage: int, clip: float = 0.0, block: dict = ZENFLOW) -> dict:
-    model = build_model()
+def train(rank: int, world: int, stage: int, clip: float = 0.0, block: dict = ZENFLOW, inputs: int = 8) -> dict:
+    model = build_model(inputs)
     initial = {name: p.detach().clone() for name, p in model.named_parameters()}
     optimizer = torch.optim.AdamW(model.parameters(), lr=LR, eps=EPS, weight_decay=DECAY, betas=BETAS)
     engine = shardwise.initialize(model, config(stage, world, clip, block), optimizer=optimizer)
     per_step, columns = [], []
     rows = slice(rank * ROWS // world, (rank + 1) * ROWS // world)
     for step in range(STEPS):
-        x, y = batch(step)
+        x, y = batch(step, inputs)
         loss = torch.nn.functional.mse_loss(engine(x[rows]), y[rows])
         engine.backward(loss)
         engine.step()
         names = dict((id(p), n) for n, p in model.named_parameters())
         columns.append({names[id(e.slot.param)]: None if e.columns is None else e.columns.tolist()
                         for e in engine.zenflow.selected})
-        per_step.append({n: p.detach().clone() for n, p in model.named_parameters()})
+        per_step.append(snapshot(model))
     schedule = engine.zenflow.schedule
     return {"initial": initial, "params": per_step, "columns": columns,
             "moved": engine.comm_volume(per_group=True)["offload"],
@@ -90,10 +99,13 @@ def train(rank: int, world: int, stage: int, clip: float = 0.0, block: dict = ZE
 class Reference:
     """ZenFlow's rule in float64 on whole parameters."""
 
-    def __init__(self, initial: dict[str, torch.Tensor], clip: float = 0.0, block: dict = ZENFLOW):
+    def __init__(self, initial: dict[str, torch.Tensor], clip: float = 0.0, block: dict = ZENFLOW,
+                 inputs: int = 8, partitions: int | None = None):
         self.clip = clip
         self.block = block
-        self.model = build_model().double()
+        self.inputs = inputs
+        self.partitions = partitions  # stage 3: the ranks each weight is partitioned over
+        self.model = build_model(inputs).double()
         with torch.no_grad():
             for name, p in self.model.named_parameters():
                 p.copy_(initial[name])
@@ -131,7 +143,7 @@ class Reference:
         return tensor[:, columns] if columns is not None else tensor
 
     def step(self, m: int, engine_columns: dict[str, list[int] | None]) -> None:
-        x, y = batch(m)
+        x, y = batch(m, self.inputs)
         self.model.zero_grad()
         (torch.nn.functional.mse_loss(self.model(x.double()), y.double()) / self.loss_divisor).backward()
         grads = {n: p.grad.detach().clone() for n, p in self.params.items()}
@@ -164,9 +176,13 @@ class Reference:
             assert chosen is None
             return None
         scores = grad.abs().sum(dim=0)
-        count = max(1, int(scores.numel() * self.block["topk_ratio"]))
+        eligible = list(range(scores.numel()))
+        if self.partitions is not None:
+            eligible = whole_columns(*grad.shape, self.partitions).nonzero().flatten().tolist()
+            assert set(chosen) <= set(eligible), (name, chosen, eligible)
+        count = max(1, int(len(eligible) * self.block["topk_ratio"]))
         assert len(chosen) == count, name
-        others = [c for c in range(scores.numel()) if c not in chosen]
+        others = [c for c in eligible if c not in chosen]
         # every chosen column scores at least as much as every other one, up to rounding
         assert scores[chosen].min() >= scores[others].max() * (1 - 1e-5), (name, scores, chosen)
         return chosen
@@ -239,13 +255,34 @@ class Reference:
         "overlap-stage2-clip"])
 def test_zenflow_matches_its_rule_in_float64(stage, world, clip, block):
     results = run_distributed(train, world, stage, clip, block)
+    check_against_rule(results, clip, block)
+    result = results[0]
+    if world == 1 and not block.get("overlap_step"):  # every selected element is this rank's: the formula to the byte
+        selected = zenflow_selected_elements(result["shapes"], ZENFLOW["topk_ratio"])
+        assert result["moved"] == zenflow_transfer_bytes(
+            result["partition"], selected, steps=STEPS, updates=result["updates"],
+            selective_steps=result["selective_steps"], grad_bytes=4, param_bytes=4)
+
+
+@pytest.mark.parametrize("block", [ZENFLOW, pytest.param(AUTO, marks=pytest.mark.slow)], ids=["interval-2", "auto"])
+def test_zenflow_at_stage3_matches_its_rule_in_float64(block):
+    """Stage 3 on 2 ranks with a 12x9 first weight: its column 4 is cut by the partition
+    boundary (elements 48..59 of 108 split at 54), so it is never a candidate."""
+    assert whole_columns(12, 9, 2).tolist() == [True] * 4 + [False] + [True] * 4
+    results = run_distributed(train, 2, 3, 0.0, block, 9)
+    check_against_rule(results, 0.0, block, inputs=9, partitions=2)
+    assert all(4 not in columns["0.weight"] for columns in results[0]["columns"] if columns["0.weight"])
+
+
+def check_against_rule(results: list[dict], clip: float, block: dict, inputs: int = 8,
+                       partitions: int | None = None) -> None:
     for result in results[1:]:  # every rank holds the same parameters and choices
         assert result["columns"] == results[0]["columns"]
         for mine, first in zip(result["params"], results[0]["params"]):
             for name in mine:
                 assert mine[name].equal(first[name]), name
     result = results[0]
-    reference = Reference(result["initial"], clip, block)
+    reference = Reference(result["initial"], clip, block, inputs, partitions)
     if block is AUTO:
         assert result["update_steps"] == AUTO_UPDATES
     changed_columns = False
@@ -258,11 +295,6 @@ def test_zenflow_matches_its_rule_in_float64(stage, world, clip, block):
         changed_columns |= m > 0 and result["columns"][m] != result["columns"][m - 1]
     assert changed_columns  # the selection did change at a reselection
     assert len(result["columns"][-1]["2.weight"]) == 3  # 12 columns x 0.25
-    if world == 1 and not block.get("overlap_step"):  # every selected element is this rank's: the formula to the byte
-        selected = zenflow_selected_elements(result["shapes"], ZENFLOW["topk_ratio"])
-        assert result["moved"] == zenflow_transfer_bytes(
-            result["partition"], selected, steps=STEPS, updates=result["updates"],
-            selective_steps=result["selective_steps"], grad_bytes=4, param_bytes=4)
 
 
 DEEPSPEED_SIDE = """
