@@ -392,6 +392,66 @@ def test_overlap_schedule_is_deepspeeds(block, events, tmp_path):
     assert json.loads((tmp_path / "events.json").read_text()) == events
 
 
+DEEPSPEED_STAGE3_SIDE = """
+import os, sys, types, torch
+os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", MASTER_ADDR="127.0.0.1", MASTER_PORT="29683",
+                  DS_ACCELERATOR="cpu")
+import deepspeed
+import deepspeed.runtime.zenflow.engine_stage3 as zenflow_stage3
+from deepspeed.runtime.zero.partition_parameters import GatheredParameters
+
+def on_cpu(make):  # engine_stage3 allocates two buffers with device='cuda' whatever the accelerator
+    def call(*args, **kwargs):
+        if kwargs.get("device") == "cuda":
+            kwargs["device"] = "cpu"
+        return make(*args, **kwargs)
+    return call
+
+shim = types.SimpleNamespace(**{name: getattr(torch, name) for name in dir(torch) if not name.startswith("__")})
+shim.zeros, shim.tensor = on_cpu(torch.zeros), on_cpu(torch.tensor)
+zenflow_stage3.torch = shim
+given = torch.load(sys.argv[1])
+model = torch.nn.Sequential(torch.nn.Linear(8, 12), torch.nn.Tanh(), torch.nn.Linear(12, 6))
+model.load_state_dict(given["initial"])
+engine, *_ = deepspeed.initialize(model=model, model_parameters=model.parameters(), config=given["config"])
+params, columns = [], []
+for x, y in given["batches"]:
+    engine.backward(torch.nn.functional.mse_loss(engine(x), y))
+    engine.step()
+    with GatheredParameters(list(model.parameters())):  # ZenFlow keeps 2-D weights transposed
+        params.append({n: (p.data.t() if p.dim() == 2 else p.data).clone() for n, p in model.named_parameters()})
+    columns.append({n: sorted(p.selected_indices.tolist()) if hasattr(p, "selected_indices") else None
+                    for n, p in model.named_parameters() if len(p.ds_shape) == 2})
+torch.save({"params": params, "columns": columns}, sys.argv[2])
+"""
+
+
+@pytest.mark.skipif(not os.environ.get("DEEPSPEED_PYTHON"), reason="set DEEPSPEED_PYTHON to an interpreter with "
+                    "DeepSpeed installed (benchmarks/zero3_vs_fsdp2_deepspeed.py's docstring shows one)")
+def test_stage3_steps_are_deepspeeds(tmp_path):
+    """DeepSpeed 0.19.8's own stage-3 ZenFlow on the CPU accelerator (one rank), from the
+    same weights and batches: the same columns at every step and the same parameters
+    (fp32 both sides; its CPU Adam and ours round differently, so 1e-4 after 9 steps).
+    Its engine_stage3 allocates two buffers on 'cuda' by name, so the script gives that
+    module a torch whose zeros/tensor put them on the CPU; nothing else is changed."""
+    ours = run_distributed(train, 1, 3)[0]
+    config_ = config(3, 1) | {"optimizer": {"type": "AdamW", "params": {"lr": LR, "eps": EPS, "weight_decay": DECAY,
+                                                                          "betas": list(BETAS)}}}
+    config_["zero_optimization"]["stage3_param_persistence_threshold"] = 0  # DeepSpeed: see zenflow_sharded.py
+    torch.save({"initial": ours["initial"], "config": config_, "batches": [batch(m) for m in range(STEPS)]},
+               tmp_path / "given.pt")
+    subprocess.run([os.environ["DEEPSPEED_PYTHON"], "-c", DEEPSPEED_STAGE3_SIDE, str(tmp_path / "given.pt"),
+                    str(tmp_path / "got.pt")], check=True, env={**os.environ, "DS_ACCELERATOR": "cpu"}, timeout=600)
+    theirs = torch.load(tmp_path / "got.pt")
+    for m in range(STEPS):
+        mine = {name: chosen for name, chosen in ours["columns"][m].items() if name.endswith("weight")}
+        if m >= ZENFLOW["full_warm_up_rounds"]:
+            assert mine == theirs["columns"][m], m
+        for name, tensor in theirs["params"][m].items():
+            error = (ours["params"][m][name] - tensor).norm() / tensor.norm()
+            assert error < 1e-4, (m, name, float(error))
+
+
 def test_selected_elements_and_bytes_per_window():
     # 12x8 weight: 2 of 8 columns (x12 rows); 6x12: 3 of 12 (x6); biases whole; a 1-column
     # weight still keeps one column
