@@ -460,13 +460,13 @@ def test_selected_elements_and_bytes_per_window():
     assert moved == {"device_to_host": 8 * 1000 * 2, "host_to_device": 8 * 60 * 4 + 2 * 1000 * 2}
 
 
-def train_resumed(rank: int, world: int, directory: str, stop: int) -> dict:
+def train_resumed(rank: int, world: int, directory: str, stop: int, stage: int = 2) -> dict:
     """`stop` steps, a checkpoint, and the rest of the run in a new engine from it."""
     results = {}
     for phase in ("first", "second"):
         model = build_model()
         optimizer = torch.optim.AdamW(model.parameters(), lr=LR, eps=EPS, weight_decay=DECAY, betas=BETAS)
-        engine = shardwise.initialize(model, config(2, world), optimizer=optimizer)
+        engine = shardwise.initialize(model, config(stage, world), optimizer=optimizer)
         steps = range(stop) if phase == "first" else range(stop, STEPS)
         if phase == "second":
             engine.load_checkpoint(directory)
@@ -477,18 +477,20 @@ def train_resumed(rank: int, world: int, directory: str, stop: int) -> dict:
             engine.step()
         if phase == "first":
             engine.save_checkpoint(directory)
-            results["saved"] = {n: p.detach().clone() for n, p in model.named_parameters()}
+            results["saved"] = snapshot(model)
+        results["params"] = snapshot(model)
         engine.destroy()
-    results["params"] = {n: p.detach().clone() for n, p in model.named_parameters()}
     return results
 
 
-def test_a_resume_mid_window_continues_the_same_run(tmp_path):
+@pytest.mark.parametrize("stage", [2, 3])
+def test_a_resume_mid_window_continues_the_same_run(stage, tmp_path):
     """Saved after step 5 (m = 5: no CPU update, so the window holds a step's gradient and
     the masters of the selected columns are stale): the resumed run ends where the
-    uninterrupted one does, and the saved weights are the device's."""
-    straight = run_distributed(train, 2, 2)[0]["params"][-1]
-    resumed = run_distributed(train_resumed, 2, str(tmp_path), 6)[0]
+    uninterrupted one does, and the saved weights are the device's. At stage 3 the
+    selective moments and the window cover each rank's shard."""
+    straight = run_distributed(train, 2, stage)[0]["params"][-1]
+    resumed = run_distributed(train_resumed, 2, str(tmp_path), 6, stage)[0]
     for name, tensor in straight.items():
         assert resumed["params"][name].equal(tensor), name
     [written] = convert_checkpoint(tmp_path, tmp_path / "whole")
