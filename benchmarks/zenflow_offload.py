@@ -1,9 +1,11 @@
 """ZenFlow beside plain ZeRO-Offload and no offload (issue 28, C30).
 
     .venv/bin/python benchmarks/zenflow_offload.py [--preset 10m] [--steps 40] [--topk 0.1] [--update-interval 4]
+        [--stage 3]
 
 One process, one thread, the same GPT, data (windows of the standard library's sources)
-and seed in each variant, ZeRO stage 2, fp32, AdamW:
+and seed in each variant, ZeRO stage 2 (`--stage 3`: stage 3, without zenflow-overlap,
+which shardwise runs at stages 1-2 only), fp32, AdamW:
 
 - none     optimizer on the device (here: the same CPU), every step a full AdamW;
 - offload  offload_optimizer cpu: the full AdamW on the host every step (C11);
@@ -44,7 +46,7 @@ SEED = 1234
 
 
 def config(variant: str, args: argparse.Namespace) -> dict:
-    zero: dict = {"stage": 2}
+    zero: dict = {"stage": args.stage}
     if variant != "none":
         zero["offload_optimizer"] = {"device": "cpu"}
     if variant.startswith("zenflow"):
@@ -90,12 +92,14 @@ def main() -> None:
     parser.add_argument("--topk", type=float, default=0.1)
     parser.add_argument("--update-interval", type=int, default=4)
     parser.add_argument("--select-interval", type=int, default=100)
+    parser.add_argument("--stage", type=int, choices=(2, 3), default=2)
     args = parser.parse_args()
     torch.set_num_threads(1)
-    results = {variant: run(variant, args) for variant in ("none", "offload", "zenflow", "zenflow-overlap")}
+    variants = ("none", "offload", "zenflow") + (("zenflow-overlap",) if args.stage == 2 else ())
+    results = {variant: run(variant, args) for variant in variants}
     base = statistics.median(results["none"]["seconds"][args.warmup:])
     tail = max(1, args.steps // 4)
-    print(f"GPT {args.preset}, {results['none']['partition']:,} elements, {args.steps} steps "
+    print(f"ZeRO stage {args.stage}, GPT {args.preset}, {results['none']['partition']:,} elements, {args.steps} steps "
           f"(timings: last {args.steps - args.warmup}), micro-batch {args.micro_batch} x {args.seq_len} tokens")
     print(f"{'variant':<24}{'median step s':>14}{'x none':>8}{'loss, last quarter':>20}")
     for variant, result in results.items():
@@ -107,8 +111,10 @@ def main() -> None:
             for label, wanted in (("  steps with CPU update", True), ("  steps without", False)):
                 picked = [s for s, flag in zip(timed, flags) if flag == wanted]
                 print(f"{label:<24}{statistics.median(picked):>14.4f}{statistics.median(picked) / base:>8.2f}")
-    offload, zen, overlapped = results["offload"], results["zenflow"], results["zenflow-overlap"]
+    offload, zen, overlapped = results["offload"], results["zenflow"], results.get("zenflow-overlap")
     for name, result in (("zenflow", zen), ("zenflow-overlap", overlapped)):
+        if result is None:
+            continue
         drift = statistics.mean(result["losses"][-tail:]) / statistics.mean(offload["losses"][-tail:]) - 1
         print(f"{name} loss vs synchronous offload, last quarter: {drift:+.2%}")
     partition, steps = zen["partition"], args.steps
@@ -116,11 +122,12 @@ def main() -> None:
     selected = zenflow_selected_elements(zen["shapes"], args.topk)
     expected = zenflow_transfer_bytes(partition, selected, steps=steps, updates=sum(zen["updates"]),
                                       selective_steps=steps, grad_bytes=4, param_bytes=4)
-    # overlap_step without warm-up: the first two updates land nothing on the device
-    landed = zenflow_transfer_bytes(partition, selected, steps=steps, updates=max(0, sum(overlapped["updates"]) - 2),
-                                    selective_steps=steps, grad_bytes=4, param_bytes=4)
-    for name, moved, formula in (("offload", offload["moved"], {k: v * steps for k, v in plain.items()}),
-                                 ("zenflow", zen["moved"], expected), ("zenflow-overlap", overlapped["moved"], landed)):
+    rows = [("offload", offload["moved"], {k: v * steps for k, v in plain.items()}), ("zenflow", zen["moved"], expected)]
+    if overlapped is not None:  # overlap_step without warm-up: the first two updates land nothing on the device
+        rows.append(("zenflow-overlap", overlapped["moved"], zenflow_transfer_bytes(
+            partition, selected, steps=steps, updates=max(0, sum(overlapped["updates"]) - 2), selective_steps=steps,
+            grad_bytes=4, param_bytes=4)))
+    for name, moved, formula in rows:
         per_step = {key: value / steps / 1e6 for key, value in moved.items()}
         by_formula = {key: value / steps / 1e6 for key, value in formula.items()}
         print(f"{name} MB per step: device->host {per_step['device_to_host']:.2f}, host->device "

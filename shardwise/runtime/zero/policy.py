@@ -160,9 +160,6 @@ class ZeroPolicy:
         if self.stage not in (1, 2, 3):
             raise ValueError(f"ZenFlow runs at ZeRO stages 1 to 3 (it splits the optimizer's update); got stage "
                              f"{self.stage}: use stage 2 or 3")
-        if self.stage == 3 and self.zenflow.overlap_step:
-            raise ValueError("zenflow.overlap_step at ZeRO stage 3 is not supported: shardwise overlaps the CPU "
-                             "update at stages 1-2; set overlap_step false or use stage 2")
 
     def _check_plus_plus(self) -> None:
         if not self.partitions_parameters:

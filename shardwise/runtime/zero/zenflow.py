@@ -136,9 +136,6 @@ class ZenFlow:
         # stage 3 (the parameters partitioned): each rank updates its own shard's selected elements
         self.sharded = (None if isinstance(params, ReplicatedParameters)
                         else ShardedSelection(store=self.store, params=params, ledger=ledger, device=device))
-        if self.sharded is not None and policy.overlap_step:
-            raise ValueError("zenflow.overlap_step at ZeRO stage 3 is not supported: shardwise overlaps the CPU "
-                             "update at stages 1-2; set overlap_step false or use stage 2")
         self.selected: list[_Selected] = []
         for unit in self.store.units:
             for slot in unit.slots:
@@ -341,7 +338,10 @@ class ZenFlow:
                 self.sharded.step(grads, groups)
             return
         kept = self.sharded.values() if selective else None
-        self._cpu_step(m, grad_scale=grad_scale, max_norm=max_norm)
+        if self.overlap is None:
+            self._cpu_step(m, grad_scale=grad_scale, max_norm=max_norm)
+        else:
+            self._overlapped_cpu_step(m, grad_scale=grad_scale, max_norm=max_norm)
         if selective:
             self.sharded.write(kept)
             self.sharded.step(grads, groups)

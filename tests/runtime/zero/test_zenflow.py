@@ -264,7 +264,8 @@ def test_zenflow_matches_its_rule_in_float64(stage, world, clip, block):
             selective_steps=result["selective_steps"], grad_bytes=4, param_bytes=4)
 
 
-@pytest.mark.parametrize("block", [ZENFLOW, pytest.param(AUTO, marks=pytest.mark.slow)], ids=["interval-2", "auto"])
+@pytest.mark.parametrize("block", [ZENFLOW, pytest.param(AUTO, marks=pytest.mark.slow),
+                                   pytest.param(OVERLAP, marks=pytest.mark.slow)], ids=["interval-2", "auto", "overlap"])
 def test_zenflow_at_stage3_matches_its_rule_in_float64(block):
     """Stage 3 on 2 ranks with a 12x9 first weight: its column 4 is cut by the partition
     boundary (elements 48..59 of 108 split at 54), so it is never a candidate."""
@@ -428,14 +429,15 @@ torch.save({"params": params, "columns": columns}, sys.argv[2])
 
 @pytest.mark.skipif(not os.environ.get("DEEPSPEED_PYTHON"), reason="set DEEPSPEED_PYTHON to an interpreter with "
                     "DeepSpeed installed (benchmarks/zero3_vs_fsdp2_deepspeed.py's docstring shows one)")
-def test_stage3_steps_are_deepspeeds(tmp_path):
+@pytest.mark.parametrize("block", [ZENFLOW, OVERLAP], ids=["interval-2", "overlap"])
+def test_stage3_steps_are_deepspeeds(block, tmp_path):
     """DeepSpeed 0.19.8's own stage-3 ZenFlow on the CPU accelerator (one rank), from the
     same weights and batches: the same columns at every step and the same parameters
     (fp32 both sides; its CPU Adam and ours round differently, so 1e-4 after 9 steps).
     Its engine_stage3 allocates two buffers on 'cuda' by name, so the script gives that
     module a torch whose zeros/tensor put them on the CPU; nothing else is changed."""
-    ours = run_distributed(train, 1, 3)[0]
-    config_ = config(3, 1) | {"optimizer": {"type": "AdamW", "params": {"lr": LR, "eps": EPS, "weight_decay": DECAY,
+    ours = run_distributed(train, 1, 3, 0.0, block)[0]
+    config_ = config(3, 1, 0.0, block) | {"optimizer": {"type": "AdamW", "params": {"lr": LR, "eps": EPS, "weight_decay": DECAY,
                                                                           "betas": list(BETAS)}}}
     config_["zero_optimization"]["stage3_param_persistence_threshold"] = 0  # DeepSpeed: see zenflow_sharded.py
     torch.save({"initial": ours["initial"], "config": config_, "batches": [batch(m) for m in range(STEPS)]},

@@ -129,8 +129,8 @@ def _zero_plus_plus_contradictions(cfg: ShardwiseConfig) -> list[str]:
 
 def _zenflow_contradictions(cfg: ShardwiseConfig, batch_known: bool) -> list[str]:
     """ZenFlow (runtime/zero/zenflow.py) updates part of the model on the device and the
-    rest on the CPU: it needs the optimizer on the CPU and a stage that partitions it (1-3;
-    no overlap_step at 3), and it accumulates over its own update interval."""
+    rest on the CPU: it needs the optimizer on the CPU and a stage that partitions it (1-3),
+    and it accumulates over its own update interval."""
     zero = cfg.zero_optimization
     zenflow = zero.zenflow
     if zenflow is None:
@@ -143,9 +143,6 @@ def _zenflow_contradictions(cfg: ShardwiseConfig, batch_known: bool) -> list[str
     if zero.stage not in (1, 2, 3):
         problems.append(f"zero_optimization.zenflow at zero_optimization.stage {zero.stage} is not supported: "
                         "it splits the optimizer's update, which stage 0 does not partition; use stage 2 or 3")
-    if zero.stage == 3 and zenflow.overlap_step:
-        problems.append("zero_optimization.zenflow.overlap_step at stage 3 is not supported: shardwise overlaps "
-                        "the CPU update at stages 1-2; set overlap_step false or use stage 2")
     if zero.offload_optimizer.ratio < 1:
         problems.append("zero_optimization.zenflow with offload_optimizer.ratio < 1 is not supported: ZenFlow "
                         "chooses what the device updates itself; remove ratio")
