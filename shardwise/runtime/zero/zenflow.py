@@ -145,6 +145,11 @@ class ZenFlow:
                                      "zenflow")
                 # stage 3 stores a weight transposed: one row is one element per column, updated whole
                 is_matrix = len(slot.shape) == 2 and (self.sharded is None or slot.shape[0] > 1)
+                if is_matrix and self.sharded is not None and not whole_columns(*slot.shape, shard.size).any():
+                    raise ValueError(f"ZenFlow at stage 3 selects columns that lie whole inside one rank's partition "
+                                     f"(as DeepSpeed partitions each transposed weight); no column of {slot.name} "
+                                     f"{tuple(slot.shape)} does over {shard.size} ranks: use fewer ranks, or train "
+                                     "it without zenflow")
                 self.selected.append(_Selected(slot, unit, is_matrix))
         # the host's window sum, laid out as the store's gradient partition
         self.window = [torch.zeros_like(grad, dtype=torch.float32) for grad in self.store.gradients()]
@@ -238,6 +243,9 @@ class ZenFlow:
         if self.sharded is not None:
             self._load_sharded_state(record, read, same_layout)
             return
+        if "shard_steps" in record:
+            raise ValueError("this ZenFlow checkpoint was saved at ZeRO stage 3: its selective moments and the host's "
+                             "gradient sum cover the saving rank's shard; resume at stage 3 and the saving world size")
         for entry in self.selected:
             columns = record["columns"].get(entry.slot.name)
             entry.columns = None if columns is None else torch.tensor(columns, dtype=torch.long, device=self.device)
@@ -387,10 +395,6 @@ class ZenFlow:
             eligible = torch.ones(score.numel(), dtype=torch.bool)
             if self.sharded is not None:
                 eligible = whole_columns(*entry.slot.shape, self.shard.size)
-                if not eligible.any():
-                    raise ValueError(f"ZenFlow at stage 3 selects columns that lie whole inside one rank's partition; "
-                                     f"no column of {entry.slot.name} {tuple(entry.slot.shape)} does over "
-                                     f"{self.shard.size} ranks: use fewer ranks, or train it without zenflow")
                 score = score.masked_fill(~eligible.to(score.device), -torch.inf)
             count = selected_count(int(eligible.sum()), self.policy.topk_ratio)
             chosen.append(torch.topk(score, count).indices.sort().values)

@@ -49,23 +49,21 @@ class ShardedSelection:
         self.ledger = ledger
         self.device = device
         self.positions: list[torch.Tensor] = []  # per unit: selected positions inside this rank's chunk
-        self.groups: list[torch.Tensor] = []  # per unit: each selected position's optimizer param group
+        # per unit: runs (param group, start, stop) of its selected positions
+        self.runs: list[list[tuple[int, int, int]]] = []
         self.exp_avg: list[torch.Tensor] = []
         self.exp_avg_sq: list[torch.Tensor] = []
         self.steps = 0
         self.held = 0
 
-    @property
-    def owned_selected(self) -> int:
-        return sum(len(positions) for positions in self.positions)
-
     def plan(self, columns_of: dict[int, torch.Tensor | None]) -> None:
         """Positions of the selected elements in each chunk; `columns_of[id(slot)]`: the
         slot's selected columns, None for a parameter updated whole."""
-        self.positions, self.groups = [], []
+        self.positions, self.runs = [], []
         for unit in self.store.units:
             found = [torch.zeros(0, dtype=torch.long)]
-            groups = [torch.zeros(0, dtype=torch.long)]
+            runs: list[tuple[int, int, int]] = []
+            count = 0
             for piece in unit.owned_pieces(self.store.chunk):
                 flat = torch.arange(piece.start, piece.stop)
                 columns = columns_of[id(piece.slot)]
@@ -74,9 +72,13 @@ class ShardedSelection:
                     chosen[columns.cpu()] = True
                     flat = flat[chosen[flat % piece.slot.shape[1]]]
                 found.append(flat - piece.start + piece.chunk_offset)
-                groups.append(torch.full((len(flat),), piece.slot.group, dtype=torch.long))
+                if runs and runs[-1][0] == piece.slot.group:
+                    runs[-1] = (piece.slot.group, runs[-1][1], count + len(flat))
+                else:
+                    runs.append((piece.slot.group, count, count + len(flat)))
+                count += len(flat)
             self.positions.append(torch.cat(found))
-            self.groups.append(torch.cat(groups))
+            self.runs.append(runs)
 
     def reset_moments(self) -> None:
         """A selection: zeroed moments for the new positions (the step count is kept)."""
@@ -110,23 +112,23 @@ class ShardedSelection:
     @torch.no_grad()
     def step(self, grads: list[torch.Tensor], param_groups: list[dict]) -> None:
         """AdamW on the selected elements (torch's rule, as DeepSpeed's selective AdamW),
-        each with its own parameter group's settings, then the changed shards published."""
+        each run with its parameter group's settings, then the changed shards published."""
         self.steps += 1
-        settings = {key: torch.tensor([float(group[key]) for group in param_groups], dtype=torch.float32)
-                    for key in ("lr", "weight_decay", "eps")}
-        settings["beta1"], settings["beta2"] = (torch.tensor([float(group["betas"][i]) for group in param_groups])
-                                                for i in (0, 1))
         values = []
-        for grad, exp_avg, exp_avg_sq, value, group in zip(grads, self.exp_avg, self.exp_avg_sq, self.values(),
-                                                           self.groups):
-            lr, decay, eps, beta1, beta2 = (settings[key][group].to(self.device)
-                                            for key in ("lr", "weight_decay", "eps", "beta1", "beta2"))
+        for grad, exp_avg, exp_avg_sq, value, runs in zip(grads, self.exp_avg, self.exp_avg_sq, self.values(),
+                                                          self.runs):
             value = value.to(self.device, torch.float32)
-            value.mul_(1 - lr * decay)
-            exp_avg.mul_(beta1).add_((1 - beta1) * grad)
-            exp_avg_sq.mul_(beta2).add_((1 - beta2) * grad * grad)
-            denom = (exp_avg_sq.sqrt() / (1 - beta2 ** self.steps).sqrt()).add_(eps)
-            value.sub_(lr / (1 - beta1 ** self.steps) * exp_avg / denom)
+            for group, start, stop in runs:
+                settings = param_groups[group]
+                lr, decay, eps, (beta1, beta2) = (settings["lr"], settings["weight_decay"], settings["eps"],
+                                                  settings["betas"])
+                part, g = value[start:stop], grad[start:stop]
+                m1, m2 = exp_avg[start:stop], exp_avg_sq[start:stop]
+                part.mul_(1 - lr * decay)
+                m1.lerp_(g, 1 - beta1)
+                m2.mul_(beta2).addcmul_(g, g, value=1 - beta2)
+                denom = (m2.sqrt() / (1 - beta2 ** self.steps) ** 0.5).add_(eps)
+                part.addcdiv_(m1, denom, value=-lr / (1 - beta1 ** self.steps))
             values.append(value)
         self.write(values)
         self.params.after_update()

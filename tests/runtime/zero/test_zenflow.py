@@ -64,17 +64,23 @@ def snapshot(model: torch.nn.Module) -> dict[str, torch.Tensor]:
         return {n: p.detach().clone() for n, p in model.named_parameters()}
 
 
-def config(stage: int, world: int, clip: float = 0.0, block: dict = ZENFLOW) -> dict:
+def config(stage: int, world: int, clip: float = 0.0, block: dict = ZENFLOW, persistence: int = 0) -> dict:
+    """At stage 3, `persistence` is stage3_param_persistence_threshold: 0 partitions every
+    parameter; DeepSpeed's default (1e5) keeps this model's small ones whole on every rank."""
+    zero = {"stage": stage, "offload_optimizer": {"device": "cpu"}, "zenflow": block}
+    if stage == 3:
+        zero["stage3_param_persistence_threshold"] = persistence
     return {"train_micro_batch_size_per_gpu": ROWS // world, "gradient_accumulation_steps": 1,
-            "gradient_clipping": clip,
-            "zero_optimization": {"stage": stage, "offload_optimizer": {"device": "cpu"}, "zenflow": block}}
+            "gradient_clipping": clip, "zero_optimization": zero}
 
 
-def train(rank: int, world: int, stage: int, clip: float = 0.0, block: dict = ZENFLOW, inputs: int = 8) -> dict:
+def train(rank: int, world: int, stage: int, clip: float = 0.0, block: dict = ZENFLOW, inputs: int = 8,
+          persistence: int = 0) -> dict:
     model = build_model(inputs)
     initial = {name: p.detach().clone() for name, p in model.named_parameters()}
     optimizer = torch.optim.AdamW(model.parameters(), lr=LR, eps=EPS, weight_decay=DECAY, betas=BETAS)
-    engine = shardwise.initialize(model, config(stage, world, clip, block), optimizer=optimizer)
+    engine = shardwise.initialize(model, config(stage, world, clip, block, persistence), optimizer=optimizer)
+    assert engine.persistent_numel() == (0 if stage < 3 or persistence == 0 else engine.num_parameters())
     per_step, columns = [], []
     rows = slice(rank * ROWS // world, (rank + 1) * ROWS // world)
     for step in range(STEPS):
@@ -264,15 +270,33 @@ def test_zenflow_matches_its_rule_in_float64(stage, world, clip, block):
             selective_steps=result["selective_steps"], grad_bytes=4, param_bytes=4)
 
 
-@pytest.mark.parametrize("block", [ZENFLOW, pytest.param(AUTO, marks=pytest.mark.slow),
-                                   pytest.param(OVERLAP, marks=pytest.mark.slow)], ids=["interval-2", "auto", "overlap"])
-def test_zenflow_at_stage3_matches_its_rule_in_float64(block):
+@pytest.mark.parametrize(("block", "persistence"), [
+    (ZENFLOW, 0), pytest.param(ZENFLOW, 100_000, marks=pytest.mark.slow), pytest.param(AUTO, 0, marks=pytest.mark.slow),
+    pytest.param(OVERLAP, 0, marks=pytest.mark.slow)], ids=["interval-2", "persistent", "auto", "overlap"])
+def test_zenflow_at_stage3_matches_its_rule_in_float64(block, persistence):
     """Stage 3 on 2 ranks with a 12x9 first weight: its column 4 is cut by the partition
-    boundary (elements 48..59 of 108 split at 54), so it is never a candidate."""
+    boundary (elements 48..59 of 108 split at 54), so it is never a candidate. "persistent":
+    every parameter below stage3_param_persistence_threshold, whole on every rank (the
+    updated shards are all-gathered after each selective step)."""
     assert whole_columns(12, 9, 2).tolist() == [True] * 4 + [False] + [True] * 4
-    results = run_distributed(train, 2, 3, 0.0, block, 9)
+    results = run_distributed(train, 2, 3, 0.0, block, 9, persistence)
     check_against_rule(results, 0.0, block, inputs=9, partitions=2)
     assert all(4 not in columns["0.weight"] for columns in results[0]["columns"] if columns["0.weight"])
+
+
+def build_with_cut_weight(rank: int, world: int) -> str:
+    model = torch.nn.Linear(1, 3)  # one column of 3 elements, partitions of 2: cut on 2 ranks
+    optimizer = torch.optim.AdamW(model.parameters(), lr=LR)
+    try:
+        shardwise.initialize(model, config(3, world), optimizer=optimizer)
+    except ValueError as error:
+        return str(error)
+    return "initialized"
+
+
+def test_a_weight_without_a_whole_column_on_a_rank_is_refused():
+    [message, _] = run_distributed(build_with_cut_weight, 2)
+    assert "no column of weight (3, 1) does over 2 ranks" in message
 
 
 def check_against_rule(results: list[dict], clip: float, block: dict, inputs: int = 8,
@@ -435,11 +459,12 @@ def test_stage3_steps_are_deepspeeds(block, tmp_path):
     same weights and batches: the same columns at every step and the same parameters
     (fp32 both sides; its CPU Adam and ours round differently, so 1e-4 after 9 steps).
     Its engine_stage3 allocates two buffers on 'cuda' by name, so the script gives that
-    module a torch whose zeros/tensor put them on the CPU; nothing else is changed."""
+    module a torch whose zeros/tensor put them on the CPU; nothing else is changed. Every
+    parameter is partitioned (config(): persistence threshold 0), since DeepSpeed leaves a
+    persistent parameter's whole copy stale between CPU updates (zenflow_sharded.py)."""
     ours = run_distributed(train, 1, 3, 0.0, block)[0]
     config_ = config(3, 1, 0.0, block) | {"optimizer": {"type": "AdamW", "params": {"lr": LR, "eps": EPS, "weight_decay": DECAY,
                                                                           "betas": list(BETAS)}}}
-    config_["zero_optimization"]["stage3_param_persistence_threshold"] = 0  # DeepSpeed: see zenflow_sharded.py
     torch.save({"initial": ours["initial"], "config": config_, "batches": [batch(m) for m in range(STEPS)]},
                tmp_path / "given.pt")
     subprocess.run([os.environ["DEEPSPEED_PYTHON"], "-c", DEEPSPEED_STAGE3_SIDE, str(tmp_path / "given.pt"),
