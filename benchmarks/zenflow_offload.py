@@ -4,8 +4,8 @@
         [--stage 3]
 
 One process, one thread, the same GPT, data (windows of the standard library's sources)
-and seed in each variant, ZeRO stage 2 (`--stage 3`: stage 3, without zenflow-overlap,
-which shardwise runs at stages 1-2 only), fp32, AdamW:
+and seed in each variant, ZeRO stage 2 (`--stage 3`: stage 3, DeepSpeed's default
+persistence threshold), fp32, AdamW:
 
 - none     optimizer on the device (here: the same CPU), every step a full AdamW;
 - offload  offload_optimizer cpu: the full AdamW on the host every step (C11);
@@ -60,6 +60,7 @@ def config(variant: str, args: argparse.Namespace) -> dict:
 
 def run(variant: str, args: argparse.Namespace) -> dict:
     model = build_gpt(args.preset, SEED)
+    shapes = [tuple(p.shape) for p in model.parameters()]  # stage 3 empties the parameters it partitions
     engine = shardwise.initialize(model, config(variant, args))
     batches = ByteBatches(SEED, 1, args.micro_batch, args.seq_len)
     seconds, losses = [], []
@@ -74,7 +75,7 @@ def run(variant: str, args: argparse.Namespace) -> dict:
     result = {"variant": variant, "seconds": seconds, "losses": losses,
               "moved": engine.comm_volume(per_group=True).get("offload", {}),
               "partition": engine.num_parameters() + engine.padding_elements(),
-              "shapes": [tuple(p.shape) for p in model.parameters()]}
+              "shapes": shapes}
     if engine.zenflow is not None:
         result["updates"] = [engine.zenflow.schedule.updates(m) for m in range(args.steps)]
     engine.destroy()
@@ -95,8 +96,7 @@ def main() -> None:
     parser.add_argument("--stage", type=int, choices=(2, 3), default=2)
     args = parser.parse_args()
     torch.set_num_threads(1)
-    variants = ("none", "offload", "zenflow") + (("zenflow-overlap",) if args.stage == 2 else ())
-    results = {variant: run(variant, args) for variant in variants}
+    results = {variant: run(variant, args) for variant in ("none", "offload", "zenflow", "zenflow-overlap")}
     base = statistics.median(results["none"]["seconds"][args.warmup:])
     tail = max(1, args.steps // 4)
     print(f"ZeRO stage {args.stage}, GPT {args.preset}, {results['none']['partition']:,} elements, {args.steps} steps "
@@ -111,10 +111,8 @@ def main() -> None:
             for label, wanted in (("  steps with CPU update", True), ("  steps without", False)):
                 picked = [s for s, flag in zip(timed, flags) if flag == wanted]
                 print(f"{label:<24}{statistics.median(picked):>14.4f}{statistics.median(picked) / base:>8.2f}")
-    offload, zen, overlapped = results["offload"], results["zenflow"], results.get("zenflow-overlap")
+    offload, zen, overlapped = results["offload"], results["zenflow"], results["zenflow-overlap"]
     for name, result in (("zenflow", zen), ("zenflow-overlap", overlapped)):
-        if result is None:
-            continue
         drift = statistics.mean(result["losses"][-tail:]) / statistics.mean(offload["losses"][-tail:]) - 1
         print(f"{name} loss vs synchronous offload, last quarter: {drift:+.2%}")
     partition, steps = zen["partition"], args.steps
@@ -122,12 +120,11 @@ def main() -> None:
     selected = zenflow_selected_elements(zen["shapes"], args.topk)
     expected = zenflow_transfer_bytes(partition, selected, steps=steps, updates=sum(zen["updates"]),
                                       selective_steps=steps, grad_bytes=4, param_bytes=4)
-    rows = [("offload", offload["moved"], {k: v * steps for k, v in plain.items()}), ("zenflow", zen["moved"], expected)]
-    if overlapped is not None:  # overlap_step without warm-up: the first two updates land nothing on the device
-        rows.append(("zenflow-overlap", overlapped["moved"], zenflow_transfer_bytes(
-            partition, selected, steps=steps, updates=max(0, sum(overlapped["updates"]) - 2), selective_steps=steps,
-            grad_bytes=4, param_bytes=4)))
-    for name, moved, formula in rows:
+    # overlap_step without warm-up: the first two updates land nothing on the device
+    landed = zenflow_transfer_bytes(partition, selected, steps=steps, updates=max(0, sum(overlapped["updates"]) - 2),
+                                    selective_steps=steps, grad_bytes=4, param_bytes=4)
+    for name, moved, formula in (("offload", offload["moved"], {k: v * steps for k, v in plain.items()}),
+                                 ("zenflow", zen["moved"], expected), ("zenflow-overlap", overlapped["moved"], landed)):
         per_step = {key: value / steps / 1e6 for key, value in moved.items()}
         by_formula = {key: value / steps / 1e6 for key, value in formula.items()}
         print(f"{name} MB per step: device->host {per_step['device_to_host']:.2f}, host->device "
