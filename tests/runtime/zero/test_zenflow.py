@@ -526,6 +526,40 @@ def test_a_resume_mid_window_continues_the_same_run(stage, tmp_path):
         assert consolidated[name].equal(tensor), name
 
 
+def save_at_stage3(rank: int, world: int, directory: str) -> None:
+    model = build_model()
+    optimizer = torch.optim.AdamW(model.parameters(), lr=LR, eps=EPS, weight_decay=DECAY, betas=BETAS)
+    engine = shardwise.initialize(model, config(3, world), optimizer=optimizer)
+    for step in range(2):  # past the selection at m = 1
+        x, y = batch(step)
+        rows = slice(rank * ROWS // world, (rank + 1) * ROWS // world)
+        engine.backward(torch.nn.functional.mse_loss(engine(x[rows]), y[rows]))
+        engine.step()
+    engine.save_checkpoint(directory)
+    engine.destroy()
+
+
+def load_elsewhere(rank: int, world: int, directory: str, stage: int) -> str:
+    model = build_model()
+    optimizer = torch.optim.AdamW(model.parameters(), lr=LR, eps=EPS, weight_decay=DECAY, betas=BETAS)
+    engine = shardwise.initialize(model, config(stage, world), optimizer=optimizer)
+    try:
+        engine.load_checkpoint(directory)
+    except ValueError as error:
+        return str(error)
+    return "loaded"
+
+
+@pytest.mark.slow
+def test_a_stage3_checkpoint_resumes_only_at_its_stage_and_world_size(tmp_path):
+    """Its selective moments and window sum cover each saving rank's shard."""
+    run_distributed(save_at_stage3, 2, str(tmp_path))
+    [one_rank] = run_distributed(load_elsewhere, 1, str(tmp_path), 3)
+    assert "resume at the saving stage and world size" in one_rank
+    [at_stage2, _] = run_distributed(load_elsewhere, 2, str(tmp_path), 2)
+    assert "saved at ZeRO stage 3" in at_stage2
+
+
 def checkpoint_with_overlap(rank: int, world: int, directory: str) -> list[str]:
     """Save from an overlap_step run, then load a plain ZenFlow checkpoint into one."""
     messages = []
