@@ -453,7 +453,7 @@ torch.save({"params": params, "columns": columns}, sys.argv[2])
 
 @pytest.mark.skipif(not os.environ.get("DEEPSPEED_PYTHON"), reason="set DEEPSPEED_PYTHON to an interpreter with "
                     "DeepSpeed installed (benchmarks/zero3_vs_fsdp2_deepspeed.py's docstring shows one)")
-@pytest.mark.parametrize("block", [ZENFLOW, OVERLAP], ids=["interval-2", "overlap"])
+@pytest.mark.parametrize("block", [ZENFLOW, {**OVERLAP, "select_interval": 100}], ids=["interval-2", "overlap"])
 def test_stage3_steps_are_deepspeeds(block, tmp_path):
     """DeepSpeed 0.19.8's own stage-3 ZenFlow on the CPU accelerator (one rank), from the
     same weights and batches: the same columns at every step and the same parameters
@@ -461,12 +461,14 @@ def test_stage3_steps_are_deepspeeds(block, tmp_path):
     Its engine_stage3 allocates two buffers on 'cuda' by name, so the script gives that
     module a torch whose zeros/tensor put them on the CPU; nothing else is changed. Every
     parameter is partitioned (config(): persistence threshold 0), since DeepSpeed leaves a
-    persistent parameter's whole copy stale between CPU updates (zenflow_sharded.py)."""
+    persistent parameter's whole copy stale between CPU updates (zenflow_sharded.py).
+    With overlap_step there is no reselection after warm-up: DeepSpeed copies the device's
+    weights into the masters at a selection while its CPU process may still be updating
+    them, so its result there depends on timing (on a loaded machine it differed by 3%)."""
     ours = run_distributed(train, 1, 3, 0.0, block)[0]
-    config_ = config(3, 1, 0.0, block) | {"optimizer": {"type": "AdamW", "params": {"lr": LR, "eps": EPS, "weight_decay": DECAY,
-                                                                          "betas": list(BETAS)}}}
-    torch.save({"initial": ours["initial"], "config": config_, "batches": [batch(m) for m in range(STEPS)]},
-               tmp_path / "given.pt")
+    adamw = {"type": "AdamW", "params": {"lr": LR, "eps": EPS, "weight_decay": DECAY, "betas": list(BETAS)}}
+    torch.save({"initial": ours["initial"], "config": config(3, 1, 0.0, block) | {"optimizer": adamw},
+                "batches": [batch(m) for m in range(STEPS)]}, tmp_path / "given.pt")
     subprocess.run([os.environ["DEEPSPEED_PYTHON"], "-c", DEEPSPEED_STAGE3_SIDE, str(tmp_path / "given.pt"),
                     str(tmp_path / "got.pt")], check=True, env={**os.environ, "DS_ACCELERATOR": "cpu"}, timeout=600)
     theirs = torch.load(tmp_path / "got.pt")
