@@ -1,9 +1,11 @@
 """ZenFlow beside plain ZeRO-Offload and no offload (issue 28, C30).
 
     .venv/bin/python benchmarks/zenflow_offload.py [--preset 10m] [--steps 40] [--topk 0.1] [--update-interval 4]
+        [--stage 3]
 
 One process, one thread, the same GPT, data (windows of the standard library's sources)
-and seed in each variant, ZeRO stage 2, fp32, AdamW:
+and seed in each variant, ZeRO stage 2 (`--stage 3`: stage 3, DeepSpeed's default
+persistence threshold), fp32, AdamW:
 
 - none     optimizer on the device (here: the same CPU), every step a full AdamW;
 - offload  offload_optimizer cpu: the full AdamW on the host every step (C11);
@@ -44,7 +46,7 @@ SEED = 1234
 
 
 def config(variant: str, args: argparse.Namespace) -> dict:
-    zero: dict = {"stage": 2}
+    zero: dict = {"stage": args.stage}
     if variant != "none":
         zero["offload_optimizer"] = {"device": "cpu"}
     if variant.startswith("zenflow"):
@@ -58,6 +60,7 @@ def config(variant: str, args: argparse.Namespace) -> dict:
 
 def run(variant: str, args: argparse.Namespace) -> dict:
     model = build_gpt(args.preset, SEED)
+    shapes = [tuple(p.shape) for p in model.parameters()]  # stage 3 empties the parameters it partitions
     engine = shardwise.initialize(model, config(variant, args))
     batches = ByteBatches(SEED, 1, args.micro_batch, args.seq_len)
     seconds, losses = [], []
@@ -72,7 +75,7 @@ def run(variant: str, args: argparse.Namespace) -> dict:
     result = {"variant": variant, "seconds": seconds, "losses": losses,
               "moved": engine.comm_volume(per_group=True).get("offload", {}),
               "partition": engine.num_parameters() + engine.padding_elements(),
-              "shapes": [tuple(p.shape) for p in model.parameters()]}
+              "shapes": shapes}
     if engine.zenflow is not None:
         result["updates"] = [engine.zenflow.schedule.updates(m) for m in range(args.steps)]
     engine.destroy()
@@ -90,12 +93,13 @@ def main() -> None:
     parser.add_argument("--topk", type=float, default=0.1)
     parser.add_argument("--update-interval", type=int, default=4)
     parser.add_argument("--select-interval", type=int, default=100)
+    parser.add_argument("--stage", type=int, choices=(2, 3), default=2)
     args = parser.parse_args()
     torch.set_num_threads(1)
     results = {variant: run(variant, args) for variant in ("none", "offload", "zenflow", "zenflow-overlap")}
     base = statistics.median(results["none"]["seconds"][args.warmup:])
     tail = max(1, args.steps // 4)
-    print(f"GPT {args.preset}, {results['none']['partition']:,} elements, {args.steps} steps "
+    print(f"ZeRO stage {args.stage}, GPT {args.preset}, {results['none']['partition']:,} elements, {args.steps} steps "
           f"(timings: last {args.steps - args.warmup}), micro-batch {args.micro_batch} x {args.seq_len} tokens")
     print(f"{'variant':<24}{'median step s':>14}{'x none':>8}{'loss, last quarter':>20}")
     for variant, result in results.items():

@@ -139,7 +139,7 @@ class ZeroPolicy:
     shard_size: int | None = None  # hybrid sharding (MiCS / HSDP): ranks per shard group; None: all data ranks
     gather_16bit_weights_on_save: bool = False  # stage 3: a whole 16-bit model may be gathered to save it
     plus_plus: ZeroPlusPlusPolicy = ZeroPlusPlusPolicy()  # ZeRO++ (stage 3)
-    zenflow: ZenFlowPolicy | None = None  # stall-free offloading (stages 1-2, optimizer on the CPU)
+    zenflow: ZenFlowPolicy | None = None  # stall-free offloading (stages 1-3, optimizer on the CPU)
     # step() raises when a trainable parameter got no gradient in the accumulation window on
     # any rank (False: its gradient counts as zero, as plain PyTorch's optimizers skip it)
     refuse_unused_parameters: bool = False
@@ -157,9 +157,9 @@ class ZeroPolicy:
         if self.offload_optimizer.device != "cpu":
             raise ValueError("ZenFlow needs the optimizer offloaded to the CPU (DeepSpeed: \"Zenflow must be used "
                              "with cpu offload\"): set zero_optimization.offload_optimizer.device to \"cpu\"")
-        if self.stage not in (1, 2):
-            raise ValueError(f"ZenFlow in shardwise runs at ZeRO stages 1 and 2 (parameters whole on every rank); "
-                             f"got stage {self.stage}: use stage 2")
+        if self.stage not in (1, 2, 3):
+            raise ValueError(f"ZenFlow runs at ZeRO stages 1 to 3 (it splits the optimizer's update); got stage "
+                             f"{self.stage}: use stage 2 or 3")
 
     def _check_plus_plus(self) -> None:
         if not self.partitions_parameters:

@@ -31,11 +31,13 @@ divides the loss by its accumulation count, which "auto" sets to 0 (every gradie
 becomes inf and the weights NaN); shardwise divides by 1, which is DeepSpeed's run with
 `engine.backward(loss, scale_wrt_gas=False)`.
 
-Here the whole parameters are on every rank (stages 1-2), so every rank runs the same
+At stages 1-2 the whole parameters are on every rank, so every rank runs the same
 selective update: the column sums are all-reduced (each rank adds its chunk's part), and
 the selected gradients are summed from the chunks that hold them (each element comes
 from one rank). The host keeps its own window sum, so the reducer's per-step partition
-stays one step's gradient.
+stays one step's gradient. At stage 3 each rank updates the selected elements of its own
+shard, and only columns whole inside one rank's partition (as DeepSpeed partitions each
+weight) can be selected (runtime/zero/zenflow_sharded.py).
 """
 
 from __future__ import annotations
@@ -51,7 +53,9 @@ from shardwise.runtime.zero.layout import FlatUnit, ParamSlot
 from shardwise.runtime.zero.policy import ZenFlowPolicy
 from shardwise.runtime.zero.replicated_params import ReplicatedParameters
 from shardwise.runtime.zero.sharded_optimizer import ShardedOptimizer
+from shardwise.runtime.zero.strategy import ParameterStrategy
 from shardwise.runtime.zero.zenflow_overlap import OverlappedCpuStep
+from shardwise.runtime.zero.zenflow_sharded import ShardedSelection, whole_columns
 
 
 @dataclass(frozen=True)
@@ -87,14 +91,11 @@ class _Selected:
 
     slot: ParamSlot
     unit: FlatUnit
+    is_matrix: bool  # its columns are selected; otherwise it is updated whole
     columns: torch.Tensor | None = None  # sorted column indices (2-D); None: the whole parameter
     exp_avg: torch.Tensor | None = None
     exp_avg_sq: torch.Tensor | None = None
     steps: int = 0
-
-    @property
-    def is_matrix(self) -> bool:
-        return len(self.slot.shape) == 2
 
     def values(self) -> torch.Tensor:
         """The parameter's selected part as a copy (2-D: its columns; 1-D: all of it)."""
@@ -117,7 +118,7 @@ def selected_count(columns: int, topk_ratio: float) -> int:
 class ZenFlow:
     """Runs ZenFlow's step in place of the sharded optimizer's (engine.step)."""
 
-    def __init__(self, policy: ZenFlowPolicy, *, optimizer: ShardedOptimizer, params: ReplicatedParameters,
+    def __init__(self, policy: ZenFlowPolicy, *, optimizer: ShardedOptimizer, params: ParameterStrategy,
                  shard: Communicator, ledger: MemoryLedger, device: torch.device):
         torch_optimizer = optimizer.optimizer
         if not isinstance(torch_optimizer, (torch.optim.Adam, torch.optim.AdamW)):
@@ -132,6 +133,9 @@ class ZenFlow:
         self.shard = shard
         self.ledger = ledger
         self.device = device
+        # stage 3 (the parameters partitioned): each rank updates its own shard's selected elements
+        self.sharded = (None if isinstance(params, ReplicatedParameters)
+                        else ShardedSelection(store=self.store, params=params, ledger=ledger, device=device))
         self.selected: list[_Selected] = []
         for unit in self.store.units:
             for slot in unit.slots:
@@ -139,7 +143,14 @@ class ZenFlow:
                     raise ValueError(f"ZenFlow selects columns of 2-D weights and updates 1-D parameters whole; "
                                      f"{slot.name} has shape {tuple(slot.shape)}: reshape it or train without "
                                      "zenflow")
-                self.selected.append(_Selected(slot, unit))
+                # stage 3 stores a weight transposed: one row is one element per column, updated whole
+                is_matrix = len(slot.shape) == 2 and (self.sharded is None or slot.shape[0] > 1)
+                if is_matrix and self.sharded is not None and not whole_columns(*slot.shape, shard.size).any():
+                    raise ValueError(f"ZenFlow at stage 3 selects columns that lie whole inside one rank's partition "
+                                     f"(as DeepSpeed partitions each transposed weight); no column of {slot.name} "
+                                     f"{tuple(slot.shape)} does over {shard.size} ranks: use fewer ranks, or train "
+                                     "it without zenflow")
+                self.selected.append(_Selected(slot, unit, is_matrix))
         # the host's window sum, laid out as the store's gradient partition
         self.window = [torch.zeros_like(grad, dtype=torch.float32) for grad in self.store.gradients()]
         ledger.hold("grads", sum(tensor_bytes(window) for window in self.window), tier="host")
@@ -176,6 +187,9 @@ class ZenFlow:
                              "run one CPU update ahead of the device's weights, and the two sets of CPU Adam moments "
                              "(DeepSpeed 0.19.8 keeps them inside its optimizer process, out of its checkpoints) "
                              "are not saved; train with overlap_step false to checkpoint")
+        if self.sharded is not None:
+            self.sharded.settle_masters()
+            return
         entries = {id(entry.slot): entry for entry in self.selected if entry.columns is not None or
                    (not entry.is_matrix and entry.exp_avg is not None)}
         for unit in self.store.units:
@@ -197,12 +211,21 @@ class ZenFlow:
 
     def state_record(self) -> dict:
         """What a checkpoint keeps besides the tensors of `state_tensors`."""
-        return {"columns": {e.slot.name: None if e.columns is None else e.columns.tolist() for e in self.selected},
-                "steps": {e.slot.name: e.steps for e in self.selected},
-                "window_sizes": [window.numel() for window in self.window]}
+        record = {"columns": {e.slot.name: None if e.columns is None else e.columns.tolist() for e in self.selected},
+                  "steps": {e.slot.name: e.steps for e in self.selected},
+                  "window_sizes": [window.numel() for window in self.window]}
+        if self.sharded is not None:
+            record["shard_steps"] = self.sharded.steps
+            record["shard_selected"] = [len(positions) for positions in self.sharded.positions]
+        return record
 
     def state_tensors(self) -> dict[str, torch.Tensor]:
         tensors = {f"window.{index}": window for index, window in enumerate(self.window)}
+        if self.sharded is not None:
+            for index, (exp_avg, exp_avg_sq) in enumerate(zip(self.sharded.exp_avg, self.sharded.exp_avg_sq)):
+                tensors[f"exp_avg.shard.{index}"] = exp_avg
+                tensors[f"exp_avg_sq.shard.{index}"] = exp_avg_sq
+            return tensors
         for entry in self.selected:
             if entry.exp_avg is not None:
                 tensors[f"exp_avg.{entry.slot.name}"] = entry.exp_avg.reshape(-1)
@@ -217,6 +240,12 @@ class ZenFlow:
             raise ValueError("loading a checkpoint with zenflow.overlap_step true is not supported: its two sets of "
                              "CPU Adam moments cannot be rebuilt from a checkpoint's one; resume with overlap_step "
                              "false")
+        if self.sharded is not None:
+            self._load_sharded_state(record, read, same_layout)
+            return
+        if "shard_steps" in record:
+            raise ValueError("this ZenFlow checkpoint was saved at ZeRO stage 3: its selective moments and the host's "
+                             "gradient sum cover the saving rank's shard; resume at stage 3 and the saving world size")
         for entry in self.selected:
             columns = record["columns"].get(entry.slot.name)
             entry.columns = None if columns is None else torch.tensor(columns, dtype=torch.long, device=self.device)
@@ -247,6 +276,27 @@ class ZenFlow:
         for window in self.window:
             window.zero_()
 
+    def _load_sharded_state(self, record: dict, read: Callable[[str, torch.Tensor], None], same_layout: bool) -> None:
+        """Stage 3: the moments and the window sum cover this rank's shard, so they resume at
+        the saving world size only."""
+        if "shard_steps" not in record or not same_layout or record["window_sizes"] != [w.numel() for w in self.window]:
+            raise ValueError("this ZenFlow checkpoint cannot be resumed here: at ZeRO stage 3 the selective moments "
+                             "and the host's gradient sum cover the saving rank's shard (and a stage 1-2 checkpoint "
+                             "keeps them whole); resume at the saving stage and world size")
+        for entry in self.selected:
+            columns = record["columns"].get(entry.slot.name)
+            entry.columns = None if columns is None else torch.tensor(columns, dtype=torch.long, device=self.device)
+            entry.steps = record["steps"].get(entry.slot.name, 0)
+        self.sharded.steps = record["shard_steps"]
+        if record["shard_selected"]:
+            self.sharded.plan({id(e.slot): e.columns for e in self.selected})
+            self.sharded.reset_moments()
+            for index, (exp_avg, exp_avg_sq) in enumerate(zip(self.sharded.exp_avg, self.sharded.exp_avg_sq)):
+                read(f"exp_avg.shard.{index}", exp_avg)
+                read(f"exp_avg_sq.shard.{index}", exp_avg_sq)
+        for index, window in enumerate(self.window):
+            read(f"window.{index}", window)
+
     @property
     def update_interval(self) -> int:
         """What the loss is divided by (DeepSpeed sets its accumulation count to this; for
@@ -266,6 +316,9 @@ class ZenFlow:
                     self.store.refresh_master(unit)
             self._select()
         selective = schedule.selective(m)
+        if self.sharded is not None:
+            self._sharded_step(m, selective, grad_scale=grad_scale, max_norm=max_norm)
+            return
         grads = self._selected_gradients(grad_scale) if selective else None
         for window, grad in zip(self.window, self.store.gradients()):
             window.add_(grad)
@@ -281,6 +334,25 @@ class ZenFlow:
             for entry, values in zip(self.selected, kept):
                 entry.write(values)
             self._selective_step(grads)
+
+    def _sharded_step(self, m: int, selective: bool, *, grad_scale: float, max_norm: float) -> None:
+        """Stage 3's step, in the order of the whole-parameter one."""
+        grads = self.sharded.gradients(grad_scale) if selective else None
+        for window, grad in zip(self.window, self.store.gradients()):
+            window.add_(grad)
+        groups = self.optimizer.optimizer.param_groups
+        if not self.schedule.updates(m):
+            if selective:
+                self.sharded.step(grads, groups)
+            return
+        kept = self.sharded.values() if selective else None
+        if self.overlap is None:
+            self._cpu_step(m, grad_scale=grad_scale, max_norm=max_norm)
+        else:
+            self._overlapped_cpu_step(m, grad_scale=grad_scale, max_norm=max_norm)
+        if selective:
+            self.sharded.write(kept)
+            self.sharded.step(grads, groups)
 
     def _overlapped_cpu_step(self, m: int, *, grad_scale: float, max_norm: float) -> None:
         """DeepSpeed's order (ZenFlowZeroOptimizerParallel.step): during warm-up submit and
@@ -320,7 +392,11 @@ class ZenFlow:
         self.shard.all_reduce(scores, "zenflow column scores").wait()
         chosen = []
         for entry, score in zip(matrices, torch.split(scores, sizes)):
-            count = selected_count(score.numel(), self.policy.topk_ratio)
+            eligible = torch.ones(score.numel(), dtype=torch.bool)
+            if self.sharded is not None:
+                eligible = whole_columns(*entry.slot.shape, self.shard.size)
+                score = score.masked_fill(~eligible.to(score.device), -torch.inf)
+            count = selected_count(int(eligible.sum()), self.policy.topk_ratio)
             chosen.append(torch.topk(score, count).indices.sort().values)
         if chosen:
             indices = torch.cat(chosen)
@@ -328,6 +404,10 @@ class ZenFlow:
             chosen = torch.split(indices, [len(c) for c in chosen])
         for entry, columns in zip(matrices, chosen):
             entry.columns = columns
+        if self.sharded is not None:
+            self.sharded.plan({id(e.slot): e.columns for e in self.selected})
+            self.sharded.reset_moments()
+            return
         self._plan_gathers()
         for entry in self.selected:
             shape = (entry.slot.shape[0], len(entry.columns)) if entry.is_matrix else tuple(entry.slot.shape)

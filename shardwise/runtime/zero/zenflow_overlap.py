@@ -31,8 +31,8 @@ import torch
 
 from shardwise.runtime.accounting import MemoryLedger, tensor_bytes
 from shardwise.runtime.distributed.collectives import Communicator
-from shardwise.runtime.zero.replicated_params import ReplicatedParameters
 from shardwise.runtime.zero.sharded_optimizer import ShardedOptimizer
+from shardwise.runtime.zero.strategy import ParameterStrategy
 
 HYPERPARAMETERS = ("lr", "betas", "eps", "weight_decay")
 
@@ -40,7 +40,7 @@ HYPERPARAMETERS = ("lr", "betas", "eps", "weight_decay")
 class OverlappedCpuStep:
     """The two-state CPU AdamW of `overlap_step` and when its results land on the device."""
 
-    def __init__(self, *, optimizer: ShardedOptimizer, params: ReplicatedParameters, shard: Communicator,
+    def __init__(self, *, optimizer: ShardedOptimizer, params: ParameterStrategy, shard: Communicator,
                  ledger: MemoryLedger, device: torch.device, windows: list[torch.Tensor]):
         self.optimizer = optimizer
         self.device = device

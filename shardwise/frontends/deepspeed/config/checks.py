@@ -129,8 +129,8 @@ def _zero_plus_plus_contradictions(cfg: ShardwiseConfig) -> list[str]:
 
 def _zenflow_contradictions(cfg: ShardwiseConfig, batch_known: bool) -> list[str]:
     """ZenFlow (runtime/zero/zenflow.py) updates part of the model on the device and the
-    rest on the CPU: it needs the optimizer on the CPU, whole parameters on every rank
-    (stages 1-2), and it accumulates over its own update interval."""
+    rest on the CPU: it needs the optimizer on the CPU and a stage that partitions it (1-3),
+    and it accumulates over its own update interval."""
     zero = cfg.zero_optimization
     zenflow = zero.zenflow
     if zenflow is None:
@@ -140,9 +140,9 @@ def _zenflow_contradictions(cfg: ShardwiseConfig, batch_known: bool) -> list[str
         problems.append(f"zero_optimization.zenflow needs zero_optimization.offload_optimizer.device 'cpu' (got "
                         f"'{zero.offload_optimizer.device}'): ZenFlow splits the update between the device and "
                         "the CPU optimizer")
-    if zero.stage not in (1, 2):
+    if zero.stage not in (1, 2, 3):
         problems.append(f"zero_optimization.zenflow at zero_optimization.stage {zero.stage} is not supported: "
-                        "shardwise runs it at stages 1 and 2 (whole parameters on every rank); use stage 2")
+                        "it splits the optimizer's update, which stage 0 does not partition; use stage 2 or 3")
     if zero.offload_optimizer.ratio < 1:
         problems.append("zero_optimization.zenflow with offload_optimizer.ratio < 1 is not supported: ZenFlow "
                         "chooses what the device updates itself; remove ratio")
