@@ -53,6 +53,8 @@ def policy(folder: Path, kind: str) -> DataSamplingPolicy:
 
 
 class Alone:
+    """The replicas of a one-rank job (the sampler's and loader's only collectives)."""
+
     rank, size = 0, 1
 
     def control_all_reduce(self, tensor, what):

@@ -15,18 +15,9 @@ from shardwise.runtime.data.difficulty_sampler import DifficultySampler
 from shardwise.tools.testing import run_distributed
 from tests.frontends.deepspeed.api.curriculum_workers import (
     ACCUMULATION, EPS, LR, MICRO, TinyLM, Tokens, config, train, write_index)
+from tests.runtime.data.test_difficulty_sampler import Alone
 
 STEPS, STOP, WORLD = 6, 3, 2
-
-
-class Alone:
-    rank, size = 0, 1
-
-    def control_all_reduce(self, tensor, what):
-        return tensor
-
-    def barrier(self, what):
-        pass
 
 
 def reference_losses(runs: list[list[dict]]) -> list[list[float]]:
