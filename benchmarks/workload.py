@@ -104,17 +104,20 @@ def timed_steps(
     rank: int,
     warmup: int,
     steps: int,
+    *,
+    barrier: Callable[[], None] = dist.barrier,
 ) -> StepRecord:
     """Run warmup + steps training steps; time only the last `steps`.
 
     A barrier (outside the timed region) starts every step on all ranks together, so a
     step's time on one rank does not include waiting for a peer that is still finishing
-    the previous one. The parent takes the slowest rank per step.
+    the previous one. The parent takes the slowest rank per step. `barrier`: another
+    way to meet, for ranks without a process group.
     """
     record = StepRecord()
     for step in range(warmup + steps):
         inputs, targets = batches.batch(step, rank)
-        dist.barrier()
+        barrier()
         started, cpu_started = time.perf_counter(), time.process_time()
         loss = train_step(inputs, targets)
         elapsed, cpu = time.perf_counter() - started, time.process_time() - cpu_started

@@ -75,6 +75,7 @@ class ShardedParameters:
             flat.untyped_storage().resize_(0)
             self.flats[unit.index] = flat
         self.gathered: set[int] = set()
+        self._gathered_numel = 0  # of the units in `gathered`, kept as they come and go: read on every use
         self.pending: dict[int, PendingCollective] = {}
         self.users: dict[int, int] = {}
         self.peak_gathered_numel = 0
@@ -137,7 +138,8 @@ class ShardedParameters:
         flat.untyped_storage().resize_(tensor_bytes(flat))
         self.ledger.hold("buffers", tensor_bytes(flat))
         self.gathered.add(unit.index)
-        self.peak_gathered_numel = max(self.peak_gathered_numel, self.gathered_numel())
+        self._gathered_numel += flat.numel()
+        self.peak_gathered_numel = max(self.peak_gathered_numel, self._gathered_numel)
         what = f"parameters of {unit}"
         quantized = self.weight_block is not None and not exact
         if unit.index in self.secondary_current and (quantized or self.weight_block is None):
@@ -197,11 +199,12 @@ class ShardedParameters:
         for slot in unit.slots:
             slot.param.data = self.empty
         flat = self.flats[unit.index]
+        self._gathered_numel -= flat.numel()
         self.ledger.release("buffers", tensor_bytes(flat))
         flat.untyped_storage().resize_(0)
 
     def gathered_numel(self) -> int:
-        return sum(self.flats[index].numel() for index in self.gathered)
+        return self._gathered_numel
 
     def full_buffer(self, unit: FlatUnit) -> torch.Tensor:
         """The gathered flat buffer of `unit` (only valid while it is gathered)."""
