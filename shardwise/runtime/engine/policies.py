@@ -17,6 +17,7 @@ from shardwise.runtime.activation.policy import ActivationPolicy
 from shardwise.runtime.checkpoint.policy import CheckpointPolicy
 from shardwise.runtime.compile.policy import CompilePolicy
 from shardwise.runtime.distributed.topology import TopologyPolicy
+from shardwise.runtime.engine.trial import TrialPolicy
 from shardwise.runtime.ops.policy import KernelPolicy
 from shardwise.runtime.parallel.pipeline.policy import PipelinePolicy
 from shardwise.runtime.parallel.sequence.policy import SequencePolicy
@@ -81,6 +82,7 @@ class Policies:
     checkpoint: CheckpointPolicy = field(default_factory=CheckpointPolicy)
     optimizer: OptimizerPolicy | None = None
     scheduler: SchedulerPolicy | None = None
+    trial: TrialPolicy | None = None  # an autotuning trial: measure steps, write metrics, exit (trial.py)
 
     def __post_init__(self) -> None:
         if self.zero.partitions_parameters and self.compile.cuda_graph_settings():

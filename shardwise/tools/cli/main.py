@@ -10,11 +10,12 @@ import argparse
 import importlib
 import sys
 
-LAUNCHING = ("train", "run")  # commands that start workers: stop signals end them (launcher/interrupts.py)
+LAUNCHING = ("train", "run", "tune")  # commands that start workers: stop signals end them (launcher/interrupts.py)
 COMMANDS = {
     "train": "shardwise.tools.train.cli",
     "run": "shardwise.tools.launcher.cli",
     "estimate": "shardwise.tools.planner.cli",
+    "tune": "shardwise.tools.planner.tune_cli",
     "convert": "shardwise.tools.convert",
 }
 
