@@ -5,9 +5,10 @@
 
 In one run, on the script benchmarks/autotune_gpt.py:
 1. `shardwise estimate --measure`'s probe measures this machine once (the time model's speeds);
-2. `shardwise tune` with tuner_type gridsearch measures every candidate that fits;
+2. `shardwise tune` with tuner_type gridsearch (no early stopping) measures every candidate that fits;
 3. `shardwise tune` with tuner_type model_based (prune by the estimator, rank by the time
-   model, measure in that order, early stopping) with tuner_num_trials = a quarter of the grid;
+   model, measure in that order, stop after 5 trials without a better one) with
+   tuner_num_trials = a quarter of the grid;
 4. the grid's best few and the tuner's choice are measured again, alternating, `--repeats`
    times, and compared by their median: single trials on a shared machine are noisy.
 Prints a markdown table with the load average at each phase.
@@ -36,7 +37,7 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--nproc", type=int, default=2)
     parser.add_argument("--micro-batches", default="2,4", help="the micro-batch sizes searched (powers of two)")
     parser.add_argument("--recompute", default="none,full")
-    parser.add_argument("--tp-sizes", default="1,2")
+    parser.add_argument("--tp-sizes", default="1", help="tensor_parallel sizes searched (1,2 adds TP)")
     parser.add_argument("--repeats", type=int, default=3, help="re-measurements of the best few")
     parser.add_argument("--best-few", type=int, default=3)
     parser.add_argument("--profile", type=Path, help="a speed profile to reuse instead of measuring")
@@ -61,7 +62,8 @@ def tune(args: argparse.Namespace, folder: Path, tuner: str, trials: int, profil
     info, heads, vocab = model_info(args.preset)
     config = {"train_micro_batch_size_per_gpu": 1, "gradient_clipping": 1.0,
               "optimizer": {"type": "AdamW", "params": {"lr": 1e-4, "weight_decay": 0.1}},
-              "autotuning": {"tuner_type": tuner, "tuner_num_trials": trials, "tuner_early_stopping": 5,
+              "autotuning": {"tuner_type": tuner, "tuner_num_trials": trials,
+                             "tuner_early_stopping": 5 if tuner == "model_based" else 10_000,
                              "min_train_micro_batch_size_per_gpu": min(sizes),
                              "max_train_micro_batch_size_per_gpu": max(sizes),
                              "num_tuning_micro_batch_sizes": len(sizes), "start_profile_step": 3,

@@ -10,7 +10,7 @@ import argparse
 import importlib
 import sys
 
-LAUNCHING = ("train", "run", "tune")  # commands that start workers: stop signals end them (launcher/interrupts.py)
+LAUNCHING = ("train", "run")  # commands that start workers: stop signals end them (launcher/interrupts.py)
 COMMANDS = {
     "train": "shardwise.tools.train.cli",
     "run": "shardwise.tools.launcher.cli",

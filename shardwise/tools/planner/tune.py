@@ -14,10 +14,10 @@ it only changes how much is gathered ahead). Each is
     ranked    by the time model's prediction of the autotuning metric: throughput
               (samples/s), latency (s per step) or flops (model FLOP/s per device).
 
-DeepSpeed's tuner types decide what is measured (tune_cli.py): `gridsearch` every
-candidate that fits, `random` that set in a random order, `model_based` (shardwise's time
-model in place of DeepSpeed's XGBoost cost model) in predicted order until
-`tuner_early_stopping` trials in a row have not beaten the best measured.
+DeepSpeed's tuner types decide the order of measurement (tune_cli.py): `gridsearch` stage
+by stage, `random` shuffled, `model_based` (shardwise's time model in place of DeepSpeed's
+XGBoost cost model) best predicted first; every type stops after `tuner_num_trials`, or
+once `tuner_early_stopping` trials in a row have not beaten the best measured.
 """
 
 from __future__ import annotations

@@ -28,6 +28,7 @@ import os
 import random
 import shlex
 import shutil
+import signal
 import subprocess
 import sys
 from dataclasses import dataclass
@@ -110,6 +111,7 @@ class Trial:
 
 
 def main(args: argparse.Namespace) -> int:
+    signal.signal(signal.SIGTERM, _interrupt)  # so that a stopped tune stops its running trial too
     try:
         raw = json.loads(Path(args.config).read_text())
         config = load_config(raw, world_size=args.nproc)
@@ -117,6 +119,7 @@ def main(args: argparse.Namespace) -> int:
             raise ValueError(f"the script's arguments do not include {args.config}: pass the config to the script "
                              "as it reads it (e.g. --deepspeed_config ds_config.json), so each trial can swap it")
         block = config.autotuning
+        results, exps = _clean_folders(block)
         workload = Workload(_shape(args, block), _hardware(args), _speeds(args, config), args.seq_len,
                             _dtype(config), _optimizer(config))
         space = _space(args, config, block)
@@ -124,11 +127,6 @@ def main(args: argparse.Namespace) -> int:
         print(f"shardwise tune: error: {error}", file=sys.stderr)
         return 2
     tuner = args.tuner_type or block.tuner_type
-    results, exps = Path(block.results_dir), Path(block.exps_dir)
-    for folder in (results, exps):
-        if block.overwrite and folder.exists():
-            shutil.rmtree(folder)
-        folder.mkdir(parents=True, exist_ok=True)
     kept, pruned = prune(candidates(space), workload)
     ranked = rank(kept, workload, block.metric)
     print(f"shardwise tune: {len(kept) + len(pruned)} candidates, {len(pruned)} pruned, {len(kept)} fit; "
@@ -149,6 +147,22 @@ def main(args: argparse.Namespace) -> int:
     if args.then_run:
         return subprocess.run(command, check=False).returncode
     return 0
+
+
+def _clean_folders(block: AutotuningConfig) -> tuple[Path, Path]:
+    """results_dir and exps_dir, emptied first with `overwrite` (DeepSpeed's default)."""
+    results, exps = Path(block.results_dir), Path(block.exps_dir)
+    for folder in (results, exps):
+        if block.overwrite and folder.exists():
+            shutil.rmtree(folder)
+        folder.mkdir(parents=True, exist_ok=True)
+    return results, exps
+
+
+def _interrupt(signum: int, frame: object) -> None:
+    """SIGTERM as Ctrl-C: `subprocess.run` kills the trial's launcher on the way out, and the
+    launcher's lifeline takes its workers with it."""
+    raise KeyboardInterrupt(f"stopped by signal {signum}")
 
 
 def _shape(args: argparse.Namespace, block: AutotuningConfig) -> ModelShape:
@@ -184,9 +198,7 @@ def _speeds(args: argparse.Namespace, config: ShardwiseConfig):
         return datasheet(args.device)
     from shardwise.tools.planner.measure import measure
 
-    results = Path(config.autotuning.results_dir)
-    results.mkdir(parents=True, exist_ok=True)
-    return measure(results / "speed_profile.json", ranks=args.nproc)
+    return measure(Path(config.autotuning.results_dir) / "speed_profile.json", ranks=args.nproc)
 
 
 def _dtype(config: ShardwiseConfig) -> str:
@@ -267,8 +279,8 @@ def _order(ranked: list[Ranked], tuner: str) -> list[Ranked]:
 
 def _run_trials(order: list[Ranked], raw: dict, args: argparse.Namespace, block: AutotuningConfig,
                 workload: Workload, tuner: str, results: Path, exps: Path) -> list[Trial]:
-    """Measure in `order`: at most tuner_num_trials; model_based stops once
-    tuner_early_stopping trials in a row have not beaten the best so far."""
+    """Measure in `order`: at most tuner_num_trials, stopping once tuner_early_stopping
+    trials in a row have not beaten the best so far."""
     trials: list[Trial] = []
     best: float | None = None
     since_best = 0
@@ -282,7 +294,7 @@ def _run_trials(order: list[Ranked], raw: dict, args: argparse.Namespace, block:
             best, since_best = trial.measured, 0
         else:
             since_best += 1
-        if tuner == "model_based" and since_best >= block.tuner_early_stopping:
+        if since_best >= block.tuner_early_stopping:  # every tuner type, as DeepSpeed's BaseTuner.tune
             break
     return trials
 

@@ -128,7 +128,8 @@ def test_tune_measures_what_fits_and_writes_the_best_config(tmp_path, monkeypatc
 
 @pytest.mark.slow
 def test_gridsearch_measures_every_fitting_candidate(tmp_path, monkeypatch):
-    code = _tune(tmp_path, monkeypatch, {"tuner_type": "gridsearch", "max_train_micro_batch_size_per_gpu": 2,
+    code = _tune(tmp_path, monkeypatch, {"tuner_type": "gridsearch", "tuner_early_stopping": 100,
+                                         "max_train_micro_batch_size_per_gpu": 2,
                                          "num_tuning_micro_batch_sizes": 2}, "--stages", "0,1,2,3", "--no-offload")
     assert code == 0
     report = json.loads((tmp_path / "autotuning_results" / "report.json").read_text())
