@@ -1,5 +1,10 @@
-"""`shardwise tune SCRIPT [script args] --config ds_config.json`: DeepSpeed's autotuner
-(`deepspeed --autotuning tune|run`) on shardwise's estimator and time model.
+"""`shardwise tune`: DeepSpeed's autotuner on shardwise's memory estimator and time model.
+
+    shardwise tune --config ds_config.json --nproc 2 --seq-len 1024 --preset gpt2 \
+        train.py --deepspeed_config ds_config.json
+
+is `deepspeed --autotuning tune train.py --deepspeed_config ds_config.json` (`--then-run`:
+`--autotuning run`).
 
 The config's `autotuning` block holds the settings, read as DeepSpeed 0.19.8 reads them.
 The candidates (tune.py) that fit are measured by running the user's unmodified script
@@ -35,8 +40,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from shardwise.formulas.memory import ELEMENT_BYTES, RECOMPUTE_MODES
+from shardwise.formulas.memory import RECOMPUTE_MODES
 from shardwise.formulas.model_shape import ModelShape
+from shardwise.formulas.step_time import Speeds
 from shardwise.frontends.deepspeed.config import load_config
 from shardwise.frontends.deepspeed.config.schema import AutotuningConfig, ShardwiseConfig
 from shardwise.models.shapes import PRESETS, preset_shape, shape_from_hf_config
@@ -191,7 +197,7 @@ def _hardware(args: argparse.Namespace) -> Hardware:
     return Hardware(args.nproc, args.nproc, device_gb, host_gb, 0.0, args.headroom)
 
 
-def _speeds(args: argparse.Namespace, config: ShardwiseConfig):
+def _speeds(args: argparse.Namespace, config: ShardwiseConfig) -> Speeds:
     if args.speed_profile:
         return load_profile(args.speed_profile)
     if args.device:
@@ -202,9 +208,7 @@ def _speeds(args: argparse.Namespace, config: ShardwiseConfig):
 
 
 def _dtype(config: ShardwiseConfig) -> str:
-    dtype = "bf16" if config.bf16.enabled else "fp16" if config.fp16.enabled else "fp32"
-    assert dtype in ELEMENT_BYTES
-    return dtype
+    return "bf16" if config.bf16.enabled else "fp16" if config.fp16.enabled else "fp32"
 
 
 def _optimizer(config: ShardwiseConfig) -> str:
