@@ -117,7 +117,14 @@ class Trial:
 
 
 def main(args: argparse.Namespace) -> int:
-    signal.signal(signal.SIGTERM, _interrupt)  # so that a stopped tune stops its running trial too
+    previous = signal.signal(signal.SIGTERM, _interrupt)  # so that a stopped tune stops its running trial too
+    try:
+        return _tune(args)
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+
+
+def _tune(args: argparse.Namespace) -> int:
     try:
         raw = json.loads(Path(args.config).read_text())
         config = load_config(raw, world_size=args.nproc)
