@@ -41,6 +41,7 @@ from shardwise.runtime.distributed.setup import call_check_timeout
 from shardwise.runtime.engine.arguments import make_scheduler, optimizer_factory, refuse_second_engine
 from shardwise.runtime.engine.job import Job
 from shardwise.runtime.engine.policies import Policies
+from shardwise.runtime.engine.trial import TrialMeter
 from shardwise.runtime.optim.registry import optimizer_spec
 from shardwise.runtime.optim.sharded import ShardAwareOptimizer
 from shardwise.runtime.parallel.pipeline.runner import PipelineRunner
@@ -178,6 +179,9 @@ class Engine(nn.Module):
         self.reset_comm_volume()
         # what an automatic resume loaded (CheckpointPolicy.resume_from; shardwise.build_engine)
         self.resumed_client_state: dict | None = None
+        # an autotuning trial (shardwise tune / DeepSpeed's autotuner): metrics after a few steps, then exit
+        self.trial = (TrialMeter(policies.trial, writes=self.rank == 0)
+                      if policies.trial is not None and self.trains else None)
 
     # -- the training step ---------------------------------------------------------------
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
@@ -389,6 +393,8 @@ class Engine(nn.Module):
         self.global_steps += 1
         if self.replica_check is not None and self.replica_check.due(self.global_steps):
             self.replica_check.check(list(self.module.named_parameters()), f"after optimizer step {self.global_steps}")
+        if self.trial is not None:
+            self.trial.after_step(self.global_steps)
 
     def _expert_scheduler(self, lr_scheduler: Any, policies: Policies) -> Any:
         """The schedule of the experts' own optimizer: the same schedule, built over its groups.

@@ -19,6 +19,7 @@ from shardwise.runtime.compile.policy import CompilePolicy
 from shardwise.runtime.data.policy import DataSamplingPolicy
 from shardwise.runtime.data.random_ltd import RandomLTDPolicy
 from shardwise.runtime.distributed.topology import TopologyPolicy
+from shardwise.runtime.engine.trial import TrialPolicy
 from shardwise.runtime.ops.policy import KernelPolicy
 from shardwise.runtime.parallel.expert.policy import ExpertPolicy
 from shardwise.runtime.parallel.pipeline.policy import PipelinePolicy
@@ -87,6 +88,7 @@ class Policies:
     scheduler: SchedulerPolicy | None = None
     data_sampling: DataSamplingPolicy | None = None  # curriculum sampling of the loader a front end builds
     random_ltd: RandomLTDPolicy | None = None  # data efficiency's random layer-wise token dropping
+    trial: TrialPolicy | None = None  # an autotuning trial: measure steps, write metrics, exit (trial.py)
 
     def __post_init__(self) -> None:
         if self.zero.partitions_parameters and self.compile.cuda_graph_settings():

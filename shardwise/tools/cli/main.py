@@ -15,6 +15,7 @@ COMMANDS = {
     "train": "shardwise.tools.train.cli",
     "run": "shardwise.tools.launcher.cli",
     "estimate": "shardwise.tools.planner.cli",
+    "tune": "shardwise.tools.planner.tune_cli",
     "convert": "shardwise.tools.convert",
     "data": "shardwise.tools.data.cli",
 }

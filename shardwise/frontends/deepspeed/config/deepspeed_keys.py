@@ -182,8 +182,6 @@ RULES: dict[str, dict[str, KeyRule]] = {
         "data_types": AcceptedWhen(_grad_accum_dtype, '{"grad_accum_dtype": "fp32"}',
                                    "shardwise accumulates gradients in the gradients' dtype and reduces in "
                                    "communication_data_type; remove the block"),
-        "autotuning": AcceptedWhen(_disabled, OFF, "shardwise has no autotuner: `shardwise plan` estimates "
-                                   "memory per stage and recommends one"),
         "elasticity": Removed(_disabled, "elastic training: set the batch sizes directly (shardwise checkpoints "
                               "load at another world size)"),
         "compression_training": Removed(lambda v: not v, "the compression library (quantization, pruning, layer "

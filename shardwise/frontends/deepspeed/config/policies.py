@@ -16,6 +16,7 @@ the accumulation steps, `torch_autocast` is the forward under autocast from fp32
 from __future__ import annotations
 
 import logging
+from pathlib import Path
 
 import torch
 
@@ -29,6 +30,7 @@ from shardwise.runtime.checkpoint.policy import CheckpointPolicy
 from shardwise.runtime.compile.policy import CompilePolicy
 from shardwise.runtime.distributed.topology import TopologyPolicy
 from shardwise.runtime.engine.policies import OptimizerPolicy, Policies, SchedulerPolicy, TrainingPolicy
+from shardwise.runtime.engine.trial import TrialPolicy
 from shardwise.runtime.ops.policy import KernelPolicy
 from shardwise.runtime.optim.registry import optimizer_spec
 from shardwise.runtime.parallel.expert.policy import ExpertPolicy
@@ -80,7 +82,18 @@ def policies_from_config(cfg: ShardwiseConfig) -> Policies:
         data_sampling=data_sampling_policy(cfg.data_efficiency),
         random_ltd=random_ltd_policy(cfg.data_efficiency.data_routing, seed=cfg.data_efficiency.seed,
                                      global_batch_size=cfg.train_batch_size),
+        trial=trial_policy(cfg),
     )
+
+
+def trial_policy(cfg: ShardwiseConfig) -> TrialPolicy | None:
+    """`autotuning.enabled`: this run is one trial of an autotuner. The metrics go to
+    `metric_path`, by default ./autotuning_metric.json as DeepSpeed's engine writes it."""
+    block = cfg.autotuning
+    if not block.enabled:
+        return None
+    path = block.metric_path or str(Path.cwd() / "autotuning_metric.json")
+    return TrialPolicy(path, block.start_profile_step, block.end_profile_step, cfg.train_batch_size)
 
 
 def zero_policy(cfg: ShardwiseConfig) -> ZeroPolicy:

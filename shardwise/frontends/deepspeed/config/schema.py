@@ -533,6 +533,69 @@ class AutoResumeConfig(Section):
     adjust_micro_batch: Bool = False
 
 
+class ModelInfoConfig(Section):
+    """DeepSpeed's `autotuning.model_info`: the model's size, which its autotuner reads to
+    bound the micro-batch. `shardwise tune` prices plans from it (with `--heads`,
+    `--seq-len` and `--vocab-size`, which the time model also needs). `profile` true asks
+    DeepSpeed to run the model once to measure it; shardwise does not, so it is refused."""
+
+    profile: Bool = False
+    num_params: Int | None = Field(None, ge=1)
+    hidden_size: Int | None = Field(None, ge=1)
+    num_layers: Int | None = Field(None, ge=1)
+
+    @field_validator("profile")
+    @classmethod
+    def _no_profile_run(cls, profile: bool) -> bool:
+        if profile:
+            raise ValueError("shardwise tune does not run a model-profiling experiment first: give num_params, "
+                             "hidden_size and num_layers (or `shardwise tune --preset`/`--hf-config`) and set "
+                             "profile false")
+        return profile
+
+
+class AutotuningConfig(Section):
+    """DeepSpeed's `autotuning` block as DeepSpeed 0.19.8 reads it (autotuning/config.py,
+    constants.py), with its defaults. `shardwise tune` reads the search settings; with
+    `enabled` the engine measures steps start_profile_step..end_profile_step (0-based, as
+    DeepSpeed counts them), writes the metrics to `metric_path` and exits, as DeepSpeed's
+    engine does under its autotuner (runtime/engine/trial.py). DeepSpeed silently ignores
+    keys it does not know; shardwise refuses them, its own documentation's `start_step` and
+    `end_step` included (DeepSpeed never reads them, so they would profile steps 3..5)."""
+
+    enabled: Bool = False
+    fast: Bool = True
+    results_dir: str = Field("autotuning_results", min_length=1)
+    exps_dir: str = Field("autotuning_exps", min_length=1)
+    overwrite: Bool = True
+    start_profile_step: Int = Field(3, ge=0)
+    end_profile_step: Int = Field(5, ge=0)
+    metric: Literal["latency", "throughput", "flops"] = "throughput"
+    metric_path: str | None = None
+    tuner_type: Literal["gridsearch", "random", "model_based"] = "gridsearch"
+    tuner_early_stopping: Int = Field(5, ge=1)
+    tuner_num_trials: Int = Field(50, ge=1)
+    arg_mappings: dict[str, str] | None = None
+    max_train_batch_size: Int | None = Field(None, ge=1)
+    min_train_batch_size: Int = Field(1, ge=1)
+    max_train_micro_batch_size_per_gpu: Int = Field(1024, ge=1)
+    min_train_micro_batch_size_per_gpu: Int = Field(1, ge=1)
+    num_tuning_micro_batch_sizes: Int = Field(3, ge=1)
+    mp_size: Int = Field(1, ge=1)
+    model_info: ModelInfoConfig | None = None
+    model_info_path: str | None = None
+
+    @model_validator(mode="after")
+    def _ordered(self) -> "AutotuningConfig":
+        if self.end_profile_step < self.start_profile_step:
+            raise ValueError(f"end_profile_step {self.end_profile_step} is before start_profile_step "
+                             f"{self.start_profile_step}: the steps measured are start..end, inclusive")
+        if self.max_train_micro_batch_size_per_gpu < self.min_train_micro_batch_size_per_gpu:
+            raise ValueError(f"max_train_micro_batch_size_per_gpu {self.max_train_micro_batch_size_per_gpu} is "
+                             f"below min_train_micro_batch_size_per_gpu {self.min_train_micro_batch_size_per_gpu}")
+        return self
+
+
 class ShardwiseConfig(Section):
     """A whole training config with DeepSpeed's key names, every value resolved."""
 
@@ -591,6 +654,7 @@ class ShardwiseConfig(Section):
     compile: CompileConfig = Field(default_factory=CompileConfig)
     sparse_attention: SparseAttentionConfig | None = None
     data_efficiency: DataEfficiencyConfig = Field(default_factory=DataEfficiencyConfig)
+    autotuning: AutotuningConfig = Field(default_factory=AutotuningConfig)
 
     @field_validator("gradient_clipping", mode="before")
     @classmethod
