@@ -58,7 +58,7 @@ from shardwise.runtime.parallel.expert.training import (
     ExpertTraining,
     connect_expert_layers,
     expert_parameters,
-    global_expert_names,
+    global_expert_places,
 )
 from shardwise.runtime.zero.apply import ZeroGroups, apply_zero
 from shardwise.runtime.zero.zenflow import ZenFlow
@@ -438,7 +438,7 @@ class Engine(nn.Module):
                        for size in sorted({size for _, _, size in experts})}
         return named, ExpertTraining(experts, groups, build, expert_data, data_size=self.mesh.data_size,
                                      partitioned=policies.zero.partitions_model_states, ledger=self.ledger,
-                                     global_names=global_expert_names(self.module), dtype=precision.param_dtype)
+                                     global_places=global_expert_places(self.module), dtype=precision.param_dtype)
 
     def _replica_check(self, interval: int) -> ReplicaCheck | None:
         if not interval:

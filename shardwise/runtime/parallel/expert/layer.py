@@ -10,7 +10,7 @@ expert and an expert-parallel size P > 1; the expert step of `parallelize`
 (`shard_expert_layers`, core/steps.py) then keeps this rank's experts, so the model's
 definition is the same at every P and the every-expert model is the reference that the
 split one must equal. Either way, checkpoints name each expert by its index in the
-every-expert layer (`global_expert_name`), so they move between expert-parallel sizes.
+every-expert layer (`global_expert_place`), so they move between expert-parallel sizes.
 """
 
 from __future__ import annotations
@@ -24,7 +24,7 @@ from shardwise.runtime.distributed.collectives import Communicator
 from shardwise.runtime.distributed.mesh import ParallelMesh
 from shardwise.runtime.parallel.expert.exchange import exchange_with_experts
 from shardwise.runtime.parallel.expert.gating import TopKGate
-from shardwise.runtime.parallel.expert.marking import mark_expert_parameters
+from shardwise.runtime.parallel.expert.marking import ExpertPlace, mark_expert_parameters
 from shardwise.runtime.parallel.expert.routing import Routes
 
 
@@ -103,15 +103,16 @@ class MixtureOfExperts(nn.Module):
             raise ValueError(f"MoE(ep_size={self.ep_size}) was given an expert group of {expert.size} ranks")
         self.expert_group = expert
 
-    def global_expert_name(self, name: str) -> str:
+    def global_expert_place(self, name: str) -> ExpertPlace:
         """`experts.<list>.<i>.*` of member p of the expert group is expert p·E/P + i of the
-        every-expert layer (checkpoints store it under that name)."""
+        every-expert layer, whole (checkpoints store it under that name)."""
         marker = f"experts.{self.experts.list_name}."
         head, found, tail = name.partition(marker)
         if not found or head or self.expert_group is None:
             raise ValueError(f"{name} is not an expert parameter of a mixture of experts given its expert group")
         local, rest = tail.split(".", 1)
-        return f"{marker}{self.expert_group.rank * self.num_local_experts + int(local)}.{rest}"
+        return ExpertPlace(f"{marker}{self.expert_group.rank * self.num_local_experts + int(local)}.{rest}",
+                           tuple(self.get_parameter(name).shape))
 
     def forward(self, hidden: torch.Tensor, used_token: torch.Tensor | None = None) -> torch.Tensor:
         width = hidden.shape[-1]

@@ -43,7 +43,7 @@ from shardwise.runtime.accounting import MemoryLedger
 from shardwise.runtime.distributed.collectives import CommStats, Communicator
 from shardwise.runtime.distributed.mesh import ParallelMesh
 from shardwise.runtime.distributed.peers import PeerDirectory
-from shardwise.runtime.parallel.expert.marking import ExpertParallelLayer, expert_parallel_size
+from shardwise.runtime.parallel.expert.marking import ExpertParallelLayer, ExpertPlace, expert_parallel_size
 
 BuildOptimizer = Callable[[list[dict]], torch.optim.Optimizer]
 
@@ -125,15 +125,15 @@ class ExpertTraining:
 
     def __init__(self, params: list[tuple[str, nn.Parameter, int]], groups: list[dict], build: BuildOptimizer,
                  expert_data: dict[int, Communicator], *, data_size: int, partitioned: bool, ledger: MemoryLedger,
-                 global_names: dict[int, str], dtype: torch.dtype = torch.float32):
+                 global_places: dict[int, ExpertPlace], dtype: torch.dtype = torch.float32):
         """`params`: (name, parameter, expert-parallel size); `groups`: the experts' param
         groups (their hyper-parameters); `build`: the optimizer over param groups;
         `expert_data`: the expert-data communicator for each size; `data_size`: D;
         `partitioned`: the optimizer state split over the expert-data group (ZeRO >= 1);
-        `global_names`: each expert parameter's name in the every-expert model, by id;
+        `global_places`: where each expert parameter lies in the every-expert model, by id;
         `dtype`: of the parameters the model computes with (bf16, fp16: fp32 masters apart)."""
         self.params = params
-        self.global_names = global_names
+        self.global_places = global_places
         self.data_size = data_size
         self.ledger = ledger
         names = {id(param): (name, size) for name, param, size in params}
@@ -221,17 +221,16 @@ def expert_parameters(named: list[tuple[str, nn.Parameter, int]]) -> list[tuple[
             if (size := expert_parallel_size(param)) is not None and size > 1]
 
 
-def global_expert_names(model: nn.Module) -> dict[int, str]:
-    """The every-expert model's name of each expert parameter of `model`, by id (the layers
-    name their experts, `ExpertParallelLayer.global_expert_name`)."""
-    names = {}
+def global_expert_places(model: nn.Module) -> dict[int, ExpertPlace]:
+    """Where each expert parameter of `model` lies in the every-expert model, by id (the
+    layers place their experts, `ExpertParallelLayer.global_expert_place`)."""
+    places = {}
     for path, layer in model.named_modules():
         if isinstance(layer, ExpertParallelLayer) and layer.expert_parallel_size > 1:
             for name, param in layer.named_parameters():
                 if expert_parallel_size(param) is not None:
-                    names[id(param)] = f"{path}.{layer.global_expert_name(name)}" if path else \
-                        layer.global_expert_name(name)
-    return names
+                    places[id(param)] = layer.global_expert_place(name).under(path)
+    return places
 
 
 def connect_expert_layers(model: nn.Module, mesh: ParallelMesh, stats: CommStats, ledger: MemoryLedger,
