@@ -13,11 +13,13 @@ magnitude above the last-bit differences of the parallel sums.
 from functools import lru_cache
 
 import pytest
+import safetensors.torch
 
 from shardwise.formulas.dropless_experts import dropless_exchange_bytes
 from shardwise.models import plan_for
 from shardwise.models.hf.decoders import DecoderAdapter, RouterLossDecoderAdapter
 from shardwise.models.hf.experts import ExpertParallelStackedExperts
+from shardwise.runtime.checkpoint.convert import convert_checkpoint
 from shardwise.tools.testing import DistributedTestError, run_distributed
 from tests.models.hf.expert_workers import (ExpertCase, build_mixtral, resume_at_another_expert_size, train_parallel,
                                            train_reference)
@@ -119,7 +121,8 @@ def test_checkpoint_resumes_at_another_expert_parallel_size(saved, loaded, tenso
     on 2 ranks (4 with tp=2, each expert's width split too). Each rank's slice of the
     stacked experts is saved as its range of the stacked tensor (its tensor block as the
     runs of it), so the loader regroups values and momentum into whatever slice it holds:
-    the steps after the load equal one process's 4 steps (fp32, 1e-5)."""
+    the steps after the load equal one process's 4 steps (fp32, 1e-5); saved at ep=2,
+    `convert` exports the stacked tensors whole, equal to one process's after 2 steps."""
     saving = ExpertCase(expert=saved, tensor=tensor, stage=1)
     loading = ExpertCase(expert=loaded, tensor=tensor, stage=1, steps=4)
     want = reference(2, steps=4)["losses"][saving.steps:]
@@ -129,3 +132,10 @@ def test_checkpoint_resumes_at_another_expert_parallel_size(saved, loaded, tenso
     for step, expected in enumerate(want, start=saving.steps):
         got = sum(losses[step - saving.steps] for losses in data) / len(data)
         assert abs(got - expected) / expected < TOLERANCE, f"step {step}: loss {got} vs {expected}"
+    if saved == 2 and tensor == 1:
+        convert_checkpoint(tmp_path / "checkpoint", tmp_path / "model.safetensors")
+        exported = safetensors.torch.load_file(tmp_path / "model.safetensors")
+        after_two = reference(2)["params"]
+        assert exported.keys() == after_two.keys()
+        for name, weight in after_two.items():
+            assert relative_error(exported[name], weight) < TOLERANCE, name
