@@ -420,7 +420,7 @@ class Engine(nn.Module):
         if self.mesh.sizes.tensor > 1 and not all(is_tensor_sharded(param) for _, param, _ in experts):
             raise ValueError("expert parallelism (ep_size > 1) with tensor_parallel.size > 1 needs experts split "
                              "by the tensor group (a Hugging Face Mixtral's are); these experts are whole on every "
-                             "tensor rank (DeepSpeed's MoE without enable_expert_tensor_parallelism): use "
+                             "tensor rank (DeepSpeed's MoE without enable_expert_tensor_parallelism=True): use "
                              "tensor_parallel.size 1 or ep_size 1")
         ids = {id(param) for _, param, _ in experts}
         build: Callable[[list[dict]], torch.optim.Optimizer]

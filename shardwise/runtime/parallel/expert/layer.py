@@ -26,6 +26,7 @@ from shardwise.runtime.parallel.expert.exchange import exchange_with_experts
 from shardwise.runtime.parallel.expert.gating import TopKGate
 from shardwise.runtime.parallel.expert.marking import ExpertPlace, mark_expert_parameters
 from shardwise.runtime.parallel.expert.routing import Routes
+from shardwise.runtime.parallel.tensor.placement import tensor_shard
 
 
 class ExpertList(nn.Module):
@@ -61,7 +62,8 @@ class MixtureOfExperts(nn.Module):
     of the last forward are kept for the model to read. An `ExpertParallelLayer`
     (marking.py) once split over its expert group."""
 
-    def __init__(self, gate: TopKGate, experts: ExpertList, *, num_experts: int, ep_size: int = 1):
+    def __init__(self, gate: TopKGate, experts: ExpertList, *, num_experts: int, ep_size: int = 1,
+                 split_by_tensor_group: bool = False):
         super().__init__()
         if ep_size < 1 or num_experts % ep_size:
             raise ValueError(f"a mixture of {num_experts} experts cannot be split over ep_size {ep_size} ranks: each "
@@ -75,6 +77,7 @@ class MixtureOfExperts(nn.Module):
                              "across the expert group before the all-to-all; keep dropping or use ep_size 1")
         self.gate, self.experts = gate, experts
         self.num_experts, self.ep_size = num_experts, ep_size
+        self.split_by_tensor_group = split_by_tensor_group  # under tensor parallelism (tensor_split.py)
         self.l_aux: torch.Tensor | None = None
         self.exp_counts: torch.Tensor | None = None
         self.expert_group: Communicator | None = None  # given by the engine once split
@@ -111,8 +114,10 @@ class MixtureOfExperts(nn.Module):
         if not found or head or self.expert_group is None:
             raise ValueError(f"{name} is not an expert parameter of a mixture of experts given its expert group")
         local, rest = tail.split(".", 1)
+        param = self.get_parameter(name)
+        shard = tensor_shard(param)  # split by the tensor group: the whole expert's shape (tensor_split.py)
         return ExpertPlace(f"{marker}{self.expert_group.rank * self.num_local_experts + int(local)}.{rest}",
-                           tuple(self.get_parameter(name).shape))
+                           shard.global_shape if shard is not None else tuple(param.shape))
 
     def forward(self, hidden: torch.Tensor, used_token: torch.Tensor | None = None) -> torch.Tensor:
         width = hidden.shape[-1]
