@@ -12,9 +12,8 @@ the gate as one process does.
 DeepSpeed drops the duplicate rows per tensor rank before the all-to-all and gathers them
 back after (a saving of traffic, the same numbers); shardwise sends every rank's rows.
 
-The second Linear's bias, added after the sum, would be whole on every tensor rank, and
-the experts' gradient norm counts their parameters as split: an expert whose second
-Linear has a bias is refused.
+The second Linear's bias, added after the sum, stays whole on every tensor rank (its
+gradient is the same on each; the experts' gradient norm counts it once, training.py).
 """
 
 from __future__ import annotations
@@ -41,12 +40,8 @@ def _split_expert(expert: nn.Module, region: TensorRegion, cache: ShardCache, wh
         raise ValueError(f"{where}: enable_expert_tensor_parallelism splits an expert made of two nn.Linear "
                          "layers inside it (the first column-parallel, the second row-parallel, as a Megatron "
                          f"MLP); this expert ({type(expert).__name__}) has {len(linears)}: give an expert such as "
-                         "nn.Sequential(nn.Linear(d, f), activation, nn.Linear(f, d, bias=False))")
+                         "nn.Sequential(nn.Linear(d, f), activation, nn.Linear(f, d))")
     (first_name, first), (second_name, second) = linears
-    if second.bias is not None:
-        raise ValueError(f"{where}: the expert's second Linear ({second_name}) has a bias, which row parallelism "
-                         "keeps whole on every tensor rank, where the experts' gradient norm counts only split "
-                         "parameters; build it with bias=False")
     _replace(expert, first_name, ColumnParallelLinear(first, region, cache))
     _replace(expert, second_name, RowParallelLinear(second, region, cache))
 

@@ -1,8 +1,9 @@
 """`MoE(enable_expert_tensor_parallelism=True)` under tensor parallelism: each expert (two
 nn.Linear layers) split over the tensor group as a Megatron MLP
 (shardwise/runtime/parallel/expert/tensor_split.py). tp=2 x ep=2 on 4 ranks trains like
-the every-expert model in one process on the same global batch (fp32, losses and the
-replicated weights < 1e-5 relative); experts it cannot split are refused with the reason.
+the every-expert model in one process on the same global batch (fp32, losses, gradient
+norms and the replicated weights < 1e-5 relative, the norm clipped: the second Linear's
+bias, whole on every tensor rank, counted once); experts it cannot split are refused.
 
 Top-2 routing is a discontinuous choice: the comparison is 3 steps of a tiny model with a
 capacity no token exceeds, whose routing margins are far above last-bit differences.
@@ -17,7 +18,7 @@ from shardwise.frontends.deepspeed.api.moe.layer import MoE
 from shardwise.frontends.deepspeed.api.moe.utils import split_params_into_different_moe_groups_for_optimizer
 from shardwise.tools.testing import DistributedTestError, run_distributed
 
-ROWS, STEPS, AUX, LR, EPS = 8, 3, 0.01, 1e-2, 1e-4  # eps >= 1e-4: tests/runtime/zero/workers.py ADAM_EPS
+ROWS, STEPS, AUX, LR, EPS, CLIP = 8, 3, 0.01, 1e-2, 1e-4, 0.05  # eps >= 1e-4: tests/runtime/zero/workers.py ADAM_EPS
 TOLERANCE = 1e-5
 
 
@@ -26,11 +27,11 @@ class TensorMoeNet(nn.Module):
     one expert, as DeepSpeed builds them, so a rank holding E/P of them holds the same
     starting weights as the every-expert model's)."""
 
-    def __init__(self, ep_size: int = 1, split: bool = False, second_bias: bool = False):
+    def __init__(self, ep_size: int = 1, split: bool = False):
         super().__init__()
         torch.manual_seed(7)
         self.inp = nn.Linear(6, 12)
-        expert = nn.Sequential(nn.Linear(12, 16), nn.GELU(), nn.Linear(16, 12, bias=second_bias))
+        expert = nn.Sequential(nn.Linear(12, 16), nn.GELU(), nn.Linear(16, 12))
         self.moe = MoE(12, expert, num_experts=4, ep_size=ep_size, k=2, capacity_factor=4.0, min_capacity=0,
                        enable_expert_tensor_parallelism=split, top2_2nd_expert_sampling=False)
         self.out = nn.Linear(12, 4)
@@ -52,11 +53,11 @@ def optimizer_of(model: nn.Module) -> torch.optim.Optimizer:
 
 
 def config(tensor: int) -> dict:
-    return {"train_micro_batch_size_per_gpu": ROWS, "zero_optimization": {"stage": 1},
+    return {"train_micro_batch_size_per_gpu": ROWS, "zero_optimization": {"stage": 1}, "gradient_clipping": CLIP,
             "tensor_parallel": {"size": tensor, "plan": {"out": "colwise_gather"}}}
 
 
-def train_steps(engine, steps: range) -> list[float]:
+def train_steps(engine, steps: range, norms: list[float] | None = None) -> list[float]:
     data_rank, data_size = engine.mesh.data_rank, engine.mesh.data_size
     losses = []
     for step in steps:
@@ -65,18 +66,21 @@ def train_steps(engine, steps: range) -> list[float]:
         engine.backward(loss)
         engine.step()
         losses.append(loss.item())
+        if norms is not None:
+            norms.append(engine.last_grad_norm)
     return losses
 
 
 def train_parallel(rank: int, world_size: int) -> dict:
     model = TensorMoeNet(ep_size=2, split=True)
     engine = shardwise.initialize(model, config(2), optimizer=optimizer_of(model))
-    losses = train_steps(engine, range(STEPS))
+    norms: list[float] = []
+    losses = train_steps(engine, range(STEPS), norms)
     data_rank = engine.mesh.data_rank
     expert = model.moe.deepspeed_moe.experts.local[0]
     replicated = {name: param.detach().clone() for name, param in model.named_parameters()
                   if name.startswith(("inp.", "moe.deepspeed_moe.gate."))}
-    return {"losses": losses, "data_rank": data_rank, "replicated": replicated,
+    return {"losses": losses, "norms": norms, "data_rank": data_rank, "replicated": replicated,
             "expert_local_shapes": [tuple(expert[0].weight.shape), tuple(expert[2].weight.shape)]}
 
 
@@ -85,21 +89,26 @@ def train_reference(data_size: int) -> dict:
     the auxiliary loss are per rank), the ranks' losses averaged."""
     model = TensorMoeNet()
     optimizer = optimizer_of(model)
-    losses = []
+    losses, norms = [], []
     for step in range(STEPS):
         x, y = batch(step, ROWS * data_size)
         per_rank = [model(x[d * ROWS:(d + 1) * ROWS], y[d * ROWS:(d + 1) * ROWS]) for d in range(data_size)]
         (sum(per_rank) / data_size).backward()
+        norms.append(torch.nn.utils.clip_grad_norm_(model.parameters(), CLIP).item())
         optimizer.step()
         optimizer.zero_grad()
         losses.append([loss.item() for loss in per_rank])
-    return {"losses": losses, "params": {name: param.detach().clone() for name, param in model.named_parameters()}}
+    return {"losses": losses, "norms": norms,
+            "params": {name: param.detach().clone() for name, param in model.named_parameters()}}
 
 
 def test_tp2_ep2_with_expert_tensor_parallelism_matches_every_expert_model():
     results = run_distributed(train_parallel, 4, timeout=240)
     want = train_reference(2)
+    assert min(want["norms"]) > CLIP  # every step clipped: the norm decides the update
     for result in results:
+        for got, expected in zip(result["norms"], want["norms"]):
+            assert abs(got - expected) < TOLERANCE * expected, (result["norms"], want["norms"])
         assert result["expert_local_shapes"] == [(8, 12), (12, 8)]  # each expert's width 16 split over 2
         for step, got in enumerate(result["losses"]):
             expected = want["losses"][step][result["data_rank"]]
@@ -109,17 +118,16 @@ def test_tp2_ep2_with_expert_tensor_parallelism_matches_every_expert_model():
             assert error < TOLERANCE, f"{name}: relative error {error:.2e}"
 
 
-def _initialize_with(rank: int, world_size: int, expert: str) -> None:
-    model = TensorMoeNet(ep_size=2, split=True, second_bias=expert == "second bias")
-    if expert == "one linear":
-        model.moe = MoE(12, nn.Linear(12, 12), num_experts=4, ep_size=2, enable_expert_tensor_parallelism=True)
+def _initialize_with(rank: int, world_size: int, expert: nn.Module) -> None:
+    model = TensorMoeNet(ep_size=2, split=True)
+    model.moe = MoE(12, expert, num_experts=4, ep_size=2, enable_expert_tensor_parallelism=True)
     shardwise.initialize(model, config(2), optimizer=optimizer_of(model))
 
 
 @pytest.mark.parametrize("expert, message", [
-    ("second bias", r"second Linear \(2\) has a bias, which row parallelism keeps whole"),
-    ("one linear", r"splits an expert made of two nn.Linear layers .* this expert \(Linear\) has 1"),
-])
+    (nn.Linear(12, 12), r"splits an expert made of two nn.Linear layers .* this expert \(Linear\) has 1"),
+    (nn.Sequential(nn.Linear(12, 8), nn.Linear(8, 8), nn.Linear(8, 12)), r"this expert \(Sequential\) has 3"),
+], ids=["one-linear", "three-linears"])
 def test_experts_it_cannot_split_are_refused(expert, message):
     with pytest.raises(DistributedTestError, match=message):
         run_distributed(_initialize_with, 4, expert)
