@@ -4,15 +4,15 @@ Experts train apart from ZeRO's stores (parallel/expert/training.py): each rank 
 whole parameters of its 1/P of a layer's experts, under the layer's local names, in flat
 buckets (a param group's experts of one size), and a torch optimizer of their own over
 its slice of each bucket (its 1/N at ZeRO >= 1). They are written as ordinary pieces:
-each slice once, cut into the ranges of the parameters it covers, named by the
-place in the every-expert model (`global_expert_place`: name and element range),
-with the fp32 master values and every per-element optimizer state. An expert that is a
-slice of stacked experts (Hugging Face Mixtral's (E, ...) tensors) is a range of the
-stacked parameter (`ExpertPlace.offset`), so its pieces are too; a tensor-parallel
-expert's block is cut into the runs its placement maps it to (`_global_runs`). So the index finds
-them whatever the layout that reads them, as it finds the dense pieces: a checkpoint
-resumes at another world size, data-parallel size or expert-parallel size (> 1), the
-experts regrouped, and exports to one file with every expert. The experts' optimizer
+each slice once, cut into the ranges of the parameters it covers, placed in the
+every-expert model (`global_expert_place`: name and element range), with the fp32
+master values and every per-element optimizer state. An expert that is a slice of
+stacked experts (Hugging Face Mixtral's (E, ...) tensors) is a range of the stacked
+parameter (`ExpertPlace.offset`), so its pieces are too; a tensor-parallel expert's block
+is cut into the runs its placement maps it to (`_global_runs`). So the index finds them
+whatever the layout that reads them, as it finds the dense pieces: a checkpoint resumes
+at another world size, data-parallel size or expert-parallel size, the experts
+regrouped, and exports to one file with every expert. The experts' optimizer
 scalars are kept per expert param group in each rank's record; their param groups and
 schedule in the meta.
 
