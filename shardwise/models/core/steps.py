@@ -33,6 +33,7 @@ from shardwise.runtime.distributed.mesh import ParallelMesh
 from shardwise.runtime.engine.policies import Policies
 from shardwise.runtime.ops.sparse_attention import seeded_layout
 from shardwise.runtime.parallel.expert.layer import shard_expert_layers
+from shardwise.runtime.parallel.expert.tensor_split import split_experts_by_tensor_group
 from shardwise.runtime.parallel.pipeline.stages import split_pipeline
 from shardwise.runtime.parallel.sequence.megatron import apply_megatron_sequence_parallel
 from shardwise.runtime.parallel.sequence.ulysses import apply_ulysses
@@ -96,6 +97,7 @@ def apply_tensor_step(model: nn.Module, plan: ModelPlan, *, mesh: ParallelMesh, 
     region = TensorRegion(mesh_communicator(mesh, "tensor"), policies.tensor.sequence_parallel)
     tensor_plan = plan.tensor_plan(tensor_styles)
     apply_tensor_parallel(model, region, tensor_plan)
+    split_experts_by_tensor_group(model, region)  # mixtures of experts built to be (DeepSpeed's flag)
     if region.sequence_parallel:
         apply_megatron_sequence_parallel(model, tensor_plan, region)
 

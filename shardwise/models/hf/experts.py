@@ -17,13 +17,16 @@ splits each kept expert's width afterwards (decoders.py `tensor_parallel_experts
 
 from __future__ import annotations
 
+import math
+
 import torch
 from torch import nn
 from torch.nn import functional as F
 
 from shardwise.runtime.distributed.collectives import Communicator
-from shardwise.runtime.parallel.expert import mark_expert_parameters
+from shardwise.runtime.parallel.expert import ExpertPlace, mark_expert_parameters
 from shardwise.runtime.parallel.expert.dropless import DroplessRoute
+from shardwise.runtime.parallel.tensor import tensor_shard
 
 
 class ExpertParallelStackedExperts(nn.Module):
@@ -58,11 +61,18 @@ class ExpertParallelStackedExperts(nn.Module):
                              f"member {expert.rank} of an expert group of {expert.size}")
         self.expert_group = expert
 
-    def global_expert_name(self, name: str) -> str:
-        """The stacked tensor is one parameter in the every-expert model; this rank holds a
-        range of it, named by that range (checkpoints resume at the same expert-parallel
-        size; regrouping stacked experts at another size is not provided)."""
-        return f"{name}.experts_{self.rank * self.local}_to_{(self.rank + 1) * self.local - 1}"
+    def global_expert_place(self, name: str) -> ExpertPlace:
+        """The stacked tensor is one parameter in the every-expert model, and this rank's
+        slice is one range of its elements: experts p·E/P.. from element p·E/P times an
+        expert's size on. Checkpoints store the slice there, so a load at another
+        expert-parallel size (or with every expert among the dense parameters, ep 1)
+        reads its own slice from whichever ranks' pieces hold it. With tensor parallelism
+        the slice is the one before the tensor group split it (its placement maps the
+        block this rank holds, expert_state.py)."""
+        local = self.get_parameter(name)
+        shard = tensor_shard(local)
+        held = shard.global_shape if shard is not None else tuple(local.shape)
+        return ExpertPlace(name, (self.num_experts, *held[1:]), self.rank * math.prod(held))
 
     # -- the MoE block's experts --------------------------------------------------------------
     def forward(self, hidden_states: torch.Tensor, top_k_index: torch.Tensor,

@@ -4,12 +4,15 @@ Experts train apart from ZeRO's stores (parallel/expert/training.py): each rank 
 whole parameters of its 1/P of a layer's experts, under the layer's local names, in flat
 buckets (a param group's experts of one size), and a torch optimizer of their own over
 its slice of each bucket (its 1/N at ZeRO >= 1). They are written as ordinary pieces:
-each slice once, cut into the ranges of the parameters it covers, named by the
-parameter's name in the every-expert model (`global_expert_name`) and element range,
-with the fp32 master values and every per-element optimizer state. So the index finds
-them whatever the layout that reads them, as it finds the dense pieces: a checkpoint
-resumes at another world size, data-parallel size or expert-parallel size (> 1), the
-experts regrouped, and exports to one file with every expert. The experts' optimizer
+each slice once, cut into the ranges of the parameters it covers, placed in the
+every-expert model (`global_expert_place`: name and element range), with the fp32
+master values and every per-element optimizer state. An expert that is a slice of
+stacked experts (Hugging Face Mixtral's (E, ...) tensors) is a range of the stacked
+parameter (`ExpertPlace.offset`), so its pieces are too; a tensor-parallel expert's block
+is cut into the runs its placement maps it to (`_global_runs`). So the index finds them
+whatever the layout that reads them, as it finds the dense pieces: a checkpoint resumes
+at another world size, data-parallel size or expert-parallel size, the experts
+regrouped, and exports to one file with every expert. The experts' optimizer
 scalars are kept per expert param group in each rank's record; their param groups and
 schedule in the meta.
 
@@ -31,6 +34,8 @@ from shardwise.runtime.checkpoint.index import PieceIndex
 from shardwise.runtime.checkpoint.safetensors_io import DTYPES, dtype_name
 from shardwise.runtime.checkpoint.state import decode_value, describe_optimizer, encode_value
 from shardwise.runtime.engine_protocol import EngineProtocol
+from shardwise.runtime.parallel.expert import ExpertPlace
+from shardwise.runtime.parallel.tensor.placement import tensor_shard
 
 
 def expert_meta(engine: EngineProtocol) -> dict[str, Any]:
@@ -51,8 +56,9 @@ def expert_meta(engine: EngineProtocol) -> dict[str, Any]:
 def describe_experts(engine: EngineProtocol) -> list[dict[str, Any]]:
     """This rank's experts as the meta lists parameters: every-expert names, fp32 masters."""
     experts = engine.experts
-    return [{"name": experts.global_names[id(param)], "shape": list(param.shape), "trainable": True,
-             "dtype": "float32"} for _, param, _ in experts.params]
+    places = [experts.global_places[id(param)] for _, param, _ in experts.params]
+    return [{"name": place.name, "shape": list(place.shape), "trainable": True, "dtype": "float32"}
+            for place in places]
 
 
 def expert_pieces(engine: EngineProtocol) -> tuple[list[tuple[str, int, int, dict[str, torch.Tensor]]], dict]:
@@ -80,12 +86,23 @@ def expert_pieces(engine: EngineProtocol) -> tuple[list[tuple[str, int, int, dic
             continue
         master = bucket.master.detach()
         for index, start, stop, at in bucket.owned_pieces():
-            name = experts.global_names[id(bucket.params[index][1])]
-            width = stop - start
-            named = {VALUE: master[at : at + width]}
-            named.update({key: value[at : at + width] for key, value in elements.items()})
-            pieces.append((name, start, stop, named))
+            param = bucket.params[index][1]
+            place = experts.global_places[id(param)]
+            for low, high, position in _global_runs(place, param, start, stop):
+                first, width = at + position, high - low
+                named = {VALUE: master[first : first + width]}
+                named.update({key: value[first : first + width] for key, value in elements.items()})
+                pieces.append((place.name, low, high, named))
     return pieces, {"groups": groups}
+
+
+def _global_runs(place: ExpertPlace, param: torch.Tensor, start: int, stop: int) -> list[tuple[int, int, int]]:
+    """Elements [start, stop) of an expert parameter as this rank holds it, as runs of the
+    every-expert parameter's flat elements: (start, stop, position in [start, stop)). A
+    tensor-parallel expert's block is not one range of the expert; its placement maps it."""
+    shard = tensor_shard(param)
+    runs = [(start, stop, 0)] if shard is None else shard.global_runs(start, stop)
+    return [(place.offset + low, place.offset + high, position) for low, high, position in runs]
 
 
 def align_expert_layout(engine: EngineProtocol, meta: dict, records: list[dict],
@@ -228,10 +245,13 @@ def load_experts(engine: EngineProtocol, index: PieceIndex, meta: dict, records:
             parts = {key: torch.zeros(master.numel(), dtype=DTYPES[dtype], device=master.device)
                      for key, dtype in elements.get(str(bucket.group), {}).items()} if optimizer_states else {}
             for param_index, start, stop, at in bucket.owned_pieces():
-                name = experts.global_names[id(bucket.params[param_index][1])]
-                index.read_into(name, VALUE, start, master[at : at + stop - start])
-                for key, tensor in parts.items():
-                    index.read_into(name, key, start, tensor[at : at + stop - start])
+                param = bucket.params[param_index][1]
+                place = experts.global_places[id(param)]
+                for low, high, position in _global_runs(place, param, start, stop):
+                    first, width = at + position, high - low
+                    index.read_into(place.name, VALUE, low, master[first : first + width])
+                    for key, tensor in parts.items():
+                        index.read_into(place.name, key, low, tensor[first : first + width])
             bucket.after_step()  # the master into the compute-dtype buffer, the slices to every replica
             if str(bucket.group) in scalars and optimizer_states:
                 states[position] = {**{key: decode_value(value) for key, value in scalars[str(bucket.group)].items()},

@@ -59,7 +59,7 @@ from shardwise.runtime.parallel.expert.training import (
     ExpertTraining,
     connect_expert_layers,
     expert_parameters,
-    global_expert_names,
+    global_expert_places,
 )
 from shardwise.runtime.zero.apply import ZeroGroups, apply_zero
 from shardwise.runtime.zero.zenflow import ZenFlow
@@ -423,10 +423,11 @@ class Engine(nn.Module):
                              "fp16's loss scaling covers the experts' gradients) data-, tensor- and pipeline-parallel "
                              "training (ZeRO 0-3; not sequence parallelism, bf16 masters or ZenFlow); use ep_size=1 "
                              "for the others")
-        if self.mesh.sizes.tensor > 1 and not all(is_tensor_sharded(param) for _, param, _ in experts):
+        if self.mesh.sizes.tensor > 1 and not all(is_tensor_sharded(param) for _, param, _ in experts
+                                                  if param.dim() >= 2):  # the experts' matrices: biases may stay whole
             raise ValueError("expert parallelism (ep_size > 1) with tensor_parallel.size > 1 needs experts split "
                              "by the tensor group (a Hugging Face Mixtral's are); these experts are whole on every "
-                             "tensor rank (DeepSpeed's MoE without enable_expert_tensor_parallelism): use "
+                             "tensor rank (DeepSpeed's MoE without enable_expert_tensor_parallelism=True): use "
                              "tensor_parallel.size 1 or ep_size 1")
         ids = {id(param) for _, param, _ in experts}
         build: Callable[[list[dict]], torch.optim.Optimizer]
@@ -444,7 +445,8 @@ class Engine(nn.Module):
                        for size in sorted({size for _, _, size in experts})}
         return named, ExpertTraining(experts, groups, build, expert_data, data_size=self.mesh.data_size,
                                      partitioned=policies.zero.partitions_model_states, ledger=self.ledger,
-                                     global_names=global_expert_names(self.module), dtype=precision.param_dtype)
+                                     global_places=global_expert_places(self.module), dtype=precision.param_dtype,
+                                     tensor_size=self.mesh.sizes.tensor)
 
     def _replica_check(self, interval: int) -> ReplicaCheck | None:
         if not interval:

@@ -40,7 +40,8 @@ def engine_config(stage: int, fp16: bool = False) -> dict:
 
 def every_expert_params(model: torch.nn.Module, engine) -> dict[str, torch.Tensor]:
     """The model's weights under the every-expert model's names (fp32 masters of experts)."""
-    names = engine.experts.global_names if engine.experts is not None else {}
+    names = {key: place.name for key, place in engine.experts.global_places.items()} \
+        if engine.experts is not None else {}
     with shardwise.gathered_parameters(list(model.parameters())):
         return {names.get(id(param), name): param.detach().float().clone() for name, param in model.named_parameters()}
 

@@ -143,3 +143,32 @@ def train_parallel(rank: int, world_size: int, case: ExpertCase) -> dict:
             params[name] = whole
     return {"losses": losses, "params": params, "routed": routed, "expert_rank": expert_group.rank,
             "data_rank": data_rank, "bytes": engine.comm_stats.by_group().get("expert", {})}
+
+
+def _train_steps(engine, case: ExpertCase, steps: range) -> list[float]:
+    """Per step, the mean loss of this data rank's micro-batches."""
+    data_rank, data_size = engine.mesh.data_rank, engine.mesh.data_size
+    losses = []
+    for step in steps:
+        total = 0.0
+        for batch in micro_batches(case, step, data_size)[data_rank * case.micro_batches:][: case.micro_batches]:
+            loss = engine(**batch).loss
+            engine.backward(loss)
+            engine.step()
+            total += loss.item() / case.micro_batches
+        losses.append(total)
+    return losses
+
+
+def resume_at_another_expert_size(rank: int, world_size: int, saving: ExpertCase, loading: ExpertCase,
+                                  directory: str) -> list[float]:
+    """`saving.steps` steps at its expert-parallel size, a checkpoint; a fresh engine at
+    `loading`'s size loads it and trains on to `loading.steps`: the losses after the load."""
+    model = build_mixtral(saving.router_loss)
+    engine = shardwise.initialize(model, saving.config(), optimizer=make_optimizer(model, saving.lr))
+    _train_steps(engine, saving, range(saving.steps))
+    engine.save_checkpoint(directory)
+    model = build_mixtral(loading.router_loss)
+    engine = shardwise.initialize(model, loading.config(), optimizer=make_optimizer(model, loading.lr))
+    engine.load_checkpoint(directory)
+    return _train_steps(engine, loading, range(saving.steps, loading.steps))

@@ -13,13 +13,16 @@ magnitude above the last-bit differences of the parallel sums.
 from functools import lru_cache
 
 import pytest
+import safetensors.torch
 
 from shardwise.formulas.dropless_experts import dropless_exchange_bytes
 from shardwise.models import plan_for
 from shardwise.models.hf.decoders import DecoderAdapter, RouterLossDecoderAdapter
 from shardwise.models.hf.experts import ExpertParallelStackedExperts
+from shardwise.runtime.checkpoint.convert import convert_checkpoint
 from shardwise.tools.testing import DistributedTestError, run_distributed
-from tests.models.hf.expert_workers import ExpertCase, build_mixtral, train_parallel, train_reference
+from tests.models.hf.expert_workers import (ExpertCase, build_mixtral, resume_at_another_expert_size, train_parallel,
+                                           train_reference)
 from tests.runtime.zero.workers import relative_error
 
 TOLERANCE = 1e-5
@@ -27,8 +30,8 @@ HIDDEN = 32
 
 
 @lru_cache(maxsize=None)
-def reference(data_size: int, router_loss: bool = True) -> dict:
-    return train_reference(ExpertCase(router_loss=router_loss), data_size)
+def reference(data_size: int, router_loss: bool = True, steps: int = 2) -> dict:
+    return train_reference(ExpertCase(router_loss=router_loss, steps=steps), data_size)
 
 
 def assert_matches(results: list[dict], want: dict) -> None:
@@ -107,3 +110,32 @@ def test_an_expert_parallel_size_that_does_not_divide_the_experts_is_refused():
     experts = build_mixtral().model.layers[0].mlp.experts
     with pytest.raises(ValueError, match=r"autoep_size 3: .* has 4 experts .* do not split over 3 ranks"):
         ExpertParallelStackedExperts(experts, size=3, rank=0)
+
+
+
+@pytest.mark.parametrize("saved, loaded, tensor", [(2, 1, 1), (1, 2, 1), pytest.param(2, 1, 2, marks=pytest.mark.slow)],
+                         ids=["ep2-to-ep1", "ep1-to-ep2", "tp2-ep2-to-tp2-ep1"])
+def test_checkpoint_resumes_at_another_expert_parallel_size(saved, loaded, tensor, tmp_path):
+    """2 steps at one expert-parallel size, a checkpoint, 2 steps of a fresh engine at
+    another (ep=1: every expert among the dense parameters, their momentum in ZeRO's store),
+    on 2 ranks (4 with tp=2, each expert's width split too). Each rank's slice of the
+    stacked experts is saved as its range of the stacked tensor (its tensor block as the
+    runs of it), so the loader regroups values and momentum into whatever slice it holds:
+    the steps after the load equal one process's 4 steps (fp32, 1e-5); saved at ep=2,
+    `convert` exports the stacked tensors whole, equal to one process's after 2 steps."""
+    saving = ExpertCase(expert=saved, tensor=tensor, stage=1)
+    loading = ExpertCase(expert=loaded, tensor=tensor, stage=1, steps=4)
+    want = reference(2, steps=4)["losses"][saving.steps:]
+    results = run_distributed(resume_at_another_expert_size, 2 * tensor, saving, loading,
+                              str(tmp_path / "checkpoint"))
+    data = [losses for rank, losses in enumerate(results) if rank % tensor == 0]  # one rank per tensor group
+    for step, expected in enumerate(want, start=saving.steps):
+        got = sum(losses[step - saving.steps] for losses in data) / len(data)
+        assert abs(got - expected) / expected < TOLERANCE, f"step {step}: loss {got} vs {expected}"
+    if saved == 2 and tensor == 1:
+        convert_checkpoint(tmp_path / "checkpoint", tmp_path / "model.safetensors")
+        exported = safetensors.torch.load_file(tmp_path / "model.safetensors")
+        after_two = reference(2)["params"]
+        assert exported.keys() == after_two.keys()
+        for name, weight in after_two.items():
+            assert relative_error(exported[name], weight) < TOLERANCE, name

@@ -10,7 +10,7 @@ expert and an expert-parallel size P > 1; the expert step of `parallelize`
 (`shard_expert_layers`, core/steps.py) then keeps this rank's experts, so the model's
 definition is the same at every P and the every-expert model is the reference that the
 split one must equal. Either way, checkpoints name each expert by its index in the
-every-expert layer (`global_expert_name`), so they move between expert-parallel sizes.
+every-expert layer (`global_expert_place`), so they move between expert-parallel sizes.
 """
 
 from __future__ import annotations
@@ -24,8 +24,9 @@ from shardwise.runtime.distributed.collectives import Communicator
 from shardwise.runtime.distributed.mesh import ParallelMesh
 from shardwise.runtime.parallel.expert.exchange import exchange_with_experts
 from shardwise.runtime.parallel.expert.gating import TopKGate
-from shardwise.runtime.parallel.expert.marking import mark_expert_parameters
+from shardwise.runtime.parallel.expert.marking import ExpertPlace, mark_expert_parameters
 from shardwise.runtime.parallel.expert.routing import Routes
+from shardwise.runtime.parallel.tensor.placement import tensor_shard
 
 
 class ExpertList(nn.Module):
@@ -61,7 +62,8 @@ class MixtureOfExperts(nn.Module):
     of the last forward are kept for the model to read. An `ExpertParallelLayer`
     (marking.py) once split over its expert group."""
 
-    def __init__(self, gate: TopKGate, experts: ExpertList, *, num_experts: int, ep_size: int = 1):
+    def __init__(self, gate: TopKGate, experts: ExpertList, *, num_experts: int, ep_size: int = 1,
+                 split_by_tensor_group: bool = False):
         super().__init__()
         if ep_size < 1 or num_experts % ep_size:
             raise ValueError(f"a mixture of {num_experts} experts cannot be split over ep_size {ep_size} ranks: each "
@@ -75,6 +77,7 @@ class MixtureOfExperts(nn.Module):
                              "across the expert group before the all-to-all; keep dropping or use ep_size 1")
         self.gate, self.experts = gate, experts
         self.num_experts, self.ep_size = num_experts, ep_size
+        self.split_by_tensor_group = split_by_tensor_group  # under tensor parallelism (tensor_split.py)
         self.l_aux: torch.Tensor | None = None
         self.exp_counts: torch.Tensor | None = None
         self.expert_group: Communicator | None = None  # given by the engine once split
@@ -103,15 +106,18 @@ class MixtureOfExperts(nn.Module):
             raise ValueError(f"MoE(ep_size={self.ep_size}) was given an expert group of {expert.size} ranks")
         self.expert_group = expert
 
-    def global_expert_name(self, name: str) -> str:
+    def global_expert_place(self, name: str) -> ExpertPlace:
         """`experts.<list>.<i>.*` of member p of the expert group is expert p·E/P + i of the
-        every-expert layer (checkpoints store it under that name)."""
+        every-expert layer, whole (checkpoints store it under that name)."""
         marker = f"experts.{self.experts.list_name}."
         head, found, tail = name.partition(marker)
         if not found or head or self.expert_group is None:
             raise ValueError(f"{name} is not an expert parameter of a mixture of experts given its expert group")
         local, rest = tail.split(".", 1)
-        return f"{marker}{self.expert_group.rank * self.num_local_experts + int(local)}.{rest}"
+        param = self.get_parameter(name)
+        shard = tensor_shard(param)  # split by the tensor group: the whole expert's shape (tensor_split.py)
+        return ExpertPlace(f"{marker}{self.expert_group.rank * self.num_local_experts + int(local)}.{rest}",
+                           shard.global_shape if shard is not None else tuple(param.shape))
 
     def forward(self, hidden: torch.Tensor, used_token: torch.Tensor | None = None) -> torch.Tensor:
         width = hidden.shape[-1]

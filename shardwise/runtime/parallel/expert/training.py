@@ -29,7 +29,10 @@ buffer. At stage 0 the slice is the whole buffer and the gradients are all-reduc
 
 The global gradient norm counts each expert once: partitioned, a rank adds the squares
 of its slice (every element is in exactly one rank's slice of its expert-data group);
-whole, its experts' squares divided by the D/P ranks holding copies of them.
+whole, its experts' squares divided by the D/P ranks holding copies of them. Under tensor
+parallelism the tensor group's norm sums every rank's share (tensor/grad_norm.py): an
+expert's parameter split by the group counts as it is, one the group keeps whole (a
+row-parallel expert's bias) is divided by the tensor size.
 """
 
 from __future__ import annotations
@@ -43,7 +46,8 @@ from shardwise.runtime.accounting import MemoryLedger
 from shardwise.runtime.distributed.collectives import CommStats, Communicator
 from shardwise.runtime.distributed.mesh import ParallelMesh
 from shardwise.runtime.distributed.peers import PeerDirectory
-from shardwise.runtime.parallel.expert.marking import ExpertParallelLayer, expert_parallel_size
+from shardwise.runtime.parallel.expert.marking import ExpertParallelLayer, ExpertPlace, expert_parallel_size
+from shardwise.runtime.parallel.tensor.placement import is_tensor_sharded
 
 BuildOptimizer = Callable[[list[dict]], torch.optim.Optimizer]
 
@@ -54,8 +58,9 @@ class ExpertBucket:
     (sharing its storage) in fp32 training, an fp32 copy of that slice in bf16 or fp16."""
 
     def __init__(self, params: list[tuple[str, nn.Parameter]], *, size: int, group: int, comm: Communicator,
-                 partitioned: bool, dtype: torch.dtype):
+                 partitioned: bool, dtype: torch.dtype, tensor_size: int = 1):
         self.params, self.size, self.group, self.comm = params, size, group, comm
+        self.tensor_size = tensor_size
         self.partitioned = partitioned and comm.size > 1
         parts = comm.size if self.partitioned else 1
         self.numel = sum(param.numel() for _, param in params)
@@ -107,7 +112,13 @@ class ExpertBucket:
 
     def norm_squared(self, data_size: int) -> torch.Tensor:
         """This rank's share of the squared norm of the experts' gradient (each counted once)."""
-        squares = torch.linalg.vector_norm(self.master.grad, dtype=torch.float32).cpu().square()
+        grad = self.master.grad
+        squares = torch.linalg.vector_norm(grad, dtype=torch.float32).cpu().square()
+        if self.tensor_size > 1:  # parameters whole on every tensor rank: each rank counts 1/N of them
+            for index, start, stop, at in self.owned_pieces():
+                if not is_tensor_sharded(self.params[index][1]):
+                    whole = torch.linalg.vector_norm(grad[at : at + stop - start], dtype=torch.float32).cpu()
+                    squares -= whole.square() * (1 - 1 / self.tensor_size)
         return squares if self.partitioned else squares / (data_size // self.size)  # whole: D/P copies
 
     def after_step(self) -> None:
@@ -125,15 +136,16 @@ class ExpertTraining:
 
     def __init__(self, params: list[tuple[str, nn.Parameter, int]], groups: list[dict], build: BuildOptimizer,
                  expert_data: dict[int, Communicator], *, data_size: int, partitioned: bool, ledger: MemoryLedger,
-                 global_names: dict[int, str], dtype: torch.dtype = torch.float32):
+                 global_places: dict[int, ExpertPlace], dtype: torch.dtype = torch.float32, tensor_size: int = 1):
         """`params`: (name, parameter, expert-parallel size); `groups`: the experts' param
         groups (their hyper-parameters); `build`: the optimizer over param groups;
         `expert_data`: the expert-data communicator for each size; `data_size`: D;
         `partitioned`: the optimizer state split over the expert-data group (ZeRO >= 1);
-        `global_names`: each expert parameter's name in the every-expert model, by id;
-        `dtype`: of the parameters the model computes with (bf16, fp16: fp32 masters apart)."""
+        `global_places`: where each expert parameter lies in the every-expert model, by id;
+        `dtype`: of the parameters the model computes with (bf16, fp16: fp32 masters apart);
+        `tensor_size`: of the tensor group (the norm counts parameters it keeps whole once)."""
         self.params = params
-        self.global_names = global_names
+        self.global_places = global_places
         self.data_size = data_size
         self.ledger = ledger
         names = {id(param): (name, size) for name, param, size in params}
@@ -143,7 +155,7 @@ class ExpertTraining:
             for size in sorted({names[id(param)][1] for param in group["params"]}):
                 members = [(names[id(param)][0], param) for param in group["params"] if names[id(param)][1] == size]
                 bucket = ExpertBucket(members, size=size, group=index, comm=expert_data[size],
-                                      partitioned=partitioned, dtype=dtype)
+                                      partitioned=partitioned, dtype=dtype, tensor_size=tensor_size)
                 self.buckets.append(bucket)
                 optimizer_groups.append({**{key: value for key, value in group.items() if key != "params"},
                                          "params": [bucket.master]})
@@ -221,17 +233,16 @@ def expert_parameters(named: list[tuple[str, nn.Parameter, int]]) -> list[tuple[
             if (size := expert_parallel_size(param)) is not None and size > 1]
 
 
-def global_expert_names(model: nn.Module) -> dict[int, str]:
-    """The every-expert model's name of each expert parameter of `model`, by id (the layers
-    name their experts, `ExpertParallelLayer.global_expert_name`)."""
-    names = {}
+def global_expert_places(model: nn.Module) -> dict[int, ExpertPlace]:
+    """Where each expert parameter of `model` lies in the every-expert model, by id (the
+    layers place their experts, `ExpertParallelLayer.global_expert_place`)."""
+    places = {}
     for path, layer in model.named_modules():
         if isinstance(layer, ExpertParallelLayer) and layer.expert_parallel_size > 1:
             for name, param in layer.named_parameters():
                 if expert_parallel_size(param) is not None:
-                    names[id(param)] = f"{path}.{layer.global_expert_name(name)}" if path else \
-                        layer.global_expert_name(name)
-    return names
+                    places[id(param)] = layer.global_expert_place(name).under(path)
+    return places
 
 
 def connect_expert_layers(model: nn.Module, mesh: ParallelMesh, stats: CommStats, ledger: MemoryLedger,

@@ -17,7 +17,11 @@ p of its expert group) and tokens travel to them and back by all-to-all
 DeepSpeed's names); the engine gives the layer its expert group and
 sums the experts' gradients over the ranks holding the same ones, at every ZeRO stage.
 With ep_size 1 every rank holds every expert, and their gradients are averaged with the
-rest. `use_tutel` (a CUDA kernel library) changes no result and is ignored.
+rest. `enable_expert_tensor_parallelism=True` under tensor parallelism splits each expert
+(two nn.Linear layers) over the tensor group as a Megatron MLP
+(runtime/parallel/expert/tensor_split.py): DeepSpeed leaves that to the expert module it
+is given (Megatron's ParallelMLP) and only builds its groups for it. `use_tutel` (a CUDA
+kernel library) changes no result and is ignored.
 """
 
 from __future__ import annotations
@@ -47,9 +51,6 @@ class MoE(nn.Module):
             raise ValueError(f"MoE(ep_size={ep_size}, drop_tokens=False) is not provided: without dropping, the "
                              "capacity is the fullest expert's count, which would have to agree across the expert "
                              "group before the all-to-all; keep drop_tokens=True or use ep_size=1")
-        if enable_expert_tensor_parallelism:
-            raise ValueError("MoE(enable_expert_tensor_parallelism=True) is not supported: experts are not split "
-                             "by tensor parallelism")
         if noisy_gate_policy not in (None, "None", "Jitter", "RSample"):
             raise ValueError(f"MoE: noisy_gate_policy {noisy_gate_policy!r}; use None, 'Jitter' or 'RSample'")
         if num_experts < 1:
@@ -62,7 +63,8 @@ class MoE(nn.Module):
         gate = TopKGate(hidden_size, num_experts, k, capacity_factor, eval_capacity_factor, min_capacity, policy,
                         drop_tokens, use_rts, top2_2nd_expert_sampling)
         self.deepspeed_moe = MOELayer(gate, Experts(expert, self.num_local_experts, self.expert_group_name),
-                                      self.expert_group_name, ep_size, self.num_local_experts)
+                                      self.expert_group_name, ep_size, self.num_local_experts,
+                                      split_by_tensor_group=enable_expert_tensor_parallelism)
         mark_expert_parameters(self.deepspeed_moe.experts, ep_size)
         if use_residual:
             self.mlp = expert

@@ -50,6 +50,8 @@ class Experts(ExpertList):
 
 
 class MOELayer(MixtureOfExperts):
-    def __init__(self, gate: TopKGate, experts: Experts, ep_group_name: str, ep_size: int, num_local_experts: int):
-        super().__init__(gate, experts, num_experts=ep_size * num_local_experts, ep_size=ep_size)
+    def __init__(self, gate: TopKGate, experts: Experts, ep_group_name: str, ep_size: int, num_local_experts: int,
+                 split_by_tensor_group: bool = False):
+        super().__init__(gate, experts, num_experts=ep_size * num_local_experts, ep_size=ep_size,
+                         split_by_tensor_group=split_by_tensor_group)
         self.ep_group_name = ep_group_name
