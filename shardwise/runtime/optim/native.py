@@ -55,6 +55,9 @@ _SIGNATURES = {
     "momentum_fold": [_P, _P, _L, _F, _F],
     "onebit_lamb_statistics": [_P, _P, _P, _P, _P, _L, _F, _F, _F, _F, _F, _I, _F, _P],
 }
+# Kernels that return a value (the others return nothing), where the library has them:
+# `use_avx512` exists only where the compiler targets x86-64.
+_RESULTS = {"use_avx512": ([_I], _I)}
 _library: ctypes.CDLL | None = None
 _tried = False
 
@@ -122,4 +125,16 @@ def _load(path: Path) -> ctypes.CDLL:
     for name, arguments in _SIGNATURES.items():
         function = getattr(library, name)
         function.argtypes, function.restype = arguments, None
+    for name, (arguments, result) in _RESULTS.items():
+        if hasattr(library, name):
+            function = getattr(library, name)
+            function.argtypes, function.restype = arguments, result
     return library
+
+
+def use_avx512(enable: bool) -> bool:
+    """Turns the 8-bit Adam kernels' AVX-512 blocks on (where the CPU has AVX-512) or off,
+    so that tests can compare them with the portable loops on one machine; returns whether
+    they are on. They are on by default wherever the CPU has them."""
+    kernels = library()
+    return kernels is not None and hasattr(kernels, "use_avx512") and bool(kernels.use_avx512(int(enable)))

@@ -213,6 +213,77 @@ def test_native_rounding_equals_the_table_lookup_at_every_midpoint(signed):
     assert torch.equal(codes, expected)
 
 
+@pytest.fixture
+def portable_and_avx512():
+    """Runs a test body on both 8-bit paths: yields a switch (True: AVX-512 blocks); skips
+    where the CPU has no AVX-512 (the portable loops are then the only path, and the tests
+    above check them)."""
+    if not native.use_avx512(True):
+        pytest.skip("this CPU has no AVX-512: the kernels take only their portable loops")
+    try:
+        yield native.use_avx512
+    finally:
+        native.use_avx512(True)
+
+
+@pytest.mark.parametrize("signed", [True, False])
+def test_avx512_rounding_equals_the_portable_loop(portable_and_avx512, signed):
+    """Midpoints, one ulp either side, codes, specials and random values at several block
+    scales, with lengths that leave every size of partial last vector."""
+    code = dynamic_code(signed)
+    midpoints = (code[:-1] + code[1:]) / 2
+    generator = torch.Generator().manual_seed(1)
+    values = torch.cat([midpoints, torch.nextafter(midpoints, torch.tensor(2.0)),
+                        torch.nextafter(midpoints, torch.tensor(-2.0)), code, -code,
+                        torch.tensor([0.0, -0.0, 1e-38, -1e-38, float("inf"), -float("inf"), float("nan")]),
+                        torch.randn(3000, generator=generator) * torch.rand(3000, generator=generator) ** 6])
+    table = _native_codebook(signed)[1].data_ptr()
+    for absmax in (1.0, 0.37, 3.0, 0.0):
+        for count in (values.numel(), 17, 15, 1):
+            scaled = (values * absmax)[:count].contiguous()
+            codes = []
+            for on in (False, True):
+                portable_and_avx512(on)
+                codes.append(torch.empty(count, dtype=torch.uint8))
+                native.library().quantize_values(scaled.data_ptr(), codes[-1].data_ptr(), count, absmax, table)
+            assert torch.equal(codes[0], codes[1]), (absmax, count)
+
+
+@pytest.mark.parametrize("decay", [0.0, 0.01])
+def test_avx512_8bit_adam_steps_equal_the_portable_loops(portable_and_avx512, decay):
+    """Each step from the same state (fresh fp32 moments at the first, codes after): the
+    AVX-512 blocks' weights, codes and scales equal the portable loops' bit for bit, on
+    sizes that cut blocks and vectors, with a NaN gradient in one block."""
+    generator = torch.Generator().manual_seed(2)
+    shapes = [(300, 70), (5000,), (1031,), (4096,)]
+    params = [torch.nn.Parameter(torch.randn(shape, generator=generator)) for shape in shapes]
+    optimizer = AdamW8bit(params, lr=0.01, weight_decay=decay, min_8bit_size=1000)
+    for step in range(4):
+        for param in params:
+            param.grad = torch.randn(param.shape, generator=generator) * 10.0 ** -(step % 3)
+        if step == 3:
+            params[1].grad[700] = float("nan")
+        start = ([p.detach().clone() for p in params],
+                 [{k: v.clone() if torch.is_tensor(v) else v for k, v in optimizer.state[p].items()} for p in params])
+        results = []
+        for on in (False, True):
+            for param, weights, state in zip(params, *start):
+                param.data.copy_(weights)
+                optimizer.state[param] = {k: v.clone() if torch.is_tensor(v) else v for k, v in state.items()}
+            portable_and_avx512(on)
+            _step(optimizer, on=True)
+            results.append(([p.detach().clone() for p in params], [dict(optimizer.state[p]) for p in params]))
+        for before, after in zip(results[0][0], results[1][0]):
+            torch.testing.assert_close(after, before, rtol=0, atol=0, equal_nan=True)
+        for before, after in zip(results[0][1], results[1][1]):
+            assert before.keys() == after.keys()
+            for key, value in before.items():
+                if torch.is_tensor(value):
+                    torch.testing.assert_close(after[key], value, rtol=0, atol=0, equal_nan=True, msg=key)
+                else:
+                    assert after[key] == value, key
+
+
 def test_8bit_adam_kernel_keeps_a_nan_in_the_block_scale_as_torch_does():
     generator = torch.Generator().manual_seed(0)
     initial = torch.randn(2048, generator=generator)
