@@ -85,7 +85,7 @@ def train_worker(rank: int, world_size: int, expert_size: int, options: dict) ->
 
 
 def main() -> None:
-    from shardwise.formulas.dropless_experts import dropless_exchange_bytes
+    from shardwise.formulas.communication import dropless_exchange_bytes
     from shardwise.tools.testing import run_distributed
 
     args = parse_args()

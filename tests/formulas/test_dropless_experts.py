@@ -3,7 +3,7 @@ tests/models/hf/test_experts.py)."""
 
 import pytest
 
-from shardwise.formulas.dropless_experts import dropless_exchange_bytes
+from shardwise.formulas.communication import dropless_exchange_bytes
 
 ROUTED = [[3, 1, 2, 0],  # member 0 holds experts 0, 1
           [0, 4, 1, 1]]  # member 1 holds experts 2, 3

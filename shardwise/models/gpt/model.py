@@ -172,6 +172,8 @@ class GPT(nn.Module):
         """`moe_aux_loss_coef` times the sum of the MoE blocks' load-balancing losses of the
         last forward (0 for a dense model). Found among all modules, not by block: a block
         may be wrapped (random-LTD, activation checkpointing)."""
+        if not self.config.moe_experts:
+            return 0.0  # a dense model: no walk over the modules in every forward
         losses = [module.l_aux for module in self.modules() if isinstance(module, MixtureOfExperts)]
         return self.config.moe_aux_loss_coef * torch.stack(losses).sum() if losses else 0.0
 

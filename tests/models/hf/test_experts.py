@@ -15,7 +15,7 @@ from functools import lru_cache
 import pytest
 import safetensors.torch
 
-from shardwise.formulas.dropless_experts import dropless_exchange_bytes
+from shardwise.formulas.communication import dropless_exchange_bytes
 from shardwise.models import plan_for
 from shardwise.models.hf.decoders import DecoderAdapter, RouterLossDecoderAdapter
 from shardwise.models.hf.experts import ExpertParallelStackedExperts

@@ -110,15 +110,7 @@ def test_sequential_stages_equal_one_process(world_size, pipeline, stage, interv
     results = run_distributed(train, world_size, pipeline, stage, interval, split_points, timeout=240)
     want = run_distributed(train_reference, 1, data_size, timeout=120)[0]
     assert len({round(loss, 4) for loss in want["losses"]}) == STEPS  # it trains
-    for result in results:
-        for got, expected in zip(result["losses"], want["losses"], strict=True):
-            assert abs(got - expected) / expected < 1e-5, (result["losses"], want["losses"])
-    merged = {}
-    for result in results:
-        merged.update(result["params"])
-    assert set(merged) == set(want["params"])
-    for name, expected in want["params"].items():
-        assert relative_error(merged[name], expected) < 1e-5, name
+    assert_stages_equal_reference(results, want)
 
 
 def evaluate_forward_only(rank: int, world_size: int) -> dict:
@@ -145,3 +137,17 @@ def test_forward_only_pipeline_evaluates_like_one_process():
     for result in run_distributed(evaluate_forward_only, 2, timeout=120):
         assert abs(result["loss"] - want) < 1e-5 * want
         assert result["refused"] is not None and "only runs forward" in result["refused"]
+
+
+def assert_stages_equal_reference(results: list[dict], want: dict) -> None:
+    """Every stage's losses equal the reference's, and the stages' parameters together equal
+    its parameters (fp32, 1e-5)."""
+    for result in results:
+        for got, expected in zip(result["losses"], want["losses"], strict=True):
+            assert abs(got - expected) / expected < 1e-5, (result["losses"], want["losses"])
+    merged = {}
+    for result in results:
+        merged.update(result["params"])
+    assert set(merged) == set(want["params"])
+    for name, expected in want["params"].items():
+        assert relative_error(merged[name], expected) < 1e-5, name

@@ -15,6 +15,7 @@ from shardwise.runtime.data.difficulty_sampler import DifficultySampler
 from shardwise.tools.testing import run_distributed
 from tests.frontends.deepspeed.api.curriculum_workers import (
     ACCUMULATION, EPS, LR, MICRO, TinyLM, Tokens, config, train, write_index)
+from tests.frontends.deepspeed.api.test_data_position import relative_error
 from tests.runtime.data.test_difficulty_sampler import Alone
 
 STEPS, STOP, WORLD = 6, 3, 2
@@ -38,11 +39,6 @@ def reference_losses(runs: list[list[dict]]) -> list[list[float]]:
             optimizer.step()
             optimizer.zero_grad()
     return losses
-
-
-def relative_error(a: list[float], b: list[float]) -> float:
-    a, b = torch.tensor(a, dtype=torch.float64), torch.tensor(b, dtype=torch.float64)
-    return ((a - b).abs() / b.abs()).max().item()
 
 
 def test_curriculum_batches_truncated_and_trained_as_the_reference(tmp_path):

@@ -11,9 +11,9 @@ from torch import nn
 import shardwise.frontends.deepspeed.api as deepspeed
 from shardwise.frontends.deepspeed.api.pipe import OtherStageLayer, PipelineModule, TiedLayerSpec
 from shardwise.tools.testing import run_distributed
-from tests.runtime.parallel.test_pipeline_sequential import (MICRO_BATCH, MICRO_BATCHES, build_layers, global_batches,
-                                                             micro_batches, train_reference)
-from tests.runtime.zero.workers import relative_error
+from tests.runtime.parallel.test_pipeline_sequential import (MICRO_BATCH, MICRO_BATCHES, assert_stages_equal_reference,
+                                                             build_layers, global_batches, micro_batches,
+                                                             train_reference)
 
 
 def _count(module: nn.Module) -> int:
@@ -52,15 +52,7 @@ def test_each_rank_builds_its_stage_and_the_split_trains_as_one_process():
     assert results[0]["total"] == 2 * _count(whole)
     assert "belongs to pipeline stage 1" in results[0]["refused"] and "stage 0" in results[2]["refused"]
     want = run_distributed(train_reference, 1, 2, timeout=120)[0]
-    for result in results:
-        for got, expected in zip(result["losses"], want["losses"], strict=True):
-            assert abs(got - expected) / expected < 1e-5, (result["losses"], want["losses"])
-    merged = {}
-    for result in results:
-        merged.update(result["params"])
-    assert set(merged) == set(want["params"])
-    for name, expected in want["params"].items():
-        assert relative_error(merged[name], expected) < 1e-5, name
+    assert_stages_equal_reference(results, want)
 
 
 def _tied(rank: int, world_size: int) -> list[bool]:
