@@ -59,6 +59,7 @@ class DeepSpeedContents:
     gradient_accumulation_steps: int | None
     client_state: dict[str, Any]
     ds_config: dict[str, Any] = field(default_factory=dict)
+    random_ltd: dict[str, int] | None = None  # the random-LTD scheduler's counters; None: not trained with it
 
     @property
     def state_names(self) -> list[str]:

@@ -350,6 +350,7 @@ class _Reader:
             gradient_accumulation_steps=config.get("gradient_accumulation_steps"),
             client_state={key: value for key, value in model.items() if key not in DEEPSPEED_KEYS},
             ds_config=config,
+            random_ltd=model.get("random_ltd"),
         )
 
 

@@ -207,7 +207,7 @@ def _model_file(meta: dict, module: dict[str, torch.Tensor] | None, groups: list
         "frozen_param_fragments": fragments,
         "lr_scheduler": None if meta["lr_scheduler"] is None else decode_value(meta["lr_scheduler"]),
         "data_sampler": None,
-        "random_ltd": None,
+        "random_ltd": meta.get("random_ltd"),  # DeepSpeed resumes its scheduler from it
         "skipped_steps": counters["skipped_steps"],
         "global_steps": counters["global_steps"],
         "dp_world_size": dp_world_size,

@@ -114,6 +114,7 @@ def shardwise_meta(contents: DeepSpeedContents, *, optimizer_class: str, group_k
         "counters": {"global_steps": contents.global_steps, "micro_steps": contents.global_steps * accumulation,
                      "skipped_steps": contents.skipped_steps, "gradient_accumulation_steps": accumulation},
         "client_state": client_state,
+        "random_ltd": contents.random_ltd,
         "hf": None,
         "tensor_parallel": None,
         "deepspeed": {"layout": contents.layout, "global_samples": contents.global_samples},

@@ -5,13 +5,14 @@ DEEPSPEED_PYTHON set, by DeepSpeed 0.19.8 itself."""
 
 import json
 import os
+import shutil
 import subprocess
 
 import pytest
 import torch
 
 from shardwise.frontends.deepspeed.checkpoints.layout import zero3_spans
-from shardwise.frontends.deepspeed.checkpoints.pickles import load_pickle
+from shardwise.frontends.deepspeed.checkpoints.pickles import load_pickle, save_pickle
 from shardwise.tools.cli.main import main as cli
 from shardwise.tools.testing import run_distributed
 from tests.frontends.deepspeed.checkpoints.fixtures import make_fixtures
@@ -209,3 +210,17 @@ def test_deepspeed_resumes_the_converted_checkpoint_exactly(shardwise_checkpoint
     theirs = json.loads(out.read_text())
     assert theirs["global_steps_loaded"] == 6
     assert_losses_equal(theirs["resumed"], expected, tolerance_of(case))
+
+
+def test_random_ltd_counters_survive_both_conversions(tmp_path):
+    """DeepSpeed resumes its random-LTD scheduler from the model file's `random_ltd` (it
+    fails on None when random-LTD is on): the counters go to shardwise's checkpoint and back."""
+    source = tmp_path / "source"
+    shutil.copytree(FIXTURES / CASE / "checkpoint", source)
+    model_file = source / "step3" / "mp_rank_00_model_states.pt"
+    counters = {"consumed_layer_tokens": 98304, "current_steps": 3, "current_value": 64, "min_value": 32,
+                "max_value": 128}
+    save_pickle({**load_pickle(model_file), "random_ltd": counters}, model_file)
+    assert cli(["convert", "--from-deepspeed", str(source), str(tmp_path / "shardwise")]) == 0
+    assert cli(["convert", "--to-deepspeed", *LAYOUTS[CASE][0], str(tmp_path / "shardwise"), str(tmp_path / "ds")]) == 0
+    assert load_pickle(tmp_path / "ds" / "step3" / "mp_rank_00_model_states.pt")["random_ltd"] == counters
