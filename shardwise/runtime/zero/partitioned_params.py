@@ -6,7 +6,9 @@ engine, checkpoints and `gathered_parameters` use.
   (gathering them would cost more latency than memory saved); they are trained like
   stage 2: packed into buckets, gradients reduce-scattered, updated chunks all-gathered.
 - Every other parameter belongs to the unit of the first module that owns it; a unit is
-  gathered whenever any module using it runs (tied weights join both modules).
+  gathered whenever any module using it runs (tied weights join both modules). A leaf
+  module (leaf_modules.py: a mixture of experts' block) owns every parameter below it, in
+  one unit, and the modules below it get no hooks.
 - Frozen parameters (requires_grad False: a LoRA model's base weights, a frozen encoder)
   of that size are partitioned the same way, in units of their own (`frozen_units`) that
   the shard store, gradient reducer and optimizer never see: 1/N of them per rank, no
@@ -23,6 +25,7 @@ and freed, so peak memory is the model's shard plus one module, never the full m
 
 from __future__ import annotations
 
+from collections.abc import Iterator
 from itertools import chain
 from typing import Callable
 
@@ -34,6 +37,7 @@ from shardwise.runtime.distributed.collectives import Communicator
 from shardwise.runtime.base.random_state import seeded_rng
 from shardwise.runtime.zero.gather_schedule import GatherSchedule
 from shardwise.runtime.zero.layout import FlatUnit, make_unit, pack_units
+from shardwise.runtime.zero.leaf_modules import leaf_modules
 from shardwise.runtime.zero.policy import ZeroPolicy
 from shardwise.runtime.zero.replicated_params import ReplicatedParameters
 from shardwise.runtime.zero.sharded_params import ShardedParameters
@@ -77,16 +81,22 @@ class PartitionedParameters(ParameterStrategy):
         persistent = [(n, p, g) for n, p, g in named if p.numel() < threshold]
         partitioned = {id(p): (n, p, g) for n, p, g in named if p.numel() >= threshold}
         held_frozen = {id(p): (n, p, 0) for n, p in frozen if p.numel() >= threshold}
-        self.module_units_list = _module_units(model, partitioned, world, align, first_index=0)
+        leaves = leaf_modules(model, policy.leaf_modules)
+        inside = {below for leaf in leaves for below in list(leaf.modules())[1:]}
+        self.module_units_list = _module_units(model, partitioned, world, align, first_index=0, leaves=leaves,
+                                               inside=inside)
         self.frozen_units = _module_units(
-            model, held_frozen, world, align, first_index=len(self.module_units_list) + len(persistent)
+            model, held_frozen, world, align, first_index=len(self.module_units_list) + len(persistent),
+            leaves=leaves, inside=inside,
         )
         unit_of = {
             id(slot.param): unit for unit in self.module_units_list + self.frozen_units for slot in unit.slots
         }
         module_units: dict[nn.Module, list[FlatUnit]] = {}
         for module in model.modules():
-            units = list({id(u): u for p in module.parameters(recurse=False) if (u := unit_of.get(id(p)))}.values())
+            if module in inside:
+                continue
+            units = list({id(u): u for p in _gathered_with(module, leaves) if (u := unit_of.get(id(p)))}.values())
             if units:
                 module_units[module] = units
 
@@ -173,14 +183,24 @@ class PartitionedParameters(ParameterStrategy):
         self.schedule.remove_hooks()
 
 
+def _gathered_with(module: nn.Module, leaves: set[nn.Module]) -> Iterator[nn.Parameter]:
+    """The parameters gathered when `module` is entered: its own, or, for a leaf module
+    (leaf_modules.py), every parameter below it."""
+    return module.parameters(recurse=module in leaves)
+
+
 def _module_units(
-    model: nn.Module, held: dict[int, tuple[str, nn.Parameter, int]], world: int, align: int, first_index: int
+    model: nn.Module, held: dict[int, tuple[str, nn.Parameter, int]], world: int, align: int, first_index: int,
+    *, leaves: set[nn.Module], inside: set[nn.Module],
 ) -> list[FlatUnit]:
-    """One unit per module that first owns some of `held`, numbered in reverse module order."""
+    """One unit per module that first owns some of `held`, numbered in reverse module order;
+    a leaf module owns everything below it, and the modules `inside` leaves own nothing."""
     owners: list[tuple[str, list[tuple[str, nn.Parameter, int]]]] = []
     claimed: set[int] = set()
     for module_name, module in model.named_modules():
-        own = [held[id(p)] for p in module.parameters(recurse=False) if id(p) in held and id(p) not in claimed]
+        if module in inside:
+            continue
+        own = [held[id(p)] for p in _gathered_with(module, leaves) if id(p) in held and id(p) not in claimed]
         claimed.update(id(entry[1]) for entry in own)
         if own:
             owners.append((module_name or "<root>", own))

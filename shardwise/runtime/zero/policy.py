@@ -14,6 +14,7 @@ from dataclasses import dataclass, field
 from typing import Literal
 
 from shardwise.formulas import stages
+from shardwise.runtime.zero.leaf_modules import LeafModulePolicy
 
 
 @dataclass(frozen=True)
@@ -139,6 +140,7 @@ class ZeroPolicy:
     shard_size: int | None = None  # hybrid sharding (MiCS / HSDP): ranks per shard group; None: all data ranks
     gather_16bit_weights_on_save: bool = False  # stage 3: a whole 16-bit model may be gathered to save it
     plus_plus: ZeroPlusPlusPolicy = ZeroPlusPlusPolicy()  # ZeRO++ (stage 3)
+    leaf_modules: LeafModulePolicy = LeafModulePolicy()  # stage 3: modules gathered whole (leaf_modules.py)
     zenflow: ZenFlowPolicy | None = None  # stall-free offloading (stages 1-3, optimizer on the CPU)
     # step() raises when a trainable parameter got no gradient in the accumulation window on
     # any rank (False: its gradient counts as zero, as plain PyTorch's optimizers skip it)

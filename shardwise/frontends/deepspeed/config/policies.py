@@ -38,6 +38,7 @@ from shardwise.runtime.parallel.pipeline.policy import PipelinePolicy
 from shardwise.runtime.parallel.sequence.policy import SequencePolicy
 from shardwise.runtime.parallel.tensor.policy import TensorPolicy
 from shardwise.runtime.precision.policy import LossScalingPolicy, PrecisionPolicy
+from shardwise.runtime.zero.leaf_modules import LeafModulePolicy
 from shardwise.runtime.zero.policy import (
     OffloadPolicy,
     PrefetchPolicy,
@@ -114,6 +115,9 @@ def zero_policy(cfg: ShardwiseConfig) -> ZeroPolicy:
         gather_16bit_weights_on_save=zero.stage3_gather_16bit_weights_on_model_save,
         zenflow=zenflow_policy(zero.zenflow) if zero.zenflow is not None else None,
         plus_plus=plus_plus_policy(cfg),
+        leaf_modules=LeafModulePolicy(tuple(dict.fromkeys(zero.leaf_module.classes)),
+                                      tuple(dict.fromkeys(zero.leaf_module.names)),
+                                      tuple(dict.fromkeys(zero.leaf_module.name_suffixes))),
     )
 
 

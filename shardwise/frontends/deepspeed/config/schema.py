@@ -130,6 +130,35 @@ class OffloadParamConfig(OffloadConfig):
     buffer_size: Int = Field(100_000_000, ge=1)
 
 
+# DeepSpeed 0.19.8's defaults (runtime/zero/leaf_module_config.py): Hugging Face's sparse MoE
+# blocks, whose experts run only on the tokens routed to them, are gathered whole at stage 3
+DEFAULT_LEAF_MODULE_CLASSES = (
+    "transformers.models.mixtral.modeling_mixtral.MixtralSparseMoeBlock",
+    "transformers.models.qwen2_moe.modeling_qwen2_moe.Qwen2MoeSparseMoeBlock",
+    "transformers.models.qwen3_moe.modeling_qwen3_moe.Qwen3MoeSparseMoeBlock",
+)
+
+
+class LeafModuleConfig(Section):
+    """Modules whose parameters stage 3 gathers whole when they are entered, with no hooks
+    below them (runtime/zero/leaf_modules.py): by class name (bare or module-qualified),
+    module path, or path suffix. A single string counts as a list of one, as in DeepSpeed."""
+
+    classes: list[str] = Field(default_factory=lambda: list(DEFAULT_LEAF_MODULE_CLASSES),
+                               json_schema_extra={"default_doc": "Mixtral's, Qwen2-MoE's and Qwen3-MoE's sparse MoE "
+                                                                 "blocks"})
+    names: list[str] = Field(default_factory=list)
+    name_suffixes: list[str] = Field(default_factory=list)
+
+    @model_validator(mode="before")
+    @classmethod
+    def _one_string_is_a_list(cls, values: Any) -> Any:
+        if isinstance(values, dict):
+            return {key: [value] if key in ("classes", "names", "name_suffixes") and isinstance(value, str) else value
+                    for key, value in values.items()}
+        return values
+
+
 class ZenFlowConfig(Section):
     """ZenFlow (runtime/zero/zenflow.py), read as DeepSpeed 0.19.8 reads it: the top
     `topk_ratio` gradient columns updated on the device every step, the rest accumulated
@@ -195,6 +224,7 @@ class ZeroConfig(Section):
     zero_hpz_partition_size: Int = Field(1, ge=0)
     zero_quantized_gradients: Bool = False
     zenflow: ZenFlowConfig | None = None
+    leaf_module: LeafModuleConfig = Field(default_factory=LeafModuleConfig)
 
     @field_validator("stage")
     @classmethod

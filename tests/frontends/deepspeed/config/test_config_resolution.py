@@ -144,6 +144,10 @@ def test_defaults_match_deepspeed_code():
                           "buffer_size": 100_000_000},
         "zero_quantized_weights": False, "zero_hpz_partition_size": 1, "zero_quantized_gradients": False,
         "zenflow": None,
+        "leaf_module": {"classes": ["transformers.models.mixtral.modeling_mixtral.MixtralSparseMoeBlock",
+                                    "transformers.models.qwen2_moe.modeling_qwen2_moe.Qwen2MoeSparseMoeBlock",
+                                    "transformers.models.qwen3_moe.modeling_qwen3_moe.Qwen3MoeSparseMoeBlock"],
+                        "names": [], "name_suffixes": []},
     }
     assert cfg.aio is None
     assert (cfg.tensorboard.enabled, cfg.tensorboard.output_path, cfg.tensorboard.job_name) == (

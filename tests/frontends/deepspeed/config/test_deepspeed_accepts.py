@@ -58,6 +58,11 @@ CONFIGS = {
         "train_micro_batch_size_per_gpu": 1, "bf16": {"enabled": True}, "optimizer": ADAMW,
         "zero_optimization": {"stage": 3}, "compile": {"deepcompile": True, "passes": ["z3"]},
     },
+    "moe_leaf_modules": {
+        "train_micro_batch_size_per_gpu": 1, "bf16": {"enabled": True}, "optimizer": ADAMW,
+        "zero_optimization": {"stage": 3, "leaf_module": {"classes": ["MixtralSparseMoeBlock"],
+                                                          "name_suffixes": "mlp.experts"}},
+    },
     "drop_last_and_monitors": {
         "train_micro_batch_size_per_gpu": 2, "dataloader_drop_last": True, "optimizer": ADAMW,
         "tensorboard": {"enabled": True, "output_path": "logs/", "job_name": "train_bert"},

@@ -1,7 +1,8 @@
 """`deepspeed.utils`: the `logger` and `log_dist` scripts use to print from some ranks,
 `RepeatingLoader`, which pipeline scripts wrap their loaders in, `zero_to_fp32` (whole
-fp32 weights from a checkpoint, the functions scripts import from it), and the `safe_*`
-helpers that read and write a parameter's training state under ZeRO (tensor_fragment.py)."""
+fp32 weights from a checkpoint, the functions scripts import from it), the `safe_*`
+helpers that read and write a parameter's training state under ZeRO (tensor_fragment.py),
+and the ZeRO-3 leaf-module flags MoE scripts set (z3_leaf_module.py)."""
 
 from __future__ import annotations
 
@@ -26,13 +27,25 @@ from shardwise.frontends.deepspeed.api.utils.tensor_fragment import (
     safe_set_local_optimizer_state,
     safe_update_full_grad_vectorized,
 )
+from shardwise.frontends.deepspeed.api.utils.z3_leaf_module import (
+    get_z3_leaf_modules,
+    set_z3_leaf_module,
+    set_z3_leaf_modules,
+    set_z3_leaf_modules_by_name,
+    set_z3_leaf_modules_by_suffix,
+    unset_z3_leaf_modules,
+    z3_leaf_module,
+    z3_leaf_parameter,
+)
 
 __all__ = [
     "RepeatingLoader", "log_dist", "logger", "safe_get_full_fp32_param", "safe_get_full_grad",
     "safe_get_full_optimizer_state", "safe_get_local_fp32_param", "safe_get_local_grad",
     "safe_get_local_optimizer_state", "safe_set_full_fp32_param", "safe_set_full_grad",
     "safe_set_full_optimizer_state", "safe_set_local_fp32_param", "safe_set_local_grad",
-    "safe_set_local_optimizer_state", "safe_update_full_grad_vectorized",
+    "safe_set_local_optimizer_state", "safe_update_full_grad_vectorized", "get_z3_leaf_modules", "set_z3_leaf_module",
+    "set_z3_leaf_modules", "set_z3_leaf_modules_by_name", "set_z3_leaf_modules_by_suffix", "unset_z3_leaf_modules",
+    "z3_leaf_module", "z3_leaf_parameter",
 ]
 
 
