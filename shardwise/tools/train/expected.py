@@ -40,8 +40,10 @@ class ExpertShape:
     elements of every expert of every MoE layer; `ep_size` P_E, the ranks of an expert
     group (each keeps Ψ_E/P_E, whole, out of ZeRO's buffers, in one bucket); `experts` E
     per MoE layer; `layers` the MoE layers; `capacity` C, the slots per expert of a
-    micro-batch's all-to-all; `width` d, the model width the all-to-alls carry
-    (docs/formulas.md#expert-parallelism)."""
+    micro-batch's all-to-all; `width` d, the model width the all-to-alls carry;
+    `recomputed_layers` L_R, the MoE layers whose forward (and its two all-to-alls)
+    activation checkpointing re-runs in backward, per micro-batch
+    (docs/formulas.md#expert-model-states)."""
 
     params: int
     ep_size: int
@@ -49,6 +51,7 @@ class ExpertShape:
     layers: int
     capacity: int
     width: int
+    recomputed_layers: int = 0
 
     @property
     def local(self) -> int:
@@ -170,9 +173,11 @@ def expected_comm(shape: RunShape) -> dict[str, int]:
             bucket_numels=[experts.local], expert_data_size=shape.expert_data_size, stage=shape.stage,
             param_bytes=element_bytes(shape.dtype)).items():
         volume[op] += nbytes
-    volume["all_to_all"] = shape.accumulation_steps * communication.moe_all_to_all_bytes(
-        experts=experts.experts, capacity=experts.capacity, width=experts.width,
-        bytes_per_element=element_bytes(shape.dtype), ep_size=experts.ep_size, layers=experts.layers)
+    exchange = dict(experts=experts.experts, capacity=experts.capacity, width=experts.width,
+                    bytes_per_element=element_bytes(shape.dtype), ep_size=experts.ep_size)
+    volume["all_to_all"] = shape.accumulation_steps * (
+        communication.moe_all_to_all_bytes(**exchange, layers=experts.layers)
+        + communication.moe_all_to_all_bytes(**exchange, layers=experts.recomputed_layers, backward=False))
     return volume
 
 
@@ -240,10 +245,12 @@ def comm_expressions(shape: RunShape) -> dict[str, str]:
 
 def _expert_comm_expressions(shape: RunShape) -> dict[str, str]:
     """The experts' gradient reduction over N_E ranks (fp32, once per step), the updated
-    slices' all-gather, and the all-to-alls of every MoE layer per micro-batch."""
+    slices' all-gather, and the all-to-alls of every MoE layer per micro-batch (and of
+    the recomputed ones' forward again)."""
     p = element_bytes(shape.dtype)
     per_micro = "A·" if shape.accumulation_steps > 1 else ""
-    terms = {"all_to_all": f"{per_micro}4·L_E·E·C·d·{p}(P_E−1)/P_E"}
+    layers = "(4·L_E + 2·L_R)" if shape.experts.recomputed_layers else "4·L_E"
+    terms = {"all_to_all": f"{per_micro}{layers}·E·C·d·{p}(P_E−1)/P_E"}
     if shape.expert_data_size == 1:
         return terms
     ring = "(N_E−1)/N_E"

@@ -94,8 +94,10 @@ def comm_table(summary: dict[str, Any]) -> Table:
     table = Table(
         title=f"Communication per rank per step (ring bytes sent, N = {run['world_size']}, "
         f"b = {element_bytes(run['comm_dtype'])} B gradients / {element_bytes(run['dtype'])} B parameters"
-        + (f"; L_E = {experts['layers']} MoE layers, E = {experts['experts']}, C = {experts['capacity']}, "
-           f"d = {experts['width']}" if experts is not None else "") + ")",
+        + (f"; L_E = {experts['layers']} MoE layers"
+           + (f" (L_R = {experts['recomputed_layers']} recomputed)" if experts.get("recomputed_layers") else "")
+           + f", E = {experts['experts']}, C = {experts['capacity']}, d = {experts['width']}"
+           if experts is not None else "") + ")",
         title_justify="left",
     )
     _add_columns(table, "collective")

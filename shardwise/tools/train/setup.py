@@ -8,6 +8,7 @@ from dataclasses import dataclass, replace
 import torch
 
 from shardwise.tools.data import BlockSampler, load_tokens, split_tokens
+from shardwise.runtime.activation.policy import RecomputePolicy
 from shardwise.runtime.engine import Engine
 from shardwise.runtime.parallel.expert.gating import capacity
 from shardwise.runtime.parallel.expert.layer import MixtureOfExperts
@@ -76,7 +77,9 @@ def run_shape(engine: Engine, num_params: int) -> RunShape:
 
 def expert_shape(engine: Engine) -> ExpertShape | None:
     """The experts the engine trains apart (ep_size > 1), None without; C is the gate's
-    capacity for a micro-batch of whole sequences on this rank (top-2: twice the factor)."""
+    capacity for a micro-batch of whole sequences on this rank (top-2: twice the factor);
+    the recomputed MoE layers are those in the activation-checkpointing policy's regions
+    (every policy, selective included, re-runs a region's forward, all-to-alls and all)."""
     if engine.experts is None:
         return None
     layers = [layer for layer in engine.module.modules()
@@ -87,14 +90,18 @@ def expert_shape(engine: Engine) -> ExpertShape | None:
         raise ValueError(f"the report's expert formulas take one ep_size and one gate for every MoE layer; this "
                          f"model has ep_sizes {sorted(sizes)} and gates (experts, k, factor, min) {sorted(gates)}")
     (ep_size,), ((experts, k, factor, min_capacity),) = sizes, gates
-    tokens = engine.config.train_micro_batch_size_per_gpu * engine.module.config.block_size
+    config = engine.module.config
+    tokens = engine.config.train_micro_batch_size_per_gpu * config.block_size
+    block = engine.config.activation_checkpointing
+    regions = RecomputePolicy(block.policy, block.every_k).regions(config.n_layer)
     return ExpertShape(
         params=ep_size * sum(param.numel() for _, param, _ in engine.experts.params),
         ep_size=ep_size,
         experts=experts,
         layers=len(layers),
         capacity=capacity(tokens, experts, factor * k, min_capacity),
-        width=engine.module.config.n_embd,
+        width=config.n_embd,
+        recomputed_layers=sum(config.is_moe_block(index) for region in regions for index in region),
     )
 
 

@@ -149,3 +149,12 @@ def test_report_shows_the_expert_quantities_and_an_all_to_all_row():
     console = Console(record=True, width=250)
     console.print(comm_table(summary))
     assert "all_to_all" not in console.export_text()  # a dense run's table is as before
+
+
+def test_recomputed_moe_layers_send_their_forward_all_to_alls_again():
+    experts = ExpertShape(params=66_816, ep_size=2, experts=4, layers=2, capacity=128, width=32, recomputed_layers=1)
+    shape = RunShape(num_params=88_128, world_size=2, stage=2, dtype="fp32", comm_dtype="fp32",
+                     optimizer_state_bytes=8, experts=experts)
+    exchange = 4 * 128 * 32 * 4 // 2  # one all-to-all of the (4, 128, 32) fp32 buffer over 2 ranks
+    assert expected_comm(shape)["all_to_all"] == (4 * 2 + 2 * 1) * exchange
+    assert comm_expressions(shape)["all_to_all"] == "(4·L_E + 2·L_R)·E·C·d·4(P_E−1)/P_E"

@@ -20,18 +20,19 @@ SEQ = 16
 
 
 def measured_and_expected(rank: int, world_size: int, stages: list[int], *, experts: int, width: int, heads: int,
-                          bf16: bool = False, persistent: bool = True) -> dict[int, dict]:
+                          bf16: bool = False, persistent: bool = True, recompute: str | None = None) -> dict[int, dict]:
     """Two steps of a one-block MoE GPT (ep_size 2, untied embedding: stage 3 then gathers
     each parameter once per use, as the formula counts) at each stage: the ledger's
     model states and the second step's bytes beside the formulas. `persistent` False:
-    stage 3 keeps no parameter whole (--compare-stages' setting), so every unit is padded."""
+    stage 3 keeps no parameter whole (--compare-stages' setting), so every unit is padded;
+    `recompute`: the activation-checkpointing policy at stage 3."""
     results = {}
     for stage in stages:
         torch.manual_seed(0)
         model = GPT(GPTConfig(vocab_size=64, block_size=SEQ, n_layer=1, n_head=heads, n_embd=width,
                               moe_experts=experts, moe_ep_size=2, tie_embeddings=False))
         num_params = sum(param.numel() for param in model.parameters())
-        config = apply_flags(default_config(2), stage, bf16, 1)
+        config = apply_flags(default_config(2), stage, bf16, 1, recompute=recompute if stage == 3 else None)
         engine = shardwise.initialize(model, config if persistent else stage_config(config, stage))
         for step in range(2):
             engine.reset_comm_volume()
@@ -44,7 +45,8 @@ def measured_and_expected(rank: int, world_size: int, stages: list[int], *, expe
         shape = run_shape(engine, num_params + engine.padding_elements())
         results[stage] = {"memory": engine.memory_breakdown(), "comm": engine.comm_volume(),
                           "formula_memory": expected_memory(shape), "formula_comm": expected_comm(shape),
-                          "expert_params": shape.experts.params, "expert_data_size": shape.expert_data_size}
+                          "expert_params": shape.experts.params, "expert_data_size": shape.expert_data_size,
+                          "recomputed_layers": shape.experts.recomputed_layers}
         engine.destroy()
     return results
 
@@ -61,9 +63,11 @@ def assert_exact(results: dict[int, dict]) -> None:
 def test_moe_report_is_exact_at_stages_1_and_3():
     """2 ranks, ep_size 2: each rank keeps 2 of the 4 experts whole (N_E = 1: no expert
     gradient crosses ranks, the tokens do); the experts' whole gradients, their optimizer
-    state and the all-to-alls are what the formulas say."""
-    for results in run_distributed(measured_and_expected, 2, [1, 3], experts=4, width=16, heads=2):
+    state and the all-to-alls (stage 3 with full recomputation: the MoE layer's forward
+    ones twice) are what the formulas say."""
+    for results in run_distributed(measured_and_expected, 2, [1, 3], experts=4, width=16, heads=2, recompute="full"):
         assert_exact(results)
+        assert results[3]["recomputed_layers"] == 1 and results[1]["recomputed_layers"] == 0
         assert results[1]["expert_data_size"] == 1
         assert results[1]["expert_params"] == 4 * (8 * 16 * 16 + 5 * 16)  # 4 MLPs of width 16
 
