@@ -510,6 +510,27 @@ def moe_all_to_all_bytes(*, experts: int, capacity: int, width: int, bytes_per_e
     return layers * exchanges * _ring("all_to_all", experts * capacity * width * bytes_per_element, ep_size)
 
 
+def expert_gradient_bytes(*, bucket_numels: Sequence[int], expert_data_size: int, stage: int,
+                          param_bytes: int) -> dict[str, int]:
+    """Bytes one rank sends per optimizer step for its experts' gradients and update under
+    expert parallelism (docs/formulas.md#expert-parallelism), over the expert-data group
+    of N ranks holding the same experts. The gradients travel in fp32 (4 bytes), once
+    per step (they accumulate whole over the micro-batches): at stage 0 each bucket of G
+    elements is all-reduced, 2·4G(N−1)/N; at stages 1-3 the bucket padded to N·⌈G/N⌉ is
+    reduce-scattered, 4·N⌈G/N⌉(N−1)/N, and the updated slices all-gathered in the
+    parameters' `param_bytes` p, p·N⌈G/N⌉(N−1)/N."""
+    volume = dict.fromkeys(COLLECTIVES, 0)
+    n = expert_data_size
+    for numel in bucket_numels:
+        if not partitions_optimizer(stage):
+            volume["all_reduce"] += _ring("all_reduce", 4 * numel, n)
+            continue
+        padded = -(-numel // n) * n
+        volume["reduce_scatter"] += _ring("reduce_scatter", 4 * padded, n)
+        volume["all_gather"] += _ring("all_gather", param_bytes * padded, n)
+    return volume
+
+
 MOE_COUNT_BYTES = 8  # int64 per-expert counts of the dropless exchange
 
 

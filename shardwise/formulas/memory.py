@@ -84,6 +84,31 @@ def expert_optimizer_state_bytes(*, bucket_numels: list[int], expert_data_size: 
     return sum(ceil(numel / parts) * state_bytes_per_element for numel in bucket_numels)
 
 
+def expert_model_state_bytes(*, bucket_numels: list[int], expert_data_size: int, stage: int, dtype: str,
+                             state_bytes_per_element: int) -> dict[str, int]:
+    """Bytes of the local experts' model states on one rank, by category, under expert
+    parallelism (docs/formulas.md#expert-model-states): the rank keeps its experts whole at
+    every stage, out of ZeRO's flat buffers. A bucket (a param group's experts of one
+    expert-parallel size, `bucket_numels` elements here) of G elements is padded to N·W at
+    ZeRO >= 1, W = ⌈G/N⌉ over the expert-data size N (W = G, no padding, at stage 0):
+
+        params            p·Σ N·W          the bucket's flat buffer, padding included
+        grads             max over k of  p·Σ_{b>k} G_b + 4·Σ_{b<=k} W_b
+                                           each expert's whole p-byte gradient until its
+                                           bucket is reduced; then the bucket's fp32 slice
+                                           of the sum (buckets reduced in order)
+        optimizer_states  K·Σ W            the optimizer steps the slice
+
+    p: bytes per element of `dtype`; K = `state_bytes_per_element`."""
+    check_stage(stage)
+    p = element_bytes(dtype)
+    parts = expert_data_size if partitions_optimizer(stage) else 1
+    slices = [ceil(numel / parts) for numel in bucket_numels]
+    held = [p * sum(bucket_numels[reduced:]) + 4 * sum(slices[:reduced]) for reduced in range(len(slices) + 1)]
+    return {"params": p * parts * sum(slices), "grads": max(held),
+            "optimizer_states": state_bytes_per_element * sum(slices)}
+
+
 def onebit_state_bytes(numel: int, ranks: int, lamb: bool = False) -> int:
     """1-bit Adam's (`lamb`: 1-bit LAMB's) fp32 state for `numel` trained elements after the
     warm-up, at stage 0 over `ranks` data-parallel ranks: momentum and variance (LAMB: also

@@ -13,7 +13,12 @@ from dataclasses import dataclass
 from shardwise.runtime.optim.registry import optimizer_spec, registered_optimizers
 from shardwise.formulas import communication
 from shardwise.formulas.communication import COLLECTIVES, ring_share
-from shardwise.formulas.memory import element_bytes, model_state_bytes, onebit_model_state_bytes
+from shardwise.formulas.memory import (
+    element_bytes,
+    expert_model_state_bytes,
+    model_state_bytes,
+    onebit_model_state_bytes,
+)
 from shardwise.formulas.stages import (
     gathers_updated_parameters,
     partitions_gradients,
@@ -22,11 +27,36 @@ from shardwise.formulas.stages import (
 )
 
 __all__ = [  # COLLECTIVES and ring_share are re-exported for the report
-    "COLLECTIVES", "MODEL_STATES", "RunShape", "comm_expressions", "expected_comm", "expected_comm_by_group",
+    "COLLECTIVES", "MODEL_STATES", "ExpertShape", "RunShape", "comm_expressions", "expected_comm", "expected_comm_by_group",
     "expected_memory", "memory_expressions", "optimizer_state_bytes", "ring_share",
 ]
 MODEL_STATES = ("params", "grads", "optimizer_states")
 ONEBIT = ("OneBitAdam", "OneBitLamb")  # their memory and communication have formulas of their own
+
+
+@dataclass(frozen=True)
+class ExpertShape:
+    """An MoE model's experts split over expert groups (ep_size > 1): `params` Ψ_E, the
+    elements of every expert of every MoE layer; `ep_size` P_E, the ranks of an expert
+    group (each keeps Ψ_E/P_E, whole, out of ZeRO's buffers, in one bucket); `experts` E
+    per MoE layer; `layers` the MoE layers; `capacity` C, the slots per expert of a
+    micro-batch's all-to-all; `width` d, the model width the all-to-alls carry;
+    `recomputed_layers` L_R, the MoE layers whose forward (and its two all-to-alls)
+    activation checkpointing re-runs in backward, per micro-batch
+    (docs/formulas.md#expert-model-states)."""
+
+    params: int
+    ep_size: int
+    experts: int
+    layers: int
+    capacity: int
+    width: int
+    recomputed_layers: int = 0
+
+    @property
+    def local(self) -> int:
+        """The elements of this rank's experts, Ψ_E/P_E."""
+        return self.params // self.ep_size
 
 
 @dataclass(frozen=True)
@@ -38,7 +68,9 @@ class RunShape:
     every rank; `optimizer_state_bytes` is K; `accumulation_steps` the micro-batches per
     optimizer step; `optimizer_type` the config's type (1-bit Adam / LAMB keep the
     momentum and the worker's error whole and exchange compressed momentum: their memory
-    and their steps after the warm-up follow formulas of their own)."""
+    and their steps after the warm-up follow formulas of their own); `experts` the experts
+    trained apart under expert parallelism (None without: a dense model, or ep_size 1,
+    where ZeRO holds the experts as dense parameters); `num_params` counts them too."""
 
     num_params: int
     world_size: int
@@ -51,6 +83,22 @@ class RunShape:
     shard_size: int | None = None
     optimizer_type: str = "AdamW"
     bf16_masters: bool = False  # bf16 masters and optimizer states (K counts them; the report names them)
+    experts: ExpertShape | None = None
+
+    def __post_init__(self) -> None:
+        if self.experts is not None and self.onebit:
+            raise ValueError(f"no formula for {self.optimizer_type} with expert parallelism: its memory and "
+                             "communication formulas assume every parameter in ZeRO's buffers")
+
+    @property
+    def dense_params(self) -> int:
+        """Ψ_D: the parameters ZeRO holds (every one but the experts trained apart)."""
+        return self.num_params - (self.experts.params if self.experts is not None else 0)
+
+    @property
+    def expert_data_size(self) -> int:
+        """N_E: the ranks holding the same experts (N/P_E)."""
+        return self.world_size // self.experts.ep_size if self.experts is not None else 1
 
     @property
     def onebit(self) -> bool:
@@ -71,7 +119,7 @@ class RunShape:
 
     def comm_shape(self) -> communication.CommShape:
         return communication.CommShape(
-            self.num_params, self.stage, self.shard, self.world_size // self.shard,
+            self.dense_params, self.stage, self.shard, self.world_size // self.shard,
             element_bytes(self.comm_dtype), element_bytes(self.dtype),
             self.accumulation_steps, self.kept_whole,
         )
@@ -92,14 +140,20 @@ def expected_memory(shape: RunShape) -> dict[str, int]:
     if shape.onebit:
         return onebit_model_state_bytes(shape.num_params, shape.world_size, shape.stage, shape.dtype,
                                         lamb=shape.optimizer_type == "OneBitLamb")
-    return model_state_bytes(
-        shape.num_params,
+    dense = model_state_bytes(
+        shape.dense_params,
         shape.shard if partitions_optimizer(shape.stage) else shape.world_size,
         shape.stage,
         shape.dtype,
         shape.optimizer_state_bytes,
         shape.kept_whole,
     )
+    if shape.experts is None:
+        return dense
+    experts = expert_model_state_bytes(bucket_numels=[shape.experts.local], expert_data_size=shape.expert_data_size,
+                                       stage=shape.stage, dtype=shape.dtype,
+                                       state_bytes_per_element=shape.optimizer_state_bytes)
+    return {category: dense[category] + experts[category] for category in MODEL_STATES}
 
 
 def expected_comm(shape: RunShape) -> dict[str, int]:
@@ -111,7 +165,20 @@ def expected_comm(shape: RunShape) -> dict[str, int]:
         volume.update(communication.onebit_exchange_bytes(shape.num_params, shape.world_size, shape.stage,
                                                           element_bytes(shape.dtype)))
         return volume
-    return communication.comm_bytes(shape.comm_shape())
+    volume = communication.comm_bytes(shape.comm_shape())
+    if shape.experts is None:
+        return volume
+    experts = shape.experts
+    for op, nbytes in communication.expert_gradient_bytes(
+            bucket_numels=[experts.local], expert_data_size=shape.expert_data_size, stage=shape.stage,
+            param_bytes=element_bytes(shape.dtype)).items():
+        volume[op] += nbytes
+    exchange = dict(experts=experts.experts, capacity=experts.capacity, width=experts.width,
+                    bytes_per_element=element_bytes(shape.dtype), ep_size=experts.ep_size)
+    volume["all_to_all"] = shape.accumulation_steps * (
+        communication.moe_all_to_all_bytes(**exchange, layers=experts.layers)
+        + communication.moe_all_to_all_bytes(**exchange, layers=experts.recomputed_layers, backward=False))
+    return volume
 
 
 def expected_comm_by_group(shape: RunShape) -> dict[str, dict[str, int]]:
@@ -126,11 +193,40 @@ def memory_expressions(shape: RunShape) -> dict[str, str]:
     params = f"{p}Ψ"
     if partitions_parameters(shape.stage):
         params = f"{p}(Ψ−P)/N + {p}P" if shape.persistent_params else f"{p}Ψ/N"
-    return {
+    dense = {
         "params": params,
         "grads": f"{p}Ψ/N" if partitions_gradients(shape.stage) else f"{p}Ψ",
         "optimizer_states": f"{k}Ψ/N" if partitions_optimizer(shape.stage) else f"{k}Ψ",
     }
+    if shape.experts is None:
+        return dense
+    return _with_experts(dense, _expert_memory_expressions(shape, p, k))
+
+
+def _expert_slice(shape: RunShape) -> tuple[int, str]:
+    """(N_E where the experts' bucket is split, else 1; the slice a rank steps, W)."""
+    parts = shape.expert_data_size if partitions_optimizer(shape.stage) else 1
+    return parts, "Ψ_E/P_E" if parts == 1 else "⌈Ψ_E/(P_E·N_E)⌉"
+
+
+def _expert_memory_expressions(shape: RunShape, p: int, k: int) -> dict[str, str]:
+    """The experts' terms (shardwise/formulas/memory.py `expert_model_state_bytes`): the
+    grads term is the larger of the whole local gradients and the fp32 slice kept after
+    the reduction."""
+    parts, slice_ = _expert_slice(shape)
+    local = shape.experts.local
+    whole_grads = p * local >= 4 * -(-local // parts)
+    return {"params": f"{p}Ψ_E/P_E" if parts == 1 else f"{p}N_E·{slice_}",
+            "grads": f"{p}Ψ_E/P_E" if whole_grads else f"4{slice_}",
+            "optimizer_states": f"{k}{slice_}"}
+
+
+def _with_experts(dense: dict[str, str], experts: dict[str, str]) -> dict[str, str]:
+    """The dense terms over Ψ_D, the experts' added."""
+    joined = {key: value.replace("Ψ", "Ψ_D") for key, value in dense.items()}
+    for key, term in experts.items():
+        joined[key] = f"{joined[key]} + {term}" if joined.get(key) else term
+    return joined
 
 
 def comm_expressions(shape: RunShape) -> dict[str, str]:
@@ -141,7 +237,27 @@ def comm_expressions(shape: RunShape) -> dict[str, str]:
         parameters = f" + {element_bytes(shape.dtype)}Ψ(N−1)/N" if gathers_updated_parameters(shape.stage) else ""
         gather = framed + parameters
         return {**dict.fromkeys(COLLECTIVES, ""), "all_to_all": framed, "all_gather": gather}
-    return communication.comm_expressions(shape.comm_shape())
+    dense = communication.comm_expressions(shape.comm_shape())
+    if shape.experts is None:
+        return dense
+    return _with_experts(dense, _expert_comm_expressions(shape))
+
+
+def _expert_comm_expressions(shape: RunShape) -> dict[str, str]:
+    """The experts' gradient reduction over N_E ranks (fp32, once per step), the updated
+    slices' all-gather, and the all-to-alls of every MoE layer per micro-batch (and of
+    the recomputed ones' forward again)."""
+    p = element_bytes(shape.dtype)
+    per_micro = "A·" if shape.accumulation_steps > 1 else ""
+    layers = "(4·L_E + 2·L_R)" if shape.experts.recomputed_layers else "4·L_E"
+    terms = {"all_to_all": f"{per_micro}{layers}·E·C·d·{p}(P_E−1)/P_E"}
+    if shape.expert_data_size == 1:
+        return terms
+    ring = "(N_E−1)/N_E"
+    if not partitions_optimizer(shape.stage):
+        return {**terms, "all_reduce": f"2·4(Ψ_E/P_E){ring}"}
+    _, slice_ = _expert_slice(shape)
+    return {**terms, "reduce_scatter": f"4N_E·{slice_}{ring}", "all_gather": f"{p}N_E·{slice_}{ring}"}
 
 
 def _onebit_memory_expressions(shape: RunShape, p: int) -> dict[str, str]:

@@ -12,7 +12,7 @@ import json
 import signal
 import time
 from contextlib import ExitStack
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 from typing import Any
 
 import torch
@@ -149,6 +149,7 @@ def train(options: TrainOptions, stop: StopRequest) -> int:
             "activations": activations,
             "persistent_params": shape.persistent_params,
             "padding_elements": engine.padding_elements(),
+            **({"experts": asdict(shape.experts)} if shape.experts is not None else {}),
             "final": {"loss": steps.loss, "val_loss": val_loss},
             "train_seconds": train_seconds,
             "checkpoint": {"dir": CHECKPOINT_DIR, "tag": tag},

@@ -52,7 +52,7 @@ def memory_table(summary: dict[str, Any]) -> Table:
     table = Table(
         title=f"Model states per rank: ZeRO-{run['stage']}, Ψ = {model['num_params']:,}, N = {run['world_size']}, "
         f"{run['dtype']}, K = {k}" + (" (bf16 masters and optimizer states)" if run.get("bf16_masters") else "")
-        + (f", P = {persistent:,} persistent" if persistent else ""),
+        + (f", P = {persistent:,} persistent" if persistent else "") + _experts_title(summary),
         title_justify="left",
     )
     _add_columns(table, "category")
@@ -75,23 +75,39 @@ def memory_table(summary: dict[str, Any]) -> Table:
     return table
 
 
+def _experts_title(summary: dict[str, Any]) -> str:
+    """The expert terms' quantities (docs/formulas.md#expert-parallelism), for an MoE run
+    whose experts are trained apart (ep_size > 1)."""
+    experts = summary.get("experts")
+    if experts is None:
+        return ""
+    return (f"; experts Ψ_E = {experts['params']:,} of Ψ (Ψ_D = {summary['model']['num_params'] - experts['params']:,}"
+            f"), P_E = {experts['ep_size']}, N_E = {summary['run']['world_size'] // experts['ep_size']}")
+
+
 def comm_table(summary: dict[str, Any]) -> Table:
     run, comm = summary["run"], summary["comm_per_step"]
     measured, formula = comm["measured"], comm["formula"]
+    experts = summary.get("experts")
+    collectives = COLLECTIVES + ("all_to_all",) if experts is not None else COLLECTIVES
     tolerance = 3 * summary["padding_elements"] * element_bytes(run["dtype"])
     table = Table(
         title=f"Communication per rank per step (ring bytes sent, N = {run['world_size']}, "
-        f"b = {element_bytes(run['comm_dtype'])} B gradients / {element_bytes(run['dtype'])} B parameters)",
+        f"b = {element_bytes(run['comm_dtype'])} B gradients / {element_bytes(run['dtype'])} B parameters"
+        + (f"; L_E = {experts['layers']} MoE layers"
+           + (f" (L_R = {experts['recomputed_layers']} recomputed)" if experts.get("recomputed_layers") else "")
+           + f", E = {experts['experts']}, C = {experts['capacity']}, d = {experts['width']}"
+           if experts is not None else "") + ")",
         title_justify="left",
     )
     _add_columns(table, "collective")
-    for op in COLLECTIVES:
+    for op in collectives:
         table.add_row(
             op, megabytes(measured[op]), megabytes(formula[op]), comm["expressions"][op],
             difference(measured[op], formula[op], tolerance),
         )
-    measured_total = sum(measured[op] for op in COLLECTIVES)
-    formula_total = sum(formula[op] for op in COLLECTIVES)
+    measured_total = sum(measured[op] for op in collectives)
+    formula_total = sum(formula[op] for op in collectives)
     table.add_row(
         "[bold]total[/]", megabytes(measured_total), megabytes(formula_total), "",
         difference(measured_total, formula_total, tolerance), end_section=True,

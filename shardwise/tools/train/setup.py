@@ -8,10 +8,13 @@ from dataclasses import dataclass, replace
 import torch
 
 from shardwise.tools.data import BlockSampler, load_tokens, split_tokens
+from shardwise.runtime.activation.policy import RecomputePolicy
 from shardwise.runtime.engine import Engine
+from shardwise.runtime.parallel.expert.gating import capacity
+from shardwise.runtime.parallel.expert.layer import MixtureOfExperts
 from shardwise.models import GPT, GPTConfig
 from shardwise.tools.profiling import PeakFlops, device_peak_flops
-from shardwise.tools.train.expected import RunShape, optimizer_state_bytes
+from shardwise.tools.train.expected import ExpertShape, RunShape, optimizer_state_bytes
 from shardwise.tools.train.options import TrainOptions
 
 BYTE_VOCABULARY = 256
@@ -68,6 +71,37 @@ def run_shape(engine: Engine, num_params: int) -> RunShape:
         accumulation_steps=engine.gradient_accumulation_steps,
         optimizer_type=optimizer.type if optimizer else "AdamW",
         bf16_masters=bf16_masters,
+        experts=expert_shape(engine),
+    )
+
+
+def expert_shape(engine: Engine) -> ExpertShape | None:
+    """The experts the engine trains apart (ep_size > 1), None without; C is the gate's
+    capacity for a micro-batch of whole sequences on this rank (top-2: twice the factor);
+    the recomputed MoE layers are those in the activation-checkpointing policy's regions
+    (every policy, selective included, re-runs a region's forward, all-to-alls and all)."""
+    if engine.experts is None:
+        return None
+    layers = [layer for layer in engine.module.modules()
+              if isinstance(layer, MixtureOfExperts) and layer.expert_parallel_size > 1]
+    sizes = {layer.expert_parallel_size for layer in layers}
+    gates = {(layer.num_experts, layer.gate.k, layer.gate.capacity_factor, layer.gate.min_capacity) for layer in layers}
+    if len(sizes) != 1 or len(gates) != 1:
+        raise ValueError(f"the report's expert formulas take one ep_size and one gate for every MoE layer; this "
+                         f"model has ep_sizes {sorted(sizes)} and gates (experts, k, factor, min) {sorted(gates)}")
+    (ep_size,), ((experts, k, factor, min_capacity),) = sizes, gates
+    config = engine.module.config
+    tokens = engine.config.train_micro_batch_size_per_gpu * config.block_size
+    block = engine.config.activation_checkpointing
+    regions = RecomputePolicy(block.policy, block.every_k).regions(config.n_layer)
+    return ExpertShape(
+        params=ep_size * sum(param.numel() for _, param, _ in engine.experts.params),
+        ep_size=ep_size,
+        experts=experts,
+        layers=len(layers),
+        capacity=capacity(tokens, experts, factor * k, min_capacity),
+        width=config.n_embd,
+        recomputed_layers=sum(config.is_moe_block(index) for region in regions for index in region),
     )
 
 

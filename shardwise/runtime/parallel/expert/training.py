@@ -27,6 +27,14 @@ shares the buffer's storage, so no copy), the gradients are reduce-scattered int
 slice instead of all-reduced, and the updated slices are all-gathered back into the
 buffer. At stage 0 the slice is the whole buffer and the gradients are all-reduced.
 
+The ledger counts what is held: a local expert's whole gradient (compute dtype) from
+when autograd creates it until `reduce_gradients` has copied it into the reduction's
+fp32 buffer and freed it; that buffer as a transient buffer while it is reduced; the
+slice of the summed gradient the optimizer steps (`master.grad`: 1/N of the padded
+bucket, or all of it at stage 0) until `zero_grads`; and the flat buffer's padding as
+parameters (the parameters themselves are counted by the engine, as whole parameters
+ZeRO does not hold).
+
 The global gradient norm counts each expert once: partitioned, a rank adds the squares
 of its slice (every element is in exactly one rank's slice of its expert-data group);
 whole, its experts' squares divided by the D/P ranks holding copies of them. Under tensor
@@ -37,12 +45,14 @@ row-parallel expert's bias) is divided by the tensor size.
 
 from __future__ import annotations
 
+import weakref
 from collections.abc import Callable
 
 import torch
 from torch import nn
 
 from shardwise.runtime.accounting import MemoryLedger
+from shardwise.runtime.accounting.memory import tensor_bytes
 from shardwise.runtime.distributed.collectives import CommStats, Communicator
 from shardwise.runtime.distributed.mesh import ParallelMesh
 from shardwise.runtime.distributed.peers import PeerDirectory
@@ -58,8 +68,8 @@ class ExpertBucket:
     (sharing its storage) in fp32 training, an fp32 copy of that slice in bf16 or fp16."""
 
     def __init__(self, params: list[tuple[str, nn.Parameter]], *, size: int, group: int, comm: Communicator,
-                 partitioned: bool, dtype: torch.dtype, tensor_size: int = 1):
-        self.params, self.size, self.group, self.comm = params, size, group, comm
+                 partitioned: bool, dtype: torch.dtype, ledger: MemoryLedger, tensor_size: int = 1):
+        self.params, self.size, self.group, self.comm, self.ledger = params, size, group, comm, ledger
         self.tensor_size = tensor_size
         self.partitioned = partitioned and comm.size > 1
         parts = comm.size if self.partitioned else 1
@@ -67,6 +77,7 @@ class ExpertBucket:
         padded = -(-self.numel // parts) * parts
         first = params[0][1]
         self.flat = torch.zeros(padded, dtype=dtype, device=first.device)
+        ledger.hold("params", (padded - self.numel) * self.flat.element_size())  # the parameters: by the engine
         offset = 0
         with torch.no_grad():
             for _, param in params:
@@ -96,19 +107,35 @@ class ExpertBucket:
             offset += param.numel()
         return pieces
 
-    def reduce_gradients(self, data_size: int) -> None:
-        """The mean gradient over the D ranks, into `master.grad` (its slice only, partitioned)."""
-        grads = [param.grad if param.grad is not None else torch.zeros_like(param) for _, param in self.params]
+    def reduce_gradients(self, data_size: int, free_grad: Callable[[nn.Parameter], None]) -> None:
+        """The mean gradient over the D ranks, into `master.grad` (its slice only, partitioned).
+        Each parameter's gradient is copied into one fp32 buffer and freed (`free_grad`);
+        partitioned, that buffer is only the reduce-scatter's input, and the rank keeps a
+        slice of its own."""
         full = torch.zeros(self.flat.numel(), dtype=torch.float32, device=self.flat.device)
-        torch.cat([grad.reshape(-1).float() for grad in grads], out=full[: self.numel])
+        self.ledger.hold("buffers", tensor_bytes(full))
+        offset = 0
+        for _, param in self.params:
+            if param.grad is not None:  # an expert no token reached has none: its zeros stay
+                full[offset : offset + param.numel()].copy_(param.grad.reshape(-1))
+            free_grad(param)
+            offset += param.numel()
         what = f"expert gradients (ep_size {self.size})"
         if self.partitioned:
-            mine = full[self.start : self.start + self.slice.numel()]
-            self.comm.reduce_scatter(mine, full, what).wait()
-            self.master.grad = mine.div_(data_size).clone()
+            grad = torch.empty(self.slice.numel(), dtype=torch.float32, device=full.device)
+            self.comm.reduce_scatter(grad, full, what).wait()
         else:
             self.comm.all_reduce(full, what).wait()
-            self.master.grad = full.div_(data_size)
+            grad = full
+        self.ledger.release("buffers", tensor_bytes(full))
+        del full
+        self.ledger.hold("grads", tensor_bytes(grad))
+        self.master.grad = grad.div_(data_size)
+
+    def free_master_grad(self) -> None:
+        if self.master.grad is not None:
+            self.ledger.release("grads", tensor_bytes(self.master.grad))
+            self.master.grad = None
 
     def norm_squared(self, data_size: int) -> torch.Tensor:
         """This rank's share of the squared norm of the experts' gradient (each counted once)."""
@@ -155,12 +182,21 @@ class ExpertTraining:
             for size in sorted({names[id(param)][1] for param in group["params"]}):
                 members = [(names[id(param)][0], param) for param in group["params"] if names[id(param)][1] == size]
                 bucket = ExpertBucket(members, size=size, group=index, comm=expert_data[size],
-                                      partitioned=partitioned, dtype=dtype, tensor_size=tensor_size)
+                                      partitioned=partitioned, dtype=dtype, ledger=ledger, tensor_size=tensor_size)
                 self.buckets.append(bucket)
                 optimizer_groups.append({**{key: value for key, value in group.items() if key != "params"},
                                          "params": [bucket.master]})
         self.optimizer = build(optimizer_groups)
         self._counted_state = 0
+        self._held_grads: dict[int, int] = {}  # id of a local expert parameter -> its gradient's bytes in the ledger
+        training = weakref.ref(self)  # a hook must not keep a destroyed engine's experts alive
+
+        def count(param: nn.Parameter) -> None:
+            if (alive := training()) is not None:
+                alive._count_grad(param)
+
+        for _, param, _ in params:
+            param.register_post_accumulate_grad_hook(count)
 
     @staticmethod
     def split_optimizer(optimizer: torch.optim.Optimizer, experts: set[int]) -> tuple[list[dict], dict[int, int]]:
@@ -182,11 +218,22 @@ class ExpertTraining:
         optimizer.param_groups[:] = kept
         return expert_groups, index
 
+    def _count_grad(self, param: nn.Parameter) -> None:
+        """Hold a local expert's gradient in the ledger when autograd creates it (later
+        micro-batches accumulate into the same tensor)."""
+        if id(param) not in self._held_grads:
+            self._held_grads[id(param)] = tensor_bytes(param.grad)
+            self.ledger.hold("grads", self._held_grads[id(param)])
+
+    def _free_grad(self, param: nn.Parameter) -> None:
+        param.grad = None
+        self.ledger.release("grads", self._held_grads.pop(id(param), 0))
+
     def reduce_gradients(self) -> None:
         """Each expert's gradient summed over its expert-data group and divided by D, into
         the slices the optimizer steps."""
         for bucket in self.buckets:
-            bucket.reduce_gradients(self.data_size)
+            bucket.reduce_gradients(self.data_size, self._free_grad)
 
     def norm_squared_share(self, replicate_size: int) -> torch.Tensor:
         """This rank's part of the squared gradient norm, in the step guard's units (it
@@ -222,9 +269,9 @@ class ExpertTraining:
 
     def zero_grads(self) -> None:
         for _, param, _ in self.params:
-            param.grad = None
+            self._free_grad(param)
         for bucket in self.buckets:
-            bucket.master.grad = None
+            bucket.free_master_grad()
 
 
 def expert_parameters(named: list[tuple[str, nn.Parameter, int]]) -> list[tuple[str, nn.Parameter, int]]:
