@@ -659,6 +659,8 @@ class Engine(nn.Module):
         self.zero.close()
         if self.zenflow is not None:
             self.zenflow.close()
+        if self.experts is not None:
+            self.experts.remove_hooks()
         for param in self.module.parameters():
             for attribute in ("_shardwise_zero", "_shardwise_hooks"):
                 if hasattr(param, attribute):

@@ -195,8 +195,7 @@ class ExpertTraining:
             if (alive := training()) is not None:
                 alive._count_grad(param)
 
-        for _, param, _ in params:
-            param.register_post_accumulate_grad_hook(count)
+        self._hooks = [param.register_post_accumulate_grad_hook(count) for _, param, _ in params]
 
     @staticmethod
     def split_optimizer(optimizer: torch.optim.Optimizer, experts: set[int]) -> tuple[list[dict], dict[int, int]]:
@@ -266,6 +265,13 @@ class ExpertTraining:
         """Add the experts' optimizer state to the ledger's: ZeRO sets its own total after
         every step it takes (before the experts step), so the experts hold theirs on top."""
         self.ledger.hold("optimizer_states", self.state_bytes())
+
+    def remove_hooks(self) -> None:
+        """Stop counting the experts' gradients (the engine is detached; a later engine on
+        the same model adds its own hooks)."""
+        for hook in self._hooks:
+            hook.remove()
+        self._hooks.clear()
 
     def zero_grads(self) -> None:
         for _, param, _ in self.params:
