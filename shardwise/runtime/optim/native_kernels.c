@@ -220,31 +220,93 @@ AVX512 static inline __attribute__((always_inline)) __m512i load_code_lanes(cons
                                                 : _mm_maskz_loadu_epi8(lanes, from));
 }
 
-/* `quantize_values`, sixteen values at a time: the same cell index and key, the cell's
-   entry fetched by a gather (GCC emits none for the portable loop's lookup), the same
-   comparison; the last partial vector under a mask. Codes equal the portable loop's bit
-   for bit (only integer operations and the same float product). */
-AVX512 static void quantize_values_avx512(const float *restrict values, uint8_t *restrict codes, int64_t count,
-                                          float absmax, const uint32_t *restrict table) {
+/* The AVX-512 encoder (optim/quantization.py, `decade_rounding`: its words follow the cells
+   in `table`): the nearest code by arithmetic, no gather per element, which bound the
+   gather-based encode on Zen 4. The same codes as the table lookup for every fp32 value. */
+#define CELLS (1u << (32 - CELL_SHIFT))
+#define ROUNDING_FRACTION 12
+#define ROUNDING_MIDPOINTS 80
+#define ROUNDING_SIGNED 336
+
+typedef struct {
+    __m512 thresholds, slopes, offsets;
+    __m512i bases, caps;
+    const float *midpoints;
+} decade_rounding;
+
+AVX512 static inline __attribute__((always_inline)) decade_rounding decade_rounding_of(const uint32_t *table) {
+    const uint32_t *words = table + CELLS;
+    decade_rounding rounding = {_mm512_loadu_ps(words), _mm512_loadu_ps(words + 32), _mm512_loadu_ps(words + 48),
+                                _mm512_loadu_si512(words + 16), _mm512_loadu_si512(words + 64),
+                                (const float *)(words + ROUNDING_MIDPOINTS)};
+    return rounding;
+}
+
+/* F(a), the positive midpoints below a, for a >= 0 (a NaN counts all of them). a is kept in
+   [2^-30, 1.5] (every midpoint lies inside), where its exponent field >> 1 picks the pair of
+   binades; the region is that pair's base, plus one above the pair's decade threshold; the
+   count is the region's fixed-point affine position, truncated and capped. A position within
+   two units of the next count (flagged) is settled by the midpoint itself. */
+AVX512 static inline __attribute__((always_inline)) __m512i count_midpoints_below(__m512 a,
+                                                                                 const decade_rounding *rounding) {
+    a = _mm512_max_ps(_mm512_min_ps(a, _mm512_set1_ps(1.5f)), _mm512_set1_ps(0x1p-30f)); /* NaN: 1.5 */
+    __m512i pair = _mm512_srli_epi32(_mm512_castps_si512(a), 24);
+    __m512i base = _mm512_permutexvar_epi32(pair, rounding->bases);
+    __mmask16 above = _mm512_cmp_ps_mask(a, _mm512_permutexvar_ps(pair, rounding->thresholds), _CMP_GT_OQ);
+    __m512i region = _mm512_mask_add_epi32(base, above, base, _mm512_set1_epi32(1));
+    __m512 position = _mm512_fmadd_ps(a, _mm512_permutexvar_ps(region, rounding->slopes),
+                                      _mm512_permutexvar_ps(region, rounding->offsets));
+    __m512i fixed = _mm512_cvttps_epi32(position);
+    __m512i count = _mm512_min_epi32(_mm512_srli_epi32(fixed, ROUNDING_FRACTION),
+                                     _mm512_permutexvar_epi32(region, rounding->caps));
+    __mmask16 near = _mm512_cmpge_epu32_mask(_mm512_and_si512(fixed, _mm512_set1_epi32((1 << ROUNDING_FRACTION) - 1)),
+                                             _mm512_set1_epi32((1 << ROUNDING_FRACTION) - 2));
+    if (__builtin_expect(near != 0, 0)) {
+        __m512 midpoint = _mm512_mask_i32gather_ps(_mm512_setzero_ps(), near, count, rounding->midpoints, 4);
+        count = _mm512_mask_add_epi32(count, _mm512_mask_cmp_ps_mask(near, a, midpoint, _CMP_GT_OQ), count,
+                                      _mm512_set1_epi32(1));
+    }
+    return count;
+}
+
+/* Codes of sixteen scaled values. Signed: 127 + F(x) for x >= 0 (and NaN); for x < 0 the
+   midpoints m with -m < x, 127 - #(m <= |x|) = 127 - F(|x| one ulp up), at least 0.
+   Unsigned: F(x), negative values clamped to the bottom. */
+AVX512 static inline __attribute__((always_inline)) __m128i codes_of(__m512 scaled, const decade_rounding *rounding,
+                                                                    const int is_signed) {
+    if (!is_signed)
+        return _mm512_cvtepi32_epi8(count_midpoints_below(scaled, rounding));
+    const __m512i middle = _mm512_set1_epi32(127);
+    __mmask16 negative = _mm512_cmp_ps_mask(scaled, _mm512_setzero_ps(), _CMP_LT_OQ);
+    __m512i magnitude = _mm512_and_si512(_mm512_castps_si512(scaled), _mm512_set1_epi32(0x7FFFFFFF));
+    magnitude = _mm512_mask_add_epi32(magnitude, negative, magnitude, _mm512_set1_epi32(1));
+    __m512i count = count_midpoints_below(_mm512_castsi512_ps(magnitude), rounding);
+    __m512i code = _mm512_mask_sub_epi32(_mm512_add_epi32(middle, count), negative, middle, count);
+    return _mm512_cvtepi32_epi8(_mm512_max_epi32(code, _mm512_setzero_si512()));
+}
+
+AVX512 static inline __attribute__((always_inline)) void quantize_values_avx512_of(
+    const float *restrict values, uint8_t *restrict codes, int64_t count, float absmax, const uint32_t *restrict table,
+    const int is_signed) {
     const __m512 inverse = _mm512_set1_ps(1.0f / (absmax < TINY_SCALE ? TINY_SCALE : absmax));
-    const __m512i cell_mask = _mm512_set1_epi32(CELL_MASK), low_mask = _mm512_set1_epi32(LOW_MASK);
-    const __m512i byte = _mm512_set1_epi32(0xFF), one = _mm512_set1_epi32(1);
+    const decade_rounding rounding = decade_rounding_of(table);
     for (int64_t j = 0; j < count; j += 16) {
         const __mmask16 lanes = count - j >= 16 ? (__mmask16)0xFFFF : (__mmask16)((1u << (count - j)) - 1);
-        __m512i scaled = _mm512_castps_si512(_mm512_mul_ps(load_lanes(values + j, lanes), inverse));
-        __m512i cell = _mm512_and_si512(_mm512_srli_epi32(scaled, CELL_SHIFT), cell_mask);
-        __m512i entry = lanes == 0xFFFF ? _mm512_i32gather_epi32(cell, table, 4)
-                                        : _mm512_mask_i32gather_epi32(_mm512_setzero_si512(), lanes, cell, table, 4);
-        __m512i key = _mm512_xor_si512(_mm512_and_si512(scaled, low_mask),
-                                       _mm512_and_si512(_mm512_srai_epi32(scaled, 31), low_mask));
-        __mmask16 above = _mm512_cmpge_epu32_mask(key, _mm512_srli_epi32(entry, 8));
-        __m512i below = _mm512_and_si512(entry, byte);
-        __m128i packed = _mm512_cvtepi32_epi8(_mm512_mask_add_epi32(below, above, below, one));
+        __m128i packed = codes_of(_mm512_mul_ps(load_lanes(values + j, lanes), inverse), &rounding, is_signed);
         if (lanes == 0xFFFF)
             _mm_storeu_si128((__m128i *)(codes + j), packed);
         else
             _mm_mask_storeu_epi8(codes + j, lanes, packed);
     }
+}
+
+/* `quantize_values` by the AVX-512 encoder, one loop per kind of code. */
+AVX512 static void quantize_values_avx512(const float *restrict values, uint8_t *restrict codes, int64_t count,
+                                          float absmax, const uint32_t *restrict table) {
+    if (table[CELLS + ROUNDING_SIGNED])
+        quantize_values_avx512_of(values, codes, count, absmax, table, 1);
+    else
+        quantize_values_avx512_of(values, codes, count, absmax, table, 0);
 }
 #endif
 
@@ -311,7 +373,7 @@ static inline __attribute__((always_inline)) void adam8bit_block_body(float *res
 
 #ifdef HAVE_AVX512_PATH
 /* `adam8bit_block_body` sixteen elements at a time, the codes decoded by gathers from the
-   256 code values and coded again by `quantize_values_avx512`: the same operations in the
+   256 code values and coded again by the AVX-512 encoder: the same operations in the
    same order (IEEE multiplies, fused multiply-adds, square roots and divisions round as the
    scalar ones), so parameters, codes and scales equal the portable path's bit for bit. The
    maxima are exact whatever the order; a NaN is tracked apart, as there. */
@@ -367,8 +429,8 @@ AVX512 static inline __attribute__((always_inline)) void adam8bit_block_avx512_b
     }
     *m_absmax = m_found;
     *v_absmax = v_found;
-    quantize_values_avx512(m, m_codes, count, m_found, m_table);
-    quantize_values_avx512(v, v_codes, count, v_found, v_table);
+    quantize_values_avx512_of(m, m_codes, count, m_found, m_table, 1);
+    quantize_values_avx512_of(v, v_codes, count, v_found, v_table, 0);
     if (m_edge != NULL)
         write_edges(m, v, count, lead, m_edge, v_edge);
 }
