@@ -220,7 +220,8 @@ def _codebooks(device: torch.device) -> tuple[Codebook, Codebook]:
 @functools.cache
 def _native_codebook(signed: bool) -> tuple[torch.Tensor, torch.Tensor]:
     """The native kernel's form of a codebook (native_kernels.c, `quantize_values`): the
-    256 code values, and per rounding cell one int32, the midpoints below the cell plus,
+    256 code values followed by their four byte planes (plane b: byte b of each value, for
+    the VBMI decode), and per rounding cell one int32, the midpoints below the cell plus,
     shifted by 8, the least key (the value's low CELL_SHIFT bits, flipped for negative
     values so that the key grows with the value) above the cell's midpoint; 2^CELL_SHIFT
     where the cell has none. Derived from the table lookup's own tables, so the two round
@@ -233,7 +234,8 @@ def _native_codebook(signed: bool) -> tuple[torch.Tensor, torch.Tensor]:
     threshold = torch.where(negative, (1 << CELL_SHIFT) - low, low + 1)
     threshold = torch.where(torch.isinf(book.boundary), 1 << CELL_SHIFT, threshold)
     cells = (book.below.long() | threshold << 8).to(torch.int32)
-    return book.values.contiguous(), torch.cat([cells, decade_rounding(signed)])
+    planes = book.values.view(torch.uint8).view(-1, 4).t().contiguous().view(torch.float32).view(-1)
+    return torch.cat([book.values, planes]), torch.cat([cells, decade_rounding(signed)])
 
 
 def _device(trained: list[tuple[torch.Tensor, dict]]) -> torch.device:

@@ -20,6 +20,7 @@
 #include <immintrin.h>
 #define HAVE_AVX512_PATH 1
 #define AVX512 __attribute__((target("avx512f,avx512bw,avx512vl,avx512dq")))
+#define AVX512_VBMI __attribute__((target("avx512f,avx512bw,avx512vl,avx512dq,avx512vbmi")))
 #endif
 
 #define PARALLEL_MIN 65536 /* elements below which a loop runs on one thread */
@@ -183,22 +184,34 @@ static void quantize_values_portable(const float *restrict values, uint8_t *rest
 }
 
 #ifdef HAVE_AVX512_PATH
-/* Whether the 8-bit kernels take their AVX-512 blocks: decided once per process from the
-   CPU (`__builtin_cpu_supports`), and switchable off (`use_avx512`) so that tests can
-   compare the two paths on one machine. The portable loops stay for other CPUs. */
-static int avx512_enabled = 0;
+/* Whether the 8-bit kernels take their AVX-512 blocks, and whether these decode codes by
+   byte permutes (AVX-512 VBMI) rather than gathers: decided once per process from the CPU
+   (`__builtin_cpu_supports`), and switchable off (`use_avx512`, `use_avx512_vbmi`) so that
+   tests can compare the paths on one machine. The portable loops stay for other CPUs. */
+static int avx512_enabled = 0, vbmi_enabled = 0;
 
 __attribute__((constructor)) static void detect_avx512(void) {
     __builtin_cpu_init();
     avx512_enabled = __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
                      __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512dq");
+    vbmi_enabled = avx512_enabled && __builtin_cpu_supports("avx512vbmi");
 }
 
-/* Turns the AVX-512 blocks on (where the CPU has them) or off; returns whether they are on. */
+/* Turns the AVX-512 blocks on (where the CPU has them) or off; returns whether they are on.
+   Turning them on also turns the VBMI decode on where the CPU has it. */
 int use_avx512(int enable) {
     detect_avx512();
     avx512_enabled = avx512_enabled && enable;
+    vbmi_enabled = vbmi_enabled && enable;
     return avx512_enabled;
+}
+
+/* Turns the AVX-512 blocks' VBMI decode on (where the CPU has it) or off (gathers); returns
+   whether it is on. */
+int use_avx512_vbmi(int enable) {
+    __builtin_cpu_init();
+    vbmi_enabled = avx512_enabled && __builtin_cpu_supports("avx512vbmi") && enable;
+    return vbmi_enabled;
 }
 
 /* Loads and stores of 16 lanes, whole where `lanes` is all of them: with every access
@@ -461,6 +474,62 @@ AVX512 static void adam8bit_block_avx512_coded(float *restrict param, const floa
                                v_table, beta1, weight, beta2, value, eps, decay_factor, decay, correction2, step_size,
                                lead, m_edge, v_edge, NULL, NULL, 0);
 }
+/* Codes decoded 64 at a time without a gather: the code values' four byte planes (plane b:
+   byte b of each of the 256 values, after the values in `values`, from optim/adam8bit.py)
+   are four 256-byte tables, each looked up by two 128-byte permutes and a blend on the
+   code's top bit; the planes are then interleaved back into fp32 values. Interleaving
+   works within 128-bit lanes, so the codes are first put in the order that brings the
+   values out in theirs. Exactly the gathers' values: the same bytes, then the same product
+   with the block's scale. */
+#define VALUE_PLANES 256 /* floats of code values before the planes */
+
+AVX512_VBMI static inline __attribute__((always_inline)) void decode_codes_vbmi(
+    const uint8_t *restrict codes, int64_t count, const float *restrict values, float scale, float *restrict out) {
+    static const uint8_t order[64] = {0,  1,  2,  3,  16, 17, 18, 19, 32, 33, 34, 35, 48, 49, 50, 51,
+                                      4,  5,  6,  7,  20, 21, 22, 23, 36, 37, 38, 39, 52, 53, 54, 55,
+                                      8,  9,  10, 11, 24, 25, 26, 27, 40, 41, 42, 43, 56, 57, 58, 59,
+                                      12, 13, 14, 15, 28, 29, 30, 31, 44, 45, 46, 47, 60, 61, 62, 63};
+    const uint8_t *planes = (const uint8_t *)(values + VALUE_PLANES);
+    const __m512i ordering = _mm512_loadu_si512(order);
+    const __m512 scales = _mm512_set1_ps(scale);
+    __m512i table[16];
+    for (int q = 0; q < 16; q++)
+        table[q] = _mm512_loadu_si512(planes + 64 * q);
+    for (int64_t j = 0; j < count; j += 64) {
+        __m512i code = count - j >= 64 ? _mm512_loadu_si512(codes + j)
+                                       : _mm512_maskz_loadu_epi8((1ull << (count - j)) - 1, codes + j);
+        code = _mm512_permutexvar_epi8(ordering, code);
+        const __mmask64 high = _mm512_movepi8_mask(code);
+        __m512i byte[4];
+        for (int b = 0; b < 4; b++)
+            byte[b] = _mm512_mask_blend_epi8(high, _mm512_permutex2var_epi8(table[4 * b], code, table[4 * b + 1]),
+                                             _mm512_permutex2var_epi8(table[4 * b + 2], code, table[4 * b + 3]));
+        __m512i low01 = _mm512_unpacklo_epi8(byte[0], byte[1]), high01 = _mm512_unpackhi_epi8(byte[0], byte[1]);
+        __m512i low23 = _mm512_unpacklo_epi8(byte[2], byte[3]), high23 = _mm512_unpackhi_epi8(byte[2], byte[3]);
+        _mm512_storeu_ps(out + j, _mm512_mul_ps(_mm512_castsi512_ps(_mm512_unpacklo_epi16(low01, low23)), scales));
+        _mm512_storeu_ps(out + j + 16, _mm512_mul_ps(_mm512_castsi512_ps(_mm512_unpackhi_epi16(low01, low23)), scales));
+        _mm512_storeu_ps(out + j + 32, _mm512_mul_ps(_mm512_castsi512_ps(_mm512_unpacklo_epi16(high01, high23)), scales));
+        _mm512_storeu_ps(out + j + 48, _mm512_mul_ps(_mm512_castsi512_ps(_mm512_unpackhi_epi16(high01, high23)), scales));
+    }
+}
+
+/* The coded block with both moments decoded first (into whole-block buffers: the last
+   64-code group may run past `count`, never past the block), then stepped from them. */
+AVX512_VBMI static void adam8bit_block_avx512_vbmi(float *restrict param, const float *restrict grad,
+                                                   uint8_t *restrict m_codes, float *restrict m_absmax,
+                                                   uint8_t *restrict v_codes, float *restrict v_absmax, int64_t count,
+                                                   const float *restrict m_values, const uint32_t *restrict m_table,
+                                                   const float *restrict v_values, const uint32_t *restrict v_table,
+                                                   float beta1, float weight, float beta2, float value, float eps,
+                                                   float decay_factor, int decay, float correction2, float step_size,
+                                                   int64_t lead, float *m_edge, float *v_edge) {
+    float m_old[BLOCK], v_old[BLOCK];
+    decode_codes_vbmi(m_codes, count, m_values, *m_absmax, m_old);
+    decode_codes_vbmi(v_codes, count, v_values, *v_absmax, v_old);
+    adam8bit_block_avx512_body(param, grad, m_codes, m_absmax, v_codes, v_absmax, count, m_values, m_table, v_values,
+                               v_table, beta1, weight, beta2, value, eps, decay_factor, decay, correction2, step_size,
+                               lead, m_edge, v_edge, m_old, v_old, 1);
+}
 #endif
 
 /* The block loop specialised for each source of the moments: a choice made inside the
@@ -477,6 +546,12 @@ static void adam8bit_block(float *restrict param, const float *restrict grad, ui
         adam8bit_block_avx512_fp32(param, grad, m_codes, m_absmax, v_codes, v_absmax, count, m_values, m_table,
                                    v_values, v_table, beta1, weight, beta2, value, eps, decay_factor, decay,
                                    correction2, step_size, lead, m_edge, v_edge, m_in, v_in);
+        return;
+    }
+    if (vbmi_enabled) {
+        adam8bit_block_avx512_vbmi(param, grad, m_codes, m_absmax, v_codes, v_absmax, count, m_values, m_table,
+                                   v_values, v_table, beta1, weight, beta2, value, eps, decay_factor, decay,
+                                   correction2, step_size, lead, m_edge, v_edge);
         return;
     }
     if (avx512_enabled) {

@@ -289,10 +289,14 @@ def test_avx512_encoder_equals_the_table_on_every_fp32(portable_and_avx512, sign
 
 
 @pytest.mark.parametrize("decay", [0.0, 0.01])
-def test_avx512_8bit_adam_steps_equal_the_portable_loops(portable_and_avx512, decay):
+@pytest.mark.parametrize("vbmi", [False, True], ids=["gathers", "vbmi"])
+def test_avx512_8bit_adam_steps_equal_the_portable_loops(portable_and_avx512, decay, vbmi):
     """Each step from the same state (fresh fp32 moments at the first, codes after): the
     AVX-512 blocks' weights, codes and scales equal the portable loops' bit for bit, on
-    sizes that cut blocks and vectors, with a NaN gradient in one block."""
+    sizes that cut blocks and vectors, with a NaN gradient in one block; the codes decoded
+    by gathers, and by byte permutes (VBMI)."""
+    if vbmi and not native.use_avx512_vbmi(True):
+        pytest.skip("this CPU has no AVX-512 VBMI: the blocks decode by gathers only")
     generator = torch.Generator().manual_seed(2)
     shapes = [(300, 70), (5000,), (1031,), (4096,)]
     params = [torch.nn.Parameter(torch.randn(shape, generator=generator)) for shape in shapes]
@@ -310,6 +314,7 @@ def test_avx512_8bit_adam_steps_equal_the_portable_loops(portable_and_avx512, de
                 param.data.copy_(weights)
                 optimizer.state[param] = {k: v.clone() if torch.is_tensor(v) else v for k, v in state.items()}
             portable_and_avx512(on)
+            assert not on or native.use_avx512_vbmi(vbmi) == vbmi
             _step(optimizer, on=True)
             results.append(([p.detach().clone() for p in params], [dict(optimizer.state[p]) for p in params]))
         for before, after in zip(results[0][0], results[1][0]):
