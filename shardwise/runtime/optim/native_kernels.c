@@ -258,8 +258,9 @@ AVX512 static inline __attribute__((always_inline)) decade_rounding decade_round
 /* F(a), the positive midpoints below a, for a >= 0 (a NaN counts all of them). a is kept in
    [2^-30, 1.5] (every midpoint lies inside), where its exponent field >> 1 picks the pair of
    binades; the region is that pair's base, plus one above the pair's decade threshold; the
-   count is the region's fixed-point affine position, truncated and capped. A position within
-   two units of the next count (flagged) is settled by the midpoint itself. */
+   count is the region's fixed-point affine position (one unit high), truncated and capped. A
+   position within one unit of a count J (its fraction bits 0 or 1: near) is J, or J - 1 when
+   a is not above the midpoint J - 1 itself. */
 AVX512 static inline __attribute__((always_inline)) __m512i count_midpoints_below(__m512 a,
                                                                                  const decade_rounding *rounding) {
     a = _mm512_max_ps(_mm512_min_ps(a, _mm512_set1_ps(1.5f)), _mm512_set1_ps(0x1p-30f)); /* NaN: 1.5 */
@@ -272,12 +273,12 @@ AVX512 static inline __attribute__((always_inline)) __m512i count_midpoints_belo
     __m512i fixed = _mm512_cvttps_epi32(position);
     __m512i count = _mm512_min_epi32(_mm512_srli_epi32(fixed, ROUNDING_FRACTION),
                                      _mm512_permutexvar_epi32(region, rounding->caps));
-    __mmask16 near = _mm512_cmpge_epu32_mask(_mm512_and_si512(fixed, _mm512_set1_epi32((1 << ROUNDING_FRACTION) - 1)),
-                                             _mm512_set1_epi32((1 << ROUNDING_FRACTION) - 2));
+    __mmask16 near = _mm512_testn_epi32_mask(fixed, _mm512_set1_epi32((1 << ROUNDING_FRACTION) - 2));
     if (__builtin_expect(near != 0, 0)) {
-        __m512 midpoint = _mm512_mask_i32gather_ps(_mm512_setzero_ps(), near, count, rounding->midpoints, 4);
-        count = _mm512_mask_add_epi32(count, _mm512_mask_cmp_ps_mask(near, a, midpoint, _CMP_GT_OQ), count,
-                                      _mm512_set1_epi32(1));
+        const __m512i one = _mm512_set1_epi32(1);
+        __m512 midpoint = _mm512_mask_i32gather_ps(_mm512_setzero_ps(), near, _mm512_sub_epi32(count, one),
+                                                   rounding->midpoints, 4);
+        count = _mm512_mask_sub_epi32(count, _mm512_mask_cmp_ps_mask(near, a, midpoint, _CMP_LE_OQ), count, one);
     }
     return count;
 }
@@ -289,13 +290,12 @@ AVX512 static inline __attribute__((always_inline)) __m128i codes_of(__m512 scal
                                                                     const int is_signed) {
     if (!is_signed)
         return _mm512_cvtepi32_epi8(count_midpoints_below(scaled, rounding));
-    const __m512i middle = _mm512_set1_epi32(127);
     __mmask16 negative = _mm512_cmp_ps_mask(scaled, _mm512_setzero_ps(), _CMP_LT_OQ);
     __m512i magnitude = _mm512_and_si512(_mm512_castps_si512(scaled), _mm512_set1_epi32(0x7FFFFFFF));
     magnitude = _mm512_mask_add_epi32(magnitude, negative, magnitude, _mm512_set1_epi32(1));
-    __m512i count = count_midpoints_below(_mm512_castsi512_ps(magnitude), rounding);
-    __m512i code = _mm512_mask_sub_epi32(_mm512_add_epi32(middle, count), negative, middle, count);
-    return _mm512_cvtepi32_epi8(_mm512_max_epi32(code, _mm512_setzero_si512()));
+    __m128i count = _mm512_cvtepi32_epi8(count_midpoints_below(_mm512_castsi512_ps(magnitude), rounding));
+    const __m128i middle = _mm_set1_epi8(127); /* on bytes: 127 + F <= 255, 127 - F saturates at 0 */
+    return _mm_mask_subs_epu8(_mm_adds_epu8(middle, count), negative, middle, count);
 }
 
 AVX512 static inline __attribute__((always_inline)) void quantize_values_avx512_of(

@@ -94,7 +94,7 @@ def codebook(signed: bool) -> Codebook:
 
 
 # The AVX-512 encoder's constants (`decade_rounding`): the in-decade position is a fixed-point
-# number with ROUNDING_FRACTION fractional bits, computed ROUNDING_MARGIN (in bins) low.
+# number with ROUNDING_FRACTION fractional bits, computed ROUNDING_MARGIN (in bins) high.
 ROUNDING_FRACTION = 12
 ROUNDING_MARGIN = 2.0**-ROUNDING_FRACTION
 ROUNDING_GROUPS = 16  # pairs of binades, [2^(2g-31), 2^(2g-29)): the exponent field >> 1, low 4 bits
@@ -123,7 +123,7 @@ def decade_rounding(signed: bool) -> torch.Tensor:
     Words: [0, 16) per binade pair its decade threshold (fp32, +inf if none), [16, 32) the
     region below that pair (0: below the first midpoint, k + 1: decade k, DECADES + 1: above
     the last midpoint), then per region [32, 48) slope and [48, 64) offset (fp32, times
-    2^ROUNDING_FRACTION, the offset ROUNDING_MARGIN low), [64, 80) its last count, [80, 336)
+    2^ROUNDING_FRACTION, the offset ROUNDING_MARGIN high), [64, 80) its last count, [80, 336)
     the positive midpoints (+inf after them), [336] whether the code is signed."""
     midpoints = _midpoints(signed)
     positive = midpoints[midpoints > 0]
@@ -131,23 +131,25 @@ def decade_rounding(signed: bool) -> torch.Tensor:
     starts = [1 + sum(sizes[:decade]) for decade in range(DECADES)]
     thresholds = [float(positive[start - 1]) for start in starts] + [float(positive[-1])]
     unit = 2.0**ROUNDING_FRACTION
-    slopes, offsets, caps = [0.0], [0.5 * unit], [0]  # below the first midpoint: count 0
+    slopes, offsets, caps = [0.0], [(0.5 + ROUNDING_MARGIN) * unit], [0]  # below the first midpoint: count 0
     for decade, (size, start) in enumerate(zip(sizes, starts)):
         inner = positive[start : start + size - 1].double()  # the decade's own midpoints: the j-th has count start + j
         counts = torch.arange(start + 1, start + size, dtype=torch.float64)
         slope = size / (0.9 * 10.0 ** (decade - (DECADES - 1))) if size > 1 else 0.0  # bins per unit of value
         offset = float((counts - slope * inner).mean()) if size > 1 else start + 0.5
         slope32 = float(torch.tensor(slope * unit, dtype=torch.float32))
-        offset32 = float(torch.tensor((offset - ROUNDING_MARGIN) * unit, dtype=torch.float32))
-        position = (inner * slope32 + offset32) / unit + ROUNDING_MARGIN  # fp32 rounding: under 2^-16
+        offset32 = float(torch.tensor((offset + ROUNDING_MARGIN) * unit, dtype=torch.float32))
+        position = (inner * slope32 + offset32) / unit - ROUNDING_MARGIN  # fp32 rounding: under 2^-16
         if size > 1 and float((position - counts).abs().max()) >= ROUNDING_MARGIN / 2:
             raise AssertionError(f"decade {decade}'s midpoints are off the grid by a bin's {ROUNDING_MARGIN / 2}")
-        if (thresholds[decade] * slope32 + offset32) / unit < start + ROUNDING_MARGIN:
+        if (thresholds[decade] * slope32 + offset32) / unit < start + 2 * ROUNDING_MARGIN:
             raise AssertionError(f"decade {decade}'s lower threshold counts below the decade")
         slopes.append(slope32)
         offsets.append(offset32)
         caps.append(start + size - 1)
-    slopes, offsets, caps = slopes + [0.0], offsets + [(positive.numel() + 0.5) * unit], caps + [positive.numel()]
+    slopes = slopes + [0.0]
+    offsets = offsets + [(positive.numel() + 0.5 + ROUNDING_MARGIN) * unit]
+    caps = caps + [positive.numel()]
     words = torch.zeros(ROUNDING_WORDS, dtype=torch.int32)
     floats = words.view(torch.float32)
     for group in range(ROUNDING_GROUPS):
