@@ -33,7 +33,8 @@ import torch
 from shardwise.runtime.optim import native
 from shardwise.runtime.optim.layout import PaddedRows, flat, parameter_shapes, params_with_grad
 from shardwise.runtime.optim.params import check_betas, param
-from shardwise.runtime.optim.quantization import BLOCK, CELL_SHIFT, Codebook, block_absmax, codebook, dequantize_piece, quantize
+from shardwise.runtime.optim.quantization import (BLOCK, CELL_SHIFT, Codebook, block_absmax, codebook, decade_rounding,
+                                                  dequantize_piece, quantize)
 from shardwise.runtime.optim.registry import OptimizerSpec, register_optimizer
 from shardwise.runtime.optim.sharded import ShardAwareOptimizer
 from shardwise.runtime.optim.shared_blocks import SharedBlocks, partial_blocks
@@ -219,18 +220,22 @@ def _codebooks(device: torch.device) -> tuple[Codebook, Codebook]:
 @functools.cache
 def _native_codebook(signed: bool) -> tuple[torch.Tensor, torch.Tensor]:
     """The native kernel's form of a codebook (native_kernels.c, `quantize_values`): the
-    256 code values, and per rounding cell one int32, the midpoints below the cell plus,
+    256 code values followed by their four byte planes (plane b: byte b of each value, for
+    the VBMI decode), and per rounding cell one int32, the midpoints below the cell plus,
     shifted by 8, the least key (the value's low CELL_SHIFT bits, flipped for negative
     values so that the key grows with the value) above the cell's midpoint; 2^CELL_SHIFT
     where the cell has none. Derived from the table lookup's own tables, so the two round
-    alike."""
+    alike. The cells are followed by the AVX-512 encoder's words (`decade_rounding`),
+    which round alike too."""
     book = codebook(signed)
     boundary = book.boundary.view(torch.int32).long() & 0xFFFFFFFF
     low = boundary & ((1 << CELL_SHIFT) - 1)
     negative = boundary >> 31 == 1
     threshold = torch.where(negative, (1 << CELL_SHIFT) - low, low + 1)
     threshold = torch.where(torch.isinf(book.boundary), 1 << CELL_SHIFT, threshold)
-    return book.values.contiguous(), (book.below.long() | threshold << 8).to(torch.int32)
+    cells = (book.below.long() | threshold << 8).to(torch.int32)
+    planes = book.values.view(torch.uint8).view(-1, 4).t().contiguous().view(torch.float32).view(-1)
+    return torch.cat([book.values, planes]), torch.cat([cells, decade_rounding(signed)])
 
 
 def _device(trained: list[tuple[torch.Tensor, dict]]) -> torch.device:

@@ -56,8 +56,8 @@ _SIGNATURES = {
     "onebit_lamb_statistics": [_P, _P, _P, _P, _P, _L, _F, _F, _F, _F, _F, _I, _F, _P],
 }
 # Kernels that return a value (the others return nothing), where the library has them:
-# `use_avx512` exists only where the compiler targets x86-64.
-_RESULTS = {"use_avx512": ([_I], _I)}
+# `use_avx512` and `use_avx512_vbmi` exist only where the compiler targets x86-64.
+_RESULTS = {"use_avx512": ([_I], _I), "use_avx512_vbmi": ([_I], _I)}
 _library: ctypes.CDLL | None = None
 _tried = False
 
@@ -138,3 +138,11 @@ def use_avx512(enable: bool) -> bool:
     they are on. They are on by default wherever the CPU has them."""
     kernels = library()
     return kernels is not None and hasattr(kernels, "use_avx512") and bool(kernels.use_avx512(int(enable)))
+
+
+def use_avx512_vbmi(enable: bool) -> bool:
+    """Turns the AVX-512 blocks' VBMI decode of 8-bit codes (byte permutes) on, where the
+    CPU has AVX-512 VBMI and the blocks are on, or off (gathers), so that tests can compare
+    the two; returns whether it is on. `use_avx512(True)` turns it back on."""
+    kernels = library()
+    return kernels is not None and hasattr(kernels, "use_avx512_vbmi") and bool(kernels.use_avx512_vbmi(int(enable)))

@@ -20,6 +20,7 @@
 #include <immintrin.h>
 #define HAVE_AVX512_PATH 1
 #define AVX512 __attribute__((target("avx512f,avx512bw,avx512vl,avx512dq")))
+#define AVX512_VBMI __attribute__((target("avx512f,avx512bw,avx512vl,avx512dq,avx512vbmi")))
 #endif
 
 #define PARALLEL_MIN 65536 /* elements below which a loop runs on one thread */
@@ -183,22 +184,34 @@ static void quantize_values_portable(const float *restrict values, uint8_t *rest
 }
 
 #ifdef HAVE_AVX512_PATH
-/* Whether the 8-bit kernels take their AVX-512 blocks: decided once per process from the
-   CPU (`__builtin_cpu_supports`), and switchable off (`use_avx512`) so that tests can
-   compare the two paths on one machine. The portable loops stay for other CPUs. */
-static int avx512_enabled = 0;
+/* Whether the 8-bit kernels take their AVX-512 blocks, and whether these decode codes by
+   byte permutes (AVX-512 VBMI) rather than gathers: decided once per process from the CPU
+   (`__builtin_cpu_supports`), and switchable off (`use_avx512`, `use_avx512_vbmi`) so that
+   tests can compare the paths on one machine. The portable loops stay for other CPUs. */
+static int avx512_enabled = 0, vbmi_enabled = 0;
 
 __attribute__((constructor)) static void detect_avx512(void) {
     __builtin_cpu_init();
     avx512_enabled = __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
                      __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512dq");
+    vbmi_enabled = avx512_enabled && __builtin_cpu_supports("avx512vbmi");
 }
 
-/* Turns the AVX-512 blocks on (where the CPU has them) or off; returns whether they are on. */
+/* Turns the AVX-512 blocks on (where the CPU has them) or off; returns whether they are on.
+   Turning them on also turns the VBMI decode on where the CPU has it. */
 int use_avx512(int enable) {
     detect_avx512();
     avx512_enabled = avx512_enabled && enable;
+    vbmi_enabled = vbmi_enabled && enable;
     return avx512_enabled;
+}
+
+/* Turns the AVX-512 blocks' VBMI decode on (where the CPU has it) or off (gathers); returns
+   whether it is on. */
+int use_avx512_vbmi(int enable) {
+    __builtin_cpu_init();
+    vbmi_enabled = avx512_enabled && __builtin_cpu_supports("avx512vbmi") && enable;
+    return vbmi_enabled;
 }
 
 /* Loads and stores of 16 lanes, whole where `lanes` is all of them: with every access
@@ -220,31 +233,93 @@ AVX512 static inline __attribute__((always_inline)) __m512i load_code_lanes(cons
                                                 : _mm_maskz_loadu_epi8(lanes, from));
 }
 
-/* `quantize_values`, sixteen values at a time: the same cell index and key, the cell's
-   entry fetched by a gather (GCC emits none for the portable loop's lookup), the same
-   comparison; the last partial vector under a mask. Codes equal the portable loop's bit
-   for bit (only integer operations and the same float product). */
-AVX512 static void quantize_values_avx512(const float *restrict values, uint8_t *restrict codes, int64_t count,
-                                          float absmax, const uint32_t *restrict table) {
+/* The AVX-512 encoder (optim/quantization.py, `decade_rounding`: its words follow the cells
+   in `table`): the nearest code by arithmetic, no gather per element, which bound the
+   gather-based encode on Zen 4. The same codes as the table lookup for every fp32 value. */
+#define CELLS (1u << (32 - CELL_SHIFT))
+#define ROUNDING_FRACTION 12
+#define ROUNDING_MIDPOINTS 80
+#define ROUNDING_SIGNED 336
+
+typedef struct {
+    __m512 thresholds, slopes, offsets;
+    __m512i bases, caps;
+    const float *midpoints;
+} decade_rounding;
+
+AVX512 static inline __attribute__((always_inline)) decade_rounding decade_rounding_of(const uint32_t *table) {
+    const uint32_t *words = table + CELLS;
+    decade_rounding rounding = {_mm512_loadu_ps(words), _mm512_loadu_ps(words + 32), _mm512_loadu_ps(words + 48),
+                                _mm512_loadu_si512(words + 16), _mm512_loadu_si512(words + 64),
+                                (const float *)(words + ROUNDING_MIDPOINTS)};
+    return rounding;
+}
+
+/* F(a), the positive midpoints below a, for a >= 0 (a NaN counts all of them). a is kept in
+   [2^-30, 1.5] (every midpoint lies inside), where its exponent field >> 1 picks the pair of
+   binades; the region is that pair's base, plus one above the pair's decade threshold; the
+   count is the region's fixed-point affine position (one unit high), truncated and capped. A
+   position within one unit of a count J (its fraction bits 0 or 1: near) is J, or J - 1 when
+   a is not above the midpoint J - 1 itself. */
+AVX512 static inline __attribute__((always_inline)) __m512i count_midpoints_below(__m512 a,
+                                                                                 const decade_rounding *rounding) {
+    a = _mm512_max_ps(_mm512_min_ps(a, _mm512_set1_ps(1.5f)), _mm512_set1_ps(0x1p-30f)); /* NaN: 1.5 */
+    __m512i pair = _mm512_srli_epi32(_mm512_castps_si512(a), 24);
+    __m512i base = _mm512_permutexvar_epi32(pair, rounding->bases);
+    __mmask16 above = _mm512_cmp_ps_mask(a, _mm512_permutexvar_ps(pair, rounding->thresholds), _CMP_GT_OQ);
+    __m512i region = _mm512_mask_add_epi32(base, above, base, _mm512_set1_epi32(1));
+    __m512 position = _mm512_fmadd_ps(a, _mm512_permutexvar_ps(region, rounding->slopes),
+                                      _mm512_permutexvar_ps(region, rounding->offsets));
+    __m512i fixed = _mm512_cvttps_epi32(position);
+    __m512i count = _mm512_min_epi32(_mm512_srli_epi32(fixed, ROUNDING_FRACTION),
+                                     _mm512_permutexvar_epi32(region, rounding->caps));
+    __mmask16 near = _mm512_testn_epi32_mask(fixed, _mm512_set1_epi32((1 << ROUNDING_FRACTION) - 2));
+    if (__builtin_expect(near != 0, 0)) {
+        const __m512i one = _mm512_set1_epi32(1);
+        __m512 midpoint = _mm512_mask_i32gather_ps(_mm512_setzero_ps(), near, _mm512_sub_epi32(count, one),
+                                                   rounding->midpoints, 4);
+        count = _mm512_mask_sub_epi32(count, _mm512_mask_cmp_ps_mask(near, a, midpoint, _CMP_LE_OQ), count, one);
+    }
+    return count;
+}
+
+/* Codes of sixteen scaled values. Signed: 127 + F(x) for x >= 0 (and NaN); for x < 0 the
+   midpoints m with -m < x, 127 - #(m <= |x|) = 127 - F(|x| one ulp up), at least 0.
+   Unsigned: F(x), negative values clamped to the bottom. */
+AVX512 static inline __attribute__((always_inline)) __m128i codes_of(__m512 scaled, const decade_rounding *rounding,
+                                                                    const int is_signed) {
+    if (!is_signed)
+        return _mm512_cvtepi32_epi8(count_midpoints_below(scaled, rounding));
+    __mmask16 negative = _mm512_cmp_ps_mask(scaled, _mm512_setzero_ps(), _CMP_LT_OQ);
+    __m512i magnitude = _mm512_and_si512(_mm512_castps_si512(scaled), _mm512_set1_epi32(0x7FFFFFFF));
+    magnitude = _mm512_mask_add_epi32(magnitude, negative, magnitude, _mm512_set1_epi32(1));
+    __m128i count = _mm512_cvtepi32_epi8(count_midpoints_below(_mm512_castsi512_ps(magnitude), rounding));
+    const __m128i middle = _mm_set1_epi8(127); /* on bytes: 127 + F <= 255, 127 - F saturates at 0 */
+    return _mm_mask_subs_epu8(_mm_adds_epu8(middle, count), negative, middle, count);
+}
+
+AVX512 static inline __attribute__((always_inline)) void quantize_values_avx512_of(
+    const float *restrict values, uint8_t *restrict codes, int64_t count, float absmax, const uint32_t *restrict table,
+    const int is_signed) {
     const __m512 inverse = _mm512_set1_ps(1.0f / (absmax < TINY_SCALE ? TINY_SCALE : absmax));
-    const __m512i cell_mask = _mm512_set1_epi32(CELL_MASK), low_mask = _mm512_set1_epi32(LOW_MASK);
-    const __m512i byte = _mm512_set1_epi32(0xFF), one = _mm512_set1_epi32(1);
+    const decade_rounding rounding = decade_rounding_of(table);
     for (int64_t j = 0; j < count; j += 16) {
         const __mmask16 lanes = count - j >= 16 ? (__mmask16)0xFFFF : (__mmask16)((1u << (count - j)) - 1);
-        __m512i scaled = _mm512_castps_si512(_mm512_mul_ps(load_lanes(values + j, lanes), inverse));
-        __m512i cell = _mm512_and_si512(_mm512_srli_epi32(scaled, CELL_SHIFT), cell_mask);
-        __m512i entry = lanes == 0xFFFF ? _mm512_i32gather_epi32(cell, table, 4)
-                                        : _mm512_mask_i32gather_epi32(_mm512_setzero_si512(), lanes, cell, table, 4);
-        __m512i key = _mm512_xor_si512(_mm512_and_si512(scaled, low_mask),
-                                       _mm512_and_si512(_mm512_srai_epi32(scaled, 31), low_mask));
-        __mmask16 above = _mm512_cmpge_epu32_mask(key, _mm512_srli_epi32(entry, 8));
-        __m512i below = _mm512_and_si512(entry, byte);
-        __m128i packed = _mm512_cvtepi32_epi8(_mm512_mask_add_epi32(below, above, below, one));
+        __m128i packed = codes_of(_mm512_mul_ps(load_lanes(values + j, lanes), inverse), &rounding, is_signed);
         if (lanes == 0xFFFF)
             _mm_storeu_si128((__m128i *)(codes + j), packed);
         else
             _mm_mask_storeu_epi8(codes + j, lanes, packed);
     }
+}
+
+/* `quantize_values` by the AVX-512 encoder, one loop per kind of code. */
+AVX512 static void quantize_values_avx512(const float *restrict values, uint8_t *restrict codes, int64_t count,
+                                          float absmax, const uint32_t *restrict table) {
+    if (table[CELLS + ROUNDING_SIGNED])
+        quantize_values_avx512_of(values, codes, count, absmax, table, 1);
+    else
+        quantize_values_avx512_of(values, codes, count, absmax, table, 0);
 }
 #endif
 
@@ -311,7 +386,7 @@ static inline __attribute__((always_inline)) void adam8bit_block_body(float *res
 
 #ifdef HAVE_AVX512_PATH
 /* `adam8bit_block_body` sixteen elements at a time, the codes decoded by gathers from the
-   256 code values and coded again by `quantize_values_avx512`: the same operations in the
+   256 code values and coded again by the AVX-512 encoder: the same operations in the
    same order (IEEE multiplies, fused multiply-adds, square roots and divisions round as the
    scalar ones), so parameters, codes and scales equal the portable path's bit for bit. The
    maxima are exact whatever the order; a NaN is tracked apart, as there. */
@@ -367,8 +442,8 @@ AVX512 static inline __attribute__((always_inline)) void adam8bit_block_avx512_b
     }
     *m_absmax = m_found;
     *v_absmax = v_found;
-    quantize_values_avx512(m, m_codes, count, m_found, m_table);
-    quantize_values_avx512(v, v_codes, count, v_found, v_table);
+    quantize_values_avx512_of(m, m_codes, count, m_found, m_table, 1);
+    quantize_values_avx512_of(v, v_codes, count, v_found, v_table, 0);
     if (m_edge != NULL)
         write_edges(m, v, count, lead, m_edge, v_edge);
 }
@@ -399,6 +474,62 @@ AVX512 static void adam8bit_block_avx512_coded(float *restrict param, const floa
                                v_table, beta1, weight, beta2, value, eps, decay_factor, decay, correction2, step_size,
                                lead, m_edge, v_edge, NULL, NULL, 0);
 }
+/* Codes decoded 64 at a time without a gather: the code values' four byte planes (plane b:
+   byte b of each of the 256 values, after the values in `values`, from optim/adam8bit.py)
+   are four 256-byte tables, each looked up by two 128-byte permutes and a blend on the
+   code's top bit; the planes are then interleaved back into fp32 values. Interleaving
+   works within 128-bit lanes, so the codes are first put in the order that brings the
+   values out in theirs. Exactly the gathers' values: the same bytes, then the same product
+   with the block's scale. */
+#define VALUE_PLANES 256 /* floats of code values before the planes */
+
+AVX512_VBMI static inline __attribute__((always_inline)) void decode_codes_vbmi(
+    const uint8_t *restrict codes, int64_t count, const float *restrict values, float scale, float *restrict out) {
+    static const uint8_t order[64] = {0,  1,  2,  3,  16, 17, 18, 19, 32, 33, 34, 35, 48, 49, 50, 51,
+                                      4,  5,  6,  7,  20, 21, 22, 23, 36, 37, 38, 39, 52, 53, 54, 55,
+                                      8,  9,  10, 11, 24, 25, 26, 27, 40, 41, 42, 43, 56, 57, 58, 59,
+                                      12, 13, 14, 15, 28, 29, 30, 31, 44, 45, 46, 47, 60, 61, 62, 63};
+    const uint8_t *planes = (const uint8_t *)(values + VALUE_PLANES);
+    const __m512i ordering = _mm512_loadu_si512(order);
+    const __m512 scales = _mm512_set1_ps(scale);
+    __m512i table[16];
+    for (int q = 0; q < 16; q++)
+        table[q] = _mm512_loadu_si512(planes + 64 * q);
+    for (int64_t j = 0; j < count; j += 64) {
+        __m512i code = count - j >= 64 ? _mm512_loadu_si512(codes + j)
+                                       : _mm512_maskz_loadu_epi8((1ull << (count - j)) - 1, codes + j);
+        code = _mm512_permutexvar_epi8(ordering, code);
+        const __mmask64 high = _mm512_movepi8_mask(code);
+        __m512i byte[4];
+        for (int b = 0; b < 4; b++)
+            byte[b] = _mm512_mask_blend_epi8(high, _mm512_permutex2var_epi8(table[4 * b], code, table[4 * b + 1]),
+                                             _mm512_permutex2var_epi8(table[4 * b + 2], code, table[4 * b + 3]));
+        __m512i low01 = _mm512_unpacklo_epi8(byte[0], byte[1]), high01 = _mm512_unpackhi_epi8(byte[0], byte[1]);
+        __m512i low23 = _mm512_unpacklo_epi8(byte[2], byte[3]), high23 = _mm512_unpackhi_epi8(byte[2], byte[3]);
+        _mm512_storeu_ps(out + j, _mm512_mul_ps(_mm512_castsi512_ps(_mm512_unpacklo_epi16(low01, low23)), scales));
+        _mm512_storeu_ps(out + j + 16, _mm512_mul_ps(_mm512_castsi512_ps(_mm512_unpackhi_epi16(low01, low23)), scales));
+        _mm512_storeu_ps(out + j + 32, _mm512_mul_ps(_mm512_castsi512_ps(_mm512_unpacklo_epi16(high01, high23)), scales));
+        _mm512_storeu_ps(out + j + 48, _mm512_mul_ps(_mm512_castsi512_ps(_mm512_unpackhi_epi16(high01, high23)), scales));
+    }
+}
+
+/* The coded block with both moments decoded first (into whole-block buffers: the last
+   64-code group may run past `count`, never past the block), then stepped from them. */
+AVX512_VBMI static void adam8bit_block_avx512_vbmi(float *restrict param, const float *restrict grad,
+                                                   uint8_t *restrict m_codes, float *restrict m_absmax,
+                                                   uint8_t *restrict v_codes, float *restrict v_absmax, int64_t count,
+                                                   const float *restrict m_values, const uint32_t *restrict m_table,
+                                                   const float *restrict v_values, const uint32_t *restrict v_table,
+                                                   float beta1, float weight, float beta2, float value, float eps,
+                                                   float decay_factor, int decay, float correction2, float step_size,
+                                                   int64_t lead, float *m_edge, float *v_edge) {
+    float m_old[BLOCK], v_old[BLOCK];
+    decode_codes_vbmi(m_codes, count, m_values, *m_absmax, m_old);
+    decode_codes_vbmi(v_codes, count, v_values, *v_absmax, v_old);
+    adam8bit_block_avx512_body(param, grad, m_codes, m_absmax, v_codes, v_absmax, count, m_values, m_table, v_values,
+                               v_table, beta1, weight, beta2, value, eps, decay_factor, decay, correction2, step_size,
+                               lead, m_edge, v_edge, m_old, v_old, 1);
+}
 #endif
 
 /* The block loop specialised for each source of the moments: a choice made inside the
@@ -415,6 +546,12 @@ static void adam8bit_block(float *restrict param, const float *restrict grad, ui
         adam8bit_block_avx512_fp32(param, grad, m_codes, m_absmax, v_codes, v_absmax, count, m_values, m_table,
                                    v_values, v_table, beta1, weight, beta2, value, eps, decay_factor, decay,
                                    correction2, step_size, lead, m_edge, v_edge, m_in, v_in);
+        return;
+    }
+    if (vbmi_enabled) {
+        adam8bit_block_avx512_vbmi(param, grad, m_codes, m_absmax, v_codes, v_absmax, count, m_values, m_table,
+                                   v_values, v_table, beta1, weight, beta2, value, eps, decay_factor, decay,
+                                   correction2, step_size, lead, m_edge, v_edge);
         return;
     }
     if (avx512_enabled) {

@@ -93,6 +93,81 @@ def codebook(signed: bool) -> Codebook:
     return Codebook(dynamic_code(signed), below.to(torch.uint8), boundary)
 
 
+# The AVX-512 encoder's constants (`decade_rounding`): the in-decade position is a fixed-point
+# number with ROUNDING_FRACTION fractional bits, computed ROUNDING_MARGIN (in bins) high.
+ROUNDING_FRACTION = 12
+ROUNDING_MARGIN = 2.0**-ROUNDING_FRACTION
+ROUNDING_GROUPS = 16  # pairs of binades, [2^(2g-31), 2^(2g-29)): the exponent field >> 1, low 4 bits
+ROUNDING_WORDS = 352  # thresholds, bases, slopes, offsets, caps (16 each), 256 midpoints, the sign flag
+
+
+@functools.cache
+def decade_rounding(signed: bool) -> torch.Tensor:
+    """The nearest code by arithmetic instead of a table lookup (native_kernels.c,
+    `quantize_values_avx512`), as int32 words: on a CPU whose gathers are slow, a lookup per
+    element and moment was most of 8-bit Adam's step.
+
+    Counting F(a), the positive midpoints below a = |x| (the code index, up to the sign),
+    rests on the code's structure: within decade k the midpoints lie on a uniform grid (the
+    centres' bins' edges), so F is `start + floor(slope * a + offset)`, capped at the
+    decade's last code; which decade, by comparing a with the one decade threshold (a
+    midpoint between decades) that can lie in a's pair of binades, as 16-entry tables
+    indexed by the exponent. The fp32 midpoints are off the ideal grid by rounding only
+    (about 1e-5 bins, checked here to be under half of ROUNDING_MARGIN), so a position more
+    than ROUNDING_MARGIN from an integer is right; a value nearer (about one in two
+    thousand) is compared with the midpoint itself, read from the table of midpoints. As
+    fp32 rounding is monotone, these checks on the midpoints hold for every value between
+    them: the codes equal the table lookup's for every fp32 input (also checked on all 2^32,
+    tests/runtime/optim/test_native.py).
+
+    Words: [0, 16) per binade pair its decade threshold (fp32, +inf if none), [16, 32) the
+    region below that pair (0: below the first midpoint, k + 1: decade k, DECADES + 1: above
+    the last midpoint), then per region [32, 48) slope and [48, 64) offset (fp32, times
+    2^ROUNDING_FRACTION, the offset ROUNDING_MARGIN high), [64, 80) its last count, [80, 336)
+    the positive midpoints (+inf after them), [336] whether the code is signed."""
+    midpoints = _midpoints(signed)
+    positive = midpoints[midpoints > 0]
+    sizes = [2**decade if signed else 2 ** (decade + 1) for decade in range(DECADES)]
+    starts = [1 + sum(sizes[:decade]) for decade in range(DECADES)]
+    thresholds = [float(positive[start - 1]) for start in starts] + [float(positive[-1])]
+    unit = 2.0**ROUNDING_FRACTION
+    slopes, offsets, caps = [0.0], [(0.5 + ROUNDING_MARGIN) * unit], [0]  # below the first midpoint: count 0
+    for decade, (size, start) in enumerate(zip(sizes, starts)):
+        inner = positive[start : start + size - 1].double()  # the decade's own midpoints: the j-th has count start + j
+        counts = torch.arange(start + 1, start + size, dtype=torch.float64)
+        slope = size / (0.9 * 10.0 ** (decade - (DECADES - 1))) if size > 1 else 0.0  # bins per unit of value
+        offset = float((counts - slope * inner).mean()) if size > 1 else start + 0.5
+        slope32 = float(torch.tensor(slope * unit, dtype=torch.float32))
+        offset32 = float(torch.tensor((offset + ROUNDING_MARGIN) * unit, dtype=torch.float32))
+        position = (inner * slope32 + offset32) / unit - ROUNDING_MARGIN  # fp32 rounding: under 2^-16
+        if size > 1 and float((position - counts).abs().max()) >= ROUNDING_MARGIN / 2:
+            raise AssertionError(f"decade {decade}'s midpoints are off the grid by a bin's {ROUNDING_MARGIN / 2}")
+        if (thresholds[decade] * slope32 + offset32) / unit < start + 2 * ROUNDING_MARGIN:
+            raise AssertionError(f"decade {decade}'s lower threshold counts below the decade")
+        slopes.append(slope32)
+        offsets.append(offset32)
+        caps.append(start + size - 1)
+    slopes = slopes + [0.0]
+    offsets = offsets + [(positive.numel() + 0.5 + ROUNDING_MARGIN) * unit]
+    caps = caps + [positive.numel()]
+    words = torch.zeros(ROUNDING_WORDS, dtype=torch.int32)
+    floats = words.view(torch.float32)
+    for group in range(ROUNDING_GROUPS):
+        low, high = 2.0 ** (2 * group - 31), 2.0 ** (2 * group - 29)
+        inside = [threshold for threshold in thresholds if low <= threshold < high]
+        if len(inside) > 1:
+            raise AssertionError(f"two decade thresholds in [{low}, {high})")
+        floats[group] = inside[0] if inside else float("inf")
+        words[16 + group] = sum(threshold < low for threshold in thresholds)
+    floats[32 : 32 + len(slopes)] = torch.tensor(slopes)
+    floats[48 : 48 + len(offsets)] = torch.tensor(offsets)
+    words[64 : 64 + len(caps)] = torch.tensor(caps, dtype=torch.int32)
+    floats[80:336] = float("inf")
+    floats[80 : 80 + positive.numel()] = positive
+    words[336] = int(signed)
+    return words
+
+
 def block_absmax(rows: torch.Tensor) -> torch.Tensor:
     """Per block (row of a (blocks, BLOCK) tensor): the largest absolute value."""
     return rows.abs().amax(dim=1)

@@ -249,11 +249,54 @@ def test_avx512_rounding_equals_the_portable_loop(portable_and_avx512, signed):
             assert torch.equal(codes[0], codes[1]), (absmax, count)
 
 
+def _codes_on_both_paths(switch, values: torch.Tensor, signed: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """Codes of `values` (block scale 1) by the portable table lookup and by the AVX-512
+    encoder."""
+    table = _native_codebook(signed)[1].data_ptr()
+    codes = []
+    for on in (False, True):
+        switch(on)
+        codes.append(torch.empty(values.numel(), dtype=torch.uint8))
+        native.library().quantize_values(values.data_ptr(), codes[-1].data_ptr(), values.numel(), 1.0, table)
+    return codes[0], codes[1]
+
+
+@pytest.mark.parametrize("signed", [True, False])
+def test_avx512_encoder_equals_the_table_near_every_midpoint_and_on_sampled_bit_patterns(portable_and_avx512,
+                                                                                         signed):
+    """The arithmetic encoder (no lookup but where a value is within its margin of a
+    midpoint): every fp32 within 300 ulps of a midpoint or its negative (the decade
+    thresholds among them), and every 1021st fp32 bit pattern, NaNs and infinities
+    included."""
+    midpoints = ((dynamic_code(signed)[:-1] + dynamic_code(signed)[1:]) / 2).view(torch.int32)
+    near = (midpoints.unsqueeze(1) + torch.arange(-300, 301, dtype=torch.int32)).reshape(-1)
+    sampled = torch.arange(-(1 << 31), 1 << 31, 1021, dtype=torch.int64).to(torch.int32)
+    values = torch.cat([near, near ^ -(1 << 31), sampled]).view(torch.float32)  # and near's negatives
+    portable, avx512 = _codes_on_both_paths(portable_and_avx512, values.contiguous(), signed)
+    assert torch.equal(portable, avx512)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("signed", [True, False])
+def test_avx512_encoder_equals_the_table_on_every_fp32(portable_and_avx512, signed):
+    """All 2^32 bit patterns, in chunks of 2^24."""
+    chunk = torch.arange(1 << 24, dtype=torch.int32)
+    values = torch.empty_like(chunk)
+    for start in range(-(1 << 31), 1 << 31, 1 << 24):
+        torch.add(chunk, start, out=values)
+        portable, avx512 = _codes_on_both_paths(portable_and_avx512, values.view(torch.float32), signed)
+        assert torch.equal(portable, avx512), start
+
+
 @pytest.mark.parametrize("decay", [0.0, 0.01])
-def test_avx512_8bit_adam_steps_equal_the_portable_loops(portable_and_avx512, decay):
+@pytest.mark.parametrize("vbmi", [False, True], ids=["gathers", "vbmi"])
+def test_avx512_8bit_adam_steps_equal_the_portable_loops(portable_and_avx512, decay, vbmi):
     """Each step from the same state (fresh fp32 moments at the first, codes after): the
     AVX-512 blocks' weights, codes and scales equal the portable loops' bit for bit, on
-    sizes that cut blocks and vectors, with a NaN gradient in one block."""
+    sizes that cut blocks and vectors, with a NaN gradient in one block; the codes decoded
+    by gathers, and by byte permutes (VBMI)."""
+    if vbmi and not native.use_avx512_vbmi(True):
+        pytest.skip("this CPU has no AVX-512 VBMI: the blocks decode by gathers only")
     generator = torch.Generator().manual_seed(2)
     shapes = [(300, 70), (5000,), (1031,), (4096,)]
     params = [torch.nn.Parameter(torch.randn(shape, generator=generator)) for shape in shapes]
@@ -271,6 +314,7 @@ def test_avx512_8bit_adam_steps_equal_the_portable_loops(portable_and_avx512, de
                 param.data.copy_(weights)
                 optimizer.state[param] = {k: v.clone() if torch.is_tensor(v) else v for k, v in state.items()}
             portable_and_avx512(on)
+            assert not on or native.use_avx512_vbmi(vbmi) == vbmi
             _step(optimizer, on=True)
             results.append(([p.detach().clone() for p in params], [dict(optimizer.state[p]) for p in params]))
         for before, after in zip(results[0][0], results[1][0]):
