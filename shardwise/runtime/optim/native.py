@@ -50,8 +50,9 @@ _SIGNATURES = {
     "adafactor_vector_squares": [_P, _P, _P, _L, _F, _F, _P, _P],
     "adafactor_vector_apply": [_P, _P, _P, _L, _F, _F, _I, _F],
     "onebit_compress": [_P, _P, _L, _P, _P],
-    "onebit_decode": [_P, _L, _P, _L, _L, _P],
-    "onebit_average": [_P, _L, _P, _L, _L, _P],
+    "onebit_fold_compress": [_P, _P, _L, _L, _L, _P, _P, _P, _P, _P],
+    "onebit_average_compress": [_P, _L, _P, _L, _L, _P, _P, _P],
+    "onebit_decode_apply": [_P, _L, _P, _L, _L, _L, _P, _P, _P, _F, _F, _F, _I],
     "momentum_fold": [_P, _P, _L, _F, _F],
     "onebit_lamb_statistics": [_P, _P, _P, _P, _P, _L, _F, _F, _F, _F, _F, _I, _F, _P],
 }

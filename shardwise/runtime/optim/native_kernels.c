@@ -707,26 +707,11 @@ void adafactor_vector_apply(float *restrict param, const float *restrict grad, c
    top byte). On a little-endian host; a big-endian one packs bit by bit. */
 #define PACK_MULTIPLIER 0x8040201008040201ull
 
-/* error += x (x NULL: as it is); *scale = ||error|| / sqrt(n) (the norm from a double sum,
-   rounded to fp32, divided as torch divides an fp32 norm by the Python float sqrt(n));
-   packed = error's signs; error -= +-scale, what the compression loses. n: whole bytes. */
-void onebit_compress(const float *restrict x, float *restrict error, int64_t n, uint8_t *restrict packed,
-                     float *scale) {
-    double square = 0.0;
-    if (x != NULL) {
-#pragma omp simd reduction(+ : square)
-        for (int64_t i = 0; i < n; i++) {
-            float e = error[i] + x[i];
-            error[i] = e;
-            square += (double)e * e;
-        }
-    } else {
-#pragma omp simd reduction(+ : square)
-        for (int64_t i = 0; i < n; i++)
-            square += (double)error[i] * error[i];
-    }
+/* packed = error's signs at the scale s = sqrt(square) / sqrt(n) (square: sum of error^2,
+   in double; the norm rounded to fp32, divided as torch divides an fp32 norm by the Python
+   float sqrt(n)); error -= +-s, what the compression loses. Returns s. n: whole bytes. */
+static float onebit_signs(float *restrict error, int64_t n, uint8_t *restrict packed, double square) {
     const float s = (float)sqrt(square) / (float)sqrt((double)n);
-    *scale = s;
     for (int64_t start = 0; start < n; start += ONEBIT_BLOCK) {
         const int64_t count = n - start < ONEBIT_BLOCK ? n - start : ONEBIT_BLOCK;
         float *restrict e = error + start;
@@ -748,50 +733,175 @@ void onebit_compress(const float *restrict x, float *restrict error, int64_t n, 
 #endif
         }
     }
+    return s;
 }
 
-/* Every byte's eight signs as +-1.0f (the first element in the highest bit), filled when
-   the library is loaded: decoding is a lookup and a multiply per element (exact: +-1 x s). */
-static float signs_of_byte[256][8];
-
-__attribute__((constructor)) static void fill_signs_of_byte(void) {
-    for (int byte = 0; byte < 256; byte++)
-        for (int k = 0; k < 8; k++)
-            signs_of_byte[byte][k] = (byte >> (7 - k)) & 1 ? 1.0f : -1.0f;
-}
-
-/* out = the rows' signs at their scales, row r (n elements, whole bytes) from packed + r x stride. */
-void onebit_decode(const uint8_t *restrict packed, int64_t stride, const float *restrict scales, int64_t rows,
-                   int64_t n, float *restrict out) {
-    for (int64_t r = 0; r < rows; r++) {
-        const uint8_t *restrict row = packed + r * stride;
-        const float s = scales[r];
-        for (int64_t byte = 0; byte < n / 8; byte++) {
-            const float *restrict signs = signs_of_byte[row[byte]];
-            float *restrict o = out + r * n + 8 * byte;
-            for (int k = 0; k < 8; k++)
-                o[k] = signs[k] * s;
+/* error += x (x NULL: as it is); the sum of the squares of the result. */
+static double onebit_add_square(const float *restrict x, float *restrict error, int64_t n) {
+    double square = 0.0;
+    if (x != NULL) {
+#pragma omp simd reduction(+ : square)
+        for (int64_t i = 0; i < n; i++) {
+            float e = error[i] + x[i];
+            error[i] = e;
+            square += (double)e * e;
         }
+    } else {
+#pragma omp simd reduction(+ : square)
+        for (int64_t i = 0; i < n; i++)
+            square += (double)error[i] * error[i];
+    }
+    return square;
+}
+
+/* error += x; *scale = ||error|| / sqrt(n); packed = error's signs; error -= +-scale. */
+void onebit_compress(const float *restrict x, float *restrict error, int64_t n, uint8_t *restrict packed,
+                     float *scale) {
+    *scale = onebit_signs(error, n, packed, onebit_add_square(x, error, n));
+}
+
+/* error += m x beta1 + weight x g (g NULL: m x beta1), the momentum fold (`momentum_fold`'s
+   arithmetic) added to the error without storing the folded momentum; the sum of squares. */
+static double onebit_fold_add_square(const float *restrict m, const float *restrict g, float *restrict error,
+                                     int64_t n, float beta1, float weight) {
+    double square = 0.0;
+    if (g == NULL) {
+#pragma omp simd reduction(+ : square)
+        for (int64_t i = 0; i < n; i++) {
+            float e = error[i] + m[i] * beta1;
+            error[i] = e;
+            square += (double)e * e;
+        }
+    } else {
+#pragma omp simd reduction(+ : square)
+        for (int64_t i = 0; i < n; i++) {
+            float e = error[i] + fmaf(g[i], weight, m[i] * beta1);
+            error[i] = e;
+            square += (double)e * e;
+        }
+    }
+    return square;
+}
+
+/* The worker's compression of the flat momentum's elements [start, start + n) with the
+   momentum fold in its first pass: segment k (bounds[2k] .. bounds[2k + 1], ascending,
+   disjoint, flat indices) folds its gradient grads[k] (its element 0 at bounds[2k]; 0: no
+   gradient) with beta1 = factors[2k], weight = factors[2k + 1]; elements of no segment
+   (padding) enter as they are. Then the signs as `onebit_compress`. The folded momentum is
+   never stored: after the exchange the momentum is the decoded average. */
+void onebit_fold_compress(const float *restrict m, float *restrict error, int64_t start, int64_t n,
+                          int64_t segments, const int64_t *restrict bounds, const int64_t *restrict grads,
+                          const float *restrict factors, uint8_t *restrict packed, float *scale) {
+    const int64_t end = start + n;
+    int64_t at = start;
+    double square = 0.0;
+    for (int64_t k = 0; k < segments && at < end; k++) {
+        const int64_t begin = bounds[2 * k], stop = bounds[2 * k + 1];
+        if (stop <= at)
+            continue;
+        if (begin >= end)
+            break;
+        if (begin > at) { /* a gap before the segment: as it is */
+            square += onebit_add_square(m + at, error + at, begin - at);
+            at = begin;
+        }
+        const int64_t until = stop < end ? stop : end;
+        const float *g = grads[k] ? (const float *)(intptr_t)grads[k] + (at - begin) : NULL;
+        square += onebit_fold_add_square(m + at, g, error + at, until - at, factors[2 * k], factors[2 * k + 1]);
+        at = until;
+    }
+    if (at < end)
+        square += onebit_add_square(m + at, error + at, end - at);
+    *scale = onebit_signs(error + start, n, packed, square);
+}
+
+/* Every byte's eight signs as eight bytes of 0/1 (the first element's from the highest
+   bit), filled when the library is loaded: a block's signs are unpacked a word per byte,
+   then read as +-s by a loop the compiler vectorises (exact: +-s is +-1 x s). */
+static uint64_t bits_of_byte[256];
+
+__attribute__((constructor)) static void fill_bits_of_byte(void) {
+    for (int byte = 0; byte < 256; byte++) {
+        uint8_t bits[8];
+        for (int k = 0; k < 8; k++)
+            bits[k] = (byte >> (7 - k)) & 1;
+        memcpy(&bits_of_byte[byte], bits, 8);
     }
 }
 
-/* out = (sum over the rows of their signs at their scales, in row order, each added to the
-   sum so far as torch's add with alpha adds it) / rows: the server's average, one pass. */
-void onebit_average(const uint8_t *restrict packed, int64_t stride, const float *restrict scales, int64_t rows,
-                    int64_t n, float *restrict out) {
+/* positive[t] = bit first + t of row (the first element in the highest bit), t < n. */
+static void onebit_unpack(const uint8_t *restrict row, int64_t first, int64_t n, uint8_t *restrict positive) {
+    int64_t t = 0;
+    for (; t < n && (first + t) % 8; t++) /* to the next whole byte */
+        positive[t] = (row[(first + t) / 8] >> (7 - (first + t) % 8)) & 1;
+    for (; t + 8 <= n; t += 8)
+        memcpy(positive + t, &bits_of_byte[row[(first + t) / 8]], 8);
+    for (; t < n; t++)
+        positive[t] = (row[(first + t) / 8] >> (7 - (first + t) % 8)) & 1;
+}
+
+/* The server's half in one pass before its signs: error += the average of the received
+   rows (their signs at their scales summed in row order, each added to the sum so far
+   as torch's add with alpha adds it, then divided by the row count; never stored), then
+   the signs as `onebit_compress`. */
+void onebit_average_compress(const uint8_t *restrict incoming, int64_t stride, const float *restrict scales,
+                             int64_t rows, int64_t n, float *restrict error, uint8_t *restrict packed, float *scale) {
     const float count = (float)rows;
-    for (int64_t byte = 0; byte < n / 8; byte++) {
-        float sum[8];
-        const float *restrict first = signs_of_byte[packed[byte]];
-        for (int k = 0; k < 8; k++)
-            sum[k] = first[k] * scales[0];
+    double square = 0.0;
+    for (int64_t start = 0; start < n; start += ONEBIT_BLOCK) { /* the average a block at a time, in cache */
+        const int64_t length = n - start < ONEBIT_BLOCK ? n - start : ONEBIT_BLOCK;
+        uint8_t positive[ONEBIT_BLOCK];
+        float sum[ONEBIT_BLOCK];
+        onebit_unpack(incoming + start / 8, 0, length, positive);
+        const float first = scales[0];
+        for (int64_t j = 0; j < length; j++)
+            sum[j] = positive[j] ? first : -first;
         for (int64_t r = 1; r < rows; r++) {
-            const float *restrict signs = signs_of_byte[packed[r * stride + byte]];
-            for (int k = 0; k < 8; k++)
-                sum[k] += signs[k] * scales[r];
+            onebit_unpack(incoming + r * stride + start / 8, 0, length, positive);
+            const float s = scales[r];
+            for (int64_t j = 0; j < length; j++)
+                sum[j] += positive[j] ? s : -s;
         }
-        for (int k = 0; k < 8; k++)
-            out[8 * byte + k] = sum[k] / count;
+        float *restrict e = error + start;
+#pragma omp simd reduction(+ : square)
+        for (int64_t j = 0; j < length; j++) {
+            float value = e[j] + sum[j] / count;
+            e[j] = value;
+            square += (double)value * value;
+        }
+    }
+    *scale = onebit_signs(error, n, packed, square);
+}
+
+/* The gathered signs of flat elements [start, start + n) decoded into m (m[0] is element
+   `start`; rank r's chunk of `chunk` elements from packed + r x stride at scales[r]), and,
+   with param non-NULL, 1-bit Adam's update in the same pass (`lamb_apply`'s arithmetic:
+   param += scale x (m / d(v) + weight_decay x param)): the decoded momentum read back by
+   no second pass. */
+void onebit_decode_apply(const uint8_t *restrict packed, int64_t stride, const float *restrict scales, int64_t chunk,
+                         int64_t start, int64_t n, float *restrict m, const float *restrict v, float *restrict param,
+                         float scale, float eps, float weight_decay, int eps_inside_sqrt) {
+    for (int64_t i = 0; i < n;) { /* blocks within one rank's chunk */
+        const int64_t flat = start + i, r = flat / chunk, first = flat % chunk;
+        int64_t length = n - i < chunk - first ? n - i : chunk - first;
+        length = length < ONEBIT_BLOCK ? length : ONEBIT_BLOCK;
+        uint8_t positive[ONEBIT_BLOCK];
+        onebit_unpack(packed + r * stride, first, length, positive);
+        const float s = scales[r];
+        float *restrict out = m + i;
+        if (param != NULL) {
+            float *restrict w = param + i;
+            const float *restrict variance = v + i;
+            for (int64_t j = 0; j < length; j++) {
+                const float momentum = positive[j] ? s : -s;
+                out[j] = momentum;
+                w[j] += adam_direction(w[j], momentum, variance[j], eps, weight_decay, eps_inside_sqrt) * scale;
+            }
+        } else {
+            for (int64_t j = 0; j < length; j++)
+                out[j] = positive[j] ? s : -s;
+        }
+        i += length;
     }
 }
 

@@ -63,8 +63,9 @@ class OneBitAdam(OneBitOptimizer):
                 loss = closure()
         step = self._advance()
         frozen = step > self.freeze_step
+        gathered = None
         if frozen:
-            self.fold_and_exchange()
+            gathered = self.fold_and_exchange_signs()  # stage 0 native: decoded in the update's pass
         else:
             warm_up_moments(self)
         for group in self.param_groups:
@@ -73,7 +74,16 @@ class OneBitAdam(OneBitOptimizer):
                 if param.grad is None and not frozen:
                     continue
                 exp_avg, exp_avg_sq = self.state[param]["exp_avg"], self.state[param]["exp_avg_sq"]
-                if native_takes(param, exp_avg, exp_avg_sq):  # the update in one pass (optim/native.py)
+                fused = native_takes(param, exp_avg, exp_avg_sq)
+                if gathered is not None and fused:  # the decode and the update in one pass
+                    gathered.decode_adam_update_(exp_avg, self.momentum_offset(param), exp_avg_sq, param,
+                                                 scale=-step_size, eps=group["eps"],
+                                                 weight_decay=group["weight_decay"],
+                                                 eps_inside_sqrt=group["eps_inside_sqrt"])
+                    continue
+                if gathered is not None:
+                    gathered.decode_(exp_avg, self.momentum_offset(param))
+                if fused:  # the update in one pass (optim/native.py)
                     native.library().lamb_apply(param.data_ptr(), exp_avg.data_ptr(), exp_avg_sq.data_ptr(),
                                                 param.numel(), -step_size, group["eps"], group["weight_decay"],
                                                 group["eps_inside_sqrt"], native.threads())
@@ -82,6 +92,8 @@ class OneBitAdam(OneBitOptimizer):
                 if group["weight_decay"]:
                     update.add_(param, alpha=group["weight_decay"])
                 param.add_(update, alpha=-step_size)
+        if gathered is not None:
+            self.decode_untrained_(gathered)
         self._finish_step(step)
         return loss
 

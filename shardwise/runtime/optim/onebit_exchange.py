@@ -4,15 +4,22 @@ native kernels (optim/native.py), for 1-bit Adam and 1-bit LAMB on CPU.
 In torch operations the exchange makes over a dozen passes over the momentum (the error
 added, a norm, a comparison, the packing multiply, the signs decoded into a scratch
 vector, the error taken off, the server's sum, its own compression, the final decode);
-here the worker makes two (the error added with its norm, then the signs packed with
-the error's update), the server two over its chunk, and the decode one. The messages are
-byte for byte the torch path's form (each rank's packed signs followed by its fp32
-scale), so the exchange's bytes are those `onebit_exchange_bytes` counts; the arithmetic
-is the same but for the norms, summed here in double: a scale may differ in its last
-bit, and an element exactly at a sign's tie may then fall the other way.
+here the worker makes two (the error added with its norm, then the signs packed with the
+error's update), the server two over its chunk (the received signs' average added to its
+error with the norm, then its signs), and the decode one. The decode is the caller's:
+`exchange_` hands back the gathered signs, so 1-bit Adam decodes them in its update's
+pass; and given the momentum fold (`MomentumFolds`), the worker's first pass folds each
+rank's gradient into the momentum as it adds it to the error, so the folded momentum is
+never written. The messages are byte for byte the torch path's form (each rank's packed
+signs followed by its fp32 scale), so the exchange's bytes are those
+`onebit_exchange_bytes` counts; the arithmetic is the same but for the norms, summed
+here in double: a scale may differ in its last bit, and an element exactly at a sign's
+tie may then fall the other way.
 """
 
 from __future__ import annotations
+
+from dataclasses import dataclass
 
 import torch
 
@@ -20,39 +27,101 @@ from shardwise.runtime.distributed.compressed import BITS, SCALE_BYTES, Compress
 from shardwise.runtime.optim import native
 
 
+@dataclass(frozen=True)
+class MomentumFolds:
+    """m <- β1·m + (1 − β1)·g over segments of the flat momentum, for the worker's first
+    pass: row k of `bounds` is a segment's [begin, end) (ascending, disjoint), `grads[k]`
+    the address of its fp32 gradient (0: none, m <- β1·m), `factors[k]` (β1, 1 − β1) in
+    fp32. Elements of no segment (padding) are exchanged as they are."""
+
+    bounds: torch.Tensor
+    grads: torch.Tensor
+    factors: torch.Tensor
+
+    @classmethod
+    def of(cls, segments: list[tuple[int, int, torch.Tensor | None, float]]) -> MomentumFolds:
+        """From (first flat index, element count, gradient or None, β1) per trained tensor,
+        each gradient fp32, contiguous, on the CPU and as long as its tensor."""
+        segments = sorted(segments, key=lambda segment: segment[0])
+        return cls(bounds=torch.tensor([[start, start + numel] for start, numel, _, _ in segments],
+                                       dtype=torch.int64).reshape(-1, 2),
+                   grads=torch.tensor([0 if grad is None else grad.data_ptr() for _, _, grad, _ in segments],
+                                      dtype=torch.int64),
+                   factors=torch.tensor([[beta1, 1 - beta1] for _, _, _, beta1 in segments],
+                                        dtype=torch.float32).reshape(-1, 2))
+
+
+@dataclass(frozen=True)
+class GatheredSigns:
+    """The exchange's result before it is decoded: every rank's message (its chunk's packed
+    signs, then its fp32 scale) as `packed`'s rows, and those scales."""
+
+    packed: torch.Tensor
+    scales: torch.Tensor
+    chunk: int
+
+    def decode_(self, momentum: torch.Tensor, start: int) -> None:
+        """`momentum` (a contiguous view of the flat momentum from its element `start` on)
+        becomes the average."""
+        native.library().onebit_decode_apply(
+            self.packed.data_ptr(), self.packed.shape[1], self.scales.data_ptr(), self.chunk, start,
+            momentum.numel(), momentum.data_ptr(), None, None, 0.0, 0.0, 0.0, 0)
+
+    def decode_adam_update_(self, momentum: torch.Tensor, start: int, variance: torch.Tensor, param: torch.Tensor,
+                            *, scale: float, eps: float, weight_decay: float, eps_inside_sqrt: bool) -> None:
+        """`momentum` (one tensor's view of the flat momentum, from flat index `start`)
+        becomes the average, and in the same pass param += scale·(m / d(v) + weight_decay·param),
+        d Adam's denominator: 1-bit Adam's update (every tensor fp32, contiguous, CPU)."""
+        native.library().onebit_decode_apply(
+            self.packed.data_ptr(), self.packed.shape[1], self.scales.data_ptr(), self.chunk, start,
+            momentum.numel(), momentum.data_ptr(), variance.data_ptr(), param.data_ptr(), scale, eps, weight_decay,
+            eps_inside_sqrt)
+
+
 class NativeCompressedAllReduce(CompressedAllReduce):
     """The same exchange and error-feedback buffers; fp32 CPU vectors go through the
     kernels, anything else (GPU, no compiler, `SHARDWISE_NATIVE_OPTIM=0`) through the
     torch path."""
 
+    def takes(self, vector: torch.Tensor) -> bool:
+        """Whether the kernels can exchange `vector`."""
+        return vector.dtype == torch.float32 and native.enabled() and native.takes(vector, self.worker_error)
+
     def all_reduce_(self, vector: torch.Tensor, what: str) -> torch.Tensor:
-        if not (vector.dtype == torch.float32 and native.enabled() and native.takes(vector, self.worker_error)):
+        if not self.takes(vector):
             return super().all_reduce_(vector, what)
+        self.exchange_(vector, what).decode_(vector, 0)
+        return vector
+
+    def exchange_(self, vector: torch.Tensor, what: str, folds: MomentumFolds | None = None) -> GatheredSigns:
+        """The compressed average of `vector` (the caller checked `takes`), its signs not yet
+        decoded; with `folds`, `vector` is the momentum before this rank's fold, which the
+        worker's first pass applies. `vector` itself is left as it is."""
         library, ranks, chunk = native.library(), self.communicator.size, self.chunk
         width = chunk // BITS
         frame = width + SCALE_BYTES  # one rank's message: its packed signs, then its scale
         outgoing = torch.empty(ranks, frame, dtype=torch.uint8)
         scales = torch.empty(ranks, dtype=torch.float32)
         for rank in range(ranks):  # worker: chunk `rank` of x + e goes to rank `rank`
-            at = 4 * rank * chunk
-            library.onebit_compress(vector.data_ptr() + at, self.worker_error.data_ptr() + at, chunk,
-                                    outgoing.data_ptr() + rank * frame, scales.data_ptr() + 4 * rank)
+            at = rank * chunk
+            if folds is None:
+                library.onebit_compress(vector.data_ptr() + 4 * at, self.worker_error.data_ptr() + 4 * at, chunk,
+                                        outgoing.data_ptr() + rank * frame, scales.data_ptr() + 4 * rank)
+            else:
+                library.onebit_fold_compress(vector.data_ptr(), self.worker_error.data_ptr(), at, chunk,
+                                             folds.bounds.shape[0], folds.bounds.data_ptr(), folds.grads.data_ptr(),
+                                             folds.factors.data_ptr(), outgoing.data_ptr() + rank * frame,
+                                             scales.data_ptr() + 4 * rank)
         outgoing[:, width:] = scales.view(ranks, 1).view(torch.uint8)
         incoming = torch.empty_like(outgoing)
         self.communicator.all_to_all(incoming, outgoing, f"1-bit {what} (worker signs and scales)").wait()
 
-        average = vector[:chunk]  # server: the received chunks' average, in x's first chunk (scratch now)
-        received_scales = incoming[:, width:].contiguous().view(torch.float32)
-        library.onebit_average(incoming.data_ptr(), frame, received_scales.data_ptr(), ranks, chunk,
-                               average.data_ptr())
+        received_scales = incoming[:, width:].contiguous().view(torch.float32)  # server: chunk `rank`
         shard = torch.empty(frame, dtype=torch.uint8)
         server_scale = torch.empty(1, dtype=torch.float32)
-        library.onebit_compress(average.data_ptr(), self.server_error.data_ptr(), chunk, shard.data_ptr(),
-                                server_scale.data_ptr())
+        library.onebit_average_compress(incoming.data_ptr(), frame, received_scales.data_ptr(), ranks, chunk,
+                                        self.server_error.data_ptr(), shard.data_ptr(), server_scale.data_ptr())
         shard[width:] = server_scale.view(torch.uint8)
-        gathered = torch.empty(ranks * frame, dtype=torch.uint8)
-        self.communicator.all_gather(gathered, shard, f"1-bit {what} (server signs and scales)").wait()
-
-        all_scales = gathered.view(ranks, frame)[:, width:].contiguous().view(torch.float32)
-        library.onebit_decode(gathered.data_ptr(), frame, all_scales.data_ptr(), ranks, chunk, vector.data_ptr())
-        return vector
+        gathered = torch.empty(ranks, frame, dtype=torch.uint8)
+        self.communicator.all_gather(gathered.view(-1), shard, f"1-bit {what} (server signs and scales)").wait()
+        return GatheredSigns(gathered, gathered[:, width:].contiguous().view(torch.float32).view(-1), chunk)
