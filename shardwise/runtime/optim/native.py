@@ -53,6 +53,7 @@ _SIGNATURES = {
     "onebit_fold_compress": [_P, _P, _L, _L, _L, _P, _P, _P, _P, _P],
     "onebit_average_compress": [_P, _L, _P, _L, _L, _P, _P, _P],
     "onebit_decode_apply": [_P, _L, _P, _L, _L, _L, _P, _P, _P, _F, _F, _F, _I],
+    "onebit_decode_adam_apply": [_P, _L, _P, _L, _P, _L, _P, _P, _P],
     "momentum_fold": [_P, _P, _L, _F, _F],
     "onebit_lamb_statistics": [_P, _P, _P, _P, _P, _L, _F, _F, _F, _F, _F, _I, _F, _P],
 }

@@ -905,6 +905,21 @@ void onebit_decode_apply(const uint8_t *restrict packed, int64_t stride, const f
     }
 }
 
+/* `onebit_decode_apply` over 1-bit Adam's trained tensors in one call (no call per tensor
+   from Python): tensor k starts at flat index table[4k], has table[4k + 1] elements, its
+   variance at address table[4k + 2] and weights at table[4k + 3]; settings[3k .. 3k + 2]
+   its scale, eps and weight decay, eps_inside_sqrt[k] its flag; momentum the flat one. */
+void onebit_decode_adam_apply(const uint8_t *restrict packed, int64_t stride, const float *restrict scales,
+                              int64_t chunk, float *restrict momentum, int64_t tensors, const int64_t *restrict table,
+                              const float *restrict settings, const int32_t *restrict eps_inside_sqrt) {
+    for (int64_t k = 0; k < tensors; k++) {
+        const int64_t start = table[4 * k];
+        onebit_decode_apply(packed, stride, scales, chunk, start, table[4 * k + 1], momentum + start,
+                            (const float *)(intptr_t)table[4 * k + 2], (float *)(intptr_t)table[4 * k + 3],
+                            settings[3 * k], settings[3 * k + 1], settings[3 * k + 2], eps_inside_sqrt[k]);
+    }
+}
+
 /* m <- m x beta1 + weight x g (weight = 1 - beta1; g NULL: no gradient), torch's mul_ then
    add_ with alpha (a fused multiply-add). */
 void momentum_fold(float *restrict m, const float *restrict g, int64_t n, float beta1, float weight) {

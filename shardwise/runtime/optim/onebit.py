@@ -180,11 +180,13 @@ class OneBitOptimizer(ShardAwareOptimizer):
 
     def _advance(self) -> int:
         """Count one step on every parameter (a step exchanges all of them); the new count."""
+        counts = []
         for param in self._params():
             state = self.state[param]
             if not state:
                 self._init_state(param, state)
-            state["step"] += 1
+            counts.append(state["step"])
+        torch._foreach_add_(counts, 1)  # one call, not one per tensor
         return self.steps_taken()
 
     def _init_state(self, param: torch.Tensor, state: dict[str, Any]) -> None:
@@ -260,7 +262,9 @@ class OneBitOptimizer(ShardAwareOptimizer):
         if self.workers > 1 and self._partitions is None:
             exchange = self._exchange_of(momentum)
             if exchange.takes(momentum) and native_takes(*(param.grad for param in self._params())):
-                return exchange.exchange_(momentum, "momentum", self._folds(momentum))
+                folds = MomentumFolds.of([(start, param.numel(), param.grad, group["betas"][0])
+                                          for param, group, start in self.momentum_layout()])
+                return exchange.exchange_(momentum, "momentum", folds)
         if self._partitions is not None:
             self._partitions.fold_(momentum, lambda group: self.param_groups[group]["betas"][0], self._grad_scale)
         else:
@@ -285,18 +289,16 @@ class OneBitOptimizer(ShardAwareOptimizer):
         trained = self._trained_numel()
         gathered.decode_(self.momentum_flat()[trained:], trained)
 
-    def momentum_offset(self, param: torch.Tensor) -> int:
-        """The flat index of `param`'s first momentum element."""
-        return (self.state[param]["exp_avg"].data_ptr() - self.momentum_flat().data_ptr()) // 4
+    def momentum_layout(self) -> list[tuple[torch.Tensor, dict[str, Any], int]]:
+        """(trained tensor, its param group, the flat index of its first momentum element)."""
+        base = self.momentum_flat().data_ptr()
+        return [(param, group, (self.state[param]["exp_avg"].data_ptr() - base) // 4)
+                for group in self.param_groups for param in group["params"]]
 
     def _exchange_of(self, momentum: torch.Tensor) -> NativeCompressedAllReduce:
         if self._exchange is None:
             self._exchange = NativeCompressedAllReduce(self._communicator, momentum.numel(), momentum.device)
         return self._exchange
-
-    def _folds(self, momentum: torch.Tensor) -> MomentumFolds:
-        return MomentumFolds.of([(self.momentum_offset(param), param.numel(), param.grad, group["betas"][0])
-                                 for group in self.param_groups for param in group["params"]])
 
 
 def native_takes(*tensors: torch.Tensor | None) -> bool:

@@ -67,15 +67,34 @@ class GatheredSigns:
             self.packed.data_ptr(), self.packed.shape[1], self.scales.data_ptr(), self.chunk, start,
             momentum.numel(), momentum.data_ptr(), None, None, 0.0, 0.0, 0.0, 0)
 
-    def decode_adam_update_(self, momentum: torch.Tensor, start: int, variance: torch.Tensor, param: torch.Tensor,
-                            *, scale: float, eps: float, weight_decay: float, eps_inside_sqrt: bool) -> None:
-        """`momentum` (one tensor's view of the flat momentum, from flat index `start`)
-        becomes the average, and in the same pass param += scale·(m / d(v) + weight_decay·param),
-        d Adam's denominator: 1-bit Adam's update (every tensor fp32, contiguous, CPU)."""
-        native.library().onebit_decode_apply(
-            self.packed.data_ptr(), self.packed.shape[1], self.scales.data_ptr(), self.chunk, start,
-            momentum.numel(), momentum.data_ptr(), variance.data_ptr(), param.data_ptr(), scale, eps, weight_decay,
-            eps_inside_sqrt)
+    def decode_adam_update_(self, momentum: torch.Tensor, updates: AdamUpdates) -> None:
+        """The trained tensors' elements of the flat `momentum` become the average, and in
+        the same pass each tensor's weights step: 1-bit Adam's update."""
+        native.library().onebit_decode_adam_apply(
+            self.packed.data_ptr(), self.packed.shape[1], self.scales.data_ptr(), self.chunk, momentum.data_ptr(),
+            updates.table.shape[0], updates.table.data_ptr(), updates.settings.data_ptr(),
+            updates.eps_inside_sqrt.data_ptr())
+
+
+@dataclass(frozen=True)
+class AdamUpdates:
+    """1-bit Adam's update of each trained tensor, w += scale·(m / d(v) + weight_decay·w)
+    with d Adam's denominator, for the decode's pass: row k of `table` is a tensor's first
+    flat index in the momentum, its element count and the addresses of its variance and
+    weights (fp32, contiguous, CPU); of `settings` its scale, eps and weight decay."""
+
+    table: torch.Tensor
+    settings: torch.Tensor
+    eps_inside_sqrt: torch.Tensor
+
+    @classmethod
+    def of(cls, updates: list[tuple[int, torch.Tensor, torch.Tensor, float, float, float, bool]]) -> AdamUpdates:
+        """From (first flat index, variance, weights, scale, eps, weight decay,
+        eps_inside_sqrt) per trained tensor."""
+        return cls(table=torch.tensor([[start, param.numel(), variance.data_ptr(), param.data_ptr()]
+                                       for start, variance, param, *_ in updates], dtype=torch.int64).reshape(-1, 4),
+                   settings=torch.tensor([settings[3:6] for settings in updates], dtype=torch.float32).reshape(-1, 3),
+                   eps_inside_sqrt=torch.tensor([int(settings[6]) for settings in updates], dtype=torch.int32))
 
 
 class NativeCompressedAllReduce(CompressedAllReduce):
