@@ -699,7 +699,13 @@ void adafactor_vector_apply(float *restrict param, const float *restrict grad, c
 /* 1-bit compression (distributed/compressed.py's arithmetic, for optim/onebit_exchange.py):
    x's signs, 8 per byte (the first element in the highest bit, 1 for >= 0), at the scale
    ||x|| / sqrt(n) that gives them x's L2 norm; signs decoded as +-scale, exactly as
-   torch's (+-1) x scale. */
+   torch's (+-1) x scale.
+
+   One pass per compression: the signs do not depend on the scale, so they are packed in
+   the pass that adds the input to the error buffer and sums its squares; what the
+   compression loses (error -= +-scale) is taken off in the next compression's pass (or by
+   `onebit_settle` when the buffer is read), from the signs and scale the caller keeps:
+   the same operations in the same order as the torch path's, one pass later. */
 
 #define ONEBIT_BLOCK 1024
 /* 8 bytes of 0/1 read as a little-endian word, times this, have byte i's bit at bit 63 - i
@@ -707,112 +713,20 @@ void adafactor_vector_apply(float *restrict param, const float *restrict grad, c
    top byte). On a little-endian host; a big-endian one packs bit by bit. */
 #define PACK_MULTIPLIER 0x8040201008040201ull
 
-/* packed = error's signs at the scale s = sqrt(square) / sqrt(n) (square: sum of error^2,
-   in double; the norm rounded to fp32, divided as torch divides an fp32 norm by the Python
-   float sqrt(n)); error -= +-s, what the compression loses. Returns s. n: whole bytes. */
-static float onebit_signs(float *restrict error, int64_t n, uint8_t *restrict packed, double square) {
-    const float s = (float)sqrt(square) / (float)sqrt((double)n);
-    for (int64_t start = 0; start < n; start += ONEBIT_BLOCK) {
-        const int64_t count = n - start < ONEBIT_BLOCK ? n - start : ONEBIT_BLOCK;
-        float *restrict e = error + start;
-        uint8_t positive[ONEBIT_BLOCK];
-        for (int64_t j = 0; j < count; j++) { /* the signs, then what the compression loses */
-            positive[j] = e[j] >= 0.0f;
-            e[j] -= positive[j] ? s : -s;
-        }
-        for (int64_t byte = 0; byte < count / 8; byte++) { /* 8 bytes of 0/1 -> 1 byte, as torch packs */
+/* packed = positive's 0/1 bytes, 8 per byte (count: whole bytes). */
+static void onebit_pack(const uint8_t *restrict positive, int64_t count, uint8_t *restrict packed) {
+    for (int64_t byte = 0; byte < count / 8; byte++) {
 #if __BYTE_ORDER__ == __ORDER_LITTLE_ENDIAN__
-            uint64_t word;
-            memcpy(&word, positive + 8 * byte, 8);
-            packed[start / 8 + byte] = (uint8_t)((word * PACK_MULTIPLIER) >> 56);
+        uint64_t word;
+        memcpy(&word, positive + 8 * byte, 8);
+        packed[byte] = (uint8_t)((word * PACK_MULTIPLIER) >> 56);
 #else
-            unsigned bits = 0;
-            for (int k = 0; k < 8; k++)
-                bits |= (unsigned)positive[8 * byte + k] << (7 - k);
-            packed[start / 8 + byte] = (uint8_t)bits;
+        unsigned bits = 0;
+        for (int k = 0; k < 8; k++)
+            bits |= (unsigned)positive[8 * byte + k] << (7 - k);
+        packed[byte] = (uint8_t)bits;
 #endif
-        }
     }
-    return s;
-}
-
-/* error += x (x NULL: as it is); the sum of the squares of the result. */
-static double onebit_add_square(const float *restrict x, float *restrict error, int64_t n) {
-    double square = 0.0;
-    if (x != NULL) {
-#pragma omp simd reduction(+ : square)
-        for (int64_t i = 0; i < n; i++) {
-            float e = error[i] + x[i];
-            error[i] = e;
-            square += (double)e * e;
-        }
-    } else {
-#pragma omp simd reduction(+ : square)
-        for (int64_t i = 0; i < n; i++)
-            square += (double)error[i] * error[i];
-    }
-    return square;
-}
-
-/* error += x; *scale = ||error|| / sqrt(n); packed = error's signs; error -= +-scale. */
-void onebit_compress(const float *restrict x, float *restrict error, int64_t n, uint8_t *restrict packed,
-                     float *scale) {
-    *scale = onebit_signs(error, n, packed, onebit_add_square(x, error, n));
-}
-
-/* error += m x beta1 + weight x g (g NULL: m x beta1), the momentum fold (`momentum_fold`'s
-   arithmetic) added to the error without storing the folded momentum; the sum of squares. */
-static double onebit_fold_add_square(const float *restrict m, const float *restrict g, float *restrict error,
-                                     int64_t n, float beta1, float weight) {
-    double square = 0.0;
-    if (g == NULL) {
-#pragma omp simd reduction(+ : square)
-        for (int64_t i = 0; i < n; i++) {
-            float e = error[i] + m[i] * beta1;
-            error[i] = e;
-            square += (double)e * e;
-        }
-    } else {
-#pragma omp simd reduction(+ : square)
-        for (int64_t i = 0; i < n; i++) {
-            float e = error[i] + fmaf(g[i], weight, m[i] * beta1);
-            error[i] = e;
-            square += (double)e * e;
-        }
-    }
-    return square;
-}
-
-/* The worker's compression of the flat momentum's elements [start, start + n) with the
-   momentum fold in its first pass: segment k (bounds[2k] .. bounds[2k + 1], ascending,
-   disjoint, flat indices) folds its gradient grads[k] (its element 0 at bounds[2k]; 0: no
-   gradient) with beta1 = factors[2k], weight = factors[2k + 1]; elements of no segment
-   (padding) enter as they are. Then the signs as `onebit_compress`. The folded momentum is
-   never stored: after the exchange the momentum is the decoded average. */
-void onebit_fold_compress(const float *restrict m, float *restrict error, int64_t start, int64_t n,
-                          int64_t segments, const int64_t *restrict bounds, const int64_t *restrict grads,
-                          const float *restrict factors, uint8_t *restrict packed, float *scale) {
-    const int64_t end = start + n;
-    int64_t at = start;
-    double square = 0.0;
-    for (int64_t k = 0; k < segments && at < end; k++) {
-        const int64_t begin = bounds[2 * k], stop = bounds[2 * k + 1];
-        if (stop <= at)
-            continue;
-        if (begin >= end)
-            break;
-        if (begin > at) { /* a gap before the segment: as it is */
-            square += onebit_add_square(m + at, error + at, begin - at);
-            at = begin;
-        }
-        const int64_t until = stop < end ? stop : end;
-        const float *g = grads[k] ? (const float *)(intptr_t)grads[k] + (at - begin) : NULL;
-        square += onebit_fold_add_square(m + at, g, error + at, until - at, factors[2 * k], factors[2 * k + 1]);
-        at = until;
-    }
-    if (at < end)
-        square += onebit_add_square(m + at, error + at, end - at);
-    *scale = onebit_signs(error + start, n, packed, square);
 }
 
 /* Every byte's eight signs as eight bytes of 0/1 (the first element's from the highest
@@ -840,37 +754,139 @@ static void onebit_unpack(const uint8_t *restrict row, int64_t first, int64_t n,
         positive[t] = (row[(first + t) / 8] >> (7 - (first + t) % 8)) & 1;
 }
 
-/* The server's half in one pass before its signs: error += the average of the received
-   rows (their signs at their scales summed in row order, each added to the sum so far
-   as torch's add with alpha adds it, then divided by the row count; never stored), then
-   the signs as `onebit_compress`. */
-void onebit_average_compress(const uint8_t *restrict incoming, int64_t stride, const float *restrict scales,
-                             int64_t rows, int64_t n, float *restrict error, uint8_t *restrict packed, float *scale) {
+/* error -= +-s by the signs `pending` (count elements, whole bytes): what a compression lost. */
+static void onebit_settle_block(float *restrict error, const uint8_t *restrict pending, int64_t count, float s) {
+    uint8_t positive[ONEBIT_BLOCK];
+    onebit_unpack(pending, 0, count, positive);
+    for (int64_t j = 0; j < count; j++)
+        error[j] -= positive[j] ? s : -s;
+}
+
+/* error -= +-s by the signs `pending` of a compression of these n elements at scale s. */
+void onebit_settle(float *restrict error, int64_t n, const uint8_t *restrict pending, float s) {
+    for (int64_t start = 0; start < n; start += ONEBIT_BLOCK)
+        onebit_settle_block(error + start, pending + start / 8, n - start < ONEBIT_BLOCK ? n - start : ONEBIT_BLOCK,
+                            s);
+}
+
+/* error += x; the sum of the squares of the result. */
+static double onebit_add_square(const float *restrict x, float *restrict error, int64_t n) {
+    double square = 0.0;
+#pragma omp simd reduction(+ : square)
+    for (int64_t i = 0; i < n; i++) {
+        float e = error[i] + x[i];
+        error[i] = e;
+        square += (double)e * e;
+    }
+    return square;
+}
+
+/* error += m x beta1 + weight x g (g NULL: m x beta1), the momentum fold (`momentum_fold`'s
+   arithmetic) added to the error without storing the folded momentum; the sum of squares. */
+static double onebit_fold_add_square(const float *restrict m, const float *restrict g, float *restrict error,
+                                     int64_t n, float beta1, float weight) {
+    double square = 0.0;
+    if (g == NULL) {
+#pragma omp simd reduction(+ : square)
+        for (int64_t i = 0; i < n; i++) {
+            float e = error[i] + m[i] * beta1;
+            error[i] = e;
+            square += (double)e * e;
+        }
+    } else {
+#pragma omp simd reduction(+ : square)
+        for (int64_t i = 0; i < n; i++) {
+            float e = error[i] + fmaf(g[i], weight, m[i] * beta1);
+            error[i] = e;
+            square += (double)e * e;
+        }
+    }
+    return square;
+}
+
+/* The worker's compression of x's elements [start, start + n) (n whole bytes) into
+   packed and *scale, with error feedback: error (indexed as x) first loses what the
+   previous compression of these elements lost (pending: its signs, NULL for none, at
+   pending_scale), then gains x. With segments, x is the momentum before the fold, which
+   this pass applies: segment k (bounds[2k] .. bounds[2k + 1], ascending, disjoint, flat
+   indices) folds its gradient grads[k] (its element 0 at bounds[2k]; 0: no gradient) with
+   beta1 = factors[2k], weight = factors[2k + 1]; elements of no segment (padding) enter as
+   they are. The folded momentum is never stored. */
+void onebit_worker_compress(const float *restrict x, float *restrict error, int64_t start, int64_t n,
+                            int64_t segments, const int64_t *restrict bounds, const int64_t *restrict grads,
+                            const float *restrict factors, const uint8_t *restrict pending, float pending_scale,
+                            uint8_t *restrict packed, float *scale) {
+    double square = 0.0;
+    int64_t k = 0;
+    for (int64_t block = 0; block < n; block += ONEBIT_BLOCK) { /* each block settled, added and signed in cache */
+        const int64_t count = n - block < ONEBIT_BLOCK ? n - block : ONEBIT_BLOCK;
+        const int64_t end = start + block + count;
+        float *restrict e = error + start + block;
+        if (pending != NULL)
+            onebit_settle_block(e, pending + block / 8, count, pending_scale);
+        for (int64_t at = start + block; at < end;) {
+            while (k < segments && bounds[2 * k + 1] <= at)
+                k++;
+            if (k == segments || bounds[2 * k] >= end) { /* no segment before the block's end */
+                square += onebit_add_square(x + at, error + at, end - at);
+                at = end;
+            } else if (bounds[2 * k] > at) { /* a gap before the segment */
+                square += onebit_add_square(x + at, error + at, bounds[2 * k] - at);
+                at = bounds[2 * k];
+            } else {
+                const int64_t until = bounds[2 * k + 1] < end ? bounds[2 * k + 1] : end;
+                const float *g = grads[k] ? (const float *)(intptr_t)grads[k] + (at - bounds[2 * k]) : NULL;
+                square += onebit_fold_add_square(x + at, g, error + at, until - at, factors[2 * k],
+                                                 factors[2 * k + 1]);
+                at = until;
+            }
+        }
+        uint8_t positive[ONEBIT_BLOCK];
+        for (int64_t j = 0; j < count; j++)
+            positive[j] = e[j] >= 0.0f;
+        onebit_pack(positive, count, packed + block / 8);
+    }
+    /* the norm from a double sum, rounded to fp32, divided as torch divides an fp32 norm by
+       the Python float sqrt(n) */
+    *scale = (float)sqrt(square) / (float)sqrt((double)n);
+}
+
+/* The server's compression of the average of the received rows (their signs at their
+   scales summed in row order, each added to the sum so far as torch's add with alpha adds
+   it, then divided by the row count; never stored), with error feedback as the worker's. */
+void onebit_server_compress(const uint8_t *restrict incoming, int64_t stride, const float *restrict scales,
+                            int64_t rows, int64_t n, float *restrict error, const uint8_t *restrict pending,
+                            float pending_scale, uint8_t *restrict packed, float *scale) {
     const float count = (float)rows;
     double square = 0.0;
-    for (int64_t start = 0; start < n; start += ONEBIT_BLOCK) { /* the average a block at a time, in cache */
-        const int64_t length = n - start < ONEBIT_BLOCK ? n - start : ONEBIT_BLOCK;
+    for (int64_t block = 0; block < n; block += ONEBIT_BLOCK) {
+        const int64_t length = n - block < ONEBIT_BLOCK ? n - block : ONEBIT_BLOCK;
+        float *restrict e = error + block;
+        if (pending != NULL)
+            onebit_settle_block(e, pending + block / 8, length, pending_scale);
         uint8_t positive[ONEBIT_BLOCK];
         float sum[ONEBIT_BLOCK];
-        onebit_unpack(incoming + start / 8, 0, length, positive);
+        onebit_unpack(incoming + block / 8, 0, length, positive);
         const float first = scales[0];
         for (int64_t j = 0; j < length; j++)
             sum[j] = positive[j] ? first : -first;
         for (int64_t r = 1; r < rows; r++) {
-            onebit_unpack(incoming + r * stride + start / 8, 0, length, positive);
+            onebit_unpack(incoming + r * stride + block / 8, 0, length, positive);
             const float s = scales[r];
             for (int64_t j = 0; j < length; j++)
                 sum[j] += positive[j] ? s : -s;
         }
-        float *restrict e = error + start;
 #pragma omp simd reduction(+ : square)
         for (int64_t j = 0; j < length; j++) {
             float value = e[j] + sum[j] / count;
             e[j] = value;
             square += (double)value * value;
         }
+        for (int64_t j = 0; j < length; j++)
+            positive[j] = e[j] >= 0.0f;
+        onebit_pack(positive, length, packed + block / 8);
     }
-    *scale = onebit_signs(error, n, packed, square);
+    *scale = (float)sqrt(square) / (float)sqrt((double)n);
 }
 
 /* The gathered signs of flat elements [start, start + n) decoded into m (m[0] is element

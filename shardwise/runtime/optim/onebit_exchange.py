@@ -3,18 +3,21 @@ native kernels (optim/native.py), for 1-bit Adam and 1-bit LAMB on CPU.
 
 In torch operations the exchange makes over a dozen passes over the momentum (the error
 added, a norm, a comparison, the packing multiply, the signs decoded into a scratch
-vector, the error taken off, the server's sum, its own compression, the final decode);
-here the worker makes two (the error added with its norm, then the signs packed with the
-error's update), the server two over its chunk (the received signs' average added to its
-error with the norm, then its signs), and the decode one. The decode is the caller's:
-`exchange_` hands back the gathered signs, so 1-bit Adam decodes them in its update's
-pass; and given the momentum fold (`MomentumFolds`), the worker's first pass folds each
-rank's gradient into the momentum as it adds it to the error, so the folded momentum is
-never written. The messages are byte for byte the torch path's form (each rank's packed
-signs followed by its fp32 scale), so the exchange's bytes are those
-`onebit_exchange_bytes` counts; the arithmetic is the same but for the norms, summed
-here in double: a scale may differ in its last bit, and an element exactly at a sign's
-tie may then fall the other way.
+vector, the error taken off, the server's sum, its own compression, the final decode).
+Here each compression is one pass: the signs do not depend on the scale, so they are
+packed in the pass that adds the input to the error buffer and sums its squares, and
+what the compression loses (±scale per element, known once that pass has the norm) is
+taken off in the next call's pass, from the message kept since. The worker makes that
+one pass over the vector, the server one over its chunk (the received signs' average
+added to its error as it goes), and the decode is the caller's: `exchange_` hands back
+the gathered signs, so 1-bit Adam decodes them in its update's pass; and given the
+momentum fold (`MomentumFolds`), the worker's pass folds each rank's gradient into the
+momentum as it adds it to the error, so the folded momentum is never written. The
+messages are byte for byte the torch path's form (each rank's packed signs followed by
+its fp32 scale), so the exchange's bytes are those `onebit_exchange_bytes` counts; the
+arithmetic is the same, in the same order, but for the norms, summed here in double: a
+scale may differ in its last bit, and an element exactly at a sign's tie may then fall
+the other way.
 """
 
 from __future__ import annotations
@@ -23,6 +26,7 @@ from dataclasses import dataclass
 
 import torch
 
+from shardwise.runtime.distributed.collectives import Communicator
 from shardwise.runtime.distributed.compressed import BITS, SCALE_BYTES, CompressedAllReduce
 from shardwise.runtime.optim import native
 
@@ -100,11 +104,46 @@ class AdamUpdates:
 class NativeCompressedAllReduce(CompressedAllReduce):
     """The same exchange and error-feedback buffers; fp32 CPU vectors go through the
     kernels, anything else (GPU, no compiler, `SHARDWISE_NATIVE_OPTIM=0`) through the
-    torch path."""
+    torch path.
+
+    Each compression is one pass (native_kernels.c): what it loses is taken off its error
+    buffer in the next call's pass, from the message it sent, kept until then. Reading
+    `worker_error` or `server_error` takes it off first, so they read as the torch path's."""
+
+    def __init__(self, communicator: Communicator, numel: int, device: torch.device):
+        self._worker_pending: tuple[torch.Tensor, list[float]] | None = None  # sent signs and scales, per chunk
+        self._server_pending: tuple[torch.Tensor, float] | None = None
+        super().__init__(communicator, numel, device)
+
+    @property
+    def worker_error(self) -> torch.Tensor:
+        if self._worker_pending is not None:
+            outgoing, scales = self._worker_pending
+            self._worker_pending = None
+            for rank, scale in enumerate(scales):
+                native.library().onebit_settle(self._worker_error.data_ptr() + 4 * rank * self.chunk, self.chunk,
+                                               outgoing[rank].data_ptr(), scale)
+        return self._worker_error
+
+    @worker_error.setter
+    def worker_error(self, value: torch.Tensor) -> None:
+        self._worker_error, self._worker_pending = value, None
+
+    @property
+    def server_error(self) -> torch.Tensor:
+        if self._server_pending is not None:
+            shard, scale = self._server_pending
+            self._server_pending = None
+            native.library().onebit_settle(self._server_error.data_ptr(), self.chunk, shard.data_ptr(), scale)
+        return self._server_error
+
+    @server_error.setter
+    def server_error(self, value: torch.Tensor) -> None:
+        self._server_error, self._server_pending = value, None
 
     def takes(self, vector: torch.Tensor) -> bool:
         """Whether the kernels can exchange `vector`."""
-        return vector.dtype == torch.float32 and native.enabled() and native.takes(vector, self.worker_error)
+        return vector.dtype == torch.float32 and native.enabled() and native.takes(vector, self._worker_error)
 
     def all_reduce_(self, vector: torch.Tensor, what: str) -> torch.Tensor:
         if not self.takes(vector):
@@ -115,22 +154,21 @@ class NativeCompressedAllReduce(CompressedAllReduce):
     def exchange_(self, vector: torch.Tensor, what: str, folds: MomentumFolds | None = None) -> GatheredSigns:
         """The compressed average of `vector` (the caller checked `takes`), its signs not yet
         decoded; with `folds`, `vector` is the momentum before this rank's fold, which the
-        worker's first pass applies. `vector` itself is left as it is."""
+        worker's pass applies. `vector` itself is left as it is."""
         library, ranks, chunk = native.library(), self.communicator.size, self.chunk
         width = chunk // BITS
         frame = width + SCALE_BYTES  # one rank's message: its packed signs, then its scale
         outgoing = torch.empty(ranks, frame, dtype=torch.uint8)
         scales = torch.empty(ranks, dtype=torch.float32)
+        pending, pending_scales = self._worker_pending or (None, [0.0] * ranks)
+        segments = (0, None, None, None) if folds is None else (
+            folds.bounds.shape[0], folds.bounds.data_ptr(), folds.grads.data_ptr(), folds.factors.data_ptr())
         for rank in range(ranks):  # worker: chunk `rank` of x + e goes to rank `rank`
-            at = rank * chunk
-            if folds is None:
-                library.onebit_compress(vector.data_ptr() + 4 * at, self.worker_error.data_ptr() + 4 * at, chunk,
-                                        outgoing.data_ptr() + rank * frame, scales.data_ptr() + 4 * rank)
-            else:
-                library.onebit_fold_compress(vector.data_ptr(), self.worker_error.data_ptr(), at, chunk,
-                                             folds.bounds.shape[0], folds.bounds.data_ptr(), folds.grads.data_ptr(),
-                                             folds.factors.data_ptr(), outgoing.data_ptr() + rank * frame,
-                                             scales.data_ptr() + 4 * rank)
+            library.onebit_worker_compress(vector.data_ptr(), self._worker_error.data_ptr(), rank * chunk, chunk,
+                                           *segments, None if pending is None else pending[rank].data_ptr(),
+                                           pending_scales[rank], outgoing.data_ptr() + rank * frame,
+                                           scales.data_ptr() + 4 * rank)
+        self._worker_pending = (outgoing, scales.tolist())
         outgoing[:, width:] = scales.view(ranks, 1).view(torch.uint8)
         incoming = torch.empty_like(outgoing)
         self.communicator.all_to_all(incoming, outgoing, f"1-bit {what} (worker signs and scales)").wait()
@@ -138,8 +176,12 @@ class NativeCompressedAllReduce(CompressedAllReduce):
         received_scales = incoming[:, width:].contiguous().view(torch.float32)  # server: chunk `rank`
         shard = torch.empty(frame, dtype=torch.uint8)
         server_scale = torch.empty(1, dtype=torch.float32)
-        library.onebit_average_compress(incoming.data_ptr(), frame, received_scales.data_ptr(), ranks, chunk,
-                                        self.server_error.data_ptr(), shard.data_ptr(), server_scale.data_ptr())
+        shard_pending, shard_pending_scale = self._server_pending or (None, 0.0)
+        library.onebit_server_compress(incoming.data_ptr(), frame, received_scales.data_ptr(), ranks, chunk,
+                                       self._server_error.data_ptr(),
+                                       None if shard_pending is None else shard_pending.data_ptr(),
+                                       shard_pending_scale, shard.data_ptr(), server_scale.data_ptr())
+        self._server_pending = (shard, server_scale.item())
         shard[width:] = server_scale.view(torch.uint8)
         gathered = torch.empty(ranks, frame, dtype=torch.uint8)
         self.communicator.all_gather(gathered.view(-1), shard, f"1-bit {what} (server signs and scales)").wait()

@@ -269,3 +269,38 @@ def test_fused_onebit_adam_step_takes_the_torch_paths_step_and_sends_the_same_by
             assert record["volume"]["all_to_all"] == sent["all_to_all"]
             assert record["volume"]["all_gather"] == sent["all_gather"]
             assert record["volume"]["all_reduce"] == 0
+
+
+def _lazy_and_settled_on_ranks(rank: int, world_size: int) -> dict:
+    """Two native exchanges over the same calls: one whose error buffers are read (so
+    settled) after every call, one read only at the end."""
+    import torch.distributed as dist
+
+    from shardwise.runtime.distributed.mesh import GroupHandle
+
+    handle = GroupHandle("data", tuple(range(world_size)), rank, dist.group.WORLD, dist.group.WORLD)
+    lazy = NativeCompressedAllReduce(Communicator(handle, CommStats()), NATIVE_LENGTH, torch.device("cpu"))
+    settled = NativeCompressedAllReduce(Communicator(handle, CommStats()), NATIVE_LENGTH, torch.device("cpu"))
+    lazy_results, settled_results = [], []
+    for call in range(CALLS + 1):
+        vector = torch.randn(NATIVE_LENGTH, generator=torch.Generator().manual_seed(10 * call + rank))
+        lazy_results.append(lazy.all_reduce_(vector.clone(), "read at the end").clone())
+        settled_results.append(settled.all_reduce_(vector.clone(), "read every call").clone())
+        settled.worker_error, settled.server_error  # what the call lost, taken off now
+    return {"lazy": lazy_results, "settled": settled_results,
+            "lazy_errors": (lazy.worker_error.clone(), lazy.server_error.clone()),
+            "settled_errors": (settled.worker_error.clone(), settled.server_error.clone())}
+
+
+def test_native_exchange_takes_off_what_a_compression_lost_in_the_next_call_exactly():
+    """The kernels take what a compression lost off its error buffer in the next call's
+    pass (or when the buffer is read): the same operations as taking it off at once, so
+    results and buffers equal, bit for bit, an exchange whose buffers are read (settled)
+    after every call."""
+    if native.library() is None:
+        pytest.skip("no C compiler: the kernels cannot be built here")
+    for output in run_distributed(_lazy_and_settled_on_ranks, 2):
+        for call, (lazy, settled) in enumerate(zip(output["lazy"], output["settled"])):
+            assert torch.equal(lazy, settled), f"call {call}"
+        for lazy, settled in zip(output["lazy_errors"], output["settled_errors"]):
+            assert torch.equal(lazy, settled)
