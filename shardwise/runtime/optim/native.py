@@ -56,6 +56,7 @@ _SIGNATURES = {
     "onebit_decode_adam_apply": [_P, _L, _P, _L, _P, _L, _P, _P, _P],
     "momentum_fold": [_P, _P, _L, _F, _F],
     "onebit_lamb_statistics": [_P, _P, _P, _P, _P, _L, _F, _F, _F, _F, _F, _I, _F, _P],
+    "onebit_lamb_decode_statistics": [_P, _L, _P, _L, _L, _P, _P, _P, _P, _L, _F, _F, _F, _F, _F, _I, _F, _P],
 }
 # Kernels that return a value (the others return nothing), where the library has them:
 # `use_avx512` exists only where the compiler targets x86-64.

@@ -954,10 +954,10 @@ void momentum_fold(float *restrict m, const float *restrict g, int64_t n, float 
    max(out[0], max of d(v) / d(f)) with d Adam's denominator (NaN kept, as torch's max
    keeps it); with weight decay, out[1] += sum p^2 and out[2] += sum u^2 of p = m / d(v)
    and u = p + weight_decay w. */
-void onebit_lamb_statistics(const float *restrict param, const float *restrict m, const float *restrict last,
-                            const float *restrict v, float *restrict fresh, int64_t n, float beta1,
-                            float one_minus_beta1, float beta2, float one_minus_beta2, float eps,
-                            int eps_inside_sqrt, float weight_decay, double *out) {
+static inline __attribute__((always_inline)) void onebit_lamb_statistics_body(
+    const float *restrict param, const float *restrict m, const float *restrict last, const float *restrict v,
+    float *restrict fresh, int64_t n, float beta1, float one_minus_beta1, float beta2, float one_minus_beta2, float eps,
+    int eps_inside_sqrt, int decay, float weight_decay, double *out) {
     float maximum = -INFINITY;
     int nan = 0;
     double preliminary_square = 0.0, update_square = 0.0;
@@ -970,15 +970,65 @@ void onebit_lamb_statistics(const float *restrict param, const float *restrict m
         float ratio = d / (eps_inside_sqrt ? sqrtf(f + eps) : sqrtf(f) + eps);
         maximum = maximum > ratio ? maximum : ratio;
         nan |= ratio != ratio;
-        float p = m[i] / d;
-        float u = fmaf(param[i], weight_decay, p);
-        preliminary_square += (double)p * p;
-        update_square += (double)u * u;
+        if (decay) { /* the norms only weight decay needs: without it, no third division */
+            float p = m[i] / d;
+            float u = fmaf(param[i], weight_decay, p);
+            preliminary_square += (double)p * p;
+            update_square += (double)u * u;
+        }
     }
     double found = nan ? NAN : (double)maximum;
     out[0] = out[0] != out[0] || found != found ? NAN : (found > out[0] ? found : out[0]);
-    if (weight_decay != 0.0f) {
+    if (decay) {
         out[1] += preliminary_square;
         out[2] += update_square;
+    }
+}
+
+void onebit_lamb_statistics(const float *restrict param, const float *restrict m, const float *restrict last,
+                            const float *restrict v, float *restrict fresh, int64_t n, float beta1,
+                            float one_minus_beta1, float beta2, float one_minus_beta2, float eps,
+                            int eps_inside_sqrt, float weight_decay, double *out) {
+    /* one loop per case, each vectorised without a branch */
+#define ONEBIT_LAMB_STATISTICS(inside, decay)                                                                          \
+    onebit_lamb_statistics_body(param, m, last, v, fresh, n, beta1, one_minus_beta1, beta2, one_minus_beta2, eps,      \
+                                inside, decay, weight_decay, out)
+    if (weight_decay != 0.0f) {
+        if (eps_inside_sqrt)
+            ONEBIT_LAMB_STATISTICS(1, 1);
+        else
+            ONEBIT_LAMB_STATISTICS(0, 1);
+    } else {
+        if (eps_inside_sqrt)
+            ONEBIT_LAMB_STATISTICS(1, 0);
+        else
+            ONEBIT_LAMB_STATISTICS(0, 0);
+    }
+#undef ONEBIT_LAMB_STATISTICS
+}
+
+/* 1-bit LAMB's statistics pass with the decode of the gathered signs (as
+   `onebit_decode_apply`): m, a tensor's view of the flat momentum from flat index start,
+   holds the previous momentum, read as `last` block by block and overwritten by the
+   average, so the previous momentum needs no copy and the average no second pass. */
+void onebit_lamb_decode_statistics(const uint8_t *restrict packed, int64_t stride, const float *restrict scales,
+                                   int64_t chunk, int64_t start, const float *restrict param, float *restrict m,
+                                   const float *restrict v, float *restrict fresh, int64_t n, float beta1,
+                                   float one_minus_beta1, float beta2, float one_minus_beta2, float eps,
+                                   int eps_inside_sqrt, float weight_decay, double *out) {
+    for (int64_t i = 0; i < n;) { /* blocks within one rank's chunk */
+        const int64_t flat = start + i, r = flat / chunk, first = flat % chunk;
+        int64_t length = n - i < chunk - first ? n - i : chunk - first;
+        length = length < ONEBIT_BLOCK ? length : ONEBIT_BLOCK;
+        uint8_t positive[ONEBIT_BLOCK];
+        float average[ONEBIT_BLOCK];
+        onebit_unpack(packed + r * stride, first, length, positive);
+        const float s = scales[r];
+        for (int64_t j = 0; j < length; j++)
+            average[j] = positive[j] ? s : -s;
+        onebit_lamb_statistics(param + i, average, m + i, v + i, fresh + i, length, beta1, one_minus_beta1, beta2,
+                               one_minus_beta2, eps, eps_inside_sqrt, weight_decay, out);
+        memcpy(m + i, average, (size_t)length * sizeof(float));
+        i += length;
     }
 }

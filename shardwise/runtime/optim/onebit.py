@@ -259,12 +259,10 @@ class OneBitOptimizer(ShardAwareOptimizer):
         flat momentum (`decode_untrained_` for the padding), in its own pass over the
         momentum. None: the momentum is already the average."""
         momentum = self.momentum_flat()
-        if self.workers > 1 and self._partitions is None:
-            exchange = self._exchange_of(momentum)
-            if exchange.takes(momentum) and native_takes(*(param.grad for param in self._params())):
-                folds = MomentumFolds.of([(start, param.numel(), param.grad, group["betas"][0])
-                                          for param, group, start in self.momentum_layout()])
-                return exchange.exchange_(momentum, "momentum", folds)
+        if self.fuses_exchange():
+            folds = MomentumFolds.of([(start, param.numel(), param.grad, group["betas"][0])
+                                      for param, group, start in self.momentum_layout()])
+            return self._exchange_of(momentum).exchange_(momentum, "momentum", folds)
         if self._partitions is not None:
             self._partitions.fold_(momentum, lambda group: self.param_groups[group]["betas"][0], self._grad_scale)
         else:
@@ -282,6 +280,14 @@ class OneBitOptimizer(ShardAwareOptimizer):
         if self.workers > 1:
             self._exchange_of(momentum).all_reduce_(momentum, "momentum")
         return None
+
+    def fuses_exchange(self) -> bool:
+        """Whether `fold_and_exchange_signs` fuses (stage 0, several workers, the momentum
+        and every gradient fp32 CPU tensors the kernels take)."""
+        if self.workers == 1 or self._partitions is not None:
+            return False
+        momentum = self.momentum_flat()
+        return self._exchange_of(momentum).takes(momentum) and native_takes(*(param.grad for param in self._params()))
 
     def decode_untrained_(self, gathered: GatheredSigns) -> None:
         """The flat momentum's elements that no trained tensor views (stage 0: the padding

@@ -33,6 +33,7 @@ from shardwise.formulas.memory import onebit_state_terms
 from shardwise.runtime.optim.lamb import MAIN_JOB_LR
 from shardwise.runtime.optim import native
 from shardwise.runtime.optim.onebit import ZERO_STAGES, OneBitCodec, OneBitOptimizer, main_job_params, native_takes
+from shardwise.runtime.optim.onebit_exchange import GatheredSigns
 from shardwise.runtime.optim.onebit_adam import (OneBitAdamParams, adam_step_size, adam_update_, refuse_unsupported,
                                                  variance_denominator, warm_up_moments)
 from shardwise.runtime.optim.params import param
@@ -114,39 +115,22 @@ class OneBitLamb(OneBitOptimizer):
     def _compressed_step(self, step: int) -> None:
         """Two passes over the trained tensors: the statistics of each parameter's factor
         (its elements' maximum and, with weight decay, two norms), completed over the
-        ranks holding other pieces of it in one reduction each; then the update."""
-        own, _ = self.own_momentum()
-        previous = own.clone()  # m_{t-1}: the gradient is reconstructed from it
-        self.fold_and_exchange()
+        ranks holding other pieces of it in one reduction each; then the update. Where
+        the exchange fuses (optim/onebit.py `fold_and_exchange_signs`), the first pass
+        also decodes the averaged momentum over the previous one, which it reads as it
+        goes: no copy of it is made."""
+        for param in self._params():
+            state = self.state[param]
+            if "exp_avg_sq_fresh" not in state:
+                state["exp_avg_sq_fresh"] = state["exp_avg_sq"].clone()
+                state["last_factor"] = 1.0
         # per parameter: the largest variance factor, and (with weight decay) ||m / d||² and ||u||²
-        statistics = torch.zeros(self.parameter_count, 3, dtype=torch.float64, device=own.device)
-        for group in self.param_groups:
-            beta1, beta2 = group["betas"]
-            for param in group["params"]:
-                state = self.state[param]
-                if "exp_avg_sq_fresh" not in state:
-                    state["exp_avg_sq_fresh"] = state["exp_avg_sq"].clone()
-                    state["last_factor"] = 1.0
-                momentum, variance, fresh = state["exp_avg"], state["exp_avg_sq"], state["exp_avg_sq_fresh"]
-                offset = (momentum.data_ptr() - own.data_ptr()) // momentum.element_size()
-                last = previous[offset : offset + param.numel()].view_as(param)
-                index = self.shard_of(param).index
-                if native_takes(param, momentum, last, variance, fresh):  # one pass (optim/native.py)
-                    native.library().onebit_lamb_statistics(
-                        param.data_ptr(), momentum.data_ptr(), last.data_ptr(), variance.data_ptr(), fresh.data_ptr(),
-                        param.numel(), beta1, 1 - beta1, beta2, 1 - beta2, group["eps"], group["eps_inside_sqrt"],
-                        group["weight_decay"], statistics.data_ptr() + statistics.element_size() * 3 * index)
-                    continue
-                gradient = (momentum - beta1 * last) / (1 - beta1)
-                fresh.mul_(beta2).addcmul_(gradient, gradient, value=1 - beta2)
-                denominator = variance_denominator(group, variance)
-                ratio = (denominator / variance_denominator(group, fresh)).max().double()
-                statistics[index, 0] = torch.maximum(statistics[index, 0], ratio)
-                if group["weight_decay"]:
-                    preliminary = momentum / denominator
-                    update = preliminary.add(param, alpha=group["weight_decay"])
-                    statistics[index, 1] += torch.linalg.vector_norm(preliminary).double().square()
-                    statistics[index, 2] += torch.linalg.vector_norm(update).double().square()
+        statistics = torch.zeros(self.parameter_count, 3, dtype=torch.float64, device=self._params()[0].device)
+        if self.fuses_exchange() and native_takes(*self._params(), *(
+                self.state[param][key] for param in self._params() for key in ("exp_avg_sq", "exp_avg_sq_fresh"))):
+            self._decode_statistics(self.fold_and_exchange_signs(), statistics)
+        else:
+            self._statistics(statistics)
         maxima = statistics[:, 0].contiguous()
         if self._partitions is not None:  # pieces of one parameter on several ranks
             self._communicator.control_all_reduce(maxima, "1-bit LAMB variance factors (maxima)", op=dist.ReduceOp.MAX)
@@ -174,6 +158,50 @@ class OneBitLamb(OneBitOptimizer):
                     update.add_(param, alpha=group["weight_decay"])
                 param.add_(update, alpha=scale)
 
+
+    def _decode_statistics(self, gathered: GatheredSigns, statistics: torch.Tensor) -> None:
+        """The statistics pass with the decode of the averaged momentum (native_kernels.c
+        `onebit_lamb_decode_statistics`), then the padding's decode."""
+        for param, group, start in self.momentum_layout():
+            state = self.state[param]
+            beta1, beta2 = group["betas"]
+            native.library().onebit_lamb_decode_statistics(
+                gathered.packed.data_ptr(), gathered.packed.shape[1], gathered.scales.data_ptr(), gathered.chunk,
+                start, param.data_ptr(), state["exp_avg"].data_ptr(), state["exp_avg_sq"].data_ptr(),
+                state["exp_avg_sq_fresh"].data_ptr(), param.numel(), beta1, 1 - beta1, beta2, 1 - beta2,
+                group["eps"], group["eps_inside_sqrt"], group["weight_decay"],
+                statistics.data_ptr() + statistics.element_size() * 3 * self.shard_of(param).index)
+        self.decode_untrained_(gathered)
+
+    def _statistics(self, statistics: torch.Tensor) -> None:
+        """The statistics pass after the exchange, from a copy of the previous momentum."""
+        own, _ = self.own_momentum()
+        previous = own.clone()  # m_{t-1}: the gradient is reconstructed from it
+        self.fold_and_exchange()
+        for group in self.param_groups:
+            beta1, beta2 = group["betas"]
+            for param in group["params"]:
+                state = self.state[param]
+                momentum, variance, fresh = state["exp_avg"], state["exp_avg_sq"], state["exp_avg_sq_fresh"]
+                offset = (momentum.data_ptr() - own.data_ptr()) // momentum.element_size()
+                last = previous[offset : offset + param.numel()].view_as(param)
+                index = self.shard_of(param).index
+                if native_takes(param, momentum, last, variance, fresh):  # one pass (optim/native.py)
+                    native.library().onebit_lamb_statistics(
+                        param.data_ptr(), momentum.data_ptr(), last.data_ptr(), variance.data_ptr(), fresh.data_ptr(),
+                        param.numel(), beta1, 1 - beta1, beta2, 1 - beta2, group["eps"], group["eps_inside_sqrt"],
+                        group["weight_decay"], statistics.data_ptr() + statistics.element_size() * 3 * index)
+                    continue
+                gradient = (momentum - beta1 * last) / (1 - beta1)
+                fresh.mul_(beta2).addcmul_(gradient, gradient, value=1 - beta2)
+                denominator = variance_denominator(group, variance)
+                ratio = (denominator / variance_denominator(group, fresh)).max().double()
+                statistics[index, 0] = torch.maximum(statistics[index, 0], ratio)
+                if group["weight_decay"]:
+                    preliminary = momentum / denominator
+                    update = preliminary.add(param, alpha=group["weight_decay"])
+                    statistics[index, 1] += torch.linalg.vector_norm(preliminary).double().square()
+                    statistics[index, 2] += torch.linalg.vector_norm(update).double().square()
 
     def _whole_norms(self, *columns: list[tuple[torch.Tensor, torch.Tensor]]) -> torch.Tensor:
         """As `parameter_norms`, from each piece's fp32 norm (a float64 norm is about 25x
