@@ -113,6 +113,7 @@ class OneBitOptimizer(ShardAwareOptimizer):
         self._exchange: NativeCompressedAllReduce | None = None
         self._momentum: torch.Tensor | None = None
         self._first_view_ptr = -1
+        self._layout: list[tuple[torch.Tensor, dict[str, Any], int, dict[str, Any]]] | None = None
         self._partitions: MomentumPartitions | None = None  # stages 1-2: the whole momentum's layout
         self._grad_scale = 1.0  # stages 1-2: the scale the local gradients are folded with
 
@@ -216,6 +217,7 @@ class OneBitOptimizer(ShardAwareOptimizer):
             else:
                 self._momentum = self._stage0_momentum(params)
             self._first_view_ptr = self.state[params[0]]["exp_avg"].data_ptr()
+            self._layout = None
         return self._momentum
 
     def _stage0_momentum(self, params: list[torch.Tensor]) -> torch.Tensor:
@@ -261,7 +263,7 @@ class OneBitOptimizer(ShardAwareOptimizer):
         momentum = self.momentum_flat()
         if self.fuses_exchange():
             folds = MomentumFolds.of([(start, param.numel(), param.grad, group["betas"][0])
-                                      for param, group, start in self.momentum_layout()])
+                                      for param, group, start, _ in self.momentum_layout()])
             return self._exchange_of(momentum).exchange_(momentum, "momentum", folds)
         if self._partitions is not None:
             self._partitions.fold_(momentum, lambda group: self.param_groups[group]["betas"][0], self._grad_scale)
@@ -295,11 +297,15 @@ class OneBitOptimizer(ShardAwareOptimizer):
         trained = self._trained_numel()
         gathered.decode_(self.momentum_flat()[trained:], trained)
 
-    def momentum_layout(self) -> list[tuple[torch.Tensor, dict[str, Any], int]]:
-        """(trained tensor, its param group, the flat index of its first momentum element)."""
-        base = self.momentum_flat().data_ptr()
-        return [(param, group, (self.state[param]["exp_avg"].data_ptr() - base) // 4)
-                for group in self.param_groups for param in group["params"]]
+    def momentum_layout(self) -> list[tuple[torch.Tensor, dict[str, Any], int, dict[str, Any]]]:
+        """(trained tensor, its param group, the flat index of its first momentum element,
+        its state) per trained tensor, kept while the flat momentum is."""
+        momentum = self.momentum_flat()
+        if self._layout is None:
+            base = momentum.data_ptr()
+            self._layout = [(param, group, (self.state[param]["exp_avg"].data_ptr() - base) // 4, self.state[param])
+                            for group in self.param_groups for param in group["params"]]
+        return self._layout
 
     def _exchange_of(self, momentum: torch.Tensor) -> NativeCompressedAllReduce:
         if self._exchange is None:

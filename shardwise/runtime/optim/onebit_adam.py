@@ -96,14 +96,14 @@ class OneBitAdam(OneBitOptimizer):
         onebit_exchange.py), and the padding decoded; False where the kernels
         cannot take a tensor (the momentum then decoded alone)."""
         layout = self.momentum_layout()
-        if not native_takes(*(param for param, _, _ in layout), *(self.state[param]["exp_avg_sq"]
-                                                                 for param, _, _ in layout)):
+        variances = [state["exp_avg_sq"] for _, _, _, state in layout]
+        if not native_takes(*(param for param, _, _, _ in layout), *variances):
             gathered.decode_(self.momentum_flat(), 0)
             return False
         sizes = {id(group): adam_step_size(group, step, self.freeze_step) for group in self.param_groups}
         gathered.decode_adam_update_(self.momentum_flat(), AdamUpdates.of([
-            (start, self.state[param]["exp_avg_sq"], param, -sizes[id(group)], group["eps"], group["weight_decay"],
-             group["eps_inside_sqrt"]) for param, group, start in layout]))
+            (start, variance, param, -sizes[id(group)], group["eps"], group["weight_decay"], group["eps_inside_sqrt"])
+            for (param, group, start, _), variance in zip(layout, variances)]))
         self.decode_untrained_(gathered)
         return True
 

@@ -162,8 +162,7 @@ class OneBitLamb(OneBitOptimizer):
     def _decode_statistics(self, gathered: GatheredSigns, statistics: torch.Tensor) -> None:
         """The statistics pass with the decode of the averaged momentum (native_kernels.c
         `onebit_lamb_decode_statistics`), then the padding's decode."""
-        for param, group, start in self.momentum_layout():
-            state = self.state[param]
+        for param, group, start, state in self.momentum_layout():
             beta1, beta2 = group["betas"]
             native.library().onebit_lamb_decode_statistics(
                 gathered.packed.data_ptr(), gathered.packed.shape[1], gathered.scales.data_ptr(), gathered.chunk,
