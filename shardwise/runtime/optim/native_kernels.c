@@ -1007,13 +1007,15 @@ void onebit_lamb_statistics(const float *restrict param, const float *restrict m
 #undef ONEBIT_LAMB_STATISTICS
 }
 
-/* 1-bit LAMB's statistics pass with the decode of the gathered signs (as
-   `onebit_decode_apply`): m, a tensor's view of the flat momentum from flat index start,
-   holds the previous momentum, read as `last` block by block and overwritten by the
-   average, so the previous momentum needs no copy and the average no second pass. */
+/* 1-bit LAMB's statistics pass on the gathered signs: the average decoded block by block
+   (as `onebit_decode_apply`) into a buffer in cache, against the previous momentum m (a
+   tensor's view of the flat momentum from flat index start), which is only read: the
+   average is written by the update's pass (`onebit_decode_adam_apply`), so the previous
+   momentum needs no copy. */
 void onebit_lamb_decode_statistics(const uint8_t *restrict packed, int64_t stride, const float *restrict scales,
-                                   int64_t chunk, int64_t start, const float *restrict param, float *restrict m,
-                                   const float *restrict v, float *restrict fresh, int64_t n, float beta1,
+                                   int64_t chunk, int64_t start, const float *restrict param,
+                                   const float *restrict m, const float *restrict v, float *restrict fresh, int64_t n,
+                                   float beta1,
                                    float one_minus_beta1, float beta2, float one_minus_beta2, float eps,
                                    int eps_inside_sqrt, float weight_decay, double *out) {
     for (int64_t i = 0; i < n;) { /* blocks within one rank's chunk */
@@ -1028,7 +1030,6 @@ void onebit_lamb_decode_statistics(const uint8_t *restrict packed, int64_t strid
             average[j] = positive[j] ? s : -s;
         onebit_lamb_statistics(param + i, average, m + i, v + i, fresh + i, length, beta1, one_minus_beta1, beta2,
                                one_minus_beta2, eps, eps_inside_sqrt, weight_decay, out);
-        memcpy(m + i, average, (size_t)length * sizeof(float));
         i += length;
     }
 }
