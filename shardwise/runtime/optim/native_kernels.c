@@ -836,7 +836,13 @@ void adafactor_vector_apply(float *restrict param, const float *restrict grad, c
 /* 1-bit compression (distributed/compressed.py's arithmetic, for optim/onebit_exchange.py):
    x's signs, 8 per byte (the first element in the highest bit, 1 for >= 0), at the scale
    ||x|| / sqrt(n) that gives them x's L2 norm; signs decoded as +-scale, exactly as
-   torch's (+-1) x scale. */
+   torch's (+-1) x scale.
+
+   One pass per compression: the signs do not depend on the scale, so they are packed in
+   the pass that adds the input to the error buffer and sums its squares; what the
+   compression loses (error -= +-scale) is taken off in the next compression's pass (or by
+   `onebit_settle` when the buffer is read), from the signs and scale the caller keeps:
+   the same operations in the same order as the torch path's, one pass later. */
 
 #define ONEBIT_BLOCK 1024
 /* 8 bytes of 0/1 read as a little-endian word, times this, have byte i's bit at bit 63 - i
@@ -844,91 +850,226 @@ void adafactor_vector_apply(float *restrict param, const float *restrict grad, c
    top byte). On a little-endian host; a big-endian one packs bit by bit. */
 #define PACK_MULTIPLIER 0x8040201008040201ull
 
-/* error += x (x NULL: as it is); *scale = ||error|| / sqrt(n) (the norm from a double sum,
-   rounded to fp32, divided as torch divides an fp32 norm by the Python float sqrt(n));
-   packed = error's signs; error -= +-scale, what the compression loses. n: whole bytes. */
-void onebit_compress(const float *restrict x, float *restrict error, int64_t n, uint8_t *restrict packed,
-                     float *scale) {
+/* packed = positive's 0/1 bytes, 8 per byte (count: whole bytes). */
+static void onebit_pack(const uint8_t *restrict positive, int64_t count, uint8_t *restrict packed) {
+    for (int64_t byte = 0; byte < count / 8; byte++) {
+#if __BYTE_ORDER__ == __ORDER_LITTLE_ENDIAN__
+        uint64_t word;
+        memcpy(&word, positive + 8 * byte, 8);
+        packed[byte] = (uint8_t)((word * PACK_MULTIPLIER) >> 56);
+#else
+        unsigned bits = 0;
+        for (int k = 0; k < 8; k++)
+            bits |= (unsigned)positive[8 * byte + k] << (7 - k);
+        packed[byte] = (uint8_t)bits;
+#endif
+    }
+}
+
+/* Every byte's eight signs as eight bytes of 0/1 (the first element's from the highest
+   bit), filled when the library is loaded: a block's signs are unpacked a word per byte,
+   then read as +-s by a loop the compiler vectorises (exact: +-s is +-1 x s). */
+static uint64_t bits_of_byte[256];
+
+__attribute__((constructor)) static void fill_bits_of_byte(void) {
+    for (int byte = 0; byte < 256; byte++) {
+        uint8_t bits[8];
+        for (int k = 0; k < 8; k++)
+            bits[k] = (byte >> (7 - k)) & 1;
+        memcpy(&bits_of_byte[byte], bits, 8);
+    }
+}
+
+/* positive[t] = bit first + t of row (the first element in the highest bit), t < n. */
+static void onebit_unpack(const uint8_t *restrict row, int64_t first, int64_t n, uint8_t *restrict positive) {
+    int64_t t = 0;
+    for (; t < n && (first + t) % 8; t++) /* to the next whole byte */
+        positive[t] = (row[(first + t) / 8] >> (7 - (first + t) % 8)) & 1;
+    for (; t + 8 <= n; t += 8)
+        memcpy(positive + t, &bits_of_byte[row[(first + t) / 8]], 8);
+    for (; t < n; t++)
+        positive[t] = (row[(first + t) / 8] >> (7 - (first + t) % 8)) & 1;
+}
+
+/* error -= +-s by the signs `pending` (count elements, whole bytes): what a compression lost. */
+static void onebit_settle_block(float *restrict error, const uint8_t *restrict pending, int64_t count, float s) {
+    uint8_t positive[ONEBIT_BLOCK];
+    onebit_unpack(pending, 0, count, positive);
+    for (int64_t j = 0; j < count; j++)
+        error[j] -= positive[j] ? s : -s;
+}
+
+/* error -= +-s by the signs `pending` of a compression of these n elements at scale s. */
+void onebit_settle(float *restrict error, int64_t n, const uint8_t *restrict pending, float s) {
+    for (int64_t start = 0; start < n; start += ONEBIT_BLOCK)
+        onebit_settle_block(error + start, pending + start / 8, n - start < ONEBIT_BLOCK ? n - start : ONEBIT_BLOCK,
+                            s);
+}
+
+/* error += x; the sum of the squares of the result. */
+static double onebit_add_square(const float *restrict x, float *restrict error, int64_t n) {
     double square = 0.0;
-    if (x != NULL) {
+#pragma omp simd reduction(+ : square)
+    for (int64_t i = 0; i < n; i++) {
+        float e = error[i] + x[i];
+        error[i] = e;
+        square += (double)e * e;
+    }
+    return square;
+}
+
+/* error += m x beta1 + weight x g (g NULL: m x beta1), the momentum fold (`momentum_fold`'s
+   arithmetic) added to the error without storing the folded momentum; the sum of squares. */
+static double onebit_fold_add_square(const float *restrict m, const float *restrict g, float *restrict error,
+                                     int64_t n, float beta1, float weight) {
+    double square = 0.0;
+    if (g == NULL) {
 #pragma omp simd reduction(+ : square)
         for (int64_t i = 0; i < n; i++) {
-            float e = error[i] + x[i];
+            float e = error[i] + m[i] * beta1;
             error[i] = e;
             square += (double)e * e;
         }
     } else {
 #pragma omp simd reduction(+ : square)
-        for (int64_t i = 0; i < n; i++)
-            square += (double)error[i] * error[i];
+        for (int64_t i = 0; i < n; i++) {
+            float e = error[i] + fmaf(g[i], weight, m[i] * beta1);
+            error[i] = e;
+            square += (double)e * e;
+        }
     }
-    const float s = (float)sqrt(square) / (float)sqrt((double)n);
-    *scale = s;
-    for (int64_t start = 0; start < n; start += ONEBIT_BLOCK) {
-        const int64_t count = n - start < ONEBIT_BLOCK ? n - start : ONEBIT_BLOCK;
-        float *restrict e = error + start;
+    return square;
+}
+
+/* The worker's compression of x's elements [start, start + n) (n whole bytes) into
+   packed and *scale, with error feedback: error (indexed as x) first loses what the
+   previous compression of these elements lost (pending: its signs, NULL for none, at
+   pending_scale), then gains x. With segments, x is the momentum before the fold, which
+   this pass applies: segment k (bounds[2k] .. bounds[2k + 1], ascending, disjoint, flat
+   indices) folds its gradient grads[k] (its element 0 at bounds[2k]; 0: no gradient) with
+   beta1 = factors[2k], weight = factors[2k + 1]; elements of no segment (padding) enter as
+   they are. The folded momentum is never stored. */
+void onebit_worker_compress(const float *restrict x, float *restrict error, int64_t start, int64_t n,
+                            int64_t segments, const int64_t *restrict bounds, const int64_t *restrict grads,
+                            const float *restrict factors, const uint8_t *restrict pending, float pending_scale,
+                            uint8_t *restrict packed, float *scale) {
+    double square = 0.0;
+    int64_t k = 0;
+    for (int64_t block = 0; block < n; block += ONEBIT_BLOCK) { /* each block settled, added and signed in cache */
+        const int64_t count = n - block < ONEBIT_BLOCK ? n - block : ONEBIT_BLOCK;
+        const int64_t end = start + block + count;
+        float *restrict e = error + start + block;
+        if (pending != NULL)
+            onebit_settle_block(e, pending + block / 8, count, pending_scale);
+        for (int64_t at = start + block; at < end;) {
+            while (k < segments && bounds[2 * k + 1] <= at)
+                k++;
+            if (k == segments || bounds[2 * k] >= end) { /* no segment before the block's end */
+                square += onebit_add_square(x + at, error + at, end - at);
+                at = end;
+            } else if (bounds[2 * k] > at) { /* a gap before the segment */
+                square += onebit_add_square(x + at, error + at, bounds[2 * k] - at);
+                at = bounds[2 * k];
+            } else {
+                const int64_t until = bounds[2 * k + 1] < end ? bounds[2 * k + 1] : end;
+                const float *g = grads[k] ? (const float *)(intptr_t)grads[k] + (at - bounds[2 * k]) : NULL;
+                square += onebit_fold_add_square(x + at, g, error + at, until - at, factors[2 * k],
+                                                 factors[2 * k + 1]);
+                at = until;
+            }
+        }
         uint8_t positive[ONEBIT_BLOCK];
-        for (int64_t j = 0; j < count; j++) { /* the signs, then what the compression loses */
+        for (int64_t j = 0; j < count; j++)
             positive[j] = e[j] >= 0.0f;
-            e[j] -= positive[j] ? s : -s;
-        }
-        for (int64_t byte = 0; byte < count / 8; byte++) { /* 8 bytes of 0/1 -> 1 byte, as torch packs */
-#if __BYTE_ORDER__ == __ORDER_LITTLE_ENDIAN__
-            uint64_t word;
-            memcpy(&word, positive + 8 * byte, 8);
-            packed[start / 8 + byte] = (uint8_t)((word * PACK_MULTIPLIER) >> 56);
-#else
-            unsigned bits = 0;
-            for (int k = 0; k < 8; k++)
-                bits |= (unsigned)positive[8 * byte + k] << (7 - k);
-            packed[start / 8 + byte] = (uint8_t)bits;
-#endif
-        }
+        onebit_pack(positive, count, packed + block / 8);
     }
+    /* the norm from a double sum, rounded to fp32, divided as torch divides an fp32 norm by
+       the Python float sqrt(n) */
+    *scale = (float)sqrt(square) / (float)sqrt((double)n);
 }
 
-/* Every byte's eight signs as +-1.0f (the first element in the highest bit), filled when
-   the library is loaded: decoding is a lookup and a multiply per element (exact: +-1 x s). */
-static float signs_of_byte[256][8];
-
-__attribute__((constructor)) static void fill_signs_of_byte(void) {
-    for (int byte = 0; byte < 256; byte++)
-        for (int k = 0; k < 8; k++)
-            signs_of_byte[byte][k] = (byte >> (7 - k)) & 1 ? 1.0f : -1.0f;
-}
-
-/* out = the rows' signs at their scales, row r (n elements, whole bytes) from packed + r x stride. */
-void onebit_decode(const uint8_t *restrict packed, int64_t stride, const float *restrict scales, int64_t rows,
-                   int64_t n, float *restrict out) {
-    for (int64_t r = 0; r < rows; r++) {
-        const uint8_t *restrict row = packed + r * stride;
-        const float s = scales[r];
-        for (int64_t byte = 0; byte < n / 8; byte++) {
-            const float *restrict signs = signs_of_byte[row[byte]];
-            float *restrict o = out + r * n + 8 * byte;
-            for (int k = 0; k < 8; k++)
-                o[k] = signs[k] * s;
-        }
-    }
-}
-
-/* out = (sum over the rows of their signs at their scales, in row order, each added to the
-   sum so far as torch's add with alpha adds it) / rows: the server's average, one pass. */
-void onebit_average(const uint8_t *restrict packed, int64_t stride, const float *restrict scales, int64_t rows,
-                    int64_t n, float *restrict out) {
+/* The server's compression of the average of the received rows (their signs at their
+   scales summed in row order, each added to the sum so far as torch's add with alpha adds
+   it, then divided by the row count; never stored), with error feedback as the worker's. */
+void onebit_server_compress(const uint8_t *restrict incoming, int64_t stride, const float *restrict scales,
+                            int64_t rows, int64_t n, float *restrict error, const uint8_t *restrict pending,
+                            float pending_scale, uint8_t *restrict packed, float *scale) {
     const float count = (float)rows;
-    for (int64_t byte = 0; byte < n / 8; byte++) {
-        float sum[8];
-        const float *restrict first = signs_of_byte[packed[byte]];
-        for (int k = 0; k < 8; k++)
-            sum[k] = first[k] * scales[0];
+    double square = 0.0;
+    for (int64_t block = 0; block < n; block += ONEBIT_BLOCK) {
+        const int64_t length = n - block < ONEBIT_BLOCK ? n - block : ONEBIT_BLOCK;
+        float *restrict e = error + block;
+        if (pending != NULL)
+            onebit_settle_block(e, pending + block / 8, length, pending_scale);
+        uint8_t positive[ONEBIT_BLOCK];
+        float sum[ONEBIT_BLOCK];
+        onebit_unpack(incoming + block / 8, 0, length, positive);
+        const float first = scales[0];
+        for (int64_t j = 0; j < length; j++)
+            sum[j] = positive[j] ? first : -first;
         for (int64_t r = 1; r < rows; r++) {
-            const float *restrict signs = signs_of_byte[packed[r * stride + byte]];
-            for (int k = 0; k < 8; k++)
-                sum[k] += signs[k] * scales[r];
+            onebit_unpack(incoming + r * stride + block / 8, 0, length, positive);
+            const float s = scales[r];
+            for (int64_t j = 0; j < length; j++)
+                sum[j] += positive[j] ? s : -s;
         }
-        for (int k = 0; k < 8; k++)
-            out[8 * byte + k] = sum[k] / count;
+#pragma omp simd reduction(+ : square)
+        for (int64_t j = 0; j < length; j++) {
+            float value = e[j] + sum[j] / count;
+            e[j] = value;
+            square += (double)value * value;
+        }
+        for (int64_t j = 0; j < length; j++)
+            positive[j] = e[j] >= 0.0f;
+        onebit_pack(positive, length, packed + block / 8);
+    }
+    *scale = (float)sqrt(square) / (float)sqrt((double)n);
+}
+
+/* The gathered signs of flat elements [start, start + n) decoded into m (m[0] is element
+   `start`; rank r's chunk of `chunk` elements from packed + r x stride at scales[r]), and,
+   with param non-NULL, 1-bit Adam's update in the same pass (`lamb_apply`'s arithmetic:
+   param += scale x (m / d(v) + weight_decay x param)): the decoded momentum read back by
+   no second pass. */
+void onebit_decode_apply(const uint8_t *restrict packed, int64_t stride, const float *restrict scales, int64_t chunk,
+                         int64_t start, int64_t n, float *restrict m, const float *restrict v, float *restrict param,
+                         float scale, float eps, float weight_decay, int eps_inside_sqrt) {
+    for (int64_t i = 0; i < n;) { /* blocks within one rank's chunk */
+        const int64_t flat = start + i, r = flat / chunk, first = flat % chunk;
+        int64_t length = n - i < chunk - first ? n - i : chunk - first;
+        length = length < ONEBIT_BLOCK ? length : ONEBIT_BLOCK;
+        uint8_t positive[ONEBIT_BLOCK];
+        onebit_unpack(packed + r * stride, first, length, positive);
+        const float s = scales[r];
+        float *restrict out = m + i;
+        if (param != NULL) {
+            float *restrict w = param + i;
+            const float *restrict variance = v + i;
+            for (int64_t j = 0; j < length; j++) {
+                const float momentum = positive[j] ? s : -s;
+                out[j] = momentum;
+                w[j] += adam_direction(w[j], momentum, variance[j], eps, weight_decay, eps_inside_sqrt) * scale;
+            }
+        } else {
+            for (int64_t j = 0; j < length; j++)
+                out[j] = positive[j] ? s : -s;
+        }
+        i += length;
+    }
+}
+
+/* `onebit_decode_apply` over 1-bit Adam's trained tensors in one call (no call per tensor
+   from Python): tensor k starts at flat index table[4k], has table[4k + 1] elements, its
+   variance at address table[4k + 2] and weights at table[4k + 3]; settings[3k .. 3k + 2]
+   its scale, eps and weight decay, eps_inside_sqrt[k] its flag; momentum the flat one. */
+void onebit_decode_adam_apply(const uint8_t *restrict packed, int64_t stride, const float *restrict scales,
+                              int64_t chunk, float *restrict momentum, int64_t tensors, const int64_t *restrict table,
+                              const float *restrict settings, const int32_t *restrict eps_inside_sqrt) {
+    for (int64_t k = 0; k < tensors; k++) {
+        const int64_t start = table[4 * k];
+        onebit_decode_apply(packed, stride, scales, chunk, start, table[4 * k + 1], momentum + start,
+                            (const float *)(intptr_t)table[4 * k + 2], (float *)(intptr_t)table[4 * k + 3],
+                            settings[3 * k], settings[3 * k + 1], settings[3 * k + 2], eps_inside_sqrt[k]);
     }
 }
 
@@ -950,10 +1091,10 @@ void momentum_fold(float *restrict m, const float *restrict g, int64_t n, float 
    max(out[0], max of d(v) / d(f)) with d Adam's denominator (NaN kept, as torch's max
    keeps it); with weight decay, out[1] += sum p^2 and out[2] += sum u^2 of p = m / d(v)
    and u = p + weight_decay w. */
-void onebit_lamb_statistics(const float *restrict param, const float *restrict m, const float *restrict last,
-                            const float *restrict v, float *restrict fresh, int64_t n, float beta1,
-                            float one_minus_beta1, float beta2, float one_minus_beta2, float eps,
-                            int eps_inside_sqrt, float weight_decay, double *out) {
+static inline __attribute__((always_inline)) void onebit_lamb_statistics_body(
+    const float *restrict param, const float *restrict m, const float *restrict last, const float *restrict v,
+    float *restrict fresh, int64_t n, float beta1, float one_minus_beta1, float beta2, float one_minus_beta2, float eps,
+    int eps_inside_sqrt, int decay, float weight_decay, double *out) {
     float maximum = -INFINITY;
     int nan = 0;
     double preliminary_square = 0.0, update_square = 0.0;
@@ -966,15 +1107,66 @@ void onebit_lamb_statistics(const float *restrict param, const float *restrict m
         float ratio = d / (eps_inside_sqrt ? sqrtf(f + eps) : sqrtf(f) + eps);
         maximum = maximum > ratio ? maximum : ratio;
         nan |= ratio != ratio;
-        float p = m[i] / d;
-        float u = fmaf(param[i], weight_decay, p);
-        preliminary_square += (double)p * p;
-        update_square += (double)u * u;
+        if (decay) { /* the norms only weight decay needs: without it, no third division */
+            float p = m[i] / d;
+            float u = fmaf(param[i], weight_decay, p);
+            preliminary_square += (double)p * p;
+            update_square += (double)u * u;
+        }
     }
     double found = nan ? NAN : (double)maximum;
     out[0] = out[0] != out[0] || found != found ? NAN : (found > out[0] ? found : out[0]);
-    if (weight_decay != 0.0f) {
+    if (decay) {
         out[1] += preliminary_square;
         out[2] += update_square;
+    }
+}
+
+void onebit_lamb_statistics(const float *restrict param, const float *restrict m, const float *restrict last,
+                            const float *restrict v, float *restrict fresh, int64_t n, float beta1,
+                            float one_minus_beta1, float beta2, float one_minus_beta2, float eps,
+                            int eps_inside_sqrt, float weight_decay, double *out) {
+    /* one loop per case, each vectorised without a branch */
+#define ONEBIT_LAMB_STATISTICS(inside, decay)                                                                          \
+    onebit_lamb_statistics_body(param, m, last, v, fresh, n, beta1, one_minus_beta1, beta2, one_minus_beta2, eps,      \
+                                inside, decay, weight_decay, out)
+    if (weight_decay != 0.0f) {
+        if (eps_inside_sqrt)
+            ONEBIT_LAMB_STATISTICS(1, 1);
+        else
+            ONEBIT_LAMB_STATISTICS(0, 1);
+    } else {
+        if (eps_inside_sqrt)
+            ONEBIT_LAMB_STATISTICS(1, 0);
+        else
+            ONEBIT_LAMB_STATISTICS(0, 0);
+    }
+#undef ONEBIT_LAMB_STATISTICS
+}
+
+/* 1-bit LAMB's statistics pass on the gathered signs: the average decoded block by block
+   (as `onebit_decode_apply`) into a buffer in cache, against the previous momentum m (a
+   tensor's view of the flat momentum from flat index start), which is only read: the
+   average is written by the update's pass (`onebit_decode_adam_apply`), so the previous
+   momentum needs no copy. */
+void onebit_lamb_decode_statistics(const uint8_t *restrict packed, int64_t stride, const float *restrict scales,
+                                   int64_t chunk, int64_t start, const float *restrict param,
+                                   const float *restrict m, const float *restrict v, float *restrict fresh, int64_t n,
+                                   float beta1,
+                                   float one_minus_beta1, float beta2, float one_minus_beta2, float eps,
+                                   int eps_inside_sqrt, float weight_decay, double *out) {
+    for (int64_t i = 0; i < n;) { /* blocks within one rank's chunk */
+        const int64_t flat = start + i, r = flat / chunk, first = flat % chunk;
+        int64_t length = n - i < chunk - first ? n - i : chunk - first;
+        length = length < ONEBIT_BLOCK ? length : ONEBIT_BLOCK;
+        uint8_t positive[ONEBIT_BLOCK];
+        float average[ONEBIT_BLOCK];
+        onebit_unpack(packed + r * stride, first, length, positive);
+        const float s = scales[r];
+        for (int64_t j = 0; j < length; j++)
+            average[j] = positive[j] ? s : -s;
+        onebit_lamb_statistics(param + i, average, m + i, v + i, fresh + i, length, beta1, one_minus_beta1, beta2,
+                               one_minus_beta2, eps, eps_inside_sqrt, weight_decay, out);
+        i += length;
     }
 }

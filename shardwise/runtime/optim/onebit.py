@@ -52,9 +52,9 @@ from typing import Any, Callable, Protocol
 import torch
 
 from shardwise.runtime.distributed.collectives import Communicator
-from shardwise.runtime.distributed.compressed import CompressedAllReduce, padded_length
+from shardwise.runtime.distributed.compressed import padded_length
 from shardwise.runtime.optim import native
-from shardwise.runtime.optim.onebit_exchange import NativeCompressedAllReduce
+from shardwise.runtime.optim.onebit_exchange import GatheredSigns, MomentumFolds, NativeCompressedAllReduce
 from shardwise.runtime.optim.sharded import ShardAwareOptimizer
 
 PER_PARAMETER_SCALARS = ("lamb_coeff_freeze", "last_factor")  # 1-bit LAMB's, one value per parameter
@@ -110,9 +110,10 @@ class OneBitOptimizer(ShardAwareOptimizer):
         self.freeze_step = freeze_step
         self._communicator: Communicator | None = None
         self._use_local_gradients: Callable[[bool], None] = lambda on: None
-        self._exchange: CompressedAllReduce | None = None
+        self._exchange: NativeCompressedAllReduce | None = None
         self._momentum: torch.Tensor | None = None
         self._first_view_ptr = -1
+        self._layout: list[tuple[torch.Tensor, dict[str, Any], int, dict[str, Any]]] | None = None
         self._partitions: MomentumPartitions | None = None  # stages 1-2: the whole momentum's layout
         self._grad_scale = 1.0  # stages 1-2: the scale the local gradients are folded with
 
@@ -180,11 +181,13 @@ class OneBitOptimizer(ShardAwareOptimizer):
 
     def _advance(self) -> int:
         """Count one step on every parameter (a step exchanges all of them); the new count."""
+        counts = []
         for param in self._params():
             state = self.state[param]
             if not state:
                 self._init_state(param, state)
-            state["step"] += 1
+            counts.append(state["step"])
+        torch._foreach_add_(counts, 1)  # one call, not one per tensor
         return self.steps_taken()
 
     def _init_state(self, param: torch.Tensor, state: dict[str, Any]) -> None:
@@ -214,6 +217,7 @@ class OneBitOptimizer(ShardAwareOptimizer):
             else:
                 self._momentum = self._stage0_momentum(params)
             self._first_view_ptr = self.state[params[0]]["exp_avg"].data_ptr()
+            self._layout = None
         return self._momentum
 
     def _stage0_momentum(self, params: list[torch.Tensor]) -> torch.Tensor:
@@ -246,7 +250,21 @@ class OneBitOptimizer(ShardAwareOptimizer):
     def fold_and_exchange(self) -> None:
         """m_i = β1·m + (1 − β1)·g_i for every element (no gradient: g_i = 0), then the
         compressed average over the exchange group: every rank's m is the result."""
+        gathered = self.fold_and_exchange_signs()
+        if gathered is not None:
+            gathered.decode_(self.momentum_flat(), 0)
+
+    def fold_and_exchange_signs(self) -> GatheredSigns | None:
+        """As `fold_and_exchange`, but where the kernels take the whole exchange (stage 0,
+        several workers, fp32 CPU tensors) the fold runs in the worker's first pass and the
+        averaged signs come back undecoded: the caller decodes them, every element of the
+        flat momentum (`decode_untrained_` for the padding), in its own pass over the
+        momentum. None: the momentum is already the average."""
         momentum = self.momentum_flat()
+        if self.fuses_exchange():
+            folds = MomentumFolds.of([(start, param.numel(), param.grad, group["betas"][0])
+                                      for param, group, start, _ in self.momentum_layout()])
+            return self._exchange_of(momentum).exchange_(momentum, "momentum", folds)
         if self._partitions is not None:
             self._partitions.fold_(momentum, lambda group: self.param_groups[group]["betas"][0], self._grad_scale)
         else:
@@ -262,9 +280,37 @@ class OneBitOptimizer(ShardAwareOptimizer):
                     if grad is not None:
                         exp_avg.add_(grad, alpha=1 - beta1)
         if self.workers > 1:
-            if self._exchange is None:
-                self._exchange = NativeCompressedAllReduce(self._communicator, momentum.numel(), momentum.device)
-            self._exchange.all_reduce_(momentum, "momentum")
+            self._exchange_of(momentum).all_reduce_(momentum, "momentum")
+        return None
+
+    def fuses_exchange(self) -> bool:
+        """Whether `fold_and_exchange_signs` fuses (stage 0, several workers, the momentum
+        and every gradient fp32 CPU tensors the kernels take)."""
+        if self.workers == 1 or self._partitions is not None:
+            return False
+        momentum = self.momentum_flat()
+        return self._exchange_of(momentum).takes(momentum) and native_takes(*(param.grad for param in self._params()))
+
+    def decode_untrained_(self, gathered: GatheredSigns) -> None:
+        """The flat momentum's elements that no trained tensor views (stage 0: the padding
+        after them) become the average."""
+        trained = self._trained_numel()
+        gathered.decode_(self.momentum_flat()[trained:], trained)
+
+    def momentum_layout(self) -> list[tuple[torch.Tensor, dict[str, Any], int, dict[str, Any]]]:
+        """(trained tensor, its param group, the flat index of its first momentum element,
+        its state) per trained tensor, kept while the flat momentum is."""
+        momentum = self.momentum_flat()
+        if self._layout is None:
+            base = momentum.data_ptr()
+            self._layout = [(param, group, (self.state[param]["exp_avg"].data_ptr() - base) // 4, self.state[param])
+                            for group in self.param_groups for param in group["params"]]
+        return self._layout
+
+    def _exchange_of(self, momentum: torch.Tensor) -> NativeCompressedAllReduce:
+        if self._exchange is None:
+            self._exchange = NativeCompressedAllReduce(self._communicator, momentum.numel(), momentum.device)
+        return self._exchange
 
 
 def native_takes(*tensors: torch.Tensor | None) -> bool:

@@ -29,6 +29,7 @@ import torch
 from shardwise.formulas.memory import onebit_state_terms
 from shardwise.runtime.optim import native
 from shardwise.runtime.optim.onebit import ZERO_STAGES, OneBitCodec, OneBitOptimizer, main_job_params, native_takes
+from shardwise.runtime.optim.onebit_exchange import AdamUpdates, GatheredSigns
 from shardwise.runtime.optim.params import check_betas, param
 from shardwise.runtime.optim.registry import OptimizerSpec, register_optimizer
 
@@ -62,11 +63,18 @@ class OneBitAdam(OneBitOptimizer):
             with torch.enable_grad():
                 loss = closure()
         step = self._advance()
-        frozen = step > self.freeze_step
+        frozen, updated = step > self.freeze_step, False
         if frozen:
-            self.fold_and_exchange()
+            gathered = self.fold_and_exchange_signs()  # stage 0 on the kernels: decoded in the update's pass
+            updated = gathered is not None and self._decode_and_update(gathered, step)
         else:
             warm_up_moments(self)
+        if not updated:
+            self._update(step, frozen)
+        self._finish_step(step)
+        return loss
+
+    def _update(self, step: int, frozen: bool) -> None:
         for group in self.param_groups:
             step_size = adam_step_size(group, step, self.freeze_step)
             for param in group["params"]:
@@ -82,8 +90,22 @@ class OneBitAdam(OneBitOptimizer):
                 if group["weight_decay"]:
                     update.add_(param, alpha=group["weight_decay"])
                 param.add_(update, alpha=-step_size)
-        self._finish_step(step)
-        return loss
+
+    def _decode_and_update(self, gathered: GatheredSigns, step: int) -> bool:
+        """Every tensor's update in the pass that decodes its averaged momentum (optim/
+        onebit_exchange.py), and the padding decoded; False where the kernels
+        cannot take a tensor (the momentum then decoded alone)."""
+        layout = self.momentum_layout()
+        variances = [state["exp_avg_sq"] for _, _, _, state in layout]
+        if not native_takes(*(param for param, _, _, _ in layout), *variances):
+            gathered.decode_(self.momentum_flat(), 0)
+            return False
+        sizes = {id(group): adam_step_size(group, step, self.freeze_step) for group in self.param_groups}
+        gathered.decode_adam_update_(self.momentum_flat(), AdamUpdates.of([
+            (start, variance, param, -sizes[id(group)], group["eps"], group["weight_decay"], group["eps_inside_sqrt"])
+            for (param, group, start, _), variance in zip(layout, variances)]))
+        self.decode_untrained_(gathered)
+        return True
 
 
 def warm_up_moments(optimizer: OneBitOptimizer) -> None:

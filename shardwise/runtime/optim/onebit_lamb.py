@@ -33,6 +33,7 @@ from shardwise.formulas.memory import onebit_state_terms
 from shardwise.runtime.optim.lamb import MAIN_JOB_LR
 from shardwise.runtime.optim import native
 from shardwise.runtime.optim.onebit import ZERO_STAGES, OneBitCodec, OneBitOptimizer, main_job_params, native_takes
+from shardwise.runtime.optim.onebit_exchange import AdamUpdates, GatheredSigns
 from shardwise.runtime.optim.onebit_adam import (OneBitAdamParams, adam_step_size, adam_update_, refuse_unsupported,
                                                  variance_denominator, warm_up_moments)
 from shardwise.runtime.optim.params import param
@@ -114,19 +115,83 @@ class OneBitLamb(OneBitOptimizer):
     def _compressed_step(self, step: int) -> None:
         """Two passes over the trained tensors: the statistics of each parameter's factor
         (its elements' maximum and, with weight decay, two norms), completed over the
-        ranks holding other pieces of it in one reduction each; then the update."""
+        ranks holding other pieces of it in one reduction each; then the update. Where
+        the exchange fuses (optim/onebit.py `fold_and_exchange_signs`), the first pass
+        decodes the averaged momentum block by block against the previous one, which stays
+        in place (no copy of it), and the second writes it as it updates the weights, every
+        tensor in one call."""
+        for param in self._params():
+            state = self.state[param]
+            if "exp_avg_sq_fresh" not in state:
+                state["exp_avg_sq_fresh"] = state["exp_avg_sq"].clone()
+                state["last_factor"] = 1.0
+        # per parameter: the largest variance factor, and (with weight decay) ||m / d||² and ||u||²
+        statistics = torch.zeros(self.parameter_count, 3, dtype=torch.float64, device=self._params()[0].device)
+        gathered = None
+        if self.fuses_exchange() and native_takes(*self._params(), *(
+                self.state[param][key] for param in self._params() for key in ("exp_avg_sq", "exp_avg_sq_fresh"))):
+            gathered = self.fold_and_exchange_signs()
+            self._decode_statistics(gathered, statistics)
+        else:
+            self._statistics(statistics)
+        maxima = statistics[:, 0].contiguous()
+        if self._partitions is not None:  # pieces of one parameter on several ranks
+            self._communicator.control_all_reduce(maxima, "1-bit LAMB variance factors (maxima)", op=dist.ReduceOp.MAX)
+        maxima = maxima.tolist()  # with the norms, the step's reads of the device, whatever the parameter count
+        norms = self.sum_over_shards(statistics[:, 1:].contiguous()).sqrt().tolist()
+        scales = {}
+        for group in self.param_groups:
+            step_size = adam_step_size(group, step, self.freeze_step)
+            for param in group["params"]:
+                state = self.state[param]
+                index = self.shard_of(param).index
+                share = 1.0
+                if group["weight_decay"]:
+                    update_norm = norms[index][1]
+                    share = min(1.0, norms[index][0] / update_norm) if update_norm else 1.0
+                factor = _bounded_factor(maxima[index], share, state["last_factor"], group)
+                state["last_factor"] = factor
+                scales[param] = -step_size * state["lamb_coeff_freeze"] * factor
+        if gathered is not None:  # the decode of the average and every tensor's update in one call
+            gathered.decode_adam_update_(self.momentum_flat(), AdamUpdates.of([
+                (start, state["exp_avg_sq"], param, scales[param], group["eps"], group["weight_decay"],
+                 group["eps_inside_sqrt"]) for param, group, start, state in self.momentum_layout()]))
+            self.decode_untrained_(gathered)
+            return
+        for group in self.param_groups:
+            for param in group["params"]:
+                state, scale = self.state[param], scales[param]
+                if native_takes(param, state["exp_avg"], state["exp_avg_sq"]):  # the update in one pass
+                    native.library().lamb_apply(param.data_ptr(), state["exp_avg"].data_ptr(),
+                                                state["exp_avg_sq"].data_ptr(), param.numel(), scale, group["eps"],
+                                                group["weight_decay"], group["eps_inside_sqrt"], native.threads())
+                    continue
+                update = adam_update_(state["exp_avg"], group, state["exp_avg_sq"])
+                if group["weight_decay"]:
+                    update.add_(param, alpha=group["weight_decay"])
+                param.add_(update, alpha=scale)
+
+    def _decode_statistics(self, gathered: GatheredSigns, statistics: torch.Tensor) -> None:
+        """The statistics pass on the gathered signs against the previous momentum, which
+        it leaves as it is (native_kernels.c `onebit_lamb_decode_statistics`)."""
+        for param, group, start, state in self.momentum_layout():
+            beta1, beta2 = group["betas"]
+            native.library().onebit_lamb_decode_statistics(
+                gathered.packed.data_ptr(), gathered.packed.shape[1], gathered.scales.data_ptr(), gathered.chunk,
+                start, param.data_ptr(), state["exp_avg"].data_ptr(), state["exp_avg_sq"].data_ptr(),
+                state["exp_avg_sq_fresh"].data_ptr(), param.numel(), beta1, 1 - beta1, beta2, 1 - beta2,
+                group["eps"], group["eps_inside_sqrt"], group["weight_decay"],
+                statistics.data_ptr() + statistics.element_size() * 3 * self.shard_of(param).index)
+
+    def _statistics(self, statistics: torch.Tensor) -> None:
+        """The statistics pass after the exchange, from a copy of the previous momentum."""
         own, _ = self.own_momentum()
         previous = own.clone()  # m_{t-1}: the gradient is reconstructed from it
         self.fold_and_exchange()
-        # per parameter: the largest variance factor, and (with weight decay) ||m / d||² and ||u||²
-        statistics = torch.zeros(self.parameter_count, 3, dtype=torch.float64, device=own.device)
         for group in self.param_groups:
             beta1, beta2 = group["betas"]
             for param in group["params"]:
                 state = self.state[param]
-                if "exp_avg_sq_fresh" not in state:
-                    state["exp_avg_sq_fresh"] = state["exp_avg_sq"].clone()
-                    state["last_factor"] = 1.0
                 momentum, variance, fresh = state["exp_avg"], state["exp_avg_sq"], state["exp_avg_sq_fresh"]
                 offset = (momentum.data_ptr() - own.data_ptr()) // momentum.element_size()
                 last = previous[offset : offset + param.numel()].view_as(param)
@@ -147,33 +212,6 @@ class OneBitLamb(OneBitOptimizer):
                     update = preliminary.add(param, alpha=group["weight_decay"])
                     statistics[index, 1] += torch.linalg.vector_norm(preliminary).double().square()
                     statistics[index, 2] += torch.linalg.vector_norm(update).double().square()
-        maxima = statistics[:, 0].contiguous()
-        if self._partitions is not None:  # pieces of one parameter on several ranks
-            self._communicator.control_all_reduce(maxima, "1-bit LAMB variance factors (maxima)", op=dist.ReduceOp.MAX)
-        maxima = maxima.tolist()  # with the norms, the step's reads of the device, whatever the parameter count
-        norms = self.sum_over_shards(statistics[:, 1:].contiguous()).sqrt().tolist()
-        for group in self.param_groups:
-            step_size = adam_step_size(group, step, self.freeze_step)
-            for param in group["params"]:
-                state = self.state[param]
-                index = self.shard_of(param).index
-                share = 1.0
-                if group["weight_decay"]:
-                    update_norm = norms[index][1]
-                    share = min(1.0, norms[index][0] / update_norm) if update_norm else 1.0
-                factor = _bounded_factor(maxima[index], share, state["last_factor"], group)
-                state["last_factor"] = factor
-                scale = -step_size * state["lamb_coeff_freeze"] * factor
-                if native_takes(param, state["exp_avg"], state["exp_avg_sq"]):  # the update in one pass
-                    native.library().lamb_apply(param.data_ptr(), state["exp_avg"].data_ptr(),
-                                                state["exp_avg_sq"].data_ptr(), param.numel(), scale, group["eps"],
-                                                group["weight_decay"], group["eps_inside_sqrt"], native.threads())
-                    continue
-                update = adam_update_(state["exp_avg"], group, state["exp_avg_sq"])
-                if group["weight_decay"]:
-                    update.add_(param, alpha=group["weight_decay"])
-                param.add_(update, alpha=scale)
-
 
     def _whole_norms(self, *columns: list[tuple[torch.Tensor, torch.Tensor]]) -> torch.Tensor:
         """As `parameter_norms`, from each piece's fp32 norm (a float64 norm is about 25x

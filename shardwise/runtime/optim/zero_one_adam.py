@@ -54,8 +54,9 @@ import torch
 
 from shardwise.formulas.memory import zero_one_adam_state_terms
 from shardwise.runtime.distributed.collectives import Communicator
-from shardwise.runtime.distributed.compressed import CompressedAllReduce, padded_length
+from shardwise.runtime.distributed.compressed import padded_length
 from shardwise.runtime.optim.onebit import MAIN_JOB_WARM_UP, MomentumPartitions, OneBitCodec, OneBitOptimizer
+from shardwise.runtime.optim.onebit_exchange import NativeCompressedAllReduce
 from shardwise.runtime.optim.onebit_adam import _clip_elsewhere, _no_amsgrad, refuse_unsupported
 from shardwise.runtime.optim.params import check_betas, param
 from shardwise.runtime.optim.registry import OptimizerSpec, accepted_params, register_optimizer
@@ -260,7 +261,7 @@ class ZeroOneAdam(OneBitOptimizer):
         if self.workers == 1:
             return
         if self._exchange is None:
-            self._exchange = CompressedAllReduce(self._communicator, flat.numel(), flat.device)
+            self._exchange = NativeCompressedAllReduce(self._communicator, flat.numel(), flat.device)
         self._exchange.all_reduce_(flat, what)
 
 

@@ -16,7 +16,8 @@ momentum, as every worker's next fold needs.
 
 The local gradients arrive per unit in the unit's own layout (its N chunks back to back),
 so folding one unit is one strided operation: the unit's chunks, viewed as N rows, onto
-the unit's N column ranges of the matrix.
+the unit's N column ranges of the matrix (on CPU, fp32: the native kernels' one-pass
+`momentum_fold`, a row at a time, the torch path's arithmetic bit for bit).
 """
 
 from __future__ import annotations
@@ -27,6 +28,7 @@ import torch
 
 from shardwise.runtime.distributed.collectives import Communicator
 from shardwise.runtime.distributed.compressed import BITS
+from shardwise.runtime.optim import native
 from shardwise.runtime.zero.layout import FlatUnit
 from shardwise.runtime.zero.shard_store import SegmentState
 
@@ -73,12 +75,18 @@ class PartitionedMomentum:
         """m <- β1·m + (1 − β1)·scale·g over every element, g the window's local gradient;
         `scale` is the step's clip coefficient over the loss scale. The gradient buffers are
         scaled in place (the window's gradients are spent by this step)."""
+        kernels = native.library() if native.enabled() else None
         for target, gradient, group in self._fold_pairs(momentum):
             if gradient.dtype != torch.float32:
                 gradient = gradient.float()
             if scale != 1.0:
                 gradient.mul_(scale)
             beta1 = beta1_of_group(group)
+            rows, gradients = target.view(-1, target.shape[-1]), gradient.view(-1, target.shape[-1])
+            if kernels is not None and native.takes(gradients) and rows.device.type == "cpu" and rows.stride(-1) == 1:
+                for row, row_gradient in zip(rows, gradients):  # one pass per row (optim/native.py)
+                    kernels.momentum_fold(row.data_ptr(), row_gradient.data_ptr(), row.numel(), beta1, 1 - beta1)
+                continue
             target.mul_(beta1).add_(gradient, alpha=1 - beta1)
 
     def local_norm_squared(self) -> torch.Tensor:

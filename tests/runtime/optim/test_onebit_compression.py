@@ -176,3 +176,148 @@ def test_length_must_give_whole_bytes_per_chunk():
 
     with pytest.raises(ValueError, match="multiple of 16"):
         CompressedAllReduce(_Group(), 40, torch.device("cpu"))
+
+
+FUSED_SHAPES = [(300, 70), (33,), (5000,), (7, 3, 11)]  # chunks cut through tensors; offsets in mid-byte
+FUSED_STEPS = 4  # freeze_step 1: one warm-up step, three through the fused exchange
+
+
+def _fused_and_torch_steps_on_ranks(rank: int, world_size: int, lamb: bool) -> dict:
+    """1-bit Adam (or LAMB) at stage 0 twice over the same parameters: the kernels' fused
+    step (the fold in the worker's pass, the decode in the update's, or in LAMB's
+    statistics pass) and the torch path's (`SHARDWISE_NATIVE_OPTIM=0`), each compressed
+    step from the fused one's state (weights, moments, flat momentum, error buffers)
+    copied into the other's."""
+    import os
+
+    import torch.distributed as dist
+
+    from shardwise.runtime.distributed.mesh import GroupHandle
+    from shardwise.runtime.optim.onebit_adam import OneBitAdam
+    from shardwise.runtime.optim.onebit_lamb import OneBitLamb
+
+    handle = GroupHandle("data", tuple(range(world_size)), rank, dist.group.WORLD, dist.group.WORLD)
+    generator = torch.Generator().manual_seed(0)
+    initial = [torch.randn(shape, generator=generator) for shape in FUSED_SHAPES]
+    optimizers, params, communicators = [], [], []
+    for _ in range(2):
+        own = [torch.nn.Parameter(tensor.clone()) for tensor in initial]
+        groups = [{"params": own[:2]},  # the second group: other betas, decay, eps inside the root
+                  {"params": own[2:], "betas": (0.8, 0.99), "weight_decay": 0.01, "eps_inside_sqrt": True}]
+        optimizer = (OneBitLamb if lamb else OneBitAdam)(groups, lr=0.01, freeze_step=1, eps=1e-4)
+        communicator = Communicator(handle, CommStats())
+        optimizer.attach_gradient_exchange(communicator, lambda on: None)
+        optimizers.append(optimizer)
+        params.append(own)
+        communicators.append(communicator)
+    (fused, plain), (mine, theirs) = optimizers, params
+    steps = []
+    for step in range(FUSED_STEPS):
+        for index, (param, twin) in enumerate(zip(mine, theirs)):
+            grad = torch.randn(param.shape, generator=torch.Generator().manual_seed(100 * step + 10 * rank + index))
+            param.grad = None if (step, index) == (2, 1) else grad  # a tensor without a gradient folds none
+            twin.grad = None if param.grad is None else param.grad.clone()
+            twin.data.copy_(param.data)
+            for key, value in fused.state[param].items():
+                if torch.is_tensor(value) and key in plain.state[twin]:
+                    plain.state[twin][key].copy_(value)
+                elif torch.is_tensor(value):
+                    plain.state[twin][key] = value.clone()
+                else:
+                    plain.state[twin][key] = value
+        if fused._exchange is not None:  # the same error feedback and padding
+            plain.momentum_flat().copy_(fused.momentum_flat())
+            plain._exchange.worker_error.copy_(fused._exchange.worker_error)
+            plain._exchange.server_error.copy_(fused._exchange.server_error)
+        before = [param.detach().clone() for param in mine]
+        communicators[0].stats.clear()
+        fused.step()
+        os.environ[native.ENABLE_VARIABLE] = "0"
+        plain.step()
+        os.environ[native.ENABLE_VARIABLE] = "1"
+        steps.append({"fused": [param.detach().clone() for param in mine],
+                      "plain": [param.detach().clone() for param in theirs], "before": before,
+                      "momentum": fused.momentum_flat().clone(), "expected": plain.momentum_flat().clone(),
+                      "fresh": [fused.state[param].get("exp_avg_sq_fresh") for param in mine],
+                      "expected_fresh": [plain.state[twin].get("exp_avg_sq_fresh") for twin in theirs],
+                      "server": None if plain._exchange is None else plain._exchange.server_error.clone(),
+                      "volume": communicators[0].stats.totals()})
+    return {"steps": steps, "numel": fused.momentum_flat().numel()}
+
+
+@pytest.mark.parametrize("lamb", [False, True], ids=["adam", "lamb"])
+def test_fused_onebit_step_takes_the_torch_paths_step_and_sends_the_same_bytes(lamb):
+    """1-bit Adam's and LAMB's fused steps (optim/onebit_exchange.py's `exchange_`, the
+    decode in the update's or the statistics' pass) against the torch path, step by step
+    from the same state, at two ranks: the averaged momentum has the same signs but at
+    ties (as in the test above) and its scales agree to SCALE_RTOL; LAMB's fresh variance
+    off ties to that too; every weight off a tie (LAMB: of a tensor without one, whose
+    variance factor is a maximum over it) steps as the torch path's to that, two ulps and
+    (LAMB) the norms' NORM_RTOL; the bytes sent are the formula's."""
+    if native.library() is None:
+        pytest.skip("no C compiler: the kernels cannot be built here")
+    ranks = 2
+    outputs = run_distributed(_fused_and_torch_steps_on_ranks, ranks, lamb)
+    numel = outputs[0]["numel"]
+    chunk, rtol = numel // ranks, math.sqrt(numel // ranks) * 2**-24
+    step_rtol = rtol + 2.5e-7 + (2e-5 if lamb else 0.0)
+    for step in range(1, FUSED_STEPS):
+        expected, got = outputs[0]["steps"][step]["expected"], outputs[0]["steps"][step]["momentum"]
+        compensated = torch.cat([output["steps"][step]["server"] for output in outputs]) + expected
+        scales = expected.abs().view(ranks, chunk)[:, :1].expand(ranks, chunk).reshape(-1)
+        ties = compensated.abs() < 1e-5 * scales
+        assert torch.equal(got[~ties].sign(), expected[~ties].sign()), f"step {step}"
+        torch.testing.assert_close(got.abs(), expected.abs(), rtol=rtol, atol=0)
+        for output in outputs:
+            record = output["steps"][step]
+            assert torch.equal(record["momentum"], got)  # every rank decodes the same average
+            offset = 0
+            for index, (param, twin, start) in enumerate(zip(record["fused"], record["plain"], record["before"])):
+                off_ties = ~ties[offset : offset + param.numel()].view_as(param)
+                offset += param.numel()
+                if lamb:
+                    fresh, expected_fresh = record["fresh"][index], record["expected_fresh"][index]
+                    torch.testing.assert_close(fresh[off_ties], expected_fresh[off_ties], rtol=3 * rtol, atol=0)
+                    if not off_ties.all():
+                        continue
+                allowed = 2.5e-7 * twin.abs() + step_rtol * (twin - start).abs()
+                assert ((param - twin).abs() <= allowed)[off_ties].all(), f"step {step}"
+            sent = onebit_exchange_bytes(numel, ranks)
+            assert record["volume"]["all_to_all"] == sent["all_to_all"]
+            assert record["volume"]["all_gather"] == sent["all_gather"]
+            assert record["volume"]["all_reduce"] == 0
+
+
+def _lazy_and_settled_on_ranks(rank: int, world_size: int) -> dict:
+    """Two native exchanges over the same calls: one whose error buffers are read (so
+    settled) after every call, one read only at the end."""
+    import torch.distributed as dist
+
+    from shardwise.runtime.distributed.mesh import GroupHandle
+
+    handle = GroupHandle("data", tuple(range(world_size)), rank, dist.group.WORLD, dist.group.WORLD)
+    lazy = NativeCompressedAllReduce(Communicator(handle, CommStats()), NATIVE_LENGTH, torch.device("cpu"))
+    settled = NativeCompressedAllReduce(Communicator(handle, CommStats()), NATIVE_LENGTH, torch.device("cpu"))
+    lazy_results, settled_results = [], []
+    for call in range(CALLS + 1):
+        vector = torch.randn(NATIVE_LENGTH, generator=torch.Generator().manual_seed(10 * call + rank))
+        lazy_results.append(lazy.all_reduce_(vector.clone(), "read at the end").clone())
+        settled_results.append(settled.all_reduce_(vector.clone(), "read every call").clone())
+        settled.worker_error, settled.server_error  # what the call lost, taken off now
+    return {"lazy": lazy_results, "settled": settled_results,
+            "lazy_errors": (lazy.worker_error.clone(), lazy.server_error.clone()),
+            "settled_errors": (settled.worker_error.clone(), settled.server_error.clone())}
+
+
+def test_native_exchange_takes_off_what_a_compression_lost_in_the_next_call_exactly():
+    """The kernels take what a compression lost off its error buffer in the next call's
+    pass (or when the buffer is read): the same operations as taking it off at once, so
+    results and buffers equal, bit for bit, an exchange whose buffers are read (settled)
+    after every call."""
+    if native.library() is None:
+        pytest.skip("no C compiler: the kernels cannot be built here")
+    for output in run_distributed(_lazy_and_settled_on_ranks, 2):
+        for call, (lazy, settled) in enumerate(zip(output["lazy"], output["settled"])):
+            assert torch.equal(lazy, settled), f"call {call}"
+        for lazy, settled in zip(output["lazy_errors"], output["settled_errors"]):
+            assert torch.equal(lazy, settled)

@@ -102,3 +102,45 @@ def test_checkpoint_resharded_from_stage_2_to_stage_1_at_4_ranks(tmp_path):
     assert resumed[0]["volumes"][0]["all_gather"] == onebit_exchange_bytes(
         sum(padded for padded, _ in resumed[0]["units"]), 4, stage=1, param_bytes=4)["all_gather"] + partitions
 
+
+
+def _folds_on_ranks(rank: int, world_size: int) -> dict:
+    """Stage 2 through the warm-up and one more backward (local gradients), then the whole
+    momentum folded twice from the same state: through the kernels and the torch path."""
+    import os
+
+    import shardwise
+    from shardwise.runtime.optim import native
+    from tests.runtime.optim.test_onebit import config
+    from tests.runtime.zero.workers import build_model, global_batch, model_loss
+
+    settings = OneBitSettings("adam", stage=2)
+    engine = shardwise.initialize(build_model("gpt"), config(settings))
+    for step in range(settings.freeze_step + 1):
+        x, y = global_batch(step, settings.rows * world_size)
+        rows = slice(rank * settings.rows, (rank + 1) * settings.rows)
+        engine.backward(model_loss(engine, "gpt", x[rows].to(engine.device), y[rows].to(engine.device)))
+        if step < settings.freeze_step:
+            engine.step()
+    optimizer = engine.optimizer.optimizer
+    momentum = optimizer.momentum_flat()
+    folded = {}
+    for path in ("1", "0"):
+        os.environ[native.ENABLE_VARIABLE] = path
+        folded[path] = momentum.clone()
+        optimizer._partitions.fold_(folded[path], lambda group: optimizer.param_groups[group]["betas"][0], 1.0)
+    os.environ[native.ENABLE_VARIABLE] = "1"
+    return {"before": momentum.clone(), "native": folded["1"], "torch": folded["0"]}
+
+
+def test_stage_2_fold_through_the_kernels_equals_the_torch_paths():
+    """At stages 1-2 the local gradients are folded into the whole momentum a row of the
+    partition matrix at a time by the kernels' `momentum_fold` (zero/onebit_momentum.py):
+    the torch path's multiply and fused add, so the same momentum bit for bit."""
+    from shardwise.runtime.optim import native
+
+    if native.library() is None:
+        pytest.skip("no C compiler: the kernels cannot be built here")
+    for output in run_distributed(_folds_on_ranks, 2):
+        assert not torch.equal(output["native"], output["before"])  # the fold did something
+        assert torch.equal(output["native"], output["torch"])
