@@ -1,0 +1,85 @@
+"""Lion (Chen et al., 2023, "Symbolic Discovery of Optimization Algorithms"), as DeepSpeed
+0.19.8 computes it (its config type "Lion": `FusedLion` on the GPU, `DeepSpeedCPULion`
+with the optimizer offloaded).
+
+For each element, with gradient g, momentum m (zero at the start), betas (b1, b2),
+learning rate lr and weight decay wd:
+
+    c = b1 m + (1 - b1) g                 the interpolation whose sign is the step
+    w <- w (1 - lr wd) - lr sign(c)       weight decay decoupled, as in AdamW
+    m <- b2 m + (1 - b2) g
+
+Where c is exactly zero the two DeepSpeed kernels disagree: the CPU op takes the sign of
+the zero (`-copysign(lr, c)`: +0 steps down by lr, -0 up), the CUDA kernel steps up by lr
+for either (`c > 0 ? -lr : lr`). `step_up_at_zero` picks the CUDA kernel's rule
+(`deepspeed.ops.lion.FusedLion`); the default is the CPU op's, which the config's "Lion"
+builds (checked against DeepSpeed's own CPU op in tests/runtime/optim/test_lion.py).
+
+One fp32 state tensor per element (K = 4 bytes, plus the master copy in 16-bit training):
+DeepSpeed's CPU op also allocates an `exp_avg_sq` it never reads, which this does not.
+Every operation is element-wise, so the optimizer runs unchanged on ZeRO's flat pieces.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Iterable
+
+import torch
+
+from shardwise.runtime.optim.params import check_betas, param
+from shardwise.runtime.optim.registry import OptimizerSpec, register_optimizer
+
+
+class Lion(torch.optim.Optimizer):
+    def __init__(self, params: Iterable, lr: float = 1e-3, betas: tuple[float, float] = (0.9, 0.999),
+                 weight_decay: float = 0.0, *, step_up_at_zero: bool = False):
+        if lr < 0 or weight_decay < 0:
+            raise ValueError(f"Lion: lr {lr} and weight_decay {weight_decay} must not be negative")
+        check_betas(tuple(betas))
+        defaults = dict(lr=lr, betas=tuple(betas), weight_decay=weight_decay, step_up_at_zero=step_up_at_zero)
+        super().__init__(params, defaults)
+
+    @torch.no_grad()
+    def step(self, closure=None):
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        for group in self.param_groups:
+            lr, (beta1, beta2), decay = group["lr"], group["betas"], group["weight_decay"]
+            for weight in group["params"]:
+                if weight.grad is None:
+                    continue
+                if weight.grad.is_sparse:
+                    raise RuntimeError("Lion does not take sparse gradients (neither does DeepSpeed's)")
+                state = self.state[weight]
+                if not state:
+                    state["exp_avg"] = torch.zeros_like(weight, memory_format=torch.preserve_format)
+                momentum, grad = state["exp_avg"], weight.grad
+                interpolation = momentum.mul(beta1).add_(grad, alpha=1 - beta1)
+                if group["step_up_at_zero"]:
+                    update = torch.where(interpolation > 0, -lr, lr).to(weight.dtype)
+                else:
+                    update = torch.copysign(torch.full_like(interpolation, lr), interpolation).neg_()
+                if decay > 0:
+                    weight.mul_(1 - lr * decay)
+                weight.add_(update)
+                momentum.mul_(beta2).add_(grad, alpha=1 - beta2)
+        return loss
+
+
+@dataclass(frozen=True)
+class LionParams:
+    """DeepSpeed's "Lion" (FusedLion / DeepSpeedCPULion): their arguments and defaults."""
+
+    lr: float = param(1e-3, ge=0)
+    betas: tuple[float, float] = param((0.9, 0.999), check=check_betas)
+    weight_decay: float = param(0.0, ge=0)
+
+
+def _build(groups: list[dict], params: dict) -> Lion:
+    return Lion(groups, **{key: tuple(value) if key == "betas" else value for key, value in params.items()})
+
+
+register_optimizer(OptimizerSpec("Lion", LionParams, _build, fp32_states=lambda params: 1))  # K: the momentum
