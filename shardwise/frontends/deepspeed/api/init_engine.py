@@ -37,6 +37,7 @@ from shardwise.frontends.deepspeed.api.checkpoint_arguments import tag_validatio
 from shardwise.frontends.deepspeed.api.comm import DEFAULT_PORT, init_distributed
 from shardwise.frontends.deepspeed.api.engine import DeepSpeedEngine
 from shardwise.frontends.deepspeed.api.pipe import PipelineModule
+from shardwise.frontends.deepspeed.api.runtime.base_optimizer import mark_wrapped
 from shardwise.frontends.deepspeed.api.runtime.config import DeepSpeedConfigError
 from shardwise.frontends.deepspeed.api.runtime.dataloader import DeepSpeedDataLoader, PositionedSampler
 from shardwise.frontends.deepspeed.config import load_config, read_config
@@ -131,6 +132,9 @@ def _clearing_model_gradients(engine: DeepSpeedEngine) -> torch.optim.Optimizer 
     if engine.optimizer is None:  # no optimizer given: a forward-only engine, None as in DeepSpeed
         return None
     optimizer = engine.optimizer.optimizer
+    for wrapped in (optimizer, engine.optimizer):  # isinstance(_, DeepSpeedOptimizer) as under DeepSpeed
+        mark_wrapped(wrapped, zero_stage=engine.zero_optimization_stage(),
+                     mixed_precision=engine.fp16_enabled() or engine.bfloat16_enabled())
     clear_masters = optimizer.zero_grad
 
     def zero_grad(set_to_none: bool = True) -> None:
