@@ -3,12 +3,13 @@ as `deepspeed.utils.logging.logger`, whose level Lightning sets),
 `RepeatingLoader`, which pipeline scripts wrap their loaders in, `zero_to_fp32` (whole
 fp32 weights from a checkpoint, the functions scripts import from it), the `safe_*`
 helpers that read and write a parameter's training state under ZeRO (tensor_fragment.py),
-and the ZeRO-3 leaf-module flags MoE scripts set (z3_leaf_module.py)."""
+the ZeRO-3 leaf-module flags MoE scripts set (z3_leaf_module.py), and `groups`, the
+data/model/sequence/expert-parallel group getters (groups.py)."""
 
 from __future__ import annotations
 
 from shardwise.frontends.deepspeed.api.runtime.dataloader import RepeatingLoader
-from shardwise.frontends.deepspeed.api.utils import logging
+from shardwise.frontends.deepspeed.api.utils import groups, logging
 from shardwise.frontends.deepspeed.api.utils.logging import log_dist, logger
 from shardwise.frontends.deepspeed.api.utils.tensor_fragment import (
     safe_get_full_fp32_param,
@@ -37,7 +38,7 @@ from shardwise.frontends.deepspeed.api.utils.z3_leaf_module import (
 )
 
 __all__ = [
-    "RepeatingLoader", "log_dist", "logger", "logging", "safe_get_full_fp32_param", "safe_get_full_grad",
+    "RepeatingLoader", "groups", "log_dist", "logger", "logging", "safe_get_full_fp32_param", "safe_get_full_grad",
     "safe_get_full_optimizer_state", "safe_get_local_fp32_param", "safe_get_local_grad",
     "safe_get_local_optimizer_state", "safe_set_full_fp32_param", "safe_set_full_grad",
     "safe_set_full_optimizer_state", "safe_set_local_fp32_param", "safe_set_local_grad",
