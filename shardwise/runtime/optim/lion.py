@@ -22,6 +22,7 @@ Every operation is element-wise, so the optimizer runs unchanged on ZeRO's flat 
 
 from __future__ import annotations
 
+import struct
 from dataclasses import dataclass
 from typing import Iterable
 
@@ -29,6 +30,10 @@ import torch
 
 from shardwise.runtime.optim.params import check_betas, param
 from shardwise.runtime.optim.registry import OptimizerSpec, register_optimizer
+
+
+CHUNK = 1 << 16  # elements per chunk of the update (see `_update`)
+SIGN_BIT = -(1 << 31)  # an fp32's sign bit, as an int32
 
 
 class Lion(torch.optim.Optimizer):
@@ -48,25 +53,50 @@ class Lion(torch.optim.Optimizer):
                 loss = closure()
         for group in self.param_groups:
             lr, (beta1, beta2), decay = group["lr"], group["betas"], group["weight_decay"]
-            for weight in group["params"]:
-                if weight.grad is None:
-                    continue
-                if weight.grad.is_sparse:
-                    raise RuntimeError("Lion does not take sparse gradients (neither does DeepSpeed's)")
-                state = self.state[weight]
-                if not state:
-                    state["exp_avg"] = torch.zeros_like(weight, memory_format=torch.preserve_format)
-                momentum, grad = state["exp_avg"], weight.grad
-                interpolation = momentum.mul(beta1).add_(grad, alpha=1 - beta1)
-                if group["step_up_at_zero"]:
-                    update = torch.where(interpolation > 0, -lr, lr).to(weight.dtype)
-                else:
-                    update = torch.copysign(torch.full_like(interpolation, lr), interpolation).neg_()
-                if decay > 0:
-                    weight.mul_(1 - lr * decay)
-                weight.add_(update)
-                momentum.mul_(beta2).add_(grad, alpha=1 - beta2)
+            weights = [weight for weight in group["params"] if weight.grad is not None]
+            if not weights:
+                continue
+            if any(weight.grad.is_sparse for weight in weights):
+                raise RuntimeError("Lion does not take sparse gradients (neither does DeepSpeed's)")
+            for weight in weights:
+                if not self.state[weight]:
+                    self.state[weight]["exp_avg"] = torch.zeros_like(weight, memory_format=torch.preserve_format)
+                _update(weight, self.state[weight]["exp_avg"], weight.grad, lr=lr, beta1=beta1, beta2=beta2,
+                        decay=decay, step_up_at_zero=group["step_up_at_zero"])
         return loss
+
+
+def _update(weight: torch.Tensor, momentum: torch.Tensor, grad: torch.Tensor, *, lr: float, beta1: float,
+            beta2: float, decay: float, step_up_at_zero: bool) -> None:
+    """One element-wise Lion step, a cache-sized chunk at a time: the interpolation and the
+    signed step are temporaries, and a whole tensor's would cost more in fresh memory than
+    the arithmetic does."""
+    if not (weight.is_contiguous() and momentum.is_contiguous() and grad.is_contiguous()):
+        weight_flat, momentum_flat, grad_flat = weight.reshape(-1), momentum.reshape(-1), grad.reshape(-1)
+        _update(weight_flat, momentum_flat, grad_flat, lr=lr, beta1=beta1, beta2=beta2, decay=decay,
+                step_up_at_zero=step_up_at_zero)
+        weight.copy_(weight_flat.view_as(weight))
+        momentum.copy_(momentum_flat.view_as(momentum))
+        return
+    weight, momentum, grad = weight.view(-1), momentum.view(-1), grad.view(-1)
+    for start in range(0, weight.numel(), CHUNK):
+        piece, moment, slope = (tensor[start:start + CHUNK] for tensor in (weight, momentum, grad))
+        interpolation = moment.mul(beta1).add_(slope, alpha=1 - beta1)
+        if step_up_at_zero:  # the CUDA kernel: +0 steps up like -0
+            interpolation.masked_fill_(interpolation == 0, -0.0)
+        if decay > 0:
+            piece.mul_(1 - lr * decay)
+        piece.sub_(_signed(lr, interpolation))
+        moment.mul_(beta2).add_(slope, alpha=1 - beta2)
+
+
+def _signed(value: float, like: torch.Tensor) -> torch.Tensor:
+    """copysign(value, like), written into `like`: for fp32 by setting the sign bit on
+    value's bits (torch's copysign and where run far slower on the CPU)."""
+    if like.dtype != torch.float32:
+        return torch.copysign(torch.full_like(like, value), like)
+    value_bits = struct.unpack("<i", struct.pack("<f", value))[0]
+    return like.view(torch.int32).bitwise_and_(SIGN_BIT).bitwise_or_(value_bits).view(torch.float32)
 
 
 @dataclass(frozen=True)

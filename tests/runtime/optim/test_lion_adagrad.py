@@ -47,13 +47,13 @@ def _lion_in_float64(weight, momentum, grad, lr, betas, decay, step_up_at_zero):
 @pytest.mark.parametrize("step_up_at_zero", [False, True])
 def test_lion_follows_the_rule_step_by_step(step_up_at_zero):
     torch.manual_seed(0)
-    weight = nn.Parameter(torch.randn(64))
+    weight = nn.Parameter(torch.randn(70_000))  # more than one chunk of the update
     optimizer = Lion([weight], lr=0.01, betas=(0.9, 0.99), weight_decay=0.1, step_up_at_zero=step_up_at_zero)
     for step in range(3):
-        grad = torch.randn(64)
+        grad = torch.randn(70_000)
         grad[:4] = torch.tensor([0.0, -0.0, 0.0, -0.0]) if step == 0 else grad[:4]  # c = +0 at the first step
         before = weight.detach().double().clone()
-        momentum = optimizer.state[weight]["exp_avg"].double().clone() if step else torch.zeros(64, dtype=torch.float64)
+        momentum = optimizer.state[weight]["exp_avg"].double().clone() if step else torch.zeros(70_000, dtype=torch.float64)
         weight.grad = grad.clone()
         optimizer.step()
         want_weight, want_momentum = _lion_in_float64(before, momentum, grad.double(), 0.01, (0.9, 0.99), 0.1,
@@ -65,6 +65,17 @@ def test_lion_follows_the_rule_step_by_step(step_up_at_zero):
     Lion([fresh], lr=0.5, step_up_at_zero=step_up_at_zero).step()
     # c = 0.9 * 0 + 0.1 * (±0) = +0: DeepSpeed's CPU op steps down, its CUDA kernel up
     assert fresh.detach().tolist() == ([0.5, 0.5] if step_up_at_zero else [-0.5, -0.5])
+
+
+def test_lion_steps_a_non_contiguous_weight_as_a_contiguous_one():
+    torch.manual_seed(1)
+    values, grad = torch.randn(5, 7), torch.randn(5, 7)
+    transposed, plain = nn.Parameter(values.t().contiguous().t()), nn.Parameter(values.clone())
+    assert not transposed.is_contiguous()
+    for weight in (transposed, plain):
+        weight.grad = grad.clone()
+        Lion([weight], lr=0.1, weight_decay=0.5).step()
+    assert torch.equal(transposed.detach(), plain.detach())
 
 
 def test_deepspeed_class_shapes():
