@@ -112,4 +112,11 @@ def _build(groups: list[dict], params: dict) -> Lion:
     return Lion(groups, **{key: tuple(value) if key == "betas" else value for key, value in params.items()})
 
 
-register_optimizer(OptimizerSpec("Lion", LionParams, _build, fp32_states=lambda params: 1))  # K: the momentum
+def _main_job_params(adamw: dict, steps: int) -> dict:
+    """Chen et al.'s advice for Lion in place of AdamW: a 3x smaller learning rate and a 3x
+    larger weight decay (its steps are all of size lr), their language-model betas."""
+    return {"lr": adamw["lr"] / 3, "betas": (0.95, 0.98), "weight_decay": 3 * adamw.get("weight_decay", 0.0)}
+
+
+register_optimizer(OptimizerSpec("Lion", LionParams, _build, fp32_states=lambda params: 1,  # K: the momentum
+                                 main_job_params=_main_job_params))
