@@ -78,6 +78,8 @@ MIN_BYTES = {
     "torch AdamW": 28,  # read w, g, m, v; write w, m, v
     "Lamb": 40,  # pass 1 reads w, g, m, v, writes m, v; the norms; pass 2 reads w, m, v, writes w
     "Lars": 28,  # norms read w, g; then read w, g, buffer, write w, buffer
+    "Lion": 20,  # read w, g, m; write w, m
+    "torch Adagrad": 20,  # read w, g, sum; write w, sum
     "Adam8bit": 16 + 16 / 256,  # read w, g, 2 codes; write w, 2 codes; 2 scales per block of 256
     "bitsandbytes Adam8bit": 16 + 16 / 256,
     "Adafactor": 20,  # g for the row and column statistics; g for RMS(U); g, w read and w written
@@ -124,7 +126,7 @@ def bitsandbytes_adam8bit() -> Callable[[list[torch.nn.Parameter]], torch.optim.
 
 
 def optimizers(lr: float) -> dict[str, Callable[[list[torch.nn.Parameter]], torch.optim.Optimizer]]:
-    from shardwise.runtime.optim import Adafactor, Adam8bit, Lamb, Lars, Muon, OneBitAdam, OneBitLamb, ZeroOneAdam
+    from shardwise.runtime.optim import Adafactor, Adam8bit, Lamb, Lars, Lion, Muon, OneBitAdam, OneBitLamb, ZeroOneAdam
     from shardwise.runtime.optim.sharded import ParameterShard, ShardAwareOptimizer
 
     def onebit(cls: type, freeze_step: int = 1) -> Callable[[list[torch.nn.Parameter]], torch.optim.Optimizer]:
@@ -158,6 +160,8 @@ def optimizers(lr: float) -> dict[str, Callable[[list[torch.nn.Parameter]], torc
         "Lars": lambda p: Lars(p, lr=lr, momentum=0.9),
         "Lars (torch ops)": lambda p: Lars(p, lr=lr, momentum=0.9),
         "Lars (torch ops, compiled)": lambda p: Lars(p, lr=lr, momentum=0.9, compile=True),
+        "Lion": lambda p: Lion(p, lr=lr, weight_decay=0.01),
+        "torch Adagrad": lambda p: torch.optim.Adagrad(p, lr=lr),
         "Adafactor": lambda p: Adafactor(p, lr=lr),
         "Adafactor (ZeRO order)": lambda p: zero_order(Adafactor(p, lr=lr)),
         "Adafactor (torch ops)": lambda p: Adafactor(p, lr=lr),

@@ -7,9 +7,10 @@ the config reference lists them; their classes are re-exported. An optimizer add
 this folder is added to this list, and nowhere else (docs/optimizers.md#adding-an-optimizer).
 """
 
-from shardwise.runtime.optim import torch_optimizers  # noqa: F401  (Adam, AdamW, SGD)
+from shardwise.runtime.optim import torch_optimizers  # noqa: F401  (Adam, AdamW, SGD, Adagrad)
 from shardwise.runtime.optim.lamb import Lamb
 from shardwise.runtime.optim.lars import Lars
+from shardwise.runtime.optim.lion import Lion
 from shardwise.runtime.optim.adafactor import Adafactor
 from shardwise.runtime.optim.adam8bit import Adam8bit, AdamW8bit
 from shardwise.runtime.optim.muon import Muon
@@ -30,6 +31,7 @@ __all__ = [
     "LRRangeTest",
     "Lamb",
     "Lars",
+    "Lion",
     "Muon",
     "OneBitAdam",
     "OneBitLamb",

@@ -1,10 +1,13 @@
-"""torch's own optimizers as DeepSpeed configs name them: Adam, AdamW and SGD (Adam with
+"""torch's own optimizers as DeepSpeed configs name them: Adam, AdamW, SGD and Adagrad (Adam with
 `bias_correction` false is optim/adam_uncorrected.py, since torch's Adam always corrects).
 
 Defaults are those of the code DeepSpeed runs: its Adam path (`FusedAdam` /
 `torch.optim.Adam(W)` with `adam_w_mode` defaulting to True, i.e. decoupled weight decay
 even for type "Adam") and `torch.optim.SGD`, which DeepSpeed builds for any type it does
-not know itself. torch's fused kernel exists on CPU and CUDA for all three.
+not know itself, and `torch.optim.Adagrad`, which DeepSpeed builds for "Adagrad" (its
+`DeepSpeedCPUAdagrad` with the optimizer offloaded computes the same update). torch's
+fused kernel exists on CPU and CUDA for Adam, AdamW and SGD; Adagrad takes torch's
+default (multi-tensor) implementation.
 """
 
 from __future__ import annotations
@@ -58,6 +61,18 @@ class SGDParams:
         check_nesterov(self.nesterov, self.momentum, self.dampening)
 
 
+@dataclass(frozen=True)
+class AdagradParams:
+    """`torch.optim.Adagrad`'s arguments and defaults, which DeepSpeed passes the params to
+    (weight decay added to the gradient, as torch and DeepSpeed's CPU op both do)."""
+
+    lr: float = param(1e-2, ge=0)
+    lr_decay: float = param(0.0, ge=0)
+    weight_decay: float = param(0.0, ge=0)
+    initial_accumulator_value: float = param(0.0, ge=0)
+    eps: float = param(1e-10, ge=0)
+
+
 def torch_class_name(type_name: str, params: dict[str, Any]) -> str:
     """The `torch.optim` class a config optimizer means: DeepSpeed's "Adam" decouples
     weight decay (AdamW) unless `adam_w_mode` is false."""
@@ -86,7 +101,7 @@ def _register(type_name: str, declaration: type, fp32_states: Any, **options: An
             kwargs = {key: value for key, value in constructor_kwargs(params).items() if key != "amsgrad"}
             return UncorrectedAdam(groups, adam_w_mode=torch_class_name(type_name, params) == "AdamW", **kwargs)
         cls = getattr(torch.optim, torch_class_name(type_name, params))
-        return cls(groups, fused=True, **constructor_kwargs(params))
+        return cls(groups, **constructor_kwargs(params), **({} if type_name == "Adagrad" else {"fused": True}))
 
     register_optimizer(OptimizerSpec(type_name, declaration, build, fp32_states=fp32_states, **options))
 
@@ -95,3 +110,4 @@ def _register(type_name: str, declaration: type, fp32_states: Any, **options: An
 _register("Adam", AdamParams, lambda params: 2)
 _register("AdamW", AdamParams, lambda params: 2, check_params=_decoupled)
 _register("SGD", SGDParams, lambda params: int(params.get("momentum", 0) > 0))
+_register("Adagrad", AdagradParams, lambda params: 1)  # the sum of squared gradients

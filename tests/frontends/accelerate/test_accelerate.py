@@ -31,6 +31,7 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 
 pytest.importorskip("accelerate", reason="the accelerate tests need the transformers extra")
 
@@ -81,19 +82,39 @@ def _zero(stage: int) -> dict:
 
 
 @pytest.fixture(scope="module")
-def ddp_losses(tmp_path_factory) -> list[list[float]]:
-    return _launch(tmp_path_factory.mktemp("ddp"), "ddp")
+def ddp_run(tmp_path_factory) -> tuple[list[list[float]], dict]:
+    """DDP's losses and its final `accelerator.get_state_dict(model)`."""
+    directory = tmp_path_factory.mktemp("ddp")
+    losses = _launch(directory, "ddp", "--state_dict", str(directory / "state.json"))
+    return losses, json.loads((directory / "state.json").read_text())
+
+
+@pytest.fixture(scope="module")
+def ddp_losses(ddp_run) -> list[list[float]]:
+    return ddp_run[0]
 
 
 @pytest.mark.parametrize("stage", [3, pytest.param(2, marks=pytest.mark.slow)])
-def test_accelerate_deepspeed_script_losses_equal_ddp(tmp_path, ddp_losses, stage):
+def test_accelerate_deepspeed_script_losses_equal_ddp(tmp_path, ddp_run, stage):
+    """At ZeRO-2 also `accelerator.get_state_dict(model)`, which below ZeRO-3 clones the
+    weights with deepspeed.checkpoint.utils.clone_tensors_for_torch_save: DDP's weights,
+    each tensor holding only its own elements."""
+    ddp_losses, ddp_state = ddp_run
+    state_args = ["--state_dict", str(tmp_path / "state.json")] if stage == 2 else []
     losses = _launch(tmp_path, "shardwise", "--output_dir", str(tmp_path / "out"), "--checkpointing_steps", "2",
-                     deepspeed_config=_zero(stage))
+                     *state_args, deepspeed_config=_zero(stage))
     assert [len(rank) for rank in losses] == [10, 10]  # 5 micro-batches an epoch: windows of 2, 2 and 1
     _assert_equal(losses, ddp_losses)
     saved = tmp_path / "out" / "step_4"
     assert (saved / "pytorch_model" / "manifest.json").is_file()  # the engine's checkpoint, through save_state
     assert (saved / "latest").read_text().strip() == "pytorch_model"
+    if stage == 2:
+        state = json.loads((tmp_path / "state.json").read_text())
+        assert state.keys() == ddp_state.keys()
+        for name, (values, owns_storage) in state.items():
+            want = torch.tensor(ddp_state[name][0])
+            assert owns_storage, f"{name} is a view: torch.save would write its whole buffer"
+            assert (torch.tensor(values) - want).norm() <= TOLERANCE * want.norm(), name
 
 
 @pytest.mark.slow

@@ -51,5 +51,5 @@ def test_onebit_with_stage_3_is_refused_with_the_reason(tmp_path):
 
 def test_unknown_name_is_a_usage_error(capsys):
     with pytest.raises(SystemExit):
-        build_parser().parse_args(["train", "--optimizer", "adagrad"])
-    assert "argument --optimizer: invalid choice: 'adagrad'" in capsys.readouterr().err
+        build_parser().parse_args(["train", "--optimizer", "muadam"])
+    assert "argument --optimizer: invalid choice: 'muadam'" in capsys.readouterr().err

@@ -13,7 +13,8 @@ What DeepSpeed does with each argument, and what this does:
   of every epoch (DeepSpeed's DistributedSampler: shuffled with seed 0, the same order
   every epoch unless the script calls `loader.sampler.set_epoch`), through `collate_fn`;
   the engine's checkpoints hold its position (api/runtime/dataloader.py);
-- `args.local_rank` is set to this process's LOCAL_RANK.
+- `args.local_rank` is set to this process's LOCAL_RANK;
+- `deepspeed.utils.groups` answers from the engine's layout from then on.
 It returns (engine, optimizer, training_dataloader, lr_scheduler): the optimizer is the
 torch optimizer that steps this rank's fp32 partition (the one passed in, re-pointed).
 With no optimizer (none passed, no `optimizer` block), the engine runs forward only, as
@@ -37,8 +38,10 @@ from shardwise.frontends.deepspeed.api.checkpoint_arguments import tag_validatio
 from shardwise.frontends.deepspeed.api.comm import DEFAULT_PORT, init_distributed
 from shardwise.frontends.deepspeed.api.engine import DeepSpeedEngine
 from shardwise.frontends.deepspeed.api.pipe import PipelineModule
+from shardwise.frontends.deepspeed.api.runtime.base_optimizer import mark_wrapped
 from shardwise.frontends.deepspeed.api.runtime.config import DeepSpeedConfigError
 from shardwise.frontends.deepspeed.api.runtime.dataloader import DeepSpeedDataLoader, PositionedSampler
+from shardwise.frontends.deepspeed.api.utils import groups as parallel_groups
 from shardwise.frontends.deepspeed.config import load_config, read_config
 from shardwise.frontends.deepspeed.initialize import initialize as initialize_engine
 from shardwise.runtime.data.curriculum_loader import CurriculumDataLoader
@@ -94,6 +97,7 @@ def initialize(
             cfg = cfg.model_copy(update={"optimizer": None})
     engine = initialize_engine(model, cfg, optimizer, lr_scheduler, engine_class=DeepSpeedEngine)
     engine.tag_validation = tag_validation
+    parallel_groups.use_mesh(engine.mesh)  # deepspeed.utils.groups answers from this engine's layout
     if training_data is not None:
         engine.training_dataloader = _data_loader(engine, training_data, collate_fn)
         if engine.zenflow is not None:  # an epoch-based column selection counts its batches
@@ -131,6 +135,9 @@ def _clearing_model_gradients(engine: DeepSpeedEngine) -> torch.optim.Optimizer 
     if engine.optimizer is None:  # no optimizer given: a forward-only engine, None as in DeepSpeed
         return None
     optimizer = engine.optimizer.optimizer
+    for wrapped in (optimizer, engine.optimizer):  # isinstance(_, DeepSpeedOptimizer) as under DeepSpeed
+        mark_wrapped(wrapped, zero_stage=engine.zero_optimization_stage(),
+                     mixed_precision=engine.fp16_enabled() or engine.bfloat16_enabled())
     clear_masters = optimizer.zero_grad
 
     def zero_grad(set_to_none: bool = True) -> None:

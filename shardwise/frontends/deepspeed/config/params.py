@@ -171,7 +171,7 @@ SCHEDULER_PARAMS: dict[str, type[Section]] = {
 }
 
 # Types DeepSpeed builds itself that no shardwise capability covers.
-DEEPSPEED_OPTIMIZERS_UNSUPPORTED = ("Adagrad", "Lion", "MuAdam", "MuAdamW", "MuSGD")
+DEEPSPEED_OPTIMIZERS_UNSUPPORTED = ("MuAdam", "MuAdamW", "MuSGD")
 DEEPSPEED_SCHEDULERS_UNSUPPORTED: tuple[str, ...] = ()
 
 

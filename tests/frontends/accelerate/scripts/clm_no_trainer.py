@@ -31,6 +31,7 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--checkpointing_steps", type=int, default=None, help="save_state every N updates")
     parser.add_argument("--resume_from_checkpoint", default=None, help="a step_<N> folder under --output_dir")
     parser.add_argument("--losses", required=True)
+    parser.add_argument("--state_dict", default=None, help="write accelerator.get_state_dict(model) here (JSON)")
     return parser.parse_args()
 
 
@@ -88,6 +89,13 @@ def main() -> None:
                     accelerator.save_state(os.path.join(args.output_dir, f"step_{completed_steps}"))
     with open(f"{args.losses}.rank{accelerator.process_index}.json", "w") as file:
         json.dump(losses, file)
+    if args.state_dict:
+        state = accelerator.get_state_dict(model)
+        if accelerator.is_main_process:
+            with open(args.state_dict, "w") as file:  # with whether each tensor owns just its elements
+                json.dump({name: [tensor.flatten().tolist(),
+                                  tensor.untyped_storage().nbytes() == tensor.numel() * tensor.element_size()]
+                           for name, tensor in state.items()}, file)
     accelerator.end_training()
 
 

@@ -131,13 +131,13 @@ def test_ranges_and_types_are_checked_with_the_value_given():
     ]
 
 
-OPTIMIZER_CHOICES = "Adam, AdamW, SGD, Lamb, Lars, Adafactor, Adam8bit, AdamW8bit, Muon, OneBitAdam, OneBitLamb, ZeroOneAdam"
+OPTIMIZER_CHOICES = "Adam, AdamW, SGD, Adagrad, Lamb, Lars, Lion, Adafactor, Adam8bit, AdamW8bit, Muon, OneBitAdam, OneBitLamb, ZeroOneAdam"
 
 
 @pytest.mark.parametrize(
     ("given", "expected"),
     [
-        ("Lion", "optimizer.type 'Lion' is a DeepSpeed optimizer that shardwise does not support yet: "
+        ("MuAdam", "optimizer.type 'MuAdam' is a DeepSpeed optimizer that shardwise does not support yet: "
                  f"use one of {OPTIMIZER_CHOICES}"),
         ("Adamm", f"optimizer.type 'Adamm' is unknown; did you mean 'Adam'? (choices: {OPTIMIZER_CHOICES})"),
     ],
