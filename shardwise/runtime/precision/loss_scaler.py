@@ -2,7 +2,10 @@
 
 The dynamic rule is DeepSpeed's: start at 2**initial_scale_power; on an overflow skip the
 step and halve the scale (after `hysteresis` tolerated overflows, never below
-`min_loss_scale`); after `loss_scale_window` clean steps double it. Overflow is decided
+`min_loss_scale`); double it on the clean step that follows a multiple of
+`loss_scale_window` clean steps (DeepSpeed 0.19.8 counts the steps strictly between the
+last overflow and this one, so with window W the first doubling comes on clean step W + 1
+and then every W steps; tests/runtime/precision/test_loss_scaler.py holds its sequences). Overflow is decided
 on the global gradient norm, which every rank already all-reduces for clipping, so ranks
 agree on skipping without an extra collective.
 """
@@ -63,7 +66,8 @@ class LossScaler:
             else:
                 if self.consecutive_hysteresis:
                     self.remaining_hysteresis = self.hysteresis
-                if (self.iteration - self.last_overflow_iteration) % self.scale_window == 0:
+                stable = self.iteration - self.last_overflow_iteration - 1  # clean steps before this one
+                if stable > 0 and stable % self.scale_window == 0:
                     if not self.consecutive_hysteresis:
                         self.remaining_hysteresis = self.hysteresis
                     self.scale *= 2

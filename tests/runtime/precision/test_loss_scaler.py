@@ -1,7 +1,11 @@
 """fp16 loss scaling: DeepSpeed's dynamic schedule, and overflow skipping across ranks."""
 
+import json
 import math
+import os
+import subprocess
 
+import pytest
 import torch
 
 import shardwise
@@ -16,11 +20,63 @@ def test_dynamic_scale_halves_after_hysteresis_and_doubles_after_window():
     assert scaler.scale == 2.0**16
     scaler.update(overflow=True)
     assert scaler.scale == 2.0**15
-    for _ in range(2):
+    for _ in range(3):
         scaler.update(overflow=False)
     assert scaler.scale == 2.0**15
-    scaler.update(overflow=False)  # 3 clean steps since the last overflow
+    scaler.update(overflow=False)  # 3 clean steps between the last overflow and this one
     assert scaler.scale == 2.0**16
+
+
+def scales(sequence: list[bool], window: int, hysteresis: int, consecutive: bool = False) -> list[int]:
+    scaler = LossScaler(2.0**16, dynamic=True, scale_window=window, hysteresis=hysteresis,
+                        consecutive_hysteresis=consecutive, min_scale=1.0)
+    seen = []
+    for overflow in sequence:
+        scaler.update(overflow=overflow)
+        seen.append(int(scaler.scale))
+    return seen
+
+
+# (overflows, window, hysteresis, consecutive_hysteresis) -> the scales DeepSpeed 0.19.8's
+# DynamicLossScaler.update_scale gives after each step (run with it; see the test below)
+SEQUENCES = [
+    (([True, True] + [False] * 7, 3, 2, False), [65536, 32768, 32768, 32768, 32768, 65536, 65536, 65536, 131072]),
+    (([False] * 6, 2, 2, False), [65536, 65536, 131072, 131072, 262144, 262144]),
+    (([False, True, False, True, True, False, False, False, False], 2, 2, True),
+     [65536, 65536, 65536, 65536, 32768, 32768, 32768, 65536, 65536]),
+]
+
+
+def test_the_schedule_is_deepspeed_s():
+    for arguments, expected in SEQUENCES:
+        assert scales(*arguments) == expected, arguments
+
+
+DEEPSPEED_SIDE = """
+import json, sys
+import deepspeed.runtime.fp16.loss_scaler as loss_scaler
+loss_scaler.dist.get_rank = lambda *args, **kwargs: 0  # it logs from rank 0; no process group here
+out = []
+for sequence, window, hysteresis, consecutive in json.loads(sys.argv[1]):
+    scaler = loss_scaler.DynamicLossScaler(init_scale=2**16, scale_window=window, delayed_shift=hysteresis,
+                                           min_scale=1, consecutive_hysteresis=consecutive)
+    seen = []
+    for overflow in sequence:
+        scaler.update_scale(overflow)
+        seen.append(int(scaler.cur_scale))
+    out.append(seen)
+print(json.dumps(out))
+"""
+
+
+@pytest.mark.skipif(not os.environ.get("DEEPSPEED_PYTHON"), reason="set DEEPSPEED_PYTHON to an interpreter with "
+                    "DeepSpeed 0.19.8 installed")
+def test_deepspeed_s_own_scaler_gives_the_same_sequences():
+    ran = subprocess.run([os.environ["DEEPSPEED_PYTHON"], "-c", DEEPSPEED_SIDE,
+                          json.dumps([arguments for arguments, _ in SEQUENCES])], capture_output=True, text=True,
+                         timeout=300, env={**os.environ, "DS_ACCELERATOR": "cpu"})
+    assert ran.returncode == 0, ran.stderr[-3000:]
+    assert json.loads(ran.stdout.strip().splitlines()[-1]) == [expected for _, expected in SEQUENCES]
 
 
 def test_scale_never_drops_below_minimum():
