@@ -38,6 +38,13 @@ if TYPE_CHECKING:
     from shardwise.tools.planner.results import Estimate
 
 DEFAULT_BUCKET_ELEMENTS = 500_000_000  # DeepSpeed's reduce_bucket_size / allgather_bucket_size default
+# Stage 3 partitions parameters by the module that owns them (runtime/zero/partitioned_params.py):
+# a unit per module, gathered before its forward and again before its backward, its gradient
+# reduce-scattered when complete. A transformer block owns four weight matrices (attention's
+# input and output projections, the MLP's two: GPT's qkv, proj, fc, proj; more where q, k and
+# v or a gated MLP are separate, 7 in Llama); its norms fall under the persistence threshold
+# and stay whole. Plus the ends: the embedding and the output layer.
+STAGE3_UNITS_PER_LAYER = 4
 # Of a layer's tensor and sequence collectives (communication.py), the forward's share: what
 # full recomputation issues again. Megatron TP: 2 of the 4 all-reduces; with Megatron SP 2 of
 # the 6 all-gathers and 2 of the 4 reduce-scatters; Ulysses: 4 of the 8 all-to-alls.
@@ -118,15 +125,16 @@ def plan_work(shape: ModelShape, plan: Plan, speeds: Speeds, *, num_gpus: int, g
     padded = ceil(local / shard) * shard
     volume = comm_bytes_by_group(CommShape(padded, plan.stage, shard, replicate, ebytes, ebytes, a))
     terms: list[CommTerm] = []
-    reduce_messages = buckets(local // shard if partitions_parameters(plan.stage) else local, plan.reduce_bucket)
+    # stage 3 gathers and reduces one unit per module that owns partitioned weights; stages 1-2 by bucket
+    units = STAGE3_UNITS_PER_LAYER * ceil(layers / p) + 2
+    reduce_messages = units if partitions_parameters(plan.stage) else buckets(local, plan.reduce_bucket)
     if volume["shard"]["reduce_scatter"]:
         hides = "last_backward" if keeps_full_gradients(plan.stage) else "backward"
         terms.append(CommTerm("shard", "reduce_scatter", volume["shard"]["reduce_scatter"], shard, shard_link,
                               reduce_messages * (1 if keeps_full_gradients(plan.stage) else a), hides))
     if volume["shard"]["all_gather"]:
         gathered = volume["shard"]["all_gather"]
-        if partitions_parameters(plan.stage):  # forward and backward, one gather per layer and the ends
-            units = layers + 2
+        if partitions_parameters(plan.stage):  # forward and backward, every unit each time
             terms.append(CommTerm("shard", "all_gather", gathered / 2, shard, shard_link, units * a, "forward"))
             terms.append(CommTerm("shard", "all_gather", gathered / 2, shard, shard_link, units * a, "backward"))
         else:

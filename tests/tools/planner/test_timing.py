@@ -1,6 +1,6 @@
 """The planner's step-time work (shardwise/tools/planner/timing.py): what full recomputation
-and partitioned activations (Pa) add to the tensor group, and the pipeline on a host with
-fewer cores than ranks."""
+and partitioned activations (Pa) add to the tensor group, stage 3's messages per module,
+and the pipeline on a host with fewer cores than ranks."""
 
 from dataclasses import replace
 
@@ -64,3 +64,18 @@ def test_oversubscribed_host_shrinks_the_pipeline_bubble_and_nothing_else() -> N
     flat = Plan(1, micro_batch=2)  # no pipeline: the same with or without the host's cores
     assert predict(SHAPE, flat, cpu, num_gpus=4, **kwargs).step_s == \
         predict(SHAPE, flat, replace(cpu, host_cores=0), num_gpus=4, **kwargs).step_s
+
+
+def test_stage3_gathers_and_reduces_every_modules_unit() -> None:
+    """Stage 3 partitions by module: a GPT block's four weight matrices and the two ends are
+    gathered in forward, again in backward, and each reduce-scattered, every micro-batch."""
+    work = plan_work(SHAPE, Plan(3, micro_batch=2, accumulation=3), datasheet("a100"), num_gpus=2, gpus_per_node=8,
+                     seq_len=128, dtype="bf16", optimizer_state_bytes=12)
+    messages = {(term.op, term.hides_behind): term.messages for term in work.comm if term.group == "shard"}
+    units = 4 * 4 + 2
+    assert messages == {("all_gather", "forward"): units * 3, ("all_gather", "backward"): units * 3,
+                        ("reduce_scatter", "backward"): units * 3}
+    stage2 = plan_work(SHAPE, Plan(2, micro_batch=2, accumulation=3), datasheet("a100"), num_gpus=2, gpus_per_node=8,
+                       seq_len=128, dtype="bf16", optimizer_state_bytes=12)
+    # one bucket: reduce-scattered every micro-batch, the updated parameters gathered once
+    assert {term.op: term.messages for term in stage2.comm} == {"reduce_scatter": 3, "all_gather": 1}
