@@ -61,6 +61,22 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     return parser.parse_args(argv)
 
 
+def selected_plans(listed: str) -> list[str]:
+    """The plans `--plans` names, in PLANS' order. Names hold commas ("hybrid stage3 (S=2,
+    R=2)"), so they are found by name, longest first, not by splitting at commas."""
+    if not listed:
+        return list(PLANS)
+    chosen, rest = set(), listed
+    for name in sorted(PLANS, key=len, reverse=True):
+        if name in rest:
+            chosen.add(name)
+            rest = rest.replace(name, "")
+    if rest.strip(", "):
+        raise SystemExit(f"--plans: unknown plan in {listed!r} (left over: {rest.strip(', ')!r}); choose from: "
+                         + "; ".join(PLANS))
+    return [name for name in PLANS if name in chosen]
+
+
 def plan_config(name: str, args: argparse.Namespace) -> dict[str, Any]:
     config = {"train_micro_batch_size_per_gpu": args.micro_batch, "gradient_accumulation_steps": 1,
               "gradient_clipping": 1.0,
@@ -139,8 +155,7 @@ def main(args: argparse.Namespace) -> None:
     from shardwise.models import GPTConfig
     from shardwise.tools.planner.measure import ProbeShape, measure
 
-    names = [n for n in (args.plans.split(",") if args.plans else PLANS)
-             if args.world_size == 4 or n not in FOUR_RANKS_ONLY]
+    names = [n for n in selected_plans(args.plans) if args.world_size == 4 or n not in FOUR_RANKS_ONLY]
     load = os.getloadavg()[0]
     gpt = GPTConfig.preset(args.preset)
     probe = ProbeShape(gpt.n_embd, gpt.n_head, args.seq_len, args.micro_batch, gpt.vocab_size)

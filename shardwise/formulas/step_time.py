@@ -7,7 +7,8 @@ A step is the sum of what cannot hide behind anything else:
 
     compute      F·tokens / (peak·MFU)       F = training FLOPs per token, below; tokens =
                                              the rank's share of its replica's tokens
-    bubble       compute·(p−1)/m             pipeline of p stages, m micro-batches (1F1B)
+    bubble       compute·(p−1)/m             pipeline of p stages, m micro-batches (1F1B);
+                                             less on an oversubscribed CPU, see below
     exposed comm each collective by α–β      (n−1)·α + bytes/β per all-gather or reduce-
                                              scatter (2(n−1)·α for an all-reduce), per
                                              message; what the engine overlaps is hidden
@@ -37,6 +38,17 @@ collectives run on their own engines (NCCL on a GPU), less where they take the c
 compute needs (gloo with as many ranks as cores). Stage 1-2's all-gather of the updated
 parameters, the replicate group's all-reduce, tensor-parallel collectives (each layer
 waits for them) and pipeline sends are exposed.
+
+Oversubscribed CPU (more ranks on a host than it has cores, `host_cores`): the measured
+compute rate is each rank's share of the cores with every rank busy, C/R of a core. A phase
+in which only b of the R ranks compute runs each at min(1, C/b) of a core instead, so the
+same work takes share(R)/share(b) as long (share(n) = min(1, C/n)); the CPU work is
+conserved. The pipeline is the one place where ranks of a step idle for long: 1F1B runs
+in m + p − 1 slots of compute/m each, slot k with n_k = min(k, p−1) − max(0, k−m+1) + 1
+of the p stages busy (the warm-up and cool-down ramps), so the step's compute and bubble
+take compute/m · Σ_k share(R)/share(R·n_k/p). With ranks ≤ cores, or a device per rank
+(a GPU: an idle stage frees nothing for the others), every factor is 1 and the bubble is
+compute·(p−1)/m.
 """
 
 from __future__ import annotations
@@ -68,7 +80,9 @@ class Speeds:
     backward reach; `memory_bandwidth` what a memory-bound optimizer update streams at on
     the device; `host_bandwidth` the same for an optimizer offloaded to the CPU (per rank:
     the node's bandwidth shared by its ranks); `pcie_bandwidth` device↔host per rank,
-    `nvme_bandwidth` per node; `overlap` as in the module docstring."""
+    `nvme_bandwidth` per node; `overlap` as in the module docstring; `host_cores` the cores
+    a host's ranks share when they compute on the CPU (0 for devices: GPUs), for the
+    oversubscription rule of the module docstring."""
 
     name: str
     peak_flops: float
@@ -81,11 +95,14 @@ class Speeds:
     nvme_bandwidth: float
     overlap: float = 1.0
     source: str = ""
+    host_cores: int = 0  # the cores one host's ranks share; 0: every rank has a device of its own
 
     def __post_init__(self) -> None:
         if self.peak_flops <= 0 or not 0 < self.mfu <= 1 or not 0 <= self.overlap <= 1:
             raise ValueError(f"{self.name}: peak_flops must be > 0, mfu in (0, 1], overlap in [0, 1]; got "
                              f"{self.peak_flops}, {self.mfu}, {self.overlap}")
+        if self.host_cores < 0:
+            raise ValueError(f"{self.name}: host_cores must be >= 0 (0: a device per rank), got {self.host_cores}")
         for key in ("memory_bandwidth", "host_bandwidth", "pcie_bandwidth", "nvme_bandwidth"):
             if getattr(self, key) <= 0:
                 raise ValueError(f"{self.name}: {key} must be > 0, got {getattr(self, key)}")
@@ -157,6 +174,7 @@ class StepWork:
     pcie_bytes: float = 0.0  # offload: device↔host per rank
     nvme_bytes_per_node: float = 0.0
     forward_fraction: float = 1.0 / 3.0  # of the compute, the forward's share
+    ranks_per_host: int = 1  # ranks sharing one host's cores (Speeds.host_cores)
 
 
 @dataclass(frozen=True)
@@ -183,7 +201,8 @@ def step_seconds(work: StepWork, speeds: Speeds) -> StepTime:
     """The step's time on `speeds` (module docstring)."""
     compute = work.flops / speeds.achieved_flops
     m, p = work.micro_batches, work.pipeline_stages
-    bubble = compute * (p - 1) / m
+    bubble = pipeline_bubble_seconds(compute, stages=p, micro_batches=m, ranks_per_host=work.ranks_per_host,
+                                     host_cores=speeds.host_cores)
     forward = compute * work.forward_fraction
     backward = compute - forward
     hiding = {"forward": forward, "backward": backward, "last_backward": backward / m, "none": 0.0}
@@ -200,6 +219,30 @@ def step_seconds(work: StepWork, speeds: Speeds) -> StepTime:
     optimizer = work.optimizer_bytes / bandwidth
     offload = work.pcie_bytes / speeds.pcie_bandwidth + work.nvme_bytes_per_node / speeds.nvme_bandwidth
     return StepTime(compute, bubble, exposed, raw, optimizer, offload)
+
+
+def core_share(busy_ranks: float, cores: int) -> float:
+    """The fraction of a core each of `busy_ranks` computing ranks gets on `cores` cores."""
+    return min(1.0, cores / busy_ranks)
+
+
+def pipeline_bubble_seconds(compute_s: float, *, stages: int, micro_batches: int, ranks_per_host: int = 1,
+                            host_cores: int = 0) -> float:
+    """The pipeline's idle time beyond `compute_s` (module docstring): (p−1)/m of it where
+    every rank has its own device or core; on an oversubscribed CPU the ramps' fewer busy
+    ranks run faster, so the bubble shrinks (to nothing when the busy ranks alone fill the
+    cores)."""
+    p, m = stages, micro_batches
+    if p == 1:
+        return 0.0
+    if not host_cores or ranks_per_host <= host_cores:
+        return compute_s * (p - 1) / m
+    full = core_share(ranks_per_host, host_cores)
+    slots = 0.0
+    for k in range(m + p - 1):
+        busy_stages = min(k, p - 1) - max(0, k - m + 1) + 1
+        slots += full / core_share(ranks_per_host * busy_stages / p, host_cores)
+    return compute_s * (slots - m) / m
 
 
 def optimizer_update_bytes(elements: int, *, grad_bytes: int, state_bytes: float, param_bytes: int,

@@ -12,6 +12,7 @@ from shardwise.formulas.step_time import (
     exposed_seconds,
     forward_flops_per_token,
     optimizer_update_bytes,
+    pipeline_bubble_seconds,
     step_seconds,
     training_flops_per_token,
 )
@@ -82,3 +83,37 @@ def test_bad_speeds_are_refused() -> None:
         Speeds("x", 1e12, 1.5, 1e9, LINK, LINK, 1e9, 1e9, 1e9)
     with pytest.raises(ValueError, match="bandwidth > 0"):
         Link(1e-6, 0)
+    with pytest.raises(ValueError, match="host_cores must be >= 0"):
+        Speeds("x", 1e12, 0.5, 1e9, LINK, LINK, 1e9, 1e9, 1e9, host_cores=-1)
+
+
+def test_bubble_is_p_minus_1_over_m_with_a_core_or_device_per_rank() -> None:
+    for ranks, cores in ((4, 0), (2, 2), (4, 8)):  # GPUs (0: a device per rank), ranks <= cores
+        assert pipeline_bubble_seconds(8.0, stages=2, micro_batches=4, ranks_per_host=ranks,
+                                       host_cores=cores) == 8.0 * 1 / 4
+    assert pipeline_bubble_seconds(8.0, stages=1, micro_batches=4, ranks_per_host=4, host_cores=2) == 0.0
+
+
+def test_oversubscribed_pipeline_ramps_run_on_the_idle_stages_cores() -> None:
+    """4 ranks on 2 cores, 2 stages: with every rank busy each has half a core; in the warm-up
+    and cool-down slot only one stage's 2 ranks compute, a core each, so those slots take half
+    as long: 3 full slots + 2 half slots = 4 slots of compute/4: no bubble at all."""
+    assert pipeline_bubble_seconds(8.0, stages=2, micro_batches=4, ranks_per_host=4, host_cores=2) == 0.0
+    # 4 stages of 1 rank on 2 cores, m = 4: slots busy 1,2,3,4,3,2,1; a slot with n busy ranks
+    # takes share(4)/share(n) = 0.5/min(1, 2/n) of a full slot: 0.5+0.5+0.75+1+0.75+0.5+0.5 = 4.5
+    assert pipeline_bubble_seconds(8.0, stages=4, micro_batches=4, ranks_per_host=4,
+                                   host_cores=2) == pytest.approx(8.0 * (4.5 - 4) / 4)
+    # the same on 4 cores (no oversubscription): 3 slots of bubble
+    assert pipeline_bubble_seconds(8.0, stages=4, micro_batches=4, ranks_per_host=4, host_cores=4) == 6.0
+    # fewer micro-batches than stages: m = 1 runs one stage at a time, each at a full core
+    assert pipeline_bubble_seconds(4.0, stages=4, micro_batches=1, ranks_per_host=4,
+                                   host_cores=2) == pytest.approx(4.0 * (4 * 0.5 - 1))
+
+
+def test_step_time_uses_the_oversubscribed_bubble() -> None:
+    work = StepWork(flops=1e12, micro_batches=4, pipeline_stages=2, ranks_per_host=4)
+    assert step_seconds(work, SPEEDS).bubble == pytest.approx(0.5)  # host_cores 0: a device per rank
+    cpu = Speeds("cpu", 1e12, 0.5, 1e10, LINK, LINK, 2e9, 1e9, 5e8, host_cores=2)
+    assert step_seconds(work, cpu).bubble == 0.0
+    assert step_seconds(StepWork(flops=1e12, micro_batches=4, pipeline_stages=2, ranks_per_host=2), cpu).bubble \
+        == pytest.approx(0.5)

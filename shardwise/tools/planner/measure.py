@@ -16,6 +16,9 @@ and measure, all at once so that they compete for the machine as training ranks 
 
 Collectives on gloo run on threads that take the cores compute needs when every core
 runs a rank, so nothing hides behind compute there: `overlap` is 0 (1 with spare cores).
+The profile also keeps the cores the ranks shared (`host_cores`): with more ranks than
+cores, a phase where some ranks idle (a pipeline's warm-up and cool-down) computes faster
+than the rates measured with every rank busy (step_time.py).
 """
 
 from __future__ import annotations
@@ -142,6 +145,7 @@ def _rank_probe(rank: int, world: int, workdir: str, probe: ProbeShape) -> None:
         speeds = Speeds(f"this machine ({cores} cores, {world} ranks)", lowest[0], min(1.0, lowest[1]), lowest[2],
                         link, link, host_bandwidth=lowest[2], pcie_bandwidth=lowest[3], nvme_bandwidth=lowest[4],
                         overlap=0.0 if world >= cores else 1.0,
+                        host_cores=cores,
                         source=f"shardwise estimate --measure (MFU on {probe.layers} GPT layers, h={probe.hidden}, "
                                f"s={probe.seq_len}, b={probe.micro_batch})")
         torch.save(speeds, Path(workdir, "speeds.pt"))

@@ -5,7 +5,7 @@ prints with it, and `shardwise tune` ranks its candidates by it."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from math import ceil
 from typing import TYPE_CHECKING
 
@@ -38,6 +38,17 @@ if TYPE_CHECKING:
     from shardwise.tools.planner.results import Estimate
 
 DEFAULT_BUCKET_ELEMENTS = 500_000_000  # DeepSpeed's reduce_bucket_size / allgather_bucket_size default
+# Stage 3 partitions parameters by the module that owns them (runtime/zero/partitioned_params.py):
+# a unit per module, gathered before its forward and again before its backward, its gradient
+# reduce-scattered when complete. A transformer block owns four weight matrices (attention's
+# input and output projections, the MLP's two: GPT's qkv, proj, fc, proj; more where q, k and
+# v or a gated MLP are separate, 7 in Llama); its norms fall under the persistence threshold
+# and stay whole. Plus the ends: the embedding and the output layer.
+STAGE3_UNITS_PER_LAYER = 4
+# Of a layer's tensor and sequence collectives (communication.py), the forward's share: what
+# full recomputation issues again. Megatron TP: 2 of the 4 all-reduces; with Megatron SP 2 of
+# the 6 all-gathers and 2 of the 4 reduce-scatters; Ulysses: 4 of the 8 all-to-alls.
+FORWARD_SHARE = {"all_reduce": 1 / 2, "reduce_scatter": 1 / 2, "all_gather": 1 / 3, "all_to_all": 1 / 2}
 
 
 @dataclass(frozen=True)
@@ -54,6 +65,12 @@ class Plan:
     shard_size: int | None = None
     reduce_bucket: int = DEFAULT_BUCKET_ELEMENTS
     allgather_bucket: int = DEFAULT_BUCKET_ELEMENTS
+    partition_activations: bool = False  # Pa: checkpoints split over the tensor group, gathered to recompute
+
+    def __post_init__(self) -> None:
+        if self.partition_activations and self.recompute != "full":
+            raise ValueError("partition_activations (Pa) splits the inputs full recomputation keeps; the time model "
+                             f"prices it with recompute 'full', got {self.recompute!r}")
 
 
 @dataclass(frozen=True)
@@ -108,15 +125,16 @@ def plan_work(shape: ModelShape, plan: Plan, speeds: Speeds, *, num_gpus: int, g
     padded = ceil(local / shard) * shard
     volume = comm_bytes_by_group(CommShape(padded, plan.stage, shard, replicate, ebytes, ebytes, a))
     terms: list[CommTerm] = []
-    reduce_messages = buckets(local // shard if partitions_parameters(plan.stage) else local, plan.reduce_bucket)
+    # stage 3 gathers and reduces one unit per module that owns partitioned weights; stages 1-2 by bucket
+    units = STAGE3_UNITS_PER_LAYER * ceil(layers / p) + 2
+    reduce_messages = units if partitions_parameters(plan.stage) else buckets(local, plan.reduce_bucket)
     if volume["shard"]["reduce_scatter"]:
         hides = "last_backward" if keeps_full_gradients(plan.stage) else "backward"
         terms.append(CommTerm("shard", "reduce_scatter", volume["shard"]["reduce_scatter"], shard, shard_link,
                               reduce_messages * (1 if keeps_full_gradients(plan.stage) else a), hides))
     if volume["shard"]["all_gather"]:
         gathered = volume["shard"]["all_gather"]
-        if partitions_parameters(plan.stage):  # forward and backward, one gather per layer and the ends
-            units = layers + 2
+        if partitions_parameters(plan.stage):  # forward and backward, every unit each time
             terms.append(CommTerm("shard", "all_gather", gathered / 2, shard, shard_link, units * a, "forward"))
             terms.append(CommTerm("shard", "all_gather", gathered / 2, shard, shard_link, units * a, "backward"))
         else:
@@ -135,6 +153,17 @@ def plan_work(shape: ModelShape, plan: Plan, speeds: Speeds, *, num_gpus: int, g
     for op, nbytes in ulysses_comm_bytes(model_shape).items():
         if nbytes:
             terms.append(CommTerm("sequence", op, nbytes / p, s_ulysses, data_link, 4 * layers // p * a))
+    if plan.recompute == "full":  # the layers' forward runs again, its collectives with it
+        for group, bytes_of, ranks, link in (("tensor", tensor_parallel_comm_bytes, t, speeds.intra_node),
+                                              ("sequence", ulysses_comm_bytes, s_ulysses, data_link)):
+            for op, nbytes in _per_layer_bytes(bytes_of, model_shape).items():
+                if nbytes:
+                    terms.append(CommTerm(f"{group} recompute", op, nbytes * FORWARD_SHARE[op] / p, ranks, link,
+                                          2 * layers // p * a))
+    if plan.partition_activations and t > 1:  # each layer's kept input gathered before its recomputation
+        kept = plan.micro_batch * seq_len // s_ulysses * hidden * ebytes
+        terms.append(CommTerm("tensor Pa", "all_gather", layers / p * a * kept * (t - 1) / t, t, speeds.intra_node,
+                              ceil(layers / p) * a))
     if p > 1:
         pipe = PipelineCommShape(plan.micro_batch, seq_len // s_ulysses, hidden // t, ebytes, p, a)
         busiest = max(pipeline_p2p_bytes(pipe, rank) for rank in range(p))
@@ -155,7 +184,13 @@ def plan_work(shape: ModelShape, plan: Plan, speeds: Speeds, *, num_gpus: int, g
             nvme += 2 * a * partition * ebytes * min(gpus_per_node, num_gpus)
     forward_fraction = 1 / 3 if plan.recompute == "none" else 1 / 4
     return StepWork(flops, tuple(terms), a, p, update, plan.offload.optimizer != "none", pcie, nvme,
-                    forward_fraction)
+                    forward_fraction, ranks_per_host=min(gpus_per_node, num_gpus))
+
+
+def _per_layer_bytes(bytes_of, shape: ParallelCommShape) -> dict[str, int]:
+    """Of `bytes_of(shape)`'s collectives, the layers' part (what the stack's ends do not send)."""
+    ends = bytes_of(replace(shape, layers=0))
+    return {op: nbytes - ends[op] for op, nbytes in bytes_of(shape).items()}
 
 
 def price_options(result: "Estimate", speeds: Speeds, *, accumulation: int = 1) -> list[Prediction]:
