@@ -17,8 +17,8 @@ three reasons.
    the caller decides when to wait. With NCCL the work runs on the process group's own
    communication stream and `wait()` only orders the current stream after it; with gloo
    it runs on gloo's threads while the Python thread keeps computing. When every member
-   of a gloo group is on this host, CPU reduce-scatters and all-gathers go through a
-   shared segment instead, run by a worker thread of the group's (shared_memory.py).
+   of a gloo group is on this host, CPU reduce-scatters, all-gathers and all-reduces go
+   through a shared segment instead, run by a worker thread of the group's (shared_memory.py).
 
 A communicator takes its rank and size from its group: rank r of a group is the r-th of
 its members, and that index is the chunk a rank owns, what `broadcast` sources name,
@@ -204,7 +204,9 @@ class Communicator:
         self.point_to_point = self.size > 1 and dist.get_backend(self.group) == "gloo"
         self._sequence = 0  # tags point-to-point collectives; advances alike on every rank
         # a segment shared with the members, mapped at the first collective that can use it
-        self._shared_memory_wanted = self.point_to_point and shared_memory.enabled()
+        # (the members agree on it over the control group)
+        self._shared_memory_wanted = (self.point_to_point and self.control_group is not None
+                                      and shared_memory.enabled())
         self._shared_memory: shared_memory.SharedMemoryChannel | None = None
         self.skips_collectives = self.size == 1 and not _issues_at_size_one(self.group)
         # CUDA tensors only (also a group of one whose NCCL calls the test switch issues)
@@ -305,6 +307,9 @@ class Communicator:
             return self._pending(None, "all_reduce", what)
         self._require_device("all_reduce", what, tensor)
         self._count("all_reduce", self._bytes(tensor))
+        if tensor.dtype in shared_memory.SUMMED_DTYPES and self._shares_memory("all_reduce", what, tensor):
+            channel = self._shared_memory
+            return self._issue("all_reduce", what, lambda: channel.all_reduce(tensor), self._bytes(tensor))
         return self._issue("all_reduce", what, lambda: dist.all_reduce(tensor, group=self.group, async_op=True),
                            self._bytes(tensor))
 
@@ -323,7 +328,7 @@ class Communicator:
             return self._issue("reduce_scatter", what,
                                lambda: reduce_scatter_single(output, full, group=self.group, async_op=True),
                                self._bytes(full))
-        if (full.dtype in shared_memory.SUMMED_DTYPES and self._shares_memory(output, full)
+        if (full.dtype in shared_memory.SUMMED_DTYPES and self._shares_memory("reduce_scatter", what, output, full)
                 and full.numel() == output.numel() * self.size):
             channel = self._shared_memory
             return self._issue("reduce_scatter", what, lambda: channel.reduce_scatter(output, full),
@@ -358,7 +363,7 @@ class Communicator:
         full_bytes = sum(self._bytes(piece) for piece in pieces)
         self._count("all_gather", full_bytes)
         if all(piece.numel() == shard.numel() and piece.dtype == shard.dtype for piece in pieces) \
-                and self._shares_memory(shard, *pieces):
+                and self._shares_memory("all_gather", what, shard, *pieces):
             channel = self._shared_memory
             return self._issue("all_gather", what, lambda: channel.all_gather(pieces, shard), full_bytes)
         if self.point_to_point:
@@ -406,7 +411,7 @@ class Communicator:
         self._issue("broadcast", what, lambda: dist.broadcast(
             tensor, group=self.group, group_src=source, async_op=True), self._bytes(tensor)).wait()
 
-    def _shares_memory(self, *tensors: torch.Tensor) -> bool:
+    def _shares_memory(self, op: str, what: str, *tensors: torch.Tensor) -> bool:
         """Whether these tensors go through the shared segment: contiguous CPU tensors of a
         gloo group on one host. Maps the segment on first use (every member decides alike:
         the same collective with the same shapes)."""
@@ -414,9 +419,14 @@ class Communicator:
             return False
         if self._shared_memory is None:
             self._shared_memory_wanted = False  # one try: a group that cannot share keeps gloo
-            self._shared_memory = shared_memory.connect(
-                rank=self.rank, global_ranks=self.handle.ranks, timeout=collective_timeout(),
-                gather=lambda value: self.control_all_gather_object(value, counted=False))
+            started = time.monotonic()
+            try:
+                self._shared_memory = shared_memory.connect(
+                    rank=self.rank, global_ranks=self.handle.ranks, timeout=collective_timeout(),
+                    gather=lambda value: self.control_all_gather_object(value, counted=False))
+            except CollectiveError as error:  # named as the collective being issued
+                cause = RuntimeError(f"agreeing on a shared-memory segment: {error.__cause__ or error}")
+                raise self.error(op, what, cause, started) from error
             self._shared_memory_wanted = self._shared_memory is not None
         return self._shared_memory is not None
 

@@ -227,3 +227,51 @@ int sw_reduce_scatter(channel_t *c, const char *full, char *output, int64_t coun
     }
     return OK;
 }
+
+/* In place: data (count elements) becomes the sum over members. Per piece, two rounds:
+ * a reduce-scatter (member m sums chunk m of the piece, in member order, so every rank
+ * ends with the same bits), then an all-gather of the summed chunks. */
+int sw_all_reduce(channel_t *c, char *data, int64_t count, int dtype) {
+    int64_t element = dtype == FLOAT64 ? 8 : dtype == FLOAT32 ? 4 : 2;
+    int64_t sub_slot = (c->slot_bytes / c->size) / 64 * 64;
+    int64_t per_member = sub_slot / element;
+    const char *sources[MAX_MEMBERS];
+    for (int64_t first = 0; first < count; first += per_member * c->size) {
+        int64_t n = count - first < per_member * c->size ? count - first : per_member * c->size;
+        int64_t chunk = (n + c->size - 1) / c->size;
+#define START(m) ((m) * chunk < n ? (m) * chunk : n)
+#define LENGTH(m) (START((m) + 1) - START(m))
+        int status = begin_round(c);
+        if (status != OK) return status;
+        for (int member = 0; member < c->size; member++)
+            if (member != c->rank)
+                memcpy(slot(c, c->rank) + member * sub_slot, data + (first + START(member)) * element,
+                       LENGTH(member) * element);
+        publish(&header(c, c->rank)->ready, c->round);
+        for (int step = 1; step < c->size; step++) {
+            int peer = (c->rank + step) % c->size;
+            status = wait_for(c, peer, &header(c, peer)->ready, c->round);
+            if (status != OK) return status;
+        }
+        char *mine = data + (first + START(c->rank)) * element;
+        for (int member = 0; member < c->size; member++)
+            sources[member] = member == c->rank ? mine : slot(c, member) + c->rank * sub_slot;
+        sum_members(dtype, c->size, sources, mine, LENGTH(c->rank));
+        publish(&header(c, c->rank)->done, c->round);
+
+        status = begin_round(c);
+        if (status != OK) return status;
+        memcpy(slot(c, c->rank), mine, LENGTH(c->rank) * element);
+        publish(&header(c, c->rank)->ready, c->round);
+        for (int step = 1; step < c->size; step++) {
+            int peer = (c->rank + step) % c->size;
+            status = wait_for(c, peer, &header(c, peer)->ready, c->round);
+            if (status != OK) return status;
+            memcpy(data + (first + START(peer)) * element, slot(c, peer), LENGTH(peer) * element);
+        }
+        publish(&header(c, c->rank)->done, c->round);
+#undef START
+#undef LENGTH
+    }
+    return OK;
+}

@@ -1,4 +1,4 @@
-"""All-gather and reduce-scatter through shared memory, for the ranks of a gloo group that
+"""All-gather, reduce-scatter and all-reduce through shared memory, for the ranks of a gloo group that
 all run on one host (issue 27 item 2).
 
 gloo moves a host's bytes between its ranks over TCP loopback: the sender's kernel copies
@@ -24,8 +24,8 @@ last bit.
 
 Used by `Communicator` for CPU tensors of a gloo group whose members share this host
 (same host name and boot id), when `SHARDWISE_SHARED_MEMORY` is not "0": reduce-scatter
-of contiguous float32, float64 and bfloat16, all-gather of any contiguous dtype; gloo
-otherwise. On by default: measured at 25M on 2 ranks (BENCHMARKS.md, "ZeRO-3 vs FSDP2
+and all-reduce of contiguous float32, float64 and bfloat16, all-gather of any contiguous
+dtype; gloo otherwise. On by default: measured at 25M on 2 ranks (BENCHMARKS.md, "ZeRO-3 vs FSDP2
 and DeepSpeed ZeRO-3") it takes ZeRO-3's step closer to the floor. Without a compiler the
 group keeps gloo, warned once.
 """
@@ -69,6 +69,7 @@ _SIGNATURES = {
     "sw_failed_peer": ([_P], _I),
     "sw_all_gather": ([_P, _P, ctypes.POINTER(_P), _L], _I),
     "sw_reduce_scatter": ([_P, _P, _P, _L, _I], _I),
+    "sw_all_reduce": ([_P, _P, _L, _I], _I),
 }
 _library: ctypes.CDLL | None = None
 _tried = False
@@ -224,6 +225,13 @@ class SharedMemoryChannel:
         dtype = SUMMED_DTYPES[full.dtype]
         return self._submit((output, full), lambda: self._kernels.sw_reduce_scatter(
             self._state, full.data_ptr(), output.data_ptr(), output.numel(), dtype))
+
+
+    def all_reduce(self, tensor: torch.Tensor) -> SharedMemoryWork:
+        """Contiguous `tensor` becomes the sum over members, the same bits on every member."""
+        dtype = SUMMED_DTYPES[tensor.dtype]
+        return self._submit((tensor,), lambda: self._kernels.sw_all_reduce(
+            self._state, tensor.data_ptr(), tensor.numel(), dtype))
 
 
 def connect(*, rank: int, global_ranks: tuple[int, ...], timeout: datetime.timedelta,

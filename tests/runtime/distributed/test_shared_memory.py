@@ -1,4 +1,4 @@
-"""Ranks on one host exchange all-gathers and reduce-scatters through a shared segment
+"""Ranks on one host exchange all-gathers, reduce-scatters and all-reduces through a shared segment
 (shared_memory.py, issue 27 item 2): the same results and bytes as gloo, and a peer that
 is gone or late fails the collective naming it instead of hanging."""
 
@@ -43,9 +43,12 @@ def test_equals_gloo_for_odd_sizes_and_sizes_above_a_slot(world_size, dtype):
         for size, outcome in zip(sizes, result["results"]):
             for gathered in ("gathered", "pieces"):
                 assert torch.equal(outcome["shared"][gathered], outcome["gloo"][gathered]), (size, gathered)
-            for reduced in ("reduced", "in_place"):
+            for reduced in ("reduced", "in_place", "summed"):
                 error = relative(outcome["shared"][reduced], outcome["gloo"][reduced])
                 assert error < TOLERANCE[dtype], (size, reduced, error)
+    for size_index in range(len(sizes)):  # an all-reduce leaves the same bits on every rank
+        sums = [result["results"][size_index]["shared"]["summed"] for result in results]
+        assert all(torch.equal(summed, sums[0]) for summed in sums)
 
 
 @needs_compiler

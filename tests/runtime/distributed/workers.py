@@ -173,7 +173,7 @@ def record_a_stall(rank: int, world_size: int) -> dict:
 
 
 def shared_and_gloo_collectives(rank: int, world_size: int, dtype: str, sizes: list[int]) -> dict:
-    """The same all-gathers and reduce-scatters through the shared segment and through gloo
+    """The same all-gathers, reduce-scatters and all-reduces through the shared segment and through gloo
     (one communicator each over the same group), per chunk size in `sizes`."""
     import os
 
@@ -193,13 +193,15 @@ def shared_and_gloo_collectives(rank: int, world_size: int, dtype: str, sizes: l
             pieces = [torch.empty(size, dtype=kind) for _ in range(world_size)]  # apart from each other
             reduced = torch.empty(size, dtype=kind)
             in_place = full.clone()
+            summed = torch.cat([full, shard[:1]])  # a length the members do not divide
             works = [comm.all_gather(gathered, shard, "a shard"), comm.all_gather_pieces(pieces, shard, "pieces"),
                      comm.reduce_scatter(reduced, full, "a full tensor"),
-                     comm.reduce_scatter(in_place.chunk(world_size)[rank], in_place, "in place")]
+                     comm.reduce_scatter(in_place.chunk(world_size)[rank], in_place, "in place"),
+                     comm.all_reduce(summed, "a sum")]
             for work in works:
                 work.wait()
             outcome[name] = {"gathered": gathered, "pieces": torch.cat(pieces), "reduced": reduced,
-                             "in_place": in_place.chunk(world_size)[rank].clone()}
+                             "in_place": in_place.chunk(world_size)[rank].clone(), "summed": summed}
         results.append(outcome)
     return {"results": results, "shared_used": shared._shared_memory is not None,
             "gloo_used_shared": gloo._shared_memory is not None,
