@@ -30,7 +30,9 @@
 #endif
 
 #define HEADER_BYTES 128
-#define SPINS 2000
+/* A round copies megabytes: a futex wake-up costs little beside it, and spinning takes a
+ * loaded core from compute. */
+#define SPINS 200
 #define MAX_MEMBERS 64 /* shared_memory.py uses the segment for groups up to this size */
 #define SLICE_NS 100000000L /* 0.1 s */
 
@@ -110,13 +112,17 @@ int sw_open(const char *path, int64_t bytes, int create, void **mapped) {
         int status = posix_fallocate(fd, 0, bytes); /* reserve now: a full /dev/shm fails here, not later */
         if (status != 0) {
             close(fd);
+            unlink(path);
             return status;
         }
     }
     void *base = mmap(NULL, bytes, PROT_READ | PROT_WRITE, MAP_SHARED, fd, 0);
     int error = errno;
     close(fd);
-    if (base == MAP_FAILED) return error;
+    if (base == MAP_FAILED) {
+        if (create) unlink(path);
+        return error;
+    }
     *mapped = base;
     return 0;
 }

@@ -147,12 +147,12 @@ class SharedMemoryWork:
     def __init__(self, tensors: tuple[torch.Tensor, ...]):
         self._tensors = tensors  # alive until the worker is done with their memory
         self._finished = threading.Event()
-        self._error: RuntimeError | None = None
+        self._error: Exception | None = None
 
     def _run(self, call: Callable[[], None]) -> None:
         try:
             call()
-        except RuntimeError as error:
+        except Exception as error:  # re-raised by the waiting thread
             self._error = error
         finally:
             self._tensors = ()
