@@ -328,8 +328,8 @@ class Communicator:
             return self._issue("reduce_scatter", what,
                                lambda: reduce_scatter_single(output, full, group=self.group, async_op=True),
                                self._bytes(full))
-        if (full.dtype in shared_memory.SUMMED_DTYPES and self._shares_memory("reduce_scatter", what, output, full)
-                and full.numel() == output.numel() * self.size):
+        if (full.dtype in shared_memory.SUMMED_DTYPES and full.numel() == output.numel() * self.size
+                and self._shares_memory("reduce_scatter", what, output, full)):
             channel = self._shared_memory
             return self._issue("reduce_scatter", what, lambda: channel.reduce_scatter(output, full),
                                self._bytes(full))
