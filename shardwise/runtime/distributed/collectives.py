@@ -421,8 +421,8 @@ class Communicator:
             self._shared_memory_wanted = False  # one try: a group that cannot share keeps gloo
             started = time.monotonic()
             try:
-                self._shared_memory = shared_memory.connect(
-                    rank=self.rank, global_ranks=self.handle.ranks, timeout=collective_timeout(),
+                self._shared_memory = shared_memory.shared_channel(
+                    self.name, rank=self.rank, global_ranks=self.handle.ranks, timeout=collective_timeout(),
                     gather=lambda value: self.control_all_gather_object(value, counted=False))
             except CollectiveError as error:  # named as the collective being issued
                 cause = RuntimeError(f"agreeing on a shared-memory segment: {error.__cause__ or error}")

@@ -234,6 +234,21 @@ class SharedMemoryChannel:
             self._state, tensor.data_ptr(), tensor.numel(), dtype))
 
 
+_channels: dict[tuple[str, tuple[int, ...]], SharedMemoryChannel | None] = {}
+
+
+def shared_channel(purpose: str, *, rank: int, global_ranks: tuple[int, ...], timeout: datetime.timedelta,
+                   gather: Callable[[object], list[object]]) -> SharedMemoryChannel | None:
+    """The channel of the group for `purpose` over `global_ranks`, connected once per process:
+    engines built one after another (a sweep, a notebook) reuse their groups' segment and
+    worker thread, as they reuse the process groups (group_cache.py), instead of piling up a
+    thread and a segment per engine. Every member keys it alike, so their rounds stay in step."""
+    key = (purpose, global_ranks)
+    if key not in _channels:
+        _channels[key] = connect(rank=rank, global_ranks=global_ranks, timeout=timeout, gather=gather)
+    return _channels[key]
+
+
 def connect(*, rank: int, global_ranks: tuple[int, ...], timeout: datetime.timedelta,
             gather: Callable[[object], list[object]]) -> SharedMemoryChannel | None:
     """Map a segment shared by every member of a group, or None (on every member alike)
