@@ -29,6 +29,10 @@ time is printed as a multiple of it. Beside it, the floor's own lower bound for 
 the bytes: shardwise's counted bytes sent per rank per step divided by the loopback
 bandwidth of a point-to-point exchange between the ranks, measured in the same run.
 
+`--variants shardwise,shardwise-tcp,...` adds shardwise with its shared-memory transport
+off (`SHARDWISE_SHARED_MEMORY=0`: the ranks' bytes go over gloo's TCP loopback), so the
+transport's gain is measured within one run.
+
 Targets: step time ≤ 1.0× FSDP2 and ≤ 0.7× DeepSpeed (issue 3), ≤ 0.65× FSDP2 and ≤ 1.25×
 the floor (issue 27); per-rank peak RSS lower than both; fp32 losses equal to
 DeepSpeed's to 1e-5 (relative).
@@ -59,7 +63,8 @@ from report import (  # noqa: E402
     verdict,
 )
 
-VARIANTS = ("shardwise", "fsdp2", "deepspeed", "floor")
+VARIANTS = ("shardwise", "fsdp2", "deepspeed", "floor")  # the default run
+TCP_VARIANT = "shardwise-tcp"  # shardwise without its shared-memory transport
 BANDWIDTH_BYTES = 64 * 1024 * 1024  # each rank's message in the loopback measurement
 BANDWIDTH_REPEATS = 5
 DEFAULT_DEEPSPEED_PYTHON = "/tmp/ds-venv/bin/python"
@@ -92,12 +97,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--lora-rank", type=int, default=0,
                         help="> 0: PEFT LoRA adapters of this rank on the blocks' linear layers, the rest frozen "
                         "(every framework partitions the frozen weights too)")
-    parser.add_argument("--variants", default=",".join(VARIANTS), help="comma-separated subset")
+    parser.add_argument("--variants", default=",".join(VARIANTS),
+                        help=f"comma-separated, of {', '.join((*VARIANTS, TCP_VARIANT))}")
     parser.add_argument("--deepspeed-python", default=os.environ.get("DEEPSPEED_PYTHON", DEFAULT_DEEPSPEED_PYTHON),
                         help="interpreter with deepspeed installed (default: $DEEPSPEED_PYTHON or %(default)s)")
     parser.add_argument("--timeout", type=float, default=400, help="seconds per framework run")
     parser.add_argument("--json", type=Path, help="also write the raw per-rank results here")
-    parser.add_argument("--worker", choices=(*VARIANTS, "loopback"), help=argparse.SUPPRESS)
+    parser.add_argument("--worker", choices=(*VARIANTS, TCP_VARIANT, "loopback"), help=argparse.SUPPRESS)
     parser.add_argument("--preset", help=argparse.SUPPRESS)
     return parser.parse_args(argv)
 
@@ -323,8 +329,8 @@ def measure_loopback(args: argparse.Namespace, rank: int, world_size: int) -> di
     return {"bytes_per_s": sent / statistics.median(seconds)}
 
 
-TRAINERS = {"shardwise": train_shardwise, "fsdp2": train_fsdp2, "deepspeed": train_deepspeed,
-            "floor": train_floor}
+TRAINERS = {"shardwise": train_shardwise, TCP_VARIANT: train_shardwise, "fsdp2": train_fsdp2,
+            "deepspeed": train_deepspeed, "floor": train_floor}
 
 
 def worker(args: argparse.Namespace) -> None:
@@ -337,6 +343,8 @@ def worker(args: argparse.Namespace) -> None:
         record, baseline = measured.pop("record"), measured.pop("baseline_rss")
         write_result(rank, rank_result("floor", record, baseline, **measured))
         return
+    if args.worker == TCP_VARIANT:
+        os.environ["SHARDWISE_SHARED_MEMORY"] = "0"  # shardwise/runtime/distributed/shared_memory.py
     rank, world_size = init_process_group()
     if args.worker == "loopback":
         write_result(rank, measure_loopback(args, rank, world_size))

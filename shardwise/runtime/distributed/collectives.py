@@ -16,7 +16,9 @@ three reasons.
 3. Overlap: every data collective is asynchronous and returns a `PendingCollective`;
    the caller decides when to wait. With NCCL the work runs on the process group's own
    communication stream and `wait()` only orders the current stream after it; with gloo
-   it runs on gloo's threads while the Python thread keeps computing.
+   it runs on gloo's threads while the Python thread keeps computing. When every member
+   of a gloo group is on this host, CPU reduce-scatters, all-gathers and all-reduces go
+   through a shared segment instead, run by a worker thread of the group's (shared_memory.py).
 
 A communicator takes its rank and size from its group: rank r of a group is the r-th of
 its members, and that index is the chunk a rank owns, what `broadcast` sources name,
@@ -42,12 +44,13 @@ import torch
 import torch.distributed as dist
 
 from shardwise.runtime.accounting import MemoryLedger
-from shardwise.runtime.distributed import point_to_point
+from shardwise.runtime.distributed import point_to_point, shared_memory
 from shardwise.runtime.distributed.blocked_waits import AbandonedWait, wait_watching, watched_check
 from shardwise.runtime.distributed.flight_recorder import RECORDER, CollectiveRecord
 from shardwise.runtime.distributed.mesh import GroupHandle, ParallelMesh
 from shardwise.runtime.distributed.peers import PeerDirectory
 from shardwise.runtime.distributed.retired_works import retire
+from shardwise.runtime.distributed.setup import collective_timeout
 from shardwise.runtime.base.torch_compat import all_gather_single, reduce_scatter_single
 
 # Test-only (see `Communicator`): "1" makes groups of one issue their data collectives.
@@ -200,6 +203,11 @@ class Communicator:
         # gloo's own reduce-scatter / all-gather copy and all-reduce the whole input
         self.point_to_point = self.size > 1 and dist.get_backend(self.group) == "gloo"
         self._sequence = 0  # tags point-to-point collectives; advances alike on every rank
+        # a segment shared with the members, mapped at the first collective that can use it
+        # (the members agree on it over the control group)
+        self._shared_memory_wanted = (self.point_to_point and self.control_group is not None
+                                      and shared_memory.enabled())
+        self._shared_memory: shared_memory.SharedMemoryChannel | None = None
         self.skips_collectives = self.size == 1 and not _issues_at_size_one(self.group)
         # CUDA tensors only (also a group of one whose NCCL calls the test switch issues)
         self.device_only = not self.skips_collectives and dist.get_backend(self.group) == "nccl"
@@ -299,6 +307,9 @@ class Communicator:
             return self._pending(None, "all_reduce", what)
         self._require_device("all_reduce", what, tensor)
         self._count("all_reduce", self._bytes(tensor))
+        if tensor.dtype in shared_memory.SUMMED_DTYPES and self._shares_memory("all_reduce", what, tensor):
+            channel = self._shared_memory
+            return self._issue("all_reduce", what, lambda: channel.all_reduce(tensor), self._bytes(tensor))
         return self._issue("all_reduce", what, lambda: dist.all_reduce(tensor, group=self.group, async_op=True),
                            self._bytes(tensor))
 
@@ -316,6 +327,11 @@ class Communicator:
         if not self.point_to_point:
             return self._issue("reduce_scatter", what,
                                lambda: reduce_scatter_single(output, full, group=self.group, async_op=True),
+                               self._bytes(full))
+        if (full.dtype in shared_memory.SUMMED_DTYPES and full.numel() == output.numel() * self.size
+                and self._shares_memory("reduce_scatter", what, output, full)):
+            channel = self._shared_memory
+            return self._issue("reduce_scatter", what, lambda: channel.reduce_scatter(output, full),
                                self._bytes(full))
         receive_bytes = self._bytes(full) * (self.size - 1) // self.size
         self.ledger.hold("buffers", receive_bytes)
@@ -346,6 +362,10 @@ class Communicator:
         self._require_device("all_gather", what, shard, *pieces)
         full_bytes = sum(self._bytes(piece) for piece in pieces)
         self._count("all_gather", full_bytes)
+        if all(piece.numel() == shard.numel() and piece.dtype == shard.dtype for piece in pieces) \
+                and self._shares_memory("all_gather", what, shard, *pieces):
+            channel = self._shared_memory
+            return self._issue("all_gather", what, lambda: channel.all_gather(pieces, shard), full_bytes)
         if self.point_to_point:
             return self._issue("all_gather", what, lambda: point_to_point.all_gather(
                 pieces, shard, self.group, self.rank, self.size, self._next_tag()), full_bytes)
@@ -391,6 +411,25 @@ class Communicator:
         self._issue("broadcast", what, lambda: dist.broadcast(
             tensor, group=self.group, group_src=source, async_op=True), self._bytes(tensor)).wait()
 
+    def _shares_memory(self, op: str, what: str, *tensors: torch.Tensor) -> bool:
+        """Whether these tensors go through the shared segment: contiguous CPU tensors of a
+        gloo group on one host. Maps the segment on first use (every member decides alike:
+        the same collective with the same shapes)."""
+        if not self._shared_memory_wanted or not all(t.device.type == "cpu" and t.is_contiguous() for t in tensors):
+            return False
+        if self._shared_memory is None:
+            self._shared_memory_wanted = False  # one try: a group that cannot share keeps gloo
+            started = time.monotonic()
+            try:
+                self._shared_memory = shared_memory.shared_channel(
+                    self.name, rank=self.rank, global_ranks=self.handle.ranks, timeout=collective_timeout(),
+                    gather=lambda value: self.control_all_gather_object(value, counted=False))
+            except CollectiveError as error:  # named as the collective being issued
+                cause = RuntimeError(f"agreeing on a shared-memory segment: {error.__cause__ or error}")
+                raise self.error(op, what, cause, started) from error
+            self._shared_memory_wanted = self._shared_memory is not None
+        return self._shared_memory is not None
+
     def _next_tag(self) -> int:
         self._sequence = (self._sequence + 1) % (2**31 - 1)
         return self._sequence
@@ -414,12 +453,15 @@ class Communicator:
             tensor.copy_(on_cpu)
         return tensor
 
-    def all_gather_control(self, output: torch.Tensor, tensor: torch.Tensor, what: str) -> None:
-        """Blocking all-gather of a small CPU tensor into `output`, counted under "control"."""
+    def all_gather_control(self, output: torch.Tensor, tensor: torch.Tensor, what: str, *,
+                           counted: bool = True) -> None:
+        """Blocking all-gather of a small CPU tensor into `output`, counted under "control"
+        unless not `counted`."""
         if self.size == 1:
             output.copy_(tensor)
             return
-        self._count("all_gather", self._bytes(output), category="control")
+        if counted:
+            self._count("all_gather", self._bytes(output), category="control")
         gathered, mine = output.detach(), tensor.detach()
         pending = self._issue("all_gather", what, lambda: all_gather_single(
             gathered, mine, group=self.control_group, async_op=True), self._bytes(output), control=True)
@@ -427,20 +469,23 @@ class Communicator:
         pending.wait()
         retire(work, gathered, mine)  # what gloo's thread must not be the last to free (retired_works.py)
 
-    def control_all_gather_object(self, value: object) -> list[object]:
-        """Every member's `value` (pickled): for error reports, never on the hot path."""
+    def control_all_gather_object(self, value: object, *, counted: bool = True) -> list[object]:
+        """Every member's `value` (pickled): for error reports and one-time agreements (the
+        shared segment's, not `counted`: it is no part of training's traffic), never on the
+        hot path."""
         if self.size == 1:
             return [value]
         # Pickled bytes over the control group's own all-gathers rather than torch's
         # all_gather_object, whose temporaries gloo's threads would free (retired_works.py).
         mine = torch.frombuffer(bytearray(pickle.dumps(value)), dtype=torch.uint8)
         lengths = torch.zeros(self.size, dtype=torch.int64)
-        self.all_gather_control(lengths, torch.tensor([mine.numel()]), "the lengths of pickled values")
+        self.all_gather_control(lengths, torch.tensor([mine.numel()]), "the lengths of pickled values",
+                                counted=counted)
         longest = int(lengths.max())
         padded = torch.zeros(longest, dtype=torch.uint8)
         padded[:mine.numel()] = mine
         everyone = torch.empty(self.size * longest, dtype=torch.uint8)
-        self.all_gather_control(everyone, padded, "pickled values")
+        self.all_gather_control(everyone, padded, "pickled values", counted=counted)
         return [pickle.loads(everyone[r * longest:r * longest + int(lengths[r])].numpy().tobytes())
                 for r in range(self.size)]
 

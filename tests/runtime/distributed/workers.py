@@ -170,3 +170,87 @@ def record_a_stall(rank: int, world_size: int) -> dict:
         except CollectiveError:
             pass
     return RECORDER.snapshot()
+
+
+def shared_and_gloo_collectives(rank: int, world_size: int, dtype: str, sizes: list[int]) -> dict:
+    """The same all-gathers, reduce-scatters and all-reduces through the shared segment and through gloo
+    (one communicator each over the same group), per chunk size in `sizes`."""
+    import os
+
+    mesh = ParallelMesh(ParallelSizes(data_shard=world_size), rank, torch.device("cpu"), collective_timeout())
+    shared = Communicator(mesh["shard"], CommStats())
+    os.environ["SHARDWISE_SHARED_MEMORY"] = "0"
+    gloo = Communicator(mesh["shard"], CommStats())
+    kind = getattr(torch, dtype)
+    results = []
+    for size in sizes:
+        generator = torch.Generator().manual_seed(1000 * size + rank)
+        shard = torch.randn(size, generator=generator).to(kind)
+        full = torch.randn(size * world_size, generator=generator).to(kind)
+        outcome = {}
+        for name, comm in (("shared", shared), ("gloo", gloo)):
+            gathered = torch.empty(size * world_size, dtype=kind)
+            pieces = [torch.empty(size, dtype=kind) for _ in range(world_size)]  # apart from each other
+            reduced = torch.empty(size, dtype=kind)
+            in_place = full.clone()
+            summed = torch.cat([full, shard[:1]])  # a length the members do not divide
+            works = [comm.all_gather(gathered, shard, "a shard"), comm.all_gather_pieces(pieces, shard, "pieces"),
+                     comm.reduce_scatter(reduced, full, "a full tensor"),
+                     comm.reduce_scatter(in_place.chunk(world_size)[rank], in_place, "in place"),
+                     comm.all_reduce(summed, "a sum")]
+            for work in works:
+                work.wait()
+            outcome[name] = {"gathered": gathered, "pieces": torch.cat(pieces), "reduced": reduced,
+                             "in_place": in_place.chunk(world_size)[rank].clone(), "summed": summed}
+        results.append(outcome)
+    return {"results": results, "shared_used": shared._shared_memory is not None,
+            "gloo_used_shared": gloo._shared_memory is not None,
+            "volume": (shared.stats.by_group(), gloo.stats.by_group())}
+
+
+def stall_in_shared_memory(rank: int, world_size: int) -> str:
+    """Rank 1 joins one all-gather, then never issues the second."""
+    mesh = ParallelMesh(ParallelSizes(data_shard=world_size), rank, torch.device("cpu"), collective_timeout())
+    comm = Communicator(mesh["shard"], CommStats())
+    full = torch.empty(4 * world_size)
+    comm.all_gather(full, torch.ones(4), "a first shard").wait()
+    if rank == 1:
+        time.sleep(3)
+        return "stalled"
+    try:
+        comm.all_gather(full, torch.ones(4), "parameters of unit 2").wait()
+    except CollectiveError as error:
+        return str(error)
+    return "finished"
+
+
+def join_shared_segment_and_exit(path: str, nbytes: int, slot: int) -> None:
+    """A process that maps the segment as member 1 of 2, joins one all-gather, and exits."""
+    from shardwise.runtime.distributed import shared_memory
+
+    kernels = shared_memory.library()
+    base, _ = shared_memory.map_segment(kernels, path, nbytes, create=False)
+    channel = shared_memory.SharedMemoryChannel(kernels, base, rank=1, global_ranks=(0, 1), slot=slot,
+                                                timeout=datetime.timedelta(seconds=30))
+    channel.all_gather([torch.empty(4), torch.empty(4)], torch.ones(4)).wait()
+
+
+def train_through_shared_memory(rank: int, world_size: int, case) -> dict:
+    """tests/runtime/zero/workers.py's `train_parallel`, noting how many of the engine's
+    groups mapped a shared segment."""
+    from shardwise.runtime.distributed import shared_memory
+    from tests.runtime.zero.workers import train_parallel
+
+    connect, channels = shared_memory.connect, []
+
+    def noting(**options):
+        channel = connect(**options)
+        channels.append(channel is not None)
+        return channel
+
+    shared_memory.connect = noting
+    try:
+        result = train_parallel(rank, world_size, case)
+    finally:
+        shared_memory.connect = connect
+    return {**result, "shared_segments": sum(channels)}
