@@ -12,7 +12,9 @@ and measure, all at once so that they compete for the machine as training ranks 
                       (optimizer_update_bytes): the update as the engine runs it
     pcie_bandwidth    a host-to-host copy (offload "to the CPU" on a CPU is a copy)
     nvme_bandwidth    writing and reading back a file in the temporary directory
-    intra_node link   α from the all-reduce of 1 KiB, β from 16 MiB (ring: 2(n−1) steps)
+    intra_node link   α from the all-reduce of 1 KiB, β from 16 MiB (ring: 2(n−1) steps),
+                      through the engine's own communicator, so over the transport training
+                      uses (shared memory between ranks of one host, else gloo's TCP)
 
 Collectives on gloo run on threads that take the cores compute needs when every core
 runs a rank, so nothing hides behind compute there: `overlap` is 0 (1 with spare cores).
@@ -36,6 +38,9 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from shardwise.formulas.step_time import Link, Speeds, training_flops_per_token
+from shardwise.runtime.distributed.collectives import Communicator
+from shardwise.runtime.distributed.mesh import ParallelMesh, ParallelSizes
+from shardwise.runtime.distributed.setup import collective_timeout
 from shardwise.tools.planner.devices import save_profile
 
 PROBE_PARAMS = 4 * 1024 * 1024
@@ -126,9 +131,13 @@ def _rank_probe(rank: int, world: int, workdir: str, probe: ProbeShape) -> None:
     copy = source.numel() * 4 / _best_seconds(lambda: target.copy_(source), 10)
     nvme = _file_bandwidth(Path(workdir, f"nvme{rank}.bin"))
 
+    comm = Communicator(ParallelMesh(ParallelSizes(data_shard=world), rank, torch.device("cpu"),
+                                     collective_timeout())["shard"])
     small, large = torch.zeros(SMALL_MESSAGE // 4), torch.zeros(LARGE_MESSAGE // 4)
-    small_s = min(_best_seconds(lambda: dist.all_reduce(small), 10) for _ in range(5))  # α: the least delay
-    large_s = _best_seconds(lambda: dist.all_reduce(large), 5)
+    comm.all_reduce(small, "link probe").wait()  # a shared-memory segment is agreed at the first call
+    small_s = min(_best_seconds(lambda: comm.all_reduce(small, "link probe").wait(), 10)
+                  for _ in range(5))  # α: the least delay
+    large_s = _best_seconds(lambda: comm.all_reduce(large, "link probe").wait(), 5)
     steps = 2 * (world - 1)
     latency = small_s / steps if world > 1 else 0.0
     sent = 2 * LARGE_MESSAGE * (world - 1) / world
