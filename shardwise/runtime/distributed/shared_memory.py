@@ -34,13 +34,10 @@ from __future__ import annotations
 
 import ctypes
 import datetime
-import hashlib
 import os
 import queue
-import shutil
 import socket
 import subprocess
-import tempfile
 import threading
 import uuid
 import warnings
@@ -49,10 +46,11 @@ from typing import Callable
 
 import torch
 
+from shardwise.runtime.base.native_build import build_once
+
 SOURCE = Path(__file__).with_name("shared_memory.c")
 ENABLE_VARIABLE = "SHARDWISE_SHARED_MEMORY"
 SLOT_VARIABLE = "SHARDWISE_SHARED_MEMORY_SLOT_BYTES"  # tests make it small to cross slots
-CACHE_VARIABLE = "SHARDWISE_CACHE_DIR"
 DEFAULT_SLOT_BYTES = 4 << 20
 MAX_MEMBERS = 64  # shared_memory.c's MAX_MEMBERS
 HEADER_BYTES = 128  # shared_memory.c's HEADER_BYTES
@@ -95,24 +93,7 @@ def library() -> ctypes.CDLL | None:
 
 
 def _build() -> Path:
-    source = SOURCE.read_bytes()
-    compiler = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
-    if compiler is None:
-        raise RuntimeError("no C compiler found (cc, gcc, or $CC)")
-    key = hashlib.sha256(source + " ".join([compiler, *FLAGS]).encode()).hexdigest()[:16]
-    cache = Path(os.environ.get(CACHE_VARIABLE, Path.home() / ".cache" / "shardwise")) / "distributed"
-    target = cache / f"shared_memory_{key}.so"
-    if target.exists():
-        return target
-    cache.mkdir(parents=True, exist_ok=True)
-    with tempfile.TemporaryDirectory(dir=cache) as scratch:
-        built = Path(scratch) / target.name
-        result = subprocess.run([compiler, *FLAGS, str(SOURCE), "-o", str(built)],
-                                capture_output=True, text=True, timeout=120)
-        if result.returncode != 0:
-            raise RuntimeError(f"{compiler} failed: {result.stderr.strip()[-500:]}")
-        os.replace(built, target)  # atomic: ranks building at once each install a whole file
-    return target
+    return build_once(SOURCE, folder="distributed", flags=FLAGS)
 
 
 def _load(path: Path) -> ctypes.CDLL:

@@ -20,19 +20,17 @@ optim/onebit_exchange.py.
 from __future__ import annotations
 
 import ctypes
-import hashlib
 import os
-import shutil
 import subprocess
-import tempfile
 import warnings
 from pathlib import Path
 
 import torch
 
+from shardwise.runtime.base.native_build import build_once
+
 SOURCE = Path(__file__).with_name("native_kernels.c")
 ENABLE_VARIABLE = "SHARDWISE_NATIVE_OPTIM"
-CACHE_VARIABLE = "SHARDWISE_CACHE_DIR"
 FLAGS = ("-O3", "-march=native", "-ffp-contract=off", "-fno-math-errno", "-shared", "-fPIC")
 
 _F, _D, _I, _L, _P = ctypes.c_float, ctypes.c_double, ctypes.c_int, ctypes.c_int64, ctypes.c_void_p
@@ -99,28 +97,8 @@ def threads() -> int:
 
 
 def _build() -> Path:
-    source = SOURCE.read_bytes()
-    compiler = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
-    if compiler is None:
-        raise RuntimeError("no C compiler found (cc, gcc, or $CC)")
-    flags = list(FLAGS)
-    key = hashlib.sha256(source + " ".join([compiler, *flags]).encode()).hexdigest()[:16]
-    cache = Path(os.environ.get(CACHE_VARIABLE, Path.home() / ".cache" / "shardwise")) / "optim"
-    target = cache / f"native_kernels_{key}.so"
-    if target.exists():
-        return target
-    cache.mkdir(parents=True, exist_ok=True)
-    with tempfile.TemporaryDirectory(dir=cache) as scratch:
-        built = Path(scratch) / target.name
-        for openmp in (["-fopenmp"], ["-fopenmp-simd"], []):  # OpenMP where the compiler has it
-            result = subprocess.run([compiler, *flags, *openmp, str(SOURCE), "-o", str(built), "-lm"],
-                                    capture_output=True, text=True, timeout=120)
-            if result.returncode == 0:
-                break
-        else:
-            raise RuntimeError(f"{compiler} failed: {result.stderr.strip()[-500:]}")
-        os.replace(built, target)  # atomic: processes building at once each install a whole file
-    return target
+    return build_once(SOURCE, folder="optim", flags=FLAGS,
+                      variants=(["-fopenmp"], ["-fopenmp-simd"], []), libraries=["-lm"])  # OpenMP where it exists
 
 
 def _load(path: Path) -> ctypes.CDLL:

@@ -17,6 +17,7 @@ import warnings
 import pytest
 import torch
 
+from shardwise.runtime.base.native_build import CACHE_VARIABLE
 from shardwise.runtime.optim import native
 from shardwise.runtime.optim.adafactor import Adafactor
 from shardwise.runtime.optim.adam8bit import Adam8bit, AdamW8bit, _native_codebook
@@ -348,7 +349,7 @@ def test_8bit_adam_kernel_keeps_a_nan_in_the_block_scale_as_torch_does():
 
 def test_without_a_compiler_the_optimizers_warn_once_and_take_the_torch_path(monkeypatch, tmp_path):
     monkeypatch.setenv("CC", str(tmp_path / "no-such-compiler"))
-    monkeypatch.setenv(native.CACHE_VARIABLE, str(tmp_path / "cache"))
+    monkeypatch.setenv(CACHE_VARIABLE, str(tmp_path / "cache"))
     monkeypatch.setattr(native, "_library", None)
     monkeypatch.setattr(native, "_tried", False)
     with pytest.warns(RuntimeWarning, match="could not be built"):

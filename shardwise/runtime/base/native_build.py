@@ -1,0 +1,47 @@
+"""C files compiled on first use into a per-machine cache, the way DeepSpeed builds its
+CPU ops: the optimizer kernels (optim/native_kernels.c) and the shared-memory collectives
+(distributed/shared_memory.c). No torch headers, so any torch; loaded with ctypes by
+their callers. The cache key is the source and the command, so an edited file or another
+compiler builds afresh, and the finished library is moved into place atomically, since
+several ranks may build at once."""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import shutil
+import subprocess
+import tempfile
+from collections.abc import Sequence
+from pathlib import Path
+
+CACHE_VARIABLE = "SHARDWISE_CACHE_DIR"
+
+
+def build_once(source: Path, *, folder: str, flags: Sequence[str], variants: Sequence[Sequence[str]] = ((),),
+               libraries: Sequence[str] = ()) -> Path:
+    """The shared library built from `source` (in $SHARDWISE_CACHE_DIR, else
+    ~/.cache/shardwise, under `folder`). `variants` are extra flags tried in order until one
+    compiles (OpenMP where the compiler has it); raises RuntimeError without a compiler or
+    when none compiles."""
+    text = source.read_bytes()
+    compiler = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
+    if compiler is None:
+        raise RuntimeError("no C compiler found (cc, gcc, or $CC)")
+    key = hashlib.sha256(text + " ".join([compiler, *flags]).encode()).hexdigest()[:16]
+    cache = Path(os.environ.get(CACHE_VARIABLE, Path.home() / ".cache" / "shardwise")) / folder
+    target = cache / f"{source.stem}_{key}.so"
+    if target.exists():
+        return target
+    cache.mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryDirectory(dir=cache) as scratch:
+        built = Path(scratch) / target.name
+        for extra in variants:
+            result = subprocess.run([compiler, *flags, *extra, str(source), "-o", str(built), *libraries],
+                                    capture_output=True, text=True, timeout=120)
+            if result.returncode == 0:
+                break
+        else:
+            raise RuntimeError(f"{compiler} failed: {result.stderr.strip()[-500:]}")
+        os.replace(built, target)  # atomic: ranks building at once each install a whole file
+    return target
