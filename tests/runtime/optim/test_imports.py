@@ -1,5 +1,6 @@
 """The optimizers' place in the layers (issue 25): shardwise/runtime/optim imports only the
-formulas and the distributed primitives below it, so no folder that uses optimizers (ZeRO,
+formulas, the distributed primitives and runtime/base (torch version shims, the C builder)
+below it, so no folder that uses optimizers (ZeRO,
 the engine, the config front end, the planner) is imported back by it, and the formulas
 import nothing of shardwise but themselves. Every import counts, inside functions and
 under TYPE_CHECKING too."""
@@ -12,7 +13,8 @@ from pathlib import Path
 import shardwise
 
 PACKAGE = Path(shardwise.__file__).parent
-OPTIM_MAY_IMPORT = ("shardwise.runtime.optim", "shardwise.formulas", "shardwise.runtime.distributed")
+OPTIM_MAY_IMPORT = ("shardwise.runtime.optim", "shardwise.formulas", "shardwise.runtime.distributed",
+                    "shardwise.runtime.base")
 
 
 def shardwise_imports(folder: Path) -> dict[str, set[str]]:
