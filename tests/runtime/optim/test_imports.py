@@ -1,8 +1,8 @@
 """The optimizers' place in the layers (issue 25): shardwise/runtime/optim imports only the
 formulas, the distributed primitives and runtime/base (torch version shims, the C builder)
-below it, so no folder that uses optimizers (ZeRO,
-the engine, the config front end, the planner) is imported back by it, and the formulas
-import nothing of shardwise but themselves. Every import counts, inside functions and
+below it, so no folder that uses optimizers (ZeRO, the engine, the config front end, the
+planner) is imported back by it, and the formulas import nothing of shardwise but
+themselves. Every import counts, inside functions and
 under TYPE_CHECKING too."""
 
 from __future__ import annotations
