@@ -22,7 +22,7 @@ import torch.distributed as dist
 import shardwise
 from shardwise.runtime.distributed.collectives import Communicator
 from shardwise.runtime.parallel.tensor import gather_full, tensor_shard
-from tests.models.hf.family_workers import SMALL
+from tests.models.hf.family_workers import SMALL, train_one_process
 from tests.runtime.zero.workers import global_batch
 
 EXPERTS = 4
@@ -91,20 +91,8 @@ def train_reference(case: ExpertCase, data_size: int) -> dict:
 
 def _train_reference(case: ExpertCase, data_size: int) -> dict:
     model = build_mixtral(case.router_loss)
-    optimizer = make_optimizer(model, case.lr)
-    losses = []
-    for step in range(case.steps):
-        batches = micro_batches(case, step, data_size)
-        total = torch.zeros(())
-        for batch in batches:
-            loss = model(**batch).loss / len(batches)
-            loss.backward()
-            total += loss.detach()
-        torch.nn.utils.clip_grad_norm_(model.parameters(), case.clipping)
-        optimizer.step()
-        optimizer.zero_grad()
-        losses.append(total.item())
-    return {"losses": losses, "params": {name: p.detach().clone() for name, p in model.named_parameters()}}
+    return train_one_process(model, make_optimizer(model, case.lr),
+                             [micro_batches(case, step, data_size) for step in range(case.steps)], case.clipping)
 
 
 def train_parallel(rank: int, world_size: int, case: ExpertCase) -> dict:

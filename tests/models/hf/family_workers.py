@@ -119,15 +119,22 @@ def micro_batches(case: FamilyCase, step: int) -> list[dict]:
 
 def train_reference(case: FamilyCase) -> dict:
     model = build_model(case.family)
-    optimizer = make_optimizer(model, case.lr)
+    return train_one_process(model, make_optimizer(model, case.lr), [micro_batches(case, step)
+                                                                     for step in range(case.steps)], case.clipping)
+
+
+def train_one_process(model: torch.nn.Module, optimizer: torch.optim.Optimizer, steps: list[list[dict]],
+                      clipping: float) -> dict:
+    """The reference: each step's micro-batches accumulated in one process (mean loss),
+    clipped, stepped; the losses and the final weights."""
     losses = []
-    for step in range(case.steps):
+    for batches in steps:
         total = torch.zeros(())
-        for batch in micro_batches(case, step):
-            loss = model(**batch).loss / case.micro_batches
+        for batch in batches:
+            loss = model(**batch).loss / len(batches)
             loss.backward()
             total += loss.detach()
-        torch.nn.utils.clip_grad_norm_(model.parameters(), case.clipping)
+        torch.nn.utils.clip_grad_norm_(model.parameters(), clipping)
         optimizer.step()
         optimizer.zero_grad()
         losses.append(total.item())
