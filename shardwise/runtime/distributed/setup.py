@@ -110,14 +110,23 @@ def _pick_device(local_rank: int) -> torch.device:
     return torch.device("cuda", local_rank)
 
 
+_destroy_registered = False
+
+
 def destroy_at_exit() -> None:
-    """Destroy the process group this process created when it exits normally, before the
-    interpreter tears down the modules: scripts written for DeepSpeed never call
-    `destroy_process_group`, and a gloo group destroyed during interpreter teardown can
-    abort the process (std::terminate) after its work is done. The collectives' last
-    temporaries are left to the operating system for the same reason
-    (distributed/retired_works.py)."""
-    atexit.register(_destroy_if_initialized)
+    """Destroy the default process group when the process exits, before the interpreter
+    tears down the modules (registered once). Scripts written for DeepSpeed, Lightning or
+    Accelerate never call `destroy_process_group`, and a gloo group left to interpreter
+    teardown can abort the process (std::terminate, SIGABRT) after its work is done: its
+    worker threads may still hold the last reference to a finished collective's tensors
+    (distributed/retired_works.py). This holds whoever created the group: a Lightning,
+    Accelerate or Hugging Face run on shardwise issues the front end's own collectives on
+    it too. The collectives' last temporaries are left to the operating system for the same
+    reason."""
+    global _destroy_registered
+    if not _destroy_registered:
+        atexit.register(_destroy_if_initialized)
+        _destroy_registered = True
 
 
 def _destroy_if_initialized() -> None:
@@ -139,6 +148,7 @@ def init_distributed() -> DistributedContext:
     local_rank = int(os.environ.get("LOCAL_RANK", 0))
     if dist.is_available() and dist.is_initialized():
         device = _pick_device(local_rank)
+        destroy_at_exit()
         return DistributedContext(
             dist.get_rank(), dist.get_world_size(), local_rank, device, dist.group.WORLD, timeout
         )

@@ -1,6 +1,11 @@
 """Which device a process trains on: one GPU per process, refused with the counts when a
 node has more processes than GPUs. CUDA is a stand-in here (this machine has none):
-`torch.cuda.is_available`, `device_count` and `set_device` are monkeypatched."""
+`torch.cuda.is_available`, `device_count` and `set_device` are monkeypatched. And the
+process group is destroyed at exit whoever created it."""
+
+import subprocess
+import sys
+import textwrap
 
 import pytest
 import torch
@@ -69,3 +74,22 @@ def test_two_ranks_of_one_host_on_the_same_gpu_are_named():
     _refuse_shared_gpus([[1, 1, 7, 10, 0, 0], [1, 1, 7, 11, 0, 0]])  # CPU ranks share no GPU
     with pytest.raises(RankMismatchError, match="ranks 0 and 2 run on the same GPU of one host"):
         _refuse_shared_gpus([[1, 1, 7, 10, 0, 55], [1, 1, 7, 11, 0, 56], [1, 1, 7, 12, 0, 55]])
+
+
+def test_a_group_someone_else_created_is_destroyed_at_exit(tmp_path):
+    """A Lightning, Accelerate or Hugging Face run creates the group itself and never
+    destroys it; once shardwise runs on that group, the group is destroyed before the
+    interpreter tears down (a gloo group left to teardown can abort the process). The
+    script's own exit handler, registered first, runs last and sees the group gone."""
+    script = textwrap.dedent(f"""
+        import atexit
+        import torch.distributed as dist
+        atexit.register(lambda: print("initialized at exit:", dist.is_initialized()))
+        dist.init_process_group("gloo", init_method="file://{tmp_path / 'rendezvous'}", rank=0, world_size=1)
+        from shardwise.runtime.distributed.setup import init_distributed
+        init_distributed()
+        init_distributed()  # the handler is registered once
+    """)
+    result = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120)
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.splitlines() == ["initialized at exit: False"]

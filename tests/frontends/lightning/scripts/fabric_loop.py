@@ -77,6 +77,11 @@ def main() -> None:
         weights = {name: param.detach().flatten().tolist() for name, param in module.named_parameters()}
     with open(f"{args.out}.rank{fabric.global_rank}.json", "w") as file:
         json.dump({"losses": losses, "weights": weights}, file)
+    # Lightning leaves the process group to interpreter teardown, where gloo can abort the
+    # process after its work is done (std::terminate); the DDP reference never reaches
+    # shardwise's own at-exit destroy (runtime/distributed/setup.py), so it is done here.
+    if torch.distributed.is_initialized():
+        torch.distributed.destroy_process_group()
 
 
 if __name__ == "__main__":

@@ -55,6 +55,11 @@ def main() -> None:
         trainer.save_checkpoint(args.save)
     with open(f"{args.losses}.rank{trainer.global_rank}.json", "w") as file:
         json.dump(module.losses, file)
+    # Lightning leaves the process group to interpreter teardown, where gloo can abort the
+    # process after its work is done (std::terminate); the DDP reference never reaches
+    # shardwise's own at-exit destroy (runtime/distributed/setup.py), so it is done here.
+    if torch.distributed.is_initialized():
+        torch.distributed.destroy_process_group()
 
 
 if __name__ == "__main__":
