@@ -23,8 +23,11 @@ reshard like Adam's; a loaded piece keeps fp32 moments until its next step quant
 
 from __future__ import annotations
 
+import abc
+import ctypes
 import functools
 import math
+import operator
 from dataclasses import dataclass
 from typing import Any, Iterable, NamedTuple
 
@@ -36,10 +39,11 @@ from shardwise.runtime.optim.params import check_betas, param
 from shardwise.runtime.optim.quantization import (BLOCK, CELL_SHIFT, Codebook, block_absmax, codebook, decade_rounding,
                                                   dequantize_piece, quantize)
 from shardwise.runtime.optim.registry import OptimizerSpec, register_optimizer
-from shardwise.runtime.optim.sharded import ShardAwareOptimizer
+from shardwise.runtime.optim.sharded import ParameterShard, ShardAwareOptimizer
 from shardwise.runtime.optim.shared_blocks import SharedBlocks, partial_blocks
 
 MOMENTS = (("exp_avg", True), ("exp_avg_sq", False))  # state key, signed code
+CODED_KEYS = tuple(f"{key}_{part}" for key, _ in MOMENTS for part in ("codes", "absmax"))
 # A 1-byte code per element for each of the two moments, and an fp32 absmax per block of
 # BLOCK elements for each: K's states (parameters under `min_8bit_size` keep fp32 moments,
 # 8 bytes; the engine counts them exactly, `adam_8bit_state_bytes`).
@@ -87,14 +91,20 @@ class Adam8bit(ShardAwareOptimizer):
         defaults = dict(lr=lr, betas=tuple(betas), eps=eps, weight_decay=weight_decay, min_8bit_size=min_8bit_size)
         super().__init__(params, defaults)
         self._shared: SharedBlocks | None = None
+        self._batched: dict[torch.Tensor, _CodedPiece | _Fp32Piece] = {}
 
     def attach_shards(self, *args, **kwargs) -> None:
         """New pieces (ZeRO took the parameters over): the model-wide layout is learnt anew."""
         super().attach_shards(*args, **kwargs)
         self._shared = None
+        self._batched = {}
 
     @torch.no_grad()
     def step(self, closure=None):
+        """Tensors in their steady state (CPU fp32, state made by an earlier step, the
+        kernels built and on) are stepped together by the batched kernels; the others (a
+        first step, moments loaded in fp32, other dtypes or devices, the kernels off) one
+        at a time. Both compute the same, bit for bit."""
         loss = None
         if closure is not None:
             with torch.enable_grad():
@@ -104,44 +114,92 @@ class Adam8bit(ShardAwareOptimizer):
             quantised = [p for group in self.param_groups for p in group["params"]
                          if self.shard_of(p).full_numel >= group["min_8bit_size"]]
             self._shared = SharedBlocks.discover(self, parameter_shapes(self), quantised)
-        cut: list[_CutRow] = []
+        native_on = native.enabled()
+        groups: dict[int, _Group] = {}
+        coded: list[_CodedDescriptor] = []
+        small: list[_Fp32Piece] = []
+        cut: list[_CutValues] = []
         for param, group in trained:
-            shard = self.shard_of(param)
             state = self.state[param]
-            if not state:
-                state["step"] = torch.zeros((), dtype=torch.float32)
-                state["exp_avg"] = torch.zeros(shard.numel, dtype=torch.float32, device=param.device)
-                state["exp_avg_sq"] = torch.zeros_like(state["exp_avg"])
-            state["piece_start"] = shard.start
-            state["step"] += 1
-            step = state["step"].item()
-            if shard.full_numel < group["min_8bit_size"]:  # fp32 moments (also if min_8bit_size grew)
-                exp_avg, exp_avg_sq = self._moments(state)
-                _adam_step(flat(param), flat(param.grad), exp_avg, exp_avg_sq, _Hyper.of(group, step), quantised=False)
-                for (key, _), moment in zip(MOMENTS, (exp_avg, exp_avg_sq)):
-                    state[key] = moment
-                    state.pop(f"{key}_codes", None)
-                    state.pop(f"{key}_absmax", None)
+            piece = self._batched.get(param)
+            if not (native_on and piece is not None and piece.current(param, state, group["min_8bit_size"])):
+                piece = self._batchable(param, state, group) if native_on else None
+            if piece is None:
+                self._batched.pop(param, None)
+                cut += self._step_alone(param, state, group)
                 continue
-            blocks = PaddedRows.of(shard, BLOCK)
-            quantised = self._native_step(param, state, blocks, _Hyper.of(group, step))
-            if quantised is None:
-                exp_avg, exp_avg_sq = self._moments(state)
-                quantised = _step_and_quantise(flat(param), flat(param.grad), exp_avg, exp_avg_sq, shard.start,
-                                               _Hyper.of(group, step), _codebooks(param.device))
-            for k, (key, _) in enumerate(MOMENTS):
-                codes, absmax, edges = quantised[3 * k : 3 * k + 3]
-                state[f"{key}_codes"] = codes
-                state[f"{key}_absmax"] = absmax
-                state.pop(key, None)
-                for block in partial_blocks(shard):
-                    row = block - blocks.first_row
-                    values = edges[0 if row == 0 else 1]
-                    cut.append(_CutRow(state, k, self._shared.slot(shard.index, block), row, values, blocks))
-        maxima = self._shared.maxima(self, [(c.slot, c.k, c.values) for c in cut], len(MOMENTS), _device(trained))
-        for row in cut:
-            row.requantise(maxima[row.slot, row.k])
+            self._batched[param] = piece
+            hyper = groups.get(id(group))
+            if hyper is None:
+                hyper = groups[id(group)] = _Group.of(group)
+            descriptor = piece.refresh(param, hyper)
+            if isinstance(piece, _Fp32Piece):
+                small.append(piece)
+            else:
+                coded.append(descriptor)
+                if piece.cut:
+                    cut += piece.cut_values()
+        _step_batched(coded, small)
+        if len(self._shared):  # a block cut by a piece boundary somewhere in the shard group
+            maxima = self._shared.maxima(self, [(c.block.slot, c.k, c.values) for c in cut], len(MOMENTS),
+                                         _device(trained))
+            for values in cut:
+                values.requantise(maxima[values.block.slot, values.k])
         return loss
+
+    def _batchable(self, param: torch.Tensor, state: dict, group: dict) -> _CodedPiece | _Fp32Piece | None:
+        """The tensor's piece for the batched kernels where it has one now: its state made
+        by an earlier step, CPU fp32 tensors and, for 8 bits, moments coded (None: it steps
+        alone)."""
+        if not state or not _on_cpu_in_fp32(param):
+            return None
+        shard = self.shard_of(param)
+        if shard.full_numel < group["min_8bit_size"]:
+            return _Fp32Piece.of(state, shard)
+        if MOMENTS[0][0] in state or not _Piece.takes_state(state, CODED_KEYS):
+            return None
+        coded = [tensor for key, _ in MOMENTS for tensor in self._coded(state, key)]
+        if not _kernel_takes(coded, PaddedRows.of(shard, BLOCK)):
+            return None
+        state["piece_start"] = shard.start
+        cut = [_CutBlock.of(shard, block, self._shared.slot(shard.index, block)) for block in partial_blocks(shard)]
+        return _CodedPiece(state, shard, cut)
+
+    def _step_alone(self, param: torch.Tensor, state: dict, group: dict) -> list[_CutValues]:
+        """One tensor's step (its first, or from fp32 moments loaded, or not a CPU fp32
+        tensor); returns the values of its cut blocks."""
+        shard = self.shard_of(param)
+        if not state:
+            state["step"] = torch.zeros((), dtype=torch.float32)
+            state["exp_avg"] = torch.zeros(shard.numel, dtype=torch.float32, device=param.device)
+            state["exp_avg_sq"] = torch.zeros_like(state["exp_avg"])
+        state["piece_start"] = shard.start
+        state["step"] += 1
+        hyper = _Hyper.of(group, state["step"].item())
+        if shard.full_numel < group["min_8bit_size"]:  # fp32 moments (also if min_8bit_size grew)
+            exp_avg, exp_avg_sq = self._moments(state)
+            _adam_step(flat(param), flat(param.grad), exp_avg, exp_avg_sq, hyper, quantised=False)
+            for (key, _), moment in zip(MOMENTS, (exp_avg, exp_avg_sq)):
+                state[key] = moment
+                state.pop(f"{key}_codes", None)
+                state.pop(f"{key}_absmax", None)
+            return []
+        blocks = PaddedRows.of(shard, BLOCK)
+        quantised = self._native_step(param, state, blocks, hyper)
+        if quantised is None:
+            exp_avg, exp_avg_sq = self._moments(state)
+            quantised = _step_and_quantise(flat(param), flat(param.grad), exp_avg, exp_avg_sq, shard.start, hyper,
+                                           _codebooks(param.device))
+        cut = []
+        for k, (key, _) in enumerate(MOMENTS):
+            codes, absmax, edges = quantised[3 * k : 3 * k + 3]
+            state[f"{key}_codes"] = codes
+            state[f"{key}_absmax"] = absmax
+            state.pop(key, None)
+            for block in partial_blocks(shard):
+                where = _CutBlock.of(shard, block, self._shared.slot(shard.index, block))
+                cut.append(_CutValues(state, k, where, edges[where.edge]))
+        return cut
 
     def _native_step(self, param: torch.Tensor, state: dict, blocks: PaddedRows,
                      hyper: _Hyper) -> tuple[torch.Tensor, ...] | None:
@@ -160,19 +218,16 @@ class Adam8bit(ShardAwareOptimizer):
                 coded += [torch.empty(blocks.numel, dtype=torch.uint8), torch.empty(blocks.rows)]
         else:
             inputs = [None, None]
-            (m_codes, m_absmax), (v_codes, v_absmax) = (self._coded(state, key) for key, _ in MOMENTS)
-            coded = [m_codes, m_absmax, v_codes, v_absmax]
-            if not (native.takes(*coded) and m_codes.numel() == v_codes.numel() == blocks.numel
-                    and m_absmax.numel() == v_absmax.numel() == blocks.rows
-                    and m_absmax.dtype == v_absmax.dtype == torch.float32):
+            coded = [tensor for key, _ in MOMENTS for tensor in self._coded(state, key)]
+            if not _kernel_takes(coded, blocks):
                 return None
-        books = [table.data_ptr() for signed in (True, False) for table in _native_codebook(signed)]
         edges = torch.empty(len(MOMENTS), 2, BLOCK)
         lr, beta1, beta2, eps, decay, correction1, correction2 = hyper
         native.library().adam8bit_step(
             param.data_ptr(), param.grad.data_ptr(), *(tensor.data_ptr() for tensor in coded), blocks.numel,
-            blocks.offset, *books, beta1, 1.0 - beta1, beta2, 1.0 - beta2, eps, 1.0 - lr * decay, decay > 0.0,
-            correction2, -lr / correction1, edges.data_ptr(), *(native.pointer(t) for t in inputs), native.threads())
+            blocks.offset, *_native_books(), beta1, 1.0 - beta1, beta2, 1.0 - beta2, eps, 1.0 - lr * decay,
+            decay > 0.0, correction2, -lr / correction1, edges.data_ptr(), *(native.pointer(t) for t in inputs),
+            native.threads())
         return coded[0], coded[1], edges[0], coded[2], coded[3], edges[1]
 
     @staticmethod
@@ -193,23 +248,193 @@ class Adam8bit(ShardAwareOptimizer):
         return moments[0], moments[1]
 
 
-class _CutRow:
-    """One moment's values in a block cut by a piece boundary, quantised for now with this
-    rank's partial absmax, to be quantised again once the block's true absmax is known."""
+def _on_cpu_in_fp32(param: torch.Tensor) -> bool:
+    """Whether the batched kernels take this tensor: it and its gradient contiguous fp32 on
+    the CPU."""
+    grad = param.grad
+    return (param.dtype == grad.dtype == torch.float32 and param.is_cpu and grad.is_cpu and param.is_contiguous()
+            and grad.is_contiguous())
 
-    def __init__(self, state: dict, k: int, slot: int, row: int, values: torch.Tensor, blocks: PaddedRows):
-        self.state, self.k, self.slot, self.row, self.values = state, k, slot, row, values
+
+def _kernel_takes(coded: list[torch.Tensor], blocks: PaddedRows) -> bool:
+    """Whether the kernel takes a piece's (codes, scales) of both moments as they are."""
+    m_codes, m_absmax, v_codes, v_absmax = coded
+    return (native.takes(*coded) and m_codes.numel() == v_codes.numel() == blocks.numel
+            and m_absmax.numel() == v_absmax.numel() == blocks.rows
+            and m_absmax.dtype == v_absmax.dtype == torch.float32)
+
+
+class _Group(ctypes.Structure):
+    """A param group's hyper-parameters for the batched kernels (native_kernels.c,
+    `adam8bit_group`), which derive a step's scalars from them as `_Hyper` does."""
+
+    _fields_ = [(name, ctypes.c_double) for name in ("lr", "beta1", "beta2", "eps", "weight_decay")]
+
+    @classmethod
+    def of(cls, group: dict) -> "_Group":
+        beta1, beta2 = group["betas"]
+        return cls(group["lr"], beta1, beta2, group["eps"], group["weight_decay"])
+
+
+class _CodedDescriptor(ctypes.Structure):
+    """A coded piece for the batched kernel (native_kernels.c, `adam8bit_coded_piece`)."""
+
+    _fields_ = [(name, ctypes.c_void_p) for name in ("param", "grad", "step", "m_codes", "m_absmax", "v_codes",
+                                                     "v_absmax", "edges")]
+    _fields_ += [("n", ctypes.c_int64), ("offset", ctypes.c_int64), ("group", _Group)]
+
+
+class _Fp32Descriptor(ctypes.Structure):
+    """A small piece with fp32 moments for the batched kernels (native_kernels.c,
+    `adam8bit_fp32_piece`)."""
+
+    _fields_ = [(name, ctypes.c_void_p) for name in ("param", "grad", "step", "exp_avg", "exp_avg_sq", "root")]
+    _fields_ += [("n", ctypes.c_int64), ("group", _Group)]
+
+
+class _Piece(abc.ABC):
+    """A tensor in its steady state, stepped with the others by the batched kernels: its
+    state's tensors and its kernel descriptor are kept from step to step, so a step only
+    refreshes the descriptor's pointers and group. The kernels advance `state["step"]`
+    themselves (a CPU fp32 tensor, as checkpoints hold it). `current` says whether the
+    state is still the one it was made from: a loaded or replaced state, or one that
+    changed form, makes the tensor step alone again."""
+
+    keys: tuple[str, ...]  # the state entries the descriptor points at
+
+    def __init__(self, state: dict, full_numel: int):
+        self.state = state
+        self.step = state["step"]
+        self.tensors = tuple(state[key] for key in self.keys)
+        self.full_numel = full_numel
+        self.descriptor = self.describe()
+
+    @staticmethod
+    def takes_state(state: dict, keys: tuple[str, ...]) -> bool:
+        """Whether the kernels can keep the step count and these entries where they are."""
+        step = state.get("step")
+        return (torch.is_tensor(step) and step.dtype == torch.float32 and step.numel() == 1 and native.takes(step)
+                and all(torch.is_tensor(state.get(key)) for key in keys))
+
+    @abc.abstractmethod
+    def describe(self) -> ctypes.Structure:
+        """The kernel's descriptor of the piece, but for the tensor, its gradient and group."""
+
+    @abc.abstractmethod
+    def fits(self, min_8bit_size: int) -> bool:
+        """Whether the piece still takes this kind of step."""
+
+    def current(self, param: torch.Tensor, state: dict, min_8bit_size: int) -> bool:
+        return (state is self.state and state.get("step") is self.step
+                and all(map(operator.is_, map(state.get, self.keys), self.tensors))
+                and self.fits(min_8bit_size) and _on_cpu_in_fp32(param))
+
+    def refresh(self, param: torch.Tensor, group: _Group) -> ctypes.Structure:
+        descriptor = self.descriptor
+        descriptor.param, descriptor.grad, descriptor.group = param.data_ptr(), param.grad.data_ptr(), group
+        return descriptor
+
+
+class _CodedPiece(_Piece):
+    """A piece in 8 bits; its cut blocks' fp32 rows are written to `edges` each step."""
+
+    keys = CODED_KEYS
+
+    def __init__(self, state: dict, shard: ParameterShard, cut: list[_CutBlock]):
+        self.blocks = PaddedRows.of(shard, BLOCK)
+        self.cut = cut
+        self.edges = torch.zeros(len(MOMENTS), 2, BLOCK) if cut else None
+        super().__init__(state, shard.full_numel)
+
+    def describe(self) -> _CodedDescriptor:
+        return _CodedDescriptor(None, None, self.step.data_ptr(), *(t.data_ptr() for t in self.tensors),
+                                native.pointer(self.edges), self.blocks.numel, self.blocks.offset)
+
+    def fits(self, min_8bit_size: int) -> bool:
+        return self.full_numel >= min_8bit_size and MOMENTS[0][0] not in self.state
+
+    def cut_values(self) -> list[_CutValues]:
+        return [_CutValues(self.state, k, block, self.edges[k, block.edge])
+                for k in range(len(MOMENTS)) for block in self.cut]
+
+
+class _Fp32Piece(_Piece):
+    """A small parameter's piece (fewer than `min_8bit_size` elements), moments in fp32;
+    `root` holds the square roots torch takes between the kernels' two passes."""
+
+    keys = tuple(key for key, _ in MOMENTS)
+
+    def __init__(self, state: dict, shard: ParameterShard):
+        self.root = torch.empty(shard.numel)
+        super().__init__(state, shard.full_numel)
+
+    @classmethod
+    def of(cls, state: dict, shard: ParameterShard) -> _Fp32Piece | None:
+        """The piece where its state holds fp32 moments the kernels take."""
+        if CODED_KEYS[0] in state or not cls.takes_state(state, cls.keys) or not all(
+                state[key].dtype == torch.float32 and state[key].numel() == shard.numel and native.takes(state[key])
+                for key in cls.keys):
+            return None
+        return cls(state, shard)
+
+    def describe(self) -> _Fp32Descriptor:
+        return _Fp32Descriptor(None, None, self.step.data_ptr(), *(t.data_ptr() for t in self.tensors),
+                               self.root.data_ptr(), self.root.numel())
+
+    def fits(self, min_8bit_size: int) -> bool:
+        return self.full_numel < min_8bit_size and CODED_KEYS[0] not in self.state
+
+
+def _step_batched(coded: list[_CodedDescriptor], small: list[_Fp32Piece]) -> None:
+    """One native call for the coded pieces; two for the small ones, around torch's
+    square roots of their second moments (`_adam_step`'s, tensor by tensor)."""
+    kernels = native.library()
+    if coded:
+        kernels.adam8bit_steps((_CodedDescriptor * len(coded))(*coded), len(coded), *_native_books(),
+                               native.threads())
+    if small:
+        descriptors = (_Fp32Descriptor * len(small))(*(piece.descriptor for piece in small))
+        kernels.adam8bit_fp32_moments(descriptors, len(small))
+        torch._foreach_sqrt_([piece.root for piece in small])
+        kernels.adam8bit_fp32_apply(descriptors, len(small))
+
+
+class _CutBlock(NamedTuple):
+    """A block of a piece cut by a piece boundary: its slot in the shard group's table,
+    its row among the piece's padded rows, which of the piece's two edge rows holds it (0:
+    the first), and where the piece's elements of it lie, in the piece and in the row."""
+
+    slot: int
+    row: int
+    edge: int
+    in_piece: slice
+    in_row: slice
+
+    @classmethod
+    def of(cls, shard: ParameterShard, block: int, slot: int) -> "_CutBlock":
+        blocks = PaddedRows.of(shard, BLOCK)
+        row = block - blocks.first_row
         first = max(row * BLOCK, blocks.offset)
         last = min((row + 1) * BLOCK, blocks.offset + blocks.numel)
-        self.in_piece = slice(first - blocks.offset, last - blocks.offset)
-        self.in_row = slice(first - row * BLOCK, last - row * BLOCK)
+        return cls(slot, row, 0 if row == 0 else 1, slice(first - blocks.offset, last - blocks.offset),
+                   slice(first - row * BLOCK, last - row * BLOCK))
+
+
+class _CutValues(NamedTuple):
+    """One moment's values in a cut block (its padded row), quantised for now with this
+    rank's partial absmax, to be quantised again once the block's true absmax is known."""
+
+    state: dict
+    k: int
+    block: _CutBlock
+    values: torch.Tensor
 
     def requantise(self, absmax: torch.Tensor) -> None:
         key, signed = MOMENTS[self.k]
         absmax = absmax.reshape(1).to(self.values.device)
         codes = quantize(self.values.unsqueeze(0), absmax, codebook(signed).to(absmax.device))[0]
-        self.state[f"{key}_codes"][self.in_piece] = codes[self.in_row]
-        self.state[f"{key}_absmax"][self.row] = absmax[0]
+        self.state[f"{key}_codes"][self.block.in_piece] = codes[self.block.in_row]
+        self.state[f"{key}_absmax"][self.block.row] = absmax[0]
 
 
 def _codebooks(device: torch.device) -> tuple[Codebook, Codebook]:
@@ -236,6 +461,12 @@ def _native_codebook(signed: bool) -> tuple[torch.Tensor, torch.Tensor]:
     cells = (book.below.long() | threshold << 8).to(torch.int32)
     planes = book.values.view(torch.uint8).view(-1, 4).t().contiguous().view(torch.float32).view(-1)
     return torch.cat([book.values, planes]), torch.cat([cells, decade_rounding(signed)])
+
+
+@functools.cache
+def _native_books() -> tuple[int, int, int, int]:
+    """The kernels' codebook arguments (`_native_codebook`'s tables, kept alive by its cache)."""
+    return tuple(table.data_ptr() for signed in (True, False) for table in _native_codebook(signed))
 
 
 def _device(trained: list[tuple[torch.Tensor, dict]]) -> torch.device:

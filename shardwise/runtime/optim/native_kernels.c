@@ -582,7 +582,7 @@ void adam8bit_step(float *param, const float *grad, uint8_t *m_codes, float *m_a
                    float beta1, float weight, float beta2, float value, float eps, float decay_factor, int decay,
                    float correction2, float step_size, float *edges, const float *m_in, const float *v_in,
                    int threads) {
-    const int64_t rows = (offset + n + BLOCK - 1) / BLOCK;
+    const int64_t rows = n == 0 ? 0 : (offset + n + BLOCK - 1) / BLOCK; /* as PaddedRows.rows */
 #pragma omp parallel for num_threads(threads) if (n >= PARALLEL_MIN)
     for (int64_t row = 0; row < rows; row++) {
         const int64_t first = row == 0 ? 0 : row * BLOCK - offset;
@@ -601,6 +601,104 @@ void adam8bit_step(float *param, const float *grad, uint8_t *m_codes, float *m_a
     if (edges != NULL && rows == 1) { /* one block: it is both the first and the last */
         memcpy(edges + BLOCK, edges, BLOCK * sizeof(float));
         memcpy(edges + 3 * BLOCK, edges + 2 * BLOCK, BLOCK * sizeof(float));
+    }
+}
+
+/* A param group's hyper-parameters, as optim/adam8bit.py's `_Group` writes them each step. */
+typedef struct {
+    double lr, beta1, beta2, eps, weight_decay;
+} adam8bit_group;
+
+/* A step's scalars from the group's hyper-parameters and the step count t, in double
+   precision as optim/adam8bit.py's `_Hyper` computes them (the same libm `pow`; built
+   without contraction), each rounded once to float as a float argument of
+   `adam8bit_step` is. */
+typedef struct {
+    float beta1, weight, beta2, value, eps, decay_factor, correction2, step_size, eps_correction, alpha;
+    int decay;
+} adam8bit_scalars;
+
+static adam8bit_scalars adam8bit_scalars_of(const adam8bit_group *group, double t) {
+    const double correction1 = 1.0 - pow(group->beta1, t), correction2 = sqrt(1.0 - pow(group->beta2, t));
+    adam8bit_scalars s = {(float)group->beta1, (float)(1.0 - group->beta1), (float)group->beta2,
+                          (float)(1.0 - group->beta2), (float)group->eps, (float)(1.0 - group->lr * group->weight_decay),
+                          (float)correction2, (float)(-group->lr / correction1), (float)(group->eps * correction2),
+                          (float)(-group->lr * correction2 / correction1), group->weight_decay > 0.0};
+    return s;
+}
+
+/* A piece whose moments are coded, in a batched step (optim/adam8bit.py, `_CodedDescriptor`). */
+typedef struct {
+    float *param;
+    const float *grad;
+    float *step; /* the state's step count (a float tensor), advanced here as torch's `+= 1` does */
+    uint8_t *m_codes;
+    float *m_absmax;
+    uint8_t *v_codes;
+    float *v_absmax;
+    float *edges; /* NULL where no block of the piece is cut */
+    int64_t n, offset;
+    adam8bit_group group;
+} adam8bit_coded_piece;
+
+/* `adam8bit_step` on each of `count` coded pieces: one call per optimizer step, so that
+   the Python per tensor is only the refresh of its descriptor's pointers. */
+void adam8bit_steps(const adam8bit_coded_piece *pieces, int64_t count, const float *m_values,
+                    const uint32_t *m_table, const float *v_values, const uint32_t *v_table, int threads) {
+    for (int64_t i = 0; i < count; i++) {
+        const adam8bit_coded_piece *piece = pieces + i;
+        *piece->step += 1.0f;
+        const adam8bit_scalars s = adam8bit_scalars_of(&piece->group, *piece->step);
+        adam8bit_step(piece->param, piece->grad, piece->m_codes, piece->m_absmax, piece->v_codes, piece->v_absmax,
+                      piece->n, piece->offset, m_values, m_table, v_values, v_table, s.beta1, s.weight, s.beta2,
+                      s.value, s.eps, s.decay_factor, s.decay, s.correction2, s.step_size, piece->edges, NULL, NULL,
+                      threads);
+    }
+}
+
+/* A small parameter's piece with fp32 moments, in a batched step (optim/adam8bit.py,
+   `_Fp32Descriptor`). Its update needs torch's square root (not correctly rounded on a
+   CPU, so not computed here): `adam8bit_fp32_moments` copies the new second moment into
+   `root`, torch takes its square root in place, then `adam8bit_fp32_apply` updates the
+   weights. The arithmetic is that of the torch operations in `_adam_steps_fp32`, fused
+   multiply-adds where torch's kernels use them (add with alpha, addcmul). */
+typedef struct {
+    float *param;
+    const float *grad;
+    float *step;
+    float *exp_avg;
+    float *exp_avg_sq;
+    float *root;
+    int64_t n;
+    adam8bit_group group;
+} adam8bit_fp32_piece;
+
+void adam8bit_fp32_moments(const adam8bit_fp32_piece *pieces, int64_t count) {
+    for (int64_t i = 0; i < count; i++) {
+        const adam8bit_fp32_piece *piece = pieces + i;
+        *piece->step += 1.0f;
+        const adam8bit_scalars s = adam8bit_scalars_of(&piece->group, *piece->step);
+        const float *restrict grad = piece->grad;
+        float *restrict m = piece->exp_avg, *restrict v = piece->exp_avg_sq, *restrict root = piece->root;
+        for (int64_t j = 0; j < piece->n; j++) {
+            m[j] = fmaf(grad[j], s.weight, m[j] * s.beta1);
+            v[j] = fmaf(s.value * grad[j], grad[j], v[j] * s.beta2);
+            root[j] = v[j];
+        }
+    }
+}
+
+/* After `adam8bit_fp32_moments` (the step already advanced) and the square roots. */
+void adam8bit_fp32_apply(const adam8bit_fp32_piece *pieces, int64_t count) {
+    for (int64_t i = 0; i < count; i++) {
+        const adam8bit_fp32_piece *piece = pieces + i;
+        const adam8bit_scalars s = adam8bit_scalars_of(&piece->group, *piece->step);
+        float *restrict param = piece->param;
+        const float *restrict m = piece->exp_avg, *restrict root = piece->root;
+        for (int64_t j = 0; j < piece->n; j++) {
+            const float p = s.decay ? param[j] * s.decay_factor : param[j];
+            param[j] = fmaf(m[j] / (root[j] + s.eps_correction), s.alpha, p);
+        }
     }
 }
 

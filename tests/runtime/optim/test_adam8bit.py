@@ -1,6 +1,7 @@
 """8-bit Adam (C17): block-wise quantised moments whose blocks are the parameter's own, so
 ZeRO's pieces quantise exactly as one process does; checkpoints hold fp32 moments."""
 
+import copy
 import math
 
 import pytest
@@ -8,6 +9,7 @@ import torch
 
 from shardwise.runtime.optim import native
 from shardwise.runtime.optim.adam8bit import Adam8bit, AdamW8bit
+from shardwise.runtime.optim.adam8bit import _CodedPiece as _Coded, _Fp32Piece as _Small
 from shardwise.runtime.optim.quantization import BLOCK, codebook, dynamic_code, quantize
 from shardwise.runtime.optim.adam8bit import adam_8bit_state_bytes
 from shardwise.tools.testing import run_distributed
@@ -151,3 +153,103 @@ def test_adam8bit_state_is_checkpointed_resumed_exactly_and_resharded(tmp_path):
     straight = run_distributed(train_from_config, 2, ConfigRun(CONFIG, stage=2, steps=3))
     for name, want in straight[0]["params"].items():
         assert torch.equal(again[0]["params"][name], want), name
+
+
+needs_kernels = pytest.mark.skipif(native.library() is None, reason="no C compiler: the kernels cannot be built here")
+BATCH_SHAPES = [(40, 24), (5000,), (1031,), (33,), (7, 3, 11), ()]
+
+
+def _stepped_alone(optimizer: Adam8bit) -> Adam8bit:
+    """The optimizer with every tensor stepped alone, as before the batched kernels: the
+    per-tensor kernel with the scalars computed in Python, torch operations for the small
+    tensors."""
+    optimizer._batchable = lambda *args: None
+    return optimizer
+
+
+def _two_groups(params: list[torch.Tensor]) -> Adam8bit:
+    return AdamW8bit([{"params": params[::2]}, {"params": params[1::2], "lr": 0.003, "weight_decay": 0.0}],
+                     lr=0.01, weight_decay=0.02, min_8bit_size=900)
+
+
+def _assert_same_state(mine: Adam8bit, reference: Adam8bit, pairs) -> None:
+    for param, twin in pairs:
+        state, twin_state = mine.state[param], reference.state[twin]
+        assert state.keys() == twin_state.keys()
+        for key, value in state.items():
+            if torch.is_tensor(value):
+                torch.testing.assert_close(value, twin_state[key], rtol=0, atol=0, equal_nan=True, msg=key)
+            else:
+                assert value == twin_state[key], key
+
+
+@needs_kernels
+def test_batched_kernels_step_exactly_as_each_tensor_alone():
+    """The steady-state step (one native call for every coded tensor, with the step count
+    advanced and the scalars derived in C; two calls around torch's square roots for the
+    small tensors) against every tensor stepped alone: weights, codes, scales, fp32 moments
+    and step counts equal bit for bit, over steps whose bias corrections change, in two
+    param groups, with a tensor that skips a step (its step count then differs from the
+    others') and a gradient that turns a block's scale to NaN."""
+    generator = torch.Generator().manual_seed(3)
+    initial = [torch.randn(shape, generator=generator) for shape in BATCH_SHAPES]
+    mine = [torch.nn.Parameter(t.clone()) for t in initial]
+    reference = [torch.nn.Parameter(t.clone()) for t in initial]
+    batched, alone = _two_groups(mine), _stepped_alone(_two_groups(reference))
+    for step in range(6):
+        for index, (param, twin) in enumerate(zip(mine, reference)):
+            skip = step == 3 and index in (1, 4)
+            grad = None if skip else torch.randn(param.shape, generator=generator) * 10.0 ** -(step % 3)
+            if step == 4 and index == 2:
+                grad[700] = float("nan")
+            param.grad, twin.grad = grad, None if grad is None else grad.clone()
+        batched.step()
+        alone.step()
+        for param, twin in zip(mine, reference):
+            torch.testing.assert_close(param, twin, rtol=0, atol=0, equal_nan=True)
+        _assert_same_state(batched, alone, zip(mine, reference))
+    assert all(isinstance(batched._batched[p], cls) for p, cls in zip(mine, [_Coded, _Coded, _Coded, _Small, _Small,
+                                                                            _Small]))
+    assert [batched.state[p]["step"].item() for p in mine] == [6.0, 5.0, 6.0, 6.0, 5.0, 6.0]
+
+
+@needs_kernels
+@pytest.mark.parametrize("boundaries", [[500, 700, 1500], [2200, 2300, 2400]])
+def test_batched_kernels_step_cut_pieces_exactly_as_each_piece_alone(boundaries):
+    """ZeRO's pieces, blocks cut by their boundaries (pieces.py: ranks as threads)."""
+    initial, grads = _random_run(steps=4)
+    make = lambda params: AdamW8bit(params, lr=0.01, min_8bit_size=100)
+    batched, batched_optimizers = train_in_pieces(make, initial, grads, boundaries)
+    alone, alone_optimizers = train_in_pieces(lambda params: _stepped_alone(make(params)), initial, grads, boundaries)
+    for mine, reference in zip(batched, alone):
+        assert torch.equal(mine, reference)
+    for mine, reference in zip(batched_optimizers, alone_optimizers):
+        pairs = list(zip(mine.state, reference.state))
+        assert any(isinstance(mine._batched[p], _Coded) and mine._batched[p].cut for p, _ in pairs)
+        _assert_same_state(mine, reference, pairs)
+
+
+@needs_kernels
+def test_a_loaded_state_takes_the_batched_step_from_where_it_was():
+    """load_state_dict in the middle of a run (the state's dictionaries and tensors
+    replaced under the optimizer's kept pieces): the run goes on exactly as without it."""
+    generator = torch.Generator().manual_seed(4)
+    initial = [torch.randn(shape, generator=generator) for shape in BATCH_SHAPES]
+    grads = [[torch.randn(shape, generator=generator) for shape in BATCH_SHAPES] for _ in range(5)]
+    straight, _ = train_whole(_two_groups, initial, grads)
+
+    params = [t.clone() for t in initial]
+    first = _two_groups(params)
+    for step_grads in grads[:3]:
+        for param, grad in zip(params, step_grads):
+            param.grad = grad.clone()
+        first.step()
+    resumed = _two_groups(params)
+    resumed.load_state_dict(copy.deepcopy(first.state_dict()))
+    for step_grads in grads[3:]:
+        for param, grad in zip(params, step_grads):
+            param.grad = grad.clone()
+        resumed.step()
+    for mine, reference in zip(params, straight):
+        assert torch.equal(mine, reference)
+    assert [resumed.state[p]["step"].item() for p in params] == [5.0] * len(params)
