@@ -482,6 +482,7 @@ AVX512 static void adam8bit_block_avx512_coded(float *restrict param, const floa
    values out in theirs. Exactly the gathers' values: the same bytes, then the same product
    with the block's scale. */
 #define VALUE_PLANES 256 /* floats of code values before the planes */
+#define PIPELINED_ROWS 64 /* rows per pipelined run (`adam8bit_rows_avx512_vbmi`), the unit of threads' work */
 
 AVX512_VBMI static inline __attribute__((always_inline)) void decode_codes_vbmi(
     const uint8_t *restrict codes, int64_t count, const float *restrict values, float scale, float *restrict out) {
@@ -529,6 +530,111 @@ AVX512_VBMI static void adam8bit_block_avx512_vbmi(float *restrict param, const 
     adam8bit_block_avx512_body(param, grad, m_codes, m_absmax, v_codes, v_absmax, count, m_values, m_table, v_values,
                                v_table, beta1, weight, beta2, value, eps, decay_factor, decay, correction2, step_size,
                                lead, m_edge, v_edge, m_old, v_old, 1);
+}
+
+/* Sixteen values (fewer at a block's end) coded by the AVX-512 encoder, as
+   `quantize_values_avx512_of` codes them. */
+AVX512_VBMI static inline __attribute__((always_inline)) void encode_lanes(const float *restrict values,
+                                                                           uint8_t *restrict codes, int64_t j,
+                                                                           int64_t count, __m512 inverse,
+                                                                           const decade_rounding *rounding,
+                                                                           const int is_signed) {
+    const __mmask16 lanes = count - j >= 16 ? (__mmask16)0xFFFF : (__mmask16)((1u << (count - j)) - 1);
+    __m128i packed = codes_of(_mm512_mul_ps(load_lanes(values + j, lanes), inverse), rounding, is_signed);
+    if (lanes == 0xFFFF)
+        _mm_storeu_si128((__m128i *)(codes + j), packed);
+    else
+        _mm_mask_storeu_epi8(codes + j, lanes, packed);
+}
+
+AVX512_VBMI static inline __attribute__((always_inline)) __m512 inverse_of(float absmax) {
+    return _mm512_set1_ps(1.0f / (absmax < TINY_SCALE ? TINY_SCALE : absmax)); /* NaN stays NaN */
+}
+
+/* Rows [first_row, last_row) of `adam8bit_step`'s coded piece, each row as
+   `adam8bit_block_avx512_vbmi` steps it, but software-pipelined: a row's moments are
+   coded while the next row is updated, sixteen values of each in one loop, so the
+   encoder's integer and permute work overlaps the update's square roots and divisions
+   (which occupy the divider, not the vector ports; one after the other, each waited on
+   the other's unit). The same operations on the same values: the same bits. */
+AVX512_VBMI static void adam8bit_rows_avx512_vbmi(
+    float *param, const float *grad, uint8_t *m_codes, float *m_absmax, uint8_t *v_codes, float *v_absmax, int64_t n,
+    int64_t offset, int64_t rows, int64_t first_row, int64_t last_row, const float *m_values,
+    const uint32_t *m_table, const float *v_values, const uint32_t *v_table, float beta1, float weight, float beta2,
+    float value, float eps, float decay_factor, int decay, float correction2, float step_size, float *edges) {
+    float m_new[2][BLOCK], v_new[2][BLOCK], m_old[BLOCK], v_old[BLOCK];
+    const decade_rounding m_rounding = decade_rounding_of(m_table), v_rounding = decade_rounding_of(v_table);
+    const __m512 beta1s = _mm512_set1_ps(beta1), weights = _mm512_set1_ps(weight), beta2s = _mm512_set1_ps(beta2);
+    const __m512 values = _mm512_set1_ps(value), epss = _mm512_set1_ps(eps), decays = _mm512_set1_ps(decay_factor);
+    const __m512 corrections = _mm512_set1_ps(correction2), steps = _mm512_set1_ps(step_size);
+    uint8_t *pending_m = NULL, *pending_v = NULL; /* the row coded during this one: its codes */
+    int64_t pending_count = 0;
+    __m512 pending_m_inverse = _mm512_setzero_ps(), pending_v_inverse = _mm512_setzero_ps();
+    int current = 0;
+    for (int64_t row = first_row; row < last_row; row++) {
+        const int64_t first = row == 0 ? 0 : row * BLOCK - offset;
+        const int64_t stop = (row + 1) * BLOCK - offset < n ? (row + 1) * BLOCK - offset : n;
+        const int64_t count = stop - first, lead = row == 0 ? offset : 0;
+        decode_codes_vbmi(m_codes + first, count, m_values, m_absmax[row], m_old);
+        decode_codes_vbmi(v_codes + first, count, v_values, v_absmax[row], v_old);
+        float *restrict m = m_new[current], *restrict v = v_new[current];
+        const float *restrict pending_m_values = m_new[current ^ 1], *restrict pending_v_values = v_new[current ^ 1];
+        float *restrict p_row = param + first;
+        const float *restrict g_row = grad + first;
+        __m512 m_max = _mm512_setzero_ps(), v_max = _mm512_setzero_ps();
+        __mmask16 nan = 0;
+        for (int64_t j = 0; j < count; j += 16) {
+            const __mmask16 lanes = count - j >= 16 ? (__mmask16)0xFFFF : (__mmask16)((1u << (count - j)) - 1);
+            __m512 g = load_lanes(g_row + j, lanes);
+            __m512 m_before = _mm512_loadu_ps(m_old + j), v_before = _mm512_loadu_ps(v_old + j);
+            __m512 mj = _mm512_fmadd_ps(g, weights, _mm512_mul_ps(m_before, beta1s));
+            __m512 vj = _mm512_fmadd_ps(_mm512_mul_ps(values, g), g, _mm512_mul_ps(v_before, beta2s));
+            __m512 p = load_lanes(p_row + j, lanes);
+            if (decay)
+                p = _mm512_mul_ps(p, decays);
+            __m512 denominator = _mm512_add_ps(_mm512_div_ps(_mm512_sqrt_ps(vj), corrections), epss);
+            store_lanes(p_row + j, lanes, _mm512_add_ps(_mm512_div_ps(_mm512_mul_ps(steps, mj), denominator), p));
+            _mm512_storeu_ps(m + j, mj);
+            _mm512_storeu_ps(v + j, vj);
+            m_max = _mm512_mask_max_ps(m_max, lanes, m_max, _mm512_abs_ps(mj));
+            v_max = _mm512_mask_max_ps(v_max, lanes, v_max, _mm512_abs_ps(vj));
+            nan |= _mm512_mask_cmp_ps_mask(lanes, mj, vj, _CMP_UNORD_Q);
+            if (j < pending_count) {
+                encode_lanes(pending_m_values, pending_m, j, pending_count, pending_m_inverse, &m_rounding, 1);
+                encode_lanes(pending_v_values, pending_v, j, pending_count, pending_v_inverse, &v_rounding, 0);
+            }
+        }
+        for (int64_t j = (count + 15) / 16 * 16; j < pending_count; j += 16) {
+            encode_lanes(pending_m_values, pending_m, j, pending_count, pending_m_inverse, &m_rounding, 1);
+            encode_lanes(pending_v_values, pending_v, j, pending_count, pending_v_inverse, &v_rounding, 0);
+        }
+        float m_found = _mm512_reduce_max_ps(m_max), v_found = _mm512_reduce_max_ps(v_max);
+        if (nan) { /* a NaN in either moment: the portable loop tracks each apart */
+            int m_nan = 0, v_nan = 0;
+            for (int64_t j = 0; j < count; j++) {
+                m_nan |= m[j] != m[j];
+                v_nan |= v[j] != v[j];
+            }
+            m_found = m_nan ? NAN : m_found;
+            v_found = v_nan ? NAN : v_found;
+        }
+        m_absmax[row] = m_found;
+        v_absmax[row] = v_found;
+        if (edges != NULL && (row == 0 || row == rows - 1)) {
+            float *m_edge = edges + (row == 0 ? 0 : BLOCK);
+            write_edges(m, v, count, lead, m_edge, m_edge + 2 * BLOCK);
+        }
+        pending_m = m_codes + first;
+        pending_v = v_codes + first;
+        pending_count = count;
+        pending_m_inverse = inverse_of(m_found);
+        pending_v_inverse = inverse_of(v_found);
+        current ^= 1;
+    }
+    for (int64_t j = 0; j < pending_count; j += 16) {
+        encode_lanes(m_new[current ^ 1], pending_m, j, pending_count, pending_m_inverse, &m_rounding, 1);
+        encode_lanes(v_new[current ^ 1], pending_v, j, pending_count, pending_v_inverse, &v_rounding, 0);
+    }
 }
 #endif
 
@@ -583,6 +689,17 @@ void adam8bit_step(float *param, const float *grad, uint8_t *m_codes, float *m_a
                    float correction2, float step_size, float *edges, const float *m_in, const float *v_in,
                    int threads) {
     const int64_t rows = n == 0 ? 0 : (offset + n + BLOCK - 1) / BLOCK; /* as PaddedRows.rows */
+#ifdef HAVE_AVX512_PATH
+    if (vbmi_enabled && m_in == NULL) {
+#pragma omp parallel for num_threads(threads) if (n >= PARALLEL_MIN)
+        for (int64_t group = 0; group < (rows + PIPELINED_ROWS - 1) / PIPELINED_ROWS; group++) {
+            const int64_t last = (group + 1) * PIPELINED_ROWS < rows ? (group + 1) * PIPELINED_ROWS : rows;
+            adam8bit_rows_avx512_vbmi(param, grad, m_codes, m_absmax, v_codes, v_absmax, n, offset, rows,
+                                      group * PIPELINED_ROWS, last, m_values, m_table, v_values, v_table, beta1,
+                                      weight, beta2, value, eps, decay_factor, decay, correction2, step_size, edges);
+        }
+    } else
+#endif
 #pragma omp parallel for num_threads(threads) if (n >= PARALLEL_MIN)
     for (int64_t row = 0; row < rows; row++) {
         const int64_t first = row == 0 ? 0 : row * BLOCK - offset;
@@ -621,8 +738,8 @@ typedef struct {
 static adam8bit_scalars adam8bit_scalars_of(const adam8bit_group *group, double t) {
     const double correction1 = 1.0 - pow(group->beta1, t), correction2 = sqrt(1.0 - pow(group->beta2, t));
     adam8bit_scalars s = {(float)group->beta1, (float)(1.0 - group->beta1), (float)group->beta2,
-                          (float)(1.0 - group->beta2), (float)group->eps, (float)(1.0 - group->lr * group->weight_decay),
-                          (float)correction2, (float)(-group->lr / correction1), (float)(group->eps * correction2),
+                          (float)(1.0 - group->beta2), (float)group->eps,
+                          (float)(1.0 - group->lr * group->weight_decay), (float)correction2, (float)(-group->lr / correction1), (float)(group->eps * correction2),
                           (float)(-group->lr * correction2 / correction1), group->weight_decay > 0.0};
     return s;
 }
