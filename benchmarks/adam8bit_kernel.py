@@ -18,6 +18,7 @@ them.
 from __future__ import annotations
 
 import argparse
+import ctypes
 import subprocess
 import tempfile
 import time
@@ -31,7 +32,7 @@ from shardwise.runtime.optim.adam8bit import _native_codebook
 SHARD = 10.84e6  # elements of benchmarks/optimizer_step.py's shard
 
 
-def build(source: str, scratch: Path, index: int):
+def build(source: str, scratch: Path, index: int) -> ctypes.CDLL:
     """The compiled kernels of a C file or of `git:REV`."""
     if source.startswith("git:"):
         text = subprocess.run(["git", "show", f"{source[4:]}:shardwise/runtime/optim/native_kernels.c"],
@@ -40,7 +41,9 @@ def build(source: str, scratch: Path, index: int):
         Path(source).write_text(text)
     library = scratch / f"kernels{index}.so"
     subprocess.run(["cc", *native.FLAGS, "-fopenmp", source, "-o", str(library), "-lm"], check=True)
-    return native._load(library)
+    kernels = ctypes.CDLL(str(library))  # only the kernel timed here: other revisions have other kernels
+    kernels.adam8bit_step.argtypes, kernels.adam8bit_step.restype = native._SIGNATURES["adam8bit_step"], None
+    return kernels
 
 
 def main() -> None:
