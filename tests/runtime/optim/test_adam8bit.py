@@ -253,3 +253,18 @@ def test_a_loaded_state_takes_the_batched_step_from_where_it_was():
     for mine, reference in zip(params, straight):
         assert torch.equal(mine, reference)
     assert [resumed.state[p]["step"].item() for p in params] == [5.0] * len(params)
+
+
+def test_without_the_kernels_every_tensor_steps_alone_on_the_torch_path(monkeypatch):
+    """No compiler (the library could not be built, warned then): the torch path, every
+    step, and the same weights as with the kernels switched off."""
+    initial, grads = _random_run(steps=3)
+    monkeypatch.setenv(native.ENABLE_VARIABLE, "0")
+    switched_off, _ = train_whole(_two_groups, initial, grads)
+    monkeypatch.delenv(native.ENABLE_VARIABLE)
+    monkeypatch.setattr(native, "_library", None)
+    monkeypatch.setattr(native, "_tried", True)
+    params, optimizer = train_whole(_two_groups, initial, grads)
+    assert not optimizer._batched
+    for mine, reference, start in zip(params, switched_off, initial):
+        assert torch.equal(mine, reference) and not torch.equal(mine, start)
