@@ -737,10 +737,17 @@ typedef struct {
 
 static adam8bit_scalars adam8bit_scalars_of(const adam8bit_group *group, double t) {
     const double correction1 = 1.0 - pow(group->beta1, t), correction2 = sqrt(1.0 - pow(group->beta2, t));
-    adam8bit_scalars s = {(float)group->beta1, (float)(1.0 - group->beta1), (float)group->beta2,
-                          (float)(1.0 - group->beta2), (float)group->eps,
-                          (float)(1.0 - group->lr * group->weight_decay), (float)correction2, (float)(-group->lr / correction1), (float)(group->eps * correction2),
-                          (float)(-group->lr * correction2 / correction1), group->weight_decay > 0.0};
+    adam8bit_scalars s = {(float)group->beta1,
+                          (float)(1.0 - group->beta1),
+                          (float)group->beta2,
+                          (float)(1.0 - group->beta2),
+                          (float)group->eps,
+                          (float)(1.0 - group->lr * group->weight_decay),
+                          (float)correction2,
+                          (float)(-group->lr / correction1),
+                          (float)(group->eps * correction2),
+                          (float)(-group->lr * correction2 / correction1),
+                          group->weight_decay > 0.0};
     return s;
 }
 
@@ -777,7 +784,7 @@ void adam8bit_steps(const adam8bit_coded_piece *pieces, int64_t count, const flo
    `_Fp32Descriptor`). Its update needs torch's square root (not correctly rounded on a
    CPU, so not computed here): `adam8bit_fp32_moments` copies the new second moment into
    `root`, torch takes its square root in place, then `adam8bit_fp32_apply` updates the
-   weights. The arithmetic is that of the torch operations in `_adam_steps_fp32`, fused
+   weights. The arithmetic is that of `_adam_step`'s 32-bit update in torch operations, fused
    multiply-adds where torch's kernels use them (add with alpha, addcmul). */
 typedef struct {
     float *param;
