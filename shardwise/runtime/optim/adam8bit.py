@@ -99,6 +99,11 @@ class Adam8bit(ShardAwareOptimizer):
         self._shared = None
         self._batched = {}
 
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        """A new state: the kept pieces (which would notice it) let go of the old one now."""
+        super().load_state_dict(state_dict)
+        self._batched = {}
+
     @torch.no_grad()
     def step(self, closure=None):
         """Tensors in their steady state (CPU fp32, state made by an earlier step, the
