@@ -114,7 +114,7 @@ def _load(path: Path) -> ctypes.CDLL:
 
 
 def use_avx512(enable: bool) -> bool:
-    """Turns the 8-bit Adam kernels' AVX-512 blocks on (where the CPU has AVX-512) or off,
+    """Turns the 8-bit Adam and 1-bit kernels' AVX-512 blocks on (where the CPU has AVX-512) or off,
     so that tests can compare them with the portable loops on one machine; returns whether
     they are on. They are on by default wherever the CPU has them."""
     kernels = library()

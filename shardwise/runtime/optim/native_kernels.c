@@ -868,15 +868,22 @@ static void onebit_pack(const uint8_t *restrict positive, int64_t count, uint8_t
 
 /* Every byte's eight signs as eight bytes of 0/1 (the first element's from the highest
    bit), filled when the library is loaded: a block's signs are unpacked a word per byte,
-   then read as +-s by a loop the compiler vectorises (exact: +-s is +-1 x s). */
+   then read as +-s by a loop the compiler vectorises (exact: +-s is +-1 x s). And every
+   byte with its bits reversed (the first element's in bit 0): the AVX-512 blocks' lane
+   masks, 16 elements from two bytes. */
 static uint64_t bits_of_byte[256];
+static uint8_t reversed_bits[256];
 
 __attribute__((constructor)) static void fill_bits_of_byte(void) {
     for (int byte = 0; byte < 256; byte++) {
         uint8_t bits[8];
-        for (int k = 0; k < 8; k++)
+        unsigned reversed = 0;
+        for (int k = 0; k < 8; k++) {
             bits[k] = (byte >> (7 - k)) & 1;
+            reversed |= (unsigned)bits[k] << k;
+        }
         memcpy(&bits_of_byte[byte], bits, 8);
+        reversed_bits[byte] = (uint8_t)reversed;
     }
 }
 
@@ -891,12 +898,78 @@ static void onebit_unpack(const uint8_t *restrict row, int64_t first, int64_t n,
         positive[t] = (row[(first + t) / 8] >> (7 - (first + t) % 8)) & 1;
 }
 
+/* Signs read as +-s (bit first + t of row for element t < n <= ONEBIT_BLOCK) and written
+   to out, added to it or taken off it: the decode, the server's sum and the settling of
+   what a compression lost. The portable loop unpacks the block's bits to bytes and
+   selects; the AVX-512 one selects 16 lanes at once by a mask made of two or three bytes
+   (a shift for a first bit inside a byte), where the unpacking bound the passes (the
+   server's pass ran at half the memory's speed). The same values either way: +-s exactly,
+   added or subtracted as the portable loop does. The 8-bit kernels' switch
+   (`avx512_enabled`, `use_avx512`) turns these blocks on and off too. */
+enum onebit_use { ONEBIT_SET, ONEBIT_ADD, ONEBIT_SUBTRACT };
+
+static void onebit_signed_portable(const uint8_t *restrict row, int64_t first, int64_t n, float s,
+                                   float *restrict out, enum onebit_use use) {
+    uint8_t positive[ONEBIT_BLOCK];
+    onebit_unpack(row, first, n, positive);
+    if (use == ONEBIT_SET)
+        for (int64_t t = 0; t < n; t++)
+            out[t] = positive[t] ? s : -s;
+    else if (use == ONEBIT_ADD)
+        for (int64_t t = 0; t < n; t++)
+            out[t] += positive[t] ? s : -s;
+    else
+        for (int64_t t = 0; t < n; t++)
+            out[t] -= positive[t] ? s : -s;
+}
+
+#ifdef HAVE_AVX512_PATH
+/* The lane mask of elements t .. t + count - 1 (count <= 16) of a row from bit `first`:
+   element k in bit k, from only the bytes that hold them. */
+AVX512 static inline __attribute__((always_inline)) __mmask16 onebit_lanes_of(const uint8_t *restrict row,
+                                                                              int64_t first, int64_t t,
+                                                                              int64_t count) {
+    const int64_t bit = first + t, shift = bit % 8;
+    const uint8_t *restrict bytes = row + bit / 8;
+    if (shift == 0 && count == 16)
+        return (__mmask16)(reversed_bits[bytes[0]] | (unsigned)reversed_bits[bytes[1]] << 8);
+    uint32_t word = 0;
+    for (int64_t k = 0; k < (shift + count + 7) / 8; k++)
+        word |= (uint32_t)reversed_bits[bytes[k]] << (8 * k);
+    return (__mmask16)((word >> shift) & (count == 16 ? 0xFFFFu : (1u << count) - 1));
+}
+
+AVX512 static void onebit_signed_avx512(const uint8_t *restrict row, int64_t first, int64_t n, float s,
+                                        float *restrict out, enum onebit_use use) {
+    const __m512 plus = _mm512_set1_ps(s), minus = _mm512_set1_ps(-s);
+    for (int64_t t = 0; t < n; t += 16) {
+        const int64_t count = n - t < 16 ? n - t : 16;
+        const __mmask16 lanes = count == 16 ? 0xFFFF : (__mmask16)((1u << count) - 1);
+        const __m512 value = _mm512_mask_blend_ps(onebit_lanes_of(row, first, t, count), minus, plus);
+        if (use == ONEBIT_SET)
+            store_lanes(out + t, lanes, value);
+        else if (use == ONEBIT_ADD)
+            store_lanes(out + t, lanes, _mm512_add_ps(load_lanes(out + t, lanes), value));
+        else
+            store_lanes(out + t, lanes, _mm512_sub_ps(load_lanes(out + t, lanes), value));
+    }
+}
+#endif
+
+static void onebit_signed(const uint8_t *restrict row, int64_t first, int64_t n, float s, float *restrict out,
+                          enum onebit_use use) {
+#ifdef HAVE_AVX512_PATH
+    if (avx512_enabled) {
+        onebit_signed_avx512(row, first, n, s, out, use);
+        return;
+    }
+#endif
+    onebit_signed_portable(row, first, n, s, out, use);
+}
+
 /* error -= +-s by the signs `pending` (count elements, whole bytes): what a compression lost. */
 static void onebit_settle_block(float *restrict error, const uint8_t *restrict pending, int64_t count, float s) {
-    uint8_t positive[ONEBIT_BLOCK];
-    onebit_unpack(pending, 0, count, positive);
-    for (int64_t j = 0; j < count; j++)
-        error[j] -= positive[j] ? s : -s;
+    onebit_signed(pending, 0, count, s, error, ONEBIT_SUBTRACT);
 }
 
 /* error -= +-s by the signs `pending` of a compression of these n elements at scale s. */
@@ -904,6 +977,33 @@ void onebit_settle(float *restrict error, int64_t n, const uint8_t *restrict pen
     for (int64_t start = 0; start < n; start += ONEBIT_BLOCK)
         onebit_settle_block(error + start, pending + start / 8, n - start < ONEBIT_BLOCK ? n - start : ONEBIT_BLOCK,
                             s);
+}
+
+/* packed = the signs of e (1 for e >= 0, NaN 0; count elements, whole bytes). */
+#ifdef HAVE_AVX512_PATH
+AVX512 static void onebit_pack_signs_avx512(const float *restrict e, int64_t count, uint8_t *restrict packed) {
+    const __m512 zero = _mm512_setzero_ps();
+    for (int64_t t = 0; t < count; t += 16) { /* count is whole bytes: 16 or 8 lanes */
+        const __mmask16 lanes = count - t < 16 ? 0xFF : 0xFFFF;
+        const __mmask16 positive = _mm512_mask_cmp_ps_mask(lanes, load_lanes(e + t, lanes), zero, _CMP_GE_OQ);
+        packed[t / 8] = reversed_bits[positive & 0xFF];
+        if (lanes == 0xFFFF)
+            packed[t / 8 + 1] = reversed_bits[positive >> 8];
+    }
+}
+#endif
+
+static void onebit_pack_signs(const float *restrict e, int64_t count, uint8_t *restrict packed) {
+#ifdef HAVE_AVX512_PATH
+    if (avx512_enabled) {
+        onebit_pack_signs_avx512(e, count, packed);
+        return;
+    }
+#endif
+    uint8_t positive[ONEBIT_BLOCK];
+    for (int64_t j = 0; j < count; j++)
+        positive[j] = e[j] >= 0.0f;
+    onebit_pack(positive, count, packed);
 }
 
 /* error += x; the sum of the squares of the result. */
@@ -978,15 +1078,65 @@ void onebit_worker_compress(const float *restrict x, float *restrict error, int6
                 at = until;
             }
         }
-        uint8_t positive[ONEBIT_BLOCK];
-        for (int64_t j = 0; j < count; j++)
-            positive[j] = e[j] >= 0.0f;
-        onebit_pack(positive, count, packed + block / 8);
+        onebit_pack_signs(e, count, packed + block / 8);
     }
     /* the norm from a double sum, rounded to fp32, divided as torch divides an fp32 norm by
        the Python float sqrt(n) */
     *scale = (float)sqrt(square) / (float)sqrt((double)n);
 }
+
+#ifdef HAVE_AVX512_PATH
+/* 16 lanes (from t) of the server's block: settled, the rows' signs summed and averaged
+   into the error, its signs packed; the lanes' squares added to two double accumulators
+   (a double's square of an fp32 is exact, so fused or not the same). */
+AVX512 static inline __attribute__((always_inline)) void onebit_server_lanes_avx512(
+    const uint8_t *restrict incoming, int64_t stride, const float *restrict scales, int64_t rows, int64_t block,
+    int64_t length, int64_t t, float *restrict e, const uint8_t *restrict pending, __m512 lost, __m512 lost_negative,
+    __m512 divisor, uint8_t *restrict packed, __m512d *low_square, __m512d *high_square) {
+    const int64_t count = length - t < 16 ? length - t : 16;
+    const __mmask16 lanes = count == 16 ? 0xFFFF : (__mmask16)((1u << count) - 1);
+    __m512 x = load_lanes(e + t, lanes);
+    if (pending != NULL)
+        x = _mm512_sub_ps(x, _mm512_mask_blend_ps(onebit_lanes_of(pending, block, t, count), lost_negative, lost));
+    __m512 sum = _mm512_mask_blend_ps(onebit_lanes_of(incoming, block, t, count), _mm512_set1_ps(-scales[0]),
+                                      _mm512_set1_ps(scales[0]));
+    for (int64_t r = 1; r < rows; r++)
+        sum = _mm512_add_ps(sum, _mm512_mask_blend_ps(onebit_lanes_of(incoming + r * stride, block, t, count),
+                                                      _mm512_set1_ps(-scales[r]), _mm512_set1_ps(scales[r])));
+    const __m512 value = _mm512_maskz_mov_ps(lanes, _mm512_add_ps(x, _mm512_div_ps(sum, divisor)));
+    store_lanes(e + t, lanes, value);
+    const __m512d low = _mm512_cvtps_pd(_mm512_castps512_ps256(value));
+    const __m512d high = _mm512_cvtps_pd(_mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(value), 1)));
+    *low_square = _mm512_fmadd_pd(low, low, *low_square);
+    *high_square = _mm512_fmadd_pd(high, high, *high_square);
+    const __mmask16 positive = _mm512_mask_cmp_ps_mask(lanes, value, _mm512_setzero_ps(), _CMP_GE_OQ);
+    packed[t / 8] = reversed_bits[positive & 0xFF];
+    if (count > 8)
+        packed[t / 8 + 1] = reversed_bits[positive >> 8];
+}
+
+/* One block of the server's pass in one loop (the portable loop makes four over the
+   block, and its one chain of double additions held the pass at half the memory's
+   speed), two vectors per iteration into four accumulators; the block's sum of squares. */
+AVX512 static double onebit_server_block_avx512(const uint8_t *restrict incoming, int64_t stride,
+                                                const float *restrict scales, int64_t rows, int64_t block,
+                                                int64_t length, float *restrict e, const uint8_t *restrict pending,
+                                                float pending_scale, float count, uint8_t *restrict packed) {
+    __m512d first_low = _mm512_setzero_pd(), first_high = _mm512_setzero_pd();
+    __m512d second_low = _mm512_setzero_pd(), second_high = _mm512_setzero_pd();
+    const __m512 lost = _mm512_set1_ps(pending_scale), lost_negative = _mm512_set1_ps(-pending_scale);
+    const __m512 divisor = _mm512_set1_ps(count);
+    for (int64_t t = 0; t < length; t += 32) {
+        onebit_server_lanes_avx512(incoming, stride, scales, rows, block, length, t, e, pending, lost, lost_negative,
+                                   divisor, packed, &first_low, &first_high);
+        if (t + 16 < length)
+            onebit_server_lanes_avx512(incoming, stride, scales, rows, block, length, t + 16, e, pending, lost,
+                                       lost_negative, divisor, packed, &second_low, &second_high);
+    }
+    return _mm512_reduce_add_pd(_mm512_add_pd(_mm512_add_pd(first_low, first_high),
+                                              _mm512_add_pd(second_low, second_high)));
+}
+#endif
 
 /* The server's compression of the average of the received rows (their signs at their
    scales summed in row order, each added to the sum so far as torch's add with alpha adds
@@ -999,29 +1149,26 @@ void onebit_server_compress(const uint8_t *restrict incoming, int64_t stride, co
     for (int64_t block = 0; block < n; block += ONEBIT_BLOCK) {
         const int64_t length = n - block < ONEBIT_BLOCK ? n - block : ONEBIT_BLOCK;
         float *restrict e = error + block;
+#ifdef HAVE_AVX512_PATH
+        if (avx512_enabled) {
+            square += onebit_server_block_avx512(incoming, stride, scales, rows, block, length, e, pending,
+                                                 pending_scale, count, packed + block / 8);
+            continue;
+        }
+#endif
         if (pending != NULL)
             onebit_settle_block(e, pending + block / 8, length, pending_scale);
-        uint8_t positive[ONEBIT_BLOCK];
         float sum[ONEBIT_BLOCK];
-        onebit_unpack(incoming + block / 8, 0, length, positive);
-        const float first = scales[0];
-        for (int64_t j = 0; j < length; j++)
-            sum[j] = positive[j] ? first : -first;
-        for (int64_t r = 1; r < rows; r++) {
-            onebit_unpack(incoming + r * stride + block / 8, 0, length, positive);
-            const float s = scales[r];
-            for (int64_t j = 0; j < length; j++)
-                sum[j] += positive[j] ? s : -s;
-        }
+        onebit_signed(incoming + block / 8, 0, length, scales[0], sum, ONEBIT_SET);
+        for (int64_t r = 1; r < rows; r++)
+            onebit_signed(incoming + r * stride + block / 8, 0, length, scales[r], sum, ONEBIT_ADD);
 #pragma omp simd reduction(+ : square)
         for (int64_t j = 0; j < length; j++) {
             float value = e[j] + sum[j] / count;
             e[j] = value;
             square += (double)value * value;
         }
-        for (int64_t j = 0; j < length; j++)
-            positive[j] = e[j] >= 0.0f;
-        onebit_pack(positive, length, packed + block / 8);
+        onebit_pack_signs(e, length, packed + block / 8);
     }
     *scale = (float)sqrt(square) / (float)sqrt((double)n);
 }
@@ -1038,21 +1185,13 @@ void onebit_decode_apply(const uint8_t *restrict packed, int64_t stride, const f
         const int64_t flat = start + i, r = flat / chunk, first = flat % chunk;
         int64_t length = n - i < chunk - first ? n - i : chunk - first;
         length = length < ONEBIT_BLOCK ? length : ONEBIT_BLOCK;
-        uint8_t positive[ONEBIT_BLOCK];
-        onebit_unpack(packed + r * stride, first, length, positive);
-        const float s = scales[r];
         float *restrict out = m + i;
+        onebit_signed(packed + r * stride, first, length, scales[r], out, ONEBIT_SET);
         if (param != NULL) {
             float *restrict w = param + i;
             const float *restrict variance = v + i;
-            for (int64_t j = 0; j < length; j++) {
-                const float momentum = positive[j] ? s : -s;
-                out[j] = momentum;
-                w[j] += adam_direction(w[j], momentum, variance[j], eps, weight_decay, eps_inside_sqrt) * scale;
-            }
-        } else {
             for (int64_t j = 0; j < length; j++)
-                out[j] = positive[j] ? s : -s;
+                w[j] += adam_direction(w[j], out[j], variance[j], eps, weight_decay, eps_inside_sqrt) * scale;
         }
         i += length;
     }
@@ -1159,12 +1298,8 @@ void onebit_lamb_decode_statistics(const uint8_t *restrict packed, int64_t strid
         const int64_t flat = start + i, r = flat / chunk, first = flat % chunk;
         int64_t length = n - i < chunk - first ? n - i : chunk - first;
         length = length < ONEBIT_BLOCK ? length : ONEBIT_BLOCK;
-        uint8_t positive[ONEBIT_BLOCK];
         float average[ONEBIT_BLOCK];
-        onebit_unpack(packed + r * stride, first, length, positive);
-        const float s = scales[r];
-        for (int64_t j = 0; j < length; j++)
-            average[j] = positive[j] ? s : -s;
+        onebit_signed(packed + r * stride, first, length, scales[r], average, ONEBIT_SET);
         onebit_lamb_statistics(param + i, average, m + i, v + i, fresh + i, length, beta1, one_minus_beta1, beta2,
                                one_minus_beta2, eps, eps_inside_sqrt, weight_decay, out);
         i += length;

@@ -321,3 +321,64 @@ def test_native_exchange_takes_off_what_a_compression_lost_in_the_next_call_exac
             assert torch.equal(lazy, settled), f"call {call}"
         for lazy, settled in zip(output["lazy_errors"], output["settled_errors"]):
             assert torch.equal(lazy, settled)
+
+
+def _kernel_outputs(avx512: bool) -> dict[str, torch.Tensor]:
+    """Every 1-bit kernel whose signs the AVX-512 blocks read or write, on fixed inputs:
+    lengths with a partial last block and an 8-lane last vector, a pending compression,
+    three rows at the server, a momentum fold with a segment without gradient, and
+    decodes starting inside a byte and crossing a chunk boundary."""
+    native.use_avx512(avx512)
+    library, generator = native.library(), torch.Generator().manual_seed(3)
+    n, rows, chunk = 3000, 3, 1000  # 3000 = 2 x 1024 + 952 elements, 952 = 59 x 16 + 8
+    random_bytes = lambda count: torch.randint(0, 256, (count,), dtype=torch.uint8, generator=generator)  # noqa: E731
+    momentum, grad = torch.randn(n, generator=generator), torch.randn(n, generator=generator)
+    out = {"worker_error": torch.randn(n, generator=generator), "worker_signs": torch.zeros(n // 8, dtype=torch.uint8),
+           "worker_scale": torch.zeros(1), "server_error": torch.randn(n, generator=generator),
+           "server_signs": torch.zeros(n // 8, dtype=torch.uint8), "server_scale": torch.zeros(1)}
+    bounds = torch.tensor([[16, 1500], [1500, 2200]], dtype=torch.int64)
+    grads = torch.tensor([grad.data_ptr() + 4 * 16, 0], dtype=torch.int64)
+    factors = torch.tensor([[0.9, 0.1], [0.8, 0.2]], dtype=torch.float32)
+    pending = random_bytes(n // 8)
+    library.onebit_worker_compress(momentum.data_ptr(), out["worker_error"].data_ptr(), 0, n, 2, bounds.data_ptr(),
+                                   grads.data_ptr(), factors.data_ptr(), pending.data_ptr(), 0.25,
+                                   out["worker_signs"].data_ptr(), out["worker_scale"].data_ptr())
+    incoming, scales = random_bytes(rows * (n // 8)), torch.tensor([0.5, 0.25, 0.75])
+    library.onebit_server_compress(incoming.data_ptr(), n // 8, scales.data_ptr(), rows, n,
+                                   out["server_error"].data_ptr(), pending.data_ptr(), 0.125,
+                                   out["server_signs"].data_ptr(), out["server_scale"].data_ptr())
+    packed = random_bytes(rows * (chunk // 8))
+    for start, length, inside in ((5, 1990, 0), (1003, 11, 1)):
+        weights, variance = torch.randn(length, generator=generator), torch.rand(length, generator=generator)
+        decoded = torch.zeros(length)
+        library.onebit_decode_apply(packed.data_ptr(), chunk // 8, scales.data_ptr(), chunk, start, length,
+                                    decoded.data_ptr(), variance.data_ptr(), weights.data_ptr(), -0.01, 1e-4, 0.01,
+                                    inside)
+        fresh, statistics = variance.clone(), torch.zeros(3, dtype=torch.float64)
+        library.onebit_lamb_decode_statistics(packed.data_ptr(), chunk // 8, scales.data_ptr(), chunk, start,
+                                              weights.data_ptr(), momentum.data_ptr(), variance.data_ptr(),
+                                              fresh.data_ptr(), length, 0.9, 0.1, 0.999, 0.001, 1e-4, inside, 0.01,
+                                              statistics.data_ptr())
+        out.update({f"decoded {start}": decoded, f"weights {start}": weights, f"fresh {start}": fresh,
+                    f"statistics {start}": statistics})
+    return out
+
+
+def test_avx512_signs_equal_the_portable_loops():
+    """The 1-bit kernels' AVX-512 blocks (signs read as lane masks, packed from
+    comparisons, the server's pass in one loop) against the portable loops: the same
+    signs, errors, decoded momentum, weights and statistics, bit for bit; the server's
+    scale to its last bit (its double sum of squares is added in another order)."""
+    if native.library() is None:
+        pytest.skip("no C compiler: the kernels cannot be built here")
+    if not native.use_avx512(True):
+        pytest.skip("this CPU has no AVX-512: the kernels take only their portable loops")
+    try:
+        portable, avx512 = _kernel_outputs(False), _kernel_outputs(True)
+    finally:
+        native.use_avx512(True)
+    for key, expected in portable.items():
+        if key == "server_scale":
+            torch.testing.assert_close(avx512[key], expected, rtol=2**-23, atol=0)
+        else:
+            assert torch.equal(avx512[key], expected), key
