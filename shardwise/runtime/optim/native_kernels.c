@@ -1048,11 +1048,15 @@ static double onebit_fold_add_square(const float *restrict m, const float *restr
    this pass applies: segment k (bounds[2k] .. bounds[2k + 1], ascending, disjoint, flat
    indices) folds its gradient grads[k] (its element 0 at bounds[2k]; 0: no gradient) with
    beta1 = factors[2k], weight = factors[2k + 1]; elements of no segment (padding) enter as
-   they are. The folded momentum is never stored. */
+   they are. The folded momentum is never stored.
+   With `known` non-NULL, x's elements [start, start + n) are known to be +-known_scale by
+   the signs `known` (the previous step's decoded average, which nothing has written
+   since): they are read from those signs, 32 times fewer bytes than x's. */
 void onebit_worker_compress(const float *restrict x, float *restrict error, int64_t start, int64_t n,
                             int64_t segments, const int64_t *restrict bounds, const int64_t *restrict grads,
                             const float *restrict factors, const uint8_t *restrict pending, float pending_scale,
-                            uint8_t *restrict packed, float *scale) {
+                            const uint8_t *restrict known, float known_scale, uint8_t *restrict packed,
+                            float *scale) {
     double square = 0.0;
     int64_t k = 0;
     for (int64_t block = 0; block < n; block += ONEBIT_BLOCK) { /* each block settled, added and signed in cache */
@@ -1061,19 +1065,24 @@ void onebit_worker_compress(const float *restrict x, float *restrict error, int6
         float *restrict e = error + start + block;
         if (pending != NULL)
             onebit_settle_block(e, pending + block / 8, count, pending_scale);
+        float decoded[ONEBIT_BLOCK];
+        if (known != NULL)
+            onebit_signed(known, block, count, known_scale, decoded, ONEBIT_SET);
+        const float *restrict xs = known != NULL ? decoded : x + start + block; /* the block's x */
         for (int64_t at = start + block; at < end;) {
+            const float *restrict from = xs + (at - start - block);
             while (k < segments && bounds[2 * k + 1] <= at)
                 k++;
             if (k == segments || bounds[2 * k] >= end) { /* no segment before the block's end */
-                square += onebit_add_square(x + at, error + at, end - at);
+                square += onebit_add_square(from, error + at, end - at);
                 at = end;
             } else if (bounds[2 * k] > at) { /* a gap before the segment */
-                square += onebit_add_square(x + at, error + at, bounds[2 * k] - at);
+                square += onebit_add_square(from, error + at, bounds[2 * k] - at);
                 at = bounds[2 * k];
             } else {
                 const int64_t until = bounds[2 * k + 1] < end ? bounds[2 * k + 1] : end;
                 const float *g = grads[k] ? (const float *)(intptr_t)grads[k] + (at - bounds[2 * k]) : NULL;
-                square += onebit_fold_add_square(x + at, g, error + at, until - at, factors[2 * k],
+                square += onebit_fold_add_square(from, g, error + at, until - at, factors[2 * k],
                                                  factors[2 * k + 1]);
                 at = until;
             }
@@ -1286,22 +1295,27 @@ void onebit_lamb_statistics(const float *restrict param, const float *restrict m
 /* 1-bit LAMB's statistics pass on the gathered signs: the average decoded block by block
    (as `onebit_decode_apply`) into a buffer in cache, against the previous momentum m (a
    tensor's view of the flat momentum from flat index start), which is only read: the
-   average is written by the update's pass (`onebit_decode_adam_apply`), so the previous
-   momentum needs no copy. */
+   average is written by the update's pass (`onebit_decode_apply`), so the previous
+   momentum needs no copy. With `known` non-NULL the previous momentum is known to be the
+   decode of those gathered signs at `known_scales` (the same layout as `packed`) and is
+   read from them, not from m. */
 void onebit_lamb_decode_statistics(const uint8_t *restrict packed, int64_t stride, const float *restrict scales,
                                    int64_t chunk, int64_t start, const float *restrict param,
-                                   const float *restrict m, const float *restrict v, float *restrict fresh, int64_t n,
-                                   float beta1,
-                                   float one_minus_beta1, float beta2, float one_minus_beta2, float eps,
-                                   int eps_inside_sqrt, float weight_decay, double *out) {
+                                   const float *restrict m, const uint8_t *restrict known,
+                                   const float *restrict known_scales, const float *restrict v,
+                                   float *restrict fresh, int64_t n, float beta1, float one_minus_beta1, float beta2,
+                                   float one_minus_beta2, float eps, int eps_inside_sqrt, float weight_decay,
+                                   double *out) {
     for (int64_t i = 0; i < n;) { /* blocks within one rank's chunk */
         const int64_t flat = start + i, r = flat / chunk, first = flat % chunk;
         int64_t length = n - i < chunk - first ? n - i : chunk - first;
         length = length < ONEBIT_BLOCK ? length : ONEBIT_BLOCK;
-        float average[ONEBIT_BLOCK];
+        float average[ONEBIT_BLOCK], last[ONEBIT_BLOCK];
         onebit_signed(packed + r * stride, first, length, scales[r], average, ONEBIT_SET);
-        onebit_lamb_statistics(param + i, average, m + i, v + i, fresh + i, length, beta1, one_minus_beta1, beta2,
-                               one_minus_beta2, eps, eps_inside_sqrt, weight_decay, out);
+        if (known != NULL)
+            onebit_signed(known + r * stride, first, length, known_scales[r], last, ONEBIT_SET);
+        onebit_lamb_statistics(param + i, average, known != NULL ? last : m + i, v + i, fresh + i, length, beta1,
+                               one_minus_beta1, beta2, one_minus_beta2, eps, eps_inside_sqrt, weight_decay, out);
         i += length;
     }
 }

@@ -127,7 +127,10 @@ class OneBitLamb(OneBitOptimizer):
                 state["last_factor"] = 1.0
         if self.fuses_exchange() and self._whole_tensors() and native_takes(*self._params(), *(
                 self.state[param][key] for param in self._params() for key in ("exp_avg_sq", "exp_avg_sq_fresh"))):
-            self._decode_step_by_tensor(self.fold_and_exchange_signs(), step)
+            known = self.momentum_signs()  # the previous momentum, where the last step left it decoded
+            gathered = self.fold_and_exchange_signs()
+            self._decode_step_by_tensor(gathered, known, step)
+            self.remember_momentum_signs(gathered)
             return
         # per parameter: the largest variance factor, and (with weight decay) ||m / d||² and ||u||²
         statistics = torch.zeros(self.parameter_count, 3, dtype=torch.float64, device=self._params()[0].device)
@@ -164,16 +167,20 @@ class OneBitLamb(OneBitOptimizer):
         return len({shard.index for shard in shards}) == len(params) and all(
             shard.start == 0 and shard.stop == math.prod(shard.shape) for shard in shards)
 
-    def _decode_step_by_tensor(self, gathered: GatheredSigns, step: int) -> None:
+    def _decode_step_by_tensor(self, gathered: GatheredSigns, known: GatheredSigns | None, step: int) -> None:
         """Both passes tensor by tensor: the statistics pass on the gathered signs, the
-        factor, then the update's pass, which finds the tensor's momentum and variance in
-        the cache the first pass left them in (the largest GPT tensors' arrays are a few
-        MB), where two passes over every tensor read them from memory twice."""
+        factor, then the update's pass, which finds the tensor's variance in the cache the
+        first pass left it in (the largest GPT tensors' arrays are a few MB), where two
+        passes over every tensor read it from memory twice. The statistics pass reads the
+        previous momentum from `known` where the last step left it their decode
+        (optim/onebit.py `momentum_signs`)."""
         library = native.library()
         statistics = torch.zeros(3, dtype=torch.float64)
         address = statistics.data_ptr()
         packed, stride, signs_scales = gathered.packed.data_ptr(), gathered.packed.shape[1], gathered.scales.data_ptr()
         momentum = self.momentum_flat().data_ptr()
+        known_packed, known_scales = (None, None) if known is None else (known.packed.data_ptr(),
+                                                                          known.scales.data_ptr())
         sizes = {id(group): adam_step_size(group, step, self.freeze_step) for group in self.param_groups}
         for param, group, start, state in self.momentum_layout():
             beta1, beta2 = group["betas"]
@@ -181,7 +188,7 @@ class OneBitLamb(OneBitOptimizer):
             variance = state["exp_avg_sq"].data_ptr()
             library.onebit_lamb_decode_statistics(
                 packed, stride, signs_scales, gathered.chunk, start, param.data_ptr(), state["exp_avg"].data_ptr(),
-                variance, state["exp_avg_sq_fresh"].data_ptr(), param.numel(), beta1, 1 - beta1, beta2, 1 - beta2,
+                known_packed, known_scales, variance, state["exp_avg_sq_fresh"].data_ptr(), param.numel(), beta1, 1 - beta1, beta2, 1 - beta2,
                 group["eps"], group["eps_inside_sqrt"], group["weight_decay"], address)
             maximum, preliminary, update = statistics.tolist()
             scale = _update_scale(state, group, sizes[id(group)], maximum, (math.sqrt(preliminary), math.sqrt(update)))
