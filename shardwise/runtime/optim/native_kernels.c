@@ -939,12 +939,44 @@ AVX512 static inline __attribute__((always_inline)) __mmask16 onebit_lanes_of(co
     return (__mmask16)((word >> shift) & (count == 16 ? 0xFFFFu : (1u << count) - 1));
 }
 
+/* Whole vectors: the shift of the first element in its byte is the same for every vector
+   (16 elements are two bytes), so each vector's mask is two table lookups, or three and a
+   shift; `use` a constant where this is inlined, so each loop is branch-free. */
+AVX512 static inline __attribute__((always_inline)) int64_t onebit_signed_vectors_avx512(
+    const uint8_t *restrict row, int64_t first, int64_t n, __m512 plus, __m512 minus, float *restrict out,
+    enum onebit_use use) {
+    const uint8_t *restrict bytes = row + first / 8;
+    const int shift = (int)(first % 8);
+    int64_t t = 0;
+    for (; t + 16 <= n; t += 16) {
+        const uint8_t *restrict at = bytes + t / 8;
+        uint32_t word = reversed_bits[at[0]] | (uint32_t)reversed_bits[at[1]] << 8;
+        if (shift != 0)
+            word = (word | (uint32_t)reversed_bits[at[2]] << 16) >> shift;
+        const __m512 value = _mm512_mask_blend_ps((__mmask16)word, minus, plus);
+        if (use == ONEBIT_SET)
+            _mm512_storeu_ps(out + t, value);
+        else if (use == ONEBIT_ADD)
+            _mm512_storeu_ps(out + t, _mm512_add_ps(_mm512_loadu_ps(out + t), value));
+        else
+            _mm512_storeu_ps(out + t, _mm512_sub_ps(_mm512_loadu_ps(out + t), value));
+    }
+    return t;
+}
+
 AVX512 static void onebit_signed_avx512(const uint8_t *restrict row, int64_t first, int64_t n, float s,
                                         float *restrict out, enum onebit_use use) {
     const __m512 plus = _mm512_set1_ps(s), minus = _mm512_set1_ps(-s);
-    for (int64_t t = 0; t < n; t += 16) {
-        const int64_t count = n - t < 16 ? n - t : 16;
-        const __mmask16 lanes = count == 16 ? 0xFFFF : (__mmask16)((1u << count) - 1);
+    int64_t t;
+    if (use == ONEBIT_SET)
+        t = onebit_signed_vectors_avx512(row, first, n, plus, minus, out, ONEBIT_SET);
+    else if (use == ONEBIT_ADD)
+        t = onebit_signed_vectors_avx512(row, first, n, plus, minus, out, ONEBIT_ADD);
+    else
+        t = onebit_signed_vectors_avx512(row, first, n, plus, minus, out, ONEBIT_SUBTRACT);
+    if (t < n) { /* the last, partial vector */
+        const int64_t count = n - t;
+        const __mmask16 lanes = (__mmask16)((1u << count) - 1);
         const __m512 value = _mm512_mask_blend_ps(onebit_lanes_of(row, first, t, count), minus, plus);
         if (use == ONEBIT_SET)
             store_lanes(out + t, lanes, value);
