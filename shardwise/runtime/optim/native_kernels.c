@@ -902,8 +902,9 @@ static void onebit_unpack(const uint8_t *restrict row, int64_t first, int64_t n,
    to out, added to it or taken off it: the decode, the server's sum and the settling of
    what a compression lost. The portable loop unpacks the block's bits to bytes and
    selects; the AVX-512 one selects 16 lanes at once by a mask made of two or three bytes
-   (a shift for a first bit inside a byte), where the unpacking bound the passes (the
-   server's pass ran at half the memory's speed). The same values either way: +-s exactly,
+   (a shift for a first bit inside a byte): in perf, unpacking and selecting had become
+   the passes' largest cost once they read the momentum from signs. The same values either
+   way: +-s exactly,
    added or subtracted as the portable loop does. The 8-bit kernels' switch
    (`avx512_enabled`, `use_avx512`) turns these blocks on and off too. */
 enum onebit_use { ONEBIT_SET, ONEBIT_ADD, ONEBIT_SUBTRACT };
@@ -1126,59 +1127,6 @@ void onebit_worker_compress(const float *restrict x, float *restrict error, int6
     *scale = (float)sqrt(square) / (float)sqrt((double)n);
 }
 
-#ifdef HAVE_AVX512_PATH
-/* 16 lanes (from t) of the server's block: settled, the rows' signs summed and averaged
-   into the error, its signs packed; the lanes' squares added to two double accumulators
-   (a double's square of an fp32 is exact, so fused or not the same). */
-AVX512 static inline __attribute__((always_inline)) void onebit_server_lanes_avx512(
-    const uint8_t *restrict incoming, int64_t stride, const float *restrict scales, int64_t rows, int64_t block,
-    int64_t length, int64_t t, float *restrict e, const uint8_t *restrict pending, __m512 lost, __m512 lost_negative,
-    __m512 divisor, uint8_t *restrict packed, __m512d *low_square, __m512d *high_square) {
-    const int64_t count = length - t < 16 ? length - t : 16;
-    const __mmask16 lanes = count == 16 ? 0xFFFF : (__mmask16)((1u << count) - 1);
-    __m512 x = load_lanes(e + t, lanes);
-    if (pending != NULL)
-        x = _mm512_sub_ps(x, _mm512_mask_blend_ps(onebit_lanes_of(pending, block, t, count), lost_negative, lost));
-    __m512 sum = _mm512_mask_blend_ps(onebit_lanes_of(incoming, block, t, count), _mm512_set1_ps(-scales[0]),
-                                      _mm512_set1_ps(scales[0]));
-    for (int64_t r = 1; r < rows; r++)
-        sum = _mm512_add_ps(sum, _mm512_mask_blend_ps(onebit_lanes_of(incoming + r * stride, block, t, count),
-                                                      _mm512_set1_ps(-scales[r]), _mm512_set1_ps(scales[r])));
-    const __m512 value = _mm512_maskz_mov_ps(lanes, _mm512_add_ps(x, _mm512_div_ps(sum, divisor)));
-    store_lanes(e + t, lanes, value);
-    const __m512d low = _mm512_cvtps_pd(_mm512_castps512_ps256(value));
-    const __m512d high = _mm512_cvtps_pd(_mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(value), 1)));
-    *low_square = _mm512_fmadd_pd(low, low, *low_square);
-    *high_square = _mm512_fmadd_pd(high, high, *high_square);
-    const __mmask16 positive = _mm512_mask_cmp_ps_mask(lanes, value, _mm512_setzero_ps(), _CMP_GE_OQ);
-    packed[t / 8] = reversed_bits[positive & 0xFF];
-    if (count > 8)
-        packed[t / 8 + 1] = reversed_bits[positive >> 8];
-}
-
-/* One block of the server's pass in one loop (the portable loop makes four over the
-   block, and its one chain of double additions held the pass at half the memory's
-   speed), two vectors per iteration into four accumulators; the block's sum of squares. */
-AVX512 static double onebit_server_block_avx512(const uint8_t *restrict incoming, int64_t stride,
-                                                const float *restrict scales, int64_t rows, int64_t block,
-                                                int64_t length, float *restrict e, const uint8_t *restrict pending,
-                                                float pending_scale, float count, uint8_t *restrict packed) {
-    __m512d first_low = _mm512_setzero_pd(), first_high = _mm512_setzero_pd();
-    __m512d second_low = _mm512_setzero_pd(), second_high = _mm512_setzero_pd();
-    const __m512 lost = _mm512_set1_ps(pending_scale), lost_negative = _mm512_set1_ps(-pending_scale);
-    const __m512 divisor = _mm512_set1_ps(count);
-    for (int64_t t = 0; t < length; t += 32) {
-        onebit_server_lanes_avx512(incoming, stride, scales, rows, block, length, t, e, pending, lost, lost_negative,
-                                   divisor, packed, &first_low, &first_high);
-        if (t + 16 < length)
-            onebit_server_lanes_avx512(incoming, stride, scales, rows, block, length, t + 16, e, pending, lost,
-                                       lost_negative, divisor, packed, &second_low, &second_high);
-    }
-    return _mm512_reduce_add_pd(_mm512_add_pd(_mm512_add_pd(first_low, first_high),
-                                              _mm512_add_pd(second_low, second_high)));
-}
-#endif
-
 /* The server's compression of the average of the received rows (their signs at their
    scales summed in row order, each added to the sum so far as torch's add with alpha adds
    it, then divided by the row count; never stored), with error feedback as the worker's. */
@@ -1190,13 +1138,6 @@ void onebit_server_compress(const uint8_t *restrict incoming, int64_t stride, co
     for (int64_t block = 0; block < n; block += ONEBIT_BLOCK) {
         const int64_t length = n - block < ONEBIT_BLOCK ? n - block : ONEBIT_BLOCK;
         float *restrict e = error + block;
-#ifdef HAVE_AVX512_PATH
-        if (avx512_enabled) {
-            square += onebit_server_block_avx512(incoming, stride, scales, rows, block, length, e, pending,
-                                                 pending_scale, count, packed + block / 8);
-            continue;
-        }
-#endif
         if (pending != NULL)
             onebit_settle_block(e, pending + block / 8, length, pending_scale);
         float sum[ONEBIT_BLOCK];
