@@ -1215,14 +1215,22 @@ void momentum_fold(float *restrict m, const float *restrict g, int64_t n, float 
 static inline __attribute__((always_inline)) void onebit_lamb_statistics_body(
     const float *restrict param, const float *restrict m, const float *restrict last, const float *restrict v,
     float *restrict fresh, int64_t n, float beta1, float one_minus_beta1, float beta2, float one_minus_beta2, float eps,
-    int eps_inside_sqrt, int decay, float weight_decay, double *out) {
+    int eps_inside_sqrt, int decay, float weight_decay, int tabled, const float *restrict table, double *out) {
     float maximum = -INFINITY;
     int nan = 0;
     double preliminary_square = 0.0, update_square = 0.0;
+    const float t00 = tabled ? table[0] : 0.0f, t01 = tabled ? table[1] : 0.0f;
+    const float t10 = tabled ? table[2] : 0.0f, t11 = tabled ? table[3] : 0.0f;
 #pragma omp simd reduction(max : maximum) reduction(| : nan) reduction(+ : preliminary_square, update_square)
     for (int64_t i = 0; i < n; i++) {
-        float g = (m[i] - beta1 * last[i]) / one_minus_beta1;
-        float f = fresh[i] * beta2 + one_minus_beta2 * g * g;
+        float f;
+        if (tabled) { /* (1 - beta2) g g of the four pairs of signs, computed as below */
+            const int later = last[i] >= 0.0f;
+            f = fresh[i] * beta2 + (m[i] >= 0.0f ? (later ? t11 : t10) : (later ? t01 : t00));
+        } else {
+            float g = (m[i] - beta1 * last[i]) / one_minus_beta1;
+            f = fresh[i] * beta2 + one_minus_beta2 * g * g;
+        }
         fresh[i] = f;
         float d = eps_inside_sqrt ? sqrtf(v[i] + eps) : sqrtf(v[i]) + eps;
         float ratio = d / (eps_inside_sqrt ? sqrtf(f + eps) : sqrtf(f) + eps);
@@ -1243,26 +1251,46 @@ static inline __attribute__((always_inline)) void onebit_lamb_statistics_body(
     }
 }
 
+/* With `table` (m and last each +-a scale: the decode pass's case), (1 - beta2) g g comes
+   from the table of its four values by the signs of m and last, computed once per block
+   with the same operations: the same fresh variance without a division per element. */
+static void onebit_lamb_statistics_cases(const float *restrict param, const float *restrict m,
+                                         const float *restrict last, const float *restrict v, float *restrict fresh,
+                                         int64_t n, float beta1, float one_minus_beta1, float beta2,
+                                         float one_minus_beta2, float eps, int eps_inside_sqrt, float weight_decay,
+                                         const float *restrict table, double *out) {
+    /* one loop per case, each vectorised without a branch */
+#define ONEBIT_LAMB_STATISTICS(inside, decay, tabled)                                                                  \
+    onebit_lamb_statistics_body(param, m, last, v, fresh, n, beta1, one_minus_beta1, beta2, one_minus_beta2, eps,      \
+                                inside, decay, weight_decay, tabled, table, out)
+#define ONEBIT_LAMB_STATISTICS_TABLED(inside, decay)                                                                   \
+    if (table != NULL)                                                                                                 \
+        ONEBIT_LAMB_STATISTICS(inside, decay, 1);                                                                      \
+    else                                                                                                               \
+        ONEBIT_LAMB_STATISTICS(inside, decay, 0)
+    if (weight_decay != 0.0f) {
+        if (eps_inside_sqrt) {
+            ONEBIT_LAMB_STATISTICS_TABLED(1, 1);
+        } else {
+            ONEBIT_LAMB_STATISTICS_TABLED(0, 1);
+        }
+    } else {
+        if (eps_inside_sqrt) {
+            ONEBIT_LAMB_STATISTICS_TABLED(1, 0);
+        } else {
+            ONEBIT_LAMB_STATISTICS_TABLED(0, 0);
+        }
+    }
+#undef ONEBIT_LAMB_STATISTICS_TABLED
+#undef ONEBIT_LAMB_STATISTICS
+}
+
 void onebit_lamb_statistics(const float *restrict param, const float *restrict m, const float *restrict last,
                             const float *restrict v, float *restrict fresh, int64_t n, float beta1,
                             float one_minus_beta1, float beta2, float one_minus_beta2, float eps,
                             int eps_inside_sqrt, float weight_decay, double *out) {
-    /* one loop per case, each vectorised without a branch */
-#define ONEBIT_LAMB_STATISTICS(inside, decay)                                                                          \
-    onebit_lamb_statistics_body(param, m, last, v, fresh, n, beta1, one_minus_beta1, beta2, one_minus_beta2, eps,      \
-                                inside, decay, weight_decay, out)
-    if (weight_decay != 0.0f) {
-        if (eps_inside_sqrt)
-            ONEBIT_LAMB_STATISTICS(1, 1);
-        else
-            ONEBIT_LAMB_STATISTICS(0, 1);
-    } else {
-        if (eps_inside_sqrt)
-            ONEBIT_LAMB_STATISTICS(1, 0);
-        else
-            ONEBIT_LAMB_STATISTICS(0, 0);
-    }
-#undef ONEBIT_LAMB_STATISTICS
+    onebit_lamb_statistics_cases(param, m, last, v, fresh, n, beta1, one_minus_beta1, beta2, one_minus_beta2, eps,
+                                 eps_inside_sqrt, weight_decay, NULL, out);
 }
 
 /* 1-bit LAMB's statistics pass on the gathered signs: the average decoded block by block
@@ -1283,12 +1311,19 @@ void onebit_lamb_decode_statistics(const uint8_t *restrict packed, int64_t strid
         const int64_t flat = start + i, r = flat / chunk, first = flat % chunk;
         int64_t length = n - i < chunk - first ? n - i : chunk - first;
         length = length < ONEBIT_BLOCK ? length : ONEBIT_BLOCK;
-        float average[ONEBIT_BLOCK], last[ONEBIT_BLOCK];
+        float average[ONEBIT_BLOCK], last[ONEBIT_BLOCK], table[4];
         onebit_signed(packed + r * stride, first, length, scales[r], average, ONEBIT_SET);
-        if (known != NULL)
+        if (known != NULL) {
             onebit_signed(known + r * stride, first, length, known_scales[r], last, ONEBIT_SET);
-        onebit_lamb_statistics(param + i, average, known != NULL ? last : m + i, v + i, fresh + i, length, beta1,
-                               one_minus_beta1, beta2, one_minus_beta2, eps, eps_inside_sqrt, weight_decay, out);
+            for (int pair = 0; pair < 4; pair++) { /* index 2 x (average >= 0) + (last >= 0) */
+                const float a = pair & 2 ? scales[r] : -scales[r], l = pair & 1 ? known_scales[r] : -known_scales[r];
+                const float g = (a - beta1 * l) / one_minus_beta1;
+                table[pair] = one_minus_beta2 * g * g;
+            }
+        }
+        onebit_lamb_statistics_cases(param + i, average, known != NULL ? last : m + i, v + i, fresh + i, length,
+                                     beta1, one_minus_beta1, beta2, one_minus_beta2, eps, eps_inside_sqrt,
+                                     weight_decay, known != NULL ? table : NULL, out);
         i += length;
     }
 }
