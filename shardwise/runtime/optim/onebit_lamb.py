@@ -188,8 +188,8 @@ class OneBitLamb(OneBitOptimizer):
             variance = state["exp_avg_sq"].data_ptr()
             library.onebit_lamb_decode_statistics(
                 packed, stride, signs_scales, gathered.chunk, start, param.data_ptr(), state["exp_avg"].data_ptr(),
-                known_packed, known_scales, variance, state["exp_avg_sq_fresh"].data_ptr(), param.numel(), beta1, 1 - beta1, beta2, 1 - beta2,
-                group["eps"], group["eps_inside_sqrt"], group["weight_decay"], address)
+                known_packed, known_scales, variance, state["exp_avg_sq_fresh"].data_ptr(), param.numel(), beta1,
+                1 - beta1, beta2, 1 - beta2, group["eps"], group["eps_inside_sqrt"], group["weight_decay"], address)
             maximum, preliminary, update = statistics.tolist()
             scale = _update_scale(state, group, sizes[id(group)], maximum, (math.sqrt(preliminary), math.sqrt(update)))
             library.onebit_decode_apply(packed, stride, signs_scales, gathered.chunk, start, param.numel(),

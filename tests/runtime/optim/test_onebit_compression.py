@@ -407,7 +407,8 @@ def _known_and_read_momentum_on_ranks(rank: int, world_size: int, lamb: bool) ->
     (known, read), known_before = optimizers, []
     for step in range(FUSED_STEPS):
         for index, (param, twin) in enumerate(zip(*params)):
-            param.grad = torch.randn(param.shape, generator=torch.Generator().manual_seed(100 * step + 10 * rank + index))
+            seed = torch.Generator().manual_seed(100 * step + 10 * rank + index)
+            param.grad = torch.randn(param.shape, generator=seed)
             twin.grad = param.grad.clone()
         known_before.append(known.momentum_signs() is not None)
         read._momentum_signs = None
