@@ -51,13 +51,14 @@ _SIGNATURES = {
     "adafactor_vector_squares": [_P, _P, _P, _L, _F, _F, _P, _P],
     "adafactor_vector_apply": [_P, _P, _P, _L, _F, _F, _I, _F],
     "onebit_settle": [_P, _L, _P, _F],
-    "onebit_worker_compress": [_P, _P, _L, _L, _L, _P, _P, _P, _P, _F, _P, _P],
+    "onebit_worker_compress": [_P, _P, _L, _L, _L, _P, _P, _P, _P, _F, _P, _F, _P, _P],
     "onebit_server_compress": [_P, _L, _P, _L, _L, _P, _P, _F, _P, _P],
     "onebit_decode_apply": [_P, _L, _P, _L, _L, _L, _P, _P, _P, _F, _F, _F, _I],
     "onebit_decode_adam_apply": [_P, _L, _P, _L, _P, _L, _P, _P, _P],
     "momentum_fold": [_P, _P, _L, _F, _F],
     "onebit_lamb_statistics": [_P, _P, _P, _P, _P, _L, _F, _F, _F, _F, _F, _I, _F, _P],
-    "onebit_lamb_decode_statistics": [_P, _L, _P, _L, _L, _P, _P, _P, _P, _L, _F, _F, _F, _F, _F, _I, _F, _P],
+    "onebit_lamb_decode_statistics": [_P, _L, _P, _L, _L, _P, _P, _P, _P, _P, _P, _L, _F, _F, _F, _F, _F, _I, _F,
+                                      _P],
 }
 # Kernels that return a value (the others return nothing), where the library has them:
 # `use_avx512` and `use_avx512_vbmi` exist only where the compiler targets x86-64.
@@ -117,7 +118,7 @@ def _load(path: Path) -> ctypes.CDLL:
 
 
 def use_avx512(enable: bool) -> bool:
-    """Turns the 8-bit Adam kernels' AVX-512 blocks on (where the CPU has AVX-512) or off,
+    """Turns the 8-bit Adam and 1-bit kernels' AVX-512 blocks on (where the CPU has AVX-512) or off,
     so that tests can compare them with the portable loops on one machine; returns whether
     they are on. They are on by default wherever the CPU has them."""
     kernels = library()

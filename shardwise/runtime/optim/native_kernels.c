@@ -1090,15 +1090,22 @@ static void onebit_pack(const uint8_t *restrict positive, int64_t count, uint8_t
 
 /* Every byte's eight signs as eight bytes of 0/1 (the first element's from the highest
    bit), filled when the library is loaded: a block's signs are unpacked a word per byte,
-   then read as +-s by a loop the compiler vectorises (exact: +-s is +-1 x s). */
+   then read as +-s by a loop the compiler vectorises (exact: +-s is +-1 x s). And every
+   byte with its bits reversed (the first element's in bit 0): the AVX-512 blocks' lane
+   masks, 16 elements from two bytes. */
 static uint64_t bits_of_byte[256];
+static uint8_t reversed_bits[256];
 
 __attribute__((constructor)) static void fill_bits_of_byte(void) {
     for (int byte = 0; byte < 256; byte++) {
         uint8_t bits[8];
-        for (int k = 0; k < 8; k++)
+        unsigned reversed = 0;
+        for (int k = 0; k < 8; k++) {
             bits[k] = (byte >> (7 - k)) & 1;
+            reversed |= (unsigned)bits[k] << k;
+        }
         memcpy(&bits_of_byte[byte], bits, 8);
+        reversed_bits[byte] = (uint8_t)reversed;
     }
 }
 
@@ -1113,12 +1120,111 @@ static void onebit_unpack(const uint8_t *restrict row, int64_t first, int64_t n,
         positive[t] = (row[(first + t) / 8] >> (7 - (first + t) % 8)) & 1;
 }
 
+/* Signs read as +-s (bit first + t of row for element t < n <= ONEBIT_BLOCK) and written
+   to out, added to it or taken off it: the decode, the server's sum and the settling of
+   what a compression lost. The portable loop unpacks the block's bits to bytes and
+   selects; the AVX-512 one selects 16 lanes at once by a mask made of two or three bytes
+   (a shift for a first bit inside a byte): in perf, unpacking and selecting had become
+   the passes' largest cost once they read the momentum from signs. The same values either
+   way: +-s exactly,
+   added or subtracted as the portable loop does. The 8-bit kernels' switch
+   (`avx512_enabled`, `use_avx512`) turns these blocks on and off too. */
+enum onebit_use { ONEBIT_SET, ONEBIT_ADD, ONEBIT_SUBTRACT };
+
+static void onebit_signed_portable(const uint8_t *restrict row, int64_t first, int64_t n, float s,
+                                   float *restrict out, enum onebit_use use) {
+    uint8_t positive[ONEBIT_BLOCK];
+    onebit_unpack(row, first, n, positive);
+    if (use == ONEBIT_SET)
+        for (int64_t t = 0; t < n; t++)
+            out[t] = positive[t] ? s : -s;
+    else if (use == ONEBIT_ADD)
+        for (int64_t t = 0; t < n; t++)
+            out[t] += positive[t] ? s : -s;
+    else
+        for (int64_t t = 0; t < n; t++)
+            out[t] -= positive[t] ? s : -s;
+}
+
+#ifdef HAVE_AVX512_PATH
+/* The lane mask of elements t .. t + count - 1 (count <= 16) of a row from bit `first`:
+   element k in bit k, from only the bytes that hold them. */
+AVX512 static inline __attribute__((always_inline)) __mmask16 onebit_lanes_of(const uint8_t *restrict row,
+                                                                              int64_t first, int64_t t,
+                                                                              int64_t count) {
+    const int64_t bit = first + t, shift = bit % 8;
+    const uint8_t *restrict bytes = row + bit / 8;
+    if (shift == 0 && count == 16)
+        return (__mmask16)(reversed_bits[bytes[0]] | (unsigned)reversed_bits[bytes[1]] << 8);
+    uint32_t word = 0;
+    for (int64_t k = 0; k < (shift + count + 7) / 8; k++)
+        word |= (uint32_t)reversed_bits[bytes[k]] << (8 * k);
+    return (__mmask16)((word >> shift) & (count == 16 ? 0xFFFFu : (1u << count) - 1));
+}
+
+/* Whole vectors: the shift of the first element in its byte is the same for every vector
+   (16 elements are two bytes), so each vector's mask is two table lookups, or three and a
+   shift; `use` a constant where this is inlined, so each loop is branch-free. */
+AVX512 static inline __attribute__((always_inline)) int64_t onebit_signed_vectors_avx512(
+    const uint8_t *restrict row, int64_t first, int64_t n, __m512 plus, __m512 minus, float *restrict out,
+    enum onebit_use use) {
+    const uint8_t *restrict bytes = row + first / 8;
+    const int shift = (int)(first % 8);
+    int64_t t = 0;
+    for (; t + 16 <= n; t += 16) {
+        const uint8_t *restrict at = bytes + t / 8;
+        uint32_t word = reversed_bits[at[0]] | (uint32_t)reversed_bits[at[1]] << 8;
+        if (shift != 0)
+            word = (word | (uint32_t)reversed_bits[at[2]] << 16) >> shift;
+        const __m512 value = _mm512_mask_blend_ps((__mmask16)word, minus, plus);
+        if (use == ONEBIT_SET)
+            _mm512_storeu_ps(out + t, value);
+        else if (use == ONEBIT_ADD)
+            _mm512_storeu_ps(out + t, _mm512_add_ps(_mm512_loadu_ps(out + t), value));
+        else
+            _mm512_storeu_ps(out + t, _mm512_sub_ps(_mm512_loadu_ps(out + t), value));
+    }
+    return t;
+}
+
+AVX512 static void onebit_signed_avx512(const uint8_t *restrict row, int64_t first, int64_t n, float s,
+                                        float *restrict out, enum onebit_use use) {
+    const __m512 plus = _mm512_set1_ps(s), minus = _mm512_set1_ps(-s);
+    int64_t t;
+    if (use == ONEBIT_SET)
+        t = onebit_signed_vectors_avx512(row, first, n, plus, minus, out, ONEBIT_SET);
+    else if (use == ONEBIT_ADD)
+        t = onebit_signed_vectors_avx512(row, first, n, plus, minus, out, ONEBIT_ADD);
+    else
+        t = onebit_signed_vectors_avx512(row, first, n, plus, minus, out, ONEBIT_SUBTRACT);
+    if (t < n) { /* the last, partial vector */
+        const int64_t count = n - t;
+        const __mmask16 lanes = (__mmask16)((1u << count) - 1);
+        const __m512 value = _mm512_mask_blend_ps(onebit_lanes_of(row, first, t, count), minus, plus);
+        if (use == ONEBIT_SET)
+            store_lanes(out + t, lanes, value);
+        else if (use == ONEBIT_ADD)
+            store_lanes(out + t, lanes, _mm512_add_ps(load_lanes(out + t, lanes), value));
+        else
+            store_lanes(out + t, lanes, _mm512_sub_ps(load_lanes(out + t, lanes), value));
+    }
+}
+#endif
+
+static void onebit_signed(const uint8_t *restrict row, int64_t first, int64_t n, float s, float *restrict out,
+                          enum onebit_use use) {
+#ifdef HAVE_AVX512_PATH
+    if (avx512_enabled) {
+        onebit_signed_avx512(row, first, n, s, out, use);
+        return;
+    }
+#endif
+    onebit_signed_portable(row, first, n, s, out, use);
+}
+
 /* error -= +-s by the signs `pending` (count elements, whole bytes): what a compression lost. */
 static void onebit_settle_block(float *restrict error, const uint8_t *restrict pending, int64_t count, float s) {
-    uint8_t positive[ONEBIT_BLOCK];
-    onebit_unpack(pending, 0, count, positive);
-    for (int64_t j = 0; j < count; j++)
-        error[j] -= positive[j] ? s : -s;
+    onebit_signed(pending, 0, count, s, error, ONEBIT_SUBTRACT);
 }
 
 /* error -= +-s by the signs `pending` of a compression of these n elements at scale s. */
@@ -1126,6 +1232,33 @@ void onebit_settle(float *restrict error, int64_t n, const uint8_t *restrict pen
     for (int64_t start = 0; start < n; start += ONEBIT_BLOCK)
         onebit_settle_block(error + start, pending + start / 8, n - start < ONEBIT_BLOCK ? n - start : ONEBIT_BLOCK,
                             s);
+}
+
+/* packed = the signs of e (1 for e >= 0, NaN 0; count elements, whole bytes). */
+#ifdef HAVE_AVX512_PATH
+AVX512 static void onebit_pack_signs_avx512(const float *restrict e, int64_t count, uint8_t *restrict packed) {
+    const __m512 zero = _mm512_setzero_ps();
+    for (int64_t t = 0; t < count; t += 16) { /* count is whole bytes: 16 or 8 lanes */
+        const __mmask16 lanes = count - t < 16 ? 0xFF : 0xFFFF;
+        const __mmask16 positive = _mm512_mask_cmp_ps_mask(lanes, load_lanes(e + t, lanes), zero, _CMP_GE_OQ);
+        packed[t / 8] = reversed_bits[positive & 0xFF];
+        if (lanes == 0xFFFF)
+            packed[t / 8 + 1] = reversed_bits[positive >> 8];
+    }
+}
+#endif
+
+static void onebit_pack_signs(const float *restrict e, int64_t count, uint8_t *restrict packed) {
+#ifdef HAVE_AVX512_PATH
+    if (avx512_enabled) {
+        onebit_pack_signs_avx512(e, count, packed);
+        return;
+    }
+#endif
+    uint8_t positive[ONEBIT_BLOCK];
+    for (int64_t j = 0; j < count; j++)
+        positive[j] = e[j] >= 0.0f;
+    onebit_pack(positive, count, packed);
 }
 
 /* error += x; the sum of the squares of the result. */
@@ -1170,11 +1303,15 @@ static double onebit_fold_add_square(const float *restrict m, const float *restr
    this pass applies: segment k (bounds[2k] .. bounds[2k + 1], ascending, disjoint, flat
    indices) folds its gradient grads[k] (its element 0 at bounds[2k]; 0: no gradient) with
    beta1 = factors[2k], weight = factors[2k + 1]; elements of no segment (padding) enter as
-   they are. The folded momentum is never stored. */
+   they are. The folded momentum is never stored.
+   With `known` non-NULL, x's elements [start, start + n) are known to be +-known_scale by
+   the signs `known` (the previous step's decoded average, which nothing has written
+   since): they are read from those signs, 32 times fewer bytes than x's. */
 void onebit_worker_compress(const float *restrict x, float *restrict error, int64_t start, int64_t n,
                             int64_t segments, const int64_t *restrict bounds, const int64_t *restrict grads,
                             const float *restrict factors, const uint8_t *restrict pending, float pending_scale,
-                            uint8_t *restrict packed, float *scale) {
+                            const uint8_t *restrict known, float known_scale, uint8_t *restrict packed,
+                            float *scale) {
     double square = 0.0;
     int64_t k = 0;
     for (int64_t block = 0; block < n; block += ONEBIT_BLOCK) { /* each block settled, added and signed in cache */
@@ -1183,27 +1320,29 @@ void onebit_worker_compress(const float *restrict x, float *restrict error, int6
         float *restrict e = error + start + block;
         if (pending != NULL)
             onebit_settle_block(e, pending + block / 8, count, pending_scale);
+        float decoded[ONEBIT_BLOCK];
+        if (known != NULL)
+            onebit_signed(known, block, count, known_scale, decoded, ONEBIT_SET);
+        const float *restrict xs = known != NULL ? decoded : x + start + block; /* the block's x */
         for (int64_t at = start + block; at < end;) {
+            const float *restrict from = xs + (at - start - block);
             while (k < segments && bounds[2 * k + 1] <= at)
                 k++;
             if (k == segments || bounds[2 * k] >= end) { /* no segment before the block's end */
-                square += onebit_add_square(x + at, error + at, end - at);
+                square += onebit_add_square(from, error + at, end - at);
                 at = end;
             } else if (bounds[2 * k] > at) { /* a gap before the segment */
-                square += onebit_add_square(x + at, error + at, bounds[2 * k] - at);
+                square += onebit_add_square(from, error + at, bounds[2 * k] - at);
                 at = bounds[2 * k];
             } else {
                 const int64_t until = bounds[2 * k + 1] < end ? bounds[2 * k + 1] : end;
                 const float *g = grads[k] ? (const float *)(intptr_t)grads[k] + (at - bounds[2 * k]) : NULL;
-                square += onebit_fold_add_square(x + at, g, error + at, until - at, factors[2 * k],
+                square += onebit_fold_add_square(from, g, error + at, until - at, factors[2 * k],
                                                  factors[2 * k + 1]);
                 at = until;
             }
         }
-        uint8_t positive[ONEBIT_BLOCK];
-        for (int64_t j = 0; j < count; j++)
-            positive[j] = e[j] >= 0.0f;
-        onebit_pack(positive, count, packed + block / 8);
+        onebit_pack_signs(e, count, packed + block / 8);
     }
     /* the norm from a double sum, rounded to fp32, divided as torch divides an fp32 norm by
        the Python float sqrt(n) */
@@ -1223,27 +1362,17 @@ void onebit_server_compress(const uint8_t *restrict incoming, int64_t stride, co
         float *restrict e = error + block;
         if (pending != NULL)
             onebit_settle_block(e, pending + block / 8, length, pending_scale);
-        uint8_t positive[ONEBIT_BLOCK];
         float sum[ONEBIT_BLOCK];
-        onebit_unpack(incoming + block / 8, 0, length, positive);
-        const float first = scales[0];
-        for (int64_t j = 0; j < length; j++)
-            sum[j] = positive[j] ? first : -first;
-        for (int64_t r = 1; r < rows; r++) {
-            onebit_unpack(incoming + r * stride + block / 8, 0, length, positive);
-            const float s = scales[r];
-            for (int64_t j = 0; j < length; j++)
-                sum[j] += positive[j] ? s : -s;
-        }
+        onebit_signed(incoming + block / 8, 0, length, scales[0], sum, ONEBIT_SET);
+        for (int64_t r = 1; r < rows; r++)
+            onebit_signed(incoming + r * stride + block / 8, 0, length, scales[r], sum, ONEBIT_ADD);
 #pragma omp simd reduction(+ : square)
         for (int64_t j = 0; j < length; j++) {
             float value = e[j] + sum[j] / count;
             e[j] = value;
             square += (double)value * value;
         }
-        for (int64_t j = 0; j < length; j++)
-            positive[j] = e[j] >= 0.0f;
-        onebit_pack(positive, length, packed + block / 8);
+        onebit_pack_signs(e, length, packed + block / 8);
     }
     *scale = (float)sqrt(square) / (float)sqrt((double)n);
 }
@@ -1260,21 +1389,13 @@ void onebit_decode_apply(const uint8_t *restrict packed, int64_t stride, const f
         const int64_t flat = start + i, r = flat / chunk, first = flat % chunk;
         int64_t length = n - i < chunk - first ? n - i : chunk - first;
         length = length < ONEBIT_BLOCK ? length : ONEBIT_BLOCK;
-        uint8_t positive[ONEBIT_BLOCK];
-        onebit_unpack(packed + r * stride, first, length, positive);
-        const float s = scales[r];
         float *restrict out = m + i;
+        onebit_signed(packed + r * stride, first, length, scales[r], out, ONEBIT_SET);
         if (param != NULL) {
             float *restrict w = param + i;
             const float *restrict variance = v + i;
-            for (int64_t j = 0; j < length; j++) {
-                const float momentum = positive[j] ? s : -s;
-                out[j] = momentum;
-                w[j] += adam_direction(w[j], momentum, variance[j], eps, weight_decay, eps_inside_sqrt) * scale;
-            }
-        } else {
             for (int64_t j = 0; j < length; j++)
-                out[j] = positive[j] ? s : -s;
+                w[j] += adam_direction(w[j], out[j], variance[j], eps, weight_decay, eps_inside_sqrt) * scale;
         }
         i += length;
     }
@@ -1316,14 +1437,22 @@ void momentum_fold(float *restrict m, const float *restrict g, int64_t n, float 
 static inline __attribute__((always_inline)) void onebit_lamb_statistics_body(
     const float *restrict param, const float *restrict m, const float *restrict last, const float *restrict v,
     float *restrict fresh, int64_t n, float beta1, float one_minus_beta1, float beta2, float one_minus_beta2, float eps,
-    int eps_inside_sqrt, int decay, float weight_decay, double *out) {
+    int eps_inside_sqrt, int decay, float weight_decay, int tabled, const float *restrict table, double *out) {
     float maximum = -INFINITY;
     int nan = 0;
     double preliminary_square = 0.0, update_square = 0.0;
+    const float t00 = tabled ? table[0] : 0.0f, t01 = tabled ? table[1] : 0.0f;
+    const float t10 = tabled ? table[2] : 0.0f, t11 = tabled ? table[3] : 0.0f;
 #pragma omp simd reduction(max : maximum) reduction(| : nan) reduction(+ : preliminary_square, update_square)
     for (int64_t i = 0; i < n; i++) {
-        float g = (m[i] - beta1 * last[i]) / one_minus_beta1;
-        float f = fresh[i] * beta2 + one_minus_beta2 * g * g;
+        float f;
+        if (tabled) { /* (1 - beta2) g g of the four pairs of signs, computed as below */
+            const int later = last[i] >= 0.0f;
+            f = fresh[i] * beta2 + (m[i] >= 0.0f ? (later ? t11 : t10) : (later ? t01 : t00));
+        } else {
+            float g = (m[i] - beta1 * last[i]) / one_minus_beta1;
+            f = fresh[i] * beta2 + one_minus_beta2 * g * g;
+        }
         fresh[i] = f;
         float d = eps_inside_sqrt ? sqrtf(v[i] + eps) : sqrtf(v[i]) + eps;
         float ratio = d / (eps_inside_sqrt ? sqrtf(f + eps) : sqrtf(f) + eps);
@@ -1344,51 +1473,79 @@ static inline __attribute__((always_inline)) void onebit_lamb_statistics_body(
     }
 }
 
+/* With `table` (m and last each +-a scale: the decode pass's case), (1 - beta2) g g comes
+   from the table of its four values by the signs of m and last, computed once per block
+   with the same operations: the same fresh variance without a division per element. */
+static void onebit_lamb_statistics_cases(const float *restrict param, const float *restrict m,
+                                         const float *restrict last, const float *restrict v, float *restrict fresh,
+                                         int64_t n, float beta1, float one_minus_beta1, float beta2,
+                                         float one_minus_beta2, float eps, int eps_inside_sqrt, float weight_decay,
+                                         const float *restrict table, double *out) {
+    /* one loop per case, each vectorised without a branch */
+#define ONEBIT_LAMB_STATISTICS(inside, decay, tabled)                                                                  \
+    onebit_lamb_statistics_body(param, m, last, v, fresh, n, beta1, one_minus_beta1, beta2, one_minus_beta2, eps,      \
+                                inside, decay, weight_decay, tabled, table, out)
+#define ONEBIT_LAMB_STATISTICS_TABLED(inside, decay)                                                                   \
+    if (table != NULL)                                                                                                 \
+        ONEBIT_LAMB_STATISTICS(inside, decay, 1);                                                                      \
+    else                                                                                                               \
+        ONEBIT_LAMB_STATISTICS(inside, decay, 0)
+    if (weight_decay != 0.0f) {
+        if (eps_inside_sqrt) {
+            ONEBIT_LAMB_STATISTICS_TABLED(1, 1);
+        } else {
+            ONEBIT_LAMB_STATISTICS_TABLED(0, 1);
+        }
+    } else {
+        if (eps_inside_sqrt) {
+            ONEBIT_LAMB_STATISTICS_TABLED(1, 0);
+        } else {
+            ONEBIT_LAMB_STATISTICS_TABLED(0, 0);
+        }
+    }
+#undef ONEBIT_LAMB_STATISTICS_TABLED
+#undef ONEBIT_LAMB_STATISTICS
+}
+
 void onebit_lamb_statistics(const float *restrict param, const float *restrict m, const float *restrict last,
                             const float *restrict v, float *restrict fresh, int64_t n, float beta1,
                             float one_minus_beta1, float beta2, float one_minus_beta2, float eps,
                             int eps_inside_sqrt, float weight_decay, double *out) {
-    /* one loop per case, each vectorised without a branch */
-#define ONEBIT_LAMB_STATISTICS(inside, decay)                                                                          \
-    onebit_lamb_statistics_body(param, m, last, v, fresh, n, beta1, one_minus_beta1, beta2, one_minus_beta2, eps,      \
-                                inside, decay, weight_decay, out)
-    if (weight_decay != 0.0f) {
-        if (eps_inside_sqrt)
-            ONEBIT_LAMB_STATISTICS(1, 1);
-        else
-            ONEBIT_LAMB_STATISTICS(0, 1);
-    } else {
-        if (eps_inside_sqrt)
-            ONEBIT_LAMB_STATISTICS(1, 0);
-        else
-            ONEBIT_LAMB_STATISTICS(0, 0);
-    }
-#undef ONEBIT_LAMB_STATISTICS
+    onebit_lamb_statistics_cases(param, m, last, v, fresh, n, beta1, one_minus_beta1, beta2, one_minus_beta2, eps,
+                                 eps_inside_sqrt, weight_decay, NULL, out);
 }
 
 /* 1-bit LAMB's statistics pass on the gathered signs: the average decoded block by block
    (as `onebit_decode_apply`) into a buffer in cache, against the previous momentum m (a
    tensor's view of the flat momentum from flat index start), which is only read: the
-   average is written by the update's pass (`onebit_decode_adam_apply`), so the previous
-   momentum needs no copy. */
+   average is written by the update's pass (`onebit_decode_apply`), so the previous
+   momentum needs no copy. With `known` non-NULL the previous momentum is known to be the
+   decode of those gathered signs at `known_scales` (the same layout as `packed`) and is
+   read from them, not from m. */
 void onebit_lamb_decode_statistics(const uint8_t *restrict packed, int64_t stride, const float *restrict scales,
                                    int64_t chunk, int64_t start, const float *restrict param,
-                                   const float *restrict m, const float *restrict v, float *restrict fresh, int64_t n,
-                                   float beta1,
-                                   float one_minus_beta1, float beta2, float one_minus_beta2, float eps,
-                                   int eps_inside_sqrt, float weight_decay, double *out) {
+                                   const float *restrict m, const uint8_t *restrict known,
+                                   const float *restrict known_scales, const float *restrict v,
+                                   float *restrict fresh, int64_t n, float beta1, float one_minus_beta1, float beta2,
+                                   float one_minus_beta2, float eps, int eps_inside_sqrt, float weight_decay,
+                                   double *out) {
     for (int64_t i = 0; i < n;) { /* blocks within one rank's chunk */
         const int64_t flat = start + i, r = flat / chunk, first = flat % chunk;
         int64_t length = n - i < chunk - first ? n - i : chunk - first;
         length = length < ONEBIT_BLOCK ? length : ONEBIT_BLOCK;
-        uint8_t positive[ONEBIT_BLOCK];
-        float average[ONEBIT_BLOCK];
-        onebit_unpack(packed + r * stride, first, length, positive);
-        const float s = scales[r];
-        for (int64_t j = 0; j < length; j++)
-            average[j] = positive[j] ? s : -s;
-        onebit_lamb_statistics(param + i, average, m + i, v + i, fresh + i, length, beta1, one_minus_beta1, beta2,
-                               one_minus_beta2, eps, eps_inside_sqrt, weight_decay, out);
+        float average[ONEBIT_BLOCK], last[ONEBIT_BLOCK], table[4];
+        onebit_signed(packed + r * stride, first, length, scales[r], average, ONEBIT_SET);
+        if (known != NULL) {
+            onebit_signed(known + r * stride, first, length, known_scales[r], last, ONEBIT_SET);
+            for (int pair = 0; pair < 4; pair++) { /* index 2 x (average >= 0) + (last >= 0) */
+                const float a = pair & 2 ? scales[r] : -scales[r], l = pair & 1 ? known_scales[r] : -known_scales[r];
+                const float g = (a - beta1 * l) / one_minus_beta1;
+                table[pair] = one_minus_beta2 * g * g;
+            }
+        }
+        onebit_lamb_statistics_cases(param + i, average, known != NULL ? last : m + i, v + i, fresh + i, length,
+                                     beta1, one_minus_beta1, beta2, one_minus_beta2, eps, eps_inside_sqrt,
+                                     weight_decay, known != NULL ? table : NULL, out);
         i += length;
     }
 }

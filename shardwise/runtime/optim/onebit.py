@@ -115,6 +115,7 @@ class OneBitOptimizer(ShardAwareOptimizer):
         self._first_view_ptr = -1
         self._layout: list[tuple[torch.Tensor, dict[str, Any], int, dict[str, Any]]] | None = None
         self._partitions: MomentumPartitions | None = None  # stages 1-2: the whole momentum's layout
+        self._momentum_signs: tuple[GatheredSigns, int] | None = None  # see `momentum_signs`
         self._grad_scale = 1.0  # stages 1-2: the scale the local gradients are folded with
 
     # -- the engine's side ------------------------------------------------------------------
@@ -164,6 +165,7 @@ class OneBitOptimizer(ShardAwareOptimizer):
         super().load_state_dict(state_dict)
         self._exchange = None
         self._momentum = None
+        self._momentum_signs = None
         self._first_view_ptr = -1
         self._use_local_gradients(self._compressing(self.steps_taken() + 1))
 
@@ -218,6 +220,7 @@ class OneBitOptimizer(ShardAwareOptimizer):
                 self._momentum = self._stage0_momentum(params)
             self._first_view_ptr = self.state[params[0]]["exp_avg"].data_ptr()
             self._layout = None
+            self._momentum_signs = None
         return self._momentum
 
     def _stage0_momentum(self, params: list[torch.Tensor]) -> torch.Tensor:
@@ -261,10 +264,11 @@ class OneBitOptimizer(ShardAwareOptimizer):
         flat momentum (`decode_untrained_` for the padding), in its own pass over the
         momentum. None: the momentum is already the average."""
         momentum = self.momentum_flat()
+        known, self._momentum_signs = self.momentum_signs(), None  # until the caller has decoded the new ones
         if self.fuses_exchange():
             folds = MomentumFolds.of([(start, param.numel(), param.grad, group["betas"][0])
                                       for param, group, start, _ in self.momentum_layout()])
-            return self._exchange_of(momentum).exchange_(momentum, "momentum", folds)
+            return self._exchange_of(momentum).exchange_(momentum, "momentum", folds, known)
         if self._partitions is not None:
             self._partitions.fold_(momentum, lambda group: self.param_groups[group]["betas"][0], self._grad_scale)
         else:
@@ -282,6 +286,23 @@ class OneBitOptimizer(ShardAwareOptimizer):
         if self.workers > 1:
             self._exchange_of(momentum).all_reduce_(momentum, "momentum")
         return None
+
+    def momentum_signs(self) -> GatheredSigns | None:
+        """The gathered signs that the flat momentum is, element for element, the decode of
+        (the last fused step's average), while nothing has written it since; then the next
+        step reads the previous momentum from them (1/32 of its bytes). In-place torch
+        operations on the momentum or its views advance its version counter, which is
+        checked; the kernels' writes do not, so `fold_and_exchange_signs` forgets the signs
+        before any of this step's writes, and a step remembers new ones
+        (`remember_momentum_signs`) only once it has decoded them into every element."""
+        if self._momentum_signs is None or self._momentum is None:
+            return None
+        signs, version = self._momentum_signs
+        return signs if self._momentum._version == version else None
+
+    def remember_momentum_signs(self, gathered: GatheredSigns) -> None:
+        """Called once `gathered` is decoded into every element of the flat momentum."""
+        self._momentum_signs = (gathered, self.momentum_flat()._version)
 
     def fuses_exchange(self) -> bool:
         """Whether `fold_and_exchange_signs` fuses (stage 0, several workers, the momentum

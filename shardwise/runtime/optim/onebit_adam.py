@@ -105,6 +105,7 @@ class OneBitAdam(OneBitOptimizer):
             (start, variance, param, -sizes[id(group)], group["eps"], group["weight_decay"], group["eps_inside_sqrt"])
             for (param, group, start, _), variance in zip(layout, variances)]))
         self.decode_untrained_(gathered)
+        self.remember_momentum_signs(gathered)  # the next step's worker pass reads the momentum from them
         return True
 
 

@@ -151,10 +151,13 @@ class NativeCompressedAllReduce(CompressedAllReduce):
         self.exchange_(vector, what).decode_(vector, 0)
         return vector
 
-    def exchange_(self, vector: torch.Tensor, what: str, folds: MomentumFolds | None = None) -> GatheredSigns:
+    def exchange_(self, vector: torch.Tensor, what: str, folds: MomentumFolds | None = None,
+                  known: GatheredSigns | None = None) -> GatheredSigns:
         """The compressed average of `vector` (the caller checked `takes`), its signs not yet
         decoded; with `folds`, `vector` is the momentum before this rank's fold, which the
-        worker's pass applies. `vector` itself is left as it is."""
+        worker's pass applies. `vector` itself is left as it is. With `known` (an earlier
+        result of this exchange that `vector` is, element for element, the decode of), the
+        worker's pass reads `vector` from those signs rather than from memory."""
         library, ranks, chunk = native.library(), self.communicator.size, self.chunk
         width = chunk // BITS
         frame = width + SCALE_BYTES  # one rank's message: its packed signs, then its scale
@@ -163,10 +166,13 @@ class NativeCompressedAllReduce(CompressedAllReduce):
         pending, pending_scales = self._worker_pending or (None, [0.0] * ranks)
         segments = (0, None, None, None) if folds is None else (
             folds.bounds.shape[0], folds.bounds.data_ptr(), folds.grads.data_ptr(), folds.factors.data_ptr())
+        known_scales = [0.0] * ranks if known is None else known.scales.tolist()
         for rank in range(ranks):  # worker: chunk `rank` of x + e goes to rank `rank`
             library.onebit_worker_compress(vector.data_ptr(), self._worker_error.data_ptr(), rank * chunk, chunk,
                                            *segments, None if pending is None else pending[rank].data_ptr(),
-                                           pending_scales[rank], outgoing.data_ptr() + rank * frame,
+                                           pending_scales[rank],
+                                           None if known is None else known.packed[rank].data_ptr(),
+                                           known_scales[rank], outgoing.data_ptr() + rank * frame,
                                            scales.data_ptr() + 4 * rank)
         self._worker_pending = (outgoing, scales.tolist())
         outgoing[:, width:] = scales.view(ranks, 1).view(torch.uint8)

@@ -23,6 +23,7 @@ then w <- w − step_size · c · factor · u. step_size as in optim/onebit_adam
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from typing import Any, Iterable
 
@@ -33,7 +34,7 @@ from shardwise.formulas.memory import onebit_state_terms
 from shardwise.runtime.optim.lamb import MAIN_JOB_LR
 from shardwise.runtime.optim import native
 from shardwise.runtime.optim.onebit import ZERO_STAGES, OneBitCodec, OneBitOptimizer, main_job_params, native_takes
-from shardwise.runtime.optim.onebit_exchange import AdamUpdates, GatheredSigns
+from shardwise.runtime.optim.onebit_exchange import GatheredSigns
 from shardwise.runtime.optim.onebit_adam import (OneBitAdamParams, adam_step_size, adam_update_, refuse_unsupported,
                                                  variance_denominator, warm_up_moments)
 from shardwise.runtime.optim.params import param
@@ -116,24 +117,24 @@ class OneBitLamb(OneBitOptimizer):
         """Two passes over the trained tensors: the statistics of each parameter's factor
         (its elements' maximum and, with weight decay, two norms), completed over the
         ranks holding other pieces of it in one reduction each; then the update. Where
-        the exchange fuses (optim/onebit.py `fold_and_exchange_signs`), the first pass
-        decodes the averaged momentum block by block against the previous one, which stays
-        in place (no copy of it), and the second writes it as it updates the weights, every
-        tensor in one call."""
+        the exchange fuses (optim/onebit.py `fold_and_exchange_signs`) and every tensor is
+        a whole parameter (stage 0), both passes run tensor by tensor on the gathered
+        signs (`_decode_step_by_tensor`)."""
         for param in self._params():
             state = self.state[param]
             if "exp_avg_sq_fresh" not in state:
                 state["exp_avg_sq_fresh"] = state["exp_avg_sq"].clone()
                 state["last_factor"] = 1.0
+        if self.fuses_exchange() and self._whole_tensors() and native_takes(*self._params(), *(
+                self.state[param][key] for param in self._params() for key in ("exp_avg_sq", "exp_avg_sq_fresh"))):
+            known = self.momentum_signs()  # the previous momentum, where the last step left it decoded
+            gathered = self.fold_and_exchange_signs()
+            self._decode_step_by_tensor(gathered, known, step)
+            self.remember_momentum_signs(gathered)
+            return
         # per parameter: the largest variance factor, and (with weight decay) ||m / d||² and ||u||²
         statistics = torch.zeros(self.parameter_count, 3, dtype=torch.float64, device=self._params()[0].device)
-        gathered = None
-        if self.fuses_exchange() and native_takes(*self._params(), *(
-                self.state[param][key] for param in self._params() for key in ("exp_avg_sq", "exp_avg_sq_fresh"))):
-            gathered = self.fold_and_exchange_signs()
-            self._decode_statistics(gathered, statistics)
-        else:
-            self._statistics(statistics)
+        self._statistics(statistics)
         maxima = statistics[:, 0].contiguous()
         if self._partitions is not None:  # pieces of one parameter on several ranks
             self._communicator.control_all_reduce(maxima, "1-bit LAMB variance factors (maxima)", op=dist.ReduceOp.MAX)
@@ -143,21 +144,8 @@ class OneBitLamb(OneBitOptimizer):
         for group in self.param_groups:
             step_size = adam_step_size(group, step, self.freeze_step)
             for param in group["params"]:
-                state = self.state[param]
                 index = self.shard_of(param).index
-                share = 1.0
-                if group["weight_decay"]:
-                    update_norm = norms[index][1]
-                    share = min(1.0, norms[index][0] / update_norm) if update_norm else 1.0
-                factor = _bounded_factor(maxima[index], share, state["last_factor"], group)
-                state["last_factor"] = factor
-                scales[param] = -step_size * state["lamb_coeff_freeze"] * factor
-        if gathered is not None:  # the decode of the average and every tensor's update in one call
-            gathered.decode_adam_update_(self.momentum_flat(), AdamUpdates.of([
-                (start, state["exp_avg_sq"], param, scales[param], group["eps"], group["weight_decay"],
-                 group["eps_inside_sqrt"]) for param, group, start, state in self.momentum_layout()]))
-            self.decode_untrained_(gathered)
-            return
+                scales[param] = _update_scale(self.state[param], group, step_size, maxima[index], norms[index])
         for group in self.param_groups:
             for param in group["params"]:
                 state, scale = self.state[param], scales[param]
@@ -171,17 +159,43 @@ class OneBitLamb(OneBitOptimizer):
                     update.add_(param, alpha=group["weight_decay"])
                 param.add_(update, alpha=scale)
 
-    def _decode_statistics(self, gathered: GatheredSigns, statistics: torch.Tensor) -> None:
-        """The statistics pass on the gathered signs against the previous momentum, which
-        it leaves as it is (native_kernels.c `onebit_lamb_decode_statistics`)."""
+    def _whole_tensors(self) -> bool:
+        """Whether each trained tensor is a whole parameter of its own (no ZeRO pieces), so
+        that its variance factor needs no other tensor's statistics."""
+        params = self._params()
+        shards = [self.shard_of(param) for param in params]
+        return len({shard.index for shard in shards}) == len(params) and all(
+            shard.start == 0 and shard.stop == math.prod(shard.shape) for shard in shards)
+
+    def _decode_step_by_tensor(self, gathered: GatheredSigns, known: GatheredSigns | None, step: int) -> None:
+        """Both passes tensor by tensor: the statistics pass on the gathered signs, the
+        factor, then the update's pass, which finds the tensor's variance in the cache the
+        first pass left it in (the largest GPT tensors' arrays are a few MB), where two
+        passes over every tensor read it from memory twice. The statistics pass reads the
+        previous momentum from `known` where the last step left it their decode
+        (optim/onebit.py `momentum_signs`)."""
+        library = native.library()
+        statistics = torch.zeros(3, dtype=torch.float64)
+        address = statistics.data_ptr()
+        packed, stride, signs_scales = gathered.packed.data_ptr(), gathered.packed.shape[1], gathered.scales.data_ptr()
+        momentum = self.momentum_flat().data_ptr()
+        known_packed, known_scales = (None, None) if known is None else (known.packed.data_ptr(),
+                                                                          known.scales.data_ptr())
+        sizes = {id(group): adam_step_size(group, step, self.freeze_step) for group in self.param_groups}
         for param, group, start, state in self.momentum_layout():
             beta1, beta2 = group["betas"]
-            native.library().onebit_lamb_decode_statistics(
-                gathered.packed.data_ptr(), gathered.packed.shape[1], gathered.scales.data_ptr(), gathered.chunk,
-                start, param.data_ptr(), state["exp_avg"].data_ptr(), state["exp_avg_sq"].data_ptr(),
-                state["exp_avg_sq_fresh"].data_ptr(), param.numel(), beta1, 1 - beta1, beta2, 1 - beta2,
-                group["eps"], group["eps_inside_sqrt"], group["weight_decay"],
-                statistics.data_ptr() + statistics.element_size() * 3 * self.shard_of(param).index)
+            statistics.zero_()
+            variance = state["exp_avg_sq"].data_ptr()
+            library.onebit_lamb_decode_statistics(
+                packed, stride, signs_scales, gathered.chunk, start, param.data_ptr(), state["exp_avg"].data_ptr(),
+                known_packed, known_scales, variance, state["exp_avg_sq_fresh"].data_ptr(), param.numel(), beta1,
+                1 - beta1, beta2, 1 - beta2, group["eps"], group["eps_inside_sqrt"], group["weight_decay"], address)
+            maximum, preliminary, update = statistics.tolist()
+            scale = _update_scale(state, group, sizes[id(group)], maximum, (math.sqrt(preliminary), math.sqrt(update)))
+            library.onebit_decode_apply(packed, stride, signs_scales, gathered.chunk, start, param.numel(),
+                                        momentum + 4 * start, variance, param.data_ptr(), scale, group["eps"],
+                                        group["weight_decay"], group["eps_inside_sqrt"])
+        self.decode_untrained_(gathered)
 
     def _statistics(self, statistics: torch.Tensor) -> None:
         """The statistics pass after the exchange, from a copy of the previous momentum."""
@@ -230,6 +244,19 @@ def _trust_ratio(weight_norm: float, update_norm: float, group: dict) -> float:
     if weight_norm == 0 or update_norm == 0:
         return 1.0
     return min(max(weight_norm / update_norm, group["min_coeff"]), group["max_coeff"])
+
+
+def _update_scale(state: dict[str, Any], group: dict, step_size: float, maximum: float,
+                  norms: tuple[float, float]) -> float:
+    """The multiplier of m / d(v) (+ weight decay) in a parameter's update, from its
+    largest variance factor and (with weight decay) its ||m / d|| and ||u||; its
+    `last_factor` advanced."""
+    share = 1.0
+    if group["weight_decay"]:
+        share = min(1.0, norms[0] / norms[1]) if norms[1] else 1.0
+    factor = _bounded_factor(maximum, share, state["last_factor"], group)
+    state["last_factor"] = factor
+    return -step_size * state["lamb_coeff_freeze"] * factor
 
 
 def _bounded_factor(factor: float, share: float, last: float, group: dict) -> float:

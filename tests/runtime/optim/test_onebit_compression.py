@@ -321,3 +321,116 @@ def test_native_exchange_takes_off_what_a_compression_lost_in_the_next_call_exac
             assert torch.equal(lazy, settled), f"call {call}"
         for lazy, settled in zip(output["lazy_errors"], output["settled_errors"]):
             assert torch.equal(lazy, settled)
+
+
+def _kernel_outputs(avx512: bool) -> dict[str, torch.Tensor]:
+    """Every 1-bit kernel whose signs the AVX-512 blocks read or write, on fixed inputs:
+    lengths with a partial last block and an 8-lane last vector, a pending compression,
+    three rows at the server, a momentum fold with a segment without gradient, the
+    previous momentum read from memory and decoded from known signs, and decodes
+    starting inside a byte and crossing a chunk boundary."""
+    native.use_avx512(avx512)
+    library, generator = native.library(), torch.Generator().manual_seed(3)
+    n, rows, chunk = 3000, 3, 1000  # 3000 = 2 x 1024 + 952 elements, 952 = 59 x 16 + 8
+    random_bytes = lambda count: torch.randint(0, 256, (count,), dtype=torch.uint8, generator=generator)  # noqa: E731
+    momentum, grad = torch.randn(n, generator=generator), torch.randn(n, generator=generator)
+    out = {"worker_error": torch.randn(n, generator=generator), "server_error": torch.randn(n, generator=generator),
+           "server signs": torch.zeros(n // 8, dtype=torch.uint8), "server scale": torch.zeros(1)}
+    bounds = torch.tensor([[16, 1500], [1500, 2200]], dtype=torch.int64)
+    grads = torch.tensor([grad.data_ptr() + 4 * 16, 0], dtype=torch.int64)
+    factors = torch.tensor([[0.9, 0.1], [0.8, 0.2]], dtype=torch.float32)
+    pending, known = random_bytes(n // 8), random_bytes(n // 8)
+    for key, signs in (("worker", None), ("worker from known signs", known)):  # the momentum read, or decoded
+        out.update({f"{key} signs": torch.zeros(n // 8, dtype=torch.uint8), f"{key} scale": torch.zeros(1)})
+        library.onebit_worker_compress(momentum.data_ptr(), out["worker_error"].data_ptr(), 0, n, 2,
+                                       bounds.data_ptr(), grads.data_ptr(), factors.data_ptr(), pending.data_ptr(),
+                                       0.25, None if signs is None else signs.data_ptr(), 0.375,
+                                       out[f"{key} signs"].data_ptr(), out[f"{key} scale"].data_ptr())
+    incoming, scales = random_bytes(rows * (n // 8)), torch.tensor([0.5, 0.25, 0.75])
+    library.onebit_server_compress(incoming.data_ptr(), n // 8, scales.data_ptr(), rows, n,
+                                   out["server_error"].data_ptr(), pending.data_ptr(), 0.125,
+                                   out["server signs"].data_ptr(), out["server scale"].data_ptr())
+    packed, known_rows, known_scales = random_bytes(rows * (chunk // 8)), random_bytes(rows * (chunk // 8)), scales / 3
+    for start, length, inside in ((5, 1990, 0), (1003, 11, 1)):
+        weights, variance = torch.randn(length, generator=generator), torch.rand(length, generator=generator)
+        decoded = torch.zeros(length)
+        library.onebit_decode_apply(packed.data_ptr(), chunk // 8, scales.data_ptr(), chunk, start, length,
+                                    decoded.data_ptr(), variance.data_ptr(), weights.data_ptr(), -0.01, 1e-4, 0.01,
+                                    inside)
+        out.update({f"decoded {start}": decoded, f"weights {start}": weights})
+        for key, signs in (("", None), (" from known signs", known_rows)):  # the previous momentum read, or decoded
+            fresh, statistics = variance.clone(), torch.zeros(3, dtype=torch.float64)
+            library.onebit_lamb_decode_statistics(
+                packed.data_ptr(), chunk // 8, scales.data_ptr(), chunk, start, weights.data_ptr(),
+                momentum.data_ptr(), None if signs is None else signs.data_ptr(), known_scales.data_ptr(),
+                variance.data_ptr(), fresh.data_ptr(), length, 0.9, 0.1, 0.999, 0.001, 1e-4, inside, 0.01,
+                statistics.data_ptr())
+            out.update({f"fresh {start}{key}": fresh, f"statistics {start}{key}": statistics})
+    return out
+
+
+def test_avx512_signs_equal_the_portable_loops():
+    """The 1-bit kernels' AVX-512 blocks (signs read as lane masks, packed from
+    comparisons) against the portable loops: the same signs, scales, errors, decoded
+    momentum, weights and statistics, bit for bit."""
+    if native.library() is None:
+        pytest.skip("no C compiler: the kernels cannot be built here")
+    if not native.use_avx512(True):
+        pytest.skip("this CPU has no AVX-512: the kernels take only their portable loops")
+    try:
+        portable, avx512 = _kernel_outputs(False), _kernel_outputs(True)
+    finally:
+        native.use_avx512(True)
+    for key, expected in portable.items():
+        assert torch.equal(avx512[key], expected), key
+
+
+def _known_and_read_momentum_on_ranks(rank: int, world_size: int, lamb: bool) -> dict:
+    """Two fused optimizers stepping alike at stage 0: one reads the previous momentum from
+    the last step's gathered signs (`momentum_signs`), the other, whose signs are forgotten
+    before every step, from memory. Then an in-place write to one tensor's momentum."""
+    import torch.distributed as dist
+
+    from shardwise.runtime.distributed.mesh import GroupHandle
+    from shardwise.runtime.optim.onebit_adam import OneBitAdam
+    from shardwise.runtime.optim.onebit_lamb import OneBitLamb
+
+    handle = GroupHandle("data", tuple(range(world_size)), rank, dist.group.WORLD, dist.group.WORLD)
+    initial = [torch.randn(shape, generator=torch.Generator().manual_seed(0)) for shape in FUSED_SHAPES]
+    optimizers, params = [], []
+    for _ in range(2):
+        own = [torch.nn.Parameter(tensor.clone()) for tensor in initial]
+        optimizer = (OneBitLamb if lamb else OneBitAdam)(own, lr=0.01, freeze_step=1, eps=1e-4, weight_decay=0.01)
+        optimizer.attach_gradient_exchange(Communicator(handle, CommStats()), lambda on: None)
+        optimizers.append(optimizer)
+        params.append(own)
+    (known, read), known_before = optimizers, []
+    for step in range(FUSED_STEPS):
+        for index, (param, twin) in enumerate(zip(*params)):
+            seed = torch.Generator().manual_seed(100 * step + 10 * rank + index)
+            param.grad = torch.randn(param.shape, generator=seed)
+            twin.grad = param.grad.clone()
+        known_before.append(known.momentum_signs() is not None)
+        read._momentum_signs = None
+        known.step()
+        read.step()
+    kept, momentum = known.momentum_signs() is not None, [optimizer.momentum_flat().clone() for optimizer in optimizers]
+    known.state[params[0][1]]["exp_avg"].mul_(0.5)  # a write the signs do not know of
+    return {"weights": [[param.detach().clone() for param in own] for own in params], "momentum": momentum,
+            "known_before": known_before, "kept": kept, "forgotten": known.momentum_signs() is None}
+
+
+@pytest.mark.parametrize("lamb", [False, True], ids=["adam", "lamb"])
+def test_momentum_read_from_the_last_signs_equals_it_read_from_memory(lamb):
+    """After a fused step the flat momentum is the decode of the gathered signs, so the next
+    step reads it (the worker's pass, LAMB's statistics pass) from them: the same steps,
+    bit for bit, as reading it from memory; an in-place write to the momentum makes the
+    optimizer forget the signs."""
+    if native.library() is None:
+        pytest.skip("no C compiler: the kernels cannot be built here")
+    for output in run_distributed(_known_and_read_momentum_on_ranks, 2, lamb):
+        assert output["known_before"] == [False, False, True, True]  # the warm-up, the first compressed step
+        assert output["kept"] and output["forgotten"]
+        for mine, theirs in zip(*output["weights"]):
+            assert torch.equal(mine, theirs)
+        assert torch.equal(*output["momentum"])
