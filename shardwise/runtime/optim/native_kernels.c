@@ -385,6 +385,60 @@ static inline __attribute__((always_inline)) void adam8bit_block_body(float *res
 }
 
 #ifdef HAVE_AVX512_PATH
+/* Adam's constants broadcast to vectors, as both AVX-512 block loops below use them. */
+typedef struct {
+    __m512 beta1s, weights, beta2s, values, epss, decays, corrections, steps;
+    int decay;
+} adam_vectors;
+
+AVX512 static inline __attribute__((always_inline)) adam_vectors adam_vectors_of(
+    float beta1, float weight, float beta2, float value, float eps, float decay_factor, int decay, float correction2,
+    float step_size) {
+    const adam_vectors adam = {_mm512_set1_ps(beta1), _mm512_set1_ps(weight), _mm512_set1_ps(beta2),
+                               _mm512_set1_ps(value), _mm512_set1_ps(eps), _mm512_set1_ps(decay_factor),
+                               _mm512_set1_ps(correction2), _mm512_set1_ps(step_size), decay};
+    return adam;
+}
+
+/* Sixteen elements of Adam's update, in the scalar body's order of operations (so the
+   same bits): the new moments from the old ones and the gradient, written whole to
+   `m_out`/`v_out` (they hold a whole block), the parameter stepped in place in `lanes`,
+   and the moments' running maxima and NaN lanes for the block's scales. */
+AVX512 static inline __attribute__((always_inline)) void adam_lanes(
+    const adam_vectors *adam, float *param, __m512 g, __m512 m_old, __m512 v_old, __mmask16 lanes, float *m_out,
+    float *v_out, __m512 *m_max, __m512 *v_max, __mmask16 *nan) {
+    __m512 mj = _mm512_fmadd_ps(g, adam->weights, _mm512_mul_ps(m_old, adam->beta1s));
+    __m512 vj = _mm512_fmadd_ps(_mm512_mul_ps(adam->values, g), g, _mm512_mul_ps(v_old, adam->beta2s));
+    __m512 p = load_lanes(param, lanes);
+    if (adam->decay)
+        p = _mm512_mul_ps(p, adam->decays);
+    __m512 denominator = _mm512_add_ps(_mm512_div_ps(_mm512_sqrt_ps(vj), adam->corrections), adam->epss);
+    store_lanes(param, lanes, _mm512_add_ps(_mm512_div_ps(_mm512_mul_ps(adam->steps, mj), denominator), p));
+    _mm512_storeu_ps(m_out, mj);
+    _mm512_storeu_ps(v_out, vj);
+    *m_max = _mm512_mask_max_ps(*m_max, lanes, *m_max, _mm512_abs_ps(mj));
+    *v_max = _mm512_mask_max_ps(*v_max, lanes, *v_max, _mm512_abs_ps(vj));
+    *nan |= _mm512_mask_cmp_ps_mask(lanes, mj, vj, _CMP_UNORD_Q);
+}
+
+/* A block's scales from the vector maxima; a NaN in either moment makes that moment's
+   scale NaN, each tracked apart as the portable loop does. */
+AVX512 static inline __attribute__((always_inline)) void block_maxima(const float *m, const float *v, int64_t count,
+                                                                     __m512 m_max, __m512 v_max, __mmask16 nan,
+                                                                     float *m_found, float *v_found) {
+    *m_found = _mm512_reduce_max_ps(m_max);
+    *v_found = _mm512_reduce_max_ps(v_max);
+    if (nan) {
+        int m_nan = 0, v_nan = 0;
+        for (int64_t j = 0; j < count; j++) {
+            m_nan |= m[j] != m[j];
+            v_nan |= v[j] != v[j];
+        }
+        *m_found = m_nan ? NAN : *m_found;
+        *v_found = v_nan ? NAN : *v_found;
+    }
+}
+
 /* `adam8bit_block_body` sixteen elements at a time, the codes decoded by gathers from the
    256 code values and coded again by the AVX-512 encoder: the same operations in the
    same order (IEEE multiplies, fused multiply-adds, square roots and divisions round as the
@@ -399,9 +453,8 @@ AVX512 static inline __attribute__((always_inline)) void adam8bit_block_avx512_b
     const float *restrict v_in, const int from_fp32) {
     float m[BLOCK], v[BLOCK];
     const __m512 m_scale = _mm512_set1_ps(*m_absmax), v_scale = _mm512_set1_ps(*v_absmax);
-    const __m512 beta1s = _mm512_set1_ps(beta1), weights = _mm512_set1_ps(weight), beta2s = _mm512_set1_ps(beta2);
-    const __m512 values = _mm512_set1_ps(value), epss = _mm512_set1_ps(eps), decays = _mm512_set1_ps(decay_factor);
-    const __m512 corrections = _mm512_set1_ps(correction2), steps = _mm512_set1_ps(step_size);
+    const adam_vectors adam = adam_vectors_of(beta1, weight, beta2, value, eps, decay_factor, decay, correction2,
+                                              step_size);
     __m512 m_max = _mm512_setzero_ps(), v_max = _mm512_setzero_ps();
     __mmask16 nan = 0;
     for (int64_t j = 0; j < count; j += 16) {
@@ -416,30 +469,10 @@ AVX512 static inline __attribute__((always_inline)) void adam8bit_block_avx512_b
             m_old = _mm512_mul_ps(_mm512_i32gather_ps(m_code, m_values, 4), m_scale);
             v_old = _mm512_mul_ps(_mm512_i32gather_ps(v_code, v_values, 4), v_scale);
         }
-        __m512 mj = _mm512_fmadd_ps(g, weights, _mm512_mul_ps(m_old, beta1s));
-        __m512 vj = _mm512_fmadd_ps(_mm512_mul_ps(values, g), g, _mm512_mul_ps(v_old, beta2s));
-        __m512 p = load_lanes(param + j, lanes);
-        if (decay)
-            p = _mm512_mul_ps(p, decays);
-        __m512 denominator = _mm512_add_ps(_mm512_div_ps(_mm512_sqrt_ps(vj), corrections), epss);
-        store_lanes(param + j, lanes, _mm512_add_ps(_mm512_div_ps(_mm512_mul_ps(steps, mj), denominator), p));
-        _mm512_storeu_ps(m + j, mj); /* whole vectors: m and v hold a whole block */
-        _mm512_storeu_ps(v + j, vj);
-        m_max = _mm512_mask_max_ps(m_max, lanes, m_max, _mm512_abs_ps(mj));
-        v_max = _mm512_mask_max_ps(v_max, lanes, v_max, _mm512_abs_ps(vj));
-        nan |= _mm512_mask_cmp_ps_mask(lanes, mj, vj, _CMP_UNORD_Q);
+        adam_lanes(&adam, param + j, g, m_old, v_old, lanes, m + j, v + j, &m_max, &v_max, &nan);
     }
-    /* a NaN in either moment: the portable loop tracks each apart */
-    float m_found = _mm512_reduce_max_ps(m_max), v_found = _mm512_reduce_max_ps(v_max);
-    if (nan) {
-        int m_nan = 0, v_nan = 0;
-        for (int64_t j = 0; j < count; j++) {
-            m_nan |= m[j] != m[j];
-            v_nan |= v[j] != v[j];
-        }
-        m_found = m_nan ? NAN : m_found;
-        v_found = v_nan ? NAN : v_found;
-    }
+    float m_found, v_found;
+    block_maxima(m, v, count, m_max, v_max, nan, &m_found, &v_found);
     *m_absmax = m_found;
     *v_absmax = v_found;
     quantize_values_avx512_of(m, m_codes, count, m_found, m_table, 1);
@@ -564,9 +597,8 @@ AVX512_VBMI static void adam8bit_rows_avx512_vbmi(
     float value, float eps, float decay_factor, int decay, float correction2, float step_size, float *edges) {
     float m_new[2][BLOCK], v_new[2][BLOCK], m_old[BLOCK], v_old[BLOCK];
     const decade_rounding m_rounding = decade_rounding_of(m_table), v_rounding = decade_rounding_of(v_table);
-    const __m512 beta1s = _mm512_set1_ps(beta1), weights = _mm512_set1_ps(weight), beta2s = _mm512_set1_ps(beta2);
-    const __m512 values = _mm512_set1_ps(value), epss = _mm512_set1_ps(eps), decays = _mm512_set1_ps(decay_factor);
-    const __m512 corrections = _mm512_set1_ps(correction2), steps = _mm512_set1_ps(step_size);
+    const adam_vectors adam = adam_vectors_of(beta1, weight, beta2, value, eps, decay_factor, decay, correction2,
+                                              step_size);
     uint8_t *pending_m = NULL, *pending_v = NULL; /* the row coded during this one: its codes */
     int64_t pending_count = 0;
     __m512 pending_m_inverse = _mm512_setzero_ps(), pending_v_inverse = _mm512_setzero_ps();
@@ -587,18 +619,7 @@ AVX512_VBMI static void adam8bit_rows_avx512_vbmi(
             const __mmask16 lanes = count - j >= 16 ? (__mmask16)0xFFFF : (__mmask16)((1u << (count - j)) - 1);
             __m512 g = load_lanes(g_row + j, lanes);
             __m512 m_before = _mm512_loadu_ps(m_old + j), v_before = _mm512_loadu_ps(v_old + j);
-            __m512 mj = _mm512_fmadd_ps(g, weights, _mm512_mul_ps(m_before, beta1s));
-            __m512 vj = _mm512_fmadd_ps(_mm512_mul_ps(values, g), g, _mm512_mul_ps(v_before, beta2s));
-            __m512 p = load_lanes(p_row + j, lanes);
-            if (decay)
-                p = _mm512_mul_ps(p, decays);
-            __m512 denominator = _mm512_add_ps(_mm512_div_ps(_mm512_sqrt_ps(vj), corrections), epss);
-            store_lanes(p_row + j, lanes, _mm512_add_ps(_mm512_div_ps(_mm512_mul_ps(steps, mj), denominator), p));
-            _mm512_storeu_ps(m + j, mj);
-            _mm512_storeu_ps(v + j, vj);
-            m_max = _mm512_mask_max_ps(m_max, lanes, m_max, _mm512_abs_ps(mj));
-            v_max = _mm512_mask_max_ps(v_max, lanes, v_max, _mm512_abs_ps(vj));
-            nan |= _mm512_mask_cmp_ps_mask(lanes, mj, vj, _CMP_UNORD_Q);
+            adam_lanes(&adam, p_row + j, g, m_before, v_before, lanes, m + j, v + j, &m_max, &v_max, &nan);
             if (j < pending_count) {
                 encode_lanes(pending_m_values, pending_m, j, pending_count, pending_m_inverse, &m_rounding, 1);
                 encode_lanes(pending_v_values, pending_v, j, pending_count, pending_v_inverse, &v_rounding, 0);
@@ -608,16 +629,8 @@ AVX512_VBMI static void adam8bit_rows_avx512_vbmi(
             encode_lanes(pending_m_values, pending_m, j, pending_count, pending_m_inverse, &m_rounding, 1);
             encode_lanes(pending_v_values, pending_v, j, pending_count, pending_v_inverse, &v_rounding, 0);
         }
-        float m_found = _mm512_reduce_max_ps(m_max), v_found = _mm512_reduce_max_ps(v_max);
-        if (nan) { /* a NaN in either moment: the portable loop tracks each apart */
-            int m_nan = 0, v_nan = 0;
-            for (int64_t j = 0; j < count; j++) {
-                m_nan |= m[j] != m[j];
-                v_nan |= v[j] != v[j];
-            }
-            m_found = m_nan ? NAN : m_found;
-            v_found = v_nan ? NAN : v_found;
-        }
+        float m_found, v_found;
+        block_maxima(m, v, count, m_max, v_max, nan, &m_found, &v_found);
         m_absmax[row] = m_found;
         v_absmax[row] = v_found;
         if (edges != NULL && (row == 0 || row == rows - 1)) {
