@@ -5,7 +5,7 @@ Scripts written for DeepSpeed ask their engine what it was configured with
 (`engine.fp16_enabled()`, `engine.train_micro_batch_size_per_gpu()`, `engine.local_rank`...)
 and save a consolidated 16-bit model with `engine.save_16bit_model(dir)`. These read the
 resolved config and the engine's state, so they answer the same on an engine built by
-`shardwise.initialize` and on one built by DeepSpeed's `initialize` (api/engine.py, whose
+`shardwise.initialize` and on one built by DeepSpeed's `initialize` (api/runtime/engine/deepspeed_engine.py, whose
 subclass also gives the names whose DeepSpeed shape differs from shardwise's:
 `gradient_accumulation_steps()` as a method, `load_checkpoint` returning a tuple).
 

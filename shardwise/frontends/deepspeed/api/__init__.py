@@ -8,8 +8,9 @@ for that run only.
                                                                 training_data=dataset)
 
 The engine is shardwise's (`Engine`, an nn.Module passing unknown attributes to the
-model) with DeepSpeed's method shapes (engine.py). What each argument of `initialize`
-does is in init_engine.py; what `zero.Init` does and does not do, in zero.py.
+model) with DeepSpeed's method shapes (runtime/engine/deepspeed_engine.py; a PipelineModule's
+is its `PipelineEngine`, runtime/pipe/engine.py). What each argument of `initialize` does
+is in init_engine.py; what `zero.Init` does and does not do, in zero.py.
 """
 
 from shardwise.frontends.deepspeed.api import (
@@ -31,10 +32,11 @@ from shardwise.frontends.deepspeed.api import (
 from shardwise.frontends.deepspeed.api.accelerator import get_accelerator
 from shardwise.frontends.deepspeed.api.arguments import add_config_arguments
 from shardwise.frontends.deepspeed.api.comm import init_distributed
-from shardwise.frontends.deepspeed.api.engine import DeepSpeedEngine
+from shardwise.frontends.deepspeed.api.runtime.engine import DeepSpeedEngine
 from shardwise.frontends.deepspeed.api.inference import InferenceEngine, init_inference
 from shardwise.frontends.deepspeed.api.init_engine import initialize
 from shardwise.frontends.deepspeed.api.runtime.config import DeepSpeedConfigError
+from shardwise.frontends.deepspeed.api.runtime.pipe.engine import PipelineEngine
 from shardwise.frontends.deepspeed.api.utils import log_dist, logger
 
 __version__ = git_version_info.version  # the DeepSpeed release whose API this package follows
@@ -43,6 +45,7 @@ __all__ = [
     "DeepSpeedConfigError",
     "DeepSpeedEngine",
     "InferenceEngine",
+    "PipelineEngine",
     "accelerator",
     "add_config_arguments",
     "checkpoint",

@@ -34,9 +34,10 @@ import torch
 from torch import nn
 from torch.utils.data import DataLoader, Dataset, IterableDataset
 
-from shardwise.frontends.deepspeed.api.checkpoint_arguments import tag_validation_mode
+from shardwise.frontends.deepspeed.api.runtime.engine.checkpoint_arguments import tag_validation_mode
 from shardwise.frontends.deepspeed.api.comm import DEFAULT_PORT, init_distributed
-from shardwise.frontends.deepspeed.api.engine import DeepSpeedEngine
+from shardwise.frontends.deepspeed.api.runtime.engine import DeepSpeedEngine
+from shardwise.frontends.deepspeed.api.runtime.pipe.engine import PipelineEngine
 from shardwise.frontends.deepspeed.api.pipe import PipelineModule
 from shardwise.frontends.deepspeed.api.runtime.base_optimizer import mark_wrapped
 from shardwise.frontends.deepspeed.api.runtime.config import DeepSpeedConfigError
@@ -95,7 +96,8 @@ def initialize(
         if not _all_trainable_in_one_group(model, groups):  # else the engine builds the same from the config
             optimizer = optimizer_spec(cfg.optimizer.type).build(groups, dict(cfg.optimizer.params))
             cfg = cfg.model_copy(update={"optimizer": None})
-    engine = initialize_engine(model, cfg, optimizer, lr_scheduler, engine_class=DeepSpeedEngine)
+    engine_class = PipelineEngine if isinstance(model, PipelineModule) else DeepSpeedEngine  # as DeepSpeed's
+    engine = initialize_engine(model, cfg, optimizer, lr_scheduler, engine_class=engine_class)
     engine.tag_validation = tag_validation
     parallel_groups.use_mesh(engine.mesh)  # deepspeed.utils.groups answers from this engine's layout
     if training_data is not None:

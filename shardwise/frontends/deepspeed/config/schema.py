@@ -387,7 +387,7 @@ class CheckpointWriterConfig(Section):
 
 class CheckpointConfig(Section):
     """DeepSpeed's `checkpoint` block. `tag_validation` (Ignore / Warn / Fail) is read by
-    the DeepSpeed API's save and load (api/checkpoint_arguments.py); the keys of DeepSpeed's
+    the DeepSpeed API's save and load (api/runtime/engine/checkpoint_arguments.py); the keys of DeepSpeed's
     own checkpoint engines are classified in deepspeed_keys.py."""
 
     tag_validation: Literal["IGNORE", "WARN", "FAIL"] = "WARN"

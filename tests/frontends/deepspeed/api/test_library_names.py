@@ -2,8 +2,10 @@
 `runtime.base_optimizer.DeepSpeedOptimizer` (the optimizer `initialize` returns is one
 exactly where DeepSpeed 0.19.8's is), Accelerate's `checkpoint.utils.
 clone_tensors_for_torch_save` and `launcher.runner.DEEPSPEED_ENVIRONMENT_NAME`, and the
-optimizer classes `ops.adagrad` / `ops.lion`; each compared with DeepSpeed itself when
-DEEPSPEED_PYTHON names an interpreter with it."""
+optimizer classes `ops.adagrad` / `ops.lion`, and the engines' own modules
+(`runtime.engine.DeepSpeedEngine`, `runtime.pipe.engine.PipelineEngine`), which training
+scripts import for type hints and isinstance checks; each compared with DeepSpeed itself
+when DEEPSPEED_PYTHON names an interpreter with it."""
 
 from __future__ import annotations
 
@@ -158,3 +160,38 @@ def test_the_environment_file_defaults_to_deepspeeds(monkeypatch):
     runner = importlib.reload(deepspeed.launcher.runner)
     assert runner.DEEPSPEED_ENVIRONMENT_NAME == ".deepspeed_env"
     assert runner.DEEPSPEED_ENVIRONMENT_PATHS == [os.path.expanduser("~"), "."]
+
+
+ENGINE_MODULES = """
+import deepspeed
+from deepspeed.runtime.engine import DeepSpeedEngine
+from deepspeed.runtime.pipe.engine import PipelineEngine
+from deepspeed.runtime.dataloader import RepeatingLoader
+print(DeepSpeedEngine is deepspeed.DeepSpeedEngine, issubclass(PipelineEngine, DeepSpeedEngine),
+      PipelineEngine is deepspeed.PipelineEngine, RepeatingLoader is deepspeed.utils.RepeatingLoader)
+"""
+
+
+def test_the_engines_import_from_deepspeeds_module_paths():
+    """Through `import deepspeed` (the alias `shardwise run --as-deepspeed` installs); a plain
+    model's engine is a DeepSpeedEngine and not a PipelineEngine (the pipeline's is one:
+    test_pipeline_module.py)."""
+    script = "from shardwise.frontends.deepspeed.alias import install_alias\ninstall_alias()\n" + ENGINE_MODULES
+    ran = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120)
+    assert ran.returncode == 0, ran.stderr
+    assert ran.stdout.split() == ["True"] * 4
+    engine, *_ = deepspeed.initialize(model=nn.Linear(2, 2), config=_config(0, None))
+    try:
+        assert isinstance(engine, deepspeed.runtime.engine.DeepSpeedEngine)
+        assert not isinstance(engine, deepspeed.PipelineEngine)
+    finally:
+        engine.destroy()
+
+
+@needs_deepspeed
+def test_deepspeed_has_the_same_engine_module_paths():
+    environment = {**os.environ, "DS_ACCELERATOR": "cpu"}
+    ran = subprocess.run([os.environ["DEEPSPEED_PYTHON"], "-c", ENGINE_MODULES], capture_output=True, text=True,
+                         timeout=300, env=environment)
+    assert ran.returncode == 0, ran.stderr[-3000:]
+    assert ran.stdout.split()[-4:] == ["True"] * 4

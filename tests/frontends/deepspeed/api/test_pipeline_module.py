@@ -1,6 +1,7 @@
 """A `PipelineModule` built once the process group exists holds only its rank's stage's
 layers, as DeepSpeed's does (DeepSpeed's unit/pipe/test_pipe_module.py sums `parameters()`
-over the ranks), and trains exactly as the whole model in one process."""
+over the ranks), and trains exactly as the whole model in one process, through the
+`PipelineEngine` DeepSpeed returns for one, with its stage accessors."""
 
 from __future__ import annotations
 
@@ -38,7 +39,10 @@ def _split_and_train(rank: int, world_size: int) -> dict:
     losses = [engine.train_batch(iter(micro_batches(images, labels, MICRO_BATCH, data_size, data_rank))).item()
               for images, labels in global_batches(data_size)]
     params = {name: param.detach().clone() for name, param in engine.module.named_parameters()}
-    return {"held": held, "total": total.item(), "refused": refused, "losses": losses, "params": params}
+    stage = [isinstance(engine, deepspeed.PipelineEngine), engine.stage_id, engine.get_pipeline_parallel_rank(),
+             engine.num_stages, engine.micro_batches, engine.is_first_stage(), engine.is_last_stage()]
+    return {"held": held, "total": total.item(), "refused": refused, "losses": losses, "params": params,
+            "stage": stage}
 
 
 def test_each_rank_builds_its_stage_and_the_split_trains_as_one_process():
@@ -51,6 +55,9 @@ def test_each_rank_builds_its_stage_and_the_split_trains_as_one_process():
     # each parameter counted once per data-parallel replica of its stage
     assert results[0]["total"] == 2 * _count(whole)
     assert "belongs to pipeline stage 1" in results[0]["refused"] and "stage 0" in results[2]["refused"]
+    for rank, result in enumerate(results):
+        stage = rank // 2
+        assert result["stage"] == [True, stage, stage, 2, MICRO_BATCHES, stage == 0, stage == 1]
     want = run_distributed(train_reference, 1, 2, timeout=120)[0]
     assert_stages_equal_reference(results, want)
 

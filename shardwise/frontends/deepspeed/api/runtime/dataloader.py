@@ -29,6 +29,8 @@ from typing import Any, Callable, Iterator
 import torch
 from torch.utils.data import DataLoader, Dataset, DistributedSampler
 
+from shardwise.frontends.deepspeed.api.utils.repeating_loader import RepeatingLoader
+
 __all__ = ["DeepSpeedDataLoader", "PositionedSampler", "RepeatingLoader"]
 
 
@@ -125,23 +127,3 @@ class DeepSpeedDataLoader(DataLoader):
                 "global batch), or save at an optimizer step")
         sampler.set_epoch(state["epoch"])
         self._resume = (state["epoch"], state["consumed"])
-
-
-class RepeatingLoader:
-    """Iterate `loader` forever, restarting it at its end (a pipeline's `train_batch` pulls
-    micro-batches and must never meet the end of an epoch mid-batch). Over the engine's
-    loader, a restored data position applies to the pass it is in."""
-
-    def __init__(self, loader):
-        self.loader = loader
-        self.data_iter = iter(loader)
-
-    def __iter__(self):
-        return self
-
-    def __next__(self):
-        try:
-            return next(self.data_iter)
-        except StopIteration:
-            self.data_iter = iter(self.loader)
-            return next(self.data_iter)

@@ -8,7 +8,7 @@ data/model/sequence/expert-parallel group getters (groups.py)."""
 
 from __future__ import annotations
 
-from shardwise.frontends.deepspeed.api.runtime.dataloader import RepeatingLoader
+from shardwise.frontends.deepspeed.api.utils.repeating_loader import RepeatingLoader
 from shardwise.frontends.deepspeed.api.utils import groups, logging
 from shardwise.frontends.deepspeed.api.utils.logging import log_dist, logger
 from shardwise.frontends.deepspeed.api.utils.tensor_fragment import (

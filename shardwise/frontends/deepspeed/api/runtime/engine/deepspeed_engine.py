@@ -24,10 +24,10 @@ from torch import nn
 from shardwise.runtime.checkpoint.format import LATEST
 from shardwise.runtime.checkpoint.manifest import write_synced
 from shardwise.runtime.checkpoint.state import capture_rng_state, restore_rng_state
-from shardwise.frontends.deepspeed.api.checkpoint_arguments import agreed_location
+from shardwise.frontends.deepspeed.api.runtime.engine.checkpoint_arguments import agreed_location
 from shardwise.frontends.deepspeed.api.runtime.zero.external_parameters import ReturnedParameterTracker
 from shardwise.frontends.deepspeed.api.runtime.zero.partition_parameters import mark_partitioned, unmark_partitioned
-from shardwise.frontends.deepspeed.api.utils import RepeatingLoader
+from shardwise.frontends.deepspeed.api.utils.repeating_loader import RepeatingLoader
 from shardwise.frontends.deepspeed.api.utils.zero_to_fp32 import RECOVERY_SCRIPT
 from shardwise.frontends.deepspeed.config import ShardwiseConfig
 from shardwise.frontends.deepspeed.engine import ConfiguredEngine
