@@ -1549,3 +1549,53 @@ void onebit_lamb_decode_statistics(const uint8_t *restrict packed, int64_t strid
         i += length;
     }
 }
+
+/* Python's max(a, b) and min(a, b) for floats (the first unless the second is larger, or
+   smaller), NaN kept where Python keeps it: optim/onebit_lamb.py's `_bounded_factor` here. */
+static inline double python_max(double a, double b) { return b > a ? b : a; }
+static inline double python_min(double a, double b) { return b < a ? b : a; }
+
+/* 1-bit LAMB's compressed step on the gathered signs over all of its trained tensors in
+   one call (no call per tensor from Python; optim/onebit_lamb.py `_decode_step_by_tensor`):
+   per tensor its statistics pass (`onebit_lamb_decode_statistics`), its update's scale
+   from them (`_update_scale` and `_bounded_factor`'s arithmetic, in double precision as
+   Python's floats, the scale then rounded to float as a float argument is), and its
+   update's pass (`onebit_decode_apply`), which finds the tensor's variance where the
+   first pass left it in cache. Tensor k: table[6k .. 6k + 5] its first flat index in the
+   momentum, element count, the addresses of its weights, variance and fresh variance, and
+   eps_inside_sqrt; settings[10k .. 10k + 9] its step size, lamb_coeff_freeze, last factor
+   (replaced by the new one), beta1, beta2, eps, weight decay, factor_min, factor_max and
+   factor_threshold. momentum: the flat momentum; known, known_scales as in
+   `onebit_lamb_decode_statistics` (NULL: the momentum read from memory). */
+void onebit_lamb_decode_steps(const uint8_t *restrict packed, int64_t stride, const float *restrict scales,
+                              int64_t chunk, float *restrict momentum, const uint8_t *restrict known,
+                              const float *restrict known_scales, int64_t tensors, const int64_t *restrict table,
+                              double *restrict settings) {
+    for (int64_t k = 0; k < tensors; k++) {
+        const int64_t *row = table + 6 * k;
+        double *s = settings + 10 * k;
+        const int64_t start = row[0], n = row[1];
+        float *param = (float *)(intptr_t)row[2], *fresh = (float *)(intptr_t)row[4];
+        const float *variance = (const float *)(intptr_t)row[3];
+        const int eps_inside_sqrt = (int)row[5];
+        const double beta1 = s[3], beta2 = s[4], eps = s[5], weight_decay = s[6];
+        double statistics[3] = {0.0, 0.0, 0.0};
+        onebit_lamb_decode_statistics(packed, stride, scales, chunk, start, param, momentum + start, known,
+                                      known_scales, variance, fresh, n, (float)beta1, (float)(1.0 - beta1),
+                                      (float)beta2, (float)(1.0 - beta2), (float)eps, eps_inside_sqrt,
+                                      (float)weight_decay, statistics);
+        double share = 1.0;
+        if (weight_decay != 0.0) { /* weight decay's share of the update is not rescaled */
+            const double preliminary = sqrt(statistics[1]), update = sqrt(statistics[2]);
+            share = update != 0.0 ? python_min(1.0, preliminary / update) : 1.0;
+        }
+        const double last = s[2], threshold = s[9];
+        double factor = statistics[0] * share + (1.0 - share);
+        factor = python_min(python_max(factor, s[7]), s[8]);
+        factor = python_min(python_max(factor, last * (1.0 - threshold)), last * (1.0 + threshold));
+        s[2] = factor;
+        const double scale = -s[0] * s[1] * factor;
+        onebit_decode_apply(packed, stride, scales, chunk, start, n, momentum + start, variance, param, (float)scale,
+                            (float)eps, (float)weight_decay, eps_inside_sqrt);
+    }
+}
