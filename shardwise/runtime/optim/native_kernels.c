@@ -1162,6 +1162,17 @@ AVX512 static inline __attribute__((always_inline)) __mmask16 onebit_lanes_of(co
     return (__mmask16)((word >> shift) & (count == 16 ? 0xFFFFu : (1u << count) - 1));
 }
 
+/* The lane mask of the 16 signs of elements t .. t + 15 of a row from bit first (bytes =
+   row + first / 8, shift = first % 8), as `onebit_signed_vectors_avx512` reads them. */
+AVX512 static inline __attribute__((always_inline)) __mmask16 onebit_vector_lanes(const uint8_t *restrict bytes,
+                                                                                  int shift, int64_t t) {
+    const uint8_t *restrict at = bytes + t / 8;
+    uint32_t word = reversed_bits[at[0]] | (uint32_t)reversed_bits[at[1]] << 8;
+    if (shift != 0)
+        word = (word | (uint32_t)reversed_bits[at[2]] << 16) >> shift;
+    return (__mmask16)word;
+}
+
 /* Whole vectors: the shift of the first element in its byte is the same for every vector
    (16 elements are two bytes), so each vector's mask is two table lookups, or three and a
    shift; `use` a constant where this is inlined, so each loop is branch-free. */
@@ -1377,6 +1388,37 @@ void onebit_server_compress(const uint8_t *restrict incoming, int64_t stride, co
     *scale = (float)sqrt(square) / (float)sqrt((double)n);
 }
 
+#ifdef HAVE_AVX512_PATH
+/* `onebit_decode_apply`'s block (n <= ONEBIT_BLOCK elements of one rank's row from bit
+   first, at scale s) with the update, in one loop: each vector's signs as a lane mask,
+   the decoded momentum stored and used from the register (`adam_direction`'s operations,
+   the weight decay's fused multiply-add as fmaf's), where the portable way decodes the
+   block into m and reads it back. */
+AVX512 static void onebit_decode_update_avx512(const uint8_t *restrict row, int64_t first, int64_t n, float s,
+                                               float *restrict m, const float *restrict v, float *restrict param,
+                                               float scale, float eps, float weight_decay, int eps_inside_sqrt) {
+    const uint8_t *restrict bytes = row + first / 8;
+    const int shift = (int)(first % 8);
+    const __m512 plus = _mm512_set1_ps(s), minus = _mm512_set1_ps(-s), epsilon = _mm512_set1_ps(eps);
+    const __m512 decay = _mm512_set1_ps(weight_decay), multiplier = _mm512_set1_ps(scale);
+    for (int64_t t = 0; t < n; t += 16) {
+        const int64_t count = n - t < 16 ? n - t : 16;
+        const __mmask16 lanes = count == 16 ? 0xFFFF : (__mmask16)((1u << count) - 1);
+        const __mmask16 positive = count == 16 ? onebit_vector_lanes(bytes, shift, t)
+                                               : onebit_lanes_of(row, first, t, count);
+        const __m512 momentum = _mm512_mask_blend_ps(positive, minus, plus);
+        store_lanes(m + t, lanes, momentum);
+        const __m512 x = load_lanes(v + t, lanes), w = load_lanes(param + t, lanes);
+        const __m512 denominator = eps_inside_sqrt ? _mm512_sqrt_ps(_mm512_add_ps(x, epsilon))
+                                                   : _mm512_add_ps(_mm512_sqrt_ps(x), epsilon);
+        __m512 update = _mm512_div_ps(momentum, denominator);
+        if (weight_decay != 0.0f)
+            update = _mm512_fmadd_ps(w, decay, update);
+        store_lanes(param + t, lanes, _mm512_add_ps(w, _mm512_mul_ps(update, multiplier)));
+    }
+}
+#endif
+
 /* The gathered signs of flat elements [start, start + n) decoded into m (m[0] is element
    `start`; rank r's chunk of `chunk` elements from packed + r x stride at scales[r]), and,
    with param non-NULL, 1-bit Adam's update in the same pass (`lamb_apply`'s arithmetic:
@@ -1390,6 +1432,14 @@ void onebit_decode_apply(const uint8_t *restrict packed, int64_t stride, const f
         int64_t length = n - i < chunk - first ? n - i : chunk - first;
         length = length < ONEBIT_BLOCK ? length : ONEBIT_BLOCK;
         float *restrict out = m + i;
+#ifdef HAVE_AVX512_PATH
+        if (avx512_enabled && param != NULL) {
+            onebit_decode_update_avx512(packed + r * stride, first, length, scales[r], out, v + i, param + i, scale,
+                                        eps, weight_decay, eps_inside_sqrt);
+            i += length;
+            continue;
+        }
+#endif
         onebit_signed(packed + r * stride, first, length, scales[r], out, ONEBIT_SET);
         if (param != NULL) {
             float *restrict w = param + i;
@@ -1515,6 +1565,50 @@ void onebit_lamb_statistics(const float *restrict param, const float *restrict m
                                  eps_inside_sqrt, weight_decay, NULL, out);
 }
 
+#ifdef HAVE_AVX512_PATH
+/* 1-bit LAMB's statistics pass without weight decay where both momenta are decoded signs
+   at positive scales (the decode pass's usual case), over n <= ONEBIT_BLOCK elements: the
+   fresh variance f <- f beta2 + table[2 (average >= 0) + (last >= 0)] and out[0] =
+   max(out[0], max of d(v) / d(f)), the same operations as `onebit_lamb_statistics_body`,
+   with each element's pair of signs read as lane masks straight from the two rows: the
+   portable way (both rows decoded into buffers, then compared with zero) took 1.4x as
+   long on this pass. */
+AVX512 static void onebit_lamb_signs_maximum_avx512(const uint8_t *restrict average, const uint8_t *restrict last,
+                                                    int64_t first, int64_t n, const float *restrict v,
+                                                    float *restrict fresh, float beta2, float eps, int eps_inside_sqrt,
+                                                    const float *restrict table, double *out) {
+    const uint8_t *restrict average_bytes = average + first / 8, *restrict last_bytes = last + first / 8;
+    const int shift = (int)(first % 8);
+    const __m512 t00 = _mm512_set1_ps(table[0]), t01 = _mm512_set1_ps(table[1]);
+    const __m512 t10 = _mm512_set1_ps(table[2]), t11 = _mm512_set1_ps(table[3]);
+    const __m512 decay = _mm512_set1_ps(beta2), epsilon = _mm512_set1_ps(eps);
+    __m512 maximum = _mm512_set1_ps(-INFINITY);
+    __mmask16 nan = 0;
+    for (int64_t t = 0; t < n; t += 16) {
+        const int64_t count = n - t < 16 ? n - t : 16;
+        const __mmask16 lanes = count == 16 ? 0xFFFF : (__mmask16)((1u << count) - 1);
+        const __mmask16 positive = count == 16 ? onebit_vector_lanes(average_bytes, shift, t)
+                                               : onebit_lanes_of(average, first, t, count);
+        const __mmask16 later = count == 16 ? onebit_vector_lanes(last_bytes, shift, t)
+                                            : onebit_lanes_of(last, first, t, count);
+        const __m512 added = _mm512_mask_blend_ps(positive, _mm512_mask_blend_ps(later, t00, t01),
+                                                  _mm512_mask_blend_ps(later, t10, t11));
+        const __m512 f = _mm512_add_ps(_mm512_mul_ps(load_lanes(fresh + t, lanes), decay), added);
+        store_lanes(fresh + t, lanes, f);
+        const __m512 xv = load_lanes(v + t, lanes);
+        const __m512 dv = eps_inside_sqrt ? _mm512_sqrt_ps(_mm512_add_ps(xv, epsilon))
+                                          : _mm512_add_ps(_mm512_sqrt_ps(xv), epsilon);
+        const __m512 df = eps_inside_sqrt ? _mm512_sqrt_ps(_mm512_add_ps(f, epsilon))
+                                          : _mm512_add_ps(_mm512_sqrt_ps(f), epsilon);
+        const __m512 ratio = _mm512_div_ps(dv, df);
+        nan |= _mm512_mask_cmp_ps_mask(lanes, ratio, ratio, _CMP_UNORD_Q);
+        maximum = _mm512_mask_max_ps(maximum, lanes, maximum, ratio);
+    }
+    const double found = nan ? NAN : (double)_mm512_reduce_max_ps(maximum);
+    out[0] = out[0] != out[0] || found != found ? NAN : (found > out[0] ? found : out[0]);
+}
+#endif
+
 /* 1-bit LAMB's statistics pass on the gathered signs: the average decoded block by block
    (as `onebit_decode_apply`) into a buffer in cache, against the previous momentum m (a
    tensor's view of the flat momentum from flat index start), which is only read: the
@@ -1534,15 +1628,24 @@ void onebit_lamb_decode_statistics(const uint8_t *restrict packed, int64_t strid
         int64_t length = n - i < chunk - first ? n - i : chunk - first;
         length = length < ONEBIT_BLOCK ? length : ONEBIT_BLOCK;
         float average[ONEBIT_BLOCK], last[ONEBIT_BLOCK], table[4];
-        onebit_signed(packed + r * stride, first, length, scales[r], average, ONEBIT_SET);
-        if (known != NULL) {
-            onebit_signed(known + r * stride, first, length, known_scales[r], last, ONEBIT_SET);
+        if (known != NULL)
             for (int pair = 0; pair < 4; pair++) { /* index 2 x (average >= 0) + (last >= 0) */
                 const float a = pair & 2 ? scales[r] : -scales[r], l = pair & 1 ? known_scales[r] : -known_scales[r];
                 const float g = (a - beta1 * l) / one_minus_beta1;
                 table[pair] = one_minus_beta2 * g * g;
             }
+#ifdef HAVE_AVX512_PATH
+        /* positive scales: an element's sign bit is then whether its value is >= 0 */
+        if (avx512_enabled && known != NULL && weight_decay == 0.0f && scales[r] > 0.0f && known_scales[r] > 0.0f) {
+            onebit_lamb_signs_maximum_avx512(packed + r * stride, known + r * stride, first, length, v + i, fresh + i,
+                                             beta2, eps, eps_inside_sqrt, table, out);
+            i += length;
+            continue;
         }
+#endif
+        onebit_signed(packed + r * stride, first, length, scales[r], average, ONEBIT_SET);
+        if (known != NULL)
+            onebit_signed(known + r * stride, first, length, known_scales[r], last, ONEBIT_SET);
         onebit_lamb_statistics_cases(param + i, average, known != NULL ? last : m + i, v + i, fresh + i, length,
                                      beta1, one_minus_beta1, beta2, one_minus_beta2, eps, eps_inside_sqrt,
                                      weight_decay, known != NULL ? table : NULL, out);
