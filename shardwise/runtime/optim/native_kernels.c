@@ -1388,37 +1388,6 @@ void onebit_server_compress(const uint8_t *restrict incoming, int64_t stride, co
     *scale = (float)sqrt(square) / (float)sqrt((double)n);
 }
 
-#ifdef HAVE_AVX512_PATH
-/* `onebit_decode_apply`'s block (n <= ONEBIT_BLOCK elements of one rank's row from bit
-   first, at scale s) with the update, in one loop: each vector's signs as a lane mask,
-   the decoded momentum stored and used from the register (`adam_direction`'s operations,
-   the weight decay's fused multiply-add as fmaf's), where the portable way decodes the
-   block into m and reads it back. */
-AVX512 static void onebit_decode_update_avx512(const uint8_t *restrict row, int64_t first, int64_t n, float s,
-                                               float *restrict m, const float *restrict v, float *restrict param,
-                                               float scale, float eps, float weight_decay, int eps_inside_sqrt) {
-    const uint8_t *restrict bytes = row + first / 8;
-    const int shift = (int)(first % 8);
-    const __m512 plus = _mm512_set1_ps(s), minus = _mm512_set1_ps(-s), epsilon = _mm512_set1_ps(eps);
-    const __m512 decay = _mm512_set1_ps(weight_decay), multiplier = _mm512_set1_ps(scale);
-    for (int64_t t = 0; t < n; t += 16) {
-        const int64_t count = n - t < 16 ? n - t : 16;
-        const __mmask16 lanes = count == 16 ? 0xFFFF : (__mmask16)((1u << count) - 1);
-        const __mmask16 positive = count == 16 ? onebit_vector_lanes(bytes, shift, t)
-                                               : onebit_lanes_of(row, first, t, count);
-        const __m512 momentum = _mm512_mask_blend_ps(positive, minus, plus);
-        store_lanes(m + t, lanes, momentum);
-        const __m512 x = load_lanes(v + t, lanes), w = load_lanes(param + t, lanes);
-        const __m512 denominator = eps_inside_sqrt ? _mm512_sqrt_ps(_mm512_add_ps(x, epsilon))
-                                                   : _mm512_add_ps(_mm512_sqrt_ps(x), epsilon);
-        __m512 update = _mm512_div_ps(momentum, denominator);
-        if (weight_decay != 0.0f)
-            update = _mm512_fmadd_ps(w, decay, update);
-        store_lanes(param + t, lanes, _mm512_add_ps(w, _mm512_mul_ps(update, multiplier)));
-    }
-}
-#endif
-
 /* The gathered signs of flat elements [start, start + n) decoded into m (m[0] is element
    `start`; rank r's chunk of `chunk` elements from packed + r x stride at scales[r]), and,
    with param non-NULL, 1-bit Adam's update in the same pass (`lamb_apply`'s arithmetic:
@@ -1432,14 +1401,6 @@ void onebit_decode_apply(const uint8_t *restrict packed, int64_t stride, const f
         int64_t length = n - i < chunk - first ? n - i : chunk - first;
         length = length < ONEBIT_BLOCK ? length : ONEBIT_BLOCK;
         float *restrict out = m + i;
-#ifdef HAVE_AVX512_PATH
-        if (avx512_enabled && param != NULL) {
-            onebit_decode_update_avx512(packed + r * stride, first, length, scales[r], out, v + i, param + i, scale,
-                                        eps, weight_decay, eps_inside_sqrt);
-            i += length;
-            continue;
-        }
-#endif
         onebit_signed(packed + r * stride, first, length, scales[r], out, ONEBIT_SET);
         if (param != NULL) {
             float *restrict w = param + i;
@@ -1615,7 +1576,8 @@ AVX512 static void onebit_lamb_signs_maximum_avx512(const uint8_t *restrict aver
    average is written by the update's pass (`onebit_decode_apply`), so the previous
    momentum needs no copy. With `known` non-NULL the previous momentum is known to be the
    decode of those gathered signs at `known_scales` (the same layout as `packed`) and is
-   read from them, not from m. */
+   read from them, not from m; without weight decay, on AVX-512, straight from both rows
+   of signs (`onebit_lamb_signs_maximum_avx512`). */
 void onebit_lamb_decode_statistics(const uint8_t *restrict packed, int64_t stride, const float *restrict scales,
                                    int64_t chunk, int64_t start, const float *restrict param,
                                    const float *restrict m, const uint8_t *restrict known,
