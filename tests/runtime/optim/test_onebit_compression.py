@@ -508,3 +508,65 @@ def test_lamb_step_in_one_call_equals_it_tensor_by_tensor(known):
         for mine, theirs in zip(batched[key], separate[key]):
             assert torch.equal(mine, theirs), key
     assert torch.equal(batched["momentum"], separate["momentum"])
+
+
+SAVED_AFTER = 3  # freeze_step 1: two fused steps before the save, three after it
+
+
+def _saved_and_straight_lamb_on_ranks(rank: int, world_size: int) -> dict:
+    """1-bit LAMB's fused steps at stage 0: one optimizer straight through, taking its own
+    `state_dict()` back after step SAVED_AFTER (a load resets error feedback, so the straight
+    run loads too), and one built fresh at that point from a deep copy of the first's
+    state dict."""
+    import copy
+
+    import torch.distributed as dist
+
+    from shardwise.runtime.distributed.mesh import GroupHandle
+    from shardwise.runtime.optim.onebit_lamb import OneBitLamb
+
+    handle = GroupHandle("data", tuple(range(world_size)), rank, dist.group.WORLD, dist.group.WORLD)
+    initial = [torch.randn(shape, generator=torch.Generator().manual_seed(1)) for shape in FUSED_SHAPES]
+
+    def build(weights: list[torch.Tensor]) -> tuple[OneBitLamb, list[torch.nn.Parameter]]:
+        own = [torch.nn.Parameter(tensor.clone()) for tensor in weights]
+        groups = [{"params": own[:2]}, {"params": own[2:], "weight_decay": 0.01}]
+        optimizer = OneBitLamb(groups, lr=0.01, freeze_step=1, eps=1e-4, factor_threshold=0.5)
+        optimizer.attach_gradient_exchange(Communicator(handle, CommStats()), lambda on: None)
+        return optimizer, own
+
+    def steps(optimizer: OneBitLamb, own: list[torch.nn.Parameter], numbers: range) -> None:
+        for step in numbers:
+            for index, param in enumerate(own):
+                param.grad = torch.randn(param.shape, generator=torch.Generator().manual_seed(
+                    100 * step + 10 * rank + index))
+            optimizer.step()
+
+    straight, weights = build(initial)
+    steps(straight, weights, range(SAVED_AFTER))
+    saved = copy.deepcopy(straight.state_dict())
+    resumed, resumed_weights = build([param.detach() for param in weights])
+    resumed.load_state_dict(saved)
+    straight.load_state_dict(straight.state_dict())
+    steps(straight, weights, range(SAVED_AFTER, FUSED_STEPS + 2))
+    steps(resumed, resumed_weights, range(SAVED_AFTER, FUSED_STEPS + 2))
+    factors = [[optimizer.state[param]["last_factor"] for param in own]
+               for optimizer, own in ((straight, weights), (resumed, resumed_weights))]
+    return {"weights": [[param.detach().clone() for param in own] for own in (weights, resumed_weights)],
+            "momentum": [optimizer.momentum_flat().clone() for optimizer in (straight, resumed)],
+            "factors": factors, "saved_factors": [state["last_factor"] for state in saved["state"].values()]}
+
+
+
+def test_lamb_state_saved_mid_run_continues_as_the_straight_run():
+    """1-bit LAMB's state after fused steps (the factors written back by the one-call
+    step, the fresh variances, the momentum) saved and loaded into a new optimizer
+    continues exactly as the run that saved it, from the same reset of error feedback."""
+    if native.library() is None:
+        pytest.skip("no C compiler: the kernels cannot be built here")
+    for output in run_distributed(_saved_and_straight_lamb_on_ranks, 2):
+        assert all(factor != 1.0 for factor in output["saved_factors"])  # moved by the fused steps
+        assert output["factors"][0] == output["factors"][1]
+        for mine, theirs in zip(*output["weights"]):
+            assert torch.equal(mine, theirs)
+        assert torch.equal(*output["momentum"])
