@@ -59,6 +59,7 @@ _SIGNATURES = {
     "onebit_lamb_statistics": [_P, _P, _P, _P, _P, _L, _F, _F, _F, _F, _F, _I, _F, _P],
     "onebit_lamb_decode_statistics": [_P, _L, _P, _L, _L, _P, _P, _P, _P, _P, _P, _L, _F, _F, _F, _F, _F, _I, _F,
                                       _P],
+    "onebit_lamb_decode_steps": [_P, _L, _P, _L, _P, _P, _P, _L, _P, _P],
 }
 # Kernels that return a value (the others return nothing), where the library has them:
 # `use_avx512` and `use_avx512_vbmi` exist only where the compiler targets x86-64.

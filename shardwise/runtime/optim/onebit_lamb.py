@@ -168,33 +168,28 @@ class OneBitLamb(OneBitOptimizer):
             shard.start == 0 and shard.stop == math.prod(shard.shape) for shard in shards)
 
     def _decode_step_by_tensor(self, gathered: GatheredSigns, known: GatheredSigns | None, step: int) -> None:
-        """Both passes tensor by tensor: the statistics pass on the gathered signs, the
+        """Both passes tensor by tensor, in one native call (`onebit_lamb_decode_steps`,
+        no call per tensor from Python): the statistics pass on the gathered signs, the
         factor, then the update's pass, which finds the tensor's variance in the cache the
         first pass left it in (the largest GPT tensors' arrays are a few MB), where two
         passes over every tensor read it from memory twice. The statistics pass reads the
         previous momentum from `known` where the last step left it their decode
-        (optim/onebit.py `momentum_signs`)."""
-        library = native.library()
-        statistics = torch.zeros(3, dtype=torch.float64)
-        address = statistics.data_ptr()
-        packed, stride, signs_scales = gathered.packed.data_ptr(), gathered.packed.shape[1], gathered.scales.data_ptr()
-        momentum = self.momentum_flat().data_ptr()
-        known_packed, known_scales = (None, None) if known is None else (known.packed.data_ptr(),
-                                                                          known.scales.data_ptr())
+        (optim/onebit.py `momentum_signs`). Each tensor's `last_factor` comes back in the
+        settings' third column."""
+        layout = self.momentum_layout()
         sizes = {id(group): adam_step_size(group, step, self.freeze_step) for group in self.param_groups}
-        for param, group, start, state in self.momentum_layout():
-            beta1, beta2 = group["betas"]
-            statistics.zero_()
-            variance = state["exp_avg_sq"].data_ptr()
-            library.onebit_lamb_decode_statistics(
-                packed, stride, signs_scales, gathered.chunk, start, param.data_ptr(), state["exp_avg"].data_ptr(),
-                known_packed, known_scales, variance, state["exp_avg_sq_fresh"].data_ptr(), param.numel(), beta1,
-                1 - beta1, beta2, 1 - beta2, group["eps"], group["eps_inside_sqrt"], group["weight_decay"], address)
-            maximum, preliminary, update = statistics.tolist()
-            scale = _update_scale(state, group, sizes[id(group)], maximum, (math.sqrt(preliminary), math.sqrt(update)))
-            library.onebit_decode_apply(packed, stride, signs_scales, gathered.chunk, start, param.numel(),
-                                        momentum + 4 * start, variance, param.data_ptr(), scale, group["eps"],
-                                        group["weight_decay"], group["eps_inside_sqrt"])
+        table = torch.tensor([[start, param.numel(), param.data_ptr(), state["exp_avg_sq"].data_ptr(),
+                               state["exp_avg_sq_fresh"].data_ptr(), int(group["eps_inside_sqrt"])]
+                              for param, group, start, state in layout], dtype=torch.int64)
+        settings = torch.tensor([[sizes[id(group)], state["lamb_coeff_freeze"], state["last_factor"], *group["betas"],
+                                  group["eps"], group["weight_decay"], group["factor_min"], group["factor_max"],
+                                  group["factor_threshold"]] for _, group, _, state in layout], dtype=torch.float64)
+        native.library().onebit_lamb_decode_steps(
+            gathered.packed.data_ptr(), gathered.packed.shape[1], gathered.scales.data_ptr(), gathered.chunk,
+            self.momentum_flat().data_ptr(), None if known is None else known.packed.data_ptr(),
+            None if known is None else known.scales.data_ptr(), len(layout), table.data_ptr(), settings.data_ptr())
+        for (_, _, _, state), factor in zip(layout, settings[:, 2].tolist()):
+            state["last_factor"] = factor
         self.decode_untrained_(gathered)
 
     def _statistics(self, statistics: torch.Tensor) -> None:

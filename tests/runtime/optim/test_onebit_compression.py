@@ -4,6 +4,7 @@ bit, with the bytes it sends counted exactly."""
 
 from __future__ import annotations
 
+import itertools
 import math
 
 import pytest
@@ -327,8 +328,9 @@ def _kernel_outputs(avx512: bool) -> dict[str, torch.Tensor]:
     """Every 1-bit kernel whose signs the AVX-512 blocks read or write, on fixed inputs:
     lengths with a partial last block and an 8-lane last vector, a pending compression,
     three rows at the server, a momentum fold with a segment without gradient, the
-    previous momentum read from memory and decoded from known signs, and decodes
-    starting inside a byte and crossing a chunk boundary."""
+    previous momentum read from memory and decoded from known signs, decodes starting
+    inside a byte and crossing a chunk boundary, with weight decay and without (1-bit
+    LAMB's statistics then read both rows of signs as lane masks)."""
     native.use_avx512(avx512)
     library, generator = native.library(), torch.Generator().manual_seed(3)
     n, rows, chunk = 3000, 3, 1000  # 3000 = 2 x 1024 + 952 elements, 952 = 59 x 16 + 8
@@ -351,21 +353,21 @@ def _kernel_outputs(avx512: bool) -> dict[str, torch.Tensor]:
                                    out["server_error"].data_ptr(), pending.data_ptr(), 0.125,
                                    out["server signs"].data_ptr(), out["server scale"].data_ptr())
     packed, known_rows, known_scales = random_bytes(rows * (chunk // 8)), random_bytes(rows * (chunk // 8)), scales / 3
-    for start, length, inside in ((5, 1990, 0), (1003, 11, 1)):
+    for (start, length, inside), decay in itertools.product(((5, 1990, 0), (1003, 11, 1)), (0.01, 0.0)):
         weights, variance = torch.randn(length, generator=generator), torch.rand(length, generator=generator)
         decoded = torch.zeros(length)
         library.onebit_decode_apply(packed.data_ptr(), chunk // 8, scales.data_ptr(), chunk, start, length,
-                                    decoded.data_ptr(), variance.data_ptr(), weights.data_ptr(), -0.01, 1e-4, 0.01,
+                                    decoded.data_ptr(), variance.data_ptr(), weights.data_ptr(), -0.01, 1e-4, decay,
                                     inside)
-        out.update({f"decoded {start}": decoded, f"weights {start}": weights})
+        out.update({f"decoded {start} {decay}": decoded, f"weights {start} {decay}": weights})
         for key, signs in (("", None), (" from known signs", known_rows)):  # the previous momentum read, or decoded
             fresh, statistics = variance.clone(), torch.zeros(3, dtype=torch.float64)
             library.onebit_lamb_decode_statistics(
                 packed.data_ptr(), chunk // 8, scales.data_ptr(), chunk, start, weights.data_ptr(),
                 momentum.data_ptr(), None if signs is None else signs.data_ptr(), known_scales.data_ptr(),
-                variance.data_ptr(), fresh.data_ptr(), length, 0.9, 0.1, 0.999, 0.001, 1e-4, inside, 0.01,
+                variance.data_ptr(), fresh.data_ptr(), length, 0.9, 0.1, 0.999, 0.001, 1e-4, inside, decay,
                 statistics.data_ptr())
-            out.update({f"fresh {start}{key}": fresh, f"statistics {start}{key}": statistics})
+            out.update({f"fresh {start} {decay}{key}": fresh, f"statistics {start} {decay}{key}": statistics})
     return out
 
 
@@ -431,6 +433,140 @@ def test_momentum_read_from_the_last_signs_equals_it_read_from_memory(lamb):
     for output in run_distributed(_known_and_read_momentum_on_ranks, 2, lamb):
         assert output["known_before"] == [False, False, True, True]  # the warm-up, the first compressed step
         assert output["kept"] and output["forgotten"]
+        for mine, theirs in zip(*output["weights"]):
+            assert torch.equal(mine, theirs)
+        assert torch.equal(*output["momentum"])
+
+
+LAMB_TENSORS = [(0, 400, 0.0, 0, 0.1), (400, 1100, 0.01, 1, 0.1), (1500, 300, 0.0, 1, 10.0)]  # start, n, decay,
+# eps_inside_sqrt, factor_threshold: the second crosses the chunk boundary, the third's factor is clamped to its range
+
+
+def _lamb_steps(batched: bool, known: bool) -> dict[str, object]:
+    """1-bit LAMB's compressed step on fixed gathered signs over three tensors: in one call
+    (`onebit_lamb_decode_steps`) or tensor by tensor, each tensor's scale from Python's
+    `_update_scale` between its statistics and its update."""
+    from shardwise.runtime.optim.onebit_lamb import _update_scale
+
+    library, generator = native.library(), torch.Generator().manual_seed(5)
+    rows, chunk = 2, 1000
+    packed = torch.randint(0, 256, (rows, chunk // 8), dtype=torch.uint8, generator=generator)
+    known_rows = torch.randint(0, 256, (rows, chunk // 8), dtype=torch.uint8, generator=generator)
+    scales, known_scales = torch.tensor([0.5, 0.25]), torch.tensor([0.375, 0.125])
+    momentum = torch.randn(rows * chunk, generator=generator)
+    weights = [torch.randn(n, generator=generator) for _, n, *_ in LAMB_TENSORS]
+    variances = [torch.rand(n, generator=generator) for _, n, *_ in LAMB_TENSORS]
+    fresh = [variance * torch.rand(variance.shape, generator=generator) for variance in variances]
+    states = [{"lamb_coeff_freeze": 0.7 + k / 10, "last_factor": 1.0 + k / 5} for k in range(len(LAMB_TENSORS))]
+    groups = [{"betas": (0.9, 0.999), "eps": 1e-4, "weight_decay": decay, "eps_inside_sqrt": bool(inside),
+               "factor_min": 0.5, "factor_max": 4.0, "factor_threshold": threshold}
+              for _, _, decay, inside, threshold in LAMB_TENSORS]
+    step_size = 0.01
+    signs = (known_rows.data_ptr(), known_scales.data_ptr()) if known else (None, None)
+    if batched:
+        table = torch.tensor([[start, n, w.data_ptr(), v.data_ptr(), f.data_ptr(), inside]
+                              for (start, n, _, inside, _), w, v, f in zip(LAMB_TENSORS, weights, variances, fresh)],
+                             dtype=torch.int64)
+        settings = torch.tensor([[step_size, state["lamb_coeff_freeze"], state["last_factor"], *group["betas"],
+                                  group["eps"], group["weight_decay"], group["factor_min"], group["factor_max"],
+                                  group["factor_threshold"]] for state, group in zip(states, groups)],
+                                dtype=torch.float64)
+        library.onebit_lamb_decode_steps(packed.data_ptr(), chunk // 8, scales.data_ptr(), chunk, momentum.data_ptr(),
+                                         *signs, len(LAMB_TENSORS), table.data_ptr(), settings.data_ptr())
+        factors = settings[:, 2].tolist()
+    else:
+        for (start, n, decay, inside, _), w, v, f, state, group in zip(LAMB_TENSORS, weights, variances, fresh, states,
+                                                                      groups):
+            statistics = torch.zeros(3, dtype=torch.float64)
+            library.onebit_lamb_decode_statistics(
+                packed.data_ptr(), chunk // 8, scales.data_ptr(), chunk, start, w.data_ptr(),
+                momentum.data_ptr() + 4 * start, *signs, v.data_ptr(), f.data_ptr(), n, 0.9, 1 - 0.9, 0.999,
+                1 - 0.999, 1e-4, inside, decay, statistics.data_ptr())
+            maximum, preliminary, update = statistics.tolist()
+            scale = _update_scale(state, group, step_size, maximum, (math.sqrt(preliminary), math.sqrt(update)))
+            library.onebit_decode_apply(packed.data_ptr(), chunk // 8, scales.data_ptr(), chunk, start, n,
+                                        momentum.data_ptr() + 4 * start, v.data_ptr(), w.data_ptr(), scale, 1e-4,
+                                        decay, inside)
+        factors = [state["last_factor"] for state in states]
+    return {"weights": weights, "fresh": fresh, "momentum": momentum, "factors": factors}
+
+
+@pytest.mark.parametrize("known", [False, True], ids=["momentum read", "momentum from known signs"])
+def test_lamb_step_in_one_call_equals_it_tensor_by_tensor(known):
+    """1-bit LAMB's compressed step in one native call (`onebit_lamb_decode_steps`, the
+    update's scale computed in C) against the calls per tensor around Python's
+    `_update_scale`: the same weights, fresh variances, momentum and factors, bit for
+    bit, with and without weight decay, eps inside the root, a factor bounded by its
+    threshold and one by its range."""
+    if native.library() is None:
+        pytest.skip("no C compiler: the kernels cannot be built here")
+    batched, separate = _lamb_steps(True, known), _lamb_steps(False, known)
+    assert batched["factors"] == separate["factors"]
+    # the first two moved by their threshold from their last factor, the third at factor_max
+    assert batched["factors"] == [1.0 * (1 + 0.1), (1.0 + 1 / 5) * (1 + 0.1), 4.0]
+    for key in ("weights", "fresh"):
+        for mine, theirs in zip(batched[key], separate[key]):
+            assert torch.equal(mine, theirs), key
+    assert torch.equal(batched["momentum"], separate["momentum"])
+
+
+SAVED_AFTER = 3  # freeze_step 1: two fused steps before the save, three after it
+
+
+def _saved_and_straight_lamb_on_ranks(rank: int, world_size: int) -> dict:
+    """1-bit LAMB's fused steps at stage 0: one optimizer straight through, taking its own
+    `state_dict()` back after step SAVED_AFTER (a load resets error feedback, so the straight
+    run loads too), and one built fresh at that point from a deep copy of the first's
+    state dict."""
+    import copy
+
+    import torch.distributed as dist
+
+    from shardwise.runtime.distributed.mesh import GroupHandle
+    from shardwise.runtime.optim.onebit_lamb import OneBitLamb
+
+    handle = GroupHandle("data", tuple(range(world_size)), rank, dist.group.WORLD, dist.group.WORLD)
+    initial = [torch.randn(shape, generator=torch.Generator().manual_seed(1)) for shape in FUSED_SHAPES]
+
+    def build(weights: list[torch.Tensor]) -> tuple[OneBitLamb, list[torch.nn.Parameter]]:
+        own = [torch.nn.Parameter(tensor.clone()) for tensor in weights]
+        groups = [{"params": own[:2]}, {"params": own[2:], "weight_decay": 0.01}]
+        optimizer = OneBitLamb(groups, lr=0.01, freeze_step=1, eps=1e-4, factor_threshold=0.5)
+        optimizer.attach_gradient_exchange(Communicator(handle, CommStats()), lambda on: None)
+        return optimizer, own
+
+    def steps(optimizer: OneBitLamb, own: list[torch.nn.Parameter], numbers: range) -> None:
+        for step in numbers:
+            for index, param in enumerate(own):
+                param.grad = torch.randn(param.shape, generator=torch.Generator().manual_seed(
+                    100 * step + 10 * rank + index))
+            optimizer.step()
+
+    straight, weights = build(initial)
+    steps(straight, weights, range(SAVED_AFTER))
+    saved = copy.deepcopy(straight.state_dict())
+    resumed, resumed_weights = build([param.detach() for param in weights])
+    resumed.load_state_dict(saved)
+    straight.load_state_dict(straight.state_dict())
+    steps(straight, weights, range(SAVED_AFTER, FUSED_STEPS + 2))
+    steps(resumed, resumed_weights, range(SAVED_AFTER, FUSED_STEPS + 2))
+    factors = [[optimizer.state[param]["last_factor"] for param in own]
+               for optimizer, own in ((straight, weights), (resumed, resumed_weights))]
+    return {"weights": [[param.detach().clone() for param in own] for own in (weights, resumed_weights)],
+            "momentum": [optimizer.momentum_flat().clone() for optimizer in (straight, resumed)],
+            "factors": factors, "saved_factors": [state["last_factor"] for state in saved["state"].values()]}
+
+
+
+def test_lamb_state_saved_mid_run_continues_as_the_straight_run():
+    """1-bit LAMB's state after fused steps (the factors written back by the one-call
+    step, the fresh variances, the momentum) saved and loaded into a new optimizer
+    continues exactly as the run that saved it, from the same reset of error feedback."""
+    if native.library() is None:
+        pytest.skip("no C compiler: the kernels cannot be built here")
+    for output in run_distributed(_saved_and_straight_lamb_on_ranks, 2):
+        assert all(factor != 1.0 for factor in output["saved_factors"])  # moved by the fused steps
+        assert output["factors"][0] == output["factors"][1]
         for mine, theirs in zip(*output["weights"]):
             assert torch.equal(mine, theirs)
         assert torch.equal(*output["momentum"])
