@@ -2,19 +2,26 @@
 `set_random_seed`, the layer-partitioning functions pipeline code uses to assign layers
 to stages (`partition_uniform`, `partition_balanced`, `prefix_sum_inc`),
 `PartitionedTensor` (a tensor cut into one flat, contiguous piece per rank of a group,
-which pipeline code sends between stages as its pieces plus a small meta tensor), and
-`see_memory_usage`."""
+which pipeline code sends between stages as its pieces plus a small meta tensor),
+`see_memory_usage`, `move_to_device` and `clip_grad_norm_` (clipping by the norm over
+model-parallel pieces, averaged over the data-parallel group as DeepSpeed does for
+expert parameters, whose gradients differ between those ranks)."""
 
 from __future__ import annotations
 
 import logging
+import math
 import random
+from typing import Any, Callable, Iterable
 
 import numpy as np
 import torch
 import torch.distributed as dist
 
-__all__ = ["PartitionedTensor", "partition_balanced", "partition_uniform", "prefix_sum_inc", "see_memory_usage", "set_random_seed"]
+from shardwise.frontends.deepspeed.api.utils import groups
+
+__all__ = ["PartitionedTensor", "clip_grad_norm_", "move_to_device", "partition_balanced", "partition_uniform",
+           "prefix_sum_inc", "see_memory_usage", "set_random_seed"]
 
 log = logging.getLogger("DeepSpeed")
 
@@ -91,6 +98,63 @@ def see_memory_usage(message: str, force: bool = False) -> None:
     with open("/proc/self/status") as status:
         resident = next((line.split()[1] for line in status if line.startswith("VmRSS:")), "0")
     log.info("%s%s | host resident %.2f GB", message, device, int(resident) / 2**20)
+
+
+def move_to_device(item: Any, device: torch.device | str,
+                   criterion_func: Callable[[Any], bool] | None = None) -> Any:
+    """`item` (a tensor, or lists, tuples and dicts of them) on `device`; an item that
+    `criterion_func` accepts is moved in place (its `.data` replaced) and returned itself."""
+    if criterion_func is not None and criterion_func(item):
+        item.data = item.to(device).data
+        return item
+    if isinstance(item, list):
+        return [move_to_device(value, device, criterion_func) for value in item]
+    if isinstance(item, tuple):
+        return tuple(move_to_device(value, device, criterion_func) for value in item)
+    if isinstance(item, dict):
+        return {key: move_to_device(value, device, criterion_func) for key, value in item.items()}
+    return item.to(device)
+
+
+def is_model_parallel_parameter(param: torch.Tensor) -> bool:
+    """A parameter split over the model-parallel group (Megatron's marks)."""
+    return bool(getattr(param, "model_parallel", False) or getattr(param, "tensor_model_parallel", False))
+
+
+def clip_grad_norm_(parameters: Iterable[torch.Tensor] | torch.Tensor, max_norm: float, norm_type: float = 2,
+                    mpu: Any = None) -> torch.Tensor:
+    """Scale the gradients of `parameters` in place so that their `norm_type` norm is at
+    most `max_norm`; returns the norm before clipping. With `mpu`, the norm covers the
+    model-parallel group's pieces (a replicated parameter counted on its rank 0 only).
+    The norm is then averaged over the data-parallel group, as DeepSpeed 0.19.8 does:
+    equal to each rank's where gradients are synchronised, a common value where expert
+    gradients differ."""
+    if isinstance(parameters, torch.Tensor):
+        parameters = [parameters]
+    parameters = [param for param in parameters if param.grad is not None]
+    norm_type = float(norm_type)
+    if norm_type == math.inf:
+        total = torch.stack([param.grad.detach().abs().max().float() for param in parameters]).max()
+        if mpu is not None:
+            dist.all_reduce(total, op=dist.ReduceOp.MAX, group=mpu.get_model_parallel_group())
+    else:
+        norms = [param.grad.detach().float().norm(norm_type) for param in parameters
+                 if mpu is None or mpu.get_model_parallel_rank() == 0 or is_model_parallel_parameter(param)]
+        total = torch.stack(norms).pow(norm_type).sum().float() if norms else torch.zeros(1)
+        if mpu is not None:
+            dist.all_reduce(total, op=dist.ReduceOp.SUM, group=mpu.get_model_parallel_group())
+        total = total.pow(1.0 / norm_type)
+    if dist.is_available() and dist.is_initialized():
+        data_parallel = groups._get_data_parallel_group()
+        total = total / float(dist.get_world_size(group=data_parallel))
+        dist.all_reduce(total, group=data_parallel)
+    if not parameters:
+        return total
+    total = total.to(parameters[0].device)
+    coefficient = torch.clamp(torch.tensor(float(max_norm), device=total.device) / (total + 1e-6), max=1.0)
+    for param in parameters:
+        param.grad.detach().mul_(coefficient)
+    return total
 
 
 class PartitionedTensor:
