@@ -2,7 +2,8 @@
 `torch.load(weights_only=True)` and to scale their own fp16 loops; the dynamic scaler's
 scale, hysteresis and iteration counters over a pattern of overflows, and its refusal at
 the minimum scale, compared with DeepSpeed 0.19.8's own when DEEPSPEED_PYTHON names an
-interpreter with it."""
+interpreter with it; and a checkpoint holding DeepSpeed's scaler and ZeRO stage read with
+`torch.load(weights_only=True)` once they are allow-listed, as scripts do."""
 
 from __future__ import annotations
 
@@ -91,3 +92,57 @@ def test_backward_scales_the_loss():
                     "DeepSpeed 0.19.8 to compare with its scalers")
 def test_deepspeeds_scalers_give_the_same_sequences():
     assert _run(os.environ["DEEPSPEED_PYTHON"], DEEPSPEED_HEADER) == _run(sys.executable, HEADER)
+
+
+SAVE = """
+import sys, torch
+from deepspeed.runtime.fp16.loss_scaler import DynamicLossScaler, LossScaler
+from deepspeed.runtime.zero.config import ZeroStageEnum
+scaler = DynamicLossScaler(init_scale=2.0 ** 10, scale_window=2, min_scale=1.0, delayed_shift=2,
+                           consecutive_hysteresis=False)
+for overflow in (True, False, True, False, False, False):
+    scaler.update_scale(overflow)
+torch.save({"stage": ZeroStageEnum.weights, "scaler": scaler, "static": LossScaler(16)}, sys.argv[1])
+"""
+LOAD = """
+import json, sys, torch
+from deepspeed.runtime.fp16.loss_scaler import DynamicLossScaler, LossScaler
+from deepspeed.runtime.zero.config import ZeroStageEnum
+torch.serialization.add_safe_globals([ZeroStageEnum, LossScaler, DynamicLossScaler])
+state = torch.load(sys.argv[1], weights_only=True)
+scaler = state["scaler"]
+counters = [scaler.cur_scale, scaler.cur_hysteresis, scaler.cur_iter, scaler.last_overflow_iter]
+for overflow in (False, False, True):
+    scaler.update_scale(overflow)
+print(json.dumps({"stage": int(state["stage"]), "stage_name": state["stage"].name, "counters": counters,
+                  "after": [scaler.cur_scale, scaler.cur_hysteresis, scaler.cur_iter],
+                  "static": state["static"].loss_scale}))
+"""
+
+
+def _script(python: str, header: str, body: str, *args: str) -> str:
+    environment = {**os.environ, "DS_ACCELERATOR": "cpu"}
+    ran = subprocess.run([python, "-c", header + body, *args], capture_output=True, text=True, timeout=300,
+                         env=environment)
+    assert ran.returncode == 0, ran.stderr[-3000:]
+    return ran.stdout
+
+
+def test_a_saved_scaler_loads_with_weights_only_once_allow_listed(tmp_path):
+    path = str(tmp_path / "state.pt")
+    _script(sys.executable, HEADER, SAVE, path)
+    loaded = json.loads(_script(sys.executable, HEADER, LOAD, path).strip().splitlines()[-1])
+    # saved: an overflow spent the hysteresis, the next halved (512), window 2 doubled (1024);
+    # loaded, it goes on: the 4th clean step since the overflow doubles, an overflow spends
+    assert loaded["counters"] == [1024.0, 2, 6, 2] and loaded["after"] == [2048.0, 1, 9]
+    assert (loaded["stage"], loaded["stage_name"], loaded["static"]) == (3, "weights", 16)
+
+
+@pytest.mark.skipif(not os.environ.get("DEEPSPEED_PYTHON"), reason="set DEEPSPEED_PYTHON to an interpreter with "
+                    "DeepSpeed 0.19.8 to read its pickled scaler")
+def test_deepspeeds_pickled_scaler_loads_and_goes_on_as_in_deepspeed(tmp_path):
+    path = str(tmp_path / "deepspeed_state.pt")
+    _script(os.environ["DEEPSPEED_PYTHON"], DEEPSPEED_HEADER, SAVE, path)
+    ours = json.loads(_script(sys.executable, HEADER, LOAD, path).strip().splitlines()[-1])
+    theirs = json.loads(_script(os.environ["DEEPSPEED_PYTHON"], DEEPSPEED_HEADER, LOAD, path).strip().splitlines()[-1])
+    assert ours == theirs

@@ -8,6 +8,11 @@ written around a scaler of their own. The dynamic schedule is the engine's own
 (runtime/precision/loss_scaler.py, equal to DeepSpeed 0.19.8's step for step), kept here
 under DeepSpeed's names; what this file adds is DeepSpeed's refusal to go below the
 minimum scale (`raise_error_at_min_scale`).
+
+The classes carry DeepSpeed's module path (`deepspeed.runtime.fp16.loss_scaler`, what
+`import deepspeed` finds in a `shardwise run --as-deepspeed` run) and pickle as DeepSpeed's
+do, attributes only: a checkpoint DeepSpeed wrote loads into them once they are
+allow-listed, and theirs loads into DeepSpeed.
 """
 
 from __future__ import annotations
@@ -19,11 +24,13 @@ import torch
 from shardwise.runtime.precision.loss_scaler import LossScaler as ScaleSchedule
 
 SCALE_FACTOR = 2.0  # DeepSpeed's: the scale halves on an overflow and doubles after a window
+DEEPSPEED_MODULE = "deepspeed.runtime.fp16.loss_scaler"
 
 
 class LossScalerBase:
     """A scale the loss is multiplied by before backward (`cur_scale`)."""
 
+    __module__ = DEEPSPEED_MODULE
     dynamic = False
 
     def __init__(self, cur_scale: float):
@@ -49,6 +56,8 @@ class LossScalerBase:
 class LossScaler(LossScalerBase):
     """A static scale."""
 
+    __module__ = DEEPSPEED_MODULE
+
     def __init__(self, scale: float = 1):
         super().__init__(scale)
 
@@ -61,6 +70,7 @@ class DynamicLossScaler(LossScalerBase):
     used up (never below `min_scale`; at it, an error when `raise_error_at_min_scale`),
     doubled after `scale_window` clean steps."""
 
+    __module__ = DEEPSPEED_MODULE
     dynamic = True
     scale_factor = SCALE_FACTOR
 
@@ -90,6 +100,26 @@ class DynamicLossScaler(LossScalerBase):
     @property
     def cur_hysteresis(self) -> int:
         return self._schedule.remaining_hysteresis
+
+    def __getstate__(self) -> dict[str, Any]:
+        """DeepSpeed's attributes, as its DynamicLossScaler pickles."""
+        return {"cur_scale": self.cur_scale, "dynamic": True, "cur_iter": self.cur_iter,
+                "last_overflow_iter": self.last_overflow_iter, "scale_factor": self.scale_factor,
+                "scale_window": self.scale_window, "min_scale": self.min_scale, "delayed_shift": self.delayed_shift,
+                "cur_hysteresis": self.cur_hysteresis, "consecutive_hysteresis": self.consecutive_hysteresis,
+                "raise_error_at_min_scale": self.raise_error_at_min_scale, "dtype": self.dtype}
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        """From DeepSpeed's attributes (a DeepSpeed checkpoint's scaler, or one of these)."""
+        if state.get("scale_factor", SCALE_FACTOR) != SCALE_FACTOR:
+            raise ValueError(f"a loss scaler with scale_factor {state['scale_factor']}: the scale is halved and "
+                             f"doubled by {SCALE_FACTOR} here, as DeepSpeed's scalers are built")
+        self.__init__(state["cur_scale"], state["scale_window"], state["min_scale"], state["delayed_shift"],
+                      state["consecutive_hysteresis"], state.get("raise_error_at_min_scale", True),
+                      state.get("dtype", torch.half))
+        self._schedule.iteration = state["cur_iter"]
+        self._schedule.last_overflow_iteration = state["last_overflow_iter"]
+        self._schedule.remaining_hysteresis = state["cur_hysteresis"]
 
     def has_overflow_serial(self, params: Iterable[torch.Tensor]) -> bool:
         return any(param.grad is not None and not torch.isfinite(param.grad).all() for param in params)

@@ -22,7 +22,11 @@ DeepSpeedZeroOffloadParamConfig = OffloadParamConfig
 
 
 class ZeroStageEnum(IntEnum):
-    """What each stage partitions (DeepSpeed's names)."""
+    """What each stage partitions (DeepSpeed's names). Under DeepSpeed's module path, as the
+    loss scalers (runtime/fp16/loss_scaler.py): scripts allow-list both to read DeepSpeed's
+    checkpoints with `torch.load(weights_only=True)`, which pickle them by that path."""
+
+    __module__ = "deepspeed.runtime.zero.config"
 
     disabled = 0
     optimizer_states = 1
