@@ -3,7 +3,8 @@
 scale, hysteresis and iteration counters over a pattern of overflows, and its refusal at
 the minimum scale, compared with DeepSpeed 0.19.8's own when DEEPSPEED_PYTHON names an
 interpreter with it; and a checkpoint holding DeepSpeed's scaler and ZeRO stage read with
-`torch.load(weights_only=True)` once they are allow-listed, as scripts do."""
+`torch.load(weights_only=True)` once they are allow-listed, as scripts do (with
+`fragment_address`, which DeepSpeed's checkpoints also hold)."""
 
 from __future__ import annotations
 
@@ -98,17 +99,20 @@ SAVE = """
 import sys, torch
 from deepspeed.runtime.fp16.loss_scaler import DynamicLossScaler, LossScaler
 from deepspeed.runtime.zero.config import ZeroStageEnum
+from deepspeed.utils.tensor_fragment import fragment_address
 scaler = DynamicLossScaler(init_scale=2.0 ** 10, scale_window=2, min_scale=1.0, delayed_shift=2,
                            consecutive_hysteresis=False)
 for overflow in (True, False, True, False, False, False):
     scaler.update_scale(overflow)
-torch.save({"stage": ZeroStageEnum.weights, "scaler": scaler, "static": LossScaler(16)}, sys.argv[1])
+torch.save({"stage": ZeroStageEnum.weights, "scaler": scaler, "static": LossScaler(16),
+            "address": fragment_address(numel=6, start=2)}, sys.argv[1])
 """
 LOAD = """
 import json, sys, torch
 from deepspeed.runtime.fp16.loss_scaler import DynamicLossScaler, LossScaler
 from deepspeed.runtime.zero.config import ZeroStageEnum
-torch.serialization.add_safe_globals([ZeroStageEnum, LossScaler, DynamicLossScaler])
+from deepspeed.utils.tensor_fragment import fragment_address
+torch.serialization.add_safe_globals([ZeroStageEnum, LossScaler, DynamicLossScaler, fragment_address])
 state = torch.load(sys.argv[1], weights_only=True)
 scaler = state["scaler"]
 counters = [scaler.cur_scale, scaler.cur_hysteresis, scaler.cur_iter, scaler.last_overflow_iter]
@@ -116,7 +120,7 @@ for overflow in (False, False, True):
     scaler.update_scale(overflow)
 print(json.dumps({"stage": int(state["stage"]), "stage_name": state["stage"].name, "counters": counters,
                   "after": [scaler.cur_scale, scaler.cur_hysteresis, scaler.cur_iter],
-                  "static": state["static"].loss_scale}))
+                  "static": state["static"].loss_scale, "address": [state["address"].numel, state["address"].start]}))
 """
 
 
@@ -135,7 +139,7 @@ def test_a_saved_scaler_loads_with_weights_only_once_allow_listed(tmp_path):
     # saved: an overflow spent the hysteresis, the next halved (512), window 2 doubled (1024);
     # loaded, it goes on: the 4th clean step since the overflow doubles, an overflow spends
     assert loaded["counters"] == [1024.0, 2, 6, 2] and loaded["after"] == [2048.0, 1, 9]
-    assert (loaded["stage"], loaded["stage_name"], loaded["static"]) == (3, "weights", 16)
+    assert (loaded["stage"], loaded["stage_name"], loaded["static"], loaded["address"]) == (3, "weights", 16, [6, 2])
 
 
 @pytest.mark.skipif(not os.environ.get("DEEPSPEED_PYTHON"), reason="set DEEPSPEED_PYTHON to an interpreter with "

@@ -12,6 +12,7 @@ from shardwise.frontends.deepspeed.api.utils.repeating_loader import RepeatingLo
 from shardwise.frontends.deepspeed.api.utils import groups, logging
 from shardwise.frontends.deepspeed.api.utils.logging import log_dist, logger
 from shardwise.frontends.deepspeed.api.utils.tensor_fragment import (
+    fragment_address,
     safe_get_full_fp32_param,
     safe_get_full_grad,
     safe_get_full_optimizer_state,
@@ -38,7 +39,7 @@ from shardwise.frontends.deepspeed.api.utils.z3_leaf_module import (
 )
 
 __all__ = [
-    "RepeatingLoader", "groups", "log_dist", "logger", "logging", "safe_get_full_fp32_param", "safe_get_full_grad",
+    "RepeatingLoader", "fragment_address", "groups", "log_dist", "logger", "logging", "safe_get_full_fp32_param", "safe_get_full_grad",
     "safe_get_full_optimizer_state", "safe_get_local_fp32_param", "safe_get_local_grad",
     "safe_get_local_optimizer_state", "safe_set_full_fp32_param", "safe_set_full_grad",
     "safe_set_full_optimizer_state", "safe_set_local_fp32_param", "safe_set_local_grad",

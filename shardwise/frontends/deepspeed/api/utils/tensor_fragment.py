@@ -24,10 +24,15 @@ the backward at an accumulation boundary until that step. Parameters that are no
 (frozen, or not held by a live engine) give None, as in DeepSpeed. At stage 0 the full
 helpers work too (every rank owns every element); DeepSpeed's answer None there is for
 its unwrapped fp32 optimizer only.
+
+`fragment_address` is the record DeepSpeed pickles into its checkpoints for a parameter's
+place in a partition (`numel`, `start`), under DeepSpeed's module path, so scripts can
+allow-list it for `torch.load(weights_only=True)` as they do the loss scaler.
 """
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Callable, Iterator
 
 import torch
@@ -37,11 +42,23 @@ from shardwise.runtime.zero.gathered import zero_of
 from shardwise.runtime.zero.shard_view import OwnedRange
 
 __all__ = [
+    "fragment_address",
     "safe_get_full_fp32_param", "safe_get_full_grad", "safe_get_full_optimizer_state", "safe_get_local_fp32_param",
     "safe_get_local_grad", "safe_get_local_optimizer_state", "safe_set_full_fp32_param", "safe_set_full_grad",
     "safe_set_full_optimizer_state", "safe_set_local_fp32_param", "safe_set_local_grad",
     "safe_set_local_optimizer_state", "safe_update_full_grad_vectorized",
 ]
+
+
+@dataclass
+class fragment_address:  # noqa: N801 (DeepSpeed's name)
+    """Where a parameter's fragment sits in a flat partition."""
+
+    numel: int
+    start: int
+
+
+fragment_address.__module__ = "deepspeed.utils.tensor_fragment"  # once built: dataclass reads its own module
 
 
 def _trained(param: torch.Tensor) -> tuple[ZeroState, str, torch.Size] | None:
