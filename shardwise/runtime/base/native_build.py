@@ -3,16 +3,19 @@ CPU ops: the optimizer kernels (optim/native_kernels.c) and the shared-memory co
 (distributed/shared_memory.c). No torch headers, so any torch; loaded with ctypes by
 their callers. The cache key is the source and the command, so an edited file or another
 compiler builds afresh, and the finished library is moved into place atomically, since
-several ranks may build at once."""
+several ranks may build at once. `CompiledLibrary` builds and loads one on first use,
+falling back (warned once) where no compiler can."""
 
 from __future__ import annotations
 
+import ctypes
 import hashlib
 import os
 import shutil
 import subprocess
 import tempfile
-from collections.abc import Sequence
+import warnings
+from collections.abc import Callable, Sequence
 from pathlib import Path
 
 CACHE_VARIABLE = "SHARDWISE_CACHE_DIR"
@@ -45,3 +48,26 @@ def build_once(source: Path, *, folder: str, flags: Sequence[str], variants: Seq
             raise RuntimeError(f"{compiler} failed: {result.stderr.strip()[-500:]}")
         os.replace(built, target)  # atomic: ranks building at once each install a whole file
     return target
+
+
+class CompiledLibrary:
+    """A C file's library, built and loaded on the first `get()` and kept for the process;
+    None where it cannot be built (no compiler, a failed build), said once in a warning
+    that ends with `fallback`: what runs instead."""
+
+    def __init__(self, load: Callable[[], ctypes.CDLL], *, what: str, fallback: str):
+        self._load = load
+        self.what = what
+        self.fallback = fallback
+        self.library: ctypes.CDLL | None = None
+        self.tried = False
+
+    def get(self) -> ctypes.CDLL | None:
+        if not self.tried:
+            self.tried = True
+            try:
+                self.library = self._load()
+            except (OSError, RuntimeError, subprocess.SubprocessError) as error:
+                warnings.warn(f"shardwise: {self.what} could not be built ({error}); {self.fallback} Install a C "
+                              "compiler (cc) to use them.", RuntimeWarning, stacklevel=4)
+        return self.library

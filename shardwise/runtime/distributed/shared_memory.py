@@ -37,16 +37,14 @@ import datetime
 import os
 import queue
 import socket
-import subprocess
 import threading
 import uuid
-import warnings
 from pathlib import Path
 from typing import Callable
 
 import torch
 
-from shardwise.runtime.base.native_build import build_once
+from shardwise.runtime.base.native_build import CompiledLibrary, build_once
 
 SOURCE = Path(__file__).with_name("shared_memory.c")
 ENABLE_VARIABLE = "SHARDWISE_SHARED_MEMORY"
@@ -69,8 +67,6 @@ _SIGNATURES = {
     "sw_reduce_scatter": ([_P, _P, _P, _L, _I], _I),
     "sw_all_reduce": ([_P, _P, _L, _I], _I),
 }
-_library: ctypes.CDLL | None = None
-_tried = False
 
 
 def enabled() -> bool:
@@ -80,16 +76,7 @@ def enabled() -> bool:
 
 def library() -> ctypes.CDLL | None:
     """The compiled loops, built on first call (None, warned once, where they cannot be)."""
-    global _library, _tried
-    if not _tried:
-        _tried = True
-        try:
-            _library = _load(_build())
-        except (OSError, RuntimeError, subprocess.SubprocessError) as error:
-            warnings.warn(f"shardwise: the shared-memory collectives could not be built ({error}); ranks on one "
-                          "host exchange their data over gloo's TCP loopback instead. Install a C compiler (cc) "
-                          "to use them.", RuntimeWarning, stacklevel=3)
-    return _library
+    return _compiled.get()
 
 
 def _build() -> Path:
@@ -102,6 +89,10 @@ def _load(path: Path) -> ctypes.CDLL:
         function = getattr(loaded, name)
         function.argtypes, function.restype = arguments, result
     return loaded
+
+
+_compiled = CompiledLibrary(lambda: _load(_build()), what="the shared-memory collectives",
+                            fallback="ranks on one host exchange their data over gloo's TCP loopback instead.")
 
 
 def slot_bytes() -> int:

@@ -39,6 +39,7 @@ from typing import Any, Iterable
 
 import torch
 
+from shardwise.runtime.optim.closure import closure_loss
 from shardwise.runtime.optim import native
 from shardwise.runtime.optim.adafactor_layout import Factoring
 from shardwise.runtime.optim.layout import PaddedRows, flat, parameter_shapes, params_with_grad
@@ -116,10 +117,7 @@ class Adafactor(ShardAwareOptimizer):
 
     @torch.no_grad()
     def step(self, closure=None):
-        loss = None
-        if closure is not None:
-            with torch.enable_grad():
-                loss = closure()
+        loss = closure_loss(closure)
         if self._offsets is None:
             self._lay_out(parameter_shapes(self))
         pieces = [_Piece(self, param, group) for param, group in params_with_grad(self)]

@@ -33,6 +33,7 @@ from typing import Any, Iterable, NamedTuple
 
 import torch
 
+from shardwise.runtime.optim.closure import closure_loss
 from shardwise.runtime.optim import native
 from shardwise.runtime.optim.layout import PaddedRows, flat, parameter_shapes, params_with_grad
 from shardwise.runtime.optim.params import check_betas, param
@@ -110,10 +111,7 @@ class Adam8bit(ShardAwareOptimizer):
         kernels built and on) are stepped together by the batched kernels; the others (a
         first step, moments loaded in fp32, other dtypes or devices, the kernels off) one
         at a time. Both compute the same, bit for bit."""
-        loss = None
-        if closure is not None:
-            with torch.enable_grad():
-                loss = closure()
+        loss = closure_loss(closure)
         trained = list(params_with_grad(self))
         if self._shared is None:
             quantised = [p for group in self.param_groups for p in group["params"]

@@ -23,6 +23,8 @@ from typing import Any, Callable, Iterable
 
 import torch
 
+from shardwise.runtime.optim.closure import closure_loss
+
 
 class UncorrectedAdam(torch.optim.Optimizer):
     def __init__(self, params: Iterable[Any], lr: float = 1e-3, betas: tuple[float, float] = (0.9, 0.999),
@@ -32,10 +34,7 @@ class UncorrectedAdam(torch.optim.Optimizer):
 
     @torch.no_grad()
     def step(self, closure: Callable[[], float] | None = None) -> float | None:
-        loss = None
-        if closure is not None:
-            with torch.enable_grad():
-                loss = closure()
+        loss = closure_loss(closure)
         for group in self.param_groups:
             params = [param for param in group["params"] if param.grad is not None]
             if not params:

@@ -27,6 +27,7 @@ from typing import Iterable
 
 import torch
 
+from shardwise.runtime.optim.closure import closure_loss
 from shardwise.runtime.optim import native
 from shardwise.runtime.optim.compiled import kernel
 from shardwise.runtime.optim.params import check_betas, param
@@ -62,10 +63,7 @@ class Lamb(ShardAwareOptimizer):
 
     @torch.no_grad()
     def step(self, closure=None):
-        loss = None
-        if closure is not None:
-            with torch.enable_grad():
-                loss = closure()
+        loss = closure_loss(closure)
         groups = [([p for p in group["params"] if p.grad is not None], group) for group in self.param_groups]
         groups = [(params, group) for params, group in groups if params]
         params, squares, updates = [], [], []

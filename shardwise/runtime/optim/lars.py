@@ -32,6 +32,7 @@ from typing import Iterable
 
 import torch
 
+from shardwise.runtime.optim.closure import closure_loss
 from shardwise.runtime.optim import native
 from shardwise.runtime.optim.compiled import kernel
 from shardwise.runtime.optim.layout import params_with_grad
@@ -66,10 +67,7 @@ class Lars(ShardAwareOptimizer):
 
     @torch.no_grad()
     def step(self, closure=None):
-        loss = None
-        if closure is not None:
-            with torch.enable_grad():
-                loss = closure()
+        loss = closure_loss(closure)
         trained = list(params_with_grad(self))
         native_step = native.enabled() and all(_native_takes(p, self.state[p]) for p, _ in trained)
         if native_step:  # both squared norms in one pass (optim/native.py)

@@ -28,6 +28,7 @@ from typing import Iterable
 
 import torch
 
+from shardwise.runtime.optim.closure import closure_loss
 from shardwise.runtime.optim.params import check_betas, param
 from shardwise.runtime.optim.registry import OptimizerSpec, register_optimizer
 
@@ -47,10 +48,7 @@ class Lion(torch.optim.Optimizer):
 
     @torch.no_grad()
     def step(self, closure=None):
-        loss = None
-        if closure is not None:
-            with torch.enable_grad():
-                loss = closure()
+        loss = closure_loss(closure)
         for group in self.param_groups:
             lr, (beta1, beta2), decay = group["lr"], group["betas"], group["weight_decay"]
             weights = [weight for weight in group["params"] if weight.grad is not None]

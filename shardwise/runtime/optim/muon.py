@@ -40,6 +40,7 @@ from typing import Any, Iterable, Literal
 
 import torch
 
+from shardwise.runtime.optim.closure import closure_loss
 from shardwise.runtime.optim.layout import flat, parameter_shapes, params_with_grad
 from shardwise.runtime.optim.params import check_betas, param
 from shardwise.runtime.optim.registry import OptimizerSpec, register_optimizer
@@ -116,10 +117,7 @@ class Muon(ShardAwareOptimizer):
 
     @torch.no_grad()
     def step(self, closure=None):
-        loss = None
-        if closure is not None:
-            with torch.enable_grad():
-                loss = closure()
+        loss = closure_loss(closure)
         if self._muon_shapes is None:
             self._muon_shapes = self._find_muon_matrices()
         directions: dict[int, tuple[torch.Tensor, torch.Tensor, dict]] = {}

@@ -21,13 +21,11 @@ from __future__ import annotations
 
 import ctypes
 import os
-import subprocess
-import warnings
 from pathlib import Path
 
 import torch
 
-from shardwise.runtime.base.native_build import build_once
+from shardwise.runtime.base.native_build import CompiledLibrary, build_once
 
 SOURCE = Path(__file__).with_name("native_kernels.c")
 ENABLE_VARIABLE = "SHARDWISE_NATIVE_OPTIM"
@@ -64,8 +62,6 @@ _SIGNATURES = {
 # Kernels that return a value (the others return nothing), where the library has them:
 # `use_avx512` and `use_avx512_vbmi` exist only where the compiler targets x86-64.
 _RESULTS = {"use_avx512": ([_I], _I), "use_avx512_vbmi": ([_I], _I)}
-_library: ctypes.CDLL | None = None
-_tried = False
 
 
 def enabled() -> bool:
@@ -75,16 +71,7 @@ def enabled() -> bool:
 
 def library() -> ctypes.CDLL | None:
     """The compiled kernels, built on first call (None, warned once, where they cannot be)."""
-    global _library, _tried
-    if not _tried:
-        _tried = True
-        try:
-            _library = _load(_build())
-        except (OSError, RuntimeError, subprocess.SubprocessError) as error:
-            warnings.warn(f"shardwise: the one-pass optimizer kernels could not be built ({error}); LAMB, LARS, "
-                          f"8-bit Adam, Adafactor and the 1-bit optimizers take their slower torch path. Install a "
-                          f"C compiler (cc) to use them.", RuntimeWarning, stacklevel=3)
-    return _library
+    return _compiled.get()
 
 
 def takes(*tensors: torch.Tensor) -> bool:
@@ -132,3 +119,8 @@ def use_avx512_vbmi(enable: bool) -> bool:
     the two; returns whether it is on. `use_avx512(True)` turns it back on."""
     kernels = library()
     return kernels is not None and hasattr(kernels, "use_avx512_vbmi") and bool(kernels.use_avx512_vbmi(int(enable)))
+
+
+_compiled = CompiledLibrary(lambda: _load(_build()), what="the one-pass optimizer kernels",
+                            fallback="LAMB, LARS, 8-bit Adam, Adafactor and the 1-bit optimizers take their slower "
+                                     "torch path.")

@@ -27,6 +27,7 @@ from typing import Iterable, Literal
 import torch
 
 from shardwise.formulas.memory import onebit_state_terms
+from shardwise.runtime.optim.closure import closure_loss
 from shardwise.runtime.optim import native
 from shardwise.runtime.optim.onebit import ZERO_STAGES, OneBitCodec, OneBitOptimizer, main_job_params, native_takes
 from shardwise.runtime.optim.onebit_exchange import AdamUpdates, GatheredSigns
@@ -58,10 +59,7 @@ class OneBitAdam(OneBitOptimizer):
 
     @torch.no_grad()
     def step(self, closure=None):
-        loss = None
-        if closure is not None:
-            with torch.enable_grad():
-                loss = closure()
+        loss = closure_loss(closure)
         step = self._advance()
         frozen, updated = step > self.freeze_step, False
         if frozen:

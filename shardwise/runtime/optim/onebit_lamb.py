@@ -31,6 +31,7 @@ import torch
 import torch.distributed as dist
 
 from shardwise.formulas.memory import onebit_state_terms
+from shardwise.runtime.optim.closure import closure_loss
 from shardwise.runtime.optim.lamb import MAIN_JOB_LR
 from shardwise.runtime.optim import native
 from shardwise.runtime.optim.onebit import ZERO_STAGES, OneBitCodec, OneBitOptimizer, main_job_params, native_takes
@@ -80,10 +81,7 @@ class OneBitLamb(OneBitOptimizer):
 
     @torch.no_grad()
     def step(self, closure=None):
-        loss = None
-        if closure is not None:
-            with torch.enable_grad():
-                loss = closure()
+        loss = closure_loss(closure)
         step = self._advance()
         if step > self.freeze_step:
             self._compressed_step(step)

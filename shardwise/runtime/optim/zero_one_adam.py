@@ -55,6 +55,7 @@ import torch
 from shardwise.formulas.memory import zero_one_adam_state_terms
 from shardwise.runtime.distributed.collectives import Communicator
 from shardwise.runtime.distributed.compressed import padded_length
+from shardwise.runtime.optim.closure import closure_loss
 from shardwise.runtime.optim.onebit import MAIN_JOB_WARM_UP, MomentumPartitions, OneBitCodec, OneBitOptimizer
 from shardwise.runtime.optim.onebit_exchange import NativeCompressedAllReduce
 from shardwise.runtime.optim.onebit_adam import _clip_elsewhere, _no_amsgrad, refuse_unsupported
@@ -144,10 +145,7 @@ class ZeroOneAdam(OneBitOptimizer):
     # -- the step -------------------------------------------------------------------------------
     @torch.no_grad()
     def step(self, closure=None):
-        loss = None
-        if closure is not None:
-            with torch.enable_grad():
-                loss = closure()
+        loss = closure_loss(closure)
         step = self._advance()
         accumulated = self._accumulated_update()
         if step > 1 and not self._frozen(step):

@@ -262,8 +262,8 @@ def test_without_the_kernels_every_tensor_steps_alone_on_the_torch_path(monkeypa
     monkeypatch.setenv(native.ENABLE_VARIABLE, "0")
     switched_off, _ = train_whole(_two_groups, initial, grads)
     monkeypatch.delenv(native.ENABLE_VARIABLE)
-    monkeypatch.setattr(native, "_library", None)
-    monkeypatch.setattr(native, "_tried", True)
+    monkeypatch.setattr(native._compiled, "library", None)
+    monkeypatch.setattr(native._compiled, "tried", True)
     params, optimizer = train_whole(_two_groups, initial, grads)
     assert not optimizer._batched
     for mine, reference, start in zip(params, switched_off, initial):

@@ -350,8 +350,8 @@ def test_8bit_adam_kernel_keeps_a_nan_in_the_block_scale_as_torch_does():
 def test_without_a_compiler_the_optimizers_warn_once_and_take_the_torch_path(monkeypatch, tmp_path):
     monkeypatch.setenv("CC", str(tmp_path / "no-such-compiler"))
     monkeypatch.setenv(CACHE_VARIABLE, str(tmp_path / "cache"))
-    monkeypatch.setattr(native, "_library", None)
-    monkeypatch.setattr(native, "_tried", False)
+    monkeypatch.setattr(native._compiled, "library", None)
+    monkeypatch.setattr(native._compiled, "tried", False)
     with pytest.warns(RuntimeWarning, match="could not be built"):
         assert native.library() is None
     with warnings.catch_warnings():
