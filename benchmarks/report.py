@@ -34,6 +34,7 @@ class VariantSummary:
     name: str
     step_s: float  # median over timed steps of the slowest rank's step time
     cpu_s: float  # median over timed steps of the ranks' mean CPU time per step
+    minor_faults: float  # median over timed steps of the ranks' mean minor page faults per step
     peak_rss: list[int]  # per rank
     baseline_rss: list[int]  # per rank, before the model was built
     losses: list[float]  # per step, mean over ranks
@@ -45,11 +46,13 @@ def summarise(name: str, results: list[dict[str, Any]], load_at_start: float) ->
     slowest_per_step = [max(times) for times in zip(*(result["seconds"] for result in results))]
     cpu_per_step = [statistics.fmean(times) for times in zip(*(result["cpu_seconds"] for result in results))]
     losses = [statistics.fmean(step) for step in zip(*(result["losses"] for result in results))]
-    standard = {"variant", "seconds", "cpu_seconds", "losses", "peak_rss", "baseline_rss"}
+    faults_per_step = [statistics.fmean(counts) for counts in zip(*(result.get("minor_faults", []) for result in results))]
+    standard = {"variant", "seconds", "cpu_seconds", "minor_faults", "losses", "peak_rss", "baseline_rss"}
     return VariantSummary(
         name=name,
         step_s=statistics.median(slowest_per_step),
         cpu_s=statistics.median(cpu_per_step),
+        minor_faults=statistics.median(faults_per_step) if faults_per_step else float("nan"),
         peak_rss=[result["peak_rss"] for result in results],
         baseline_rss=[result["baseline_rss"] for result in results],
         losses=losses,
@@ -67,6 +70,7 @@ def median_over_rounds(rounds: list[VariantSummary]) -> VariantSummary:
         name=first.name,
         step_s=middle.step_s,
         cpu_s=middle.cpu_s,
+        minor_faults=middle.minor_faults,
         peak_rss=first.peak_rss,
         baseline_rss=first.baseline_rss,
         losses=first.losses,

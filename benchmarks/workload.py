@@ -95,6 +95,7 @@ def _stdlib_corpus(num_bytes: int) -> torch.Tensor:
 class StepRecord:
     seconds: list[float] = field(default_factory=list)  # wall clock, timed steps only
     cpu_seconds: list[float] = field(default_factory=list)  # CPU time of all the rank's threads
+    minor_faults: list[int] = field(default_factory=list)  # pages first touched (memory handed back and re-taken)
     losses: list[float] = field(default_factory=list)  # every step, warm-up included
 
 
@@ -118,13 +119,16 @@ def timed_steps(
     for step in range(warmup + steps):
         inputs, targets = batches.batch(step, rank)
         barrier()
+        faults_before = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
         started, cpu_started = time.perf_counter(), time.process_time()
         loss = train_step(inputs, targets)
         elapsed, cpu = time.perf_counter() - started, time.process_time() - cpu_started
+        faults = resource.getrusage(resource.RUSAGE_SELF).ru_minflt - faults_before
         record.losses.append(float(loss))
         if step >= warmup:
             record.seconds.append(elapsed)
             record.cpu_seconds.append(cpu)
+            record.minor_faults.append(faults)
     return record
 
 

@@ -401,6 +401,7 @@ def print_report(args: argparse.Namespace, preset: str, results: dict[str, Varia
             f"{summary.cpu_s:.3f}",
             f"{ours.cpu_s / summary.cpu_s:.3f}" if ours else "-",
             f"{summary.step_s / floor.step_s:.3f}" if floor else "-",
+            f"{summary.minor_faults:,.0f}",
             " / ".join(mib(rss) for rss in summary.peak_rss),
             " / ".join(mib(rss - base) for rss, base in zip(summary.peak_rss, summary.baseline_rss)),
             " / ".join(mib(state[key]) for key in STATE_KEYS),
@@ -411,7 +412,7 @@ def print_report(args: argparse.Namespace, preset: str, results: dict[str, Varia
         ])
     print(markdown_table(
         ["framework", "step s (median)", "shardwise / this", "CPU s per step", "shardwise CPU / this",
-         "this / floor", "peak RSS MiB (rank 0 / 1)",
+         "this / floor", "minor page faults per step", "peak RSS MiB (rank 0 / 1)",
          "peak RSS - baseline MiB", "model state MiB (params / grads / optim / buffers)",
          "comm MiB per step", "blocked on comm s per step", "shardwise loss diff (max abs / rel)", "load"],
         rows,

@@ -103,6 +103,7 @@ class PartitionedParameters(ParameterStrategy):
         self.sharded = ShardedParameters(
             self.module_units_list + self.frozen_units, dtype, device, shard, ledger, policy.offload_param,
             policy.plus_plus, secondary,
+            spare_bytes_between_passes=prefetch.prefetch_bucket_size * torch.empty((), dtype=dtype).element_size(),
         )
         self.replicas = replicas
         _materialize_and_shard(model, self.sharded, unit_of, replicas, device, param_init_fn or _default_init)
@@ -140,6 +141,7 @@ class PartitionedParameters(ParameterStrategy):
 
     def close(self) -> None:
         self.sharded.home.close()
+        self.sharded.buffers.release()
 
     def connect(self, reducer) -> None:
         """Backward frees a unit once its gradients are reduced, and points its `.grad`
@@ -150,14 +152,17 @@ class PartitionedParameters(ParameterStrategy):
     def end_backward(self) -> None:
         self.schedule.end_backward()
         self.sharded.home.finish_reads()  # the step may write into any shard next
+        self.sharded.buffers.end_pass()
 
     def abort_pass(self) -> None:
         self.schedule.abort()
         self.sharded.home.finish_reads()
+        self.sharded.buffers.end_pass()
 
     def release_gathered(self) -> None:
         for unit in self.sharded.units:
             self.sharded.free(unit)
+        self.sharded.buffers.release()
 
     def acquire(self, units: list[FlatUnit]) -> None:
         for unit in units:

@@ -5,7 +5,8 @@ only while the unit is gathered (resized to zero bytes otherwise). Freeing the s
 place, rather than dropping the tensor, is what actually returns the memory: autograd
 keeps views of gathered weights for backward (a linear layer saves `weight.t()`), and a
 view holds its storage alive. When backward needs the unit again, it is gathered back
-into the same storage, so those saved views read valid weights again.
+into the same storage, so those saved views read valid weights again. On the CPU the freed
+memory itself is kept for the next gather of that size (gather_buffers.py).
 
 Outside a gather each parameter's `.data` is an empty tensor, so user code that touches
 a released parameter fails with a shape error instead of reading freed memory.
@@ -36,6 +37,7 @@ import torch
 from shardwise.runtime.accounting import MemoryLedger, tensor_bytes
 from shardwise.runtime.distributed.collectives import Communicator, PendingCollective
 from shardwise.runtime.distributed.quantized_collectives import QuantizedAllGather
+from shardwise.runtime.zero.gather_buffers import GatherBuffers
 from shardwise.runtime.zero.param_home import NvmeParamHome, make_param_home
 from shardwise.runtime.zero.layout import FlatUnit
 from shardwise.runtime.zero.policy import OffloadPolicy, ZeroPlusPlusPolicy
@@ -52,12 +54,14 @@ class ShardedParameters:
         home: OffloadPolicy = OffloadPolicy(),
         plus_plus: ZeroPlusPlusPolicy = ZeroPlusPlusPolicy(),
         secondary: Communicator | None = None,
+        spare_bytes_between_passes: int = 0,
     ):
         """`comm`: the shard group; chunk r of every unit lives on its rank r. `home`:
         where the shards live between gathers (`offload_param`: the device, host memory
         or NVMe; offload/param_home.py); an offloaded shard is first copied into its
         place in the gathered buffer. `plus_plus`, `secondary`: ZeRO++'s quantized
-        gathers and hpZ's secondary partition group (see above)."""
+        gathers and hpZ's secondary partition group (see above). `spare_bytes_between_passes`:
+        freed gather memory kept for the next pass on the CPU (gather_buffers.py)."""
         self.units = units
         self.dtype = dtype
         self.device = device
@@ -66,6 +70,7 @@ class ShardedParameters:
         self.home = make_param_home(units, dtype, device, ledger, home, comm.rank)
         self.offloaded = self.home.offloaded
         self.flats: dict[int, torch.Tensor] = {}
+        self.buffers = GatherBuffers(reuse=device.type == "cpu", keep_bytes=spare_bytes_between_passes)
         self.views: dict[int, list[torch.Tensor]] = {}
         for unit in units:
             flat = torch.empty(unit.padded_numel, dtype=dtype, device=device)
@@ -135,7 +140,7 @@ class ShardedParameters:
         if self.is_available(unit):
             return
         flat = self.flats[unit.index]
-        flat.untyped_storage().resize_(tensor_bytes(flat))
+        self.buffers.fill(flat.untyped_storage(), tensor_bytes(flat))
         self.ledger.hold("buffers", tensor_bytes(flat))
         self.gathered.add(unit.index)
         self._gathered_numel += flat.numel()
@@ -201,7 +206,7 @@ class ShardedParameters:
         flat = self.flats[unit.index]
         self._gathered_numel -= flat.numel()
         self.ledger.release("buffers", tensor_bytes(flat))
-        flat.untyped_storage().resize_(0)
+        self.buffers.empty(flat.untyped_storage())
 
     def gathered_numel(self) -> int:
         return self._gathered_numel
