@@ -39,6 +39,12 @@ Moved APIs, the release they moved in, and the fallback before it:
                                              Fallback, used on every release (from 2.10 on
                                              it changes nothing): `mesh_groups_time_out_after`
                                              sets that default while the mesh is built.
+    UntypedStorage._swap_data_ptr_           private (CUDA graph trees and FSDP use it):
+                                             swaps two storages' memory and sizes. Probed
+                                             once by swapping two small storages
+                                             (`STORAGES_SWAP`). Fallback: stage 3 on the
+                                             CPU allocates every gather afresh
+                                             (zero/gather_buffers.py).
 
 Checked on 2.9.1, 2.13.0 and 2.15.0 by running the suite (scripts/test_torch.py); the
 releases named above come from reading the 2.10, 2.11 and 2.12 wheels' sources.
@@ -64,6 +70,22 @@ reduce_scatter_single = getattr(dist, "reduce_scatter_single", None) or dist.red
 
 TORCHRUN_HANDLES_CHOSEN_SIGNALS = "signals_to_handle" in {field.name for field in dataclasses.fields(LaunchConfig)}
 SELECTIVE_POLICY_SEES_OUTPUT = "op_output" in inspect.signature(SelectiveCheckpointContext).parameters
+
+
+
+def _storages_swap() -> bool:
+    """Whether `UntypedStorage._swap_data_ptr_` exists and swaps memory and sizes both ways."""
+    if not hasattr(torch.UntypedStorage, "_swap_data_ptr_"):
+        return False
+    full, empty = torch.UntypedStorage(8), torch.UntypedStorage(0)
+    try:
+        empty._swap_data_ptr_(full)
+    except (RuntimeError, TypeError):
+        return False
+    return empty.nbytes() == 8 and full.nbytes() == 0
+
+
+STORAGES_SWAP = _storages_swap()
 
 KeepRule = Callable[[Any, tuple, Any], bool]
 

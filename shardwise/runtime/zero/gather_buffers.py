@@ -19,15 +19,15 @@ that high-water mark, so the pool adds nothing to the peak. Between passes it ke
 `keep_bytes` (one prefetch bucket): the optimizer step, and whatever the user runs between
 steps, see the memory back. Spares hold no values and are not in the memory ledger, as the
 CUDA caching allocator's reserve is not: the ledger counts what the engine uses.
-`torch.UntypedStorage._swap_data_ptr_` (what FSDP2 and CUDA graph trees swap storages with)
-is missing from some torch releases; there the pool is off and every gather allocates.
+Swapping storages is a private torch API (runtime/base/torch_compat.py probes it); where
+it is missing the pool is off and every gather allocates.
 """
 
 from __future__ import annotations
 
 import torch
 
-CAN_SWAP_STORAGES = hasattr(torch.UntypedStorage, "_swap_data_ptr_")
+from shardwise.runtime.base.torch_compat import STORAGES_SWAP
 
 
 class GatherBuffers:
@@ -35,7 +35,7 @@ class GatherBuffers:
     `reuse` (the CPU) and the torch release can swap storages."""
 
     def __init__(self, *, reuse: bool, keep_bytes: int):
-        self.reuse = reuse and CAN_SWAP_STORAGES
+        self.reuse = reuse and STORAGES_SWAP
         self.keep_bytes = keep_bytes
         self.spares: dict[int, list[torch.UntypedStorage]] = {}  # by size in bytes
         self.spare_bytes = 0

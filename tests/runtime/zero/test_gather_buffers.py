@@ -11,7 +11,7 @@ from shardwise.runtime.zero.gather_buffers import GatherBuffers
 from shardwise.tools.testing import run_distributed
 from tests.runtime.zero.workers import build_model, global_batch
 
-needs_swap = pytest.mark.skipif(not gather_buffers.CAN_SWAP_STORAGES,
+needs_swap = pytest.mark.skipif(not gather_buffers.STORAGES_SWAP,
                                 reason="this torch has no UntypedStorage._swap_data_ptr_: the pool is off")
 
 
@@ -84,7 +84,7 @@ STEPS = 4
 
 
 def train(rank: int, world_size: int, reuse: bool) -> dict:
-    gather_buffers.CAN_SWAP_STORAGES = reuse and gather_buffers.CAN_SWAP_STORAGES
+    gather_buffers.STORAGES_SWAP = reuse and gather_buffers.STORAGES_SWAP  # this rank's process only
     model = build_model("gpt")
     config = {"train_micro_batch_size_per_gpu": 2,
               "zero_optimization": {"stage": 3, "stage3_param_persistence_threshold": 64,
