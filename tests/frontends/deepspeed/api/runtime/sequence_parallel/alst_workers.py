@@ -1,0 +1,209 @@
+"""Rank functions for test_ulysses_sp.py: DeepSpeed's ALST loop as its tutorial writes it
+(register_with_transformers, initialize with the mpu, the adapter, the token-weighted loss)
+through `import deepspeed`, and the single-process reference it must equal."""
+
+from __future__ import annotations
+
+import copy
+
+import torch
+import torch.distributed as dist
+
+VOCAB = 64
+LR, EPS, WEIGHT_DECAY = 1e-2, 1e-4, 0.01  # eps 1e-4: tests/runtime/zero/workers.py ADAM_EPS
+# four sequences, two per rank's loader: a refill takes one from each (lengths may differ
+# between ranks, and between refills); the first has its prompt's labels masked
+LENGTHS = (16, 16, 8, 12)
+MASKED_PROMPT = (3, 0, 0, 5)
+
+
+def tiny_llama() -> torch.nn.Module:
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(0)
+    config = LlamaConfig(vocab_size=VOCAB, hidden_size=32, intermediate_size=48, num_hidden_layers=2,
+                         num_attention_heads=4, num_key_value_heads=1, max_position_embeddings=64,
+                         attn_implementation="sdpa")
+    return LlamaForCausalLM(config).float()
+
+
+def samples() -> list[dict[str, torch.Tensor]]:
+    generator = torch.Generator().manual_seed(1)
+    out = []
+    for length, masked in zip(LENGTHS, MASKED_PROMPT):
+        ids = torch.randint(0, VOCAB, (length,), generator=generator)
+        labels = ids.clone()
+        labels[:masked] = -100
+        out.append({"input_ids": ids, "labels": labels, "position_ids": torch.arange(length)})
+    return out
+
+
+def collate(batch: list[dict[str, torch.Tensor]]) -> dict[str, torch.Tensor]:
+    return {key: torch.stack([sample[key] for sample in batch]) for key in batch[0]}
+
+
+def reference(model: torch.nn.Module, order: list[int], accumulation: int) -> tuple[list[float], dict]:
+    """Whole sequences in one process, in the order the sequence group trains them; one
+    optimizer step per `accumulation` sequences (each loss the mean over its tokens)."""
+    model = copy.deepcopy(model)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=LR, eps=EPS, weight_decay=WEIGHT_DECAY)
+    data = samples()
+    losses = []
+    for index, which in enumerate(order):
+        batch = collate([data[which]])
+        loss = model(**batch).loss
+        losses.append(loss.item())
+        (loss / accumulation).backward()
+        if (index + 1) % accumulation == 0:
+            optimizer.step()
+            optimizer.zero_grad()
+    return losses, {name: param.detach().clone() for name, param in model.named_parameters()}
+
+
+def alst(rank: int, world_size: int, stages: tuple[int, ...]) -> dict:
+    """The tutorial's loop, for each ZeRO stage: (stage, gradient_accumulation_steps) ->
+    losses, final weights, and the reference's; also what deepspeed.utils.groups says."""
+    from shardwise.frontends.deepspeed.alias import install_alias
+
+    install_alias()
+    import deepspeed
+    from deepspeed.runtime.sequence_parallel.ulysses_sp import UlyssesSPAttentionHF, UlyssesSPDataLoaderAdapter
+    from deepspeed.runtime.utils import move_to_device
+    from deepspeed.utils import groups
+
+    base = tiny_llama()
+    data = samples()
+    # the sequence group (both ranks) trains rank 0's, then rank 1's sequence of each refill
+    order = [0, 1, 2, 3]
+    references = {stage: reference(base, order, accumulation=1 if stage == 3 else 2) for stage in stages}
+
+    mpu = UlyssesSPAttentionHF.register_with_transformers(
+        model_name_or_path=base, core_attn_implementation="sdpa", sequence_parallel_size=2, micro_batch_size=1,
+        seq_length=16, seq_length_is_variable=True)
+    results = {}
+    for stage in stages:
+        accumulation = 1 if stage == 3 else 2
+        config = {"train_micro_batch_size_per_gpu": 1, "gradient_accumulation_steps": accumulation,
+                  "sequence_parallel_size": 2, "zero_optimization": {"stage": stage},
+                  "optimizer": {"type": "AdamW", "params": {"lr": LR, "eps": EPS, "weight_decay": WEIGHT_DECAY}}}
+        model = copy.deepcopy(base)
+        engine, _, _, _ = deepspeed.initialize(config=config, model=model, model_parameters=model.parameters(),
+                                               mpu=mpu)
+        sp_group = groups._get_sequence_parallel_group()
+        sp_world_size = groups._get_sequence_parallel_world_size()
+        sp_rank = groups._get_sequence_parallel_rank()
+        assert dist.get_process_group_ranks(sp_group) == [0, 1] and (sp_world_size, sp_rank) == (2, rank)
+        own = torch.utils.data.Subset(data, list(range(rank, len(data), world_size)))
+        loader = UlyssesSPDataLoaderAdapter(torch.utils.data.DataLoader(own, batch_size=1, collate_fn=collate),
+                                            sp_rank=sp_rank, sp_group=sp_group, sp_world_size=sp_world_size,
+                                            device=engine.device)
+        assert len(loader) == 4
+        losses = []
+        for batch in loader:
+            batch = move_to_device(batch, engine.device)
+            outputs = engine(**batch)
+            shift_labels = batch["shift_labels"]
+            loss = engine.module.loss_function(logits=outputs.logits, labels=None, shift_labels=shift_labels,
+                                               vocab_size=engine.module.config.vocab_size)
+            losses_per_rank = torch.distributed.nn.functional.all_gather(loss, group=sp_group)
+            good_tokens = (shift_labels != -100).view(-1).sum()
+            good_tokens_per_rank = torch.distributed.nn.functional.all_gather(good_tokens, group=sp_group)
+            total = sum(losses_per_rank[r] * good_tokens_per_rank[r] for r in range(sp_world_size))
+            loss = total / max(sum(good_tokens_per_rank), 1)
+            losses.append(loss.item())
+            engine.backward(loss)
+            engine.step()
+        with deepspeed.zero.GatheredParameters(list(engine.module.parameters())):
+            weights = {name: param.detach().clone() for name, param in engine.module.named_parameters()}
+        initial = {name: param.detach().clone() for name, param in base.named_parameters()}
+        results[stage] = {"losses": losses, "weights": weights, "initial": initial,
+                          "reference_losses": references[stage][0],
+                          "reference_weights": references[stage][1]}
+        engine.destroy()
+    return results
+
+
+def _raises(call, kind: type[BaseException]) -> str:
+    try:
+        call()
+    except kind as error:
+        return str(error)
+    raise AssertionError(f"{call} did not raise {kind.__name__}")
+
+
+def checks(rank: int, world_size: int) -> dict:
+    """register_with_transformers' and the adapter's refusals and behaviour, and what
+    deepspeed.initialize refuses, on two ranks (the groups need a world)."""
+    from transformers import LlamaConfig
+    from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
+
+    from shardwise.frontends.deepspeed.api import initialize
+    from shardwise.frontends.deepspeed.api.runtime.config import DeepSpeedConfigError
+    from shardwise.frontends.deepspeed.api.runtime.sequence_parallel import parallel_state_sp
+    from shardwise.frontends.deepspeed.api.runtime.sequence_parallel.ulysses_sp import (
+        UlyssesSPAttentionHF, UlyssesSPDataLoaderAdapter)
+
+    said: dict = {}
+    register = UlyssesSPAttentionHF.register_with_transformers
+    model = tiny_llama()
+    said["too_many_ranks"] = _raises(lambda: register(model, "sdpa", 4, 1), RuntimeError)
+
+    def again(*args, **kwargs):
+        parallel_state_sp._release_sequence_parallel_groups()
+        return register(*args, **kwargs)
+
+    said["eager"] = _raises(lambda: again(tiny_llama_with("eager"), "eager", 2, 1), ValueError)
+    said["mismatch"] = _raises(lambda: again(model, "flash_attention_2", 2, 1), ValueError)
+    said["unknown"] = _raises(lambda: again(_WithConfig(LlamaConfig()), "no_such_attention", 2, 1), ValueError)
+    uneven = _WithConfig(_config(hidden_size=24, num_attention_heads=3, num_key_value_heads=3))
+    said["heads"] = _raises(lambda: again(uneven, "sdpa", 2, 1), ValueError)
+    said["twice"] = _raises(lambda: register(model, "sdpa", 2, 1), AssertionError)
+    said["sdpa_untouched"] = ALL_ATTENTION_FUNCTIONS["sdpa"].__name__
+    mpu = again(model, "sdpa", 2, 1)
+    said["sdpa_wrapped"] = ALL_ATTENTION_FUNCTIONS["sdpa"].__name__
+    said["mpu"] = [mpu is parallel_state_sp, mpu.get_sequence_parallel_world_size(), mpu.get_sequence_parallel_rank(),
+                   mpu.get_sequence_data_parallel_world_size(), mpu.get_model_parallel_world_size(),
+                   mpu.sequence_parallel_ranks()]
+    config = {"train_micro_batch_size_per_gpu": 1, "optimizer": {"type": "SGD", "params": {"lr": 0.1}}}
+    said["config_size"] = _raises(lambda: initialize(model=tiny_llama(), config=config, mpu=mpu), DeepSpeedConfigError)
+    said["other_mpu"] = _raises(lambda: initialize(model=tiny_llama(), config=config, mpu=object()), ValueError)
+
+    group = mpu.get_sequence_parallel_group()
+
+    def adapter(rows: list[dict]) -> UlyssesSPDataLoaderAdapter:
+        return UlyssesSPDataLoaderAdapter(rows, sp_rank=rank, sp_group=group, sp_world_size=2, device="cpu")
+
+    ids = torch.arange(8).view(1, 8) + 10 * rank
+    good = {"input_ids": ids, "labels": ids + 100, "position_ids": torch.arange(8).view(1, 8), "tag": f"rank{rank}"}
+    loader = adapter([good, good])
+    said["len"] = len(loader)
+    said["epochs"] = [[{key: value.tolist() if torch.is_tensor(value) else value for key, value in batch.items()}
+                       for batch in loader] for _ in range(2)]
+    said["no_position_ids"] = _raises(lambda: next(adapter([{"input_ids": ids, "labels": ids}])), ValueError)
+    said["shape"] = _raises(lambda: next(adapter([dict(good, labels=ids[:, :6])])), ValueError)
+    odd = torch.arange(7).view(1, 7)
+    said["odd_length"] = _raises(lambda: next(adapter([{"input_ids": odd, "labels": odd, "position_ids": odd}])),
+                                 ValueError)
+    return said
+
+
+class _WithConfig:
+    """Stands for a loaded model: register_with_transformers reads its `config` only."""
+
+    def __init__(self, config):
+        self.config = config
+
+
+def _config(**overrides):
+    from transformers import LlamaConfig
+
+    config = LlamaConfig(**{"vocab_size": VOCAB, "hidden_size": 32, "intermediate_size": 48, "num_hidden_layers": 2,
+                            "num_attention_heads": 4, "num_key_value_heads": 1, **overrides})
+    config._attn_implementation = "sdpa"
+    return config
+
+
+def tiny_llama_with(implementation: str) -> _WithConfig:
+    config = _config()
+    config._attn_implementation = implementation
+    return _WithConfig(config)
