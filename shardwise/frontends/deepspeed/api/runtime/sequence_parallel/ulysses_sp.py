@@ -24,6 +24,9 @@ Attention masks: a 4D mask made for the shard's positions is wrong for the whole
 positions come from `position_ids`, which every forward must carry (the adapter requires
 them in each batch) and which are all-gathered for the core attention (flash attention
 reads packed sequences from them).
+
+The module's tiled computations (`TiledMLP`, `sequence_tiled_compute`,
+`SequenceTiledCompute`, `TiledFusedLogitsLoss`) live in tiled_compute.py.
 """
 
 from __future__ import annotations
@@ -37,9 +40,18 @@ import torch.distributed as dist
 from torch import nn
 
 from shardwise.frontends.deepspeed.api.runtime.sequence_parallel import parallel_state_sp
+from shardwise.frontends.deepspeed.api.runtime.sequence_parallel.tiled_compute import (
+    SequenceTiledCompute,
+    TiledFusedLogitsLoss,
+    TiledMLP,
+    sequence_tiled_compute,
+)
 from shardwise.runtime.distributed.collectives import Communicator
 from shardwise.runtime.distributed.mesh import GroupHandle
 from shardwise.runtime.parallel.sequence.ulysses import ulysses_attention
+
+__all__ = ["SequenceTiledCompute", "TiledFusedLogitsLoss", "TiledMLP", "UlyssesSPAttentionHF",
+           "UlyssesSPDataLoaderAdapter", "sequence_tiled_compute"]
 
 log = logging.getLogger("shardwise")
 # Implementations that always build a 4D (quadratic) mask the wrapper would have to drop.

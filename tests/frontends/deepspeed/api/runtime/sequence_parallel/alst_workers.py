@@ -15,6 +15,7 @@ LR, EPS, WEIGHT_DECAY = 1e-2, 1e-4, 0.01  # eps 1e-4: tests/runtime/zero/workers
 # between ranks, and between refills); the first has its prompt's labels masked
 LENGTHS = (16, 16, 8, 12)
 MASKED_PROMPT = (3, 0, 0, 5)
+tiles_run: list[int] = []  # one entry per tile the tiled MLP computed (forward and recomputed)
 
 
 def tiny_llama() -> torch.nn.Module:
@@ -60,9 +61,27 @@ def reference(model: torch.nn.Module, order: list[int], accumulation: int) -> tu
     return losses, {name: param.detach().clone() for name, param in model.named_parameters()}
 
 
-def alst(rank: int, world_size: int, stages: tuple[int, ...]) -> dict:
+def tile_llama_mlp() -> None:
+    """ALST's tiled MLP in every Llama MLP, as DeepSpeed's TiledMLP docstring patches it."""
+    from transformers.models.llama import modeling_llama
+
+    from shardwise.frontends.deepspeed.api.runtime.sequence_parallel.ulysses_sp import TiledMLP
+
+    def mlp(module, x):
+        tiles_run.append(x.shape[-2])
+        return module.down_proj(module.act_fn(module.gate_proj(x)) * module.up_proj(x))
+
+    def tiled_forward(self, x):
+        params = [self.down_proj.weight, self.gate_proj.weight, self.up_proj.weight]
+        return TiledMLP.apply(mlp, self, x, 3, params)
+
+    modeling_llama.LlamaMLP.forward = tiled_forward
+
+
+def alst(rank: int, world_size: int, stages: tuple[int, ...], tiled_mlp: bool = False) -> dict:
     """The tutorial's loop, for each ZeRO stage: (stage, gradient_accumulation_steps) ->
-    losses, final weights, and the reference's; also what deepspeed.utils.groups says."""
+    losses, final weights, and the reference's (computed untiled); with `tiled_mlp`, the
+    loop's model runs ALST's TiledMLP."""
     from shardwise.frontends.deepspeed.alias import install_alias
 
     install_alias()
@@ -77,6 +96,8 @@ def alst(rank: int, world_size: int, stages: tuple[int, ...]) -> dict:
     order = [0, 1, 2, 3]
     references = {stage: reference(base, order, accumulation=1 if stage == 3 else 2) for stage in stages}
 
+    if tiled_mlp:
+        tile_llama_mlp()
     mpu = UlyssesSPAttentionHF.register_with_transformers(
         model_name_or_path=base, core_attn_implementation="sdpa", sequence_parallel_size=2, micro_batch_size=1,
         seq_length=16, seq_length_is_variable=True)
@@ -116,10 +137,11 @@ def alst(rank: int, world_size: int, stages: tuple[int, ...]) -> dict:
         with deepspeed.zero.GatheredParameters(list(engine.module.parameters())):
             weights = {name: param.detach().clone() for name, param in engine.module.named_parameters()}
         initial = {name: param.detach().clone() for name, param in base.named_parameters()}
-        results[stage] = {"losses": losses, "weights": weights, "initial": initial,
+        results[stage] = {"losses": losses, "weights": weights, "initial": initial, "tiles": len(tiles_run),
                           "reference_losses": references[stage][0],
                           "reference_weights": references[stage][1]}
         engine.destroy()
+        tiles_run.clear()
     return results
 
 
