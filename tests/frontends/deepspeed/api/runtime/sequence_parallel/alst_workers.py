@@ -15,7 +15,8 @@ LR, EPS, WEIGHT_DECAY = 1e-2, 1e-4, 0.01  # eps 1e-4: tests/runtime/zero/workers
 # between ranks, and between refills); the first has its prompt's labels masked
 LENGTHS = (16, 16, 8, 12)
 MASKED_PROMPT = (3, 0, 0, 5)
-tiles_run: list[int] = []  # one entry per tile the tiled MLP computed (forward and recomputed)
+# one entry per tile the tiled MLP / loss computed (forward and recomputed)
+tiles_run: dict[str, list[int]] = {"mlp": [], "loss": []}
 
 
 def tiny_llama() -> torch.nn.Module:
@@ -68,7 +69,7 @@ def tile_llama_mlp() -> None:
     from shardwise.frontends.deepspeed.api.runtime.sequence_parallel.ulysses_sp import TiledMLP
 
     def mlp(module, x):
-        tiles_run.append(x.shape[-2])
+        tiles_run["mlp"].append(x.shape[-2])
         return module.down_proj(module.act_fn(module.gate_proj(x)) * module.up_proj(x))
 
     def tiled_forward(self, x):
@@ -78,7 +79,30 @@ def tile_llama_mlp() -> None:
     modeling_llama.LlamaMLP.forward = tiled_forward
 
 
-def alst(rank: int, world_size: int, stages: tuple[int, ...], tiled_mlp: bool = False) -> dict:
+def tile_llama_loss() -> None:
+    """The shard's loss through ALST's TiledFusedLogitsLoss (logits for 2 tiles of tokens at a
+    time), computed inside the model's forward from `shift_labels` as ArcticTraining does."""
+    from types import SimpleNamespace
+
+    from transformers.models.llama import modeling_llama
+
+    from shardwise.frontends.deepspeed.api.runtime.sequence_parallel.ulysses_sp import TiledFusedLogitsLoss
+
+    def summed_loss(head, x, y):
+        tiles_run["loss"].append(x.shape[0])
+        return torch.nn.functional.cross_entropy(head(x).float(), y, ignore_index=-100, reduction="sum")
+
+    def forward(self, input_ids, position_ids, shift_labels):
+        hidden = self.model(input_ids=input_ids, position_ids=position_ids).last_hidden_state
+        total = TiledFusedLogitsLoss.apply(summed_loss, self.lm_head, hidden, shift_labels, None, 2,
+                                           [self.lm_head.weight], "sum")
+        return SimpleNamespace(loss=total / (shift_labels != -100).sum().clamp_min(1))
+
+    modeling_llama.LlamaForCausalLM.forward = forward
+
+
+def alst(rank: int, world_size: int, stages: tuple[int, ...], tiled_mlp: bool = False,
+         tiled_loss: bool = False) -> dict:
     """The tutorial's loop, for each ZeRO stage: (stage, gradient_accumulation_steps) ->
     losses, final weights, and the reference's (computed untiled); with `tiled_mlp`, the
     loop's model runs ALST's TiledMLP."""
@@ -98,6 +122,8 @@ def alst(rank: int, world_size: int, stages: tuple[int, ...], tiled_mlp: bool = 
 
     if tiled_mlp:
         tile_llama_mlp()
+    if tiled_loss:
+        tile_llama_loss()
     mpu = UlyssesSPAttentionHF.register_with_transformers(
         model_name_or_path=base, core_attn_implementation="sdpa", sequence_parallel_size=2, micro_batch_size=1,
         seq_length=16, seq_length_is_variable=True)
@@ -124,8 +150,11 @@ def alst(rank: int, world_size: int, stages: tuple[int, ...], tiled_mlp: bool = 
             batch = move_to_device(batch, engine.device)
             outputs = engine(**batch)
             shift_labels = batch["shift_labels"]
-            loss = engine.module.loss_function(logits=outputs.logits, labels=None, shift_labels=shift_labels,
-                                               vocab_size=engine.module.config.vocab_size)
+            if tiled_loss:
+                loss = outputs.loss
+            else:
+                loss = engine.module.loss_function(logits=outputs.logits, labels=None, shift_labels=shift_labels,
+                                                   vocab_size=engine.module.config.vocab_size)
             losses_per_rank = torch.distributed.nn.functional.all_gather(loss, group=sp_group)
             good_tokens = (shift_labels != -100).view(-1).sum()
             good_tokens_per_rank = torch.distributed.nn.functional.all_gather(good_tokens, group=sp_group)
@@ -137,11 +166,12 @@ def alst(rank: int, world_size: int, stages: tuple[int, ...], tiled_mlp: bool = 
         with deepspeed.zero.GatheredParameters(list(engine.module.parameters())):
             weights = {name: param.detach().clone() for name, param in engine.module.named_parameters()}
         initial = {name: param.detach().clone() for name, param in base.named_parameters()}
-        results[stage] = {"losses": losses, "weights": weights, "initial": initial, "tiles": len(tiles_run),
+        results[stage] = {"losses": losses, "weights": weights, "initial": initial, "tiles": {kind: len(runs) for kind, runs in tiles_run.items()},
                           "reference_losses": references[stage][0],
                           "reference_weights": references[stage][1]}
         engine.destroy()
-        tiles_run.clear()
+        for runs in tiles_run.values():
+            runs.clear()
     return results
 
 

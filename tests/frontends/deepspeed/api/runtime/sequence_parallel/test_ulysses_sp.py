@@ -1,6 +1,7 @@
 """DeepSpeed's ALST API (`deepspeed.runtime.sequence_parallel.ulysses_sp`): the tutorial's
 loop on two ranks equals training the whole sequences in one process; the register's,
-the adapter's and initialize's checks; and, when DEEPSPEED_PYTHON is set, the adapter's
+the adapter's and initialize's checks; the loop with ALST's tiled MLP and loss at ZeRO
+1-3; and, when DEEPSPEED_PYTHON is set, the adapter's
 shards and the checks' exception types against DeepSpeed 0.19.8 itself."""
 
 from __future__ import annotations
@@ -33,7 +34,7 @@ def test_alst_loop_equals_whole_sequences_in_one_process():
     results = run_distributed(alst, 2, (3, 1), timeout=120)
     for stage in (3, 1):
         ours = results[0][stage]
-        assert ours["tiles"] == 0
+        assert ours["tiles"] == {"mlp": 0, "loss": 0}
         assert ours["losses"] == results[1][stage]["losses"]  # every rank of the group reports the whole loss
         for got, want in zip(ours["losses"], ours["reference_losses"], strict=True):
             assert abs(got - want) / abs(want) < 1e-5, (stage, ours["losses"], ours["reference_losses"])
@@ -42,16 +43,16 @@ def test_alst_loop_equals_whole_sequences_in_one_process():
             assert relative(ours["initial"][name], want) > 1e-3, (stage, name)  # training moved every weight
 
 
-@pytest.mark.slow
-def test_alst_loop_with_tiled_mlp_under_zero():
-    """ALST's TiledMLP in every Llama MLP (its weights marked as compute_params): ZeRO 1-3
+def test_alst_loop_with_tiled_mlp_and_loss_under_zero():
+    """ALST's TiledMLP in every Llama MLP and the shard's loss through TiledFusedLogitsLoss
+    (their weights given as compute_params), then scaled by the token weighting: ZeRO 1-3
     need nothing more, the loop still equals the untiled whole sequences in one process."""
-    results = run_distributed(alst, 2, (3, 2, 1), tiled_mlp=True, timeout=120)
+    results = run_distributed(alst, 2, (3, 2, 1), tiled_mlp=True, tiled_loss=True, timeout=120)
     for stage in (3, 2, 1):
         ours = results[0][stage]
         # shards of 8, 8, 4 and 6 positions in 3, 3, 2 (torch.chunk) and 3 tiles, in 2 layers,
-        # run in forward and again in backward
-        assert ours["tiles"] == (3 + 3 + 2 + 3) * 2 * 2
+        # run in forward and again in backward; the loss in 2 tiles of each micro-batch, twice
+        assert ours["tiles"] == {"mlp": (3 + 3 + 2 + 3) * 2 * 2, "loss": 4 * 2 * 2}
         for got, want in zip(ours["losses"], ours["reference_losses"], strict=True):
             assert abs(got - want) / abs(want) < 1e-5, (stage, ours["losses"], ours["reference_losses"])
         for name, want in ours["reference_weights"].items():
