@@ -95,6 +95,9 @@ class UlyssesSPAttentionHF(nn.Module):
         self.global_seq_length = None if seq_length_is_variable else global_seq_length
         self.disable_in_eval = disable_in_eval
         self.core_attn_implementation: str | None = None  # register_with_transformers names it
+        if not seq_length_is_variable and local_seq_length is None:
+            raise ValueError("UlyssesSPAttentionHF: seq_length_is_variable=False needs local_seq_length, the fixed "
+                             "length of each rank's shard; or pass seq_length_is_variable=True")
         if attn_head_count % self.world_size:
             raise ValueError(f"the model's {attn_head_count} attention heads do not divide over the sequence-parallel "
                              f"size {self.world_size}: each rank of the group takes an equal share of the heads")

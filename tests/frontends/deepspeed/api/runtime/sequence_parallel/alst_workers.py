@@ -234,8 +234,44 @@ def checks(rank: int, world_size: int) -> dict:
     said["no_position_ids"] = _raises(lambda: next(adapter([{"input_ids": ids, "labels": ids}])), ValueError)
     said["shape"] = _raises(lambda: next(adapter([dict(good, labels=ids[:, :6])])), ValueError)
     odd = torch.arange(7).view(1, 7)
+    said["attention"] = attention_calls(rank, group)
     said["odd_length"] = _raises(lambda: next(adapter([{"input_ids": odd, "labels": odd, "position_ids": odd}])),
                                  ValueError)
+    return said
+
+
+def attention_calls(rank: int, group) -> dict:
+    """What the core attention receives from UlyssesSPAttentionHF: whole sequences of half
+    the heads and the whole sequence's position_ids in training; this rank's shard as it
+    came with `disable_in_eval` in eval; and the shape check of a fixed length."""
+    from shardwise.frontends.deepspeed.api.runtime.sequence_parallel.ulysses_sp import UlyssesSPAttentionHF
+
+    seen = []
+
+    def core(module, query, key, value, mask, **kwargs):
+        seen.append({"query": list(query.shape), "key": list(key.shape), "mask": mask,
+                     "position_ids": kwargs["position_ids"].tolist(), "first": query[0, :, 0, 0].tolist()})
+        return query.transpose(1, 2), None
+
+    def wrapped(**options):
+        options = {"seq_length_is_variable": True, **options}
+        return UlyssesSPAttentionHF(core, batch_size=1, attn_head_count=4, attn_head_size=3, kv_head_count=2,
+                                    num_hidden_layers=1, process_group=group, **options)
+
+    module = torch.nn.Module()
+    query = torch.arange(4.0).view(1, 4, 1, 1).expand(1, 4, 3, 3) + 10 * rank  # heads 0-3, this rank's 3 positions
+    key = value = torch.zeros(1, 2, 3, 3)
+    positions = torch.arange(3).view(1, 3) + 3 * rank
+    output, _ = wrapped()(module, query, key, value, None, position_ids=positions)
+    said = {"training": seen.pop(), "output": list(output.shape)}
+    module.eval()
+    wrapped(disable_in_eval=True)(module, query, key, value, "mask", position_ids=positions)
+    said["eval"] = seen.pop()
+    module.train()
+    fixed = wrapped(seq_length_is_variable=False, local_seq_length=4, global_seq_length=8)
+    said["fixed_length"] = _raises(lambda: fixed(module, query, key, value, None, position_ids=positions), ValueError)
+    said["no_local_length"] = _raises(lambda: wrapped(seq_length_is_variable=False), ValueError)
+    said["no_positions"] = _raises(lambda: wrapped()(module, query, key, value, None), ValueError)
     return said
 
 

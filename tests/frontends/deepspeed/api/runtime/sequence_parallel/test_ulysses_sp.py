@@ -76,6 +76,18 @@ def test_checks_of_register_adapter_and_initialize():
         assert "labels's shape (1, 6) must match input_ids' (1, 8)" in answers["shape"]
         assert "sequence length 7 does not divide over sp_world_size 2" in answers["odd_length"]
         assert answers["len"] == 4
+        calls = answers["attention"]
+        # training: the whole sequence (6 positions) of this rank's 2 of the 4 heads, whole positions
+        assert calls["training"] == {"query": [1, 2, 6, 3], "key": [1, 1, 6, 3], "mask": None,
+                                     "position_ids": [list(range(6))], "first": [2.0 * rank, 2.0 * rank + 1]}
+        assert calls["output"] == [1, 3, 4, 3]  # back to this rank's 3 positions of every head
+        # eval with disable_in_eval: the core attention on the shard as it came, mask included
+        assert calls["eval"] == {"query": [1, 4, 3, 3], "key": [1, 2, 3, 3], "mask": "mask",
+                                 "position_ids": [[3 * rank, 3 * rank + 1, 3 * rank + 2]],
+                                 "first": [10.0 * rank + head for head in range(4)]}
+        assert "expects query (1, 4, 4, 3)" in calls["fixed_length"]
+        assert "seq_length_is_variable=False needs local_seq_length" in calls["no_local_length"]
+        assert "needs `position_ids` in every forward" in calls["no_positions"]
         # each refill: rank 0's batch, then rank 1's, each rank its half; labels shifted before the split
         half = slice(4 * rank, 4 * rank + 4)
         expected = []
