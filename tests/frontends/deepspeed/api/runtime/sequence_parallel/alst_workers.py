@@ -19,12 +19,12 @@ MASKED_PROMPT = (3, 0, 0, 5)
 tiles_run: dict[str, list[int]] = {"mlp": [], "loss": []}
 
 
-def tiny_llama() -> torch.nn.Module:
+def tiny_llama(kv_heads: int = 1) -> torch.nn.Module:
     from transformers import LlamaConfig, LlamaForCausalLM
 
     torch.manual_seed(0)
     config = LlamaConfig(vocab_size=VOCAB, hidden_size=32, intermediate_size=48, num_hidden_layers=2,
-                         num_attention_heads=4, num_key_value_heads=1, max_position_embeddings=64,
+                         num_attention_heads=4, num_key_value_heads=kv_heads, max_position_embeddings=64,
                          attn_implementation="sdpa")
     return LlamaForCausalLM(config).float()
 
@@ -295,3 +295,17 @@ def tiny_llama_with(implementation: str) -> _WithConfig:
     config = _config()
     config._attn_implementation = implementation
     return _WithConfig(config)
+
+
+def layout_mismatch(rank: int, world_size: int) -> str:
+    """Four ranks, the mpu's sequence groups {0, 1} and {2, 3}, and a config that also asks
+    for tensor parallelism of 2 (tensor innermost: the layout's sequence groups are {0, 2}
+    and {1, 3}): initialize must refuse rather than average over other ranks."""
+    from shardwise.frontends.deepspeed.api import initialize
+    from shardwise.frontends.deepspeed.api.runtime.sequence_parallel.ulysses_sp import UlyssesSPAttentionHF
+
+    model = tiny_llama(kv_heads=2)  # heads and KV heads that tensor parallelism of 2 can split
+    mpu = UlyssesSPAttentionHF.register_with_transformers(model, "sdpa", 2, 1)
+    config = {"train_micro_batch_size_per_gpu": 1, "sequence_parallel_size": 2,
+              "tensor_parallel": {"autotp_size": 2}, "optimizer": {"type": "SGD", "params": {"lr": 0.1}}}
+    return _raises(lambda: initialize(model=model, config=config, mpu=mpu), ValueError)

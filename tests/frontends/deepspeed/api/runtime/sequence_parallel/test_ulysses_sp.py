@@ -16,7 +16,7 @@ import torch
 
 from shardwise.frontends.deepspeed.api.runtime.sequence_parallel.ulysses_sp import UlyssesSPAttentionHF
 from shardwise.tools.testing import run_distributed
-from tests.frontends.deepspeed.api.runtime.sequence_parallel.alst_workers import alst, checks
+from tests.frontends.deepspeed.api.runtime.sequence_parallel.alst_workers import alst, checks, layout_mismatch
 
 pytest.importorskip("transformers")
 
@@ -97,6 +97,13 @@ def test_checks_of_register_adapter_and_initialize():
             expected.append({"input_ids": [ids[half].tolist()], "position_ids": [list(range(8))[half]],
                              "shift_labels": [shifted[half].tolist()], "tag": f"rank{source}"})
         assert answers["epochs"] == [expected * 2] * 2  # the second epoch restarts the loader
+
+
+@pytest.mark.slow
+def test_initialize_refuses_a_layout_whose_groups_differ_from_the_mpus():
+    said = run_distributed(layout_mismatch, 4, timeout=180)
+    assert "the mpu's sequence-parallel group is ranks [0, 1] but the config's layout puts ranks [0, 2]" in said[0]
+    assert "remove tensor_parallel and pipeline_parallel" in said[0]
 
 
 _checks_cache: list = []
