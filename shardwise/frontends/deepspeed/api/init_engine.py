@@ -86,6 +86,8 @@ def initialize(
                          "pipeline_parallel blocks (the one mpu taken is the one UlyssesSPAttentionHF."
                          "register_with_transformers returns)")
     raw = read_config(_choose_config(args, config if config is not None else config_params))
+    if mpu is not None:
+        _sequence_size_from_mpu(raw, mpu.get_sequence_parallel_world_size())
     try:
         tag_validation = tag_validation_mode(raw)
     except ValueError as error:
@@ -120,6 +122,13 @@ def initialize(
         if engine.zenflow is not None:  # an epoch-based column selection counts its batches
             engine.zenflow.learn_epoch_length(len(engine.training_dataloader))
     return engine, _clearing_model_gradients(engine), engine.training_dataloader, engine.lr_scheduler
+
+
+def _sequence_size_from_mpu(raw: dict, mpu_size: int) -> None:
+    """A config without a sequence-parallel size takes the mpu's, as DeepSpeed counts the
+    data-parallel ranks from the mpu (Accelerate's `sp_backend="deepspeed"` writes none)."""
+    if "sequence_parallel_size" not in raw and "sequence_parallel" not in raw:
+        raw["sequence_parallel_size"] = mpu_size
 
 
 def _require_mpu_size(configured: int, mpu_size: int) -> None:

@@ -27,7 +27,9 @@ def relative(a: torch.Tensor, b: torch.Tensor) -> float:
 
 def test_alst_loop_equals_whole_sequences_in_one_process():
     """Register, initialize(mpu=...), the adapter and the token-weighted loss over the
-    shards, ZeRO-3 (a step per sequence) and ZeRO-1 (two sequences per step): the same
+    shards, ZeRO-3 (a step per sequence; the config names sequence_parallel_size, as the
+    tutorial's does) and ZeRO-1 (two sequences per step; no sequence_parallel_size in the
+    config, as Accelerate writes it: the mpu's is taken): the same
     losses and final weights as the sequences trained whole, in the order the group
     trains them (rank 0's, then rank 1's of each refill; lengths 16, 16, 8, 12; some
     labels masked, so the shards' token counts differ)."""
