@@ -105,9 +105,6 @@ class UlyssesSPAttentionHF(nn.Module):
             raise ValueError(f"the model's {kv_head_count} key/value heads and the sequence-parallel size "
                              f"{self.world_size}: one must divide the other (KV heads are split over the group, or "
                              "repeated when there are fewer than its size)")
-        self.local_q_head_count = attn_head_count // self.world_size
-        self.kv_replication_factor = max(self.world_size // kv_head_count, 1)
-        self.local_kv_head_count = max(kv_head_count // self.world_size, 1)
 
     def forward(self, module: nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
                 attention_mask: Any, *args: Any, **kwargs: Any) -> tuple[torch.Tensor, Any]:
