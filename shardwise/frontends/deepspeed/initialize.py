@@ -39,6 +39,7 @@ def initialize(
     *,
     auto_values: Mapping[str, Any] | None = None,
     engine_class: type[ConfiguredEngine] = ConfiguredEngine,
+    sequence_sharded_by_caller: bool = False,
 ) -> ConfiguredEngine:
     """Wrap `model` for (ZeRO) data-parallel training by a DeepSpeed config (a dict, a JSON
     path, or a resolved config); see docs/getting-started.md.
@@ -50,6 +51,7 @@ def initialize(
 
     Without an optimizer (none passed, no `optimizer` block) the engine runs forward only
     (a reference model, evaluation): parameters held as ZeRO holds trained ones, nothing else.
+    `sequence_sharded_by_caller`: the script runs Ulysses itself (`SequencePolicy`).
     """
     context = init_distributed()
     cfg = config if isinstance(config, ShardwiseConfig) else load_config(
@@ -57,7 +59,7 @@ def initialize(
     )
     if cfg.seed is not None:
         torch.manual_seed(cfg.seed)
-    policies = policies_from_config(cfg)
+    policies = policies_from_config(cfg, sequence_sharded_by_caller=sequence_sharded_by_caller)
     engine = build_engine(model, policies, optimizer=optimizer, lr_scheduler=lr_scheduler,
                           param_init_fn=param_init_fn, tensor_styles=cfg.tensor_parallel.plan, context=context,
                           settings=cfg.model_dump(), engine_class=functools.partial(engine_class, config=cfg))

@@ -103,8 +103,9 @@ def apply_tensor_step(model: nn.Module, plan: ModelPlan, *, mesh: ParallelMesh, 
 
 
 def apply_sequence_step(model: nn.Module, plan: ModelPlan, *, mesh: ParallelMesh, policies: Policies) -> None:
-    """Ulysses: the decoder runs on 1/S of the positions; attention exchanges them for heads."""
-    if not policies.sequence.enabled:
+    """Ulysses: the decoder runs on 1/S of the positions; attention exchanges them for heads.
+    Nothing to do when the caller shards the inputs and wrapped attention itself."""
+    if not policies.sequence.enabled or policies.sequence.sharded_by_caller:
         return
     if plan.ulysses is None:
         raise ValueError(f"sequence_parallel.size > 1: shardwise does not know how {type(model).__name__}'s "

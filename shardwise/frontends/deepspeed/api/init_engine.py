@@ -14,7 +14,14 @@ What DeepSpeed does with each argument, and what this does:
   every epoch unless the script calls `loader.sampler.set_epoch`), through `collate_fn`;
   the engine's checkpoints hold its position (api/runtime/dataloader.py);
 - `args.local_rank` is set to this process's LOCAL_RANK;
-- `deepspeed.utils.groups` answers from the engine's layout from then on.
+- `mpu`: only the one `UlyssesSPAttentionHF.register_with_transformers` returns (ALST's
+  Ulysses, run by the script: api/runtime/sequence_parallel/); the config's
+  `sequence_parallel_size` must be its size, the engine's `sequence` and data x sequence
+  groups must hold its groups' ranks, and the engine leaves the model to the script
+  (`SequencePolicy.sharded_by_caller`), only averaging gradients over data x sequence
+  ranks. Any other mpu is refused: shardwise builds its groups from the config;
+- `deepspeed.utils.groups` answers from the engine's layout from then on (its sequence
+  groups: the mpu's own process groups, which the script's adapter and attention use).
 It returns (engine, optimizer, training_dataloader, lr_scheduler): the optimizer is the
 torch optimizer that steps this rank's fp32 partition (the one passed in, re-pointed).
 With no optimizer (none passed, no `optimizer` block), the engine runs forward only, as
@@ -28,6 +35,7 @@ import logging
 import math
 import os
 import sys
+from types import ModuleType
 from typing import Any, Callable, Iterable
 
 import torch
@@ -42,6 +50,7 @@ from shardwise.frontends.deepspeed.api.pipe import PipelineModule
 from shardwise.frontends.deepspeed.api.runtime.base_optimizer import mark_wrapped
 from shardwise.frontends.deepspeed.api.runtime.config import DeepSpeedConfigError
 from shardwise.frontends.deepspeed.api.runtime.dataloader import DeepSpeedDataLoader, PositionedSampler
+from shardwise.frontends.deepspeed.api.runtime.sequence_parallel import parallel_state_sp
 from shardwise.frontends.deepspeed.api.utils import groups as parallel_groups
 from shardwise.frontends.deepspeed.config import load_config, read_config
 from shardwise.frontends.deepspeed.initialize import initialize as initialize_engine
@@ -71,11 +80,14 @@ def initialize(
     """DeepSpeed's `initialize` (see the module docstring for each argument)."""
     if model is None:
         raise ValueError("deepspeed.initialize requires a model")
-    if mpu is not None or mesh_param is not None:
+    if (mpu is not None and mpu is not parallel_state_sp) or mesh_param is not None:
         raise ValueError("deepspeed.initialize(mpu=... / mesh_param=...) is not supported: shardwise builds its "
                          "model-parallel groups from the config's tensor_parallel, sequence_parallel and "
-                         "pipeline_parallel blocks")
+                         "pipeline_parallel blocks (the one mpu taken is the one UlyssesSPAttentionHF."
+                         "register_with_transformers returns)")
     raw = read_config(_choose_config(args, config if config is not None else config_params))
+    if mpu is not None:
+        _sequence_size_from_mpu(raw, mpu.get_sequence_parallel_world_size())
     try:
         tag_validation = tag_validation_mode(raw)
     except ValueError as error:
@@ -91,20 +103,54 @@ def initialize(
     auto_values = {"scheduler.params.warmup_max_lr": optimizer.defaults["lr"]} if optimizer is not None else {}
     world_size = torch.distributed.get_world_size()
     cfg = load_config(raw, world_size=world_size, hidden_size=hidden_size(model), auto_values=auto_values)
+    if mpu is not None:
+        _require_mpu_size(cfg.sequence_parallel.size, mpu.get_sequence_parallel_world_size())
     if optimizer is None and cfg.optimizer is not None and model_parameters is not None:
         groups = _param_groups(model, model_parameters)
         if not _all_trainable_in_one_group(model, groups):  # else the engine builds the same from the config
             optimizer = optimizer_spec(cfg.optimizer.type).build(groups, dict(cfg.optimizer.params))
             cfg = cfg.model_copy(update={"optimizer": None})
     engine_class = PipelineEngine if isinstance(model, PipelineModule) else DeepSpeedEngine  # as DeepSpeed's
-    engine = initialize_engine(model, cfg, optimizer, lr_scheduler, engine_class=engine_class)
+    engine = initialize_engine(model, cfg, optimizer, lr_scheduler, engine_class=engine_class,
+                               sequence_sharded_by_caller=mpu is not None)
     engine.tag_validation = tag_validation
-    parallel_groups.use_mesh(engine.mesh)  # deepspeed.utils.groups answers from this engine's layout
+    if mpu is not None:
+        _require_same_sequence_groups(engine, mpu)
+    parallel_groups.use_mesh(engine.mesh, sequence_groups=mpu)  # deepspeed.utils.groups answers from this layout
     if training_data is not None:
         engine.training_dataloader = _data_loader(engine, training_data, collate_fn)
         if engine.zenflow is not None:  # an epoch-based column selection counts its batches
             engine.zenflow.learn_epoch_length(len(engine.training_dataloader))
     return engine, _clearing_model_gradients(engine), engine.training_dataloader, engine.lr_scheduler
+
+
+def _sequence_size_from_mpu(raw: dict, mpu_size: int) -> None:
+    """A config without a sequence-parallel size takes the mpu's, as DeepSpeed counts the
+    data-parallel ranks from the mpu (Accelerate's `sp_backend="deepspeed"` writes none)."""
+    if "sequence_parallel_size" not in raw and "sequence_parallel" not in raw:
+        raw["sequence_parallel_size"] = mpu_size
+
+
+def _require_mpu_size(configured: int, mpu_size: int) -> None:
+    if configured != mpu_size:
+        raise DeepSpeedConfigError(
+            f"the config's sequence_parallel_size is {configured} but the mpu from "
+            f"UlyssesSPAttentionHF.register_with_transformers has sequence_parallel_size {mpu_size}: set the "
+            "config's sequence_parallel_size to the size given to register_with_transformers (the batch sizes and "
+            "the gradient averaging count its ranks)")
+
+
+def _require_same_sequence_groups(engine: DeepSpeedEngine, mpu: ModuleType) -> None:
+    """The engine averages gradients over its layout's groups, the script's attention and
+    adapter exchange over the mpu's: they must be the same ranks."""
+    for purpose, ranks in (("sequence", mpu.sequence_parallel_ranks()),
+                           ("replicas", mpu.sequence_data_parallel_ranks())):
+        if list(engine.mesh[purpose].ranks) != list(ranks):
+            raise ValueError(
+                f"deepspeed.initialize(mpu=...): the mpu's {'sequence' if purpose == 'sequence' else 'sequence-data'}"
+                f"-parallel group is ranks {list(ranks)} but the config's layout puts ranks "
+                f"{list(engine.mesh[purpose].ranks)} in it: the mpu's groups cover sequence and data parallelism "
+                "only, so remove tensor_parallel and pipeline_parallel from the config")
 
 
 def _never_print(raw: dict) -> None:

@@ -58,7 +58,9 @@ AUTOCAST_DTYPES = {
 }
 
 
-def policies_from_config(cfg: ShardwiseConfig) -> Policies:
+def policies_from_config(cfg: ShardwiseConfig, *, sequence_sharded_by_caller: bool = False) -> Policies:
+    """The runtime's policies for `cfg`. `sequence_sharded_by_caller`: the script runs
+    Ulysses itself (DeepSpeed's ALST, `deepspeed.initialize(mpu=...)`; SequencePolicy)."""
     return Policies(
         zero=zero_policy(cfg),
         precision=precision_policy(cfg),
@@ -67,7 +69,7 @@ def policies_from_config(cfg: ShardwiseConfig) -> Policies:
                                 cfg.replica_check.interval),
         tensor=TensorPolicy(cfg.tensor_parallel.size,
                             cfg.tensor_parallel.sequence_parallel or cfg.sequence_parallel.mode == "megatron"),
-        sequence=SequencePolicy(cfg.sequence_parallel.size),
+        sequence=SequencePolicy(cfg.sequence_parallel.size, sharded_by_caller=sequence_sharded_by_caller),
         pipeline=pipeline_policy(cfg),
         expert=ExpertPolicy(cfg.expert_parallel.autoep_size if cfg.expert_parallel.enabled else 1),
         activation=activation_policy(cfg),

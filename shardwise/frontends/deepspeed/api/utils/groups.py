@@ -13,10 +13,16 @@ parallelism), model-parallel the tensor-parallel size, and the expert groups of 
 expert-parallel size E, DeepSpeed's `ep_size_E`, are `expert` and `expert_data`. A group
 of one rank has no process group in the mesh; asked for, it is created here once, by
 every rank in the same order, as DeepSpeed creates its world clone on first use.
+
+With ALST's mpu (`deepspeed.initialize(mpu=...)`, api/runtime/sequence_parallel/), the
+sequence and sequence-data groups are the mpu's own process groups, as in DeepSpeed: the
+script's adapter and attention run their collectives on them (initialize checked that
+the layout's groups hold the same ranks, so sizes and ranks agree).
 """
 
 from __future__ import annotations
 
+from types import ModuleType
 from typing import TYPE_CHECKING
 
 import torch.distributed as dist
@@ -26,13 +32,15 @@ if TYPE_CHECKING:
 
 
 _mesh: ParallelMesh | None = None
+_sequence_groups: ModuleType | None = None  # ALST's mpu (parallel_state_sp), when initialize was given it
 _created: dict[tuple[tuple[int, ...], ...], dist.ProcessGroup] = {}  # groups of one rank, by their layout
 
 
-def use_mesh(mesh: ParallelMesh) -> None:
-    """The layout the getters answer from (`deepspeed.initialize` calls this)."""
-    global _mesh
-    _mesh = mesh
+def use_mesh(mesh: ParallelMesh, *, sequence_groups: ModuleType | None = None) -> None:
+    """The layout the getters answer from (`deepspeed.initialize` calls this), and the mpu
+    whose process groups are the sequence groups, if it was given one."""
+    global _mesh, _sequence_groups
+    _mesh, _sequence_groups = mesh, sequence_groups
 
 
 def _initialized() -> None:
@@ -94,6 +102,8 @@ def _get_sequence_parallel_rank() -> int:
 
 def _get_sequence_parallel_group() -> dist.ProcessGroup:
     """DeepSpeed has one only when sequence parallelism is on; so here."""
+    if _sequence_groups is not None:
+        return _sequence_groups.get_sequence_parallel_group()
     if _mesh is None or _mesh["sequence"].size == 1:
         raise KeyError("No sequence parallel group found")
     return _process_group(_mesh["sequence"], _mesh.sizes.groups("sequence"))
@@ -108,6 +118,8 @@ def _get_sequence_data_parallel_rank() -> int:
 
 
 def _get_sequence_data_parallel_group() -> dist.ProcessGroup:
+    if _sequence_groups is not None:
+        return _sequence_groups.get_sequence_data_parallel_group()
     if _mesh is None:
         return _get_data_parallel_group()
     return _process_group(_mesh["replicas"], _mesh.sizes.groups("replicas"))
