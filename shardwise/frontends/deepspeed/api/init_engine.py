@@ -20,6 +20,13 @@ What DeepSpeed does with each argument, and what this does:
   groups must hold its groups' ranks, and the engine leaves the model to the script
   (`SequencePolicy.sharded_by_caller`), only averaging gradients over data x sequence
   ranks. Any other mpu is refused: shardwise builds its groups from the config;
+- `sequence_parallel_size` > 1 without an mpu: a model shardwise knows (models/) gets
+  shardwise's own Ulysses, unless it holds a `deepspeed.sequence.layer.
+  DistributedAttention`; any other model is left to the script, as DeepSpeed leaves every
+  model (Megatron-DeepSpeed's Ulysses: it feeds each rank its shard of the positions and
+  wraps its attention in `DistributedAttention` over `groups._get_sequence_parallel_group()`),
+  and the engine averages gradients over data x sequence ranks. A `DistributedAttention`
+  in the model must exchange over the layout's sequence group (same ranks);
 - `deepspeed.utils.groups` answers from the engine's layout from then on (its sequence
   groups: the mpu's own process groups, which the script's adapter and attention use).
 It returns (engine, optimizer, training_dataloader, lr_scheduler): the optimizer is the
@@ -51,9 +58,11 @@ from shardwise.frontends.deepspeed.api.runtime.base_optimizer import mark_wrappe
 from shardwise.frontends.deepspeed.api.runtime.config import DeepSpeedConfigError
 from shardwise.frontends.deepspeed.api.runtime.dataloader import DeepSpeedDataLoader, PositionedSampler
 from shardwise.frontends.deepspeed.api.runtime.sequence_parallel import parallel_state_sp
+from shardwise.frontends.deepspeed.api.sequence.layer import DistributedAttention
 from shardwise.frontends.deepspeed.api.utils import groups as parallel_groups
 from shardwise.frontends.deepspeed.config import load_config, read_config
 from shardwise.frontends.deepspeed.initialize import initialize as initialize_engine
+from shardwise.models.families import plan_for
 from shardwise.runtime.data.curriculum_loader import CurriculumDataLoader
 from shardwise.runtime.data.difficulty_sampler import DifficultySampler
 from shardwise.runtime.engine.arguments import hidden_size
@@ -80,19 +89,24 @@ def initialize(
     """DeepSpeed's `initialize` (see the module docstring for each argument)."""
     if model is None:
         raise ValueError("deepspeed.initialize requires a model")
-    if (mpu is not None and mpu is not parallel_state_sp) or mesh_param is not None:
-        raise ValueError("deepspeed.initialize(mpu=... / mesh_param=...) is not supported: shardwise builds its "
-                         "model-parallel groups from the config's tensor_parallel, sequence_parallel and "
-                         "pipeline_parallel blocks (the one mpu taken is the one UlyssesSPAttentionHF."
-                         "register_with_transformers returns)")
+    if mpu is not None and mpu is not parallel_state_sp:
+        raise ValueError("deepspeed.initialize(mpu=...) is not supported: shardwise builds its model-parallel groups "
+                         "from the config's tensor_parallel, sequence_parallel and pipeline_parallel blocks (the one "
+                         "mpu taken is the one UlyssesSPAttentionHF.register_with_transformers returns; for "
+                         "Megatron-DeepSpeed's Ulysses set sequence_parallel_size and take the group from "
+                         "deepspeed.utils.groups._get_sequence_parallel_group() after initialize)")
     raw = read_config(_choose_config(args, config if config is not None else config_params))
     if mpu is not None:
         _sequence_size_from_mpu(raw, mpu.get_sequence_parallel_world_size())
+    if mesh_param is not None:
+        _sequence_size_from_mesh(raw, mesh_param)
     try:
         tag_validation = tag_validation_mode(raw)
     except ValueError as error:
         raise DeepSpeedConfigError(str(error)) from None
     init_distributed(distributed_port=distributed_port, dist_init_required=dist_init_required)
+    if mesh_param is not None:
+        _require_mesh_covers_world(mesh_param, torch.distributed.get_world_size())
     _align_local_rank(args)
     if optimizer is not None and not isinstance(optimizer, torch.optim.Optimizer):
         optimizer = optimizer(list(model_parameters if model_parameters is not None else model.parameters()))
@@ -111,11 +125,14 @@ def initialize(
             optimizer = optimizer_spec(cfg.optimizer.type).build(groups, dict(cfg.optimizer.params))
             cfg = cfg.model_copy(update={"optimizer": None})
     engine_class = PipelineEngine if isinstance(model, PipelineModule) else DeepSpeedEngine  # as DeepSpeed's
+    attentions = _distributed_attentions(model)
     engine = initialize_engine(model, cfg, optimizer, lr_scheduler, engine_class=engine_class,
-                               sequence_sharded_by_caller=mpu is not None)
+                               sequence_sharded_by_caller=_script_splits_sequence(model, cfg.sequence_parallel.size,
+                                                                                  mpu, attentions))
     engine.tag_validation = tag_validation
     if mpu is not None:
         _require_same_sequence_groups(engine, mpu)
+    _require_attention_over_sequence_group(engine, attentions)
     parallel_groups.use_mesh(engine.mesh, sequence_groups=mpu)  # deepspeed.utils.groups answers from this layout
     if training_data is not None:
         engine.training_dataloader = _data_loader(engine, training_data, collate_fn)
@@ -124,11 +141,71 @@ def initialize(
     return engine, _clearing_model_gradients(engine), engine.training_dataloader, engine.lr_scheduler
 
 
+def _distributed_attentions(model: nn.Module) -> dict[str, DistributedAttention]:
+    return {name: module for name, module in model.named_modules() if isinstance(module, DistributedAttention)}
+
+
+def _script_splits_sequence(model: nn.Module, size: int, mpu: Any, attentions: dict[str, DistributedAttention]
+                            ) -> bool:
+    """Whether the script, not shardwise, splits the sequence (module docstring): with
+    ALST's mpu, with DistributedAttention in the model, or for a model shardwise has no
+    Ulysses plan for."""
+    if size == 1:
+        return False
+    if mpu is not None or attentions:
+        return True
+    if plan_for(model).ulysses is None:
+        log.info("deepspeed.initialize: sequence_parallel_size %d and a %s, whose attention shardwise does not "
+                 "split: the script feeds each rank its positions and exchanges them in its attention "
+                 "(deepspeed.sequence.layer.DistributedAttention over groups._get_sequence_parallel_group())",
+                 size, type(model).__name__)
+        return True
+    return False
+
+
+def _require_attention_over_sequence_group(engine: DeepSpeedEngine, attentions: dict[str, DistributedAttention]
+                                           ) -> None:
+    """The engine averages gradients over its layout's sequence group: a DistributedAttention
+    exchanging over other ranks would train on a sequence the engine does not know of."""
+    wanted = list(engine.mesh["sequence"].ranks)
+    for name, attention in attentions.items():
+        group = attention.spg if attention.spg is not None else torch.distributed.group.WORLD
+        ranks = torch.distributed.get_process_group_ranks(group)
+        if ranks != wanted:
+            raise ValueError(
+                f"{name} (DistributedAttention) exchanges over ranks {ranks} but the config's sequence-parallel "
+                f"group of this rank is ranks {wanted} (sequence_parallel_size {len(wanted)}): set "
+                f"sequence_parallel_size to {len(ranks)}, or build the attention over "
+                "deepspeed.utils.groups._get_sequence_parallel_group() after deepspeed.initialize")
+
+
 def _sequence_size_from_mpu(raw: dict, mpu_size: int) -> None:
     """A config without a sequence-parallel size takes the mpu's, as DeepSpeed counts the
     data-parallel ranks from the mpu (Accelerate's `sp_backend="deepspeed"` writes none)."""
     if "sequence_parallel_size" not in raw and "sequence_parallel" not in raw:
         raw["sequence_parallel_size"] = mpu_size
+
+
+def _sequence_size_from_mesh(raw: dict, mesh_param: Any) -> None:
+    """`mesh_param=(data_parallel_size, sequence_parallel_size)`, DeepSpeed's (data, sequence)
+    device mesh, sequence innermost: shardwise's layout with that sequence-parallel size
+    puts the same consecutive ranks in each sequence group."""
+    if not (isinstance(mesh_param, (tuple, list)) and len(mesh_param) == 2
+            and all(isinstance(size, int) and size >= 1 for size in mesh_param)):
+        raise ValueError(f"deepspeed.initialize(mesh_param={mesh_param!r}): give (data_parallel_size, "
+                         "sequence_parallel_size), two positive integers")
+    configured = raw.get("sequence_parallel_size", mesh_param[1])
+    if configured != mesh_param[1]:
+        raise DeepSpeedConfigError(f"the config's sequence_parallel_size is {configured} but mesh_param gives "
+                                   f"{mesh_param[1]}: make them the same, or drop one")
+    raw["sequence_parallel_size"] = mesh_param[1]
+
+
+def _require_mesh_covers_world(mesh_param: tuple[int, int], world_size: int) -> None:
+    if mesh_param[0] * mesh_param[1] != world_size:
+        raise ValueError(f"deepspeed.initialize(mesh_param={tuple(mesh_param)}): {mesh_param[0]} x {mesh_param[1]} "
+                         f"ranks, but the world has {world_size}: the data- and sequence-parallel sizes must "
+                         "multiply to the world size")
 
 
 def _require_mpu_size(configured: int, mpu_size: int) -> None:

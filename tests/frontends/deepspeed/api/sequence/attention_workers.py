@@ -123,3 +123,100 @@ def refusals(rank: int, world_size: int) -> dict[str, str]:
     record("three_d", lambda: attention(x[..., 0], x[..., 0], x[..., 0], 0))
     record("indices", lambda: DistributedAttention(causal_attention("bshd"), group, scatter_idx=2, gather_idx=3))
     return messages
+
+
+HIDDEN, HEADS, STEPS = 16, 4, 3
+LR, EPS = 1e-2, 1e-4  # eps 1e-4: tests/runtime/zero/workers.py ADAM_EPS
+
+
+class TinyCausalAttention(nn.Module):
+    """One multi-head causal attention block, plain torch, as a Megatron-DeepSpeed script
+    writes it: q/k/v projections, `local_attention` (sdpa; the script wraps it in
+    DistributedAttention for sequence parallelism), the output projection, a residual."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.qkv = nn.Linear(HIDDEN, 3 * HIDDEN)
+        self.out = nn.Linear(HIDDEN, HIDDEN)
+        self.attention = causal_attention("bshd")
+
+    def forward(self, x: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+        q, k, v = (t.unflatten(-1, (HEADS, HIDDEN // HEADS)) for t in self.qkv(x).chunk(3, dim=-1))
+        context = self.attention(q, k, v) if not isinstance(self.attention, nn.Module) else self.attention(q, k, v, 0)
+        return (x + self.out(context.flatten(-2)) - target).square().mean()
+
+
+def batches() -> list[tuple[torch.Tensor, torch.Tensor]]:
+    generator = torch.Generator().manual_seed(2)
+    return [(torch.randn(BATCH, POSITIONS, HIDDEN, generator=generator),
+             torch.randn(BATCH, POSITIONS, HIDDEN, generator=generator)) for _ in range(STEPS)]
+
+
+def whole_sequences_in_one_process() -> tuple[list[float], dict[str, torch.Tensor]]:
+    model = TinyCausalAttention()
+    optimizer = torch.optim.Adam(model.parameters(), lr=LR, eps=EPS)
+    losses = []
+    for x, target in batches():
+        loss = model(x, target)
+        loss.backward()
+        optimizer.step()
+        optimizer.zero_grad()
+        losses.append(loss.item())
+    return losses, {name: param.detach().clone() for name, param in model.named_parameters()}
+
+
+def megatron_deepspeed_ulysses(rank: int, world_size: int, stage: int) -> dict[str, dict]:
+    """`ulysses_loop` with the sequence-parallel size from the config, and from
+    `mesh_param=(1, 2)` (DeepSpeed's own Ulysses tests' form)."""
+    return {"config": ulysses_loop(rank, stage, {"sequence_parallel_size": 2}, None),
+            "mesh_param": ulysses_loop(rank, stage, {}, (1, 2))}
+
+
+def ulysses_loop(rank: int, stage: int, sequence: dict, mesh_param: tuple[int, int] | None) -> dict:
+    """DeepSpeed's Ulysses as its tests and Megatron-DeepSpeed drive it: initialize with
+    sequence-parallel size 2, the group from `groups`, the model's attention wrapped in
+    DistributedAttention over it, each rank fed its positions; the loss of the whole
+    sequence is the mean of the shards' (equal lengths)."""
+    from shardwise.frontends.deepspeed.alias import install_alias
+
+    install_alias()
+    import deepspeed
+    from deepspeed.sequence.layer import DistributedAttention
+    from deepspeed.utils import groups
+
+    model = TinyCausalAttention()
+    config = {"train_micro_batch_size_per_gpu": BATCH, **sequence, "zero_optimization": {"stage": stage},
+              "optimizer": {"type": "Adam", "params": {"lr": LR, "eps": EPS}}}
+    engine, *_ = deepspeed.initialize(model=model, model_parameters=model.parameters(), config=config,
+                                      mesh_param=mesh_param)
+    group = groups._get_sequence_parallel_group()
+    model.attention = DistributedAttention(model.attention, group, scatter_idx=2, gather_idx=1)
+    losses = []
+    for x, target in batches():
+        own = slice(rank * POSITIONS // 2, (rank + 1) * POSITIONS // 2)
+        loss = engine(x[:, own], target[:, own])
+        engine.backward(loss)
+        engine.step()
+        whole = loss.detach().clone()
+        dist.all_reduce(whole, group=group)
+        losses.append(whole.item() / 2)
+    weights = {name: param.detach().clone() for name, param in engine.module.named_parameters()}
+    return {"losses": losses, "weights": weights, "sequence_ranks": dist.get_process_group_ranks(group),
+            "data_size": groups._get_data_parallel_world_size(), "batch": engine.train_batch_size()}
+
+
+def refused_groups(rank: int, world_size: int) -> str:
+    """A DistributedAttention over both ranks in the model and a config without
+    sequence_parallel_size: refused at initialize."""
+    from shardwise.frontends.deepspeed.api import initialize
+    from shardwise.frontends.deepspeed.api.sequence.layer import DistributedAttention
+
+    model = TinyCausalAttention()
+    model.attention = DistributedAttention(model.attention, dist.new_group([0, 1]), scatter_idx=2, gather_idx=1)
+    try:
+        initialize(model=model, config={"train_micro_batch_size_per_gpu": 1,
+                                        "optimizer": {"type": "SGD", "params": {"lr": 0.1}}})
+    except ValueError as error:
+        return str(error)
+    return "initialize took it"

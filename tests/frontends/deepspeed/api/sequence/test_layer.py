@@ -16,6 +16,10 @@ import torch
 
 from shardwise.tools.testing import run_distributed
 from tests.frontends.deepspeed.api.sequence.attention_workers import (
+    BATCH,
+    megatron_deepspeed_ulysses,
+    refused_groups,
+    whole_sequences_in_one_process,
     distributed_attention,
     ours_for_deepspeed,
     refusals,
@@ -110,3 +114,25 @@ def test_equals_deepspeeds_distributed_attention_on_gloo(layout, heads, kv_heads
     for rank in range(2):
         for name, want in theirs[rank].items():
             assert ((ours[rank][name] - want).norm() / want.norm()).item() < 1e-6, (layout, rank, name)
+
+
+def test_megatron_deepspeed_ulysses_trains_as_whole_sequences_in_one_process():
+    """A plain-torch causal attention model, its attention wrapped in DistributedAttention
+    over `groups._get_sequence_parallel_group()` after `deepspeed.initialize` with
+    sequence_parallel_size 2 (or mesh_param=(1, 2)), each rank fed half the positions, ZeRO-2
+    and Adam: the same losses and final weights as the whole sequences in one process
+    (shardwise leaves a model it does not know to the script: the sequence is split once)."""
+    want_losses, want_weights = whole_sequences_in_one_process()
+    for by_size_source in run_distributed(megatron_deepspeed_ulysses, 2, 2, timeout=60):
+        for result in by_size_source.values():
+            assert result["sequence_ranks"] == [0, 1] and result["data_size"] == 1 and result["batch"] == BATCH
+            for got, want in zip(result["losses"], want_losses, strict=True):
+                assert abs(got - want) / want < 1e-5, (result["losses"], want_losses)
+            for name, want in want_weights.items():
+                assert ((result["weights"][name] - want).norm() / want.norm()).item() < 1e-5, name
+
+
+def test_attention_over_other_ranks_than_the_sequence_group_is_refused():
+    message = run_distributed(refused_groups, 2, timeout=60)[0]
+    assert "exchanges over ranks [0, 1] but the config's sequence-parallel group" in message
+    assert "set sequence_parallel_size to 2" in message

@@ -73,7 +73,7 @@ def test_checks_of_register_adapter_and_initialize():
         assert (answers["sdpa_untouched"], answers["sdpa_wrapped"]) == ("sdpa_attention_forward", "without_mask")
         assert answers["mpu"] == [True, 2, rank, 2, 2, [0, 1]]
         assert "sequence_parallel_size is 1 but the mpu" in answers["config_size"]
-        assert "mpu=... / mesh_param=...) is not supported" in answers["other_mpu"]
+        assert "mpu=...) is not supported" in answers["other_mpu"]
         assert "needs `position_ids` in every batch" in answers["no_position_ids"]
         assert "labels's shape (1, 6) must match input_ids' (1, 8)" in answers["shape"]
         assert "sequence length 7 does not divide over sp_world_size 2" in answers["odd_length"]
