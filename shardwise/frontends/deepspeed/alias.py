@@ -33,7 +33,7 @@ import tempfile
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
-from types import ModuleType
+from types import CodeType, ModuleType
 
 ALIAS = "deepspeed"
 DEEPSPEED_API_VERSION = "0.19.8"  # the DeepSpeed release whose Python API the package follows, checked against it
@@ -69,6 +69,10 @@ class _AliasLoader(importlib.abc.Loader):
 
     def exec_module(self, module: ModuleType) -> None:
         module.__spec__ = self._own_spec  # the import system set the alias's; keep the module's own
+
+    def get_code(self, fullname: str) -> CodeType | None:
+        """`python -m deepspeed.X` (runpy asks the loader for the code): X's own code."""
+        return importlib.util.find_spec(self.target).loader.get_code(self.target)
 
 
 class DeepSpeedAliasFinder(importlib.abc.MetaPathFinder):
