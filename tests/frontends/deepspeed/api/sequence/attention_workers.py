@@ -206,17 +206,28 @@ def ulysses_loop(rank: int, stage: int, sequence: dict, mesh_param: tuple[int, i
             "data_size": groups._get_data_parallel_world_size(), "batch": engine.train_batch_size()}
 
 
-def refused_groups(rank: int, world_size: int) -> str:
-    """A DistributedAttention over both ranks in the model and a config without
-    sequence_parallel_size: refused at initialize."""
+def who_splits_the_sequence(rank: int, world_size: int) -> dict[str, object]:
+    """Whether initialize leaves the sequence to the script (`sharded_by_caller`) for a model
+    shardwise knows (GPT) with and without a DistributedAttention in it; and the refusal of
+    a DistributedAttention over both ranks with a config without sequence_parallel_size."""
     from shardwise.frontends.deepspeed.api import initialize
     from shardwise.frontends.deepspeed.api.sequence.layer import DistributedAttention
+    from shardwise.models import GPT, GPTConfig
 
+    config = {"train_micro_batch_size_per_gpu": 1, "optimizer": {"type": "SGD", "params": {"lr": 0.1}}}
+    both = dist.new_group([0, 1])
+    answers: dict[str, object] = {}
+    for name, with_attention in (("gpt", False), ("gpt_with_distributed_attention", True)):
+        model = GPT(GPTConfig(vocab_size=16, block_size=8, n_layer=1, n_head=2, n_embd=8))
+        if with_attention:
+            model.attention = DistributedAttention(causal_attention("bshd"), both, scatter_idx=2, gather_idx=1)
+        engine, *_ = initialize(model=model, config={**config, "sequence_parallel_size": 2})
+        answers[name] = engine.policies.sequence.sharded_by_caller
     model = TinyCausalAttention()
-    model.attention = DistributedAttention(model.attention, dist.new_group([0, 1]), scatter_idx=2, gather_idx=1)
+    model.attention = DistributedAttention(model.attention, both, scatter_idx=2, gather_idx=1)
     try:
-        initialize(model=model, config={"train_micro_batch_size_per_gpu": 1,
-                                        "optimizer": {"type": "SGD", "params": {"lr": 0.1}}})
+        initialize(model=model, config=config)
+        answers["refusal"] = "initialize took it"
     except ValueError as error:
-        return str(error)
-    return "initialize took it"
+        answers["refusal"] = str(error)
+    return answers

@@ -17,13 +17,13 @@ import torch
 from shardwise.tools.testing import run_distributed
 from tests.frontends.deepspeed.api.sequence.attention_workers import (
     BATCH,
-    megatron_deepspeed_ulysses,
-    refused_groups,
-    whole_sequences_in_one_process,
     distributed_attention,
+    megatron_deepspeed_ulysses,
     ours_for_deepspeed,
     refusals,
+    who_splits_the_sequence,
     whole_inputs,
+    whole_sequences_in_one_process,
 )
 
 
@@ -132,7 +132,11 @@ def test_megatron_deepspeed_ulysses_trains_as_whole_sequences_in_one_process():
                 assert ((result["weights"][name] - want).norm() / want.norm()).item() < 1e-5, name
 
 
-def test_attention_over_other_ranks_than_the_sequence_group_is_refused():
-    message = run_distributed(refused_groups, 2, timeout=60)[0]
-    assert "exchanges over ranks [0, 1] but the config's sequence-parallel group" in message
-    assert "set sequence_parallel_size to 2" in message
+def test_who_splits_the_sequence_and_attention_over_other_ranks_refused():
+    """shardwise's own Ulysses for a model it knows, unless the model holds the script's
+    DistributedAttention (the sequence is split once); an attention exchanging over ranks
+    the config's layout does not group is refused with the size to set."""
+    answers = run_distributed(who_splits_the_sequence, 2, timeout=60)[0]
+    assert answers["gpt"] is False and answers["gpt_with_distributed_attention"] is True
+    assert "exchanges over ranks [0, 1] but the config's sequence-parallel group" in answers["refusal"]
+    assert "set sequence_parallel_size to 2" in answers["refusal"]
