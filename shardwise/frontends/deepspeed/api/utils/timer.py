@@ -16,7 +16,6 @@ from typing import Any, Callable
 import torch
 import torch.distributed as dist
 
-from shardwise.frontends.deepspeed.api.accelerator import get_accelerator
 from shardwise.frontends.deepspeed.api.utils.logging import logger
 
 __all__ = ["NoopTimer", "SynchronizedWallClockTimer", "ThroughputTimer", "trim_mean"]
@@ -33,6 +32,18 @@ STEP_MICRO_TIMER = "step_microstep"
 STEP_GLOBAL_TIMER = "step"
 TIME_EPSILON = 1e-6
 GIB = 1024**3
+
+
+def _synchronize() -> None:
+    """Wait for the GPU's queued work, so a host interval includes it (nothing on the CPU)."""
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
+
+
+def _allocated(reading: Callable[[], int]) -> int:
+    """A CUDA memory reading; 0 on the CPU, as shardwise's `get_accelerator()` reports there
+    (DeepSpeed's CPU accelerator reports the process's resident memory)."""
+    return reading() if torch.cuda.is_available() else 0
 
 
 def _print_on_ranks(message: str, ranks: list[int]) -> None:
@@ -72,14 +83,14 @@ class SynchronizedWallClockTimer:
 
         def start(self) -> None:
             assert not self.started_, f"{self.name_} timer has already been started"
-            get_accelerator().synchronize()
+            _synchronize()
             self.start_time = time.perf_counter()
             self.started_ = True
 
         def stop(self, reset: bool = False, record: bool = False) -> None:
             """`reset` and `record` are taken and, as in DeepSpeed, not used."""
             assert self.started_, "timer is not started"
-            get_accelerator().synchronize()
+            _synchronize()
             self.end_time = time.perf_counter()
             self.event_timers.append(self.end_time - self.start_time)
             self.started_ = False
@@ -123,11 +134,10 @@ class SynchronizedWallClockTimer:
 
     @staticmethod
     def memory_usage() -> str:
-        cuda = torch.cuda.is_available()
-        figures = {"mem_allocated": torch.cuda.memory_allocated() if cuda else 0,
-                   "max_mem_allocated": torch.cuda.max_memory_allocated() if cuda else 0,
-                   "cache_allocated": torch.cuda.memory_reserved() if cuda else 0,
-                   "max_cache_allocated": torch.cuda.max_memory_reserved() if cuda else 0}
+        figures = {"mem_allocated": _allocated(torch.cuda.memory_allocated),
+                   "max_mem_allocated": _allocated(torch.cuda.max_memory_allocated),
+                   "cache_allocated": _allocated(torch.cuda.memory_reserved),
+                   "max_cache_allocated": _allocated(torch.cuda.max_memory_reserved)}
         return "".join(f" | {name}: {value / GIB:.4f} GB" for name, value in figures.items())
 
     def log(self, names: list[str], normalizer: float = 1.0, reset: bool = True, memory_breakdown: bool = False,
@@ -225,7 +235,7 @@ class ThroughputTimer:
         self.started = True
         if self.global_step_count >= self.start_step:
             if self.config.synchronized:
-                get_accelerator().synchronize()
+                _synchronize()
             self.start_time = time.time()
 
     def _is_report_boundary(self) -> bool:
@@ -241,7 +251,7 @@ class ThroughputTimer:
         if self.start_time <= 0:
             return
         if self.config.synchronized:
-            get_accelerator().synchronize()
+            _synchronize()
         self.end_time = time.time()
         duration = self.end_time - self.start_time
         self.total_elapsed_time += duration
@@ -254,11 +264,10 @@ class ThroughputTimer:
 
     def _report(self) -> None:
         where = f"epoch={self.epoch_count}/micro_step={self.micro_step_count}/global_step={self.global_step_count}"
-        accelerator = get_accelerator()
         self.logging(f"{where}, RunningAvgSamplesPerSec={self.avg_samples_per_sec()}, "
                      f"CurrSamplesPerSec={self.batch_size / (self.step_elapsed_time + TIME_EPSILON)}, "
-                     f"MemAllocated={round(accelerator.memory_allocated() / GIB, 2)}GB, "
-                     f"MaxMemAllocated={round(accelerator.max_memory_allocated() / GIB, 2)}GB")
+                     f"MemAllocated={round(_allocated(torch.cuda.memory_allocated) / GIB, 2)}GB, "
+                     f"MaxMemAllocated={round(_allocated(torch.cuda.max_memory_allocated) / GIB, 2)}GB")
         if self.monitor_memory:
             import psutil
 
