@@ -16,33 +16,15 @@ wrapper class DeepSpeed's would be (`mark_wrapped`): `DeepSpeedZeroOptimizer` at
 a marked object as an instance of the class it is marked with and of that class's bases,
 so the same `isinstance` checks answer as under DeepSpeed while `type(optimizer)` stays
 the torch class.
+
+The classes live in runtime/zero/optimizer_classes.py, beside the ZeRO modules that derive
+from them (the runtime package imports zero, so zero may not import from here).
 """
 
-from __future__ import annotations
-
-from typing import Any
+from shardwise.frontends.deepspeed.api.runtime.zero.optimizer_classes import (
+    DeepSpeedOptimizer,
+    ZeROOptimizer,
+    mark_wrapped,
+)
 
 __all__ = ["DeepSpeedOptimizer", "ZeROOptimizer", "mark_wrapped"]
-
-_WRAPPED_AS = "_deepspeed_wrapped_as"  # the attribute holding the classes an optimizer stands in for
-
-
-class _CountsMarkedOptimizers(type):
-    def __instancecheck__(cls, instance: Any) -> bool:
-        marked = getattr(instance, _WRAPPED_AS, ())
-        return type.__instancecheck__(cls, instance) or any(issubclass(wrapper, cls) for wrapper in marked)
-
-
-class DeepSpeedOptimizer(metaclass=_CountsMarkedOptimizers):
-    """DeepSpeed's base of its optimizer wrappers."""
-
-
-class ZeROOptimizer(DeepSpeedOptimizer):
-    """DeepSpeed's base of its ZeRO optimizer wrappers (stages 1-3)."""
-
-
-def mark_wrapped(optimizer: Any, wrapper: type[DeepSpeedOptimizer] | None) -> None:
-    """Make `optimizer` an instance of `wrapper` (and its bases), the class DeepSpeed's
-    optimizer would be (module docstring); None where DeepSpeed returns the torch optimizer."""
-    if wrapper is not None:
-        setattr(optimizer, _WRAPPED_AS, (wrapper,))

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from torch import nn
 
-from shardwise.frontends.deepspeed.api.runtime.base_optimizer import ZeROOptimizer
+from shardwise.frontends.deepspeed.api.runtime.zero.optimizer_classes import ZeROOptimizer
 from shardwise.frontends.deepspeed.api.runtime.zero.stage_1_and_2 import (TABLE_HEADER, offload_name,
                                                                            setup_header, table_row)
 

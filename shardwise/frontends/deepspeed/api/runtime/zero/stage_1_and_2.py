@@ -14,7 +14,7 @@ from __future__ import annotations
 
 from torch import nn
 
-from shardwise.frontends.deepspeed.api.runtime.base_optimizer import ZeROOptimizer
+from shardwise.frontends.deepspeed.api.runtime.zero.optimizer_classes import ZeROOptimizer
 from shardwise.frontends.deepspeed.api.runtime.zero.config import OffloadDeviceEnum
 
 __all__ = ["DeepSpeedZeroOptimizer", "estimate_zero2_model_states_mem_needs",
