@@ -3,10 +3,11 @@
 exactly where DeepSpeed 0.19.8's is, and a `runtime.zero.stage_1_and_2.
 DeepSpeedZeroOptimizer` / `runtime.zero.stage3.DeepSpeedZeroOptimizer_Stage3` where its
 is), Accelerate's `checkpoint.utils.clone_tensors_for_torch_save` and
-`launcher.runner.DEEPSPEED_ENVIRONMENT_NAME`, and the optimizer classes `ops.adagrad` / `ops.lion`, and the engines' own modules
-(`runtime.engine.DeepSpeedEngine`, `runtime.pipe.engine.PipelineEngine`), which training
-scripts import for type hints and isinstance checks; each compared with DeepSpeed itself
-when DEEPSPEED_PYTHON names an interpreter with it."""
+`launcher.runner.DEEPSPEED_ENVIRONMENT_NAME`, and the optimizer classes `ops.adagrad` /
+`ops.lion`, and the engines' own modules (`runtime.engine.DeepSpeedEngine`,
+`runtime.pipe.engine.PipelineEngine`), which training scripts import for type hints and
+isinstance checks; each compared with DeepSpeed itself when DEEPSPEED_PYTHON names an
+interpreter with it."""
 
 from __future__ import annotations
 
