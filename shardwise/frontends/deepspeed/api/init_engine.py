@@ -54,10 +54,12 @@ from shardwise.frontends.deepspeed.api.comm import DEFAULT_PORT, init_distribute
 from shardwise.frontends.deepspeed.api.runtime.engine import DeepSpeedEngine
 from shardwise.frontends.deepspeed.api.runtime.pipe.engine import PipelineEngine
 from shardwise.frontends.deepspeed.api.pipe import PipelineModule
-from shardwise.frontends.deepspeed.api.runtime.base_optimizer import mark_wrapped
+from shardwise.frontends.deepspeed.api.runtime.base_optimizer import DeepSpeedOptimizer, ZeROOptimizer, mark_wrapped
 from shardwise.frontends.deepspeed.api.runtime.config import DeepSpeedConfigError
 from shardwise.frontends.deepspeed.api.runtime.dataloader import DeepSpeedDataLoader, PositionedSampler
 from shardwise.frontends.deepspeed.api.runtime.sequence_parallel import parallel_state_sp
+from shardwise.frontends.deepspeed.api.runtime.zero.stage3 import DeepSpeedZeroOptimizer_Stage3
+from shardwise.frontends.deepspeed.api.runtime.zero.stage_1_and_2 import DeepSpeedZeroOptimizer
 from shardwise.frontends.deepspeed.api.sequence.layer import DistributedAttention
 from shardwise.frontends.deepspeed.api.utils import groups as parallel_groups
 from shardwise.frontends.deepspeed.config import load_config, read_config
@@ -138,7 +140,8 @@ def initialize(
         engine.training_dataloader = _data_loader(engine, training_data, collate_fn)
         if engine.zenflow is not None:  # an epoch-based column selection counts its batches
             engine.zenflow.learn_epoch_length(len(engine.training_dataloader))
-    return engine, _clearing_model_gradients(engine), engine.training_dataloader, engine.lr_scheduler
+    return (engine, _clearing_model_gradients(engine, _deepspeed_wrapper(engine, raw)), engine.training_dataloader,
+            engine.lr_scheduler)
 
 
 def _distributed_attentions(model: nn.Module) -> dict[str, DistributedAttention]:
@@ -252,7 +255,25 @@ def _pipeline_block(raw: dict, model: nn.Module) -> None:
         block.setdefault(key, value)
 
 
-def _clearing_model_gradients(engine: DeepSpeedEngine) -> torch.optim.Optimizer | None:
+def _deepspeed_wrapper(engine: DeepSpeedEngine, raw: dict) -> type[DeepSpeedOptimizer] | None:
+    """The class of the optimizer DeepSpeed 0.19.8's engine builds for this config
+    (`_do_optimizer_sanity_check`): its ZeRO optimizers at stages 1-3, except BF16_Optimizer
+    (a ZeROOptimizer) at stage 1 in bf16 with fp32 gradient accumulation and the optimizer
+    not on the CPU; at stage 0 a mixed-precision wrapper, or the torch optimizer in fp32."""
+    stage = engine.zero_optimization_stage()
+    if stage == 3:
+        return DeepSpeedZeroOptimizer_Stage3
+    if stage in (1, 2):
+        accumulates_in_fp32 = (raw.get("data_types") or {}).get("grad_accum_dtype") in ("fp32", "float32")
+        if (stage == 1 and engine.bfloat16_enabled() and accumulates_in_fp32
+                and engine.policies.zero.offload_optimizer.device != "cpu"):
+            return ZeROOptimizer
+        return DeepSpeedZeroOptimizer
+    return DeepSpeedOptimizer if engine.fp16_enabled() or engine.bfloat16_enabled() else None
+
+
+def _clearing_model_gradients(engine: DeepSpeedEngine,
+                              wrapper: type[DeepSpeedOptimizer] | None) -> torch.optim.Optimizer | None:
     """The torch optimizer over this rank's fp32 partition, whose `zero_grad()` also clears
     the model's gradients: a script's `optimizer.zero_grad()` means that, as on DeepSpeed's
     optimizer and on a plain torch optimizer over the model (a GAN clears the other
@@ -261,8 +282,7 @@ def _clearing_model_gradients(engine: DeepSpeedEngine) -> torch.optim.Optimizer 
         return None
     optimizer = engine.optimizer.optimizer
     for wrapped in (optimizer, engine.optimizer):  # isinstance(_, DeepSpeedOptimizer) as under DeepSpeed
-        mark_wrapped(wrapped, zero_stage=engine.zero_optimization_stage(),
-                     mixed_precision=engine.fp16_enabled() or engine.bfloat16_enabled())
+        mark_wrapped(wrapped, wrapper)
     clear_masters = optimizer.zero_grad
 
     def zero_grad(set_to_none: bool = True) -> None:

@@ -164,8 +164,6 @@ RULES: dict[str, dict[str, KeyRule]] = {
         "zero_allow_untested_optimizer": Accepted("shardwise runs any torch optimizer under every ZeRO stage"),
         "zero_force_ds_cpu_optimizer": Accepted("with the optimizer offloaded, shardwise runs the optimizer you "
                                                 "gave on the host; there is no separate CPU Adam to force"),
-        "flops_profiler": Accepted(f"{DIAGNOSTICS}; shardwise train reports FLOPs and MFU every step "
-                                   "(metrics.jsonl) and --profile writes a torch.profiler trace"),
         "comms_logger": Accepted(f"{DIAGNOSTICS}; engine.comm_volume(per_group=True) counts every collective's "
                                  "bytes per group and operation"),
         "prescale_gradients": Accepted("shardwise always divides each gradient by the data-parallel size before "

@@ -400,6 +400,22 @@ class CheckpointConfig(Section):
         return mode.upper() if isinstance(mode, str) else mode
 
 
+class FlopsProfilerConfig(Section):
+    """DeepSpeed's `flops_profiler` block: the engine `deepspeed.initialize` returns profiles
+    the forwards of optimizer step `profile_step` on rank 0 and prints DeepSpeed's profile
+    (api/profiling/flops_profiler/), as DeepSpeed's engine does. `recompute_fwd_factor` only
+    enters the backward lines DeepSpeed prints with wall_clock_breakdown, which shardwise
+    does not print."""
+
+    enabled: Bool = False
+    recompute_fwd_factor: Float = 0.0
+    profile_step: Int = Field(1, ge=0, description="the optimizer step (counted from 0) whose forwards are profiled")
+    module_depth: Int = Field(-1, ge=-1, description="the depths the aggregated profile lists (-1: all)")
+    top_modules: Int = Field(1, ge=0, description="the module types the aggregated profile lists per depth")
+    detailed: Bool = Field(True, description="also print the model with each module's numbers")
+    output_file: str | None = Field(None, description="write the profile to this file instead of stdout")
+
+
 class TensorBoardConfig(Section):
     """TensorBoard event files, written under output_path/job_name by rank 0 after every
     optimizer step (frontends/deepspeed/monitors/)."""
@@ -680,6 +696,7 @@ class ShardwiseConfig(Section):
     csv_monitor: CsvMonitorConfig = Field(default_factory=CsvMonitorConfig)
     wandb: WandbConfig = Field(default_factory=WandbConfig)
     comet: CometConfig = Field(default_factory=CometConfig)
+    flops_profiler: FlopsProfilerConfig = Field(default_factory=FlopsProfilerConfig)
     torch_autocast: TorchAutocastConfig = Field(default_factory=TorchAutocastConfig)
     compile: CompileConfig = Field(default_factory=CompileConfig)
     sparse_attention: SparseAttentionConfig | None = None

@@ -1,11 +1,13 @@
 """DeepSpeed names that libraries import on their DeepSpeed paths: Lightning's
 `runtime.base_optimizer.DeepSpeedOptimizer` (the optimizer `initialize` returns is one
-exactly where DeepSpeed 0.19.8's is), Accelerate's `checkpoint.utils.
-clone_tensors_for_torch_save` and `launcher.runner.DEEPSPEED_ENVIRONMENT_NAME`, and the
-optimizer classes `ops.adagrad` / `ops.lion`, and the engines' own modules
-(`runtime.engine.DeepSpeedEngine`, `runtime.pipe.engine.PipelineEngine`), which training
-scripts import for type hints and isinstance checks; each compared with DeepSpeed itself
-when DEEPSPEED_PYTHON names an interpreter with it."""
+exactly where DeepSpeed 0.19.8's is, and a `runtime.zero.stage_1_and_2.
+DeepSpeedZeroOptimizer` / `runtime.zero.stage3.DeepSpeedZeroOptimizer_Stage3` where its
+is), Accelerate's `checkpoint.utils.clone_tensors_for_torch_save` and
+`launcher.runner.DEEPSPEED_ENVIRONMENT_NAME`, and the optimizer classes `ops.adagrad` /
+`ops.lion`, and the engines' own modules (`runtime.engine.DeepSpeedEngine`,
+`runtime.pipe.engine.PipelineEngine`), which training scripts import for type hints and
+isinstance checks; each compared with DeepSpeed itself when DEEPSPEED_PYTHON names an
+interpreter with it."""
 
 from __future__ import annotations
 
@@ -24,23 +26,31 @@ from torch import nn
 import shardwise.frontends.deepspeed.api as deepspeed
 from shardwise.frontends.deepspeed.api.checkpoint.utils import clone_tensors_for_torch_save
 from shardwise.frontends.deepspeed.api.runtime.base_optimizer import DeepSpeedOptimizer, ZeROOptimizer
+from shardwise.frontends.deepspeed.api.runtime.zero.stage3 import DeepSpeedZeroOptimizer_Stage3
+from shardwise.frontends.deepspeed.api.runtime.zero.stage_1_and_2 import DeepSpeedZeroOptimizer
 from shardwise.tools.testing import run_distributed
 
 needs_deepspeed = pytest.mark.skipif(not os.environ.get("DEEPSPEED_PYTHON"), reason="set DEEPSPEED_PYTHON to an "
                                      "interpreter with DeepSpeed 0.19.8 to compare with it")
 
-# (zero stage, precision block) -> is the returned optimizer a (DeepSpeedOptimizer, ZeROOptimizer)
-CASES = [(0, None), (0, "bf16"), (1, None), (2, None), (3, None)]
+# (zero stage, precision) -> is the returned optimizer a (DeepSpeedOptimizer, ZeROOptimizer,
+# DeepSpeedZeroOptimizer, DeepSpeedZeroOptimizer_Stage3); "bf16+fp32" adds data_types.grad_accum_dtype fp32
+CASES = [(0, None), (0, "bf16"), (1, None), (1, "bf16"), (1, "bf16+fp32"), (2, None), (2, "bf16+fp32"), (3, None)]
 # DeepSpeed 0.19.8 on CPU: the torch optimizer itself at stage 0 in fp32, FP16_Optimizer for
-# bf16 at stage 0, its ZeRO wrappers at stages 1-3
-DEEPSPEED_ANSWERS = [[False, False], [True, False], [True, True], [True, True], [True, True]]
+# bf16 at stage 0, BF16_Optimizer at stage 1 in bf16 accumulating in fp32, else its ZeRO wrappers
+DEEPSPEED_ANSWERS = [[False, False, False, False], [True, False, False, False], [True, True, True, False],
+                     [True, True, True, False], [True, True, False, False], [True, True, True, False],
+                     [True, True, True, False], [True, True, False, True]]
+CLASSES = (DeepSpeedOptimizer, ZeROOptimizer, DeepSpeedZeroOptimizer, DeepSpeedZeroOptimizer_Stage3)
 
 
 def _config(stage: int, precision: str | None) -> dict:
     config = {"train_micro_batch_size_per_gpu": 1, "zero_optimization": {"stage": stage},
               "optimizer": {"type": "Adam", "params": {"lr": 1e-3}}}
     if precision is not None:
-        config[precision] = {"enabled": True}
+        config["bf16" if precision.startswith("bf16") else precision] = {"enabled": True}
+    if precision == "bf16+fp32":
+        config["data_types"] = {"grad_accum_dtype": "fp32"}
     return config
 
 
@@ -51,8 +61,8 @@ def _wrapper_classes(rank: int, world_size: int, cases: list) -> list[list[bool]
         engine, optimizer, _, _ = deepspeed.initialize(model=model, model_parameters=model.parameters(),
                                                        config=_config(stage, precision))
         assert isinstance(optimizer, torch.optim.Optimizer)  # still the torch optimizer (its class is checkpointed)
-        assert isinstance(engine.optimizer, DeepSpeedOptimizer) == isinstance(optimizer, DeepSpeedOptimizer)
-        answers.append([isinstance(optimizer, DeepSpeedOptimizer), isinstance(optimizer, ZeROOptimizer)])
+        answers.append([isinstance(optimizer, wrapper) for wrapper in CLASSES])
+        assert answers[-1] == [isinstance(engine.optimizer, wrapper) for wrapper in CLASSES]
         engine.destroy()
     return answers
 
@@ -65,26 +75,26 @@ def test_the_returned_optimizer_is_a_deepspeed_optimizer_where_deepspeeds_is():
 DEEPSPEED_WRAPPERS = """
 import json, os, socket, sys, torch, deepspeed
 from deepspeed.runtime.base_optimizer import DeepSpeedOptimizer, ZeROOptimizer
+from deepspeed.runtime.zero.stage3 import DeepSpeedZeroOptimizer_Stage3
+from deepspeed.runtime.zero.stage_1_and_2 import DeepSpeedZeroOptimizer
 with socket.socket() as probe:  # a free port: two suites at once must not meet on one
     probe.bind(("127.0.0.1", 0))
     port = str(probe.getsockname()[1])
 os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", MASTER_ADDR="127.0.0.1", MASTER_PORT=port)
 answers = []
-for stage, precision in json.loads(sys.argv[1]):
+for config in json.loads(sys.argv[1]):
     model = torch.nn.Linear(4, 4)
-    config = {"train_micro_batch_size_per_gpu": 1, "zero_optimization": {"stage": stage},
-              "optimizer": {"type": "Adam", "params": {"lr": 1e-3}}}
-    if precision:
-        config[precision] = {"enabled": True}
-    _, optimizer, _, _ = deepspeed.initialize(model=model, model_parameters=model.parameters(), config=config)
-    answers.append([isinstance(optimizer, DeepSpeedOptimizer), isinstance(optimizer, ZeROOptimizer)])
+    engine, optimizer, _, _ = deepspeed.initialize(model=model, model_parameters=model.parameters(), config=config)
+    classes = (DeepSpeedOptimizer, ZeROOptimizer, DeepSpeedZeroOptimizer, DeepSpeedZeroOptimizer_Stage3)
+    answers.append([isinstance(engine.optimizer, wrapper) for wrapper in classes])
 print(json.dumps(answers))
 """
 
 
 @needs_deepspeed
 def test_deepspeed_answers_the_same():
-    ran = subprocess.run([os.environ["DEEPSPEED_PYTHON"], "-c", DEEPSPEED_WRAPPERS, json.dumps(CASES)],
+    configs = [_config(stage, precision) for stage, precision in CASES]
+    ran = subprocess.run([os.environ["DEEPSPEED_PYTHON"], "-c", DEEPSPEED_WRAPPERS, json.dumps(configs)],
                          capture_output=True, text=True, timeout=600,
                          env={**os.environ, "DS_ACCELERATOR": "cpu"})
     assert ran.returncode == 0, ran.stderr[-3000:]

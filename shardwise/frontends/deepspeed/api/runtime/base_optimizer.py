@@ -9,38 +9,22 @@ What `deepspeed.initialize` returns in DeepSpeed 0.19.8 (checked on CPU): at ZeR
 
 shardwise returns the torch optimizer over the rank's fp32 partition (init_engine.py), of
 its own class, since checkpoints record that class. `initialize` marks it with the
-wrapper classes DeepSpeed's would be an instance of (`mark_wrapped`), and these classes
-count a marked object as an instance, so the same `isinstance` checks answer as under
-DeepSpeed while `type(optimizer)` stays the torch class.
+wrapper class DeepSpeed's would be (`mark_wrapped`): `DeepSpeedZeroOptimizer` at stages
+1-2 (runtime/zero/stage_1_and_2.py), `DeepSpeedZeroOptimizer_Stage3` at stage 3
+(runtime/zero/stage3.py), a plain `ZeROOptimizer` where DeepSpeed builds its
+`BF16_Optimizer` (stage 1 in bf16 accumulating in fp32, no offload). These classes count
+a marked object as an instance of the class it is marked with and of that class's bases,
+so the same `isinstance` checks answer as under DeepSpeed while `type(optimizer)` stays
+the torch class.
+
+The classes live in runtime/zero/optimizer_classes.py, beside the ZeRO modules that derive
+from them (the runtime package imports zero, so zero may not import from here).
 """
 
-from __future__ import annotations
-
-from typing import Any
+from shardwise.frontends.deepspeed.api.runtime.zero.optimizer_classes import (
+    DeepSpeedOptimizer,
+    ZeROOptimizer,
+    mark_wrapped,
+)
 
 __all__ = ["DeepSpeedOptimizer", "ZeROOptimizer", "mark_wrapped"]
-
-_WRAPPED_AS = "_deepspeed_wrapped_as"  # the attribute holding the classes an optimizer stands in for
-
-
-class _CountsMarkedOptimizers(type):
-    def __instancecheck__(cls, instance: Any) -> bool:
-        marked = getattr(instance, _WRAPPED_AS, ())
-        return type.__instancecheck__(cls, instance) or any(issubclass(wrapper, cls) for wrapper in marked)
-
-
-class DeepSpeedOptimizer(metaclass=_CountsMarkedOptimizers):
-    """DeepSpeed's base of its optimizer wrappers."""
-
-
-class ZeROOptimizer(DeepSpeedOptimizer):
-    """DeepSpeed's base of its ZeRO optimizer wrappers (stages 1-3)."""
-
-
-def mark_wrapped(optimizer: Any, *, zero_stage: int, mixed_precision: bool) -> None:
-    """Make `optimizer` an instance of the wrapper classes DeepSpeed's optimizer at this
-    ZeRO stage and precision would be (module docstring); nothing at stage 0 in fp32."""
-    if zero_stage > 0:
-        setattr(optimizer, _WRAPPED_AS, (ZeROOptimizer,))
-    elif mixed_precision:
-        setattr(optimizer, _WRAPPED_AS, (DeepSpeedOptimizer,))

@@ -2,6 +2,12 @@
 (frontends/deepspeed/engine.py) with the few methods whose DeepSpeed shape differs from
 shardwise's.
 
+At the config's `flops_profiler.profile_step` (optimizer steps counted from 0), rank 0
+profiles each forward with DeepSpeed's flops profiler and prints the profile at that
+micro-batch's `step()`, as DeepSpeed's engine does (once per micro-batch of that step),
+with the forward, backward and step times of the accumulation window so far, which
+DeepSpeed reads from its wall-clock timers.
+
 Why a subclass and not the base engine: shardwise's own callers (the training job, the
 checkpoint tests) read `engine.gradient_accumulation_steps` as an int and get a dict
 from `load_checkpoint`; DeepSpeed scripts call `engine.gradient_accumulation_steps()`
@@ -24,6 +30,7 @@ from torch import nn
 from shardwise.runtime.checkpoint.format import LATEST
 from shardwise.runtime.checkpoint.manifest import write_synced
 from shardwise.runtime.checkpoint.state import capture_rng_state, restore_rng_state
+from shardwise.frontends.deepspeed.api.profiling.flops_profiler.profiler import FlopsProfiler, synchronized_time
 from shardwise.frontends.deepspeed.api.runtime.engine.checkpoint_arguments import agreed_location
 from shardwise.frontends.deepspeed.api.runtime.zero.external_parameters import ReturnedParameterTracker
 from shardwise.frontends.deepspeed.api.runtime.zero.partition_parameters import mark_partitioned, unmark_partitioned
@@ -100,6 +107,65 @@ class DeepSpeedEngine(ConfiguredEngine):
         if self.policies.zero.partitions_parameters:
             self._mark_partitioned()
             self._returned_parameters = ReturnedParameterTracker(self.module)  # module._external_params
+        profiler = config.flops_profiler
+        self.flops_profiler = (FlopsProfiler(self.module, self, profiler.recompute_fwd_factor)
+                               if profiler.enabled else None)
+        self._window_latencies = [0.0, 0.0, 0.0]  # forward, backward, step seconds in the profiled window
+
+    @property
+    def dp_world_size(self) -> int:
+        """The data-parallel size (DeepSpeed's attribute)."""
+        return self.mesh.data_size
+
+    @property
+    def mp_world_size(self) -> int:
+        """The model-parallel (tensor-parallel) size (DeepSpeed's attribute)."""
+        return self.policies.tensor.size
+
+    # -- the flops profiler, as DeepSpeed's engine runs it ---------------------------------------
+    def flops_profiler_enabled(self) -> bool:
+        return self.flops_profiler is not None
+
+    def _profiling_this_step(self) -> bool:
+        return (self.flops_profiler is not None and self.global_steps == self.config.flops_profiler.profile_step
+                and self.global_rank == 0)
+
+    def profiled_latencies(self) -> tuple[float, float, float]:
+        """Seconds of forward, backward and step in the profiled accumulation window so far."""
+        forward, backward, step = self._window_latencies
+        return forward, backward, step
+
+    def _timed(self, phase: int, call: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
+        """`call(...)`, its time added to the profiled window's `phase` (0 forward, 1 backward, 2 step)."""
+        started = synchronized_time()
+        try:
+            return call(*args, **kwargs)
+        finally:
+            self._window_latencies[phase] += synchronized_time() - started
+
+    def forward(self, *args: Any, **kwargs: Any) -> Any:
+        """The base engine's forward; profiled at the profile step (module docstring)."""
+        if not self._profiling_this_step():
+            return super().forward(*args, **kwargs)
+        self.flops_profiler.start_profile(ignore_list=None)
+        try:
+            return self._timed(0, super().forward, *args, **kwargs)
+        finally:
+            self.flops_profiler.stop_profile()
+
+    def backward(self, loss: torch.Tensor) -> None:
+        if self._profiling_this_step():
+            self._timed(1, super().backward, loss)
+        else:
+            super().backward(loss)
+
+    def _print_flops_profile(self) -> None:
+        """After a profiled forward's `step()`: the profile, at the step count `step()` left."""
+        settings = self.config.flops_profiler
+        self.flops_profiler.print_model_profile(profile_step=self.global_steps, module_depth=settings.module_depth,
+                                                top_modules=settings.top_modules, detailed=settings.detailed,
+                                                output_file=settings.output_file)
+        self.flops_profiler.end_profile()
 
     # -- ZeRO-3 as DeepSpeed shows it to user code ---------------------------------------------
     def _mark_partitioned(self) -> None:
@@ -179,7 +245,14 @@ class DeepSpeedEngine(ConfiguredEngine):
             raise ValueError("engine.step(lr_kwargs=...) is not supported: the engine steps the scheduler "
                              "without arguments after each update")
         updates, skipped = self.global_steps, self.skipped_steps
-        super().step()
+        profiled, boundary = self._profiling_this_step(), self.is_gradient_accumulation_boundary()
+        if profiled:
+            self._timed(2, super().step)
+            self._print_flops_profile()
+        else:
+            super().step()
+        if boundary:
+            self._window_latencies = [0.0, 0.0, 0.0]
         self._step_applied = self.global_steps > updates and self.skipped_steps == skipped
         if self.global_steps > updates:
             self.tput_timer.step_done()
