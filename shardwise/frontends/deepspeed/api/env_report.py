@@ -22,6 +22,7 @@ from shardwise.frontends.deepspeed.api.ops.op_builder import (
     FusedAdamBuilder,
     FusedLambBuilder,
 )
+from shardwise.runtime.base.torch_compat import release_info
 
 __all__ = ["cli_main", "debug_report", "get_shm_size", "human_readable_size", "main", "op_report", "parse_arguments"]
 
@@ -76,16 +77,17 @@ def get_shm_size() -> tuple[str, list[str] | None]:
 
 def _report() -> list[tuple[str, object]]:
     package = Path(git_version_info.__file__).parent
+    releases = release_info()
     rows: list[tuple[str, object]] = [
         ("torch install path", list(torch.__path__)),
-        ("torch version", torch.__version__),
+        ("torch version", releases["torch"]),
         ("deepspeed install path", [str(package)]),
         ("deepspeed info", f"{git_version_info.version}, {git_version_info.git_hash}, {git_version_info.git_branch} "
                            f"(shardwise {shardwise.__version__}'s DeepSpeed API)"),
         ("accelerator", git_version_info.accelerator_name),
     ]
     if torch.cuda.is_available():
-        rows += [("torch cuda version", torch.version.cuda), ("torch hip version", getattr(torch.version, "hip", None)),
+        rows += [("torch cuda version", releases["cuda"]), ("torch hip version", releases["hip"]),
                  ("nccl version", git_version_info.torch_info["nccl_version"])]
     rows.append(("deepspeed wheel compiled w.", "nothing compiled (shardwise runs DeepSpeed's API in Python)"))
     rows.append(("shared memory (/dev/shm) size", get_shm_size()))
