@@ -109,17 +109,21 @@ def expert_model_state_bytes(*, bucket_numels: list[int], expert_data_size: int,
             "optimizer_states": state_bytes_per_element * sum(slices)}
 
 
-def onebit_state_bytes(numel: int, ranks: int, lamb: bool = False) -> int:
+def onebit_state_bytes(numel: int, ranks: int, lamb: bool = False, keeps_signs: bool = False) -> int:
     """1-bit Adam's (`lamb`: 1-bit LAMB's) fp32 state for `numel` trained elements after the
     warm-up, at stage 0 over `ranks` data-parallel ranks: momentum and variance (LAMB: also
     its fresh variance) per element, and once there are ranks to exchange with, the momentum
     buffer padded to whole bytes per rank (L = numel rounded up to a multiple of 8·ranks),
-    the worker's error buffer (L) and the server's (L / ranks)."""
+    the worker's error buffer (L) and the server's (L / ranks). `keeps_signs`: the fused
+    CPU step (the native kernels) keeps the last exchange's gathered message, one bit per
+    element and each rank's fp32 scale (L/8 + 4·ranks bytes), plus the scales apart
+    (4·ranks), to read the previous momentum from at the next step."""
     moments = 4 * (3 if lamb else 2) * numel
     if ranks == 1:
         return moments
     padded = ceil(numel / (8 * ranks)) * 8 * ranks
-    return moments + 4 * ((padded - numel) + padded + padded // ranks)
+    signs = padded // 8 + 8 * ranks if keeps_signs else 0
+    return moments + 4 * ((padded - numel) + padded + padded // ranks) + signs
 
 
 def onebit_partitioned_state_bytes(owned: int, partition: int, ranks: int, lamb: bool = False) -> int:

@@ -155,10 +155,14 @@ class OneBitOptimizer(ShardAwareOptimizer):
     def exchange_state_bytes(self) -> int:
         """Error-feedback buffers and the momentum buffer beyond the trained elements' own
         views of it (counted with their state): stage 0 its padding, stages 1-2 the other
-        ranks' partitions and the padding."""
+        ranks' partitions and the padding; and the last exchange's gathered signs while the
+        next step reads the previous momentum from them (`momentum_signs`)."""
         if self._exchange is None or self._momentum is None:
             return 0
-        return self._exchange.state_bytes + 4 * (self._momentum.numel() - self._trained_numel())
+        kept = 0 if self._momentum_signs is None else sum(
+            tensor.numel() * tensor.element_size() for tensor in (self._momentum_signs[0].packed,
+                                                                  self._momentum_signs[0].scales))
+        return self._exchange.state_bytes + 4 * (self._momentum.numel() - self._trained_numel()) + kept
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         """Checkpointed momentum and variances; error feedback restarts from zero."""

@@ -63,6 +63,7 @@ def train_engine(rank: int, world_size: int, settings: OneBitSettings, steps: ra
         "grads": engine.memory_breakdown()["grads"],
         "numel": engine.num_parameters(),
         "owned": sum(segment.numel for segment in engine.optimizer.segments),
+        "keeps_signs": optimizer.momentum_signs() is not None,
         "partition": optimizer._partitions.partition if optimizer._partitions is not None else None,
     }
 
@@ -158,6 +159,7 @@ def test_bf16_exchanges_the_fp32_momentum():
         assert result["losses"] == results[0]["losses"]
         assert result["volumes"][-1]["all_reduce"] == 0
         assert result["volumes"][-1]["all_to_all"] == onebit_exchange_bytes(numel, 2)["all_to_all"]
-        assert result["optimizer_states"] == onebit_state_bytes(numel, 2, lamb=True) + 4 * numel
+        assert result["optimizer_states"] == onebit_state_bytes(numel, 2, lamb=True,
+                                                                keeps_signs=result["keeps_signs"]) + 4 * numel
     for name, weight in results[0]["params"].items():
         assert torch.equal(weight, results[1]["params"][name]), f"{name} differs between ranks"

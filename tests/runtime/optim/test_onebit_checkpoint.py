@@ -6,6 +6,8 @@ from __future__ import annotations
 
 import pytest
 
+from shardwise.formulas.memory import onebit_state_bytes
+from shardwise.runtime.optim import native
 from shardwise.tools.testing import run_distributed
 from tests.runtime.optim.onebit_reference import Exchange, OneBitSettings, Simulation
 from tests.runtime.optim.test_onebit import STEPS, assert_equal_to, torch_path, train_engine, whole_state
@@ -35,6 +37,10 @@ def test_resume_at_one_rank_continues_without_compression(tmp_path):
     settings = OneBitSettings("lamb", weight_decay=0.01)
     saved = run_distributed(train_engine, 2, settings, range(SAVED_AT), None, str(tmp_path))
     resumed = run_distributed(train_engine, 1, settings, range(SAVED_AT, STEPS), str(tmp_path))[0]
+    for result in saved:  # with the native kernels, the fused step keeps the last gathered signs, counted
+        assert result["keeps_signs"] == native.enabled()
+        assert result["optimizer_states"] == onebit_state_bytes(result["numel"], 2, lamb=True,
+                                                                keeps_signs=result["keeps_signs"])
     assert resumed["volumes"][-1]["all_to_all"] == 0 and resumed["volumes"][-1]["all_reduce"] == 0
     simulation = Simulation(settings, 1, resumed["order"], resumed["units"])
     simulation.adopt(whole_state(saved, "final"), tolerance=None)
