@@ -15,9 +15,10 @@ storage is resized in place rather than replaced).
 
 Bounds. Spares plus gathered buffers never exceed the most bytes gathered at once so far:
 a gather that finds no spare of its size first drops spares until its buffer fits under
-that high-water mark, so the pool adds nothing to the peak. Between passes it keeps at most
-`keep_bytes` (one prefetch bucket): the optimizer step, and whatever the user runs between
-steps, see the memory back. Spares hold no values and are not in the memory ledger, as the
+that high-water mark, so the pool adds nothing to the peak. Between passes (after a
+backward, a forward without gradients, or a `gathered_parameters` block) it keeps at most
+`keep_bytes` (one prefetch bucket): the optimizer step, other engines (an RLHF reference
+model), and whatever the user runs between steps, see the memory back. Spares hold no values and are not in the memory ledger, as the
 CUDA caching allocator's reserve is not: the ledger counts what the engine uses.
 Swapping storages is a private torch API (runtime/base/torch_compat.py probes it); where
 it is missing the pool is off and every gather allocates.

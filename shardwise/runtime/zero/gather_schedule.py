@@ -261,6 +261,7 @@ class GatherSchedule:
                 self._free_frozen_after_input_grads(units, args, counted=True)
         if module is self.root and not torch.is_grad_enabled():
             self._free_unused()  # no backward will follow this forward
+            self.params.buffers.end_pass()  # nor an end of backward to give spare memory back
             if not self.trace:  # e.g. an engine without an optimizer: forward-only passes prefetch too
                 self.end_backward()
 

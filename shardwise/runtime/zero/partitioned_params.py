@@ -173,6 +173,7 @@ class PartitionedParameters(ParameterStrategy):
         for unit in units:
             if self._is_partitioned(unit) and self.sharded.release_use(unit) == 0:
                 self.sharded.free(unit)
+        self.sharded.buffers.end_pass()  # a whole model gathered for generation leaves no spares behind
 
     def broadcast_edits(self, unit: FlatUnit, source: int) -> None:
         if not self._is_partitioned(unit):

@@ -105,8 +105,16 @@ def train(rank: int, world_size: int, reuse: bool) -> dict:
     after_release = buffers.spare_bytes
     with shardwise.gathered_parameters(list(model.parameters())):
         weights = [param.detach().clone() for param in model.parameters()]
+    buffers.keep_bytes = 0  # a prefetch bucket smaller than any unit: nothing may stay between passes
+    with shardwise.gathered_parameters(list(model.parameters())):
+        pass
+    after_gathered = buffers.spare_bytes
+    with torch.no_grad():
+        engine(x[rows])
+    after_no_grad_forward = buffers.spare_bytes
     return {"losses": losses, "weights": weights, "fresh_fills": fresh_fills, "kept": kept,
-            "after_release": after_release, "reuse": buffers.reuse}
+            "after_release": after_release, "after_gathered": after_gathered,
+            "after_no_grad_forward": after_no_grad_forward, "reuse": buffers.reuse}
 
 
 @needs_swap
@@ -124,3 +132,5 @@ def test_stage3_training_reuses_gathered_memory_and_matches_the_run_without_it()
         assert with_pool["fresh_fills"][2:] == [warmed] * (STEPS - 2)
         assert all(a < b for a, b in zip(without["fresh_fills"], without["fresh_fills"][1:]))  # every gather allocates
         assert with_pool["kept"] > 0 and with_pool["after_release"] == 0
+        # a gathered_parameters block and a forward without gradients end a pass too (no backward follows)
+        assert with_pool["after_gathered"] == 0 and with_pool["after_no_grad_forward"] == 0
