@@ -367,5 +367,6 @@ def _data_loader(engine: DeepSpeedEngine, dataset: Dataset,
     sampler = PositionedSampler(dataset, num_replicas=replicas.size, rank=replicas.rank, drop_last=drop_last)
     loader = DeepSpeedDataLoader(dataset, batch_size=engine.train_micro_batch_size_per_gpu(), sampler=sampler,
                                  collate_fn=collate_fn, drop_last=drop_last)
+    loader.tput_timer = engine.tput_timer  # DeepSpeed's training loader starts it as it reads each batch
     engine.attach_data_position(loader)
     return loader

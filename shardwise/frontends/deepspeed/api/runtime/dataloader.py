@@ -73,6 +73,7 @@ class DeepSpeedDataLoader(DataLoader):
         self._consumed = 0  # positions of the epoch's order read by every rank in the current pass
         self._pass_length = sampler.total_size  # where the current pass ends, in the same positions
         self._resume: tuple[int, int] | None = None  # (epoch, position) for the next pass to start at
+        self.tput_timer: Any = None  # the engine's ThroughputTimer, started as each batch is read (DeepSpeed's)
 
     def __iter__(self) -> Iterator[Any]:
         return self._positioned_pass()
@@ -95,6 +96,8 @@ class DeepSpeedDataLoader(DataLoader):
             size = min(self.batch_size, per_rank - read)
             read += size
             self._consumed += size * replicas
+            if self.tput_timer is not None:
+                self.tput_timer.start()
             yield batch
 
     def state_dict(self) -> dict[str, Any]:

@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import logging
 import os
-import time
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable
 
@@ -34,7 +34,9 @@ from shardwise.frontends.deepspeed.api.profiling.flops_profiler.profiler import 
 from shardwise.frontends.deepspeed.api.runtime.engine.checkpoint_arguments import agreed_location
 from shardwise.frontends.deepspeed.api.runtime.zero.external_parameters import ReturnedParameterTracker
 from shardwise.frontends.deepspeed.api.runtime.zero.partition_parameters import mark_partitioned, unmark_partitioned
+from shardwise.frontends.deepspeed.api.runtime.dataloader import DeepSpeedDataLoader
 from shardwise.frontends.deepspeed.api.utils.repeating_loader import RepeatingLoader
+from shardwise.frontends.deepspeed.api.utils.timer import ThroughputTimer
 from shardwise.frontends.deepspeed.api.utils.zero_to_fp32 import RECOVERY_SCRIPT
 from shardwise.frontends.deepspeed.config import ShardwiseConfig
 from shardwise.frontends.deepspeed.engine import ConfiguredEngine
@@ -64,33 +66,13 @@ class AccumulationSteps(int):
         return int(self)
 
 
-class ThroughputTimer:
-    """DeepSpeed's `engine.tput_timer`, as far as scripts use it: epochs counted by the
-    script (`update_epoch_count`), samples per second over the optimizer steps so far."""
+@dataclass(frozen=True)
+class ThroughputTimerSettings:
+    """DeepSpeed's `timers.throughput` block at its defaults (the config's `timers` key is
+    accepted as diagnostics, shardwise/frontends/deepspeed/config/deepspeed_keys.py)."""
 
-    def __init__(self, batch_size: int):
-        self.batch_size = batch_size
-        self.epoch_count = 0
-        self.global_step_count = 0
-        self._first_step_end: float | None = None
-        self._last_step_end: float | None = None
-
-    def update_epoch_count(self) -> None:
-        self.epoch_count += 1
-
-    def step_done(self) -> None:
-        now = time.perf_counter()
-        if self._first_step_end is None:
-            self._first_step_end = now
-        self._last_step_end = now
-        self.global_step_count += 1
-
-    def avg_samples_per_sec(self) -> float:
-        """Samples per second from the end of the first update to the end of the last;
-        0 before two updates."""
-        if self.global_step_count < 2:
-            return 0.0
-        return self.batch_size * (self.global_step_count - 1) / (self._last_step_end - self._first_step_end)
+    enabled: bool = True
+    synchronized: bool = True
 
 
 class DeepSpeedEngine(ConfiguredEngine):
@@ -101,7 +83,11 @@ class DeepSpeedEngine(ConfiguredEngine):
                          lr_scheduler=lr_scheduler, param_init_fn=param_init_fn)
         self._step_applied = False
         self.training_dataloader = None  # set by initialize when it builds one
-        self.tput_timer = ThroughputTimer(self.train_batch_size())
+        # DeepSpeed's samples-per-second meter: started when a micro-batch is read (by the
+        # loader initialize built) or its forward begins, stopped at each step(); rank 0 logs
+        # it every steps_per_print updates
+        self.tput_timer = ThroughputTimer(ThroughputTimerSettings(), batch_size=self.train_batch_size(),
+                                          steps_per_output=self.steps_per_print(), monitor_memory=False)
         self.tag_validation = "WARN"  # the config's checkpoint.tag_validation, set by initialize
         self._returned_parameters: ReturnedParameterTracker | None = None
         if self.policies.zero.partitions_parameters:
@@ -145,6 +131,8 @@ class DeepSpeedEngine(ConfiguredEngine):
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
         """The base engine's forward; profiled at the profile step (module docstring)."""
+        if not isinstance(self.training_dataloader, DeepSpeedDataLoader):  # that loader starts it as it reads
+            self.tput_timer.start()
         if not self._profiling_this_step():
             return super().forward(*args, **kwargs)
         self.flops_profiler.start_profile(ignore_list=None)
@@ -254,8 +242,7 @@ class DeepSpeedEngine(ConfiguredEngine):
         if boundary:
             self._window_latencies = [0.0, 0.0, 0.0]
         self._step_applied = self.global_steps > updates and self.skipped_steps == skipped
-        if self.global_steps > updates:
-            self.tput_timer.step_done()
+        self.tput_timer.stop(global_step=boundary, report_speed=boundary and self.global_rank == 0)
 
     def set_gradient_accumulation_boundary(self, is_boundary: bool) -> None:
         """DeepSpeed's: the caller says whether the next backward ends the accumulation
