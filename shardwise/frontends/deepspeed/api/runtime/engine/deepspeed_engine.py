@@ -34,7 +34,6 @@ from shardwise.frontends.deepspeed.api.profiling.flops_profiler.profiler import 
 from shardwise.frontends.deepspeed.api.runtime.engine.checkpoint_arguments import agreed_location
 from shardwise.frontends.deepspeed.api.runtime.zero.external_parameters import ReturnedParameterTracker
 from shardwise.frontends.deepspeed.api.runtime.zero.partition_parameters import mark_partitioned, unmark_partitioned
-from shardwise.frontends.deepspeed.api.runtime.dataloader import DeepSpeedDataLoader
 from shardwise.frontends.deepspeed.api.utils.repeating_loader import RepeatingLoader
 from shardwise.frontends.deepspeed.api.utils.timer import ThroughputTimer
 from shardwise.frontends.deepspeed.api.utils.zero_to_fp32 import RECOVERY_SCRIPT
@@ -131,7 +130,7 @@ class DeepSpeedEngine(ConfiguredEngine):
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
         """The base engine's forward; profiled at the profile step (module docstring)."""
-        if not isinstance(self.training_dataloader, DeepSpeedDataLoader):  # that loader starts it as it reads
+        if getattr(self.training_dataloader, "tput_timer", None) is not self.tput_timer:  # else the loader starts it
             self.tput_timer.start()
         if not self._profiling_this_step():
             return super().forward(*args, **kwargs)
