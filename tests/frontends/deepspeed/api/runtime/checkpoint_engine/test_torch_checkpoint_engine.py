@@ -37,7 +37,8 @@ def _assert_same_state(loaded: dict, state: dict) -> None:
         assert torch.equal(loaded["module"][name], tensor)
 
 
-@pytest.mark.parametrize("config, zip_format", [(None, False), ({}, True), ({"checkpoint_serialization": False}, False)])
+@pytest.mark.parametrize("config, zip_format", [(None, False), ({}, True),
+                                                ({"checkpoint_serialization": False}, False)])
 def test_a_save_and_commit_reads_back_equal(tmp_path, config, zip_format):
     engine = TorchCheckpointEngine(None if config is None else SimpleNamespace(checkpoint_config=config))
     info = CheckpointCommitInfo(tag="global_step7", save_dir=str(tmp_path), save_latest=True)
