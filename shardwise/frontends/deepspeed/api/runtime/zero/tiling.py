@@ -6,9 +6,9 @@ Why tiles: under ZeRO-3 a layer's parameters are gathered whole for its forward,
 huge linear layer needs its whole weight on the device at once. Cut into
 `out_splits` x `in_splits` tiles, each its own module, only one tile's weight needs to be
 whole at a time. Tile (o, i) maps input columns `in_parts[i]:in_parts[i + 1]` to output
-columns `out_parts[o]:out_parts[o + 1]` (`partition_uniform`'s boundaries, as DeepSpeed
-0.19.8 cuts them); an output tile sums its row of tiles in input order, and only the last
-tile of each row has a bias, so the layer computes nn.Linear's function with the same
+columns `out_parts[o]:out_parts[o + 1]` (DeepSpeed 0.19.8's `partition_uniform` cuts, the
+larger pieces first); an output tile sums its row of tiles in input order, and only the
+last tile of each row has a bias, so the layer computes nn.Linear's function with the same
 parameters laid out in pieces. Under shardwise's ZeRO-3 each tile is a module of its own,
 partitioned like any other (runtime/zero/layout.py groups a module's parameters into units).
 
@@ -23,7 +23,6 @@ from typing import Any, Sequence
 import torch
 from torch import nn
 
-from shardwise.frontends.deepspeed.api.runtime.utils import partition_uniform
 from shardwise.frontends.deepspeed.api.runtime.zero.partition_parameters import GatheredParameters
 
 __all__ = ["TiledLinear", "TiledLinearReturnBias", "split_tensor_along_last_dim"]
@@ -35,6 +34,15 @@ def split_tensor_along_last_dim(tensor: torch.Tensor, partitions: Sequence[int] 
     of that one size); views unless `contiguous_split_chunks` asks for contiguous copies."""
     pieces = torch.split(tensor, partitions, dim=-1)
     return tuple(piece.contiguous() for piece in pieces) if contiguous_split_chunks else pieces
+
+
+def _even_boundaries(num_items: int, num_parts: int) -> list[int]:
+    """`num_parts + 1` boundaries cutting `num_items` (at least `num_parts`) into pieces
+    whose sizes differ by at most one, the larger first: runtime/utils.py's
+    `partition_uniform` for that case (this package may not import the runtime package,
+    which imports it)."""
+    size, extra = divmod(num_items, num_parts)
+    return [part * size + min(part, extra) for part in range(num_parts + 1)]
 
 
 class TiledLinear(nn.Module):
@@ -62,8 +70,8 @@ class TiledLinear(nn.Module):
         self.out_splits = out_splits
         self.input_is_already_split = input_is_already_split
         self.combine_out_splits = combine_out_splits
-        self.in_parts = partition_uniform(in_features, in_splits)  # boundaries: tile i is in_parts[i]:in_parts[i + 1]
-        self.out_parts = partition_uniform(out_features, out_splits)
+        self.in_parts = _even_boundaries(in_features, in_splits)  # boundaries: tile i is in_parts[i]:in_parts[i + 1]
+        self.out_parts = _even_boundaries(out_features, out_splits)
         self.linears = nn.ModuleList(
             nn.ModuleList(linear_cls(self.in_parts[col + 1] - self.in_parts[col],
                                      self.out_parts[row + 1] - self.out_parts[row],
@@ -82,8 +90,11 @@ class TiledLinear(nn.Module):
                                  f"pieces (in_splits), got {len(input_)}")
             inputs = input_
         else:
-            sizes = partition_uniform(input_.shape[-1], self.in_splits)
-            inputs = self._split_global_input(input_, [end - start for start, end in zip(sizes, sizes[1:])])
+            if input_.shape[-1] != self.in_features:
+                raise ValueError(f"TiledLinear({self.in_features}, {self.out_features}): the input's last dimension "
+                                 f"is {input_.shape[-1]}, not in_features")
+            inputs = self._split_global_input(input_, [end - start for start, end in zip(self.in_parts,
+                                                                                         self.in_parts[1:])])
         outputs = []
         for row in self.linears:
             output = None

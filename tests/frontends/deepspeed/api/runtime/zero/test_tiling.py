@@ -14,6 +14,7 @@ import torch
 from torch import nn
 
 import shardwise.frontends.deepspeed.api as deepspeed
+from shardwise.frontends.deepspeed.api.runtime.utils import partition_uniform
 from shardwise.frontends.deepspeed.api.runtime.zero.partition_parameters import GatheredParameters
 from shardwise.frontends.deepspeed.api.runtime.zero.tiling import TiledLinear, TiledLinearReturnBias
 from shardwise.tools.testing import run_distributed
@@ -54,6 +55,10 @@ def test_deepspeeds_layout_and_arguments():
     assert [[tuple(tile.weight.shape) for tile in row] for row in tiled.linears] == [[(4, 4), (4, 3), (4, 3)],
                                                                                     [(3, 4), (3, 3), (3, 3)]]
     assert sum(p.numel() for p in tiled.parameters()) == 10 * 7 + 7
+    for features in range(1, 12):  # the tiles' cuts are deepspeed.runtime.utils.partition_uniform's
+        for splits in range(1, features + 1):
+            tiled_once = TiledLinear(features, 1, bias=False, in_splits=splits)
+            assert tiled_once.in_parts == partition_uniform(features, splits)
     linear = _linear(10, 7, True)
     tiled.copy_params_from(linear)
     x = torch.randn(2, 10, dtype=torch.float64)
@@ -61,6 +66,8 @@ def test_deepspeeds_layout_and_arguments():
                          init_linear=linear, dtype=torch.float64)(list(torch.split(x, [4, 3, 3], dim=-1)))
     assert [tuple(piece.shape) for piece in pieces] == [(2, 4), (2, 3)]
     torch.testing.assert_close(torch.cat(pieces, dim=-1), linear(x), rtol=1e-12, atol=1e-12)
+    with pytest.raises(ValueError, match="last dimension is 9"):
+        tiled(torch.randn(2, 9, dtype=torch.float64))
     with pytest.raises(RuntimeError, match="in_splits=11"):
         TiledLinear(10, 7, in_splits=11)
     with pytest.raises(RuntimeError, match="out_splits=0"):
