@@ -54,8 +54,12 @@ from shardwise.frontends.deepspeed.api.comm import DEFAULT_PORT, init_distribute
 from shardwise.frontends.deepspeed.api.runtime.engine import DeepSpeedEngine
 from shardwise.frontends.deepspeed.api.runtime.pipe.engine import PipelineEngine
 from shardwise.frontends.deepspeed.api.pipe import PipelineModule
-from shardwise.frontends.deepspeed.api.runtime.base_optimizer import DeepSpeedOptimizer, ZeROOptimizer, mark_wrapped
-from shardwise.frontends.deepspeed.api.runtime.config import DeepSpeedConfigError
+from shardwise.frontends.deepspeed.api.ops.adam import FusedAdam
+from shardwise.frontends.deepspeed.api.runtime.base_optimizer import DeepSpeedOptimizer, mark_wrapped
+from shardwise.frontends.deepspeed.api.runtime.bf16_optimizer import BF16_Optimizer
+from shardwise.frontends.deepspeed.api.runtime.config import TORCH_ADAM_PARAM, DeepSpeedConfigError
+from shardwise.frontends.deepspeed.api.runtime.fp16.fused_optimizer import FP16_Optimizer
+from shardwise.frontends.deepspeed.api.runtime.fp16.unfused_optimizer import FP16_UnfusedOptimizer
 from shardwise.frontends.deepspeed.api.runtime.dataloader import DeepSpeedDataLoader, PositionedSampler
 from shardwise.frontends.deepspeed.api.runtime.sequence_parallel import parallel_state_sp
 from shardwise.frontends.deepspeed.api.runtime.zero.stage3 import DeepSpeedZeroOptimizer_Stage3
@@ -257,9 +261,11 @@ def _pipeline_block(raw: dict, model: nn.Module) -> None:
 
 def _deepspeed_wrapper(engine: DeepSpeedEngine, raw: dict) -> type[DeepSpeedOptimizer] | None:
     """The class of the optimizer DeepSpeed 0.19.8's engine builds for this config
-    (`_do_optimizer_sanity_check`): its ZeRO optimizers at stages 1-3, except BF16_Optimizer
-    (a ZeROOptimizer) at stage 1 in bf16 with fp32 gradient accumulation and the optimizer
-    not on the CPU; at stage 0 a mixed-precision wrapper, or the torch optimizer in fp32."""
+    (`_do_optimizer_sanity_check`, `_configure_fp16_optimizer`): its ZeRO optimizers at
+    stages 1-3, except `BF16_Optimizer` at stage 1 in bf16 with fp32 gradient accumulation
+    and the optimizer not on the CPU; at stage 0 in fp16/bf16 `BF16_Optimizer` for a bf16
+    pipeline, else `FP16_Optimizer` around its FusedAdam and `FP16_UnfusedOptimizer` around
+    any other; in fp32 the torch optimizer itself."""
     stage = engine.zero_optimization_stage()
     if stage == 3:
         return DeepSpeedZeroOptimizer_Stage3
@@ -267,9 +273,24 @@ def _deepspeed_wrapper(engine: DeepSpeedEngine, raw: dict) -> type[DeepSpeedOpti
         accumulates_in_fp32 = (raw.get("data_types") or {}).get("grad_accum_dtype") in ("fp32", "float32")
         if (stage == 1 and engine.bfloat16_enabled() and accumulates_in_fp32
                 and engine.policies.zero.offload_optimizer.device != "cpu"):
-            return ZeROOptimizer
+            return BF16_Optimizer
         return DeepSpeedZeroOptimizer
-    return DeepSpeedOptimizer if engine.fp16_enabled() or engine.bfloat16_enabled() else None
+    if not (engine.fp16_enabled() or engine.bfloat16_enabled()):
+        return None
+    if engine.bfloat16_enabled() and isinstance(engine, PipelineEngine):
+        return BF16_Optimizer
+    return FP16_Optimizer if _steps_with_fused_adam(engine, raw) else FP16_UnfusedOptimizer
+
+
+def _steps_with_fused_adam(engine: DeepSpeedEngine, raw: dict) -> bool:
+    """Whether DeepSpeed's torch optimizer would be its FusedAdam: the config's `Adam` /
+    `AdamW` unless `torch_adam` asks for torch's, or a `deepspeed.ops.adam.FusedAdam` the
+    script passed (the engine steps that very object)."""
+    block = raw.get("optimizer")
+    if block is None:
+        return engine.optimizer is not None and isinstance(engine.optimizer.optimizer, FusedAdam)
+    return (str(block.get("type", "")).lower() in ("adam", "adamw")
+            and not (block.get("params") or {}).get(TORCH_ADAM_PARAM, False))
 
 
 def _clearing_model_gradients(engine: DeepSpeedEngine,

@@ -11,8 +11,8 @@ shardwise returns the torch optimizer over the rank's fp32 partition (init_engin
 its own class, since checkpoints record that class. `initialize` marks it with the
 wrapper class DeepSpeed's would be (`mark_wrapped`): `DeepSpeedZeroOptimizer` at stages
 1-2 (runtime/zero/stage_1_and_2.py), `DeepSpeedZeroOptimizer_Stage3` at stage 3
-(runtime/zero/stage3.py), a plain `ZeROOptimizer` where DeepSpeed builds its
-`BF16_Optimizer` (stage 1 in bf16 accumulating in fp32, no offload). These classes count
+(runtime/zero/stage3.py), `BF16_Optimizer` (runtime/bf16_optimizer.py), `FP16_Optimizer`
+and `FP16_UnfusedOptimizer` (runtime/fp16/) where DeepSpeed builds those. These classes count
 a marked object as an instance of the class it is marked with and of that class's bases,
 so the same `isinstance` checks answer as under DeepSpeed while `type(optimizer)` stays
 the torch class.
