@@ -75,6 +75,9 @@ from shardwise.runtime.engine.arguments import hidden_size
 from shardwise.runtime.optim.registry import optimizer_spec
 
 log = logging.getLogger("shardwise")
+# DeepSpeed 0.19.8 clips at a norm of 1.0 when a config names no `gradient_clipping`
+# (runtime/constants.py GRADIENT_CLIPPING_DEFAULT); shardwise's own configs default to none.
+DEEPSPEED_GRADIENT_CLIPPING = 1.0
 
 
 def initialize(
@@ -102,6 +105,7 @@ def initialize(
                          "Megatron-DeepSpeed's Ulysses set sequence_parallel_size and take the group from "
                          "deepspeed.utils.groups._get_sequence_parallel_group() after initialize)")
     raw = read_config(_choose_config(args, config if config is not None else config_params))
+    raw.setdefault("gradient_clipping", DEEPSPEED_GRADIENT_CLIPPING)
     if mpu is not None:
         _sequence_size_from_mpu(raw, mpu.get_sequence_parallel_world_size())
     if mesh_param is not None:

@@ -50,6 +50,7 @@ def helpers(rank: int, world_size: int, stage: int) -> dict:
     net = model()
     x, y = batch()
     config = {"train_micro_batch_size_per_gpu": 2, "zero_optimization": {"stage": stage},
+              "gradient_clipping": 0.0,  # no clipping, as the reference; DeepSpeed 0.19.8 clips at 1.0 without the key
               "optimizer": {"type": "Adam", "params": {"lr": 0.01, "eps": EPS}}}
     engine, *_ = deepspeed.initialize(model=net, model_parameters=[p for p in net.parameters() if p.requires_grad],
                                       config=config)

@@ -233,6 +233,7 @@ def train(checkpoint_dir=None, load_checkpoint_dir=None, mask_prob=0.15, random_
     ds_config = {
         "train_micro_batch_size_per_gpu": batch_size,
         "optimizer": {"type": "Adam", "params": {"lr": 1e-4}},
+        "gradient_clipping": 0.0,  # the plain loop does not clip; DeepSpeed 0.19.8 clips at 1.0 without the key
         "zero_optimization": {"stage": zero_stage, "offload_optimizer": {"device": "cpu" if offload else "none"}},
     }
     if dtype != "fp32":

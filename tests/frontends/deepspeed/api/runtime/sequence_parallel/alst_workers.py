@@ -131,6 +131,7 @@ def alst(rank: int, world_size: int, stages: tuple[int, ...], tiled_mlp: bool = 
     for stage in stages:
         accumulation = 1 if stage == 3 else 2
         config = {"train_micro_batch_size_per_gpu": 1, "gradient_accumulation_steps": accumulation,
+                  "gradient_clipping": 0.0,  # no clipping, as the reference; DeepSpeed 0.19.8 clips at 1.0 without the key
                   "zero_optimization": {"stage": stage},
                   "optimizer": {"type": "AdamW", "params": {"lr": LR, "eps": EPS, "weight_decay": WEIGHT_DECAY}}}
         if stage == 3:  # as the tutorial writes it; without it (as Accelerate writes it), the mpu's size
