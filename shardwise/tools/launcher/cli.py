@@ -16,6 +16,7 @@ import argparse
 import os
 import sys
 from collections.abc import Iterator
+from typing import Any
 from contextlib import contextmanager
 
 from shardwise.tools.launcher.agent import run_agent
@@ -280,8 +281,10 @@ def _restartable_store() -> dict[str, str]:
 def first_failure(failures: dict) -> str:
     """One line before torchrun's report (tens of lines per rank): the rank that failed
     first and why, from its error file (launcher/child.py writes it), its signal or its
-    exit status; ranks that failed after it (often only because it did) are counted."""
-    rank, failure = min(failures.items(), key=lambda item: (item[1].timestamp, item[0]))
+    exit status; ranks that failed after it (often only because it did) are counted.
+    Failure times are whole seconds: within one second, a rank stopped by SIGTERM (what
+    torchrun sends the others once one fails) comes after a rank that failed of itself."""
+    rank, failure = min(failures.items(), key=lambda item: (item[1].timestamp, _stopped_by_sigterm(item[1]), item[0]))
     if failure.error_file_data:
         cause = str(failure.message).splitlines()[0] if str(failure.message).strip() else "an exception"
     elif failure.exitcode < 0:
@@ -291,6 +294,13 @@ def first_failure(failures: dict) -> str:
     later = sorted(set(failures) - {rank})
     after = f" (rank(s) {', '.join(map(str, later))} failed too)" if later else ""
     return f"shardwise run: rank {rank} failed first: {cause}{after}"
+
+
+def _stopped_by_sigterm(failure: Any) -> bool:
+    """Killed by SIGTERM, or its error file says it received one (torch's SignalException)."""
+    if failure.exitcode < 0:
+        return failure.signal_name() == "SIGTERM"
+    return "(SIGTERM)" in str(failure.message)
 
 
 @contextmanager
