@@ -34,10 +34,10 @@ TIME_EPSILON = 1e-6
 GIB = 1024**3
 
 
-def _synchronize() -> None:
-    """Wait for the GPU's queued work, so a host interval includes it (nothing on the CPU)."""
-    if torch.cuda.is_available():
-        torch.cuda.synchronize()
+def synchronize_accelerator() -> None:
+    """Wait for the accelerator's queued work, so a host interval includes it (nothing on the CPU)."""
+    if torch.accelerator.is_available():
+        torch.accelerator.synchronize()
 
 
 def _allocated(reading: Callable[[], int]) -> int:
@@ -83,14 +83,14 @@ class SynchronizedWallClockTimer:
 
         def start(self) -> None:
             assert not self.started_, f"{self.name_} timer has already been started"
-            _synchronize()
+            synchronize_accelerator()
             self.start_time = time.perf_counter()
             self.started_ = True
 
         def stop(self, reset: bool = False, record: bool = False) -> None:
             """`reset` and `record` are taken and, as in DeepSpeed, not used."""
             assert self.started_, "timer is not started"
-            _synchronize()
+            synchronize_accelerator()
             self.end_time = time.perf_counter()
             self.event_timers.append(self.end_time - self.start_time)
             self.started_ = False
@@ -235,7 +235,7 @@ class ThroughputTimer:
         self.started = True
         if self.global_step_count >= self.start_step:
             if self.config.synchronized:
-                _synchronize()
+                synchronize_accelerator()
             self.start_time = time.time()
 
     def _is_report_boundary(self) -> bool:
@@ -251,7 +251,7 @@ class ThroughputTimer:
         if self.start_time <= 0:
             return
         if self.config.synchronized:
-            _synchronize()
+            synchronize_accelerator()
         self.end_time = time.time()
         duration = self.end_time - self.start_time
         self.total_elapsed_time += duration

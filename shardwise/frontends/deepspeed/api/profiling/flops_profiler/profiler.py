@@ -46,6 +46,7 @@ from shardwise.frontends.deepspeed.api.profiling.flops_profiler.units import (
     number_to_string,
     params_to_string,
 )
+from shardwise.frontends.deepspeed.api.utils.timer import synchronize_accelerator
 
 __all__ = ["FlopsProfiler", "get_model_profile", "get_module_duration", "get_module_flops", "get_module_macs",
            "synchronized_time"]
@@ -68,8 +69,7 @@ _EXTRA_FORMULAS = {torch.ops.aten._scaled_dot_product_flash_attention_for_cpu: _
 def synchronized_time() -> float:
     """The time once the accelerator has finished its queued work, so an interval between
     two readings holds the kernels launched in it."""
-    if torch.accelerator.is_available():
-        torch.accelerator.synchronize()
+    synchronize_accelerator()
     return time.time()
 
 

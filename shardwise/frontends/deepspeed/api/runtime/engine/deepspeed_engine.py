@@ -67,11 +67,13 @@ class AccumulationSteps(int):
 
 @dataclass(frozen=True)
 class ThroughputTimerSettings:
-    """DeepSpeed's `timers.throughput` block at its defaults (the config's `timers` key is
-    accepted as diagnostics, shardwise/frontends/deepspeed/config/deepspeed_keys.py)."""
+    """DeepSpeed's `timers.throughput` block (the config's `timers` key is accepted as
+    diagnostics, shardwise/frontends/deepspeed/config/deepspeed_keys.py). Not synchronised,
+    where DeepSpeed's default is: a device synchronisation at every forward and step would
+    stall the host's run-ahead on a GPU for a number averaged over many steps anyway."""
 
     enabled: bool = True
-    synchronized: bool = True
+    synchronized: bool = False
 
 
 class DeepSpeedEngine(ConfiguredEngine):

@@ -95,6 +95,7 @@ class UlyssesSPAttentionHF(nn.Module):
         self.global_seq_length = None if seq_length_is_variable else global_seq_length
         self.disable_in_eval = disable_in_eval
         self.core_attn_implementation: str | None = None  # register_with_transformers names it
+        self._last_positions: tuple[torch.Tensor, int, torch.Tensor] | None = None  # (shard, its version, whole)
         if not seq_length_is_variable and local_seq_length is None:
             raise ValueError("UlyssesSPAttentionHF: seq_length_is_variable=False needs local_seq_length, the fixed "
                              "length of each rank's shard; or pass seq_length_is_variable=True")
@@ -132,12 +133,20 @@ class UlyssesSPAttentionHF(nn.Module):
                              "seq_length) the loader yields")
 
     def _whole_positions(self, position_ids: torch.Tensor) -> torch.Tensor:
-        """(batch, positions / S) -> (batch, positions): every rank's shard, in rank order."""
+        """(batch, positions / S) -> (batch, positions): every rank's shard, in rank order.
+        Every attention layer of a forward gets the same `position_ids` tensor: it is
+        gathered at the first and reused by the rest (each rank runs the same layers, so
+        the ranks skip the same gathers)."""
+        last = self._last_positions
+        if last is not None and last[0] is position_ids and last[1] == position_ids._version:
+            return last[2]
         with torch.no_grad():
             shard = position_ids.contiguous()
             gathered = shard.new_empty((self.world_size, *shard.shape))
             self.comm.all_gather(gathered.view(-1), shard.view(-1), "position_ids of the sequence shards").wait()
-            return gathered.movedim(0, 1).flatten(1, 2)
+            whole = gathered.movedim(0, 1).flatten(1, 2)
+        self._last_positions = (position_ids, position_ids._version, whole)
+        return whole
 
     @classmethod
     def register_with_transformers(cls, model_name_or_path: Any, core_attn_implementation: str,
