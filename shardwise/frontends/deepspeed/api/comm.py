@@ -102,7 +102,7 @@ def get_world_group() -> Any:
 
 
 def new_group(ranks: list[int]) -> Any:
-    return dist.new_group(ranks)
+    return dist.new_group(ranks, timeout=collective_timeout())  # shardwise's timeout, not gloo's 30 minutes
 
 
 def destroy_process_group(group: Any = None) -> None:

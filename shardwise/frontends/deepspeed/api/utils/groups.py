@@ -27,6 +27,8 @@ from typing import TYPE_CHECKING
 
 import torch.distributed as dist
 
+from shardwise.runtime.distributed.setup import collective_timeout
+
 if TYPE_CHECKING:
     from shardwise.runtime.distributed.mesh import GroupHandle, ParallelMesh
 
@@ -52,7 +54,8 @@ def _process_group(handle: GroupHandle, layout: list[list[int]]) -> dist.Process
         return handle.group
     key = tuple(tuple(group) for group in layout)
     if key not in _created:
-        _created[key], _ = dist.new_subgroups_by_enumeration(ranks_per_subgroup_list=layout)
+        _created[key], _ = dist.new_subgroups_by_enumeration(ranks_per_subgroup_list=layout,
+                                                                     timeout=collective_timeout())
     return _created[key]
 
 
@@ -68,7 +71,7 @@ def _process_group_of_world() -> dist.ProcessGroup:
     layout = [list(range(dist.get_world_size()))]
     key = tuple(tuple(group) for group in layout)
     if key not in _created:
-        _created[key] = dist.new_group(ranks=layout[0])
+        _created[key] = dist.new_group(ranks=layout[0], timeout=collective_timeout())
     return _created[key]
 
 

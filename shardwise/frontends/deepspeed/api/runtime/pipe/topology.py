@@ -21,6 +21,8 @@ from typing import Any
 
 import torch.distributed as dist
 
+from shardwise.runtime.distributed.setup import collective_timeout
+
 __all__ = ["PipeDataParallelTopology", "PipeModelDataParallelTopology", "PipelineParallelGrid", "ProcessTopology"]
 
 
@@ -161,7 +163,7 @@ class PipelineParallelGrid:
         mine, handle = [self.global_rank], None
         lists = self._topo.get_axis_comm_lists(axis) or [[rank] for rank in range(self.world_size)]
         for ranks in lists:
-            group = dist.new_group(ranks=ranks)
+            group = dist.new_group(ranks=ranks, timeout=collective_timeout())
             if self.global_rank in ranks:
                 mine, handle = ranks, group
         return mine, handle
@@ -171,7 +173,7 @@ class PipelineParallelGrid:
         handle = None
         for data in range(self.data_parallel_size):
             ranks = self._topo.filter_match(data=data) if "data" in self._topo.axes else list(range(self.world_size))
-            group = dist.new_group(ranks=ranks)
+            group = dist.new_group(ranks=ranks, timeout=collective_timeout())
             if self.global_rank in ranks:
                 handle = group
         return handle

@@ -18,6 +18,8 @@ from __future__ import annotations
 
 import torch.distributed as dist
 
+from shardwise.runtime.distributed.setup import collective_timeout
+
 _sequence_group: dist.ProcessGroup | None = None
 _sequence_data_group: dist.ProcessGroup | None = None
 
@@ -47,10 +49,10 @@ def initialize_sequence_parallel(sequence_parallel_size: int) -> None:
     rank = dist.get_rank()
     for first in range(0, world_size, sequence_parallel_size):
         ranks = list(range(first, first + sequence_parallel_size))
-        group = dist.new_group(ranks)
+        group = dist.new_group(ranks, timeout=collective_timeout())
         if rank in ranks:
             _sequence_group = group
-    _sequence_data_group = dist.new_group(list(range(world_size)))
+    _sequence_data_group = dist.new_group(list(range(world_size)), timeout=collective_timeout())
 
 
 def get_sequence_parallel_group() -> dist.ProcessGroup:
