@@ -77,10 +77,10 @@ class HangWatch:
                 rank = int(failed[0].stem.removeprefix("rank"))
                 self._fire(f"rank {rank}'s {failed[0].read_text()} failed", snapshots, stop=False)
                 return
-            now = time.monotonic()
+            now = time.time()
             for rank, snapshot in snapshots.items():
                 if snapshot["changes"] and progress.get(rank, (None, 0.0))[0] != snapshot["changes"]:
-                    progress[rank] = (snapshot["changes"], now)
+                    progress[rank] = (snapshot["changes"], _last_moved(snapshot) or now)
             if self.no_progress_seconds is None:
                 continue
             stalled = [rank for rank, (_, since) in progress.items() if now - since >= self.no_progress_seconds]
@@ -154,6 +154,16 @@ def _summary(reason: str, snapshots: dict[int, dict]) -> str:
     return (f"shardwise run: hang summary ({reason}): no rank is behind another in any group (each issued as "
             "many collectives as its peers): compare the last collectives and stacks above (mismatched sizes or "
             "operations, or a rank busy outside collectives)")
+
+
+def _last_moved(snapshot: dict) -> float | None:
+    """When the rank last issued or ended a collective, by its own records (time.time(),
+    comparable between the processes of one host): a snapshot reaches the watch up to a
+    poll or more after the event, so the time it is seen would let a rank that moved last
+    look stalled first."""
+    times = [record["finished"] if record["finished"] is not None else record["issued"]
+             for record in snapshot["records"]]
+    return max(times) if times else None
 
 
 def no_progress_seconds(flag: float | None) -> float | None:
