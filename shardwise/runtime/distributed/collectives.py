@@ -116,6 +116,12 @@ class CommStats:
         return links
 
 
+def _divide(tensor: torch.Tensor, divisor: float) -> None:
+    """`tensor.div_(divisor)`, skipped for 1 (the transports that cannot divide as they copy)."""
+    if divisor != 1.0:
+        tensor.div_(divisor)
+
+
 @dataclass
 class PendingCollective:
     """Handle to an in-flight collective; `wait()` re-raises failures with context."""
@@ -313,26 +319,33 @@ class Communicator:
         return self._issue("all_reduce", what, lambda: dist.all_reduce(tensor, group=self.group, async_op=True),
                            self._bytes(tensor))
 
-    def reduce_scatter(self, output: torch.Tensor, full: torch.Tensor, what: str) -> PendingCollective:
-        """Sum `full` over the group; this rank receives chunk `rank` into `output`.
+    def reduce_scatter(self, output: torch.Tensor, full: torch.Tensor, what: str, *,
+                       divide_by: float = 1.0) -> PendingCollective:
+        """Sum `full` / `divide_by` over the group; this rank receives chunk `rank` into `output`.
 
-        `output` may alias `full`'s own chunk (in place), which saves a buffer.
+        `output` may alias `full`'s own chunk (in place), which saves a buffer. Each
+        member's values are divided before the sum (the bits of `full.div_(divide_by)`
+        followed by the sum, on every transport); the shared-memory transport divides while
+        it copies, so `full` is left undivided there: read only `output` afterwards.
         """
         if self.skips_collectives:
+            _divide(full, divide_by)
             if output.data_ptr() != full.data_ptr():
                 output.copy_(full)
             return self._pending(None, "reduce_scatter", what)
         self._require_device("reduce_scatter", what, output, full)
         self._count("reduce_scatter", self._bytes(full))
         if not self.point_to_point:
+            _divide(full, divide_by)
             return self._issue("reduce_scatter", what,
                                lambda: reduce_scatter_single(output, full, group=self.group, async_op=True),
                                self._bytes(full))
         if (full.dtype in shared_memory.SUMMED_DTYPES and full.numel() == output.numel() * self.size
                 and self._shares_memory("reduce_scatter", what, output, full)):
             channel = self._shared_memory
-            return self._issue("reduce_scatter", what, lambda: channel.reduce_scatter(output, full),
-                               self._bytes(full))
+            return self._issue("reduce_scatter", what,
+                               lambda: channel.reduce_scatter(output, full, divide_by=divide_by), self._bytes(full))
+        _divide(full, divide_by)
         receive_bytes = self._bytes(full) * (self.size - 1) // self.size
         self.ledger.hold("buffers", receive_bytes)
         return self._issue("reduce_scatter", what, lambda: point_to_point.reduce_scatter(

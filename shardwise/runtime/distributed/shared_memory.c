@@ -178,36 +178,77 @@ static uint16_t float_to_bf16(float value) { /* round to nearest even; NaN stays
     return (uint16_t)((bits + 0x7fffu + ((bits >> 16) & 1u)) >> 16);
 }
 
-/* out[i] = sum over members m in order of sources[m][i] (out may be sources[rank]). */
-static void sum_members(int dtype, int size, const char **sources, char *out, int64_t count) {
+/* One element of `dtype` divided by `divisor` as torch's `div_` by a number does it: in
+ * the element's own precision for float32 and float64, through float32 and rounded back
+ * for bfloat16; so dividing while copying gives the bits a division before it gave. */
+static float divided32(float value, double divisor) { return value / (float)divisor; }
+
+static void copy_divided(int dtype, const char *source, char *target, int64_t count, double divisor) {
+    if (divisor == 1.0) {
+        memcpy(target, source, count * (dtype == FLOAT64 ? 8 : dtype == FLOAT32 ? 4 : 2));
+    } else if (dtype == FLOAT32) {
+        float d = (float)divisor;
+        for (int64_t i = 0; i < count; i++) ((float *)target)[i] = ((const float *)source)[i] / d;
+    } else if (dtype == FLOAT64) {
+        for (int64_t i = 0; i < count; i++) ((double *)target)[i] = ((const double *)source)[i] / divisor;
+    } else {
+        for (int64_t i = 0; i < count; i++)
+            ((uint16_t *)target)[i] = float_to_bf16(divided32(bf16_to_float(((const uint16_t *)source)[i]), divisor));
+    }
+}
+
+/* out[i] (+)= sum over members m in order of sources[m][i], member `divided`'s values
+ * first divided by `divisor` (the others arrive divided); `accumulate`: added to out's
+ * own values after the sum, as `out.add_(sum)` would (out may be sources[rank] only
+ * when not accumulating). */
+static void sum_members(int dtype, int size, const char **sources, char *out, int64_t count, int divided,
+                        double divisor, int accumulate) {
     if (dtype == FLOAT32) {
         float *o = (float *)out;
+        float d = (float)divisor;
         for (int64_t i = 0; i < count; i++) {
             float total = ((const float *)sources[0])[i];
-            for (int m = 1; m < size; m++) total += ((const float *)sources[m])[i];
-            o[i] = total;
+            if (divided == 0) total = total / d;
+            for (int m = 1; m < size; m++) {
+                float value = ((const float *)sources[m])[i];
+                total += m == divided ? value / d : value;
+            }
+            o[i] = accumulate ? o[i] + total : total;
         }
     } else if (dtype == FLOAT64) {
         double *o = (double *)out;
         for (int64_t i = 0; i < count; i++) {
             double total = ((const double *)sources[0])[i];
-            for (int m = 1; m < size; m++) total += ((const double *)sources[m])[i];
-            o[i] = total;
+            if (divided == 0) total = total / divisor;
+            for (int m = 1; m < size; m++) {
+                double value = ((const double *)sources[m])[i];
+                total += m == divided ? value / divisor : value;
+            }
+            o[i] = accumulate ? o[i] + total : total;
         }
     } else {
         uint16_t *o = (uint16_t *)out;
         for (int64_t i = 0; i < count; i++) {
-            float total = bf16_to_float(((const uint16_t *)sources[0])[i]);
-            for (int m = 1; m < size; m++) total += bf16_to_float(((const uint16_t *)sources[m])[i]);
-            o[i] = float_to_bf16(total);
+            float total = 0.0f;
+            for (int m = 0; m < size; m++) {
+                uint16_t value = ((const uint16_t *)sources[m])[i];
+                float term = m == divided ? bf16_to_float(float_to_bf16(divided32(bf16_to_float(value), divisor)))
+                                          : bf16_to_float(value);
+                total = m == 0 ? term : total + term;
+            }
+            o[i] = accumulate ? float_to_bf16(bf16_to_float(o[i]) + bf16_to_float(float_to_bf16(total)))
+                              : float_to_bf16(total);
         }
     }
 }
 
-/* full: `size` chunks of `count` elements; output (count elements, may alias chunk `rank`)
- * receives the sum of every member's chunk `rank`. Each round moves up to a sub-slot
- * (slot_bytes / size) per destination. */
-int sw_reduce_scatter(channel_t *c, const char *full, char *output, int64_t count, int dtype) {
+/* full: `size` chunks of `count` elements; output (count elements, may alias chunk `rank`
+ * unless `accumulate`) receives the sum of every member's chunk `rank`, each member's
+ * values divided by `divisor` first (1: as they are); `accumulate`: added to output's own
+ * values. Each round moves up to a sub-slot (slot_bytes / size) per destination, divided
+ * as it is copied in. */
+int sw_reduce_scatter(channel_t *c, const char *full, char *output, int64_t count, int dtype, double divisor,
+                      int accumulate) {
     int64_t element = dtype == FLOAT64 ? 8 : dtype == FLOAT32 ? 4 : 2;
     int64_t sub_slot = (c->slot_bytes / c->size) / 64 * 64;
     int64_t per_round = sub_slot / element;
@@ -218,7 +259,8 @@ int sw_reduce_scatter(channel_t *c, const char *full, char *output, int64_t coun
         if (status != OK) return status;
         for (int member = 0; member < c->size; member++)
             if (member != c->rank)
-                memcpy(slot(c, c->rank) + member * sub_slot, full + (member * count + first) * element, n * element);
+                copy_divided(dtype, full + (member * count + first) * element, slot(c, c->rank) + member * sub_slot,
+                             n, divisor);
         publish(&header(c, c->rank)->ready, c->round);
         for (int step = 1; step < c->size; step++) {
             int peer = (c->rank + step) % c->size;
@@ -228,7 +270,8 @@ int sw_reduce_scatter(channel_t *c, const char *full, char *output, int64_t coun
         for (int member = 0; member < c->size; member++)
             sources[member] = member == c->rank ? full + (c->rank * count + first) * element
                                                 : slot(c, member) + c->rank * sub_slot;
-        sum_members(dtype, c->size, sources, output + first * element, n);
+        sum_members(dtype, c->size, sources, output + first * element, n, divisor == 1.0 ? -1 : c->rank, divisor,
+                    accumulate);
         publish(&header(c, c->rank)->done, c->round);
     }
     return OK;
@@ -262,7 +305,7 @@ int sw_all_reduce(channel_t *c, char *data, int64_t count, int dtype) {
         char *mine = data + (first + START(c->rank)) * element;
         for (int member = 0; member < c->size; member++)
             sources[member] = member == c->rank ? mine : slot(c, member) + c->rank * sub_slot;
-        sum_members(dtype, c->size, sources, mine, LENGTH(c->rank));
+        sum_members(dtype, c->size, sources, mine, LENGTH(c->rank), -1, 1.0, 0);
         publish(&header(c, c->rank)->done, c->round);
 
         status = begin_round(c);

@@ -64,7 +64,7 @@ _SIGNATURES = {
     "sw_channel_init": ([_P, _P, _I, _I, _L, _D], None),
     "sw_failed_peer": ([_P], _I),
     "sw_all_gather": ([_P, _P, ctypes.POINTER(_P), _L], _I),
-    "sw_reduce_scatter": ([_P, _P, _P, _L, _I], _I),
+    "sw_reduce_scatter": ([_P, _P, _P, _L, _I, _D, _I], _I),
     "sw_all_reduce": ([_P, _P, _L, _I], _I),
 }
 
@@ -192,12 +192,14 @@ class SharedMemoryChannel:
         return self._submit((shard, *pieces), lambda: self._kernels.sw_all_gather(
             self._state, shard.data_ptr(), outputs, nbytes))
 
-    def reduce_scatter(self, output: torch.Tensor, full: torch.Tensor) -> SharedMemoryWork:
-        """The sum over members of their chunk `rank` of contiguous `full` into `output`."""
+    def reduce_scatter(self, output: torch.Tensor, full: torch.Tensor, *, divide_by: float = 1.0) -> SharedMemoryWork:
+        """The sum over members of their chunk `rank` of contiguous `full`, each member's
+        values divided by `divide_by` first (the bits `full.div_(divide_by)` before the sum
+        gives, without that pass over `full` on the caller's thread; `full` is left as it
+        is), into `output`."""
         dtype = SUMMED_DTYPES[full.dtype]
         return self._submit((output, full), lambda: self._kernels.sw_reduce_scatter(
-            self._state, full.data_ptr(), output.data_ptr(), output.numel(), dtype))
-
+            self._state, full.data_ptr(), output.data_ptr(), output.numel(), dtype, float(divide_by), 0))
 
     def all_reduce(self, tensor: torch.Tensor) -> SharedMemoryWork:
         """Contiguous `tensor` becomes the sum over members, the same bits on every member."""

@@ -410,8 +410,7 @@ class GradientReducer(OptimizerExchangeMixin):
             buffer, bucket = self._buckets.pop(unit.index)
             for slot in unit.slots:  # prepared but never reached by a gradient
                 slot.param.grad = None
-            bucket.div_(self.divisor)
-            pending = self._reduce_to_owner(bucket, lo, hi, what)
+            pending = self._reduce_to_owner(bucket, lo, hi, what, divide_by=self.divisor)
 
             def finalize() -> None:
                 self._free_buckets.append((buffer, self.store.receive_gradient(unit, bucket[lo:hi])))
@@ -429,13 +428,18 @@ class GradientReducer(OptimizerExchangeMixin):
         if not self.overlap:
             self._complete_oldest()
 
-    def _reduce_to_owner(self, full: torch.Tensor, lo: int, hi: int, what: str) -> PendingCollective:
-        """Sum `full` over the shard group so that this rank's [lo, hi) holds the result."""
+    def _reduce_to_owner(self, full: torch.Tensor, lo: int, hi: int, what: str, *,
+                         divide_by: float = 1.0) -> PendingCollective:
+        """Sum `full` / `divide_by` over the shard group so that this rank's [lo, hi) holds
+        the result; only that chunk may be read afterwards (the shared-memory transport
+        divides as it copies and leaves the rest of `full` undivided)."""
+        if self.gradient_block is None and self.use_reduce_scatter:
+            return self.shard.reduce_scatter(full[lo:hi], full, what, divide_by=divide_by)
+        if divide_by != 1.0:
+            full.div_(divide_by)
         if self.gradient_block is not None:
             return HierarchicalQuantizedReduceScatter(full[lo:hi], full, intra=self.intra_node, inter=self.inter_node,
                                                       block=self.gradient_block, what=what, ledger=self.ledger)
-        if self.use_reduce_scatter:
-            return self.shard.reduce_scatter(full[lo:hi], full, what)
         return self.shard.all_reduce(full, what)
 
     def _across_replicas(self, unit: FlatUnit, owned: Callable[[], torch.Tensor], what: str,

@@ -43,9 +43,11 @@ def test_equals_gloo_for_odd_sizes_and_sizes_above_a_slot(world_size, dtype):
         for size, outcome in zip(sizes, result["results"]):
             for gathered in ("gathered", "pieces"):
                 assert torch.equal(outcome["shared"][gathered], outcome["gloo"][gathered]), (size, gathered)
-            for reduced in ("reduced", "in_place", "summed"):
+            for reduced in ("reduced", "in_place", "summed", "divided"):
                 error = relative(outcome["shared"][reduced], outcome["gloo"][reduced])
                 assert error < TOLERANCE[dtype], (size, reduced, error)
+            # divided while copied: the very bits of dividing first, then summing in member order
+            assert torch.equal(outcome["shared"]["divided"], outcome["divided_expected"]), size
     for size_index in range(len(sizes)):  # an all-reduce leaves the same bits on every rank
         sums = [result["results"][size_index]["shared"]["summed"] for result in results]
         assert all(torch.equal(summed, sums[0]) for summed in sums)

@@ -194,18 +194,36 @@ def shared_and_gloo_collectives(rank: int, world_size: int, dtype: str, sizes: l
             reduced = torch.empty(size, dtype=kind)
             in_place = full.clone()
             summed = torch.cat([full, shard[:1]])  # a length the members do not divide
+            divided = full.clone()  # averaged as gradients are: each member's values divided, then summed
             works = [comm.all_gather(gathered, shard, "a shard"), comm.all_gather_pieces(pieces, shard, "pieces"),
                      comm.reduce_scatter(reduced, full, "a full tensor"),
                      comm.reduce_scatter(in_place.chunk(world_size)[rank], in_place, "in place"),
-                     comm.all_reduce(summed, "a sum")]
+                     comm.all_reduce(summed, "a sum"),
+                     comm.reduce_scatter(divided.chunk(world_size)[rank], divided, "divided", divide_by=3.0)]
             for work in works:
                 work.wait()
             outcome[name] = {"gathered": gathered, "pieces": torch.cat(pieces), "reduced": reduced,
-                             "in_place": in_place.chunk(world_size)[rank].clone(), "summed": summed}
+                             "in_place": in_place.chunk(world_size)[rank].clone(), "summed": summed,
+                             "divided": divided.chunk(world_size)[rank].clone()}
+        outcome["divided_expected"] = _divided_sum(world_size, rank, size, kind)
         results.append(outcome)
     return {"results": results, "shared_used": shared._shared_memory is not None,
             "gloo_used_shared": gloo._shared_memory is not None,
             "volume": (shared.stats.by_group(), gloo.stats.by_group())}
+
+
+def _divided_sum(world_size: int, rank: int, size: int, kind: torch.dtype) -> torch.Tensor:
+    """Chunk `rank` of the members' `full` tensors (as shared_and_gloo_collectives draws
+    them), each divided by 3 in its dtype and summed in member order in float32 (the
+    transport's order), rounded once to the dtype."""
+    total = None
+    for member in range(world_size):
+        generator = torch.Generator().manual_seed(1000 * size + member)
+        torch.randn(size, generator=generator)  # the member's shard
+        full = torch.randn(size * world_size, generator=generator).to(kind)
+        term = (full.chunk(world_size)[rank] / 3.0).float()
+        total = term if total is None else total + term
+    return total.to(kind)
 
 
 def stall_in_shared_memory(rank: int, world_size: int) -> str:
