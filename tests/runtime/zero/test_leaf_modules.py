@@ -12,7 +12,12 @@ from torch import nn
 
 import shardwise
 from shardwise.runtime.reliability.errors import DivergentExecutionError
-from shardwise.runtime.zero.leaf_modules import LeafModulePolicy, leaf_modules, mark_gathered_whole
+from shardwise.runtime.zero.leaf_modules import (
+    LeafModulePolicy,
+    leaf_modules,
+    mark_gathered_whole,
+    modules_under_granularity,
+)
 from shardwise.tools.testing import DistributedTestError, run_distributed
 
 WIDTH, EXPERTS, ROWS_PER_RANK, STEPS = 8, 4, 4, 3
@@ -118,3 +123,28 @@ def test_the_policy_picks_modules_by_class_name_and_suffix():
     assert leaf_modules(model, LeafModulePolicy(names=("1.experts.0",))) == {model[1].experts[0]}
     assert leaf_modules(model, LeafModulePolicy(name_suffixes=("experts",))) == {model[1].experts}
     assert leaf_modules(model, LeafModulePolicy()) == set()
+
+
+# TopOneExperts: 1,156 parameters (the gate's 36, four experts' 280) over 10 counted
+# modules (the gate, the experts' eight Linears, itself; Tanh holds none, and neither the
+# experts' Sequentials nor the ModuleList count, being containers): 115 per module
+EXPERT_BLOCK_GRANULARITY = 1156 // 10
+
+
+@pytest.mark.parametrize(("threshold", "chosen"), [
+    (EXPERT_BLOCK_GRANULARITY, {"1"}),
+    (10**6, {"1"}),  # the root is a container and the Linears have no children: neither is ever chosen
+    (EXPERT_BLOCK_GRANULARITY - 1, set()),  # nothing that fine: a warning, every module keeps its hooks
+])
+def test_the_granularity_threshold_picks_as_deepspeed_does(threshold, chosen, caplog):
+    model = build()
+    names = {module: name for name, module in model.named_modules()}
+    assert {names[m] for m in modules_under_granularity(model, threshold)} == chosen
+    assert {names[m] for m in leaf_modules(model, LeafModulePolicy(granularity_threshold=threshold))} == chosen
+    assert ("raise the threshold to at least 115" in caplog.text) == (not chosen)
+
+
+def test_a_block_chosen_by_granularity_trains_as_one_process():
+    config = {**CONFIG, "zero_optimization": {**CONFIG["zero_optimization"],
+                                              "stage3_module_granularity_threshold": EXPERT_BLOCK_GRANULARITY}}
+    assert_trains_as_one_process(run_distributed(train, 2, False, config))

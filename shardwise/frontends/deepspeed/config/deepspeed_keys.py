@@ -240,7 +240,6 @@ RULES: dict[str, dict[str, KeyRule]] = {
         "use_multi_rank_bucket_allreduce": Accepted("a DeepSpeed bucketing choice"),
         "stage3_model_persistence_threshold": Accepted("a cap on the total size of persistent parameters; "
                                                        "stage3_param_persistence_threshold decides per parameter"),
-        "stage3_module_granularity_threshold": Accepted("a DeepSpeed hook-fusion knob"),
         "stage3_use_all_reduce_for_fetch_params": AcceptedWhen(_is(False), "false", "parameters are fetched "
                                                                "by all-gather"),
         "pipeline_loading_checkpoint": AcceptedWhen(_is(False), "false", "for DeepSpeed's pipeline engine only"),

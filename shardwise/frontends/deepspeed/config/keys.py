@@ -59,6 +59,7 @@ ALIASES: dict[str, dict[str, str]] = {
         "param_persistence_threshold": "stage3_param_persistence_threshold",
         "max_live_parameters": "stage3_max_live_parameters",
         "max_reuse_distance": "stage3_max_reuse_distance",
+        "module_granularity_threshold": "stage3_module_granularity_threshold",
     },
 }
 

@@ -119,7 +119,8 @@ def zero_policy(cfg: ShardwiseConfig) -> ZeroPolicy:
         plus_plus=plus_plus_policy(cfg),
         leaf_modules=LeafModulePolicy(tuple(dict.fromkeys(zero.leaf_module.classes)),
                                       tuple(dict.fromkeys(zero.leaf_module.names)),
-                                      tuple(dict.fromkeys(zero.leaf_module.name_suffixes))),
+                                      tuple(dict.fromkeys(zero.leaf_module.name_suffixes)),
+                                      zero.stage3_module_granularity_threshold),
     )
 
 

@@ -208,6 +208,8 @@ class ZeroConfig(Section):
     stage3_param_persistence_threshold: Int = Field(100_000, ge=0)
     stage3_max_live_parameters: Int = Field(1_000_000_000, ge=0)
     stage3_max_reuse_distance: Int = Field(1_000_000_000, ge=0)
+    # > 0: modules this fine are gathered whole, as DeepSpeed chooses them (runtime/zero/leaf_modules.py)
+    stage3_module_granularity_threshold: Int = Field(0, ge=0)
     stage3_gather_16bit_weights_on_model_save: Bool = False
     sub_group_size: Int = 1_000_000_000
     # false: a trainable parameter that got no gradient in an accumulation window raises at

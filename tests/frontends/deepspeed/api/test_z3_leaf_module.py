@@ -88,3 +88,39 @@ def test_deepspeed_s_own_functions_answer_the_same():
                          timeout=300, env={**os.environ, "DS_ACCELERATOR": "cpu"})
     assert ran.returncode == 0, ran.stderr[-3000:]
     assert json.loads(ran.stdout.strip().splitlines()[-1]) == EXPECTED
+
+
+GRANULARITY_SIDE = """
+import json, os, sys
+sys.path.insert(0, sys.argv[1])
+os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", MASTER_ADDR="127.0.0.1", MASTER_PORT="0")  # any free port
+import torch, deepspeed
+from deepspeed.utils import z3_leaf_module
+from tests.runtime.zero.test_leaf_modules import build
+deepspeed.init_distributed("gloo")
+chosen = {}
+for threshold in json.loads(sys.argv[2]):
+    model = build()
+    deepspeed.initialize(model=model, optimizer=torch.optim.SGD(model.parameters(), lr=0.1), config={
+        "train_micro_batch_size_per_gpu": 1, "zero_allow_untested_optimizer": True,
+        "zero_optimization": {"stage": 3, "stage3_module_granularity_threshold": threshold}})
+    chosen[threshold] = sorted(name for name, module in model.named_modules() if z3_leaf_module(module))
+print(json.dumps(chosen))
+"""
+
+
+@pytest.mark.skipif(not os.environ.get("DEEPSPEED_PYTHON"), reason="set DEEPSPEED_PYTHON to an interpreter with "
+                    "DeepSpeed 0.19.8 installed")
+def test_deepspeed_s_granularity_threshold_chooses_the_same_modules():
+    from shardwise.runtime.zero.leaf_modules import modules_under_granularity
+
+    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.dirname(os.path.dirname(__file__)))))
+    thresholds = [114, 115, 10**6]
+    ran = subprocess.run([os.environ["DEEPSPEED_PYTHON"], "-c", GRANULARITY_SIDE, root, json.dumps(thresholds)], capture_output=True, text=True, timeout=300,
+                         env={**os.environ, "DS_ACCELERATOR": "cpu"})
+    assert ran.returncode == 0, ran.stderr[-3000:]
+    theirs = json.loads(ran.stdout.strip().splitlines()[-1])
+    for threshold in thresholds:
+        model = build()
+        names = {module: name for name, module in model.named_modules()}
+        assert sorted(names[m] for m in modules_under_granularity(model, threshold)) == theirs[str(threshold)]
