@@ -53,10 +53,14 @@ class AcceptedWhen:
 
 @dataclass(frozen=True)
 class Translated:
-    """`convert(value)` returns {dotted shardwise key: value} to merge, or a refusal string."""
+    """`convert(value)` returns {dotted shardwise key: value} to merge, or a refusal string.
+    `replaced_by`: the key of the same block that DeepSpeed names as this deprecated key's
+    replacement; it refuses the two together at any values (config_utils.py,
+    `_process_deprecated_field`), and so does shardwise."""
 
     target: str
     convert: Callable[[Any], dict[str, Any] | str]
+    replaced_by: str = ""
 
 
 @dataclass(frozen=True)
@@ -225,8 +229,10 @@ RULES: dict[str, dict[str, KeyRule]] = {
         "autotp_size": Translated("tensor_parallel.size", _autotp_size),
     },
     "zero_optimization": {
-        "cpu_offload": Translated("zero_optimization.offload_optimizer.device", _cpu_offload("offload_optimizer")),
-        "cpu_offload_param": Translated("zero_optimization.offload_param.device", _cpu_offload("offload_param")),
+        "cpu_offload": Translated("zero_optimization.offload_optimizer.device", _cpu_offload("offload_optimizer"),
+                                  replaced_by="offload_optimizer"),
+        "cpu_offload_param": Translated("zero_optimization.offload_param.device", _cpu_offload("offload_param"),
+                                        replaced_by="offload_param"),
         "cpu_offload_use_pin_memory": Translated("zero_optimization.offload_optimizer.pin_memory", _pin_memory),
         "round_robin_gradients": Accepted("orders DeepSpeed's gradient copies to the host; the result is the same"),
         "elastic_checkpoint": Accepted("shardwise checkpoints always load at another world size"),

@@ -1,0 +1,117 @@
+"""Configs DeepSpeed 0.19.8 refuses at `deepspeed.initialize` for a reason that holds on
+every accelerator are refused here too, each with the key, the reason (quoting
+DeepSpeed's) and the fix; the neighbour each rule must not catch still loads. With
+DEEPSPEED_PYTHON set, DeepSpeed itself initializes every refused config and must raise
+the error quoted (its CPU accelerator refuses fp16 before any config check, so that one
+device check is lifted in the subprocess for the fp16 case)."""
+
+import json
+import os
+import subprocess
+
+import pytest
+
+from shardwise.frontends.deepspeed.config import ConfigError, load_config
+
+ADAMW = {"type": "AdamW", "params": {"lr": 1e-3}}
+LAMB = {"type": "Lamb", "params": {"lr": 1e-3}}
+
+
+def _config(**blocks: object) -> dict:
+    return {"train_micro_batch_size_per_gpu": 2, "optimizer": ADAMW, **blocks}
+
+
+# name -> (config, DeepSpeed's words, which shardwise's error quotes)
+REFUSED = {
+    "bf16_accumulating_in_fp32_without_zero": (
+        _config(bf16={"enabled": True}, data_types={"grad_accum_dtype": "fp32"}),
+        "unsupported mix of model_dtype"),
+    "fp16_accumulating_in_fp32_without_zero": (
+        _config(fp16={"enabled": True}, data_types={"grad_accum_dtype": "fp32"}),
+        "unsupported mix of model_dtype"),
+    "lamb_with_a_static_loss_scale": (
+        _config(optimizer=LAMB, fp16={"enabled": True, "loss_scale": 128}), "lamb optimizer requires dynamic loss scaling"),
+    "lamb_with_a_static_loss_scale_in_bf16": (
+        _config(optimizer=LAMB, bf16={"enabled": True}, fp16={"enabled": False, "loss_scale": 128}),
+        "lamb optimizer requires dynamic loss scaling"),
+    "cpu_offload_beside_offload_optimizer": (
+        _config(zero_optimization={"stage": 2, "cpu_offload": True, "offload_optimizer": {"device": "cpu"}}),
+        "Cannot provide deprecated parameter"),
+    "cpu_offload_false_beside_offload_optimizer": (
+        _config(zero_optimization={"stage": 2, "cpu_offload": False, "offload_optimizer": {"device": "cpu"}}),
+        "Cannot provide deprecated parameter"),
+    "cpu_offload_param_beside_offload_param": (
+        _config(zero_optimization={"stage": 3, "cpu_offload_param": True, "offload_param": {"device": "cpu"}}),
+        "Cannot provide deprecated parameter"),
+}
+# the key path each refusal names
+KEY_NAMED = {
+    "bf16_accumulating_in_fp32_without_zero": "data_types.grad_accum_dtype",
+    "fp16_accumulating_in_fp32_without_zero": "data_types.grad_accum_dtype",
+    "lamb_with_a_static_loss_scale": "fp16.loss_scale",
+    "lamb_with_a_static_loss_scale_in_bf16": "fp16.loss_scale",
+    "cpu_offload_beside_offload_optimizer": "'zero_optimization.cpu_offload' and 'zero_optimization.offload_optimizer'",
+    "cpu_offload_false_beside_offload_optimizer": "'zero_optimization.cpu_offload' and",
+    "cpu_offload_param_beside_offload_param": "'zero_optimization.cpu_offload_param' and",
+}
+# what each rule must leave alone (DeepSpeed 0.19.8 trains each of these)
+STILL_ACCEPTED = {
+    "bf16_accumulating_in_fp32_with_zero": _config(bf16={"enabled": True}, data_types={"grad_accum_dtype": "fp32"},
+                                                   zero_optimization={"stage": 1}),
+    "fp32_accumulating_in_fp32_without_zero": _config(data_types={"grad_accum_dtype": "fp32"}),
+    "lamb_with_dynamic_loss_scaling": _config(optimizer=LAMB, fp16={"enabled": True, "loss_scale": 0}),
+    "adam_with_a_static_loss_scale": _config(fp16={"enabled": True, "loss_scale": 128}),
+    "cpu_offload_alone": _config(zero_optimization={"stage": 2, "cpu_offload": True}),
+}
+
+
+@pytest.mark.parametrize("name", REFUSED)
+def test_shardwise_refuses_it_naming_the_key(name):
+    config, deepspeed_words = REFUSED[name]
+    with pytest.raises(ConfigError) as refused:
+        load_config(config, world_size=1)
+    assert KEY_NAMED[name] in str(refused.value)
+    assert deepspeed_words in str(refused.value)
+
+
+@pytest.mark.parametrize("name", STILL_ACCEPTED)
+def test_the_neighbours_still_load(name):
+    load_config(STILL_ACCEPTED[name], world_size=1)
+
+
+def test_cpu_offload_alone_still_offloads():
+    assert load_config(STILL_ACCEPTED["cpu_offload_alone"], world_size=1).zero_optimization.offload_optimizer.device \
+        == "cpu"
+
+
+DEEPSPEED_SIDE = """
+import json, os, socket, sys, torch, deepspeed
+from deepspeed.accelerator import get_accelerator
+get_accelerator().is_fp16_supported = lambda: True  # the CPU's own refusal, which would hide the config's
+with socket.socket() as probe:  # a free port: two suites at once must not meet on one
+    probe.bind(("127.0.0.1", 0))
+    port = str(probe.getsockname()[1])
+os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", MASTER_ADDR="127.0.0.1", MASTER_PORT=port)
+deepspeed.init_distributed("gloo")
+errors = {}
+for name, config in json.loads(sys.argv[1]).items():
+    model = torch.nn.Linear(4, 4)
+    try:
+        deepspeed.initialize(model=model, model_parameters=model.parameters(), config=config)
+        errors[name] = None
+    except Exception as error:
+        errors[name] = f"{type(error).__name__}: {error}"
+print(json.dumps(errors))
+"""
+
+
+@pytest.mark.skipif(not os.environ.get("DEEPSPEED_PYTHON"), reason="set DEEPSPEED_PYTHON to an interpreter with "
+                    "DeepSpeed 0.19.8 to compare with it")
+def test_deepspeed_refuses_them_with_those_words():
+    configs = {name: config for name, (config, _) in REFUSED.items()}
+    ran = subprocess.run([os.environ["DEEPSPEED_PYTHON"], "-c", DEEPSPEED_SIDE, json.dumps(configs)],
+                         capture_output=True, text=True, timeout=300, env={**os.environ, "DS_ACCELERATOR": "cpu"})
+    assert ran.returncode == 0, ran.stderr[-3000:]
+    errors = json.loads(ran.stdout.strip().splitlines()[-1])
+    for name, (_, deepspeed_words) in REFUSED.items():
+        assert errors[name] is not None and deepspeed_words in errors[name], (name, errors[name])
