@@ -94,8 +94,10 @@ def find_contradictions(
 
 
 def _offload_contradictions(cfg: ShardwiseConfig) -> list[str]:
-    """Optimizer offload needs partitioned states (a stage >= 1). Parameter offload applies
-    at stage 3 only; below it DeepSpeed ignores it, and so does shardwise (find_ignored)."""
+    """Optimizer offload needs partitioned states (a stage >= 1); a fraction of it (`ratio`)
+    is offloaded at stages 1-3, where DeepSpeed offloads one at stage 3 only. Parameter
+    offload applies at stage 3 only; below it DeepSpeed ignores it, and so does shardwise
+    (find_ignored)."""
     zero = cfg.zero_optimization
     optimizer = zero.offload_optimizer.device
     param = zero.offload_param.device if partitions_parameters(zero.stage) else "none"
@@ -104,6 +106,12 @@ def _offload_contradictions(cfg: ShardwiseConfig) -> list[str]:
         problems.append(f"zero_optimization.offload_optimizer.device '{optimizer}' needs zero_optimization.stage "
                         "1, 2 or 3: stage 0 keeps the whole optimizer state on every rank")
     ratio = zero.offload_optimizer.ratio
+    if ratio < 1 and optimizer == "none" and not partitions_parameters(zero.stage):
+        problems.append(f"zero_optimization.offload_optimizer.ratio {ratio} with offload_optimizer.device 'none' at "
+                        f"zero_optimization.stage {zero.stage}: nothing is offloaded, so there is no fraction to "
+                        "offload, and DeepSpeed 0.19.8 refuses a ratio below 1 under stage 3 (\"Partial offloading "
+                        "only supported for ZeRO Stage 3\"); set offload_optimizer.device 'cpu' or 'nvme' (shardwise "
+                        "offloads a fraction at stages 1-3), or remove ratio")
     if ratio < 1 and param != "none":
         problems.append(f"zero_optimization.offload_optimizer.ratio {ratio} with zero_optimization.offload_param."
                         f"device '{param}' is not supported: the part updated on the device trains the parameter "
