@@ -25,6 +25,7 @@ from typing import Any, NamedTuple
 from pydantic import BaseModel
 
 from shardwise.frontends.deepspeed.config.deepspeed_keys import (
+    Accepted,
     AcceptedWhen,
     Ignored,
     KeyRule,
@@ -177,7 +178,10 @@ def _apply_rule(rule: KeyRule, key: str, value: Any, path: str, given: Mapping[s
     """Accept, ignore, refuse or translate a DeepSpeed key without a schema field
     (deepspeed_keys.py); `given` is the block that holds it, as written."""
     full = join_key(path, key)
-    if isinstance(rule, Ignored) and not rule.quiet(value):
+    wrong = rule.wrong(value) if isinstance(rule, (Accepted, Ignored)) and rule.wrong else ""
+    if wrong:
+        problems.append(f"'{full}' {json.dumps(value)}: {wrong}")
+    elif isinstance(rule, Ignored) and not rule.quiet(value):
         ignored.append(f"'{full}' {json.dumps(value)}: {rule.why}")
     elif isinstance(rule, Removed):
         if rule.off(value):

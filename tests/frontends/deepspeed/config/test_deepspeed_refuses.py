@@ -53,6 +53,14 @@ REFUSED = {
     "an_offload_ratio_without_zero": (
         _config(zero_optimization={"stage": 0, "offload_optimizer": {"ratio": 0.5}}),
         "zero_optimization.offload_optimizer.ratio", "Partial offloading only supported for ZeRO Stage 3"),
+    "a_wall_clock_breakdown_that_is_not_a_switch": (
+        _config(wall_clock_breakdown="yes"), "'wall_clock_breakdown'", "unsupported operand"),
+    "autocast_modules_that_are_not_names": (
+        _config(torch_autocast={"enabled": False, "lower_precision_safe_modules": [1]}),
+        "'torch_autocast.lower_precision_safe_modules'", "Expected list of strings"),
+    "a_parallel_write_stage_that_is_not_a_switch": (
+        _config(checkpoint={"parallel_write": {"pipeline_stage": "yes"}}), "'checkpoint.parallel_write'",
+        "expecting: true or false"),
 }
 # what each rule must leave alone: name -> (config, whether DeepSpeed 0.19.8 initializes it
 # on a CPU: its fused LAMB has no CPU kernel, and partial offload below stage 3 is
@@ -67,6 +75,10 @@ STILL_ACCEPTED = {
     "a_whole_min_loss_scale_written_as_a_float": (_config(fp16={"enabled": True, "min_loss_scale": 2.0}), True),
     "an_offload_ratio_with_nothing_offloaded_at_stage_3": (
         _config(zero_optimization={"stage": 3, "offload_optimizer": {"device": "none", "ratio": 0.5}}), True),
+    "switches_written_as_integers": (
+        _config(wall_clock_breakdown=1, checkpoint={"parallel_write": {"pipeline_stage": 0}}), True),
+    "autocast_modules_by_name": (
+        _config(torch_autocast={"enabled": False, "lower_precision_safe_modules": ["torch.nn.Linear"]}), True),
     "partial_offload_at_stage_1": (
         _config(zero_optimization={"stage": 1, "offload_optimizer": {"device": "cpu", "ratio": 0.5}}), False),
 }
