@@ -327,8 +327,10 @@ def find_grad_accum_contradictions(cfg: ShardwiseConfig, data_types: Any) -> lis
     it (config/deepspeed_keys.py accepts fp32 alone, ZeRO's accumulation), so the raw
     block comes beside the validated config. Without ZeRO (stage 0) DeepSpeed 0.19.8
     accumulates in the parameters' dtype and refuses any other (`_do_optimizer_sanity_check`:
-    "unsupported mix of model_dtype and grad_accum_dtype"), on every accelerator."""
-    if not isinstance(data_types, Mapping) or data_types.get("grad_accum_dtype") in (None, "auto"):
+    "unsupported mix of model_dtype and grad_accum_dtype"), on every accelerator. Values
+    other than fp32 are refused by the key's own rule."""
+    if not isinstance(data_types, Mapping) or str(data_types.get("grad_accum_dtype")).lower() not in ("fp32",
+                                                                                                    "float32"):
         return []
     precision = "fp16" if cfg.fp16.enabled else "bf16" if cfg.bf16.enabled else None
     if precision is None or partitions_optimizer(cfg.zero_optimization.stage):
