@@ -6,6 +6,9 @@ them with everything switched off loads unchanged; only values that would switch
 a capability on are refused, each with the key that does it.
 """
 
+from collections.abc import Mapping
+from typing import Any
+
 from shardwise.formulas.stages import partitions_optimizer, partitions_parameters
 from shardwise.frontends.deepspeed.config.policies import compile_policy
 from shardwise.frontends.deepspeed.config.schema import OffloadConfig, ShardwiseConfig
@@ -73,6 +76,10 @@ def find_contradictions(
     problems += _pipeline_contradictions(cfg, batch_known)
     problems += _compile_contradictions(cfg)
     problems += _bf16_masters_contradictions(cfg)
+    if cfg.optimizer is not None and cfg.optimizer.type.lower() == "lamb" and cfg.fp16.loss_scale != 0:
+        problems.append(f"optimizer.type 'Lamb' with fp16.loss_scale {cfg.fp16.loss_scale:g}: LAMB needs dynamic loss "
+                        "scaling, as DeepSpeed 0.19.8 refuses a static scale with it (\"lamb optimizer requires "
+                        "dynamic loss scaling\", whether or not fp16 is enabled); set fp16.loss_scale 0")
     if cfg.torch_autocast.enabled and (cfg.fp16.enabled or cfg.bf16.enabled):
         problems.append("torch_autocast.enabled with "
                         f"{'fp16' if cfg.fp16.enabled else 'bf16'}.enabled: autocast computes in low precision from "
@@ -87,8 +94,10 @@ def find_contradictions(
 
 
 def _offload_contradictions(cfg: ShardwiseConfig) -> list[str]:
-    """Optimizer offload needs partitioned states (a stage >= 1). Parameter offload applies
-    at stage 3 only; below it DeepSpeed ignores it, and so does shardwise (find_ignored)."""
+    """Optimizer offload needs partitioned states (a stage >= 1); a fraction of it (`ratio`)
+    is offloaded at stages 1-3, where DeepSpeed offloads one at stage 3 only. Parameter
+    offload applies at stage 3 only; below it DeepSpeed ignores it, and so does shardwise
+    (find_ignored)."""
     zero = cfg.zero_optimization
     optimizer = zero.offload_optimizer.device
     param = zero.offload_param.device if partitions_parameters(zero.stage) else "none"
@@ -97,6 +106,12 @@ def _offload_contradictions(cfg: ShardwiseConfig) -> list[str]:
         problems.append(f"zero_optimization.offload_optimizer.device '{optimizer}' needs zero_optimization.stage "
                         "1, 2 or 3: stage 0 keeps the whole optimizer state on every rank")
     ratio = zero.offload_optimizer.ratio
+    if ratio < 1 and optimizer == "none" and not partitions_parameters(zero.stage):
+        problems.append(f"zero_optimization.offload_optimizer.ratio {ratio} with offload_optimizer.device 'none' at "
+                        f"zero_optimization.stage {zero.stage}: nothing is offloaded, so there is no fraction to "
+                        "offload, and DeepSpeed 0.19.8 refuses a ratio below 1 under stage 3 (\"Partial offloading "
+                        "only supported for ZeRO Stage 3\"); set offload_optimizer.device 'cpu' or 'nvme' (shardwise "
+                        "offloads a fraction at stages 1-3), or remove ratio")
     if ratio < 1 and param != "none":
         problems.append(f"zero_optimization.offload_optimizer.ratio {ratio} with zero_optimization.offload_param."
                         f"device '{param}' is not supported: the part updated on the device trains the parameter "
@@ -305,3 +320,23 @@ def _compile_contradictions(cfg: ShardwiseConfig) -> list[str]:
             "gathers them into newly allocated storage; use compile.mode 'max-autotune-no-cudagraphs' or 'default' "
             "(no CUDA graph options), or zero_optimization.stage 2 or lower"
             for setting in compile_policy(cfg).cuda_graph_settings()]
+
+
+def find_grad_accum_contradictions(cfg: ShardwiseConfig, data_types: Any) -> list[str]:
+    """`data_types.grad_accum_dtype` against the training dtype. The schema has no field for
+    it (config/deepspeed_keys.py accepts fp32 alone, ZeRO's accumulation), so the raw
+    block comes beside the validated config. Without ZeRO (stage 0) DeepSpeed 0.19.8
+    accumulates in the parameters' dtype and refuses any other (`_do_optimizer_sanity_check`:
+    "unsupported mix of model_dtype and grad_accum_dtype"), on every accelerator. Values
+    other than fp32 are refused by the key's own rule."""
+    if not isinstance(data_types, Mapping) or str(data_types.get("grad_accum_dtype")).lower() not in ("fp32",
+                                                                                                    "float32"):
+        return []
+    precision = "fp16" if cfg.fp16.enabled else "bf16" if cfg.bf16.enabled else None
+    if precision is None or partitions_optimizer(cfg.zero_optimization.stage):
+        return []
+    return [f"data_types.grad_accum_dtype '{data_types['grad_accum_dtype']}' with {precision}.enabled at "
+            "zero_optimization.stage 0: without ZeRO, gradients accumulate in the parameters' dtype "
+            f"({precision}), and DeepSpeed 0.19.8 refuses another (\"unsupported mix of model_dtype and "
+            "grad_accum_dtype\"); remove data_types.grad_accum_dtype, or use zero_optimization.stage 1-3 to "
+            "accumulate in fp32"]

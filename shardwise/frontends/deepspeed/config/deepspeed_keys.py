@@ -42,6 +42,9 @@ from typing import Any, Callable
 @dataclass(frozen=True)
 class Accepted:
     why: str
+    # DeepSpeed 0.19.8's own check of the value: what is wrong with it, or "" where it reads
+    # the value; a value it refuses at `initialize` is refused here too
+    wrong: Callable[[Any], str] | None = None
 
 
 @dataclass(frozen=True)
@@ -53,16 +56,21 @@ class AcceptedWhen:
 
 @dataclass(frozen=True)
 class Translated:
-    """`convert(value)` returns {dotted shardwise key: value} to merge, or a refusal string."""
+    """`convert(value)` returns {dotted shardwise key: value} to merge, or a refusal string.
+    `replaced_by`: the key of the same block that DeepSpeed names as this deprecated key's
+    replacement; it refuses the two together at any values (config_utils.py,
+    `_process_deprecated_field`), and so does shardwise."""
 
     target: str
     convert: Callable[[Any], dict[str, Any] | str]
+    replaced_by: str = ""
 
 
 @dataclass(frozen=True)
 class Ignored:
     quiet: Callable[[Any], bool]  # values not worth a warning (DeepSpeed's default)
     why: str  # what DeepSpeed does with it, as found by running DeepSpeed 0.19.8
+    wrong: Callable[[Any], str] | None = None  # as Accepted's
 
 
 @dataclass(frozen=True)
@@ -82,6 +90,30 @@ def _one_of(*choices: str | None) -> Callable[[Any], bool]:
     """A string among `choices` in any case (DeepSpeed upper-cases before it checks), or None if listed."""
     names = {choice.upper() for choice in choices if choice is not None}
     return lambda value: (value is None and None in choices) or (isinstance(value, str) and value.upper() in names)
+
+
+def _engine_switch(value: Any) -> str:
+    """DeepSpeed's engine ORs the value with a bool: a bool or an integer works, anything
+    else fails there ("unsupported operand type(s) for |")."""
+    return "" if isinstance(value, int) else f"must be true or false (DeepSpeed 0.19.8 fails on {value!r} too)"
+
+
+def _module_names(value: Any) -> str:
+    """DeepSpeed requires every entry to be a module's dotted class name."""
+    if value is None or isinstance(value, str) or (isinstance(value, list) and all(isinstance(v, str) for v in value)):
+        return ""
+    return ("must be a list of module class names such as \"torch.nn.Linear\" (DeepSpeed 0.19.8 refuses "
+            "anything else: \"Expected list of strings\")")
+
+
+def _pipeline_stage_switch(value: Any) -> str:
+    """DeepSpeed accepts `pipeline_stage` true or false (or 1 / 0, equal to them) and
+    refuses any other value."""
+    stage = value.get("pipeline_stage", False) if isinstance(value, dict) else False
+    if isinstance(stage, (bool, int)) and stage in (True, False):
+        return ""
+    return (f"pipeline_stage {stage!r} must be true or false (DeepSpeed 0.19.8 refuses it too: \"expecting: true "
+            "or false\")")
 
 
 def _disabled(block: Any) -> bool:
@@ -156,7 +188,7 @@ _DEEPCOMPILE_WHY = ("a setting of DeepCompile's graph passes, which shardwise re
 RULES: dict[str, dict[str, KeyRule]] = {
     "": {
         "wall_clock_breakdown": Accepted(f"{DIAGNOSTICS}; shardwise's step timer always splits each step into "
-                                         "forward / backward / communication wait / optimizer"),
+                                         "forward / backward / communication wait / optimizer", _engine_switch),
         "memory_breakdown": Accepted(f"{DIAGNOSTICS}; engine.memory_breakdown() is always available"),
         "dump_state": Accepted(f"{DIAGNOSTICS} (it prints the engine's state at start-up)"),
         "log_level": Accepted(DIAGNOSTICS),
@@ -225,8 +257,10 @@ RULES: dict[str, dict[str, KeyRule]] = {
         "autotp_size": Translated("tensor_parallel.size", _autotp_size),
     },
     "zero_optimization": {
-        "cpu_offload": Translated("zero_optimization.offload_optimizer.device", _cpu_offload("offload_optimizer")),
-        "cpu_offload_param": Translated("zero_optimization.offload_param.device", _cpu_offload("offload_param")),
+        "cpu_offload": Translated("zero_optimization.offload_optimizer.device", _cpu_offload("offload_optimizer"),
+                                  replaced_by="offload_optimizer"),
+        "cpu_offload_param": Translated("zero_optimization.offload_param.device", _cpu_offload("offload_param"),
+                                        replaced_by="offload_param"),
         "cpu_offload_use_pin_memory": Translated("zero_optimization.offload_optimizer.pin_memory", _pin_memory),
         "round_robin_gradients": Accepted("orders DeepSpeed's gradient copies to the host; the result is the same"),
         "elastic_checkpoint": Accepted("shardwise checkpoints always load at another world size"),
@@ -265,7 +299,7 @@ RULES: dict[str, dict[str, KeyRule]] = {
         "lower_precision_safe_modules": Ignored(lambda v: v is None, "the modules whose gradients DeepSpeed "
                                                 "all-reduces in the autocast dtype; shardwise reduces every "
                                                 "gradient in communication_data_type (default: the parameters' "
-                                                "fp32), the same sum rounded less"),
+                                                "fp32), the same sum rounded less", _module_names),
     },
     "checkpoint": {
         "checkpoint_serialization": Accepted("the serialization of DeepSpeed's torch.save files; shardwise writes "
@@ -275,7 +309,7 @@ RULES: dict[str, dict[str, KeyRule]] = {
         "use_node_local_storage": Accepted("where DeepSpeed's ranks write on each node; every shardwise rank "
                                            "writes its share into the one checkpoint folder"),
         "parallel_write": Accepted("DeepSpeed's pipeline stages writing their layer files in parallel; every "
-                                   "shardwise rank writes its own share in parallel always"),
+                                   "shardwise rank writes its own share in parallel always", _pipeline_stage_switch),
     },
     "checkpoint.writer": {
         "type": AcceptedWhen(_one_of("fast", "python"), '"fast" or "python" (any case)',
@@ -328,7 +362,8 @@ def classification_rows() -> list[tuple[str, str, str]]:
         for key, rule in rules.items():
             dotted = f"{path}.{key}" if path else key
             if isinstance(rule, Accepted):
-                rows.append((dotted, "accepted, any value", rule.why))
+                rows.append((dotted, "accepted, any value DeepSpeed reads" if rule.wrong else "accepted, any value",
+                             rule.why))
             elif isinstance(rule, AcceptedWhen):
                 rows.append((dotted, f"accepted when {rule.harmless_doc}; otherwise rejected", rule.why_not))
             elif isinstance(rule, Ignored):

@@ -25,6 +25,7 @@ from typing import Any, NamedTuple
 from pydantic import BaseModel
 
 from shardwise.frontends.deepspeed.config.deepspeed_keys import (
+    Accepted,
     AcceptedWhen,
     Ignored,
     KeyRule,
@@ -164,7 +165,7 @@ def _check_section(
             if checked is not None or section_model(model.model_fields[name].annotation) is None:
                 cleaned[name] = checked
         elif rule_for(path, key) is not None:
-            translations.update(_apply_rule(rule_for(path, key), key, value, path, problems, ignored))
+            translations.update(_apply_rule(rule_for(path, key), key, value, path, raw, problems, ignored))
         elif path == "" and key not in DEEPSPEED_KEYS_NOT_SUPPORTED[""] and not is_comment(key, path):
             ignored.append(_describe_unknown_top_level(key))
         elif not is_comment(key, path):
@@ -173,11 +174,15 @@ def _check_section(
     return cleaned
 
 
-def _apply_rule(rule: KeyRule, key: str, value: Any, path: str, problems: list[str],
+def _apply_rule(rule: KeyRule, key: str, value: Any, path: str, given: Mapping[str, Any], problems: list[str],
                 ignored: list[str]) -> dict[str, Any]:
-    """Accept, ignore, refuse or translate a DeepSpeed key without a schema field (deepspeed_keys.py)."""
+    """Accept, ignore, refuse or translate a DeepSpeed key without a schema field
+    (deepspeed_keys.py); `given` is the block that holds it, as written."""
     full = join_key(path, key)
-    if isinstance(rule, Ignored) and not rule.quiet(value):
+    wrong = rule.wrong(value) if isinstance(rule, (Accepted, Ignored)) and rule.wrong else ""
+    if wrong:
+        problems.append(f"'{full}' {json.dumps(value)}: {wrong}")
+    elif isinstance(rule, Ignored) and not rule.quiet(value):
         ignored.append(f"'{full}' {json.dumps(value)}: {rule.why}")
     elif isinstance(rule, Removed):
         if rule.off(value):
@@ -191,6 +196,10 @@ def _apply_rule(rule: KeyRule, key: str, value: Any, path: str, problems: list[s
             full, value = f"{full}.enabled", value["enabled"]
         problems.append(f"'{full}' {json.dumps(value)} is not supported: {rule.why_not} "
                         f"(accepted: {rule.harmless_doc})")
+    elif isinstance(rule, Translated) and rule.replaced_by and rule.replaced_by in given:
+        problems.append(f"'{full}' and '{join_key(path, rule.replaced_by)}' are both set: '{key}' is DeepSpeed's "
+                        f"deprecated spelling of '{rule.replaced_by}', and DeepSpeed 0.19.8 refuses the two together "
+                        f"(\"Cannot provide deprecated parameter\"); keep '{rule.replaced_by}'")
     elif isinstance(rule, Translated):
         converted = rule.convert(value)
         if isinstance(converted, str):

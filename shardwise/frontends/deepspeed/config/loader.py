@@ -16,7 +16,12 @@ from typing import Any
 
 from pydantic import ValidationError
 
-from shardwise.frontends.deepspeed.config.checks import find_contradictions, find_ignored, find_unsupported
+from shardwise.frontends.deepspeed.config.checks import (
+    find_contradictions,
+    find_grad_accum_contradictions,
+    find_ignored,
+    find_unsupported,
+)
 from shardwise.frontends.deepspeed.config.errors import ConfigError, describe_validation_error
 from shardwise.frontends.deepspeed.config.keys import check_keys, expand_dotted_keys
 from shardwise.frontends.deepspeed.config.params import resolve_params
@@ -53,7 +58,8 @@ def load_config(
         _require_positive_int("hidden_size", hidden_size)
     problems: list[str] = []
     ignored: list[str] = []
-    cleaned = fill_auto(check_keys(expand_dotted_keys(read_config(config)), problems, ignored), auto_values or {})
+    raw = expand_dotted_keys(read_config(config))
+    cleaned = fill_auto(check_keys(raw, problems, ignored), auto_values or {})
     batch_auto = batch_left_to_auto(cleaned)
     resolve_auto(cleaned, hidden_size, problems)
     data_parallel = resolve_data_parallel_size(cleaned, world_size, problems)
@@ -73,6 +79,7 @@ def load_config(
         raise ConfigError(problems + describe_validation_error(error)) from None
     problems += find_unsupported(cfg) + find_contradictions(cfg, batch_known=batch_resolved,
                                                             data_parallel_size=data_parallel)
+    problems += find_grad_accum_contradictions(cfg, raw.get("data_types"))
     if problems:
         raise ConfigError(problems)
     warn_ignored(ignored + find_ignored(cfg))

@@ -42,7 +42,17 @@ class Fp16Config(Section):
     loss_scale_window: Int = Field(1000, ge=1)
     hysteresis: Int = Field(2, ge=1)
     consecutive_hysteresis: Bool = False
-    min_loss_scale: Float = Field(1.0, gt=0)
+    min_loss_scale: Int = Field(1, gt=0)
+
+    @field_validator("min_loss_scale", mode="before")
+    @classmethod
+    def _whole_min_loss_scale(cls, floor: Any) -> Any:
+        """DeepSpeed 0.19.8 declares the floor an integer and refuses a fraction, at any
+        setting of `enabled` (runtime/precision_config.py)."""
+        if isinstance(floor, float) and math.isfinite(floor) and not floor.is_integer():
+            raise ValueError(f"{floor} is not a whole number: DeepSpeed 0.19.8 reads the dynamic loss scale's floor "
+                             "as an integer and refuses a fraction too; give a whole number (its default is 1)")
+        return floor
 
     @field_validator("initial_scale_power")
     @classmethod
