@@ -136,6 +136,7 @@ def test_defaults_match_deepspeed_code():
         "reduce_bucket_size": 500_000_000, "allgather_partitions": True, "allgather_bucket_size": 500_000_000,
         "stage3_prefetch_bucket_size": 50_000_000, "stage3_param_persistence_threshold": 100_000,
         "stage3_max_live_parameters": 1_000_000_000, "stage3_max_reuse_distance": 1_000_000_000,
+        "stage3_module_granularity_threshold": 0,
         "stage3_gather_16bit_weights_on_model_save": False, "sub_group_size": 1_000_000_000,
         "ignore_unused_parameters": True, "mics_shard_size": -1,
         "offload_optimizer": {"device": "none", "nvme_path": None, "pin_memory": False, "buffer_count": 4,
