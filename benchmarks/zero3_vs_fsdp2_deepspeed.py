@@ -90,6 +90,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                         help="stage3_max_reuse_distance for shardwise and DeepSpeed (default: DeepSpeed's "
                         "1e9, which keeps a small model gathered from forward to backward; 0 re-gathers "
                         "in backward, as FSDP2's reshard_after_forward does)")
+    parser.add_argument("--gather-per-block", action="store_true",
+                        help="shardwise and DeepSpeed gather each transformer block whole (zero_optimization."
+                             "leaf_module classes [\"Block\"]), the unit FSDP2's per-block fully_shard has; "
+                             "default: DeepSpeed's per-module gathering")
     parser.add_argument("--offload-optimizer", choices=("none", "cpu", "nvme"), default="none",
                         help="offload_optimizer.device for shardwise and DeepSpeed (ZeRO-Offload / ZeRO-Infinity); "
                         "FSDP2 has no equivalent and is left out when set")
@@ -136,6 +140,8 @@ def zero3_config(args: argparse.Namespace, world_size: int) -> dict[str, Any]:
             "stage3_max_reuse_distance": args.max_reuse_distance,
         },
     }
+    if args.gather_per_block:  # one stage-3 unit per GPT Block: its hooks and collectives once per block
+        config["zero_optimization"]["leaf_module"] = {"classes": ["Block"]}
     if args.offload_optimizer != "none":  # DeepSpeed then takes the client AdamW instead of its CPU Adam
         config["zero_optimization"]["offload_optimizer"] = {"device": args.offload_optimizer,
                                                             "nvme_path": args.nvme_path, "pin_memory": False}
@@ -362,6 +368,8 @@ def worker_argv(args: argparse.Namespace, preset: str, variant: str) -> list[str
     for key in ("micro_batch", "seq_len", "warmup", "steps", "lr", "clip", "seed", "max_reuse_distance",
                 "offload_optimizer", "nvme_path", "lora_rank"):
         argv += [f"--{key.replace('_', '-')}", str(getattr(args, key))]
+    if args.gather_per_block:
+        argv.append("--gather-per-block")
     return argv
 
 
@@ -463,6 +471,7 @@ def main() -> None:
         f"torch fused AdamW (lr {args.lr}, betas 0.9/0.95, wd 0.1) in every framework, clip {args.clip}; "
         f"FSDP2: fully_shard per block + root; shardwise and DeepSpeed: one config, overlap_comm true, "
         f"reduce_bucket_size {REDUCE_BUCKET_ELEMENTS:,}, stage3_max_reuse_distance {args.max_reuse_distance:g}, "
+        f"{'each GPT Block gathered whole (leaf_module), ' if args.gather_per_block else ''}"
         f"other stage-3 sizes DeepSpeed's defaults; "
         f"{args.warmup} warm-up + {args.steps} timed steps x {args.rounds} round(s)",
         flush=True,
