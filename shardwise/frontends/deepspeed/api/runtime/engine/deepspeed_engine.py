@@ -295,6 +295,39 @@ class DeepSpeedEngine(ConfiguredEngine):
         self._step_applied = self.global_steps > updates and self.skipped_steps == skipped
         self.tput_timer.stop(global_step=boundary, report_speed=boundary and self.global_rank == 0)
 
+    def set_train_batch_size(self, train_batch_size: int) -> None:
+        """DeepSpeed's: the global batch becomes `train_batch_size` samples by changing the
+        number of micro-batches per update (the micro-batch size stays), as Megatron-DeepSpeed's
+        batch-size ramp-up calls it before each iteration. Called between accumulation
+        windows; the next window has the new count. DeepSpeed 0.19.8 counts its windows from
+        the run's first micro-batch, so its first window after a change can end early (after
+        2 micro-batches of 2, a change to 3 ends the next window after 1, its loss still
+        divided by 3); shardwise counts the windows trained so far in the new size instead,
+        so every window is whole."""
+        per_step = self.train_micro_batch_size_per_gpu() * self.dp_world_size
+        if not isinstance(train_batch_size, int) or train_batch_size < 1 or train_batch_size % per_step:
+            raise ValueError(f"set_train_batch_size({train_batch_size!r}): the train batch size must be a positive "
+                             f"multiple of train_micro_batch_size_per_gpu x data-parallel size = {per_step}")
+        into_window = self.micro_steps % self.gradient_accumulation_steps
+        if into_window or self._backward_pending:
+            raise RuntimeError(f"set_train_batch_size in the middle of an accumulation window ({into_window + 1} "
+                               f"micro-batch(es) of {self.gradient_accumulation_steps} taken): call it after the "
+                               "window's last step()")
+        fixed = ("a pipeline runs the micro-batch count its schedule was built for" if self.pipeline is not None
+                 else "ZenFlow accumulates over its own update interval" if self.zenflow is not None
+                 else "the curriculum sampler draws whole batches of the configured size"
+                 if self.policies.data_sampling is not None else None)
+        if fixed is not None:
+            raise ValueError(f"set_train_batch_size is not supported here: {fixed}; set train_batch_size in the "
+                             "config instead")
+        steps = train_batch_size // per_step
+        self.micro_steps = self.micro_steps // self.gradient_accumulation_steps * steps
+        self.gradient_accumulation_steps = steps
+        self.loss_divisor = steps
+        self.config = self.config.model_copy(update={"train_batch_size": train_batch_size,
+                                                     "gradient_accumulation_steps": steps})
+        self.tput_timer.batch_size = train_batch_size
+
     def set_gradient_accumulation_boundary(self, is_boundary: bool) -> None:
         """DeepSpeed's: the caller says whether the next backward ends the accumulation
         window, and calls `step()` at window ends only (accelerate's DeepSpeed wrapper does).

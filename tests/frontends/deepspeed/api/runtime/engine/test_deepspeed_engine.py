@@ -199,3 +199,38 @@ def test_deepspeed_answers_the_same():
                          capture_output=True, text=True, timeout=600, env={**os.environ, "DS_ACCELERATOR": "cpu"})
     assert ran.returncode == 0, ran.stderr[-3000:]
     assert json.loads(ran.stdout.strip().splitlines()[-1]) == [_expected(answers) for _, answers in CASES]
+
+
+def test_set_train_batch_size_makes_the_next_windows_that_size():
+    """Two micro-batches per update, then six samples (three micro-batches) per update: the
+    weights equal plain SGD on each window's mean loss, in fp32."""
+    torch.manual_seed(0)
+    model, reference = torch.nn.Linear(4, 1), torch.nn.Linear(4, 1)
+    reference.load_state_dict(model.state_dict())
+    batches = [torch.randn(2, 4) for _ in range(5)]
+    engine, *_ = deepspeed.initialize(model=model, model_parameters=model.parameters(), config=_config(
+        0, accumulation=2, optimizer="SGD", gradient_clipping=0.0))
+    try:
+        for window, batch_size in (([0, 1], None), ([2, 3, 4], 6)):
+            if batch_size is not None:
+                engine.set_train_batch_size(batch_size)
+            for index in window:
+                engine.backward(engine(batches[index]).square().mean())
+                engine.step()
+            loss = torch.stack([reference(batches[index]).square().mean() for index in window]).mean()
+            reference.zero_grad()
+            loss.backward()
+            with torch.no_grad():
+                for param in reference.parameters():
+                    param -= 1e-3 * param.grad
+        for param, expected in zip(model.parameters(), reference.parameters()):
+            assert torch.allclose(param, expected, rtol=1e-5, atol=0)
+        assert (engine.train_batch_size(), engine.gradient_accumulation_steps(), engine.global_steps,
+                engine.global_samples, engine.tput_timer.batch_size) == (6, 3, 2, 10, 6)
+        with pytest.raises(ValueError, match="multiple of train_micro_batch_size_per_gpu x data-parallel size = 2"):
+            engine.set_train_batch_size(5)
+        engine.backward(engine(batches[0]).square().mean())
+        with pytest.raises(RuntimeError, match="in the middle of an accumulation window"):
+            engine.set_train_batch_size(4)
+    finally:
+        engine.destroy()
