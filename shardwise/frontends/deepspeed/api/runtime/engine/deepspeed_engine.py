@@ -303,14 +303,19 @@ class DeepSpeedEngine(ConfiguredEngine):
         the run's first micro-batch, so its first window after a change can end early (after
         2 micro-batches of 2, a change to 3 ends the next window after 1, its loss still
         divided by 3); shardwise counts the windows trained so far in the new size instead,
-        so every window is whole."""
+        so every window is whole. The size it already has is accepted anywhere (Megatron-DeepSpeed
+        calls it at every iteration, pipelines included)."""
         per_step = self.train_micro_batch_size_per_gpu() * self.dp_world_size
         if not isinstance(train_batch_size, int) or train_batch_size < 1 or train_batch_size % per_step:
             raise ValueError(f"set_train_batch_size({train_batch_size!r}): the train batch size must be a positive "
                              f"multiple of train_micro_batch_size_per_gpu x data-parallel size = {per_step}")
+        steps = train_batch_size // per_step
+        if steps == self.gradient_accumulation_steps:  # the ramp-up's calls at a constant size change nothing
+            return
         into_window = self.micro_steps % self.gradient_accumulation_steps
         if into_window or self._backward_pending:
-            raise RuntimeError(f"set_train_batch_size in the middle of an accumulation window ({into_window + 1} "
+            raise RuntimeError(f"set_train_batch_size in the middle of an accumulation window "
+                               f"({into_window + int(self._backward_pending)} "
                                f"micro-batch(es) of {self.gradient_accumulation_steps} taken): call it after the "
                                "window's last step()")
         fixed = ("a pipeline runs the micro-batch count its schedule was built for" if self.pipeline is not None
@@ -320,7 +325,6 @@ class DeepSpeedEngine(ConfiguredEngine):
         if fixed is not None:
             raise ValueError(f"set_train_batch_size is not supported here: {fixed}; set train_batch_size in the "
                              "config instead")
-        steps = train_batch_size // per_step
         self.micro_steps = self.micro_steps // self.gradient_accumulation_steps * steps
         self.gradient_accumulation_steps = steps
         self.loss_divisor = steps

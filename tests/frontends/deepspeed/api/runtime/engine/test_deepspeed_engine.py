@@ -230,6 +230,7 @@ def test_set_train_batch_size_makes_the_next_windows_that_size():
         with pytest.raises(ValueError, match="multiple of train_micro_batch_size_per_gpu x data-parallel size = 2"):
             engine.set_train_batch_size(5)
         engine.backward(engine(batches[0]).square().mean())
+        engine.set_train_batch_size(6)  # its own size: nothing changes, even mid-window
         with pytest.raises(RuntimeError, match="in the middle of an accumulation window"):
             engine.set_train_batch_size(4)
     finally:
