@@ -29,6 +29,8 @@ from shardwise.frontends.deepspeed.checkpoints.detect import deepspeed_checkpoin
 from shardwise.frontends.deepspeed.checkpoints.resume import open_deepspeed_checkpoint
 from shardwise.frontends.deepspeed.checkpoints.to_deepspeed import SUB_GROUP_SIZE, write_deepspeed_checkpoint
 from shardwise.frontends.deepspeed.config import ShardwiseConfig
+from shardwise.frontends.deepspeed.config.policies import DTYPES
+from shardwise.frontends.deepspeed.config.schema import OffloadOptimizerConfig, OffloadParamConfig, ZenFlowConfig
 from shardwise.frontends.deepspeed.monitors import MonitorMaster, step_events
 from shardwise.runtime.checkpoint.format import CheckpointError
 from shardwise.runtime.checkpoint.load import OpenedCheckpoint
@@ -36,6 +38,8 @@ from shardwise.runtime.engine import Engine, Job, Policies
 from shardwise.runtime.zero.gathered import gathered_parameters
 
 log = logging.getLogger("shardwise")
+
+_DTYPE_NAMES = {dtype: name for name, dtype in DTYPES.items()}
 
 
 class ConfiguredEngine(Engine):
@@ -103,15 +107,56 @@ class ConfiguredEngine(Engine):
         """This process's rank on its node (LOCAL_RANK), which picks its device."""
         return self.context.local_rank
 
+    # -- DeepSpeed's config accessors: what the config says, as DeepSpeed 0.19.8 answers ------
     def fp16_enabled(self) -> bool:
         return self.config.fp16.enabled
 
-    @property
-    def loss_scale(self) -> float:
-        return self.loss_scaler.scale
-
     def bfloat16_enabled(self) -> bool:
         return self.config.bf16.enabled
+
+    def fp16_auto_cast(self) -> bool:
+        return self.config.fp16.auto_cast
+
+    def bf16_master_weights_and_gradients(self) -> bool:
+        return self.config.bf16.bf16_master_weights_and_grads
+
+    def bf16_optimizer_states(self) -> bool:
+        return self.config.bf16.bf16_optimizer_states
+
+    def loss_scale(self) -> float:
+        """The configured `fp16.loss_scale`: 0 means dynamic scaling, as in DeepSpeed (whose
+        engine answers the config here too). The scale in use now is `loss_scaler.scale`."""
+        return self.config.fp16.loss_scale
+
+    def dynamic_loss_scale(self) -> bool:
+        return self.config.fp16.loss_scale == 0
+
+    def initial_dynamic_scale(self) -> int:
+        return 2**self.config.fp16.initial_scale_power
+
+    def dynamic_loss_scale_args(self) -> dict[str, Any]:
+        """The dynamic scaler's settings under DeepSpeed's names (answered whether or not
+        fp16 is on, as DeepSpeed does)."""
+        fp16 = self.config.fp16
+        return {"init_scale": 2**fp16.initial_scale_power, "scale_window": fp16.loss_scale_window,
+                "delayed_shift": fp16.hysteresis, "consecutive_hysteresis": fp16.consecutive_hysteresis,
+                "min_scale": fp16.min_loss_scale}
+
+    @property
+    def communication_data_type(self) -> torch.dtype:
+        """The dtype gradients are reduced in: the config's `communication_data_type`, else
+        the training dtype (fp16, bf16, or fp32)."""
+        return self.policies.precision.communication_dtype
+
+    @communication_data_type.setter
+    def communication_data_type(self, dtype: torch.dtype | str) -> None:
+        """DeepSpeed lets a script change the reduction dtype after initialize; shardwise's
+        reducer was built for the configured one, so only that same dtype is accepted."""
+        wanted = DTYPES.get(dtype, dtype) if isinstance(dtype, str) else dtype
+        if wanted != self.communication_data_type:
+            raise ValueError(f"engine.communication_data_type = {dtype}: the gradients are reduced in "
+                             f"{self.communication_data_type}, fixed when the engine was built; set "
+                             f'"communication_data_type": "{_DTYPE_NAMES.get(wanted, wanted)}" in the config instead')
 
     def train_batch_size(self) -> int:
         """Samples per optimizer step over all data-parallel ranks."""
@@ -120,14 +165,118 @@ class ConfiguredEngine(Engine):
     def train_micro_batch_size_per_gpu(self) -> int:
         return self.config.train_micro_batch_size_per_gpu
 
-    def steps_per_print(self) -> int:
-        return self.config.steps_per_print
+    def steps_per_print(self) -> int | None:
+        """The config's `steps_per_print`; None where the config leaves it out, DeepSpeed
+        0.19.8's default (its engine then prints no progress or throughput lines)."""
+        return self.config.steps_per_print if "steps_per_print" in self.config.model_fields_set else None
+
+    def dataloader_drop_last(self) -> bool:
+        return self.config.dataloader_drop_last
+
+    def gradient_clipping(self) -> float:
+        return self.config.gradient_clipping
+
+    def zero_optimization(self) -> bool:
+        """Whether ZeRO is on (stage 1-3)."""
+        return self.stage > 0
 
     def zero_optimization_stage(self) -> int:
         return self.stage
 
-    def gradient_clipping(self) -> float:
-        return self.config.gradient_clipping
+    def zero_optimization_partition_gradients(self) -> bool:
+        return self.stage >= 2
+
+    def zero_optimization_partition_weights(self) -> bool:
+        return self.stage >= 3
+
+    def zero_offload_optimizer(self) -> OffloadOptimizerConfig | None:
+        """The config's `zero_optimization.offload_optimizer` block (`.device`, `.ratio`...);
+        None where the config has none, as in DeepSpeed."""
+        zero = self.config.zero_optimization
+        return zero.offload_optimizer if "offload_optimizer" in zero.model_fields_set else None
+
+    def zero_offload_param(self) -> OffloadParamConfig | None:
+        zero = self.config.zero_optimization
+        return zero.offload_param if "offload_param" in zero.model_fields_set else None
+
+    def zero_use_cpu_optimizer(self) -> bool:
+        """Whether the optimizer steps on the host (its states offloaded to the CPU or NVMe)."""
+        return self.config.zero_optimization.offload_optimizer.device in ("cpu", "nvme")
+
+    def zero_cpu_offload(self) -> bool:
+        return self.config.zero_optimization.offload_optimizer.device == "cpu"
+
+    def zero_partial_offload(self) -> float:
+        return self.config.zero_optimization.offload_optimizer.ratio
+
+    def zero_reduce_scatter(self) -> bool:
+        return self.config.zero_optimization.reduce_scatter
+
+    def zero_overlap_comm(self) -> bool:
+        return self.config.zero_optimization.overlap_comm
+
+    def zero_contiguous_gradients(self) -> bool:
+        return self.config.zero_optimization.contiguous_gradients
+
+    def zero_reduce_bucket_size(self) -> int:
+        return self.config.zero_optimization.reduce_bucket_size
+
+    def zero_allgather_partitions(self) -> bool:
+        return self.config.zero_optimization.allgather_partitions
+
+    def zero_allgather_bucket_size(self) -> int:
+        return self.config.zero_optimization.allgather_bucket_size
+
+    def zero_sub_group_size(self) -> int:
+        return self.config.zero_optimization.sub_group_size
+
+    def zero_prefetch_bucket_size(self) -> int:
+        return self.config.zero_optimization.stage3_prefetch_bucket_size
+
+    def zero_param_persistence_threshold(self) -> int:
+        return self.config.zero_optimization.stage3_param_persistence_threshold
+
+    def zero_max_live_parameters(self) -> int:
+        return self.config.zero_optimization.stage3_max_live_parameters
+
+    def zero_max_reuse_distance(self) -> int:
+        return self.config.zero_optimization.stage3_max_reuse_distance
+
+    def zero_module_granularity_threshold(self) -> int:
+        return self.config.zero_optimization.stage3_module_granularity_threshold
+
+    def zero_gather_16bit_weights_on_model_save(self) -> bool:
+        return self.config.zero_optimization.stage3_gather_16bit_weights_on_model_save
+
+    def zero_ignore_unused_parameters(self) -> bool:
+        return self.config.zero_optimization.ignore_unused_parameters
+
+    def zero_hpz_partition_size(self) -> int:
+        return self.config.zero_optimization.zero_hpz_partition_size
+
+    def zero_quantized_weights(self) -> bool:
+        return self.config.zero_optimization.zero_quantized_weights
+
+    def zero_quantized_gradients(self) -> bool:
+        return self.config.zero_optimization.zero_quantized_gradients
+
+    def zenflow_config(self) -> ZenFlowConfig | None:
+        return self.config.zero_optimization.zenflow
+
+    def data_efficiency_enabled(self) -> bool:
+        return self.config.data_efficiency.enabled
+
+    def autotuning_enabled(self) -> bool:
+        return self.config.autotuning.enabled
+
+    @property
+    def sequence_parallel_size(self) -> int:
+        return self.policies.sequence.size
+
+    @property
+    def seq_dp_world_size(self) -> int:
+        """The ranks one gradient is averaged over: data- times sequence-parallel size."""
+        return self.mesh.data_size * self.policies.sequence.size
 
     def get_global_grad_norm(self) -> float | None:
         """Norm of the whole (unscaled, unclipped) gradient at the last update; None

@@ -121,7 +121,7 @@ def _train_fp16_with_overflow(rank: int, world_size: int, stage: int, bad_step: 
         engine.backward(loss)
         engine.step()
         snapshots.append(torch.cat([p.detach().float().flatten() for p in model.parameters()]).cpu())
-        scales.append(engine.loss_scale)
+        scales.append(engine.loss_scaler.scale)
     return {"snapshots": snapshots, "scales": scales, "skipped": engine.skipped_steps}
 
 

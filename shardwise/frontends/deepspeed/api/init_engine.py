@@ -38,6 +38,7 @@ returned is None (zero/trainable.py: `evaluated_parameters`).
 
 from __future__ import annotations
 
+import copy
 import logging
 import math
 import os
@@ -105,6 +106,8 @@ def initialize(
                          "Megatron-DeepSpeed's Ulysses set sequence_parallel_size and take the group from "
                          "deepspeed.utils.groups._get_sequence_parallel_group() after initialize)")
     raw = read_config(_choose_config(args, config if config is not None else config_params))
+    script_config = copy.deepcopy(raw)  # as written: DeepSpeed's accessors answer from it
+    client_optimizer = optimizer
     raw.setdefault("gradient_clipping", DEEPSPEED_GRADIENT_CLIPPING)
     if mpu is not None:
         _sequence_size_from_mpu(raw, mpu.get_sequence_parallel_world_size())
@@ -140,6 +143,8 @@ def initialize(
                                sequence_sharded_by_caller=_script_splits_sequence(model, cfg.sequence_parallel.size,
                                                                                   mpu, attentions))
     engine.tag_validation = tag_validation
+    engine.script_config, engine.client_optimizer, engine.client_lr_scheduler = (script_config, client_optimizer,
+                                                                                 lr_scheduler)
     if mpu is not None:
         _require_same_sequence_groups(engine, mpu)
     _require_attention_over_sequence_group(engine, attentions)

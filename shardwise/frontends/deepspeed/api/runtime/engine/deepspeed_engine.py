@@ -57,6 +57,10 @@ PARTIAL_LOAD_REFUSED = (
 )
 
 
+# DeepSpeed's own optimizers, whose config names its engine lower-cases (runtime/config.py)
+_DEEPSPEED_OPTIMIZERS = ("adagrad", "adam", "adamw", "lamb", "muadam", "muadamw", "musgd", "lion", "muon")
+
+
 class AccumulationSteps(int):
     """The number of micro-batches per update: an int to shardwise's code, and callable
     as DeepSpeed's `engine.gradient_accumulation_steps()`."""
@@ -90,6 +94,10 @@ class DeepSpeedEngine(ConfiguredEngine):
         self.tput_timer = ThroughputTimer(ThroughputTimerSettings(), batch_size=self.train_batch_size(),
                                           steps_per_output=self.steps_per_print(), monitor_memory=False)
         self.tag_validation = "WARN"  # the config's checkpoint.tag_validation, set by initialize
+        # what the script gave initialize, set by it: DeepSpeed's accessors answer from them
+        self.client_optimizer: Any = None
+        self.client_lr_scheduler: Any = None
+        self.script_config: dict[str, Any] = {}  # the config as written, before shardwise resolved it
         self._returned_parameters: ReturnedParameterTracker | None = None
         if self.policies.zero.partitions_parameters:
             self._mark_partitioned()
@@ -108,6 +116,48 @@ class DeepSpeedEngine(ConfiguredEngine):
     def mp_world_size(self) -> int:
         """The model-parallel (tensor-parallel) size (DeepSpeed's attribute)."""
         return self.policies.tensor.size
+
+    # -- DeepSpeed's accessors of the config as the script wrote it ----------------------------
+    def optimizer_name(self) -> str | None:
+        """The class name of the optimizer passed to initialize, else the config's
+        `optimizer.type` as written (lower-cased for DeepSpeed's own optimizers: "adam")."""
+        if self.client_optimizer is not None:
+            return type(self.client_optimizer).__name__
+        name = (self.script_config.get("optimizer") or {}).get("type")
+        return name.lower() if isinstance(name, str) and name.lower() in _DEEPSPEED_OPTIMIZERS else name
+
+    def optimizer_params(self) -> dict[str, Any] | None:
+        """The config's `optimizer.params` as written (not the defaults shardwise filled in)."""
+        block = self.script_config.get("optimizer") or {}
+        return block.get("params") if "type" in block else None
+
+    def scheduler_name(self) -> str | None:
+        return (self.script_config.get("scheduler") or {}).get("type")
+
+    def scheduler_params(self) -> dict[str, Any] | None:
+        block = self.script_config.get("scheduler") or {}
+        return block.get("params") if "type" in block else None
+
+    def zero_allow_untested_optimizer(self) -> bool:
+        return bool(self.script_config.get("zero_allow_untested_optimizer", False))
+
+    def wall_clock_breakdown(self) -> bool:
+        """The config's `wall_clock_breakdown`, which DeepSpeed also turns on for the flops profiler."""
+        return bool(self.script_config.get("wall_clock_breakdown", False)) or self.config.flops_profiler.enabled
+
+    def get_data_types(self) -> tuple[torch.dtype, torch.dtype]:
+        """(the training dtype, the dtype gradients accumulate in): the config's
+        `data_types.grad_accum_dtype` (fp32 is the one shardwise accepts), else the training dtype."""
+        model = torch.float16 if self.fp16_enabled() else torch.bfloat16 if self.bfloat16_enabled() else torch.float32
+        accumulate = (self.script_config.get("data_types") or {}).get("grad_accum_dtype")
+        return model, torch.float32 if accumulate in ("fp32", "float32") else model
+
+    def get_mom(self) -> list[Any]:
+        """Each param group's momentum for an optimizer named SGD or RMSprop, else its betas
+        (0.0 for a group without them), as DeepSpeed decides by `optimizer_name()`."""
+        key = "momentum" if self.optimizer_name() in ("SGD", "RMSprop") else "betas"
+        groups = self.optimizer.optimizer.param_groups if self.trains else []
+        return [group.get(key, 0.0) for group in groups]
 
     # -- the flops profiler, as DeepSpeed's engine runs it ---------------------------------------
     def flops_profiler_enabled(self) -> bool:
@@ -244,6 +294,43 @@ class DeepSpeedEngine(ConfiguredEngine):
             self._window_latencies = [0.0, 0.0, 0.0]
         self._step_applied = self.global_steps > updates and self.skipped_steps == skipped
         self.tput_timer.stop(global_step=boundary, report_speed=boundary and self.global_rank == 0)
+
+    def set_train_batch_size(self, train_batch_size: int) -> None:
+        """DeepSpeed's: the global batch becomes `train_batch_size` samples by changing the
+        number of micro-batches per update (the micro-batch size stays), as Megatron-DeepSpeed's
+        batch-size ramp-up calls it before each iteration. Called between accumulation
+        windows; the next window has the new count. DeepSpeed 0.19.8 counts its windows from
+        the run's first micro-batch, so its first window after a change can end early (after
+        2 micro-batches of 2, a change to 3 ends the next window after 1, its loss still
+        divided by 3); shardwise counts the windows trained so far in the new size instead,
+        so every window is whole. The size it already has is accepted anywhere (Megatron-DeepSpeed
+        calls it at every iteration, pipelines included)."""
+        per_step = self.train_micro_batch_size_per_gpu() * self.dp_world_size
+        if not isinstance(train_batch_size, int) or train_batch_size < 1 or train_batch_size % per_step:
+            raise ValueError(f"set_train_batch_size({train_batch_size!r}): the train batch size must be a positive "
+                             f"multiple of train_micro_batch_size_per_gpu x data-parallel size = {per_step}")
+        steps = train_batch_size // per_step
+        if steps == self.gradient_accumulation_steps:  # the ramp-up's calls at a constant size change nothing
+            return
+        into_window = self.micro_steps % self.gradient_accumulation_steps
+        if into_window or self._backward_pending:
+            raise RuntimeError(f"set_train_batch_size in the middle of an accumulation window "
+                               f"({into_window + int(self._backward_pending)} "
+                               f"micro-batch(es) of {self.gradient_accumulation_steps} taken): call it after the "
+                               "window's last step()")
+        fixed = ("a pipeline runs the micro-batch count its schedule was built for" if self.pipeline is not None
+                 else "ZenFlow accumulates over its own update interval" if self.zenflow is not None
+                 else "the curriculum sampler draws whole batches of the configured size"
+                 if self.policies.data_sampling is not None else None)
+        if fixed is not None:
+            raise ValueError(f"set_train_batch_size is not supported here: {fixed}; set train_batch_size in the "
+                             "config instead")
+        self.micro_steps = self.micro_steps // self.gradient_accumulation_steps * steps
+        self.gradient_accumulation_steps = steps
+        self.loss_divisor = steps
+        self.config = self.config.model_copy(update={"train_batch_size": train_batch_size,
+                                                     "gradient_accumulation_steps": steps})
+        self.tput_timer.batch_size = train_batch_size
 
     def set_gradient_accumulation_boundary(self, is_boundary: bool) -> None:
         """DeepSpeed's: the caller says whether the next backward ends the accumulation
