@@ -197,12 +197,10 @@ static void copy_divided(int dtype, const char *source, char *target, int64_t co
     }
 }
 
-/* out[i] (+)= sum over members m in order of sources[m][i], member `divided`'s values
- * first divided by `divisor` (the others arrive divided); `accumulate`: added to out's
- * own values after the sum, as `out.add_(sum)` would (out may be sources[rank] only
- * when not accumulating). */
+/* out[i] = sum over members m in order of sources[m][i] (out may be sources[rank]),
+ * member `divided`'s values first divided by `divisor` (the others arrive divided). */
 static void sum_members(int dtype, int size, const char **sources, char *out, int64_t count, int divided,
-                        double divisor, int accumulate) {
+                        double divisor) {
     if (dtype == FLOAT32) {
         float *o = (float *)out;
         float d = (float)divisor;
@@ -213,7 +211,7 @@ static void sum_members(int dtype, int size, const char **sources, char *out, in
                 float value = ((const float *)sources[m])[i];
                 total += m == divided ? value / d : value;
             }
-            o[i] = accumulate ? o[i] + total : total;
+            o[i] = total;
         }
     } else if (dtype == FLOAT64) {
         double *o = (double *)out;
@@ -224,7 +222,7 @@ static void sum_members(int dtype, int size, const char **sources, char *out, in
                 double value = ((const double *)sources[m])[i];
                 total += m == divided ? value / divisor : value;
             }
-            o[i] = accumulate ? o[i] + total : total;
+            o[i] = total;
         }
     } else {
         uint16_t *o = (uint16_t *)out;
@@ -236,19 +234,16 @@ static void sum_members(int dtype, int size, const char **sources, char *out, in
                                           : bf16_to_float(value);
                 total = m == 0 ? term : total + term;
             }
-            o[i] = accumulate ? float_to_bf16(bf16_to_float(o[i]) + bf16_to_float(float_to_bf16(total)))
-                              : float_to_bf16(total);
+            o[i] = float_to_bf16(total);
         }
     }
 }
 
-/* full: `size` chunks of `count` elements; output (count elements, may alias chunk `rank`
- * unless `accumulate`) receives the sum of every member's chunk `rank`, each member's
- * values divided by `divisor` first (1: as they are); `accumulate`: added to output's own
- * values. Each round moves up to a sub-slot (slot_bytes / size) per destination, divided
- * as it is copied in. */
-int sw_reduce_scatter(channel_t *c, const char *full, char *output, int64_t count, int dtype, double divisor,
-                      int accumulate) {
+/* full: `size` chunks of `count` elements; output (count elements, may alias chunk `rank`)
+ * receives the sum of every member's chunk `rank`, each member's values divided by
+ * `divisor` first (1: as they are). Each round moves up to a sub-slot (slot_bytes / size)
+ * per destination, divided as it is copied in. */
+int sw_reduce_scatter(channel_t *c, const char *full, char *output, int64_t count, int dtype, double divisor) {
     int64_t element = dtype == FLOAT64 ? 8 : dtype == FLOAT32 ? 4 : 2;
     int64_t sub_slot = (c->slot_bytes / c->size) / 64 * 64;
     int64_t per_round = sub_slot / element;
@@ -270,8 +265,7 @@ int sw_reduce_scatter(channel_t *c, const char *full, char *output, int64_t coun
         for (int member = 0; member < c->size; member++)
             sources[member] = member == c->rank ? full + (c->rank * count + first) * element
                                                 : slot(c, member) + c->rank * sub_slot;
-        sum_members(dtype, c->size, sources, output + first * element, n, divisor == 1.0 ? -1 : c->rank, divisor,
-                    accumulate);
+        sum_members(dtype, c->size, sources, output + first * element, n, divisor == 1.0 ? -1 : c->rank, divisor);
         publish(&header(c, c->rank)->done, c->round);
     }
     return OK;
@@ -305,7 +299,7 @@ int sw_all_reduce(channel_t *c, char *data, int64_t count, int dtype) {
         char *mine = data + (first + START(c->rank)) * element;
         for (int member = 0; member < c->size; member++)
             sources[member] = member == c->rank ? mine : slot(c, member) + c->rank * sub_slot;
-        sum_members(dtype, c->size, sources, mine, LENGTH(c->rank), -1, 1.0, 0);
+        sum_members(dtype, c->size, sources, mine, LENGTH(c->rank), -1, 1.0);
         publish(&header(c, c->rank)->done, c->round);
 
         status = begin_round(c);

@@ -64,7 +64,7 @@ _SIGNATURES = {
     "sw_channel_init": ([_P, _P, _I, _I, _L, _D], None),
     "sw_failed_peer": ([_P], _I),
     "sw_all_gather": ([_P, _P, ctypes.POINTER(_P), _L], _I),
-    "sw_reduce_scatter": ([_P, _P, _P, _L, _I, _D, _I], _I),
+    "sw_reduce_scatter": ([_P, _P, _P, _L, _I, _D], _I),
     "sw_all_reduce": ([_P, _P, _L, _I], _I),
 }
 
@@ -199,7 +199,7 @@ class SharedMemoryChannel:
         is), into `output`."""
         dtype = SUMMED_DTYPES[full.dtype]
         return self._submit((output, full), lambda: self._kernels.sw_reduce_scatter(
-            self._state, full.data_ptr(), output.data_ptr(), output.numel(), dtype, float(divide_by), 0))
+            self._state, full.data_ptr(), output.data_ptr(), output.numel(), dtype, float(divide_by)))
 
     def all_reduce(self, tensor: torch.Tensor) -> SharedMemoryWork:
         """Contiguous `tensor` becomes the sum over members, the same bits on every member."""
