@@ -20,7 +20,8 @@ sleeps on a futex; every 0.1 s it checks the peer's process still exists, and at
 collective timeout it gives up; either way the collective fails naming the peer instead
 of hanging. Reduce-scatter sums the members' chunks in member order in float32 (float64
 for float64; bfloat16 rounded once at the end), which may differ from gloo's sum in the
-last bit.
+last bit. A reduce-scatter that averages (`divide_by`: ZeRO's gradients) divides each
+member's values as it copies them, the bits of dividing first, without a pass of its own.
 
 Used by `Communicator` for CPU tensors of a gloo group whose members share this host
 (same host name and boot id), when `SHARDWISE_SHARED_MEMORY` is not "0": reduce-scatter
