@@ -64,9 +64,12 @@ ALIASES: dict[str, dict[str, str]] = {
     },
 }
 
+# Older names DeepSpeed reads only where the current name is absent: beside it, ignored.
+SHADOWED_ALIASES = frozenset({("", "bfloat16")})
+
 DEEPSPEED_KEYS_NOT_SUPPORTED: dict[str, frozenset[str]] = {
     "": frozenset({
-        "gradient_allreduce_op", "managed_gradient_accumulation",
+        "managed_gradient_accumulation",
         "use_data_before_expert_parallelism", "vocabulary_size",
     }),
     "expert_parallel": frozenset({  # DeepSpeed's AutoEP beyond `enabled` and `autoep_size`
@@ -145,7 +148,25 @@ def check_keys(raw: Mapping[str, Any], problems: list[str], ignored: list[str] |
     refused becomes a line in `problems`, every key accepted but ignored one in `ignored`.
     Sections given as null count as absent (DeepSpeed 0.19.8 fails on most of them inside its
     config classes: a relaxation, docs/deepspeed.md)."""
-    return _check_section(raw, ShardwiseConfig, "", problems, [] if ignored is None else ignored)
+    ignored = [] if ignored is None else ignored
+    return _check_section(_read_zero_switch(raw, ignored), ShardwiseConfig, "", problems, ignored)
+
+
+def _read_zero_switch(raw: Mapping[str, Any], ignored: list[str]) -> Mapping[str, Any]:
+    """`"zero_optimization": true / false`, DeepSpeed's oldest form, as DeepSpeed 0.19.8 reads
+    it (runtime/zero/config.py `read_zero_config_deprecated`): stage 1, its all-gather bucket
+    from the top-level `allgather_size`, or stage 0. DeepSpeed reads `allgather_size` in
+    this form only."""
+    switch = raw.get("zero_optimization")
+    if not isinstance(switch, bool):
+        return raw
+    block: dict[str, Any] = {"stage": int(switch)}
+    rest = {key: value for key, value in raw.items() if key != "allgather_size"}
+    if switch and "allgather_size" in raw:
+        block["allgather_bucket_size"] = raw["allgather_size"]
+    ignored.append(f"'zero_optimization' {json.dumps(switch)}: DeepSpeed's deprecated form, read as DeepSpeed 0.19.8 "
+                   f"reads it: {json.dumps(block)}")
+    return {**rest, "zero_optimization": block}
 
 
 def _check_section(
@@ -153,10 +174,13 @@ def _check_section(
 ) -> dict[str, Any]:
     aliases = ALIASES.get(path, {})
     cleaned: dict[str, Any] = {}
-    translations: dict[str, tuple[str, Any]] = {}
+    translations: dict[str, tuple[str, Any, bool]] = {}
     for key, value in raw.items():
         name = aliases.get(key, key)
-        if name != key and name in raw:
+        if name != key and raw.get(name) is not None and (path, key) in SHADOWED_ALIASES:
+            ignored.append(f"'{join_key(path, key)}': '{join_key(path, name)}' is set too, and DeepSpeed 0.19.8 "
+                           f"reads '{name}' first and never looks at '{key}'")
+        elif name != key and name in raw and (path, key) not in SHADOWED_ALIASES:
             problems.append(
                 f"'{join_key(path, key)}' and '{join_key(path, name)}' are both set; "
                 f"'{key}' is DeepSpeed's other name for '{name}', keep one"
@@ -171,7 +195,7 @@ def _check_section(
             ignored.append(_describe_unknown_top_level(key))
         elif not is_comment(key, path):
             problems.append(_describe_unsupported(key, model, path))
-    _merge_translations(cleaned, translations, path, problems)
+    _merge_translations(cleaned, translations, path, problems, ignored)
     return cleaned
 
 
@@ -206,19 +230,23 @@ def _apply_rule(rule: KeyRule, key: str, value: Any, path: str, given: Mapping[s
         if isinstance(converted, str):
             problems.append(f"'{full}' {converted}")
             return {}
-        return {target: (full, setting) for target, setting in converted.items()}
+        return {target: (full, setting, rule.yields) for target, setting in converted.items()}
     return {}
 
 
-def _merge_translations(cleaned: dict[str, Any], translations: dict[str, tuple[str, Any]], path: str,
-                        problems: list[str]) -> None:
-    """Move translated values to shardwise's keys unless the config also sets those keys."""
-    for dotted, (source, value) in translations.items():
+def _merge_translations(cleaned: dict[str, Any], translations: dict[str, tuple[str, Any, bool]], path: str,
+                        problems: list[str], ignored: list[str]) -> None:
+    """Move translated values to shardwise's keys unless the config also sets those keys
+    (then they must agree, or the translation yields to the key it would set)."""
+    for dotted, (source, value, yields) in translations.items():
         *parents, leaf = dotted.split(".")
         node = cleaned
         for part in parents:
             node = node.setdefault(part, {})
-        if leaf in node and node[leaf] != value:
+        if leaf in node and node[leaf] != value and yields:
+            ignored.append(f"'{source}' {json.dumps(value)}: '{join_key(path, dotted)}' is "
+                           f"{json.dumps(node[leaf])}, which DeepSpeed 0.19.8 reads instead")
+        elif leaf in node and node[leaf] != value:
             problems.append(f"'{source}' asks for {join_key(path, dotted)} {json.dumps(value)} but "
                             f"'{join_key(path, dotted)}' is {json.dumps(node[leaf])}; keep one")
         else:
