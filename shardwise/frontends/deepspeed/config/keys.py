@@ -16,6 +16,7 @@ deepspeed/runtime; they name what DeepSpeed accepts, not what it documents.
 
 import copy
 import difflib
+import importlib
 import json
 import logging
 import math
@@ -109,13 +110,19 @@ class _TypedBlock(NamedTuple):
     """A block whose `params` keys depend on its `type`, with DeepSpeed's types it cannot have."""
 
     model: type[BaseModel]
-    params_by_type: dict[str, type[Section]]
+    params_by_type: Mapping[str, type[Section]]
     deepspeed_types_unsupported: tuple[str, ...]
+    torch_module: str  # where DeepSpeed looks for a type that is not its own
+
+    def torch_names(self) -> list[str]:
+        module = importlib.import_module(self.torch_module)
+        return [name for name in dir(module) if not name.startswith("_") and name in self.params_by_type]
 
 
 _TYPED_BLOCKS = {
-    "optimizer": _TypedBlock(OptimizerConfig, OPTIMIZER_PARAMS, DEEPSPEED_OPTIMIZERS_UNSUPPORTED),
-    "scheduler": _TypedBlock(SchedulerConfig, SCHEDULER_PARAMS, DEEPSPEED_SCHEDULERS_UNSUPPORTED),
+    "optimizer": _TypedBlock(OptimizerConfig, OPTIMIZER_PARAMS, DEEPSPEED_OPTIMIZERS_UNSUPPORTED, "torch.optim"),
+    "scheduler": _TypedBlock(SchedulerConfig, SCHEDULER_PARAMS, DEEPSPEED_SCHEDULERS_UNSUPPORTED,
+                             "torch.optim.lr_scheduler"),
 }
 
 
@@ -272,7 +279,8 @@ def _check_typed_block(raw: Mapping[str, Any], path: str, problems: list[str],
     given = cleaned.get("type")
     if not isinstance(given, str):
         return cleaned
-    canonical = _canonical_type(given, block.params_by_type)
+    # DeepSpeed's names in any letter case, torch's classes by their exact name
+    canonical = _canonical_type(given, block.params_by_type) or (given if given in block.params_by_type else None)
     if canonical is None:
         problems.append(_describe_bad_type(given, path, block))
         return None
@@ -289,10 +297,10 @@ def _canonical_type(given: str, names: Iterable[str]) -> str | None:
 
 
 def _describe_bad_type(given: str, path: str, block: _TypedBlock) -> str:
-    choices = ", ".join(block.params_by_type)
+    choices = ", ".join(block.params_by_type) + f", or a {block.torch_module} class by its exact name"
     if _canonical_type(given, block.deepspeed_types_unsupported) is not None:
         return f"{path}.type '{given}' is a DeepSpeed {path} that shardwise does not support yet: use one of {choices}"
-    closest = _closest(given, list(block.params_by_type))
+    closest = _closest(given, list(block.params_by_type) + block.torch_names())
     if closest:
         return f"{path}.type '{given}' is unknown; did you mean '{closest}'? (choices: {choices})"
     return f"{path}.type '{given}' is unknown; use one of {choices}"

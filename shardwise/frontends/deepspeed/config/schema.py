@@ -22,6 +22,8 @@ from shardwise.formulas.stages import STAGES, partitions_parameters
 from shardwise.frontends.deepspeed.config.data_efficiency import DataEfficiencyConfig
 from shardwise.frontends.deepspeed.config.fields import Bool, Float, Int, Section
 from shardwise.runtime.optim.registry import optimizer_spec
+from shardwise.runtime.optim.schedulers import SCHEDULERS
+from shardwise.runtime.optim.torch_by_name import torch_scheduler_class
 from shardwise.runtime.optim.torch_optimizers import constructor_kwargs, torch_class_name
 
 # fp16's largest finite value is 65504, just under 2**16.
@@ -297,10 +299,20 @@ class OptimizerConfig(Section):
 
 
 class SchedulerConfig(Section):
-    """A learning-rate schedule stepped once per optimizer step."""
+    """A learning-rate schedule stepped once per optimizer step: one of DeepSpeed's
+    (runtime/optim/schedulers.py), or a `torch.optim.lr_scheduler` class by its exact name
+    (runtime/optim/torch_by_name.py), as DeepSpeed 0.19.8 builds one."""
 
-    type: Literal["WarmupLR", "WarmupDecayLR", "WarmupCosineLR", "OneCycle", "LRRangeTest"]
+    type: str
     params: dict[str, Any] = Field(default_factory=dict)
+
+    @field_validator("type")
+    @classmethod
+    def _known(cls, type_name: str) -> str:
+        if type_name not in SCHEDULERS and torch_scheduler_class(type_name) is None:
+            raise ValueError(f"no schedule {type_name!r}: use one of {', '.join(SCHEDULERS)}, or a "
+                             "torch.optim.lr_scheduler class by its exact name")
+        return type_name
 
 
 class ActivationCheckpointingConfig(Section):

@@ -130,7 +130,8 @@ def test_ranges_and_types_are_checked_with_the_value_given():
     ]
 
 
-OPTIMIZER_CHOICES = "Adam, AdamW, SGD, Adagrad, Lamb, Lars, Lion, Adafactor, Adam8bit, AdamW8bit, Muon, OneBitAdam, OneBitLamb, ZeroOneAdam"
+OPTIMIZER_CHOICES = ("Adam, AdamW, SGD, Adagrad, Lamb, Lars, Lion, Adafactor, Adam8bit, AdamW8bit, Muon, OneBitAdam, "
+                     "OneBitLamb, ZeroOneAdam, or a torch.optim class by its exact name")
 
 
 @pytest.mark.parametrize(
