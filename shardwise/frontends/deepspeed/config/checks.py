@@ -96,8 +96,9 @@ def find_contradictions(
                         "dynamic loss scaling\", whether or not fp16 is enabled); set fp16.loss_scale 0")
     if cfg.torch_autocast.enabled and (cfg.fp16.enabled or cfg.bf16.enabled):
         problems.append("torch_autocast.enabled with "
-                        f"{'fp16' if cfg.fp16.enabled else 'bf16'}.enabled: autocast computes in low precision from "
-                        "fp32 parameters, the fp16/bf16 blocks make the parameters 16-bit; choose one")
+                        f"{'fp16' if cfg.fp16.enabled else 'bf16'}.enabled is not supported: shardwise runs autocast "
+                        "from fp32 parameters only, and the fp16/bf16 blocks make the parameters 16-bit (DeepSpeed "
+                        "0.19.8 runs the 16-bit model under autocast); choose one")
     micro_batches = cfg.pipeline_parallel.micro_batches
     if batch_known and micro_batches != cfg.gradient_accumulation_steps:
         problems.append(
