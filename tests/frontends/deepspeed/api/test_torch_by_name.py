@@ -82,6 +82,43 @@ def test_a_torch_optimizer_and_schedule_by_name_train_under_zero_as_on_one_proce
         assert ((got - expected).norm() / expected.norm()).item() < 1e-5
 
 
+def _resume(rank: int, world_size: int, tmp: str) -> dict:
+    """Four steps uninterrupted; two, a checkpoint, and two of a fresh engine that loads it."""
+    import shardwise.frontends.deepspeed.api as deepspeed
+
+    config = {"train_micro_batch_size_per_gpu": ROWS, "zero_optimization": {"stage": 2},
+              "optimizer": OPTIMIZER, "scheduler": SCHEDULER}
+
+    def engine() -> object:
+        model = _model()
+        return deepspeed.initialize(model=model, model_parameters=model.parameters(), config=config)[0]
+
+    def train(trained: object, steps: range) -> list[float]:
+        losses = []
+        for step in steps:
+            x, y = _batch(step, ROWS * world_size)
+            loss = nn.functional.mse_loss(trained(x[rank * ROWS:(rank + 1) * ROWS]), y[rank * ROWS:(rank + 1) * ROWS])
+            trained.backward(loss)
+            trained.step()
+            losses.append(loss.item())
+        return losses
+
+    uninterrupted = train(engine(), range(STEPS))
+    first = engine()
+    train(first, range(2))
+    first.save_checkpoint(tmp)
+    resumed = engine()
+    resumed.load_checkpoint(tmp)
+    return {"uninterrupted": uninterrupted[2:], "resumed": train(resumed, range(2, STEPS)),
+            "lr": resumed.get_lr()[0]}
+
+
+def test_a_checkpoint_resumes_the_torch_optimizer_and_schedule_exactly(tmp_path):
+    result = run_distributed(_resume, 2, str(tmp_path), timeout=120)[0]
+    assert result["resumed"] == result["uninterrupted"]
+    assert result["lr"] == 0.0025  # StepLR halved twice in four steps
+
+
 @pytest.mark.parametrize(("block", "type_name", "params", "words"), [
     ("optimizer", "LBFGS", {}, "missing 1 required positional argument: 'closure'"),
     ("optimizer", "SparseAdam", {}, "SparseAdam does not support dense gradients"),
