@@ -22,6 +22,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import inspect
+import warnings
 from typing import Any
 
 import torch
@@ -111,7 +112,9 @@ def check_torch_scheduler(name: str, params: dict[str, Any]) -> None:
     assert cls is not None, name
     weight = torch.zeros(1, requires_grad=True)
     try:
-        cls(torch.optim.SGD([weight], lr=0.1, momentum=0.9), **params).step()
+        with warnings.catch_warnings():  # torch's warning that the probe steps no optimizer first
+            warnings.simplefilter("ignore")
+            cls(torch.optim.SGD([weight], lr=0.1, momentum=0.9), **params).step()
     except Exception as error:  # torch's own message says what is wrong
         raise ValueError(f": torch.optim.lr_scheduler.{name} cannot be built from these params and stepped once per "
                          f"update as DeepSpeed steps a config's schedule ({type(error).__name__}: {error}); "

@@ -152,10 +152,12 @@ def _offload_contradictions(cfg: ShardwiseConfig) -> list[str]:
     param = zero.offload_param.device if partitions_parameters(zero.stage) else "none"
     problems = []
     ratio = zero.offload_optimizer.ratio
-    if ratio < 1 and optimizer == "none" and not partitions_parameters(zero.stage):
-        problems.append(f"zero_optimization.offload_optimizer.ratio {ratio} with offload_optimizer.device 'none' at "
-                        f"zero_optimization.stage {zero.stage}: nothing is offloaded, so there is no fraction to "
-                        "offload, and DeepSpeed 0.19.8 refuses a ratio below 1 under stage 3 (\"Partial offloading "
+    nothing_offloaded = optimizer == "none" or not partitions_optimizer(zero.stage)  # stage 0 ignores the device
+    if ratio < 1 and nothing_offloaded and not partitions_parameters(zero.stage):
+        problems.append(f"zero_optimization.offload_optimizer.ratio {ratio} with offload_optimizer.device "
+                        f"'{optimizer}' at zero_optimization.stage {zero.stage}: nothing is offloaded, so there is no "
+                        "fraction to offload, "
+                        "and DeepSpeed 0.19.8 refuses a ratio below 1 under stage 3 (\"Partial offloading "
                         "only supported for ZeRO Stage 3\"); set offload_optimizer.device 'cpu' or 'nvme' (shardwise "
                         "offloads a fraction at stages 1-3), or remove ratio")
     if ratio < 1 and param != "none":

@@ -109,6 +109,9 @@ BOTH_REFUSE = {
     "grad_accum_in_fp32_without_zero": (
         _config(bf16=BF16, data_types={"grad_accum_dtype": "fp32"}), "data_types.grad_accum_dtype",
         "unsupported mix of model_dtype"),
+    "a_partial_offload_to_the_cpu_at_stage_0": (
+        _config(zero_optimization={"stage": 0, "offload_optimizer": {"device": "cpu", "ratio": 0.5}}),
+        "zero_optimization.offload_optimizer.ratio", "Partial offloading only supported for ZeRO Stage 3"),
     "a_torch_optimizer_in_lower_case": (_config(optimizer={"type": "rmsprop", "params": {}}), "optimizer.type",
                                         "rmsprop"),
 }
