@@ -9,9 +9,11 @@ a capability on are refused, each with the key that does it.
 from collections.abc import Mapping
 from typing import Any
 
+import torch
+
 from shardwise.formulas.stages import partitions_optimizer, partitions_parameters
 from shardwise.frontends.deepspeed.config.deepspeed_keys import DATA_TYPE_NAMES
-from shardwise.frontends.deepspeed.config.policies import compile_policy, scales_dynamically
+from shardwise.frontends.deepspeed.config.policies import AUTOCAST_DTYPES, compile_policy, scales_dynamically
 from shardwise.frontends.deepspeed.config.schema import (
     FP16_MAX_EXPONENT,
     MAX_INITIAL_SCALE_POWER,
@@ -94,11 +96,16 @@ def find_contradictions(
         problems.append(f"optimizer.type 'Lamb' with fp16.loss_scale {cfg.fp16.loss_scale:g}: LAMB needs dynamic loss "
                         "scaling, as DeepSpeed 0.19.8 refuses a static scale with it (\"lamb optimizer requires "
                         "dynamic loss scaling\", whether or not fp16 is enabled); set fp16.loss_scale 0")
-    if cfg.torch_autocast.enabled and (cfg.fp16.enabled or cfg.bf16.enabled):
+    autocast = cfg.torch_autocast
+    in_bf16 = autocast.dtype is not None and AUTOCAST_DTYPES[autocast.dtype] == torch.bfloat16
+    if autocast.enabled and (cfg.fp16.enabled or (cfg.bf16.enabled and not in_bf16)):
+        dtype = "unset (torch's default for the device: fp16 on a GPU)" if autocast.dtype is None else autocast.dtype
         problems.append("torch_autocast.enabled with "
-                        f"{'fp16' if cfg.fp16.enabled else 'bf16'}.enabled is not supported: shardwise runs autocast "
-                        "from fp32 parameters only, and the fp16/bf16 blocks make the parameters 16-bit (DeepSpeed "
-                        "0.19.8 runs the 16-bit model under autocast); choose one")
+                        f"{'fp16' if cfg.fp16.enabled else 'bf16'}.enabled and torch_autocast.dtype {dtype} is not "
+                        "supported: shardwise runs autocast from fp32 parameters, or in bf16 over bf16 parameters "
+                        "(DeepSpeed 0.19.8 also runs the 16-bit model under another autocast dtype, communicating "
+                        "some gradients in that dtype); set torch_autocast.dtype \"bf16\" with bf16, or use one of "
+                        "the two blocks")
     micro_batches = cfg.pipeline_parallel.micro_batches
     if batch_known and micro_batches != cfg.gradient_accumulation_steps:
         problems.append(

@@ -6,7 +6,8 @@ maps onto its policy, with DeepSpeed's meaning: `fp16.loss_scale` 0 is dynamic s
 2**initial_scale_power, `communication_data_type` is the gradients' wire dtype,
 `zero_optimization.mics_shard_size` is hybrid sharding, `sequence_parallel.mode` "megatron"
 is tensor parallelism's own sequence split, `pipeline_parallel.micro_batches` defaults to
-the accumulation steps, `torch_autocast` is the forward under autocast from fp32 parameters,
+the accumulation steps, `torch_autocast` is the forward under autocast from fp32 parameters
+(or bf16 ones beside bf16),
 `bf16.bf16_master_weights_and_grads` is bf16 masters (the partition trained in place),
 `zero_optimization.offload_param` applies at stage 3 only (DeepSpeed ignores it below),
 `compile.deepcompile` is torch.compile per block beside the run-time ZeRO,

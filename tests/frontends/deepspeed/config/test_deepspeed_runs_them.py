@@ -52,6 +52,7 @@ ACCEPTED = {
     "steps_per_print_null": _config(steps_per_print=None),
     "bf16_beside_bfloat16": _config(bf16=BF16, bfloat16={"enabled": False}),
     "fp32_allreduce_beside_a_communication_dtype": _config(fp32_allreduce=True, communication_data_type="fp16"),
+    "autocast_in_bf16_beside_bf16": _config(bf16=BF16, torch_autocast={"enabled": True, "dtype": "bfloat16"}),
 }
 READ_AS = {
     "optimizer_offload_at_stage_0": lambda policies, cfg: policies.zero.offload_optimizer.device == "none",
@@ -68,6 +69,8 @@ READ_AS = {
     "bf16_beside_bfloat16": lambda policies, cfg: policies.precision.param_dtype == torch.bfloat16,
     "fp32_allreduce_beside_a_communication_dtype":
         lambda policies, cfg: policies.precision.communication_dtype == torch.float16,
+    "autocast_in_bf16_beside_bf16": lambda policies, cfg: policies.precision.autocast
+        and policies.precision.param_dtype == policies.precision.autocast_dtype == torch.bfloat16,
 }
 # the data_types DeepSpeed reads and shardwise honours change nothing shardwise does
 SAME_AS_WITHOUT_DATA_TYPES = ("grad_accum_in_bf16_with_bf16", "grad_accum_in_bf16_with_bf16_at_stage_2",
@@ -87,6 +90,9 @@ STRICTER = {
     "lbfgs": (_config(optimizer={"type": "LBFGS", "params": {}}), "optimizer.params", "'closure'"),
     "a_negative_learning_rate": (_config(optimizer={"type": "AdamW", "params": {"lr": -1e-3}}), "optimizer.params.lr",
                                  "greater than or equal to 0"),
+    "autocast_without_a_dtype_beside_bf16": (
+        _config(bf16=BF16, torch_autocast={"enabled": True}), "torch_autocast.enabled",
+        "set torch_autocast.dtype \"bf16\" with bf16"),
     "grad_accum_in_bf16_while_training_in_fp32": (
         _config(data_types={"grad_accum_dtype": "bf16"}, zero_optimization={"stage": 2}),
         "data_types.grad_accum_dtype", "accumulates gradients in the training dtype"),
@@ -191,6 +197,45 @@ def test_summed_gradients_train_as_the_sum_of_the_ranks_losses():
         assert ((got - expected).norm() / expected.norm()).item() < 1e-5
 
 
+class _LossInside(nn.Module):
+    """A model that computes its loss, as Hugging Face models do: under CPU autocast the
+    loss runs in fp32."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.net = _model()
+
+    def forward(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        return nn.functional.mse_loss(self.net(x), y)
+
+
+def _autocast_worker(rank: int, world_size: int, autocast: bool) -> dict:
+    import shardwise.frontends.deepspeed.api as deepspeed
+
+    model = _LossInside()
+    config = {"train_micro_batch_size_per_gpu": 4, "bf16": BF16, "optimizer": SGD, "zero_optimization": {"stage": 2},
+              **({"torch_autocast": {"enabled": True, "dtype": "bf16"}} if autocast else {})}
+    engine, *_ = deepspeed.initialize(model=model, model_parameters=model.parameters(), config=config)
+    losses, dtypes = [], set()
+    for step in range(3):
+        loss = engine(*_batch(step))
+        engine.backward(loss)
+        engine.step()
+        losses.append(loss.item())
+        dtypes.add(str(loss.dtype))
+    return {"losses": losses, "dtypes": dtypes,
+            "params": {str(parameter.dtype) for parameter in engine.module.parameters()}}
+
+
+def test_bf16_under_bf16_autocast_runs_the_autocast_ops_in_fp32():
+    """The bf16 model as without autocast (its parameters bf16), its loss computed in fp32,
+    and training close to bf16's (the bf16 tolerance)."""
+    plain, autocast = (run_distributed(_autocast_worker, 2, on, timeout=120)[0] for on in (False, True))
+    assert plain["params"] == autocast["params"] == {"torch.bfloat16"}
+    assert plain["dtypes"] == {"torch.bfloat16"} and autocast["dtypes"] == {"torch.float32"}
+    assert autocast["losses"] == pytest.approx(plain["losses"], rel=2e-2)
+
+
 DEEPSPEED_SIDE = """
 import json, os, socket, sys, torch, deepspeed
 from deepspeed.accelerator import get_accelerator
@@ -225,3 +270,50 @@ def test_deepspeed_initializes_the_accepted_and_stricter_ones_and_refuses_the_re
         list(ACCEPTED) + list(STRICTER))
     for name, (_, _, words) in BOTH_REFUSE.items():
         assert errors[name] is not None and words in errors[name], (name, errors[name])
+
+
+# the autocast run of _autocast_worker under DeepSpeed 0.19.8, on one rank over the same global batch
+DEEPSPEED_AUTOCAST_SIDE = """
+import json, os, socket, sys, torch, deepspeed
+from torch import nn
+with socket.socket() as probe:
+    probe.bind(("127.0.0.1", 0))
+    port = str(probe.getsockname()[1])
+os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", MASTER_ADDR="127.0.0.1", MASTER_PORT=port)
+deepspeed.init_distributed("gloo")
+class LossInside(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.net = nn.Sequential(nn.Linear(4, 8), nn.Tanh(), nn.Linear(8, 1))
+        generator = torch.Generator().manual_seed(0)
+        with torch.no_grad():
+            for parameter in self.net.parameters():
+                parameter.copy_(torch.randn(parameter.shape, generator=generator) / 2)
+    def forward(self, x, y):
+        return nn.functional.mse_loss(self.net(x), y)
+model = LossInside()
+engine, *_ = deepspeed.initialize(model=model, model_parameters=model.parameters(), config=json.loads(sys.argv[1]))
+losses = []
+for step in range(3):
+    generator = torch.Generator().manual_seed(100 + step)
+    x, y = torch.randn(4, 4, generator=generator), torch.randn(4, 1, generator=generator)
+    loss = engine(x.bfloat16(), y.bfloat16())
+    engine.backward(loss)
+    engine.step()
+    losses.append(loss.item())
+print(json.dumps({"losses": losses, "dtype": str(loss.dtype)}))
+"""
+
+
+@pytest.mark.skipif(not os.environ.get("DEEPSPEED_PYTHON"), reason="set DEEPSPEED_PYTHON to an interpreter with "
+                    "DeepSpeed 0.19.8 to compare with it")
+def test_deepspeed_trains_bf16_under_bf16_autocast_alike():
+    config = {"train_micro_batch_size_per_gpu": 4, "bf16": BF16, "optimizer": SGD, "zero_optimization": {"stage": 2},
+              "zero_allow_untested_optimizer": True, "torch_autocast": {"enabled": True, "dtype": "bf16"}}
+    ran = subprocess.run([os.environ["DEEPSPEED_PYTHON"], "-c", DEEPSPEED_AUTOCAST_SIDE, json.dumps(config)],
+                         capture_output=True, text=True, timeout=300, env={**os.environ, "DS_ACCELERATOR": "cpu"})
+    assert ran.returncode == 0, ran.stderr[-3000:]
+    deepspeed = json.loads(ran.stdout.strip().splitlines()[-1])
+    shardwise = run_distributed(_autocast_worker, 2, True, timeout=120)[0]
+    assert deepspeed["dtype"] == "torch.float32"
+    assert shardwise["losses"] == pytest.approx(deepspeed["losses"], rel=2e-2)
