@@ -300,7 +300,8 @@ def _describe_bad_type(given: str, path: str, block: _TypedBlock) -> str:
     choices = ", ".join(block.params_by_type) + f", or a {block.torch_module} class by its exact name"
     if _canonical_type(given, block.deepspeed_types_unsupported) is not None:
         return f"{path}.type '{given}' is a DeepSpeed {path} that shardwise does not support yet: use one of {choices}"
-    closest = _closest(given, list(block.params_by_type) + block.torch_names())
+    # torch's names are suggested in their right case only: there are many, and few configs misspell them
+    closest = _canonical_type(given, block.torch_names()) or _closest(given, list(block.params_by_type))
     if closest:
         return f"{path}.type '{given}' is unknown; did you mean '{closest}'? (choices: {choices})"
     return f"{path}.type '{given}' is unknown; use one of {choices}"
