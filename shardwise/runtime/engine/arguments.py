@@ -12,6 +12,7 @@ from torch import nn
 from shardwise.runtime.engine.policies import OptimizerPolicy, Policies, SchedulerPolicy
 from shardwise.runtime.optim.registry import optimizer_spec
 from shardwise.runtime.optim.schedulers import SCHEDULERS
+from shardwise.runtime.optim.torch_by_name import torch_scheduler_class
 
 
 def refuse_second_engine(model: nn.Module) -> None:
@@ -68,9 +69,11 @@ def optimizer_factory(
 
 
 def make_scheduler(lr_scheduler: Any, policy: SchedulerPolicy | None, optimizer: torch.optim.Optimizer) -> Any:
-    """The policies' schedule, or the caller's scheduler (or a callable building one)."""
+    """The policies' schedule (DeepSpeed's by name, else torch's: optim/torch_by_name.py), or
+    the caller's scheduler (or a callable building one)."""
     if policy is not None:
-        return SCHEDULERS[policy.type](optimizer, **policy.params)
+        schedule = SCHEDULERS.get(policy.type) or torch_scheduler_class(policy.type)
+        return schedule(optimizer, **policy.params)
     if callable(lr_scheduler) and not hasattr(lr_scheduler, "step"):
         return lr_scheduler(optimizer)
     return lr_scheduler

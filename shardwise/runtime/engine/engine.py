@@ -418,11 +418,12 @@ class Engine(nn.Module):
             return named, None
         precision = policies.precision
         if (self.mesh.sizes.sequence > 1 or precision.master_dtype != torch.float32
-                or policies.zero.zenflow is not None):
+                or policies.zero.zenflow is not None or policies.zero.sum_gradients):
             raise ValueError("expert parallelism (ep_size > 1) is provided for fp32, bf16 and fp16 (fp32 masters; "
                              "fp16's loss scaling covers the experts' gradients) data-, tensor- and pipeline-parallel "
-                             "training (ZeRO 0-3; not sequence parallelism, bf16 masters or ZenFlow); use ep_size=1 "
-                             "for the others")
+                             "training (ZeRO 0-3; not sequence parallelism, bf16 masters, ZenFlow or "
+                             "gradient_allreduce_op \"sum\", the experts' gradients are always averaged); use "
+                             "ep_size=1 for the others")
         if self.mesh.sizes.tensor > 1 and not all(is_tensor_sharded(param) for _, param, _ in experts
                                                   if param.dim() >= 2):  # the experts' matrices: biases may stay whole
             raise ValueError("expert parallelism (ep_size > 1) with tensor_parallel.size > 1 needs experts split "

@@ -96,14 +96,21 @@ def register_optimizer(spec: OptimizerSpec) -> OptimizerSpec:
 
 def optimizer_spec(name: str, *, any_case: bool = False) -> OptimizerSpec:
     """The spec registered as `name` (`any_case`: or as the same name in other letter case,
-    as the command line's lower-case names give it)."""
+    as the command line's lower-case names give it); else, for the exact name of a
+    `torch.optim` class, that class (optim/torch_by_name.py, as DeepSpeed builds it)."""
+    from shardwise.runtime.optim.torch_by_name import torch_optimizer_spec
+
     if not any_case and name in _REGISTRY:
         return _REGISTRY[name]
     if any_case:
         for registered, spec in _REGISTRY.items():
             if registered.lower() == name.lower():
                 return spec
-    raise ValueError(f"no optimizer {name!r}; registered: {', '.join(registered_optimizers())}")
+    by_name = torch_optimizer_spec(name)
+    if by_name is not None:
+        return by_name
+    raise ValueError(f"no optimizer {name!r}; registered: {', '.join(registered_optimizers())}, or a torch.optim "
+                     "class by its exact name")
 
 
 def registered_optimizers() -> list[str]:

@@ -4,7 +4,8 @@ fp16, how the loss is scaled. fp32 master weights are kept whenever `param_dtype
 fp32, unless `master_dtype` says bf16 (DeepSpeed's bf16_master_weights_and_grads with
 bf16_optimizer_states): then the optimizer updates the bf16 partition itself and its
 states take that dtype (docs/formulas.md#model-states-per-rank). `autocast`: the forward
-runs under `torch.autocast` from fp32 parameters (DeepSpeed's torch_autocast)."""
+runs under `torch.autocast` from fp32 parameters (DeepSpeed's torch_autocast), or from bf16
+parameters in bf16 (its torch_autocast beside bf16)."""
 
 from __future__ import annotations
 
@@ -40,9 +41,17 @@ class PrecisionPolicy:
         if self.master_dtype not in (torch.float32, self.param_dtype):
             raise ValueError(f"master_dtype {self.master_dtype} must be fp32 or the parameters' own dtype "
                              f"{self.param_dtype}: masters are fp32 copies, or the partition itself")
-        if self.autocast and self.param_dtype != torch.float32:
-            raise ValueError(f"autocast computes in low precision from fp32 parameters; param_dtype is "
-                             f"{self.param_dtype}: use one or the other")
+        if self.autocast and self.param_dtype != torch.float32 and not self.autocasts_its_own_dtype:
+            raise ValueError(f"autocast computes in low precision from fp32 parameters, or in bf16 over bf16 "
+                             f"parameters; param_dtype is {self.param_dtype} and autocast_dtype {self.autocast_dtype}: "
+                             "use one or the other")
+
+    @property
+    def autocasts_its_own_dtype(self) -> bool:
+        """bf16 parameters under bf16 autocast (DeepSpeed's `torch_autocast` beside `bf16`):
+        the model trains in bf16 as without autocast, except that the ops autocast runs in
+        fp32 (losses, softmax) take fp32 inputs."""
+        return self.param_dtype == torch.bfloat16 and self.autocast_dtype == torch.bfloat16
 
     @property
     def communication_dtype(self) -> torch.dtype:

@@ -13,7 +13,8 @@ backward keeps computing earlier layers, in two hops:
    (`mics_shard_size`) all-reduces a 1/N_shard slice across groups; stage 0 is the case of
    a shard group of one rank, so hop 1 does nothing and hop 2 all-reduces the whole unit.
 
-Gradients are averaged over all replicas of the model: pre-divided by shard x replicate size.
+Gradients are averaged over all replicas of the model: pre-divided by shard x replicate size
+(summed, undivided, with the policy's `sum_gradients`).
 
 Units are launched strictly in index order, even if they become ready out of order. That
 keeps the sequence of collectives identical on every rank, so a parameter that is unused
@@ -119,7 +120,7 @@ class GradientReducer(OptimizerExchangeMixin):
         self.use_reduce_scatter = policy.reduce_scatter
         self.keeps_full_grads = policy.keeps_full_gradients
         self.partitions_parameters = policy.partitions_parameters
-        self.divisor = shard.size * replicate.size
+        self.divisor = 1 if policy.sum_gradients else shard.size * replicate.size
         self.bounded = not (self.keeps_full_grads and shard.size == 1)  # stage 0 reduces in place
         self.unit_ready_callbacks: list[Callable[[FlatUnit], None]] = []
         self.gradient_block = policy.plus_plus.gradient_block if policy.plus_plus.quantized_gradients else None

@@ -145,6 +145,9 @@ class ZeroPolicy:
     # step() raises when a trainable parameter got no gradient in the accumulation window on
     # any rank (False: its gradient counts as zero, as plain PyTorch's optimizers skip it)
     refuse_unused_parameters: bool = False
+    # gradients summed over the data-parallel ranks instead of averaged (DeepSpeed's
+    # gradient_allreduce_op "sum"): N times the mean over N ranks
+    sum_gradients: bool = False
 
     def __post_init__(self) -> None:
         stages.check_stage(self.stage)

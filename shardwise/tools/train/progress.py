@@ -30,10 +30,12 @@ def describe_step(record: dict[str, Any]) -> dict[str, str]:
 class TrainingProgress:
     """`with TrainingProgress(total, console) as progress: progress.update(record)`."""
 
-    def __init__(self, total_steps: int, console: Console, print_every: int):
+    def __init__(self, total_steps: int, console: Console, print_every: int | None):
+        """`print_every`: the config's `steps_per_print`; None prints the first and last steps
+        only, a value below 1 every step (as DeepSpeed reads them)."""
         self.total_steps = total_steps
         self.console = console
-        self.print_every = max(1, print_every)
+        self.print_every = max(1, print_every if print_every is not None else total_steps)
         self.live = console.is_terminal
         self._progress = Progress(
             TextColumn("step"),

@@ -9,9 +9,17 @@ a capability on are refused, each with the key that does it.
 from collections.abc import Mapping
 from typing import Any
 
+import torch
+
 from shardwise.formulas.stages import partitions_optimizer, partitions_parameters
-from shardwise.frontends.deepspeed.config.policies import compile_policy
-from shardwise.frontends.deepspeed.config.schema import OffloadConfig, ShardwiseConfig
+from shardwise.frontends.deepspeed.config.deepspeed_keys import DATA_TYPE_NAMES
+from shardwise.frontends.deepspeed.config.policies import AUTOCAST_DTYPES, compile_policy, scales_dynamically
+from shardwise.frontends.deepspeed.config.schema import (
+    FP16_MAX_EXPONENT,
+    MAX_INITIAL_SCALE_POWER,
+    OffloadConfig,
+    ShardwiseConfig,
+)
 
 
 def find_unsupported(cfg: ShardwiseConfig) -> list[str]:
@@ -33,6 +41,12 @@ def find_ignored(cfg: ShardwiseConfig) -> list[str]:
         notes.append(f"'zero_optimization.offload_param.device' '{zero.offload_param.device}' at "
                      f"zero_optimization.stage {zero.stage}: only stage 3 partitions (and so offloads) parameters; "
                      "DeepSpeed ignores it below stage 3 too")
+    if zero.offload_optimizer.device != "none" and not partitions_optimizer(zero.stage) and zero.zenflow is None:
+        notes.append(f"'zero_optimization.offload_optimizer.device' '{zero.offload_optimizer.device}' at "
+                     "zero_optimization.stage 0: only stages 1-3 partition (and so offload) the optimizer state, "
+                     "so every rank keeps the whole state on the device. DeepSpeed 0.19.8 builds its CPU Adam over "
+                     "the parameters where they are, which on a CPU is the same update and on a GPU fails at the "
+                     "first step (\"must be 'cpu'\"); use stage 1-3 to offload")
     if compile_block.deepcompile:
         passes = f" and compile.passes {compile_block.passes}" if compile_block.passes else ""
         notes.append(f"'compile.deepcompile' true{passes}: DeepSpeed compiles ZeRO into the graph; shardwise runs "
@@ -60,6 +74,7 @@ def find_contradictions(
             f"{data_parallel_size}: states are replicated over {data_parallel_size} / {shard} groups"
         )
     problems += _offload_contradictions(cfg)
+    problems += _dynamic_scaling_contradictions(cfg)
     if cfg.fp16.enabled and cfg.bf16.enabled:
         problems.append("fp16.enabled and bf16.enabled are both true: choose one training precision")
     for name in ("offload_optimizer", "offload_param"):
@@ -72,6 +87,7 @@ def find_contradictions(
     problems += _zero_plus_plus_contradictions(cfg)
     problems += _zenflow_contradictions(cfg, batch_known)
     problems += _onebit_contradictions(cfg)
+    problems += _summed_gradient_contradictions(cfg)
     problems += _activation_contradictions(cfg)
     problems += _pipeline_contradictions(cfg, batch_known)
     problems += _compile_contradictions(cfg)
@@ -80,10 +96,16 @@ def find_contradictions(
         problems.append(f"optimizer.type 'Lamb' with fp16.loss_scale {cfg.fp16.loss_scale:g}: LAMB needs dynamic loss "
                         "scaling, as DeepSpeed 0.19.8 refuses a static scale with it (\"lamb optimizer requires "
                         "dynamic loss scaling\", whether or not fp16 is enabled); set fp16.loss_scale 0")
-    if cfg.torch_autocast.enabled and (cfg.fp16.enabled or cfg.bf16.enabled):
+    autocast = cfg.torch_autocast
+    in_bf16 = autocast.dtype is not None and AUTOCAST_DTYPES[autocast.dtype] == torch.bfloat16
+    if autocast.enabled and (cfg.fp16.enabled or (cfg.bf16.enabled and not in_bf16)):
+        dtype = "unset (torch's default for the device: fp16 on a GPU)" if autocast.dtype is None else autocast.dtype
         problems.append("torch_autocast.enabled with "
-                        f"{'fp16' if cfg.fp16.enabled else 'bf16'}.enabled: autocast computes in low precision from "
-                        "fp32 parameters, the fp16/bf16 blocks make the parameters 16-bit; choose one")
+                        f"{'fp16' if cfg.fp16.enabled else 'bf16'}.enabled and torch_autocast.dtype {dtype} is not "
+                        "supported: shardwise runs autocast from fp32 parameters, or in bf16 over bf16 parameters "
+                        "(DeepSpeed 0.19.8 also runs the 16-bit model under another autocast dtype, communicating "
+                        "some gradients in that dtype); set torch_autocast.dtype \"bf16\" with bf16, or use one of "
+                        "the two blocks")
     micro_batches = cfg.pipeline_parallel.micro_batches
     if batch_known and micro_batches != cfg.gradient_accumulation_steps:
         problems.append(
@@ -93,23 +115,56 @@ def find_contradictions(
     return problems
 
 
+def _dynamic_scaling_contradictions(cfg: ShardwiseConfig) -> list[str]:
+    """The fp16 block's ranges, which matter only while the scale is dynamic: with fp16 off
+    or a static `loss_scale`, DeepSpeed 0.19.8 takes any value and uses none, and so does
+    shardwise. The window and the floor it refuses too; hysteresis 0 and an initial power
+    above 64 it accepts, but they cannot train (docs/deepspeed.md, "Where shardwise is
+    stricter than DeepSpeed"). A negative power is a first scale below 1, which both scalers
+    run alike."""
+    if not scales_dynamically(cfg):
+        return []
+    fp16, problems = cfg.fp16, []
+    if fp16.loss_scale_window < 1:
+        problems.append(f"fp16.loss_scale_window {fp16.loss_scale_window} must be at least 1 with dynamic loss "
+                        "scaling (fp16.loss_scale 0): it is the number of clean steps before the scale grows; "
+                        "DeepSpeed 0.19.8 refuses it too (\"must be > 0 when dynamic loss scaling is enabled\")")
+    if fp16.min_loss_scale <= 0:
+        problems.append(f"fp16.min_loss_scale {fp16.min_loss_scale} must be positive with dynamic loss scaling: "
+                        "an overflow could halve the scale towards 0, zeroing every gradient; DeepSpeed 0.19.8 "
+                        "refuses it too (\"must be > 0 when dynamic loss scaling is enabled\"); its default is 1")
+    if fp16.hysteresis < 1:
+        problems.append(f"fp16.hysteresis {fp16.hysteresis} must be at least 1 with dynamic loss scaling: it is the "
+                        "number of overflows tolerated before the scale halves, and DeepSpeed's scaler counts it down "
+                        "to 1, so from 0 it never halves the scale and every step after the first overflow is "
+                        "skipped; use 1 (halve at once) or DeepSpeed's default 2")
+    power = fp16.initial_scale_power
+    if power > MAX_INITIAL_SCALE_POWER:
+        problems.append(
+            f"fp16.initial_scale_power: {power} is above {MAX_INITIAL_SCALE_POWER}: the loss is multiplied by "
+            f"2**{power} in fp32, and fp16 gradients overflow above 2**{FP16_MAX_EXPONENT}, so every step overflows "
+            "and is skipped, each overflow halving the scale once (after fp16.hysteresis overflows are tolerated): "
+            f"about {power - FP16_MAX_EXPONENT} steps would be skipped before the first update. Use at most "
+            f"{MAX_INITIAL_SCALE_POWER} (DeepSpeed's default is 16)")
+    return problems
+
+
 def _offload_contradictions(cfg: ShardwiseConfig) -> list[str]:
-    """Optimizer offload needs partitioned states (a stage >= 1); a fraction of it (`ratio`)
-    is offloaded at stages 1-3, where DeepSpeed offloads one at stage 3 only. Parameter
-    offload applies at stage 3 only; below it DeepSpeed ignores it, and so does shardwise
-    (find_ignored)."""
+    """Optimizer offload needs partitioned states (a stage >= 1): at stage 0 it is ignored
+    (find_ignored). A fraction of it (`ratio`) is offloaded at stages 1-3, where DeepSpeed
+    offloads one at stage 3 only. Parameter offload applies at stage 3 only; below it
+    DeepSpeed ignores it, and so does shardwise (find_ignored)."""
     zero = cfg.zero_optimization
     optimizer = zero.offload_optimizer.device
     param = zero.offload_param.device if partitions_parameters(zero.stage) else "none"
     problems = []
-    if optimizer != "none" and not partitions_optimizer(zero.stage):
-        problems.append(f"zero_optimization.offload_optimizer.device '{optimizer}' needs zero_optimization.stage "
-                        "1, 2 or 3: stage 0 keeps the whole optimizer state on every rank")
     ratio = zero.offload_optimizer.ratio
-    if ratio < 1 and optimizer == "none" and not partitions_parameters(zero.stage):
-        problems.append(f"zero_optimization.offload_optimizer.ratio {ratio} with offload_optimizer.device 'none' at "
-                        f"zero_optimization.stage {zero.stage}: nothing is offloaded, so there is no fraction to "
-                        "offload, and DeepSpeed 0.19.8 refuses a ratio below 1 under stage 3 (\"Partial offloading "
+    nothing_offloaded = optimizer == "none" or not partitions_optimizer(zero.stage)  # stage 0 ignores the device
+    if ratio < 1 and nothing_offloaded and not partitions_parameters(zero.stage):
+        problems.append(f"zero_optimization.offload_optimizer.ratio {ratio} with offload_optimizer.device "
+                        f"'{optimizer}' at zero_optimization.stage {zero.stage}: nothing is offloaded, so there is no "
+                        "fraction to offload, "
+                        "and DeepSpeed 0.19.8 refuses a ratio below 1 under stage 3 (\"Partial offloading "
                         "only supported for ZeRO Stage 3\"); set offload_optimizer.device 'cpu' or 'nvme' (shardwise "
                         "offloads a fraction at stages 1-3), or remove ratio")
     if ratio < 1 and param != "none":
@@ -157,7 +212,9 @@ def _zenflow_contradictions(cfg: ShardwiseConfig, batch_known: bool) -> list[str
                         "the CPU optimizer")
     if zero.stage not in (1, 2, 3):
         problems.append(f"zero_optimization.zenflow at zero_optimization.stage {zero.stage} is not supported: "
-                        "it splits the optimizer's update, which stage 0 does not partition; use stage 2 or 3")
+                        "it splits the optimizer's update, which stage 0 does not partition (DeepSpeed 0.19.8 "
+                        "accepts it at initialize and fails at the first step: \"object has no attribute "
+                        "'zenflow_need_update'\"); use stage 2 or 3")
     if zero.offload_optimizer.ratio < 1:
         problems.append("zero_optimization.zenflow with offload_optimizer.ratio < 1 is not supported: ZenFlow "
                         "chooses what the device updates itself; remove ratio")
@@ -173,6 +230,26 @@ def _zenflow_contradictions(cfg: ShardwiseConfig, batch_known: bool) -> list[str
             and interval < zenflow.update_interval):
         problems.append(f"zero_optimization.zenflow.select_interval {interval} < update_interval "
                         f"{zenflow.update_interval}: DeepSpeed requires columns to change only at an update")
+    return problems
+
+
+def _summed_gradient_contradictions(cfg: ShardwiseConfig) -> list[str]:
+    """`gradient_allreduce_op` "sum": ZeRO's reduction (runtime/zero/gradients.py) sums
+    instead of averaging. DeepSpeed 0.19.8 refuses it at stage 3, with ZenFlow and with
+    DeepCompile; the 1-bit optimizers exchange their own (averaged) momentum."""
+    if cfg.gradient_allreduce_op != "sum":
+        return []
+    zero = cfg.zero_optimization
+    refused_by_deepspeed = [(partitions_parameters(zero.stage), "zero_optimization.stage 3", "ZeRO stage 3"),
+                            (zero.zenflow is not None, "zero_optimization.zenflow", "ZenFlow"),
+                            (cfg.compile.deepcompile, "compile.deepcompile", "DeepCompile")]
+    problems = [f"gradient_allreduce_op \"sum\" with {key}: DeepSpeed 0.19.8 refuses it too (\"gradient_allreduce_op="
+                f"'sum' is not supported with {words}\"); remove gradient_allreduce_op (the mean) or {key}"
+                for on, key, words in refused_by_deepspeed if on]
+    if cfg.optimizer is not None and cfg.optimizer.type in ("OneBitAdam", "OneBitLamb", "ZeroOneAdam"):
+        problems.append(f"gradient_allreduce_op \"sum\" with optimizer.type '{cfg.optimizer.type}' is not "
+                        "supported: after its warm-up it exchanges the ranks' compressed momentum, averaged; remove "
+                        "gradient_allreduce_op or use another optimizer")
     return problems
 
 
@@ -322,21 +399,43 @@ def _compile_contradictions(cfg: ShardwiseConfig) -> list[str]:
             for setting in compile_policy(cfg).cuda_graph_settings()]
 
 
-def find_grad_accum_contradictions(cfg: ShardwiseConfig, data_types: Any) -> list[str]:
-    """`data_types.grad_accum_dtype` against the training dtype. The schema has no field for
-    it (config/deepspeed_keys.py accepts fp32 alone, ZeRO's accumulation), so the raw
-    block comes beside the validated config. Without ZeRO (stage 0) DeepSpeed 0.19.8
-    accumulates in the parameters' dtype and refuses any other (`_do_optimizer_sanity_check`:
-    "unsupported mix of model_dtype and grad_accum_dtype"), on every accelerator. Values
-    other than fp32 are refused by the key's own rule."""
-    if not isinstance(data_types, Mapping) or str(data_types.get("grad_accum_dtype")).lower() not in ("fp32",
-                                                                                                    "float32"):
+def find_data_types_contradictions(cfg: ShardwiseConfig, data_types: Any) -> list[str]:
+    """`data_types` against the training dtype. The schema has no field for the block
+    (config/deepspeed_keys.py checks its names), so the raw block comes beside the validated
+    config. DeepSpeed 0.19.8 (runtime/engine.py):
+
+    - `param_dtype` must be the training dtype (`_assert_valid_mixed_precision_config`);
+    - `grad_accum_dtype` equal to the training dtype is what shardwise does at every stage
+      (gradients accumulate in the parameters' dtype), so it is honoured;
+    - `grad_accum_dtype` fp32 beside fp16/bf16: ZeRO 1-3 accumulate in fp32; without ZeRO
+      DeepSpeed refuses it ("unsupported mix of model_dtype and grad_accum_dtype");
+    - a 16-bit `grad_accum_dtype` other than the training dtype: refused without ZeRO by
+      DeepSpeed, and at every stage here, since shardwise accumulates in the training dtype."""
+    if not isinstance(data_types, Mapping):
         return []
-    precision = "fp16" if cfg.fp16.enabled else "bf16" if cfg.bf16.enabled else None
-    if precision is None or partitions_optimizer(cfg.zero_optimization.stage):
-        return []
-    return [f"data_types.grad_accum_dtype '{data_types['grad_accum_dtype']}' with {precision}.enabled at "
-            "zero_optimization.stage 0: without ZeRO, gradients accumulate in the parameters' dtype "
-            f"({precision}), and DeepSpeed 0.19.8 refuses another (\"unsupported mix of model_dtype and "
-            "grad_accum_dtype\"); remove data_types.grad_accum_dtype, or use zero_optimization.stage 1-3 to "
-            "accumulate in fp32"]
+    precision = "fp16" if cfg.fp16.enabled else "bf16" if cfg.bf16.enabled else "fp32"
+    problems = []
+    param = DATA_TYPE_NAMES.get(data_types.get("param_dtype"))
+    if param is not None and param != precision:
+        problems.append(f"data_types.param_dtype '{data_types['param_dtype']}' trains in {param} but the config "
+                        f"trains in {precision} (the fp16 and bf16 blocks): DeepSpeed 0.19.8 refuses the mix too "
+                        "(\"conflicts with the enabled precision mode\"); set the matching fp16/bf16 'enabled' "
+                        "flag or remove data_types.param_dtype")
+    accumulate = DATA_TYPE_NAMES.get(data_types.get("grad_accum_dtype"))
+    if accumulate is None or accumulate == precision:
+        return problems
+    if accumulate == "fp32" and partitions_optimizer(cfg.zero_optimization.stage):
+        return problems
+    if accumulate == "fp32":
+        problems.append(f"data_types.grad_accum_dtype '{data_types['grad_accum_dtype']}' with {precision}.enabled "
+                        "at zero_optimization.stage 0: without ZeRO, gradients accumulate in the parameters' dtype "
+                        f"({precision}), and DeepSpeed 0.19.8 refuses another (\"unsupported mix of model_dtype and "
+                        "grad_accum_dtype\"); remove data_types.grad_accum_dtype, or use zero_optimization.stage 1-3 "
+                        "to accumulate in fp32")
+    else:
+        problems.append(f"data_types.grad_accum_dtype '{data_types['grad_accum_dtype']}' while training in "
+                        f"{precision}: shardwise accumulates gradients in the training dtype (or in fp32 under "
+                        "ZeRO), never in another 16-bit dtype, and DeepSpeed 0.19.8 refuses the mix without ZeRO "
+                        f"(\"unsupported mix of model_dtype and grad_accum_dtype\"); use '{precision}' or remove "
+                        "data_types.grad_accum_dtype")
+    return problems

@@ -59,11 +59,14 @@ class Translated:
     """`convert(value)` returns {dotted shardwise key: value} to merge, or a refusal string.
     `replaced_by`: the key of the same block that DeepSpeed names as this deprecated key's
     replacement; it refuses the two together at any values (config_utils.py,
-    `_process_deprecated_field`), and so does shardwise."""
+    `_process_deprecated_field`), and so does shardwise. `yields`: the config's own setting of
+    the target wins, this key then ignored (DeepSpeed reads the target alone); otherwise
+    the two must agree."""
 
     target: str
     convert: Callable[[Any], dict[str, Any] | str]
     replaced_by: str = ""
+    yields: bool = False
 
 
 @dataclass(frozen=True)
@@ -167,9 +170,20 @@ def _autotp_size(value: Any) -> dict[str, Any] | str:
     return {} if value <= 1 else {"size": value}
 
 
-def _grad_accum_dtype(value: Any) -> bool:
-    return isinstance(value, dict) and set(value) <= {"grad_accum_dtype"} and value.get(
-        "grad_accum_dtype", "fp32") in ("fp32", "float32", None)
+# DeepSpeed's names for the dtypes of `data_types` (runtime/config.py `DtypeEnum`), int8 left out:
+# no gradient accumulates, and no parameter trains, in it.
+DATA_TYPE_NAMES = {
+    **dict.fromkeys(("fp32", "float32", "float", "torch.float32"), "fp32"),
+    **dict.fromkeys(("fp16", "float16", "half", "torch.float16"), "fp16"),
+    **dict.fromkeys(("bf16", "bfloat16", "torch.bfloat16"), "bf16"),
+}
+
+
+def _data_types(value: Any) -> bool:
+    """`grad_accum_dtype` and `param_dtype` naming a training dtype; config/checks.py holds
+    each against the precision the config trains in."""
+    return isinstance(value, dict) and set(value) <= {"grad_accum_dtype", "param_dtype"} and all(
+        setting is None or setting in DATA_TYPE_NAMES for setting in value.values())
 
 
 # DeepCompile's settings (deepspeed/compile/config.py) with DeepSpeed's defaults: they tune the
@@ -203,15 +217,18 @@ RULES: dict[str, dict[str, KeyRule]] = {
                                        "in a different order"),
         "gradient_predivide_factor": Accepted("splits DeepSpeed's division into one before and one after the "
                                               "sum; the average is the same, and shardwise divides before summing"),
-        "fp32_allreduce": Translated("communication_data_type", _fp32_allreduce),
+        # DeepSpeed 0.19.8 no longer reads fp32_allreduce; an explicit communication_data_type decides
+        "fp32_allreduce": Translated("communication_data_type", _fp32_allreduce, yields=True),
         "sparse_gradients": Removed(_is(False), "sparse compression of dense embedding gradients; gradients "
                                     "are reduced dense: remove the key"),
         "disable_allgather": Ignored(_is(False), "DeepSpeed parses it and no code reads it: ZeRO 1-2 all-gather "
                                      "the updated partitions either way"),
         "amp": Removed(_disabled, "NVIDIA Apex AMP: use the bf16, fp16 or torch_autocast block"),
-        "data_types": AcceptedWhen(_grad_accum_dtype, '{"grad_accum_dtype": "fp32"}',
-                                   "shardwise accumulates gradients in the gradients' dtype and reduces in "
-                                   "communication_data_type; remove the block"),
+        "data_types": AcceptedWhen(_data_types, '{"grad_accum_dtype": ..., "param_dtype": ...} naming fp32, fp16 '
+                                   'or bf16 (each checked against the training precision)',
+                                   "shardwise reads grad_accum_dtype and param_dtype, each fp32, fp16 or bf16 "
+                                   "(int8 trains nothing); it keeps buffers in the dtype the model gives them and "
+                                   "has no keep_in_fp32_modules: remove the other keys"),
         "elasticity": Removed(_disabled, "elastic training: set the batch sizes directly (shardwise checkpoints "
                               "load at another world size)"),
         "compression_training": Removed(lambda v: not v, "the compression library (quantization, pruning, layer "

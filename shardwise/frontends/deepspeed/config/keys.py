@@ -16,6 +16,7 @@ deepspeed/runtime; they name what DeepSpeed accepts, not what it documents.
 
 import copy
 import difflib
+import importlib
 import json
 import logging
 import math
@@ -64,9 +65,12 @@ ALIASES: dict[str, dict[str, str]] = {
     },
 }
 
+# Older names DeepSpeed reads only where the current name is absent: beside it, ignored.
+SHADOWED_ALIASES = frozenset({("", "bfloat16")})
+
 DEEPSPEED_KEYS_NOT_SUPPORTED: dict[str, frozenset[str]] = {
     "": frozenset({
-        "gradient_allreduce_op", "managed_gradient_accumulation",
+        "managed_gradient_accumulation",
         "use_data_before_expert_parallelism", "vocabulary_size",
     }),
     "expert_parallel": frozenset({  # DeepSpeed's AutoEP beyond `enabled` and `autoep_size`
@@ -106,13 +110,19 @@ class _TypedBlock(NamedTuple):
     """A block whose `params` keys depend on its `type`, with DeepSpeed's types it cannot have."""
 
     model: type[BaseModel]
-    params_by_type: dict[str, type[Section]]
+    params_by_type: Mapping[str, type[Section]]
     deepspeed_types_unsupported: tuple[str, ...]
+    torch_module: str  # where DeepSpeed looks for a type that is not its own
+
+    def torch_names(self) -> list[str]:
+        module = importlib.import_module(self.torch_module)
+        return [name for name in dir(module) if not name.startswith("_") and name in self.params_by_type]
 
 
 _TYPED_BLOCKS = {
-    "optimizer": _TypedBlock(OptimizerConfig, OPTIMIZER_PARAMS, DEEPSPEED_OPTIMIZERS_UNSUPPORTED),
-    "scheduler": _TypedBlock(SchedulerConfig, SCHEDULER_PARAMS, DEEPSPEED_SCHEDULERS_UNSUPPORTED),
+    "optimizer": _TypedBlock(OptimizerConfig, OPTIMIZER_PARAMS, DEEPSPEED_OPTIMIZERS_UNSUPPORTED, "torch.optim"),
+    "scheduler": _TypedBlock(SchedulerConfig, SCHEDULER_PARAMS, DEEPSPEED_SCHEDULERS_UNSUPPORTED,
+                             "torch.optim.lr_scheduler"),
 }
 
 
@@ -145,7 +155,25 @@ def check_keys(raw: Mapping[str, Any], problems: list[str], ignored: list[str] |
     refused becomes a line in `problems`, every key accepted but ignored one in `ignored`.
     Sections given as null count as absent (DeepSpeed 0.19.8 fails on most of them inside its
     config classes: a relaxation, docs/deepspeed.md)."""
-    return _check_section(raw, ShardwiseConfig, "", problems, [] if ignored is None else ignored)
+    ignored = [] if ignored is None else ignored
+    return _check_section(_read_zero_switch(raw, ignored), ShardwiseConfig, "", problems, ignored)
+
+
+def _read_zero_switch(raw: Mapping[str, Any], ignored: list[str]) -> Mapping[str, Any]:
+    """`"zero_optimization": true / false`, DeepSpeed's oldest form, as DeepSpeed 0.19.8 reads
+    it (runtime/zero/config.py `read_zero_config_deprecated`): stage 1, its all-gather bucket
+    from the top-level `allgather_size`, or stage 0. DeepSpeed reads `allgather_size` in
+    this form only."""
+    switch = raw.get("zero_optimization")
+    if not isinstance(switch, bool):
+        return raw
+    block: dict[str, Any] = {"stage": int(switch)}
+    rest = {key: value for key, value in raw.items() if key != "allgather_size"}
+    if switch and "allgather_size" in raw:
+        block["allgather_bucket_size"] = raw["allgather_size"]
+    ignored.append(f"'zero_optimization' {json.dumps(switch)}: DeepSpeed's deprecated form, read as DeepSpeed 0.19.8 "
+                   f"reads it: {json.dumps(block)}")
+    return {**rest, "zero_optimization": block}
 
 
 def _check_section(
@@ -153,10 +181,13 @@ def _check_section(
 ) -> dict[str, Any]:
     aliases = ALIASES.get(path, {})
     cleaned: dict[str, Any] = {}
-    translations: dict[str, tuple[str, Any]] = {}
+    translations: dict[str, tuple[str, Any, bool]] = {}
     for key, value in raw.items():
         name = aliases.get(key, key)
-        if name != key and name in raw:
+        if name != key and raw.get(name) is not None and (path, key) in SHADOWED_ALIASES:
+            ignored.append(f"'{join_key(path, key)}': '{join_key(path, name)}' is set too, and DeepSpeed 0.19.8 "
+                           f"reads '{name}' first and never looks at '{key}'")
+        elif name != key and name in raw and (path, key) not in SHADOWED_ALIASES:
             problems.append(
                 f"'{join_key(path, key)}' and '{join_key(path, name)}' are both set; "
                 f"'{key}' is DeepSpeed's other name for '{name}', keep one"
@@ -171,7 +202,7 @@ def _check_section(
             ignored.append(_describe_unknown_top_level(key))
         elif not is_comment(key, path):
             problems.append(_describe_unsupported(key, model, path))
-    _merge_translations(cleaned, translations, path, problems)
+    _merge_translations(cleaned, translations, path, problems, ignored)
     return cleaned
 
 
@@ -206,19 +237,23 @@ def _apply_rule(rule: KeyRule, key: str, value: Any, path: str, given: Mapping[s
         if isinstance(converted, str):
             problems.append(f"'{full}' {converted}")
             return {}
-        return {target: (full, setting) for target, setting in converted.items()}
+        return {target: (full, setting, rule.yields) for target, setting in converted.items()}
     return {}
 
 
-def _merge_translations(cleaned: dict[str, Any], translations: dict[str, tuple[str, Any]], path: str,
-                        problems: list[str]) -> None:
-    """Move translated values to shardwise's keys unless the config also sets those keys."""
-    for dotted, (source, value) in translations.items():
+def _merge_translations(cleaned: dict[str, Any], translations: dict[str, tuple[str, Any, bool]], path: str,
+                        problems: list[str], ignored: list[str]) -> None:
+    """Move translated values to shardwise's keys unless the config also sets those keys
+    (then they must agree, or the translation yields to the key it would set)."""
+    for dotted, (source, value, yields) in translations.items():
         *parents, leaf = dotted.split(".")
         node = cleaned
         for part in parents:
             node = node.setdefault(part, {})
-        if leaf in node and node[leaf] != value:
+        if leaf in node and node[leaf] != value and yields:
+            ignored.append(f"'{source}' {json.dumps(value)}: '{join_key(path, dotted)}' is "
+                           f"{json.dumps(node[leaf])}, which DeepSpeed 0.19.8 reads instead")
+        elif leaf in node and node[leaf] != value:
             problems.append(f"'{source}' asks for {join_key(path, dotted)} {json.dumps(value)} but "
                             f"'{join_key(path, dotted)}' is {json.dumps(node[leaf])}; keep one")
         else:
@@ -244,7 +279,8 @@ def _check_typed_block(raw: Mapping[str, Any], path: str, problems: list[str],
     given = cleaned.get("type")
     if not isinstance(given, str):
         return cleaned
-    canonical = _canonical_type(given, block.params_by_type)
+    # DeepSpeed's names in any letter case, torch's classes by their exact name
+    canonical = _canonical_type(given, block.params_by_type) or (given if given in block.params_by_type else None)
     if canonical is None:
         problems.append(_describe_bad_type(given, path, block))
         return None
@@ -261,10 +297,11 @@ def _canonical_type(given: str, names: Iterable[str]) -> str | None:
 
 
 def _describe_bad_type(given: str, path: str, block: _TypedBlock) -> str:
-    choices = ", ".join(block.params_by_type)
+    choices = ", ".join(block.params_by_type) + f", or a {block.torch_module} class by its exact name"
     if _canonical_type(given, block.deepspeed_types_unsupported) is not None:
         return f"{path}.type '{given}' is a DeepSpeed {path} that shardwise does not support yet: use one of {choices}"
-    closest = _closest(given, list(block.params_by_type))
+    # torch's names are suggested in their right case only: there are many, and few configs misspell them
+    closest = _canonical_type(given, block.torch_names()) or _closest(given, list(block.params_by_type))
     if closest:
         return f"{path}.type '{given}' is unknown; did you mean '{closest}'? (choices: {choices})"
     return f"{path}.type '{given}' is unknown; use one of {choices}"

@@ -18,7 +18,7 @@ from pydantic import ValidationError
 
 from shardwise.frontends.deepspeed.config.checks import (
     find_contradictions,
-    find_grad_accum_contradictions,
+    find_data_types_contradictions,
     find_ignored,
     find_unsupported,
 )
@@ -79,7 +79,7 @@ def load_config(
         raise ConfigError(problems + describe_validation_error(error)) from None
     problems += find_unsupported(cfg) + find_contradictions(cfg, batch_known=batch_resolved,
                                                             data_parallel_size=data_parallel)
-    problems += find_grad_accum_contradictions(cfg, raw.get("data_types"))
+    problems += find_data_types_contradictions(cfg, raw.get("data_types"))
     if problems:
         raise ConfigError(problems)
     warn_ignored(ignored + find_ignored(cfg))

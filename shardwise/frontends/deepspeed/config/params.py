@@ -23,6 +23,7 @@ from shardwise.frontends.deepspeed.config.errors import describe_validation_erro
 from shardwise.frontends.deepspeed.config.fields import Bool, Float, Int, Section
 from shardwise.runtime.optim.params import BOUNDS
 from shardwise.runtime.optim.registry import optimizer_spec, optimizer_specs
+from shardwise.runtime.optim.torch_by_name import check_torch_scheduler, constructor_arguments, torch_scheduler_class
 
 # A declaration's plain scalar types, as this config reads them (fields.py).
 _STRICT_SCALARS: dict[Any, Any] = {float: Float, int: Int, bool: Bool}
@@ -58,7 +59,8 @@ def declared_params_model(declaration: type) -> type[Section]:
         options = {bound: meta[bound] for bound in BOUNDS if bound in meta}
         if "default_doc" in meta:
             options["json_schema_extra"] = {"default_doc": meta["default_doc"]}
-        fields[field.name] = (annotation, Field(field.default, description=meta.get("description"), **options))
+        default = ... if field.default is dataclasses.MISSING else field.default
+        fields[field.name] = (annotation, Field(default, description=meta.get("description"), **options))
 
     def declared_checks(model: Section) -> Section:
         declaration(**dict(model))
@@ -162,13 +164,47 @@ class LRRangeTestParams(Section):
     last_batch_iteration: Int = Field(-1, ge=-1)
 
 
-SCHEDULER_PARAMS: dict[str, type[Section]] = {
+DEEPSPEED_SCHEDULER_PARAMS: dict[str, type[Section]] = {
     "WarmupLR": WarmupLRParams,
     "WarmupDecayLR": WarmupDecayLRParams,
     "WarmupCosineLR": WarmupCosineLRParams,
     "OneCycle": OneCycleParams,
     "LRRangeTest": LRRangeTestParams,
 }
+
+
+@functools.cache
+def torch_scheduler_params_model(type_name: str) -> type[Section]:
+    """The params of `torch.optim.lr_scheduler.<type_name>`: its constructor's keyword
+    arguments, required where it has no default; values are checked by building it
+    (optim/torch_by_name.py `check_torch_scheduler`)."""
+    cls = torch_scheduler_class(type_name)
+    fields: dict[str, Any] = {argument.name: (Any, ... if argument.default is argument.empty else argument.default)
+                              for argument in constructor_arguments(cls)}
+    return create_model(f"{type_name}Params", __base__=Section, __doc__=f"torch.optim.lr_scheduler.{type_name}'s "
+                        "arguments and defaults, passed as given.", **fields)
+
+
+class _SchedulerParams(Mapping[str, type[Section]]):
+    """DeepSpeed's schedules' params models by name, in the reference's order; a
+    `torch.optim.lr_scheduler` class's by its exact name too (not iterated: the reference
+    documents DeepSpeed's)."""
+
+    def __getitem__(self, type_name: str) -> type[Section]:
+        if type_name in DEEPSPEED_SCHEDULER_PARAMS:
+            return DEEPSPEED_SCHEDULER_PARAMS[type_name]
+        if torch_scheduler_class(type_name) is None:
+            raise KeyError(type_name)
+        return torch_scheduler_params_model(type_name)
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(DEEPSPEED_SCHEDULER_PARAMS)
+
+    def __len__(self) -> int:
+        return len(DEEPSPEED_SCHEDULER_PARAMS)
+
+
+SCHEDULER_PARAMS: Mapping[str, type[Section]] = _SchedulerParams()
 
 # Types DeepSpeed builds itself that no shardwise capability covers.
 DEEPSPEED_OPTIMIZERS_UNSUPPORTED = ("MuAdam", "MuAdamW", "MuSGD")
@@ -184,11 +220,12 @@ def resolve_params(block: str, type_name: str, params: dict[str, Any], problems:
     except ValidationError as error:
         problems.extend(describe_validation_error(error, prefix=f"{block}.params"))
         return None
-    check = optimizer_spec(type_name).check_params if block == "optimizer" else None
+    check = optimizer_spec(type_name).check_params if block == "optimizer" else (
+        None if type_name in DEEPSPEED_SCHEDULER_PARAMS else functools.partial(check_torch_scheduler, type_name))
     if check is not None:
         try:
             check(resolved)
-        except ValueError as error:  # the message starts with the key it concerns
-            problems.append(f"{block}.params.{error}")
+        except ValueError as error:  # the message starts with the key it concerns, or ": " for them all
+            problems.append(f"{block}.params{'' if str(error).startswith(':') else '.'}{error}")
             return None
     return resolved

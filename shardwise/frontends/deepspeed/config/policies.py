@@ -6,7 +6,8 @@ maps onto its policy, with DeepSpeed's meaning: `fp16.loss_scale` 0 is dynamic s
 2**initial_scale_power, `communication_data_type` is the gradients' wire dtype,
 `zero_optimization.mics_shard_size` is hybrid sharding, `sequence_parallel.mode` "megatron"
 is tensor parallelism's own sequence split, `pipeline_parallel.micro_batches` defaults to
-the accumulation steps, `torch_autocast` is the forward under autocast from fp32 parameters,
+the accumulation steps, `torch_autocast` is the forward under autocast from fp32 parameters
+(or bf16 ones beside bf16),
 `bf16.bf16_master_weights_and_grads` is bf16 masters (the partition trained in place),
 `zero_optimization.offload_param` applies at stage 3 only (DeepSpeed ignores it below),
 `compile.deepcompile` is torch.compile per block beside the run-time ZeRO,
@@ -20,7 +21,7 @@ from pathlib import Path
 
 import torch
 
-from shardwise.formulas.stages import partitions_parameters
+from shardwise.formulas.stages import partitions_optimizer, partitions_parameters
 from shardwise.frontends.deepspeed.config.data_efficiency import data_sampling_policy
 from shardwise.frontends.deepspeed.config.schema import OffloadConfig, ShardwiseConfig, ZenFlowConfig, ZeroConfig
 from shardwise.frontends.deepspeed.config.random_ltd import random_ltd_policy
@@ -49,6 +50,9 @@ from shardwise.runtime.zero.policy import (
 
 log = logging.getLogger("shardwise")
 
+# allgather_bucket_size 0: one all-gather of the whole partition (schema.py)
+UNBOUNDED_BUCKET = 2**62
+
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 # torch_autocast.dtype's spellings (DeepSpeed's DtypeEnum).
 AUTOCAST_DTYPES = {
@@ -65,7 +69,7 @@ def policies_from_config(cfg: ShardwiseConfig, *, sequence_sharded_by_caller: bo
         zero=zero_policy(cfg),
         precision=precision_policy(cfg),
         training=TrainingPolicy(cfg.train_micro_batch_size_per_gpu, cfg.gradient_accumulation_steps,
-                                cfg.gradient_clipping, cfg.max_consecutive_skipped_steps,
+                                max(cfg.gradient_clipping, 0.0), cfg.max_consecutive_skipped_steps,
                                 cfg.replica_check.interval),
         tensor=TensorPolicy(cfg.tensor_parallel.size,
                             cfg.tensor_parallel.sequence_parallel or cfg.sequence_parallel.mode == "megatron"),
@@ -104,14 +108,17 @@ def zero_policy(cfg: ShardwiseConfig) -> ZeroPolicy:
     return ZeroPolicy(
         stage=zero.stage,
         reduce_bucket_size=zero.reduce_bucket_size,
-        allgather_bucket_size=zero.allgather_bucket_size,
+        allgather_bucket_size=zero.allgather_bucket_size or UNBOUNDED_BUCKET,
         overlap_comm=bool(zero.overlap_comm),
         reduce_scatter=zero.reduce_scatter,
         sub_group_size=zero.sub_group_size,
         refuse_unused_parameters=refuses_unused_parameters(zero),
+        sum_gradients=cfg.gradient_allreduce_op == "sum",
         prefetch=PrefetchPolicy(zero.stage3_prefetch_bucket_size, zero.stage3_max_live_parameters,
                                 zero.stage3_max_reuse_distance, zero.stage3_param_persistence_threshold),
-        offload_optimizer=offload_policy(zero.offload_optimizer, cfg),
+        # stage 0 offloads nothing (find_ignored says so): the whole state stays on every rank
+        offload_optimizer=offload_policy(zero.offload_optimizer, cfg) if partitions_optimizer(zero.stage)
+        else OffloadPolicy(),
         offload_param=offload_policy(zero.offload_param, cfg) if partitions_parameters(zero.stage) else OffloadPolicy(),
         shard_size=zero.mics_shard_size if zero.mics_shard_size > 0 else None,
         gather_16bit_weights_on_save=zero.stage3_gather_16bit_weights_on_model_save,
@@ -169,6 +176,14 @@ def offload_policy(section: OffloadConfig, cfg: ShardwiseConfig) -> OffloadPolic
         getattr(section, "ratio", defaults.ratio), getattr(section, "buffer_size", defaults.buffer_size),
         aio.queue_depth if aio else defaults.queue_depth,
     )
+
+
+def scales_dynamically(cfg: ShardwiseConfig) -> bool:
+    """Whether the loss is scaled by DeepSpeed's dynamic scaler: fp16 (or fp16 autocast, as
+    DeepSpeed's GradScaler does) with `fp16.loss_scale` 0."""
+    autocast = cfg.torch_autocast
+    fp16_autocast = autocast.enabled and autocast.dtype is not None and AUTOCAST_DTYPES[autocast.dtype] == torch.float16
+    return (cfg.fp16.enabled or fp16_autocast) and cfg.fp16.loss_scale == 0
 
 
 def precision_policy(cfg: ShardwiseConfig) -> PrecisionPolicy:

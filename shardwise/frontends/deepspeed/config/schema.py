@@ -22,6 +22,8 @@ from shardwise.formulas.stages import STAGES, partitions_parameters
 from shardwise.frontends.deepspeed.config.data_efficiency import DataEfficiencyConfig
 from shardwise.frontends.deepspeed.config.fields import Bool, Float, Int, Section
 from shardwise.runtime.optim.registry import optimizer_spec
+from shardwise.runtime.optim.schedulers import SCHEDULERS
+from shardwise.runtime.optim.torch_by_name import torch_scheduler_class
 from shardwise.runtime.optim.torch_optimizers import constructor_kwargs, torch_class_name
 
 # fp16's largest finite value is 65504, just under 2**16.
@@ -38,11 +40,14 @@ class Fp16Config(Section):
     enabled: Bool = False
     auto_cast: Bool = False
     loss_scale: Float = Field(0.0, ge=0)
-    initial_scale_power: Int = Field(16, ge=0)
-    loss_scale_window: Int = Field(1000, ge=1)
-    hysteresis: Int = Field(2, ge=1)
+    # Their ranges matter only to dynamic loss scaling (config/checks.py
+    # `_dynamic_scaling_contradictions`): DeepSpeed 0.19.8 takes any value when fp16 is off or
+    # its scale static, and so does shardwise.
+    initial_scale_power: Int = 16
+    loss_scale_window: Int = 1000
+    hysteresis: Int = 2
     consecutive_hysteresis: Bool = False
-    min_loss_scale: Int = Field(1, gt=0)
+    min_loss_scale: Int = 1
 
     @field_validator("min_loss_scale", mode="before")
     @classmethod
@@ -53,22 +58,6 @@ class Fp16Config(Section):
             raise ValueError(f"{floor} is not a whole number: DeepSpeed 0.19.8 reads the dynamic loss scale's floor "
                              "as an integer and refuses a fraction too; give a whole number (its default is 1)")
         return floor
-
-    @field_validator("initial_scale_power")
-    @classmethod
-    def _bounded_scale_power(cls, power: int) -> int:
-        """A scale far above what fp16 gradients hold is not an error DeepSpeed reports: it
-        costs one skipped step per halving, silently, and past 2**1023 Python cannot even
-        compute it. The bound keeps the cost of a poor guess to a few dozen steps."""
-        if power > MAX_INITIAL_SCALE_POWER:
-            raise ValueError(
-                f"{power} is above {MAX_INITIAL_SCALE_POWER}: the loss is multiplied by 2**{power} in fp32, "
-                f"and fp16 gradients overflow above 2**{FP16_MAX_EXPONENT}, so every step overflows and is skipped, "
-                "each overflow halving the scale once (after fp16.hysteresis overflows are tolerated): about "
-                f"{power - FP16_MAX_EXPONENT} steps would be skipped before the first update. Use at most "
-                f"{MAX_INITIAL_SCALE_POWER} (DeepSpeed's default is 16)"
-            )
-        return power
 
 
 class Bf16Config(Section):
@@ -261,11 +250,21 @@ class ZeroConfig(Section):
                              "offload pages) that many at once; use a large value such as 1e9 for one sub-group")
         return size
 
-    @field_validator("reduce_bucket_size", "allgather_bucket_size")
+    @field_validator("reduce_bucket_size")
     @classmethod
     def _positive_bucket(cls, size: int) -> int:
         if size <= 0:
-            raise ValueError(f"bucket size {size} must be a positive number of elements")
+            raise ValueError(f"bucket size {size} must be a positive number of elements (DeepSpeed 0.19.8 refuses "
+                             "it too: \"Input should be greater than 0\")")
+        return size
+
+    @field_validator("allgather_bucket_size")
+    @classmethod
+    def _non_negative_gather_bucket(cls, size: int) -> int:
+        """0 is accepted as DeepSpeed 0.19.8 accepts it: its all-gather ignores the size (one
+        `all_gather_into_tensor` per group), and shardwise reads 0 as no bound."""
+        if size < 0:
+            raise ValueError(f"bucket size {size} must be a number of elements, or 0 for no bound")
         return size
 
     @model_validator(mode="after")
@@ -300,10 +299,20 @@ class OptimizerConfig(Section):
 
 
 class SchedulerConfig(Section):
-    """A learning-rate schedule stepped once per optimizer step."""
+    """A learning-rate schedule stepped once per optimizer step: one of DeepSpeed's
+    (runtime/optim/schedulers.py), or a `torch.optim.lr_scheduler` class by its exact name
+    (runtime/optim/torch_by_name.py), as DeepSpeed 0.19.8 builds one."""
 
-    type: Literal["WarmupLR", "WarmupDecayLR", "WarmupCosineLR", "OneCycle", "LRRangeTest"]
+    type: str
     params: dict[str, Any] = Field(default_factory=dict)
+
+    @field_validator("type")
+    @classmethod
+    def _known(cls, type_name: str) -> str:
+        if type_name not in SCHEDULERS and torch_scheduler_class(type_name) is None:
+            raise ValueError(f"no schedule {type_name!r}: use one of {', '.join(SCHEDULERS)}, or a "
+                             "torch.optim.lr_scheduler class by its exact name")
+        return type_name
 
 
 class ActivationCheckpointingConfig(Section):
@@ -673,7 +682,12 @@ class ShardwiseConfig(Section):
             "default_doc": "1, or train_batch_size / (train_micro_batch_size_per_gpu x data-parallel size)"
         },
     )
-    gradient_clipping: Float = 0.0
+    gradient_allreduce_op: Literal["mean", "sum"] = Field(
+        "mean", description="how gradients combine over the data-parallel ranks: their mean, or (DeepSpeed's "
+        "\"sum\") their sum, N times the mean over N ranks"
+    )
+    gradient_clipping: Float = Field(0.0, description="the maximum gradient norm; 0 or a negative value: no "
+                                     "clipping (DeepSpeed 0.19.8 clips only above 0)")
     max_consecutive_skipped_steps: Int = Field(
         3,
         ge=0,
@@ -682,7 +696,8 @@ class ShardwiseConfig(Section):
     )
     replica_check: ReplicaCheckConfig = Field(default_factory=ReplicaCheckConfig)
     auto_resume: AutoResumeConfig = Field(default_factory=AutoResumeConfig)
-    steps_per_print: Int = Field(10, ge=1)
+    steps_per_print: Int | None = Field(10, description="report progress every this many optimizer steps; null: "
+                                        "never; a negative value: every step, as DeepSpeed 0.19.8 does")
     dataloader_drop_last: Bool = Field(
         False, description="the data loader built by deepspeed.initialize(training_data=...) drops the last, "
         "incomplete micro-batch (and the sampler the samples that do not divide among the ranks)"
@@ -726,12 +741,20 @@ class ShardwiseConfig(Section):
             )
         return max_norm
 
-    @field_validator("gradient_clipping")
+    @field_validator("gradient_allreduce_op", mode="before")
     @classmethod
-    def _non_negative_clipping(cls, max_norm: float) -> float:
-        if max_norm < 0:
-            raise ValueError(f"{max_norm} is negative: give a maximum gradient norm, or 0 to disable clipping")
-        return max_norm
+    def _lower_case_op(cls, op: Any) -> Any:
+        """DeepSpeed 0.19.8 reads the operation in any letter case."""
+        return op.lower() if isinstance(op, str) else op
+
+    @field_validator("steps_per_print")
+    @classmethod
+    def _nonzero_print_interval(cls, interval: int | None) -> int | None:
+        """DeepSpeed 0.19.8 accepts 0 and then divides by it at the first step."""
+        if interval == 0:
+            raise ValueError("0 is no interval (DeepSpeed 0.19.8 accepts it, then fails at the first step with "
+                             "\"integer modulo by zero\"): give a number of steps, or null to print nothing")
+        return interval
 
     @field_validator("communication_data_type", mode="before")
     @classmethod

@@ -117,21 +117,21 @@ def test_stage_outside_zero_to_three():
 def test_ranges_and_types_are_checked_with_the_value_given():
     problems = problems_of({
         "train_batch_size": 8,
-        "gradient_clipping": -1.0,
         "zero_optimization": {"reduce_bucket_size": 0, "stage3_prefetch_bucket_size": 5.5, "contiguous_gradients": 1},
         "communication_data_type": "int8",
     })
     assert problems == [
-        "gradient_clipping: -1.0 is negative: give a maximum gradient norm, or 0 to disable clipping",
         "communication_data_type: 'int8' is not a communication data type: use fp32, fp16 or bf16",
         "zero_optimization.contiguous_gradients: Input should be a valid boolean (got 1)",
-        "zero_optimization.reduce_bucket_size: bucket size 0 must be a positive number of elements",
+        "zero_optimization.reduce_bucket_size: bucket size 0 must be a positive number of elements (DeepSpeed "
+        "0.19.8 refuses it too: \"Input should be greater than 0\")",
         "zero_optimization.stage3_prefetch_bucket_size: Input should be a valid integer, "
         "got a number with a fractional part (got 5.5)",
     ]
 
 
-OPTIMIZER_CHOICES = "Adam, AdamW, SGD, Adagrad, Lamb, Lars, Lion, Adafactor, Adam8bit, AdamW8bit, Muon, OneBitAdam, OneBitLamb, ZeroOneAdam"
+OPTIMIZER_CHOICES = ("Adam, AdamW, SGD, Adagrad, Lamb, Lars, Lion, Adafactor, Adam8bit, AdamW8bit, Muon, OneBitAdam, "
+                     "OneBitLamb, ZeroOneAdam, or a torch.optim class by its exact name")
 
 
 @pytest.mark.parametrize(
@@ -191,13 +191,14 @@ def test_nvme_offload_needs_a_path():
     ]
 
 
-@pytest.mark.parametrize(("zero", "expected"), [
-    ({"stage": 0, "offload_optimizer": {"device": "cpu"}},
-     "zero_optimization.offload_optimizer.device 'cpu' needs zero_optimization.stage 1, 2 or 3: stage 0 keeps "
-     "the whole optimizer state on every rank"),
-])
-def test_offload_needs_partitioned_states(zero, expected):
-    assert problems_of({"train_batch_size": 8, "zero_optimization": zero}) == [expected]
+@pytest.mark.parametrize("zero", [{"stage": 0, "offload_optimizer": {"device": "cpu"}}, {"cpu_offload": True}])
+def test_optimizer_offload_without_zero_is_ignored_with_a_warning(zero, caplog):
+    """DeepSpeed 0.19.8 accepts it at stage 0 and offloads nothing (its CPU Adam steps the
+    parameters where they are): stage 0 has no partition to offload."""
+    with caplog.at_level(logging.WARNING, logger="shardwise"):
+        cfg = load_config({"train_batch_size": 8, "zero_optimization": zero}, world_size=2)
+    assert policies_from_config(cfg).zero.offload_optimizer.device == "none"
+    assert "'zero_optimization.offload_optimizer.device' 'cpu' at zero_optimization.stage 0" in caplog.text
 
 
 def test_parameter_offload_below_stage_3_is_ignored_with_a_warning_as_in_deepspeed(caplog):
@@ -239,9 +240,24 @@ def test_auto_inside_deepspeeds_pydantic_blocks_is_the_default():
         100_000_000, 5)
 
 
-def test_deepspeed_name_and_its_alias_together():
-    assert problems_of({"train_batch_size": 8, "bf16": {"enabled": True}, "bfloat16": {"enabled": True}}) == [
-        "'bfloat16' and 'bf16' are both set; 'bfloat16' is DeepSpeed's other name for 'bf16', keep one"
+@pytest.mark.parametrize("old_name_enabled", [True, False])
+def test_bfloat16_beside_bf16_is_ignored_as_deepspeed_reads_bf16_first(old_name_enabled, caplog):
+    with caplog.at_level(logging.WARNING, logger="shardwise"):
+        cfg = load_config({"train_batch_size": 8, "bf16": {"enabled": not old_name_enabled},
+                           "bfloat16": {"enabled": old_name_enabled}}, world_size=1)
+    assert cfg.bf16.enabled is not old_name_enabled
+    assert "'bfloat16': 'bf16' is set too" in caplog.text
+
+
+def test_bfloat16_alone_is_bf16():
+    assert load_config({"train_batch_size": 8, "bfloat16": {"enabled": True}}, world_size=1).bf16.enabled
+
+
+def test_a_zero_alias_beside_its_name_is_still_refused():
+    assert problems_of({"train_batch_size": 8, "zero_optimization": {
+        "stage": 3, "prefetch_bucket_size": 10, "stage3_prefetch_bucket_size": 10}}) == [
+        "'zero_optimization.prefetch_bucket_size' and 'zero_optimization.stage3_prefetch_bucket_size' are both set; "
+        "'prefetch_bucket_size' is DeepSpeed's other name for 'stage3_prefetch_bucket_size', keep one"
     ]
 
 
