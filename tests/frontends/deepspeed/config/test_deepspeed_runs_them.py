@@ -16,6 +16,7 @@ from torch import nn
 from shardwise.frontends.deepspeed.config import ConfigError, load_config
 from shardwise.frontends.deepspeed.config.policies import policies_from_config
 from shardwise.tools.testing import run_distributed
+from tests.frontends.deepspeed.config.test_deepspeed_refuses import deepspeed_initialize_errors
 
 SGD = {"type": "SGD", "params": {"lr": 0.1}}
 
@@ -236,36 +237,11 @@ def test_bf16_under_bf16_autocast_runs_the_autocast_ops_in_fp32():
     assert autocast["losses"] == pytest.approx(plain["losses"], rel=2e-2)
 
 
-DEEPSPEED_SIDE = """
-import json, os, socket, sys, torch, deepspeed
-from deepspeed.accelerator import get_accelerator
-get_accelerator().is_fp16_supported = lambda: True  # the CPU's own refusal, which would hide the config's
-with socket.socket() as probe:  # a free port: two suites at once must not meet on one
-    probe.bind(("127.0.0.1", 0))
-    port = str(probe.getsockname()[1])
-os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", MASTER_ADDR="127.0.0.1", MASTER_PORT=port)
-deepspeed.init_distributed("gloo")
-errors = {}
-for name, config in json.loads(sys.argv[1]).items():
-    model = torch.nn.Linear(4, 4)
-    try:
-        deepspeed.initialize(model=model, model_parameters=model.parameters(), config=config)
-        errors[name] = None
-    except Exception as error:
-        errors[name] = f"{type(error).__name__}: {error}"
-print(json.dumps(errors), flush=True)
-os._exit(0)  # ZenFlow's worker thread, left running, aborts an ordinary exit
-"""
-
-
 @pytest.mark.skipif(not os.environ.get("DEEPSPEED_PYTHON"), reason="set DEEPSPEED_PYTHON to an interpreter with "
                     "DeepSpeed 0.19.8 to compare with it")
 def test_deepspeed_initializes_the_accepted_and_stricter_ones_and_refuses_the_rest():
     configs = {**ACCEPTED, **{name: config for name, (config, _, _) in {**STRICTER, **BOTH_REFUSE}.items()}}
-    ran = subprocess.run([os.environ["DEEPSPEED_PYTHON"], "-c", DEEPSPEED_SIDE, json.dumps(configs)],
-                         capture_output=True, text=True, timeout=300, env={**os.environ, "DS_ACCELERATOR": "cpu"})
-    assert ran.returncode == 0, ran.stderr[-3000:]
-    errors = json.loads(ran.stdout.strip().splitlines()[-1])
+    errors = deepspeed_initialize_errors(configs)
     assert {name: errors[name] for name in list(ACCEPTED) + list(STRICTER)} == dict.fromkeys(
         list(ACCEPTED) + list(STRICTER))
     for name, (_, _, words) in BOTH_REFUSE.items():
