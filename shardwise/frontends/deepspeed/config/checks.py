@@ -407,8 +407,9 @@ def find_data_types_contradictions(cfg: ShardwiseConfig, data_types: Any) -> lis
     - `param_dtype` must be the training dtype (`_assert_valid_mixed_precision_config`);
     - `grad_accum_dtype` equal to the training dtype is what shardwise does at every stage
       (gradients accumulate in the parameters' dtype), so it is honoured;
-    - `grad_accum_dtype` fp32 beside fp16/bf16: ZeRO 1-3 accumulate in fp32; without ZeRO
-      DeepSpeed refuses it ("unsupported mix of model_dtype and grad_accum_dtype");
+    - `grad_accum_dtype` fp32 beside fp16/bf16: refused without ZeRO, as DeepSpeed refuses
+      it ("unsupported mix of model_dtype and grad_accum_dtype"); under ZeRO accepted, with
+      the difference `data_types_differences` names;
     - a 16-bit `grad_accum_dtype` other than the training dtype: refused without ZeRO by
       DeepSpeed, and at every stage here, since shardwise accumulates in the training dtype."""
     if not isinstance(data_types, Mapping):
@@ -430,12 +431,27 @@ def find_data_types_contradictions(cfg: ShardwiseConfig, data_types: Any) -> lis
         problems.append(f"data_types.grad_accum_dtype '{data_types['grad_accum_dtype']}' with {precision}.enabled "
                         "at zero_optimization.stage 0: without ZeRO, gradients accumulate in the parameters' dtype "
                         f"({precision}), and DeepSpeed 0.19.8 refuses another (\"unsupported mix of model_dtype and "
-                        "grad_accum_dtype\"); remove data_types.grad_accum_dtype, or use zero_optimization.stage 1-3 "
-                        "to accumulate in fp32")
+                        "grad_accum_dtype\"); remove data_types.grad_accum_dtype")
     else:
         problems.append(f"data_types.grad_accum_dtype '{data_types['grad_accum_dtype']}' while training in "
-                        f"{precision}: shardwise accumulates gradients in the training dtype (or in fp32 under "
-                        "ZeRO), never in another 16-bit dtype, and DeepSpeed 0.19.8 refuses the mix without ZeRO "
+                        f"{precision}: shardwise accumulates gradients in the training dtype, never in another "
+                        "16-bit dtype, and DeepSpeed 0.19.8 refuses the mix without ZeRO "
                         f"(\"unsupported mix of model_dtype and grad_accum_dtype\"); use '{precision}' or remove "
                         "data_types.grad_accum_dtype")
     return problems
+
+
+def data_types_differences(cfg: ShardwiseConfig, data_types: Any) -> list[str]:
+    """What `data_types` asks that shardwise accepts but does differently from DeepSpeed
+    0.19.8: `grad_accum_dtype` fp32 beside fp16/bf16 under ZeRO, where DeepSpeed keeps fp32
+    gradient buffers and shardwise accumulates in the training dtype (its optimizer step
+    reads the gradients as fp32). It matters only when micro-batches accumulate."""
+    precision = "fp16" if cfg.fp16.enabled else "bf16" if cfg.bf16.enabled else "fp32"
+    if (not isinstance(data_types, Mapping) or precision == "fp32" or cfg.gradient_accumulation_steps == 1
+            or DATA_TYPE_NAMES.get(data_types.get("grad_accum_dtype")) != "fp32"
+            or not partitions_optimizer(cfg.zero_optimization.stage)):
+        return []
+    return [f"data_types.grad_accum_dtype '{data_types['grad_accum_dtype']}' with {precision}.enabled: shardwise "
+            f"adds up the {cfg.gradient_accumulation_steps} micro-batches' gradients in {precision}, where DeepSpeed "
+            f"0.19.8 adds them in fp32, so their sum can differ in {precision}'s last bits; remove the key to "
+            "silence this"]

@@ -17,6 +17,7 @@ from typing import Any
 from pydantic import ValidationError
 
 from shardwise.frontends.deepspeed.config.checks import (
+    data_types_differences,
     find_contradictions,
     find_data_types_contradictions,
     find_ignored,
@@ -83,6 +84,10 @@ def load_config(
     if problems:
         raise ConfigError(problems)
     warn_ignored(ignored + find_ignored(cfg))
+    differences = data_types_differences(cfg, raw.get("data_types"))
+    if differences:
+        log.warning("shardwise trains this config differently from DeepSpeed 0.19.8:\n%s",
+                    "\n".join(f"  - {line}" for line in differences))
     return cfg
 
 

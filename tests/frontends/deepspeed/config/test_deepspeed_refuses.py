@@ -103,6 +103,17 @@ def test_cpu_offload_alone_still_offloads():
         == "cpu"
 
 
+@pytest.mark.parametrize(("accumulation", "warned"), [(2, True), (1, False)])
+def test_fp32_accumulation_under_zero_is_accepted_and_its_difference_said(accumulation, warned, caplog):
+    """DeepSpeed adds micro-batches' gradients in fp32 there; shardwise in bf16, and says so
+    when there is more than one micro-batch to add."""
+    config = {"train_micro_batch_size_per_gpu": 1, "gradient_accumulation_steps": accumulation,
+              "bf16": {"enabled": True}, "zero_optimization": {"stage": 2}, "data_types": {"grad_accum_dtype": "fp32"}}
+    assert load_config(config, world_size=1).zero_optimization.stage == 2
+    said = "adds up the 2 micro-batches' gradients in bf16, where DeepSpeed 0.19.8 adds them in fp32"
+    assert (said in caplog.text) == warned
+
+
 DEEPSPEED_SIDE = """
 import json, os, socket, sys, torch, deepspeed
 from deepspeed.accelerator import get_accelerator
