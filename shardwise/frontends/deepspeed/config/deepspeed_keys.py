@@ -59,14 +59,11 @@ class Translated:
     """`convert(value)` returns {dotted shardwise key: value} to merge, or a refusal string.
     `replaced_by`: the key of the same block that DeepSpeed names as this deprecated key's
     replacement; it refuses the two together at any values (config_utils.py,
-    `_process_deprecated_field`), and so does shardwise. `yields`: the config's own setting of
-    the target wins, this key then ignored (DeepSpeed reads the target alone); otherwise
-    the two must agree."""
+    `_process_deprecated_field`), and so does shardwise."""
 
     target: str
     convert: Callable[[Any], dict[str, Any] | str]
     replaced_by: str = ""
-    yields: bool = False
 
 
 @dataclass(frozen=True)
@@ -149,14 +146,6 @@ def _pin_memory(value: Any) -> dict[str, Any] | str:
     return {"offload_optimizer.pin_memory": value}
 
 
-def _fp32_allreduce(value: Any) -> dict[str, Any] | str:
-    if value is True:
-        return {"communication_data_type": "fp32"}
-    if value is False:
-        return {}
-    return f"must be true or false, got {value!r}"
-
-
 def _sequence_parallel_size(value: Any) -> dict[str, Any] | str:
     if isinstance(value, bool) or not isinstance(value, int) or value < 1:
         return f"must be a positive integer, got {value!r}"
@@ -217,8 +206,9 @@ RULES: dict[str, dict[str, KeyRule]] = {
                                        "in a different order"),
         "gradient_predivide_factor": Accepted("splits DeepSpeed's division into one before and one after the "
                                               "sum; the average is the same, and shardwise divides before summing"),
-        # DeepSpeed 0.19.8 no longer reads fp32_allreduce; an explicit communication_data_type decides
-        "fp32_allreduce": Translated("communication_data_type", _fp32_allreduce, yields=True),
+        "fp32_allreduce": Ignored(_is(False), "DeepSpeed 0.19.8 no longer reads it: gradients are reduced in "
+                                  "communication_data_type (default: the training dtype), as there; set "
+                                  "\"communication_data_type\": \"fp32\" to reduce in fp32"),
         "sparse_gradients": Removed(_is(False), "sparse compression of dense embedding gradients; gradients "
                                     "are reduced dense: remove the key"),
         "disable_allgather": Ignored(_is(False), "DeepSpeed parses it and no code reads it: ZeRO 1-2 all-gather "

@@ -181,7 +181,7 @@ def _check_section(
 ) -> dict[str, Any]:
     aliases = ALIASES.get(path, {})
     cleaned: dict[str, Any] = {}
-    translations: dict[str, tuple[str, Any, bool]] = {}
+    translations: dict[str, tuple[str, Any]] = {}
     for key, value in raw.items():
         name = aliases.get(key, key)
         if name != key and raw.get(name) is not None and (path, key) in SHADOWED_ALIASES:
@@ -202,7 +202,7 @@ def _check_section(
             ignored.append(_describe_unknown_top_level(key))
         elif not is_comment(key, path):
             problems.append(_describe_unsupported(key, model, path))
-    _merge_translations(cleaned, translations, path, problems, ignored)
+    _merge_translations(cleaned, translations, path, problems)
     return cleaned
 
 
@@ -237,23 +237,20 @@ def _apply_rule(rule: KeyRule, key: str, value: Any, path: str, given: Mapping[s
         if isinstance(converted, str):
             problems.append(f"'{full}' {converted}")
             return {}
-        return {target: (full, setting, rule.yields) for target, setting in converted.items()}
+        return {target: (full, setting) for target, setting in converted.items()}
     return {}
 
 
-def _merge_translations(cleaned: dict[str, Any], translations: dict[str, tuple[str, Any, bool]], path: str,
-                        problems: list[str], ignored: list[str]) -> None:
+def _merge_translations(cleaned: dict[str, Any], translations: dict[str, tuple[str, Any]], path: str,
+                        problems: list[str]) -> None:
     """Move translated values to shardwise's keys unless the config also sets those keys
-    (then they must agree, or the translation yields to the key it would set)."""
-    for dotted, (source, value, yields) in translations.items():
+    (then they must agree)."""
+    for dotted, (source, value) in translations.items():
         *parents, leaf = dotted.split(".")
         node = cleaned
         for part in parents:
             node = node.setdefault(part, {})
-        if leaf in node and node[leaf] != value and yields:
-            ignored.append(f"'{source}' {json.dumps(value)}: '{join_key(path, dotted)}' is "
-                           f"{json.dumps(node[leaf])}, which DeepSpeed 0.19.8 reads instead")
-        elif leaf in node and node[leaf] != value:
+        if leaf in node and node[leaf] != value:
             problems.append(f"'{source}' asks for {join_key(path, dotted)} {json.dumps(value)} but "
                             f"'{join_key(path, dotted)}' is {json.dumps(node[leaf])}; keep one")
         else:

@@ -308,13 +308,19 @@ def test_bad_files(tmp_path):
 
 
 def test_older_deepspeed_spellings_are_translated_to_shardwise_keys():
-    cfg = load_config({"train_batch_size": 8, "fp32_allreduce": True, "sequence_parallel_size": 1,
+    cfg = load_config({"train_batch_size": 8, "sequence_parallel_size": 1,
                        "zero_optimization": {"stage": 2, "cpu_offload": True, "cpu_offload_use_pin_memory": True}},
                       world_size=2)
     assert cfg.zero_optimization.offload_optimizer.device == "cpu"
     assert cfg.zero_optimization.offload_optimizer.pin_memory is True
-    assert cfg.communication_data_type == "fp32"
     assert cfg.sequence_parallel.size == 1
+
+
+def test_fp32_allreduce_is_ignored_as_deepspeed_0_19_8_ignores_it(caplog):
+    """DeepSpeed 0.19.8's code never reads the key: it reduces in the training dtype."""
+    cfg = load_config({"train_batch_size": 8, "bf16": {"enabled": True}, "fp32_allreduce": True}, world_size=2)
+    assert cfg.communication_data_type is None
+    assert "'fp32_allreduce' true: DeepSpeed 0.19.8 no longer reads it" in caplog.text
 
 
 def test_harmless_keys_load_and_switched_on_features_are_refused_with_the_fix():

@@ -143,7 +143,7 @@ def test_what_is_ignored_is_said(caplog):
     assert "'zero_optimization.offload_optimizer.device' 'cpu' at zero_optimization.stage 0" in caplog.text
     assert "'zero_optimization' true: DeepSpeed's deprecated form" in caplog.text
     assert "'bfloat16': 'bf16' is set too" in caplog.text
-    assert "'communication_data_type' is \"fp16\", which DeepSpeed 0.19.8 reads instead" in caplog.text
+    assert "'fp32_allreduce' true: DeepSpeed 0.19.8 no longer reads it" in caplog.text
 
 
 @pytest.mark.parametrize("name", list(STRICTER) + list(BOTH_REFUSE))
