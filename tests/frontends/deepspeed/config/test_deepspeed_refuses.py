@@ -7,11 +7,11 @@ any config check, so that one device check is lifted in the subprocess)."""
 
 import json
 import os
-import subprocess
 
 import pytest
 
 from shardwise.frontends.deepspeed.config import ConfigError, load_config
+from tests.frontends.deepspeed.deepspeed_side import deepspeed_json
 
 ADAMW = {"type": "AdamW", "params": {"lr": 1e-3}}
 LAMB = {"type": "Lamb", "params": {"lr": 1e-3}}
@@ -140,10 +140,7 @@ def deepspeed_initialize_errors(configs: dict[str, dict]) -> dict[str, str | Non
     """Each config through DeepSpeed 0.19.8's `initialize` (DEEPSPEED_PYTHON, its CPU
     accelerator, its CPU-only fp16 refusal switched off): None where it initializes, else
     its error."""
-    ran = subprocess.run([os.environ["DEEPSPEED_PYTHON"], "-c", DEEPSPEED_SIDE, json.dumps(configs)],
-                         capture_output=True, text=True, timeout=300, env={**os.environ, "DS_ACCELERATOR": "cpu"})
-    assert ran.returncode == 0, ran.stderr[-3000:]
-    return json.loads(ran.stdout.strip().splitlines()[-1])
+    return deepspeed_json(DEEPSPEED_SIDE, json.dumps(configs))
 
 
 @pytest.mark.skipif(not os.environ.get("DEEPSPEED_PYTHON"), reason="set DEEPSPEED_PYTHON to an interpreter with "

@@ -7,7 +7,6 @@ DeepSpeed itself initializes every config of the first two kinds and refuses the
 import json
 import logging
 import os
-import subprocess
 
 import pytest
 import torch
@@ -17,6 +16,7 @@ from shardwise.frontends.deepspeed.config import ConfigError, load_config
 from shardwise.frontends.deepspeed.config.policies import policies_from_config
 from shardwise.tools.testing import run_distributed
 from tests.frontends.deepspeed.config.test_deepspeed_refuses import deepspeed_initialize_errors
+from tests.frontends.deepspeed.deepspeed_side import deepspeed_json
 
 SGD = {"type": "SGD", "params": {"lr": 0.1}}
 
@@ -286,10 +286,7 @@ print(json.dumps({"losses": losses, "dtype": str(loss.dtype)}))
 def test_deepspeed_trains_bf16_under_bf16_autocast_alike():
     config = {"train_micro_batch_size_per_gpu": 4, "bf16": BF16, "optimizer": SGD, "zero_optimization": {"stage": 2},
               "zero_allow_untested_optimizer": True, "torch_autocast": {"enabled": True, "dtype": "bf16"}}
-    ran = subprocess.run([os.environ["DEEPSPEED_PYTHON"], "-c", DEEPSPEED_AUTOCAST_SIDE, json.dumps(config)],
-                         capture_output=True, text=True, timeout=300, env={**os.environ, "DS_ACCELERATOR": "cpu"})
-    assert ran.returncode == 0, ran.stderr[-3000:]
-    deepspeed = json.loads(ran.stdout.strip().splitlines()[-1])
+    deepspeed = deepspeed_json(DEEPSPEED_AUTOCAST_SIDE, json.dumps(config))
     shardwise = run_distributed(_autocast_worker, 2, True, timeout=120)[0]
     assert deepspeed["dtype"] == "torch.float32"
     assert shardwise["losses"] == pytest.approx(deepspeed["losses"], rel=2e-2)

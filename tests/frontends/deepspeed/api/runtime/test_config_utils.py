@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import json
 import os
-import subprocess
 
 import pytest
 from pydantic import Field, ValidationError
@@ -21,6 +20,7 @@ from shardwise.frontends.deepspeed.api.runtime.config_utils import (
     get_scalar_param,
     pp_int,
 )
+from tests.frontends.deepspeed.deepspeed_side import deepspeed_json
 
 
 class Inner(DeepSpeedConfigModel):
@@ -75,9 +75,7 @@ print(json.dumps([json.dumps({"bucket": 500000000, "lr": 0.5, "on": True, "list"
 @pytest.mark.skipif(not os.environ.get("DEEPSPEED_PYTHON"), reason="set DEEPSPEED_PYTHON to an interpreter with "
                     "DeepSpeed installed (benchmarks/zero3_vs_fsdp2_deepspeed.py's docstring shows one)")
 def test_printing_equals_deepspeeds():
-    run = subprocess.run([os.environ["DEEPSPEED_PYTHON"], "-c", DEEPSPEED_SIDE], capture_output=True, text=True,
-                         check=True, timeout=300, env={**os.environ, "DS_ACCELERATOR": "cpu"})
-    printed, holder = json.loads(run.stdout.strip().splitlines()[-1])
+    printed, holder = deepspeed_json(DEEPSPEED_SIDE)
     assert printed == json.dumps({"bucket": 500000000, "lr": 0.5, "on": True, "list": [1, 20000]}, indent=2,
                                  cls=ScientificNotationEncoder)
     ours = DeepSpeedConfigObject()

@@ -9,7 +9,6 @@ import argparse
 import json
 import os
 import pickle
-import subprocess
 import zipfile
 from types import SimpleNamespace
 
@@ -21,6 +20,7 @@ from shardwise.frontends.deepspeed.api.runtime.checkpoint_engine import (
     CheckpointEngine,
     TorchCheckpointEngine,
 )
+from tests.frontends.deepspeed.deepspeed_side import deepspeed_json
 
 
 def _state() -> dict:
@@ -120,11 +120,7 @@ def test_deepspeeds_engine_reads_our_files_and_we_read_its(tmp_path, config):
     engine = TorchCheckpointEngine(None if config is None else SimpleNamespace(checkpoint_config=config))
     ours, theirs = tmp_path / "ours.pt", tmp_path / "theirs.pt"
     engine.save(_state(), str(ours))
-    ran = subprocess.run([os.environ["DEEPSPEED_PYTHON"], "-c", DEEPSPEED_ROUND_TRIP, str(ours), str(theirs),
-                          json.dumps(config)], capture_output=True, text=True, timeout=600,
-                         env={**os.environ, "DS_ACCELERATOR": "cpu"})
-    assert ran.returncode == 0, ran.stderr[-3000:]
-    read = json.loads(ran.stdout.strip().splitlines()[-1])
+    read = deepspeed_json(DEEPSPEED_ROUND_TRIP, str(ours), str(theirs), json.dumps(config), timeout=600)
     assert read == {"weight": _state()["module"]["weight"].tolist(), "steps": 7}
     assert zipfile.is_zipfile(theirs) is zipfile.is_zipfile(ours)  # the same format for the same config
     loaded = engine.load(str(theirs))

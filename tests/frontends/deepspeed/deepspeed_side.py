@@ -1,0 +1,17 @@
+"""Running a script under DeepSpeed 0.19.8's own interpreter (DEEPSPEED_PYTHON, on its CPU
+accelerator), for the tests that compare shardwise's answers with DeepSpeed's."""
+
+import json
+import os
+import subprocess
+from typing import Any
+
+
+def deepspeed_json(script: str, *args: str, timeout: float = 300, python: str | None = None) -> Any:
+    """The JSON value `script` prints on its last line, run with `args` under DEEPSPEED_PYTHON
+    (or `python`: the same script under another interpreter); fails on a non-zero exit,
+    showing the end of its stderr."""
+    ran = subprocess.run([python or os.environ["DEEPSPEED_PYTHON"], "-c", script, *args], capture_output=True,
+                         text=True, timeout=timeout, env={**os.environ, "DS_ACCELERATOR": "cpu"})
+    assert ran.returncode == 0, ran.stderr[-3000:]
+    return json.loads(ran.stdout.strip().splitlines()[-1])
