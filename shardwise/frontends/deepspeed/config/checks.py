@@ -414,7 +414,7 @@ def find_data_types_contradictions(cfg: ShardwiseConfig, data_types: Any) -> lis
       DeepSpeed, and at every stage here, since shardwise accumulates in the training dtype."""
     if not isinstance(data_types, Mapping):
         return []
-    precision = "fp16" if cfg.fp16.enabled else "bf16" if cfg.bf16.enabled else "fp32"
+    precision = _training_precision(cfg)
     problems = []
     param = DATA_TYPE_NAMES.get(data_types.get("param_dtype"))
     if param is not None and param != precision:
@@ -446,7 +446,7 @@ def data_types_differences(cfg: ShardwiseConfig, data_types: Any) -> list[str]:
     0.19.8: `grad_accum_dtype` fp32 beside fp16/bf16 under ZeRO, where DeepSpeed keeps fp32
     gradient buffers and shardwise accumulates in the training dtype (its optimizer step
     reads the gradients as fp32). It matters only when micro-batches accumulate."""
-    precision = "fp16" if cfg.fp16.enabled else "bf16" if cfg.bf16.enabled else "fp32"
+    precision = _training_precision(cfg)
     if (not isinstance(data_types, Mapping) or precision == "fp32" or cfg.gradient_accumulation_steps == 1
             or DATA_TYPE_NAMES.get(data_types.get("grad_accum_dtype")) != "fp32"
             or not partitions_optimizer(cfg.zero_optimization.stage)):
@@ -455,3 +455,8 @@ def data_types_differences(cfg: ShardwiseConfig, data_types: Any) -> list[str]:
             f"adds up the {cfg.gradient_accumulation_steps} micro-batches' gradients in {precision}, where DeepSpeed "
             f"0.19.8 adds them in fp32, so their sum can differ in {precision}'s last bits; remove the key to "
             "silence this"]
+
+
+def _training_precision(cfg: ShardwiseConfig) -> str:
+    """The training dtype under `data_types`' names: "fp16", "bf16" or "fp32"."""
+    return "fp16" if cfg.fp16.enabled else "bf16" if cfg.bf16.enabled else "fp32"

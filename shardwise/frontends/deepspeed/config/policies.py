@@ -23,6 +23,7 @@ import torch
 
 from shardwise.formulas.stages import partitions_optimizer, partitions_parameters
 from shardwise.frontends.deepspeed.config.data_efficiency import data_sampling_policy
+from shardwise.frontends.deepspeed.config.deepspeed_keys import DATA_TYPE_NAMES
 from shardwise.frontends.deepspeed.config.schema import OffloadConfig, ShardwiseConfig, ZenFlowConfig, ZeroConfig
 from shardwise.frontends.deepspeed.config.random_ltd import random_ltd_policy
 from shardwise.frontends.deepspeed.config.sparse_attention import SparseLayout
@@ -55,11 +56,7 @@ UNBOUNDED_BUCKET = 2**62
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 # torch_autocast.dtype's spellings (DeepSpeed's DtypeEnum).
-AUTOCAST_DTYPES = {
-    **dict.fromkeys(("bf16", "bfloat16", "torch.bfloat16"), torch.bfloat16),
-    **dict.fromkeys(("fp16", "float16", "half", "torch.float16"), torch.float16),
-    **dict.fromkeys(("fp32", "float32", "float", "torch.float32"), torch.float32),
-}
+AUTOCAST_DTYPES = {spelling: DTYPES[name] for spelling, name in DATA_TYPE_NAMES.items()}
 
 
 def policies_from_config(cfg: ShardwiseConfig, *, sequence_sharded_by_caller: bool = False) -> Policies:

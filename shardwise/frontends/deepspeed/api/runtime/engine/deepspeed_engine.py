@@ -38,6 +38,8 @@ from shardwise.frontends.deepspeed.api.utils.repeating_loader import RepeatingLo
 from shardwise.frontends.deepspeed.api.utils.timer import ThroughputTimer
 from shardwise.frontends.deepspeed.api.utils.zero_to_fp32 import RECOVERY_SCRIPT
 from shardwise.frontends.deepspeed.config import ShardwiseConfig
+from shardwise.frontends.deepspeed.config.deepspeed_keys import DATA_TYPE_NAMES
+from shardwise.frontends.deepspeed.config.policies import DTYPES
 from shardwise.frontends.deepspeed.engine import ConfiguredEngine
 from shardwise.runtime.data.curriculum_loader import CurriculumDataLoader
 from shardwise.runtime.data.random_ltd import RandomLayerTokenDrop, RandomLTDState
@@ -147,10 +149,10 @@ class DeepSpeedEngine(ConfiguredEngine):
 
     def get_data_types(self) -> tuple[torch.dtype, torch.dtype]:
         """(the training dtype, the dtype gradients accumulate in): the config's
-        `data_types.grad_accum_dtype` (fp32 is the one shardwise accepts), else the training dtype."""
+        `data_types.grad_accum_dtype` in any of DeepSpeed's spellings, else the training dtype."""
         model = torch.float16 if self.fp16_enabled() else torch.bfloat16 if self.bfloat16_enabled() else torch.float32
-        accumulate = (self.script_config.get("data_types") or {}).get("grad_accum_dtype")
-        return model, torch.float32 if accumulate in ("fp32", "float32") else model
+        accumulate = DATA_TYPE_NAMES.get((self.script_config.get("data_types") or {}).get("grad_accum_dtype"))
+        return model, DTYPES[accumulate] if accumulate is not None else model
 
     def get_mom(self) -> list[Any]:
         """Each param group's momentum for an optimizer named SGD or RMSprop, else its betas
