@@ -15,3 +15,14 @@ def deepspeed_json(script: str, *args: str, timeout: float = 300, python: str | 
                          text=True, timeout=timeout, env={**os.environ, "DS_ACCELERATOR": "cpu"})
     assert ran.returncode == 0, ran.stderr[-3000:]
     return json.loads(ran.stdout.strip().splitlines()[-1])
+
+
+# A script's lines that make it rank 0 of 1 on a free port, before `init_distributed`
+# (two suites at once must not meet on one port).
+ONE_RANK = """
+import os, socket
+with socket.socket() as probe:
+    probe.bind(("127.0.0.1", 0))
+    port = str(probe.getsockname()[1])
+os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", MASTER_ADDR="127.0.0.1", MASTER_PORT=port)
+"""

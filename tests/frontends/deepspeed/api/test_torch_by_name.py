@@ -16,7 +16,7 @@ from torch import nn
 
 from shardwise.frontends.deepspeed.config import ConfigError, load_config
 from shardwise.tools.testing import run_distributed
-from tests.frontends.deepspeed.deepspeed_side import deepspeed_json
+from tests.frontends.deepspeed.deepspeed_side import ONE_RANK, deepspeed_json
 
 STEPS = 4
 ROWS = 2  # per rank and step
@@ -173,10 +173,7 @@ import json, os, socket, sys, importlib, torch
 from torch import nn
 deepspeed = importlib.import_module(sys.argv[1])
 configs = json.loads(sys.argv[2])
-with socket.socket() as probe:  # a free port: two suites at once must not meet on one
-    probe.bind(("127.0.0.1", 0))
-    port = str(probe.getsockname()[1])
-os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", MASTER_ADDR="127.0.0.1", MASTER_PORT=port)
+""" + ONE_RANK + """
 deepspeed.init_distributed("gloo")
 results = {}
 for name, config in configs.items():

@@ -11,7 +11,7 @@ import os
 import pytest
 
 from shardwise.frontends.deepspeed.config import ConfigError, load_config
-from tests.frontends.deepspeed.deepspeed_side import deepspeed_json
+from tests.frontends.deepspeed.deepspeed_side import ONE_RANK, deepspeed_json
 
 ADAMW = {"type": "AdamW", "params": {"lr": 1e-3}}
 LAMB = {"type": "Lamb", "params": {"lr": 1e-3}}
@@ -118,10 +118,7 @@ DEEPSPEED_SIDE = """
 import json, os, socket, sys, torch, deepspeed
 from deepspeed.accelerator import get_accelerator
 get_accelerator().is_fp16_supported = lambda: True  # the CPU's own refusal, which would hide the config's
-with socket.socket() as probe:  # a free port: two suites at once must not meet on one
-    probe.bind(("127.0.0.1", 0))
-    port = str(probe.getsockname()[1])
-os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", MASTER_ADDR="127.0.0.1", MASTER_PORT=port)
+""" + ONE_RANK + """
 deepspeed.init_distributed("gloo")
 errors = {}
 for name, config in json.loads(sys.argv[1]).items():

@@ -16,7 +16,7 @@ from shardwise.frontends.deepspeed.config import ConfigError, load_config
 from shardwise.frontends.deepspeed.config.policies import policies_from_config
 from shardwise.tools.testing import run_distributed
 from tests.frontends.deepspeed.config.test_deepspeed_refuses import deepspeed_initialize_errors
-from tests.frontends.deepspeed.deepspeed_side import deepspeed_json
+from tests.frontends.deepspeed.deepspeed_side import ONE_RANK, deepspeed_json
 
 SGD = {"type": "SGD", "params": {"lr": 0.1}}
 
@@ -252,10 +252,7 @@ def test_deepspeed_initializes_the_accepted_and_stricter_ones_and_refuses_the_re
 DEEPSPEED_AUTOCAST_SIDE = """
 import json, os, socket, sys, torch, deepspeed
 from torch import nn
-with socket.socket() as probe:
-    probe.bind(("127.0.0.1", 0))
-    port = str(probe.getsockname()[1])
-os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", MASTER_ADDR="127.0.0.1", MASTER_PORT=port)
+""" + ONE_RANK + """
 deepspeed.init_distributed("gloo")
 class LossInside(nn.Module):
     def __init__(self):

@@ -25,7 +25,7 @@ from shardwise.frontends.deepspeed.api.runtime.fp16.unfused_optimizer import FP1
 from shardwise.frontends.deepspeed.api.runtime.zero.stage3 import DeepSpeedZeroOptimizer_Stage3
 from shardwise.frontends.deepspeed.api.runtime.zero.stage_1_and_2 import DeepSpeedZeroOptimizer
 from shardwise.tools.testing import run_distributed
-from tests.frontends.deepspeed.deepspeed_side import deepspeed_json
+from tests.frontends.deepspeed.deepspeed_side import ONE_RANK, deepspeed_json
 
 WRAPPERS = (BF16_Optimizer, FP16_Optimizer, FP16_UnfusedOptimizer, DeepSpeedZeroOptimizer,
             DeepSpeedZeroOptimizer_Stage3)
@@ -110,10 +110,7 @@ DEEPSPEED_WRAPPERS = """
 import json, os, socket, sys, torch, deepspeed
 from deepspeed.ops.adam import FusedAdam
 from deepspeed.pipe import PipelineModule
-with socket.socket() as probe:  # a free port: two suites at once must not meet on one
-    probe.bind(("127.0.0.1", 0))
-    port = str(probe.getsockname()[1])
-os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", MASTER_ADDR="127.0.0.1", MASTER_PORT=port)
+""" + ONE_RANK + """
 deepspeed.init_distributed()
 names = []
 for config, client, pipeline in json.loads(sys.argv[1]):

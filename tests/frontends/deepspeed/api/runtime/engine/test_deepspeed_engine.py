@@ -15,7 +15,7 @@ import pytest
 import torch
 
 import shardwise.frontends.deepspeed.api as deepspeed
-from tests.frontends.deepspeed.deepspeed_side import deepspeed_json
+from tests.frontends.deepspeed.deepspeed_side import ONE_RANK, deepspeed_json
 
 
 def _config(stage: int, precision: str | None = None, accumulation: int = 1, offload: tuple[str, ...] = (),
@@ -171,10 +171,7 @@ def test_communication_data_type_can_be_set_to_the_configured_one_only():
 DEEPSPEED_ANSWERS = """
 import json, os, socket, sys, torch, deepspeed
 """ + inspect.getsource(_answers) + """
-with socket.socket() as probe:  # a free port: two suites at once must not meet on one
-    probe.bind(("127.0.0.1", 0))
-    port = str(probe.getsockname()[1])
-os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", MASTER_ADDR="127.0.0.1", MASTER_PORT=port)
+""" + ONE_RANK + """
 deepspeed.init_distributed()
 cases, names = json.loads(sys.argv[1]), json.loads(sys.argv[2])
 rows = []
