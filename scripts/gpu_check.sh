@@ -7,11 +7,13 @@
 #   tests    python3 -m pytest tests/gpu (JUnit report)                          75 s
 #   train    the main job, `shardwise train --nproc 1`, against its first steps   60 s
 #            on this machine's CPU and a stored CPU curve (benchmarks/gpu/train_job.py)
-#   speed    GPT MFU at the largest size that fits (formulas, not trials):      170 s
+#   speed    GPT MFU at the largest size that fits (formulas, not trials):      145 s
 #            ZeRO stage 0 and 3, eager and compiled, and plain PyTorch
 #            (benchmarks/gpu/gpt_speed.py, sizes from benchmarks/gpu/gpt_sizes.py)
 #   kernels  flex block-sparse attention vs dense at 8k, compiled block vs       60 s
 #            eager, fused operators (benchmarks/gpu/kernels.py)
+#   optim    LAMB and 8-bit AdamW on their Triton kernels vs fused AdamW, their   35 s
+#            torch path, bitsandbytes and apex where installed (benchmarks/gpu/optimizers.py)
 #   memory   CUDA peak and fragmentation per recomputation policy, with and      40 s
 #            without the contiguous checkpoint buffer (benchmarks/gpu/recompute_memory.py)
 #   offload  the largest GPT with the optimizer on the CPU, then on NVMe with    60 s
@@ -34,7 +36,7 @@
 #
 #   grep -v '^#' scripts/gpu_wheels.txt | xargs python3 -m pip download --no-deps \
 #       --only-binary=:all: --python-version 3.12 --implementation cp \
-#       --platform manylinux_2_28_x86_64 --platform manylinux_2_17_x86_64 \
+#       --platform manylinux_2_28_x86_64 --platform manylinux_2_24_x86_64 --platform manylinux_2_17_x86_64 \
 #       --platform manylinux2014_x86_64 --platform any -d .whl
 #
 # This script installs them (pip --target $WORK/site, no index) when pydantic is missing,
@@ -51,7 +53,7 @@
 #
 # Settings (environment):
 #   OUT                          results folder (required)
-#   SHARDWISE_GPU_CHECKS         checks to run, in order (default: all six above)
+#   SHARDWISE_GPU_CHECKS         checks to run, in order (default: all seven above)
 #   SHARDWISE_GPU_CHECK_SECONDS  total budget (default 480; 1800 in the CPU rehearsal)
 #   SHARDWISE_GPU_CHECK_CPU=1    the CPU rehearsal (--toy sizes)
 #   SHARDWISE_GPU_CHECK_WORK     scratch folder (default ${TMPDIR:-/tmp}/shardwise-gpu-check);
@@ -65,12 +67,12 @@ REPO=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
 cd "$REPO" || exit 2
 : "${OUT:?set OUT to the folder for the results}"
 REHEARSAL=${SHARDWISE_GPU_CHECK_CPU:-0}
-CHECKS=${SHARDWISE_GPU_CHECKS:-tests train speed kernels memory offload}
+CHECKS=${SHARDWISE_GPU_CHECKS:-tests train speed kernels optim memory offload}
 if [[ $REHEARSAL == 1 ]]; then TOTAL=${SHARDWISE_GPU_CHECK_SECONDS:-1800}; else TOTAL=${SHARDWISE_GPU_CHECK_SECONDS:-480}; fi
 WORK=${SHARDWISE_GPU_CHECK_WORK:-${TMPDIR:-/tmp}/shardwise-gpu-check}
 MARGIN=15  # seconds kept for the summary, the combined files and the archive
 GRACE=10   # a benchmark plans to end within its budget; the hard stop comes this much later
-declare -A NOMINAL=([tests]=75 [train]=60 [speed]=170 [kernels]=60 [memory]=40 [offload]=60)
+declare -A NOMINAL=([tests]=75 [train]=60 [speed]=145 [kernels]=60 [optim]=35 [memory]=40 [offload]=60)
 START=$(date +%s)
 END=$((START + TOTAL - MARGIN))
 
@@ -178,6 +180,7 @@ command_for() {  # the check's command line, given its budget
         train)   echo "$PY benchmarks/gpu/train_job.py ${TOY[*]} --budget $budget --out-dir $WORK/runs --json-out $WORK/train.json" ;;
         speed)   echo "$PY benchmarks/gpu/gpt_speed.py ${TOY[*]} --budget $budget --json-out $WORK/speed.json" ;;
         kernels) echo "$PY benchmarks/gpu/kernels.py ${TOY[*]} --budget $budget --json-out $WORK/kernels.json" ;;
+        optim)   echo "$PY benchmarks/gpu/optimizers.py ${TOY[*]} --budget $budget --json-out $WORK/optim.json" ;;
         memory)  echo "$PY benchmarks/gpu/recompute_memory.py ${TOY[*]} --budget $budget --json-out $WORK/memory.json" ;;
         offload) echo "$PY benchmarks/gpu/offload_scale.py ${TOY[*]} --budget $budget --baseline $WORK/speed.json --nvme-path $(nvme_path) --json-out $WORK/offload.json" ;;
     esac

@@ -26,7 +26,8 @@ sys.path.insert(0, str(GPU_BENCHMARKS))
 import gpt_sizes  # noqa: E402
 import summarize  # noqa: E402
 
-SCRIPTS = ("train_job", "gpt_speed", "kernels", "recompute_memory", "offload_scale", "gpt_sizes", "summarize")
+SCRIPTS = ("train_job", "gpt_speed", "kernels", "optimizers", "recompute_memory", "offload_scale", "gpt_sizes",
+           "summarize")
 
 
 def run_main(module_name: str, argv: list[str], capsys: pytest.CaptureFixture[str]) -> tuple[int, str]:
@@ -114,6 +115,19 @@ def test_memory_benchmark_toy_run(tmp_path, capsys):
     assert set(result["runs"]) == {"none", "full", "full+contiguous"}
     none, full = result["runs"]["none"], result["runs"]["full"]
     assert full["engine_activations"]["total"] < none["engine_activations"]["total"]
+
+
+def test_optimizer_benchmark_toy_run(tmp_path, capsys):
+    """On the CPU the optimizers take their native kernels, Triton's off: the run, the
+    agreement check and the ratios are what the GPU's will be."""
+    out = tmp_path / "optim.json"
+    status, printed = run_main("optimizers", ["--toy", "--device", "cpu", "--json-out", str(out)], capsys)
+    result = json.loads(out.read_text())
+    assert status == 0 and result["status"] == "PASS", printed
+    assert result["triton_kernels"] is False
+    ran = {name for name, run in result["variants"].items() if run["outcome"] == "ok"}
+    assert {"fused_adamw", "lamb_triton", "lamb_torch", "adamw8bit_triton", "adamw8bit_torch"} <= ran
+    assert all(error < 1e-5 for error in result["agreement"].values())
 
 
 def test_speed_benchmark_runs_one_toy_variant(capsys):

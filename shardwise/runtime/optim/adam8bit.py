@@ -17,6 +17,9 @@ decoupled (p <- p (1 - lr wd)) for both classes: `Adam8bit` and `AdamW8bit` diff
 in their default weight decay. This differs from torch.optim.Adam, whose weight decay is
 an L2 term added to the gradient.
 
+On CPU fp32 tensors step in the native kernels (optim/native.py), on a GPU in a Triton
+kernel (optim/triton_kernels.py), each one pass per block; elsewhere the torch path below.
+
 Checkpoints save the moments dequantised, as fp32 per element (`Adam8bitCodec`), so they
 reshard like Adam's; a loaded piece keeps fp32 moments until its next step quantises them.
 """
@@ -34,7 +37,7 @@ from typing import Any, Iterable, NamedTuple
 import torch
 
 from shardwise.runtime.optim.closure import closure_loss
-from shardwise.runtime.optim import native
+from shardwise.runtime.optim import native, triton_gate
 from shardwise.runtime.optim.layout import PaddedRows, flat, parameter_shapes, params_with_grad
 from shardwise.runtime.optim.params import check_betas, param
 from shardwise.runtime.optim.quantization import (BLOCK, CELL_SHIFT, Codebook, block_absmax, codebook, decade_rounding,
@@ -190,6 +193,8 @@ class Adam8bit(ShardAwareOptimizer):
         blocks = PaddedRows.of(shard, BLOCK)
         quantised = self._native_step(param, state, blocks, hyper)
         if quantised is None:
+            quantised = self._triton_step(param, state, blocks, hyper)
+        if quantised is None:
             exp_avg, exp_avg_sq = self._moments(state)
             quantised = _step_and_quantise(flat(param), flat(param.grad), exp_avg, exp_avg_sq, shard.start, hyper,
                                            _codebooks(param.device))
@@ -233,6 +238,29 @@ class Adam8bit(ShardAwareOptimizer):
             native.threads())
         return coded[0], coded[1], edges[0], coded[2], coded[3], edges[1]
 
+    def _triton_step(self, param: torch.Tensor, state: dict, blocks: PaddedRows,
+                     hyper: _Hyper) -> tuple[torch.Tensor, ...] | None:
+        """The step in one pass per block on a GPU (optim/triton_kernels.py), codes
+        rewritten in place; returns what `_step_and_quantise` does, or None where the
+        kernel does not apply (not fp32 GPU tensors, or Triton missing)."""
+        if not triton_gate.takes(param, param.grad):
+            return None
+        moments = coded = None
+        if "exp_avg" in state:
+            moments = tuple(state[key] for key, _ in MOMENTS)
+            if not (triton_gate.takes(*moments) and all(t.numel() == blocks.numel for t in moments)):
+                return None
+        else:
+            coded = tuple(tensor for key, _ in MOMENTS for tensor in self._coded(state, key))
+            if not (all(t.device == param.device and t.is_contiguous() for t in coded)
+                    and _kernel_sizes_fit(coded, blocks)):
+                return None
+        lr, beta1, beta2, eps, decay, correction1, correction2 = hyper
+        return triton_gate.kernels().adam8bit_step(
+            param.view(-1), param.grad.view(-1), moments=moments, coded=coded, offset=blocks.offset,
+            rows=blocks.rows, lr=lr, beta1=beta1, beta2=beta2, eps=eps, decay=decay, correction1=correction1,
+            correction2=correction2)
+
     @staticmethod
     def _coded(state: dict, key: str) -> tuple[torch.Tensor, torch.Tensor]:
         """A moment's codes (as bytes: torch's load_state_dict casts state to the
@@ -260,10 +288,15 @@ def _on_cpu_in_fp32(param: torch.Tensor) -> bool:
 
 
 def _kernel_takes(coded: list[torch.Tensor], blocks: PaddedRows) -> bool:
-    """Whether the kernel takes a piece's (codes, scales) of both moments as they are."""
+    """Whether the native kernel takes a piece's (codes, scales) of both moments as they are."""
+    return native.takes(*coded) and _kernel_sizes_fit(coded, blocks)
+
+
+def _kernel_sizes_fit(coded: tuple[torch.Tensor, ...] | list[torch.Tensor], blocks: PaddedRows) -> bool:
+    """Whether a piece's (codes, scales) of both moments have the sizes and scale dtype
+    the kernels (native and Triton) write in place."""
     m_codes, m_absmax, v_codes, v_absmax = coded
-    return (native.takes(*coded) and m_codes.numel() == v_codes.numel() == blocks.numel
-            and m_absmax.numel() == v_absmax.numel() == blocks.rows
+    return (m_codes.numel() == v_codes.numel() == blocks.numel and m_absmax.numel() == v_absmax.numel() == blocks.rows
             and m_absmax.dtype == v_absmax.dtype == torch.float32)
 
 

@@ -12,8 +12,10 @@ and the ratio is 1 when either norm is zero. Under ZeRO the two norms are of who
 parameters: each rank adds up its pieces and one small all-reduce over the shard group
 completes them (optim/sharded.py).
 
-Speed: by default each operation is one multi-tensor (foreach) kernel over a param group,
-about ten passes over memory per step. `compile=True` (optim/compiled.py) runs two
+Speed: fp32 tensors on the CPU step in two native passes (optim/native.py), on a GPU in
+the same two passes as Triton kernels (optim/triton_kernels.py). Otherwise each operation
+is one multi-tensor (foreach) kernel over a param group, about ten passes over memory per
+step. `compile=True` (optim/compiled.py) runs two
 compiled loops per tensor instead: moments and both squared norms in one pass, then the
 weight update (recomputed, not stored) in a second; measured 3-4x torch's fused AdamW per
 element against 8-12x eager (BENCHMARKS.md), the norms being the reduction in between.
@@ -28,7 +30,7 @@ from typing import Iterable
 import torch
 
 from shardwise.runtime.optim.closure import closure_loss
-from shardwise.runtime.optim import native
+from shardwise.runtime.optim import native, triton_gate
 from shardwise.runtime.optim.compiled import kernel
 from shardwise.runtime.optim.params import check_betas, param
 from shardwise.runtime.optim.registry import OptimizerSpec, register_optimizer
@@ -71,6 +73,11 @@ class Lamb(ShardAwareOptimizer):
             self._advance(group_params, group)
             if _native(group_params, self.state):  # updates are recomputed when applied, not kept
                 squares.append(self._native_moments_and_squares(group_params, group))
+            elif self._on_triton(group_params):  # the same two passes on a GPU
+                beta1, beta2 = group["betas"]
+                squares.append(triton_gate.kernels().lamb_moments_and_squares(
+                    group_params, *self._columns(group_params, "grad", "exp_avg", "exp_avg_sq"), beta1=beta1,
+                    beta2=beta2, **_constants(group)))
             elif group.get("compile", False):
                 beta1, beta2 = group["betas"]
                 squares.append(torch.stack([
@@ -95,6 +102,10 @@ class Lamb(ShardAwareOptimizer):
             scales = [-_step_size(group, step) * ratio for step, ratio in zip(steps, ratios.tolist())]
             if _native(group_params, self.state):
                 self._native_apply(group_params, group, scales)
+                continue
+            if self._on_triton(group_params):
+                triton_gate.kernels().lamb_apply(group_params, *self._columns(group_params, "exp_avg", "exp_avg_sq"),
+                                                 scales, **_constants(group))
                 continue
             if group.get("compile", False):
                 for param, scale in zip(group_params, scales):
@@ -134,6 +145,16 @@ class Lamb(ShardAwareOptimizer):
             state = self.state[param]
             run(param.data_ptr(), state["exp_avg"].data_ptr(), state["exp_avg_sq"].data_ptr(), param.numel(), scale,
                 group["eps"], group["weight_decay"], group["eps_inside_sqrt"], native.threads())
+
+    def _on_triton(self, params: list[torch.Tensor]) -> bool:
+        """Whether a group steps in the Triton kernels (optim/triton_gate.py): GPU fp32
+        tensors, all contiguous."""
+        return all(triton_gate.takes(p, p.grad, self.state[p]["exp_avg"], self.state[p]["exp_avg_sq"])
+                   for p in params)
+
+    def _columns(self, params: list[torch.Tensor], *keys: str) -> list[list[torch.Tensor]]:
+        """Per key, the group's tensors of it: the gradients (`grad`) or a state entry."""
+        return [[param.grad if key == "grad" else self.state[param][key] for param in params] for key in keys]
 
     def _tensors(self, param: torch.Tensor) -> tuple[torch.Tensor, ...]:
         """A kernel's tensors; the weight detached, as a plain tensor: Dynamo would compile
