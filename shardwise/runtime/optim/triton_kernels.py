@@ -25,6 +25,7 @@ run on CPU tensors, which is how the test suite checks them on machines without 
 
 from __future__ import annotations
 
+import contextlib
 import functools
 
 import torch
@@ -83,11 +84,21 @@ def _lamb_apply_kernel(param, exp_avg, exp_avg_sq, numel, scale, eps, weight_dec
 def _encode(x, absmax, below, boundary, CELL_SHIFT: tl.constexpr, CELL_MASK: tl.constexpr, TINY: tl.constexpr):
     """The nearest code of x / absmax (a tie to the smaller), by the rounding cells of
     optim/quantization.py's `codebook`."""
-    scaled = x * tl.div_rn(1.0, tl.maximum(absmax, tl.full([], TINY, tl.float32)))  # fp32 bound: Triton 3.6's
-    # interpreter would widen a bare float to fp64
+    # the bound as an fp32 value (Triton 3.6's interpreter widens a bare float to fp64); a NaN
+    # scale stays NaN, as torch's clamp keeps it
+    bound = tl.maximum(absmax, tl.full([], TINY, tl.float32), propagate_nan=tl.PropagateNan.ALL)
+    scaled = x * tl.div_rn(1.0, bound)
     cells = (scaled.to(tl.int32, bitcast=True) >> CELL_SHIFT) & CELL_MASK
     codes = tl.load(below + cells).to(tl.int32)
     return codes + (scaled > tl.load(boundary + cells)).to(tl.int32)
+
+
+@triton.jit
+def _nan_propagating_absmax(x):
+    """The block's largest |x|, NaN if any element is, as torch's amax (a GPU's max
+    reduction would skip NaNs, leaving a NaN moment coded against a finite scale)."""
+    largest = tl.max(tl.abs(x), axis=0)
+    return tl.where(tl.sum((x != x).to(tl.int32), axis=0) > 0, float("nan"), largest)
 
 
 @triton.jit
@@ -116,8 +127,8 @@ def _adam8bit_kernel(param, grad, m_codes, m_absmax, v_codes, v_absmax, m_fp32, 
         w = w * decay_factor
     w = w + step_scale * tl.div_rn(m, tl.div_rn(tl.sqrt_rn(v), correction2) + eps)
     tl.store(param + element, w, mask=inside)
-    m_max = tl.max(tl.abs(m), axis=0)
-    v_max = tl.max(tl.abs(v), axis=0)
+    m_max = _nan_propagating_absmax(m)
+    v_max = _nan_propagating_absmax(v)
     tl.store(m_absmax + row, m_max)
     tl.store(v_absmax + row, v_max)
     tl.store(m_codes + element, _encode(m, m_max, m_below, m_boundary, CELL_SHIFT, CELL_MASK, TINY).to(tl.uint8),
@@ -140,12 +151,14 @@ def lamb_moments_and_squares(params: list[torch.Tensor], grads: list[torch.Tenso
     blocks = [triton.cdiv(p.numel(), LAMB_BLOCK) for p in params]
     partial = torch.empty(sum(blocks), 2, dtype=torch.float32, device=params[0].device)
     start = 0
-    for param, grad, exp_avg, exp_avg_sq, count in zip(params, grads, exp_avgs, exp_avg_sqs, blocks):
-        if count:
-            _lamb_moments_and_squares_kernel[(count,)](
-                param, grad, exp_avg, exp_avg_sq, partial[start:], param.numel(), 1.0 - beta1, beta2, 1.0 - beta2,
-                eps, weight_decay, EPS_INSIDE_SQRT=eps_inside_sqrt, DECAY=weight_decay != 0.0, BLOCK=LAMB_BLOCK)
-        start += count
+    with _on(partial.device):
+        for param, grad, exp_avg, exp_avg_sq, count in zip(params, grads, exp_avgs, exp_avg_sqs, blocks):
+            if count:
+                _lamb_moments_and_squares_kernel[(count,)](
+                    param, grad, exp_avg, exp_avg_sq, partial[start:], param.numel(), 1.0 - beta1, beta2,
+                    1.0 - beta2, eps, weight_decay, EPS_INSIDE_SQRT=eps_inside_sqrt, DECAY=weight_decay != 0.0,
+                    BLOCK=LAMB_BLOCK)
+            start += count
     owner = torch.repeat_interleave(torch.arange(len(params), device=partial.device),
                                     torch.tensor(blocks, device=partial.device))
     return torch.zeros(len(params), 2, dtype=torch.float64, device=partial.device).index_add_(0, owner,
@@ -155,12 +168,13 @@ def lamb_moments_and_squares(params: list[torch.Tensor], grads: list[torch.Tenso
 def lamb_apply(params: list[torch.Tensor], exp_avgs: list[torch.Tensor], exp_avg_sqs: list[torch.Tensor],
                scales: list[float], *, eps: float, weight_decay: float, eps_inside_sqrt: bool) -> None:
     """LAMB's pass 2: w += scale · update per tensor, the update computed again."""
-    for param, exp_avg, exp_avg_sq, scale in zip(params, exp_avgs, exp_avg_sqs, scales):
-        count = triton.cdiv(param.numel(), LAMB_BLOCK)
-        if count:
-            _lamb_apply_kernel[(count,)](param, exp_avg, exp_avg_sq, param.numel(), scale, eps, weight_decay,
-                                         EPS_INSIDE_SQRT=eps_inside_sqrt, DECAY=weight_decay != 0.0,
-                                         BLOCK=LAMB_BLOCK)
+    with _on(params[0].device if params else torch.device("cpu")):
+        for param, exp_avg, exp_avg_sq, scale in zip(params, exp_avgs, exp_avg_sqs, scales):
+            count = triton.cdiv(param.numel(), LAMB_BLOCK)
+            if count:
+                _lamb_apply_kernel[(count,)](param, exp_avg, exp_avg_sq, param.numel(), scale, eps, weight_decay,
+                                             EPS_INSIDE_SQRT=eps_inside_sqrt, DECAY=weight_decay != 0.0,
+                                             BLOCK=LAMB_BLOCK)
 
 
 def adam8bit_step(param: torch.Tensor, grad: torch.Tensor, *, moments: tuple[torch.Tensor, torch.Tensor] | None,
@@ -180,11 +194,12 @@ def adam8bit_step(param: torch.Tensor, grad: torch.Tensor, *, moments: tuple[tor
     edges = torch.zeros(2, 2, QUANTISATION_BLOCK, device=device)
     m_fp32, v_fp32 = moments if moments is not None else (param, param)  # not read without FROM_FP32
     if rows:
-        _adam8bit_kernel[(rows,)](
-            param, grad, m_codes, m_absmax, v_codes, v_absmax, m_fp32, v_fp32, edges, *_device_book(True, device),
-            *_device_book(False, device), numel, offset, rows, beta1, 1.0 - beta1, beta2, 1.0 - beta2, eps,
-            1.0 - lr * decay, correction2, -lr / correction1, FROM_FP32=moments is not None, DECAY=decay > 0.0,
-            CELL_SHIFT=CELL_SHIFT, CELL_MASK=CELL_MASK, TINY=TINY_SCALE, BLOCK=QUANTISATION_BLOCK)
+        with _on(device):
+            _adam8bit_kernel[(rows,)](
+                param, grad, m_codes, m_absmax, v_codes, v_absmax, m_fp32, v_fp32, edges, *_device_book(True, device),
+                *_device_book(False, device), numel, offset, rows, beta1, 1.0 - beta1, beta2, 1.0 - beta2, eps,
+                1.0 - lr * decay, correction2, -lr / correction1, FROM_FP32=moments is not None, DECAY=decay > 0.0,
+                CELL_SHIFT=CELL_SHIFT, CELL_MASK=CELL_MASK, TINY=TINY_SCALE, BLOCK=QUANTISATION_BLOCK)
     return m_codes, m_absmax, edges[0], v_codes, v_absmax, edges[1]
 
 
@@ -193,3 +208,8 @@ def _device_book(signed: bool, device: torch.device) -> tuple[torch.Tensor, torc
     """A code's values and rounding tables on `device`, copied there once per process."""
     book = codebook(signed)
     return book.values.to(device), book.below.to(device), book.boundary.to(device)
+
+
+def _on(device: torch.device) -> contextlib.AbstractContextManager:
+    """Triton launches on the current CUDA device: the tensors' own, for the call."""
+    return torch.cuda.device(device) if device.type == "cuda" else contextlib.nullcontext()

@@ -14,7 +14,7 @@ import pytest
 pytest.importorskip("triton", reason="Triton installs on Linux x86-64 (the dev extra); the kernels run on GPUs")
 
 CASES = Path(__file__).with_name("triton_interpreted.py")
-CASE_COUNT = 12  # the parametrised cases in triton_interpreted.py
+CASE_COUNT = 13  # the parametrised cases in triton_interpreted.py
 
 
 def test_the_kernels_compute_what_the_torch_path_does_under_the_interpreter():

@@ -148,3 +148,24 @@ def test_zero_pieces_on_the_triton_kernels_train_as_on_the_torch_path(interprete
     assert interpreted.calls["adam8bit_step"] == 3 * 5  # 5 pieces, every step (the first from fp32 moments)
     for param, twin in zip(mine, reference):
         assert ((param - twin).norm() / twin.norm()).item() < 1e-3
+
+
+def test_a_nan_gradient_spoils_its_block_as_on_the_torch_path(interpreted):
+    """A NaN gradient makes its block's absmax NaN, as torch's amax does (a GPU's max
+    reduction alone would skip it), and leaves the other blocks alone."""
+    generator = torch.Generator().manual_seed(2)
+    param, grad = torch.randn(600, generator=generator), torch.randn(600, generator=generator)
+    grad[300] = float("nan")  # block 1 of the piece's three
+    moments = torch.zeros(600), torch.zeros(600)
+    hyper = _Hyper(lr=0.01, beta1=0.9, beta2=0.999, eps=1e-8, decay=0.0, correction1=0.1,
+                   correction2=math.sqrt(1 - 0.999))
+    reference_param = param.clone()
+    expected = _step_and_quantise(reference_param, grad, *(t.clone() for t in moments), 0, hyper,
+                                  (codebook(True), codebook(False)))
+    mine_param = param.clone()
+    result = interpreted.adam8bit_step(mine_param, grad, moments=tuple(t.clone() for t in moments), coded=None,
+                                       offset=0, rows=3, lr=0.01, beta1=0.9, beta2=0.999, eps=1e-8, decay=0.0,
+                                       correction1=0.1, correction2=math.sqrt(1 - 0.999))
+    torch.testing.assert_close(mine_param, reference_param, rtol=1e-6, atol=1e-8, equal_nan=True)
+    for k in (0, 1):
+        assert result[3 * k + 1].isnan().tolist() == expected[3 * k + 1].isnan().tolist() == [False, True, False]
