@@ -369,12 +369,20 @@ class AdafactorParams:
     d: float = param(1.0, ge=1)
     weight_decay: float = param(0.0, ge=0)
     maximize: bool = False
+    foreach: bool | None = param(None, description="torch's choice between its multi-tensor and per-tensor "
+                                 "loops, which compute the same: accepted, and shardwise's kernels step either way")
+
+
+def _build(groups: list[dict], params: dict) -> Adafactor:
+    """`foreach` is torch.optim.Adafactor's, accepted from a config that names it, not an
+    argument of `Adafactor`."""
+    return Adafactor(groups, **{key: value for key, value in params.items() if key != "foreach"})
 
 
 # torch's Adafactor steps by lr x RMS(w) and decays by lr x weight_decay per step: the main
 # job's AdamW settings do not carry over.
 register_optimizer(OptimizerSpec(
-    "Adafactor", AdafactorParams, lambda groups, params: Adafactor(groups, **params),
+    "Adafactor", AdafactorParams, _build,
     fp32_states=lambda params: adafactor_fp32_states(REFERENCE_SIDE, REFERENCE_SIDE),
     codec=AdafactorCodec(), per_parameter=True,
     main_job_params=lambda adamw, steps: {"lr": 3e-2, "weight_decay": 0.01},

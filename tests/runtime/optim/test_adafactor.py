@@ -90,6 +90,16 @@ def test_adafactor_from_a_deepspeed_config_holds_rows_plus_columns():
     assert expected < 0.25 * 4 * engine.num_parameters()  # vs 4 bytes per element unfactored
 
 
+def test_a_config_naming_torch_adafactors_foreach_is_accepted():
+    """DeepSpeed builds torch.optim.Adafactor from {"type": "Adafactor"} and passes it the
+    params, `foreach` among them: accepted, stepping the same."""
+    engine = step_once_in_process({**CONFIG, "params": {**CONFIG.get("params", {}), "foreach": True}}, stage=2)
+    reference = step_once_in_process(CONFIG, stage=2)
+    assert isinstance(engine.optimizer.optimizer, Adafactor)
+    for mine, theirs in zip(engine.module.parameters(), reference.module.parameters()):
+        assert torch.equal(mine, theirs)
+
+
 def test_adafactor_state_is_checkpointed_and_resharded(tmp_path):
     saved, resumed, expected = save_then_resume(tmp_path, CONFIG)
     assert_resume_matches(saved[0], resumed, expected, 1e-5)
