@@ -9,10 +9,13 @@ into fp32 gradient buffers, so a sum of micro-batches keeps the bits a 16-bit su
   (1 + 2^-8 + 2^-8 + 0 in bf16 is 1): the window's reduced gradient, and the master after
   an SGD step with learning rate 1, are the fp32 sum, at every stage, in bf16 and fp16
   (whose loss scaler unscales that sum), with the optimizer on the device, the host or NVMe;
-- memory_breakdown() counts 4-byte gradient buffers, to the byte of the formula.
+- memory_breakdown() counts 4-byte gradient buffers, to the byte of the formula;
+- with DEEPSPEED_PYTHON, DeepSpeed 0.19.8 itself ends those rounding gradients in the same
+  fp32 sum at stages 1-3, and trains a small bf16 network to shardwise's losses.
 """
 
 import copy
+import os
 
 import pytest
 import torch
@@ -21,6 +24,7 @@ from torch import nn
 import shardwise
 from shardwise.formulas.memory import model_state_bytes
 from shardwise.tools.testing import run_distributed
+from tests.frontends.deepspeed.deepspeed_side import ONE_RANK, deepspeed_json
 from tests.runtime.zero.workers import (Case, assert_matches_reference, build_model, global_batch, make_optimizer,
                                         model_loss, train_parallel)
 
@@ -147,3 +151,82 @@ def test_the_window_gradient_is_the_fp32_sum(stage, dtype, offload, tmp_path):
             assert torch.equal(result["masters"][(start, stop)], torch.full_like(grad, -fp32_sum))
             owned += stop - start
     assert owned == ELEMENTS
+
+
+# DeepSpeed 0.19.8 itself, one rank on its CPU accelerator: the same rounding gradients
+# (stage 1 is its BF16_Optimizer, stages 2-3 its ZeRO optimizers) end in the fp32 sum, and
+# a small bf16 network trained over 4 micro-batches has shardwise's losses.
+DEEPSPEED_SIDE = ONE_RANK + """
+import json, sys, torch, deepspeed
+deepspeed.init_distributed("gloo")
+given = torch.load(sys.argv[1])
+answers = {"masters": {}, "losses": {}}
+for stage in given["rounding_stages"]:
+    model = torch.nn.Module()
+    model.w = torch.nn.Parameter(torch.zeros(given["elements"]))
+    model.forward = lambda x, model=model: (model.w * x.to(model.w.dtype)).sum()
+    engine, *_ = deepspeed.initialize(model=model, optimizer=torch.optim.SGD(model.parameters(), lr=1.0),
+                                      config=given["rounding"][stage])
+    for value in given["values"]:
+        engine.backward(engine(torch.full((given["elements"],), value)))
+        engine.step()
+    answers["masters"][stage] = deepspeed.utils.safe_get_full_fp32_param(model.w).tolist()
+for stage, config in given["training"].items():
+    model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.Tanh(), torch.nn.Linear(16, 4))
+    model.load_state_dict(given["state"])
+    engine, *_ = deepspeed.initialize(model=model, optimizer=torch.optim.AdamW(model.parameters(), lr=1e-2, eps=1e-4),
+                                      config=config)
+    losses = []
+    for x, y in given["batches"]:
+        loss = torch.nn.functional.mse_loss(engine(x.bfloat16()), y.bfloat16())
+        engine.backward(loss)
+        engine.step()
+        losses.append(loss.float().item())
+    answers["losses"][stage] = losses
+print(json.dumps(answers))
+"""
+
+
+def small_network_config(stage: int) -> dict:
+    return {"train_micro_batch_size_per_gpu": 2, "gradient_accumulation_steps": 4, "bf16": {"enabled": True},
+            "gradient_clipping": 0.0,  # DeepSpeed's default clips at 1
+            "zero_optimization": {"stage": stage, "stage3_param_persistence_threshold": 0},
+            "zero_allow_untested_optimizer": True, **FP32_ACCUMULATION}
+
+
+def train_small_network(rank: int, world_size: int, given: dict, stage: int) -> list[float]:
+    model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.Tanh(), torch.nn.Linear(16, 4))
+    model.load_state_dict(given["state"])
+    engine = shardwise.initialize(model, small_network_config(stage),
+                                  optimizer=torch.optim.AdamW(model.parameters(), lr=1e-2, eps=1e-4))
+    losses = []
+    for x, y in given["batches"]:
+        loss = torch.nn.functional.mse_loss(engine(x.bfloat16()), y.bfloat16())
+        engine.backward(loss)
+        engine.step()
+        losses.append(loss.float().item())
+    return losses
+
+
+@pytest.mark.skipif(not os.environ.get("DEEPSPEED_PYTHON"),
+                    reason="set DEEPSPEED_PYTHON to an interpreter with DeepSpeed 0.19.8 to compare with it")
+def test_deepspeed_accumulates_the_same(tmp_path):
+    torch.manual_seed(0)
+    state = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.Tanh(), torch.nn.Linear(16, 4)).state_dict()
+    batches = [(torch.randn(2, 8), torch.randn(2, 4)) for _ in range(12)]  # 3 steps of 4 micro-batches
+    small = SMALL["bf16"]
+    rounding = {stage: {"train_micro_batch_size_per_gpu": 1, "gradient_accumulation_steps": 4,
+                        "bf16": {"enabled": True}, "zero_allow_untested_optimizer": True, "gradient_clipping": 0.0,
+                        "zero_optimization": {"stage": stage, "stage3_param_persistence_threshold": 0},
+                        **FP32_ACCUMULATION} for stage in (1, 2, 3)}
+    given = {"elements": ELEMENTS, "values": [1.0, small, small, 0.0], "rounding_stages": [1, 2, 3],
+             "rounding": rounding, "state": state, "batches": batches,
+             "training": {stage: small_network_config(stage) for stage in (1, 2, 3)}}
+    torch.save(given, tmp_path / "given.pt")
+    theirs = deepspeed_json(DEEPSPEED_SIDE, str(tmp_path / "given.pt"), timeout=600)
+    for stage, master in theirs["masters"].items():
+        assert master == [-(1.0 + 2 * small) / 4] * ELEMENTS, f"stage {stage}"
+    for stage in (1, 2, 3):
+        ours = run_distributed(train_small_network, 1, {"state": state, "batches": batches}, stage)[0]
+        for step, (got, want) in enumerate(zip(ours, theirs["losses"][str(stage)])):
+            assert abs(got - want) <= 2e-2 * abs(want), f"stage {stage} micro-batch {step}: {got} vs DeepSpeed's {want}"
