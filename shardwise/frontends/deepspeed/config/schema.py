@@ -93,8 +93,11 @@ class DataTypesConfig(Section):
     training dtype again (DeepSpeed refuses any other). config/checks.py holds both against
     the precision the config trains in."""
 
-    grad_accum_dtype: DtypeName | None = None
-    param_dtype: DtypeName | None = None
+    grad_accum_dtype: DtypeName | None = Field(None, json_schema_extra={
+        "default_doc": "the training dtype; fp32 beside bf16/fp16 (ZeRO stages 1-3): micro-batch gradients summed "
+                       "in fp32"})
+    param_dtype: DtypeName | None = Field(None, json_schema_extra={"default_doc": "the training dtype (the only "
+                                                                   "value accepted)"})
 
 
 class TorchAutocastConfig(Section):
