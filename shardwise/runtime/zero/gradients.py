@@ -40,6 +40,17 @@ micro-batches in place; parameters that got no gradient in the window are zeroed
 their unit is reduced. Stages 2-3 must reduce every micro-batch, since they only keep a
 partition.
 
+fp32 accumulation beside 16-bit training (`accumulation_dtype` fp32, DeepSpeed's
+`data_types.grad_accum_dtype`): the store's buffers are fp32, and autograd's gradient keeps
+the parameter's dtype. Stages 0-1: `.grad` cannot be a view of an fp32 buffer, so each
+micro-batch's gradient is added into it by the hook and released (DeepSpeed's BF16_Optimizer
+and its stage-1 `grad_accum` do the same per parameter); at the boundary the buffer is cast
+to the communication dtype for the reduce-scatter, as DeepSpeed casts its fp32 sums for its
+all-reduce, and the owned chunk is written back in fp32. Stages 2-3 reduce each micro-batch
+from the bucket as before and the store adds the reduced chunk into its fp32 partition
+(DeepSpeed's stage 2 and 3 likewise). In the training dtype nothing of this runs: `.grad`
+is the buffer's view, with no copy.
+
 ZeRO++'s qgZ (`plus_plus.quantized_gradients`, stage 3) replaces hop 1's reduce-scatter by
 two all-to-alls carrying int4, inside the node then across nodes, summed in fp32
 (distributed/quantized_collectives.py); the owned chunk it yields is the reduce-scatter's.
