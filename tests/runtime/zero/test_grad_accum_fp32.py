@@ -9,6 +9,8 @@ into fp32 gradient buffers, so a sum of micro-batches keeps the bits a 16-bit su
   (1 + 2^-8 + 2^-8 + 0 in bf16 is 1): the window's reduced gradient, and the master after
   an SGD step with learning rate 1, are the fp32 sum, at every stage, in bf16 and fp16
   (whose loss scaler unscales that sum), with the optimizer on the device, the host or NVMe;
+- fp16 gradients whose 16-bit sum overflows are stepped at stages 2-3: the overflow check
+  sees the finite fp32 sum;
 - memory_breakdown() counts 4-byte gradient buffers, to the byte of the formula;
 - with DEEPSPEED_PYTHON, DeepSpeed 0.19.8 itself ends those rounding gradients in the same
   fp32 sum at stages 1-3, and trains a small bf16 network to shardwise's losses.
@@ -108,8 +110,10 @@ class Dot(nn.Module):
         return (self.w * x.to(self.w.dtype)).sum()
 
 
-def accumulate_rounding_gradients(rank: int, world_size: int, dtype: str, stage: int, offload: str,
-                                  nvme_path: str) -> dict:
+def accumulate_gradients(rank: int, world_size: int, dtype: str, stage: int, offload: str, nvme_path: str,
+                         values: list[float]) -> dict:
+    """Four micro-batches whose gradients are `values` times the loss scale over 4, then an
+    SGD step with learning rate 1 from w = 0: the window's reduced gradient, the masters."""
     zero = {"stage": stage, "stage3_param_persistence_threshold": 0}
     if offload != "none":
         zero["offload_optimizer"] = {"device": offload, "nvme_path": nvme_path}
@@ -118,8 +122,7 @@ def accumulate_rounding_gradients(rank: int, world_size: int, dtype: str, stage:
               "zero_optimization": zero, **FP32_ACCUMULATION}
     model = Dot()
     engine = shardwise.initialize(model, config, optimizer=torch.optim.SGD(model.parameters(), lr=1.0))
-    small = SMALL[dtype]
-    for micro, value in enumerate([1.0, small, small, 0.0]):
+    for micro, value in enumerate(values):
         engine.backward(engine(torch.full((ELEMENTS,), value)))
         if micro < 3:
             engine.step()
@@ -127,7 +130,7 @@ def accumulate_rounding_gradients(rank: int, world_size: int, dtype: str, stage:
     grads = {(owned.start, owned.stop): owned.grad.float().clone() for owned in engine.zero.owned_ranges()}
     engine.step()
     masters = {(owned.start, owned.stop): owned.master.float().clone() for owned in engine.zero.owned_ranges()}
-    return {"grads": grads, "masters": masters, "scale": engine.loss_scaler.scale}
+    return {"grads": grads, "masters": masters, "scale": engine.loss_scaler.scale, "values": values}
 
 
 # Offloaded at stages 2-3, each micro-batch's reduced 16-bit chunk was already added into the
@@ -139,10 +142,26 @@ def accumulate_rounding_gradients(rank: int, world_size: int, dtype: str, stage:
     (1, "bf16", "cpu"), (1, "fp16", "nvme"), (3, "fp16", "cpu"),
 ])
 def test_the_window_gradient_is_the_fp32_sum(stage, dtype, offload, tmp_path):
-    results = run_distributed(accumulate_rounding_gradients, 2, dtype, stage, offload, str(tmp_path))
     small = SMALL[dtype]
-    fp32_sum = (1.0 + 2 * small) / 4  # the loss is divided by the 4 micro-batches
     assert torch.tensor(1.0 + small, dtype=getattr(torch, {"bf16": "bfloat16", "fp16": "float16"}[dtype])) == 1.0
+    assert_fp32_sum(run_distributed(accumulate_gradients, 2, dtype, stage, offload, str(tmp_path),
+                                    [1.0, small, small, 0.0]))
+
+
+@pytest.mark.parametrize("stage", [2, 3])
+def test_an_fp16_sum_beyond_fp16_is_stepped(stage, tmp_path):
+    """Four fp16 gradients of 40000: their fp16 sum is inf (above 65504), so without fp32
+    accumulation the loss scaler would skip the step; in fp32 the overflow check sees a
+    finite sum and the step unscales it. (Stage 1 casts its fp32 sum to the communication
+    dtype, fp16, for the reduce-scatter, as DeepSpeed casts its own for its reduction: a
+    rank's sum above 65504 overflows there.)"""
+    assert_fp32_sum(run_distributed(accumulate_gradients, 2, "fp16", stage, "none", str(tmp_path), [40000.0] * 4))
+
+
+def assert_fp32_sum(results: list[dict]) -> None:
+    """Every rank's reduced gradient is the micro-batches' fp32 sum (with its loss scale),
+    and the SGD step moved the masters by that sum, unscaled."""
+    fp32_sum = sum(results[0]["values"]) / 4  # the loss is divided by the 4 micro-batches
     owned = 0
     for result in results:
         for (start, stop), grad in result["grads"].items():
