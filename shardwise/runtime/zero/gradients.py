@@ -46,7 +46,7 @@ the parameter's dtype. Stages 0-1: `.grad` cannot be a view of an fp32 buffer, s
 micro-batch's gradient is added into it by the hook and released (DeepSpeed's BF16_Optimizer
 and its stage-1 `grad_accum` do the same per parameter); at the boundary the buffer is cast
 to the communication dtype for the reduce-scatter, as DeepSpeed casts its fp32 sums for its
-all-reduce, and the owned chunk is written back in fp32. Stages 2-3 reduce each micro-batch
+boundary reduction, and the owned chunk is written back in fp32. Stages 2-3 reduce each micro-batch
 from the bucket as before and the store adds the reduced chunk into its fp32 partition
 (DeepSpeed's stage 2 and 3 likewise). In the training dtype nothing of this runs: `.grad`
 is the buffer's view, with no copy.
