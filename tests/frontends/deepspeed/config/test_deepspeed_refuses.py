@@ -117,6 +117,16 @@ def test_fp32_accumulation_under_zero_is_honoured_without_a_warning(spelling, ca
     assert "grad_accum_dtype" not in caplog.text
 
 
+def test_fp32_accumulation_beside_bf16_masters_is_refused():
+    """bf16.bf16_master_weights_and_grads keeps bf16 gradients for the bf16 masters: there is
+    no fp32 gradient to accumulate into."""
+    config = {"train_micro_batch_size_per_gpu": 1, "zero_optimization": {"stage": 2},
+              "bf16": {"enabled": True, "bf16_master_weights_and_grads": True},
+              "data_types": {"grad_accum_dtype": "fp32"}}
+    with pytest.raises(ConfigError, match="the bf16 masters take bf16 gradients"):
+        load_config(config, world_size=1)
+
+
 DEEPSPEED_SIDE = """
 import json, os, socket, sys, torch, deepspeed
 from deepspeed.accelerator import get_accelerator
