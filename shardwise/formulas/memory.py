@@ -262,7 +262,7 @@ def validate_placement(stage: int, offload: Offload) -> None:
 
 
 def model_state_terms(stage: int, offload: Offload, dtype: str, optimizer_state_bytes: int,
-                      own_terms: OwnStateTerms | None = None) -> list[StateTerm]:
+                      own_terms: OwnStateTerms | None = None, *, grad_dtype: str | None = None) -> list[StateTerm]:
     """The per-rank model-state formula as summands, each placed on a device.
 
     Without offload these are exactly the rows of docs/formulas.md#model-states-per-rank. With the optimizer offloaded
@@ -276,7 +276,9 @@ def model_state_terms(stage: int, offload: Offload, dtype: str, optimizer_state_
     copy of the weight partition to update, so one is added beside it.
 
     `own_terms`: an optimizer's own summands (1-bit Adam / LAMB), which keep every state on
-    the device.
+    the device. `grad_dtype`: the dtype gradients accumulate in when it is not the training
+    dtype (DeepSpeed's `data_types.grad_accum_dtype` fp32 beside bf16/fp16): the device's
+    gradient buffers take its g bytes per element instead of p (docs/formulas.md#fp32-gradient-accumulation).
     """
     if own_terms is not None:
         if offload != NO_OFFLOAD:
@@ -284,16 +286,17 @@ def model_state_terms(stage: int, offload: Offload, dtype: str, optimizer_state_
         return own_terms(stage, dtype)
     validate_placement(stage, offload)
     p = element_bytes(dtype)
+    g = element_bytes(grad_dtype or dtype)
     gpu: Device = "gpu"
     param_device: Device = gpu if offload.params == "none" else offload.params
     terms = [StateTerm("params", "params", param_device, p, sharded=partitions_parameters(stage))]
     if offload.optimizer == "none":
-        terms.append(StateTerm("grads", "grads", gpu, p, sharded=partitions_gradients(stage)))
+        terms.append(StateTerm("grads", "grads", gpu, g, sharded=partitions_gradients(stage)))
         terms.append(StateTerm("optimizer", "optimizer_states", gpu, optimizer_state_bytes,
                                 sharded=partitions_optimizer(stage)))
         return terms
     if keeps_full_gradients(stage):  # stage 1: it reduces only at the boundary
-        terms.append(StateTerm("grads", "grads", gpu, p, sharded=False))
+        terms.append(StateTerm("grads", "grads", gpu, g, sharded=False))
     terms.append(StateTerm("fp32 grads", "grads", "cpu", HOST_GRADIENT_BYTES, sharded=True))
     if p == MASTER_WEIGHT_BYTES:
         terms.append(StateTerm("fp32 master", "optimizer_states", offload.optimizer, MASTER_WEIGHT_BYTES, sharded=True))
@@ -317,6 +320,7 @@ def placed_model_state_bytes(
     persistent_params: int = 0,
     own_terms: OwnStateTerms | None = None,
     frozen_params: int = 0,
+    grad_dtype: str | None = None,
 ) -> dict[Device, dict[Category, int]]:
     """Model-state bytes one rank holds, per device and category. `num_params` are the
     trained parameters; `frozen_params` more (LoRA's base weights) take their b bytes
@@ -324,12 +328,13 @@ def placed_model_state_bytes(
 
     Stage-3 persistent parameters (small ones the engine never partitions, so it need not
     gather them) are held in full by every rank, on the GPU even when the rest is offloaded.
-    `own_terms`: an optimizer's own summands (`model_state_terms`).
+    `own_terms`: an optimizer's own summands (`model_state_terms`). `grad_dtype`: the
+    gradients' accumulation dtype where it is not `dtype` (`model_state_terms`).
     """
     _check_counts(num_params, world_size, persistent_params)
     k = _resolve_k(dtype, optimizer_state_bytes_per_param)
     placed: dict[Device, dict[Category, int]] = {d: dict.fromkeys(CATEGORIES, 0) for d in ("gpu", "cpu", "nvme")}
-    for term in model_state_terms(stage, offload, dtype, k, own_terms):
+    for term in model_state_terms(stage, offload, dtype, k, own_terms, grad_dtype=grad_dtype):
         if term.category == "params" and term.sharded:
             placed[term.device]["params"] += term.bytes_per_param * partition_elements(num_params - persistent_params, world_size)
             placed["gpu"]["params"] += term.bytes_per_param * persistent_params
@@ -375,23 +380,26 @@ def placed_partial_offload_bytes(
     dtype: str = "bf16",
     optimizer_state_bytes_per_param: int | None = None,
     persistent_params: int = 0,
+    grad_dtype: str | None = None,
 ) -> dict[Device, dict[Category, int]]:
     """Model-state bytes per device and category when only `offloaded_elements` of the
     ceil(Ψ/N) partition are offloaded: that part is placed as with full offload, the rest
     as without (its gradient partition, stage ≥ 2, and its K bytes of state stay on the
-    GPU; fp32 training updates it in place, with no master copy)."""
+    GPU; fp32 training updates it in place, with no master copy). `grad_dtype`: the
+    gradients' accumulation dtype where it is not `dtype`."""
     k = _resolve_k(dtype, optimizer_state_bytes_per_param)
     partition = partition_elements(num_params, world_size)
     if not 0 <= offloaded_elements <= partition:
         raise ValueError(f"offloaded_elements must be in [0, {partition}], got {offloaded_elements}")
     placed = placed_model_state_bytes(num_params, world_size, stage, offload, dtype=dtype,
-                                      optimizer_state_bytes_per_param=k, persistent_params=persistent_params)
+                                      optimizer_state_bytes_per_param=k, persistent_params=persistent_params,
+                                      grad_dtype=grad_dtype)
     kept = partition - offloaded_elements
-    for term in model_state_terms(stage, offload, dtype, k):
+    for term in model_state_terms(stage, offload, dtype, k, grad_dtype=grad_dtype):
         if term.category != "params" and term.sharded:
             placed[term.device][term.category] -= term.bytes_per_param * kept
     if partitions_gradients(stage):
-        placed["gpu"]["grads"] += element_bytes(dtype) * kept
+        placed["gpu"]["grads"] += element_bytes(grad_dtype or dtype) * kept
     placed["gpu"]["optimizer_states"] += k * kept
     return placed
 
@@ -403,14 +411,18 @@ def model_state_bytes(
     dtype: str = "bf16",
     optimizer_state_bytes_per_param: int | None = None,
     persistent_params: int = 0,
+    *,
+    grad_dtype: str | None = None,
 ) -> dict[str, int]:
     """Per-rank bytes of {"params", "grads", "optimizer_states"} with no offload: docs/formulas.md#model-states-per-rank.
 
     `optimizer_state_bytes_per_param` is K; it defaults to Adam's (12 mixed, 8 fp32).
+    `grad_dtype`: the gradients' accumulation dtype where it is not `dtype`.
     """
     return dict(placed_model_state_bytes(
         num_params, world_size, stage, NO_OFFLOAD, dtype=dtype,
         optimizer_state_bytes_per_param=optimizer_state_bytes_per_param, persistent_params=persistent_params,
+        grad_dtype=grad_dtype,
     )["gpu"])
 
 

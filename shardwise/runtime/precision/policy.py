@@ -5,7 +5,10 @@ fp32, unless `master_dtype` says bf16 (DeepSpeed's bf16_master_weights_and_grads
 bf16_optimizer_states): then the optimizer updates the bf16 partition itself and its
 states take that dtype (docs/formulas.md#model-states-per-rank). `autocast`: the forward
 runs under `torch.autocast` from fp32 parameters (DeepSpeed's torch_autocast), or from bf16
-parameters in bf16 (its torch_autocast beside bf16)."""
+parameters in bf16 (its torch_autocast beside bf16). `grad_accum_dtype` fp32 beside 16-bit
+parameters (DeepSpeed's `data_types.grad_accum_dtype`): each micro-batch's gradient is still
+computed in the parameters' dtype, but the sum over micro-batches is kept in fp32 (ZeRO's
+gradient buffers are fp32; runtime/zero/gradients.py says where each stage converts)."""
 
 from __future__ import annotations
 
@@ -36,6 +39,7 @@ class PrecisionPolicy:
     master_dtype: torch.dtype = torch.float32  # ZeRO's masters (and so the optimizer's states)
     autocast: bool = False  # the forward under torch.autocast(autocast_dtype)
     autocast_dtype: torch.dtype | None = None  # None: torch's default for the device (bf16 on CPU, fp16 on CUDA)
+    grad_accum_dtype: torch.dtype | None = None  # micro-batch gradients summed in; None: param_dtype
 
     def __post_init__(self) -> None:
         if self.master_dtype not in (torch.float32, self.param_dtype):
@@ -45,6 +49,12 @@ class PrecisionPolicy:
             raise ValueError(f"autocast computes in low precision from fp32 parameters, or in bf16 over bf16 "
                              f"parameters; param_dtype is {self.param_dtype} and autocast_dtype {self.autocast_dtype}: "
                              "use one or the other")
+        if self.grad_accum_dtype not in (None, torch.float32, self.param_dtype):
+            raise ValueError(f"grad_accum_dtype {self.grad_accum_dtype} must be fp32 or the parameters' own dtype "
+                             f"{self.param_dtype}: a sum kept in another 16-bit dtype would lose bits both ways")
+        if self.accumulation_dtype != self.param_dtype and self.master_dtype != torch.float32:
+            raise ValueError(f"grad_accum_dtype {self.grad_accum_dtype} with master_dtype {self.master_dtype}: 16-bit "
+                             "masters take 16-bit gradients (bf16_master_weights_and_grads); use one or the other")
 
     @property
     def autocasts_its_own_dtype(self) -> bool:
@@ -52,6 +62,11 @@ class PrecisionPolicy:
         the model trains in bf16 as without autocast, except that the ops autocast runs in
         fp32 (losses, softmax) take fp32 inputs."""
         return self.param_dtype == torch.bfloat16 and self.autocast_dtype == torch.bfloat16
+
+    @property
+    def accumulation_dtype(self) -> torch.dtype:
+        """The dtype ZeRO's gradient buffers sum micro-batches in."""
+        return self.grad_accum_dtype or self.param_dtype
 
     @property
     def communication_dtype(self) -> torch.dtype:

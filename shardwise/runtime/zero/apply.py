@@ -160,8 +160,8 @@ class ZeroState:
 def _make_store(policy: ZeroPolicy, params: ParameterStrategy, *, precision: PrecisionPolicy, chunk: int,
                 ledger: MemoryLedger, per_parameter: bool, rank: int) -> ShardStore:
     """The shard store of the tier `offload_optimizer.device` names."""
-    spec = StoreSpec(params.units, chunk, params, precision.param_dtype, policy.keeps_full_gradients,
-                     policy.sub_group_size, ledger, per_parameter, precision.master_dtype)
+    spec = StoreSpec(params.units, chunk, params, precision.accumulation_dtype, policy.keeps_full_gradients,
+                     policy.sub_group_size, ledger, per_parameter, precision.master_dtype, precision.param_dtype)
     offload = policy.offload_optimizer
     if offload.enabled and precision.master_dtype != torch.float32:
         raise ValueError(f"master_dtype {precision.master_dtype} with offload_optimizer.device '{offload.device}': "
@@ -219,7 +219,8 @@ def apply_zero(
     store = _make_store(policy, params, precision=precision, chunk=groups.shard.rank, ledger=ledger,
                         per_parameter=per_parameter, rank=groups.shard.global_rank)
     params.settle()
-    reducer = GradientReducer(params.units, policy, grad_dtype=dtype, comm_dtype=precision.communication_dtype,
+    reducer = GradientReducer(params.units, policy, grad_dtype=dtype, accumulation_dtype=precision.accumulation_dtype,
+                              comm_dtype=precision.communication_dtype,
                               store=store, shard=groups.shard, replicate=groups.replicate, ledger=ledger,
                               device=device, hierarchy=(groups.shard_node, groups.shard_nodes))
     params.connect(reducer)

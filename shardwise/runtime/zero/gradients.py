@@ -40,6 +40,17 @@ micro-batches in place; parameters that got no gradient in the window are zeroed
 their unit is reduced. Stages 2-3 must reduce every micro-batch, since they only keep a
 partition.
 
+fp32 accumulation beside 16-bit training (`accumulation_dtype` fp32, DeepSpeed's
+`data_types.grad_accum_dtype`): the store's buffers are fp32, and autograd's gradient keeps
+the parameter's dtype. Stages 0-1: `.grad` cannot be a view of an fp32 buffer, so each
+micro-batch's gradient is added into it by the hook and released (DeepSpeed's BF16_Optimizer
+and its stage-1 `grad_accum` do the same per parameter); at the boundary the buffer is cast
+to the communication dtype for the reduce-scatter, as DeepSpeed casts its fp32 sums for its
+boundary reduction, and the owned chunk is written back in fp32. Stages 2-3 reduce each micro-batch
+from the bucket as before and the store adds the reduced chunk into its fp32 partition
+(DeepSpeed's stage 2 and 3 likewise). In the training dtype nothing of this runs: `.grad`
+is the buffer's view, with no copy.
+
 ZeRO++'s qgZ (`plus_plus.quantized_gradients`, stage 3) replaces hop 1's reduce-scatter by
 two all-to-alls carrying int4, inside the node then across nodes, summed in fp32
 (distributed/quantized_collectives.py); the owned chunk it yields is the reduce-scatter's.
@@ -96,6 +107,7 @@ class GradientReducer(OptimizerExchangeMixin):
         policy: ZeroPolicy,
         *,
         grad_dtype: torch.dtype,
+        accumulation_dtype: torch.dtype | None = None,
         comm_dtype: torch.dtype,
         store: ShardStore,
         shard: Communicator,
@@ -104,8 +116,10 @@ class GradientReducer(OptimizerExchangeMixin):
         device: torch.device,
         hierarchy: tuple[Communicator | None, Communicator | None] = (None, None),
     ):
-        """`hierarchy`: the shard group's members on this node and at this rank's place on
-        every node, qgZ's two hops (ZeRO++)."""
+        """`grad_dtype`: what autograd gives (the parameters' dtype); `accumulation_dtype`:
+        what the store's buffers sum micro-batches in (None: `grad_dtype`). `hierarchy`: the
+        shard group's members on this node and at this rank's place on every node, qgZ's two
+        hops (ZeRO++)."""
         if [unit.index for unit in units] != list(range(len(units))):
             raise ValueError("units must be numbered 0..n-1 in launch order")
         self.units = units
@@ -114,6 +128,10 @@ class GradientReducer(OptimizerExchangeMixin):
         self.replicate = replicate
         self.ledger = ledger
         self.grad_dtype = grad_dtype
+        self.accumulation_dtype = accumulation_dtype or grad_dtype
+        # `.grad` can be a view of a full buffer only in its own dtype: an fp32 sum of 16-bit
+        # gradients takes each micro-batch's gradient in, and autograd's copy is released
+        self._grads_are_views = self.accumulation_dtype == grad_dtype
         self.comm_dtype = comm_dtype
         self.device = device
         self.overlap = policy.overlap_comm
@@ -240,9 +258,9 @@ class GradientReducer(OptimizerExchangeMixin):
             if id(slot) not in written:
                 view.copy_(param.grad)
                 written.add(id(slot))
-            elif param.grad is not view:  # someone reset .grad; fold it back into the buffer
+            elif param.grad is not view:  # a micro-batch's own gradient, or .grad was reset: fold it in
                 view.add_(param.grad)
-            param.grad = view
+            param.grad = view if self._grads_are_views else None
         else:
             if unit.index not in self._buckets:
                 self.prepare_unit(unit)  # later parameters of the unit accumulate in place
@@ -273,7 +291,8 @@ class GradientReducer(OptimizerExchangeMixin):
         PyTorch it stays in `.grad`: the script's `zero_grad()` drops it, or this engine's
         next backward adds it in. Only a buffer this window has already reduced cannot
         take it."""
-        if self._full_buffers and param.grad is self._slot_views[id(slot)] and self._reduced_in_window:
+        if (self._full_buffers and self._reduced_in_window
+                and (param.grad is self._slot_views[id(slot)] or not self._grads_are_views)):
             raise RuntimeError(
                 f"parameter {slot.name} received a gradient from another backward after this engine reduced "
                 "its gradients and before its step(): call this engine's step() before back-propagating "
@@ -386,7 +405,7 @@ class GradientReducer(OptimizerExchangeMixin):
         lo, hi = unit.chunk_bounds(self.shard.rank)
         if self.keeps_full_grads:
             grads = self.store.full_gradient(unit)
-            if self.comm_dtype == self.grad_dtype:
+            if self.comm_dtype == grads.dtype:
                 wire = grads
             else:
                 wire = grads.to(self.comm_dtype)

@@ -58,7 +58,8 @@ class OptimizerExchangeMixin:
         return self._local_grads[unit.index]
 
     def _allocate_local_gradients(self) -> None:
-        flat = torch.zeros(sum(unit.padded_numel for unit in self.units), dtype=self.grad_dtype, device=self.device)
+        flat = torch.zeros(sum(unit.padded_numel for unit in self.units), dtype=self.accumulation_dtype,
+                           device=self.device)
         self.ledger.hold("grads", tensor_bytes(flat))
         self._local_grads = list(torch.split(flat, [unit.padded_numel for unit in self.units]))
         for unit, full in zip(self.units, self._local_grads):

@@ -44,12 +44,13 @@ class StoreSpec:
     units: list[FlatUnit]
     chunk: int  # which chunk of every unit this rank owns (its shard-group rank)
     strategy: ParameterStrategy  # where the masters are copied from and published to
-    grad_dtype: torch.dtype
+    grad_dtype: torch.dtype  # what the gradient buffers sum micro-batches in (PrecisionPolicy.accumulation_dtype)
     keeps_full_gradients: bool  # stages 0-1: the whole unit's accumulation buffer
     sub_group_size: int  # elements the optimizer steps (and a paging tier holds) at once
     ledger: MemoryLedger
     per_parameter: bool = False  # one segment per parameter piece (optimizers of whole parameters)
     master_dtype: torch.dtype = torch.float32  # the parameters' own dtype: trained in place, no copy
+    param_dtype: torch.dtype = torch.float32  # the parameters' (what a publish copies back per element)
 
     def with_units(self, units: list[FlatUnit]) -> "StoreSpec":
         return replace(self, units=units)
@@ -64,7 +65,7 @@ class SegmentState:
     stop: int
     group: int
     master: torch.Tensor  # fp32, trained by the optimizer
-    grad: torch.Tensor  # reduced gradient in the gradient dtype (a view, never copied here)
+    grad: torch.Tensor  # reduced gradient in the accumulation dtype (a view, never copied here)
     piece: OwnedPiece | None = None  # per-parameter segments: the parameter piece it is
 
     @property

@@ -79,6 +79,9 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
     training.add_argument("--bf16-masters", action="store_true",
                           help="bf16 master weights, gradients and optimizer states (config: bf16."
                                "bf16_master_weights_and_grads and bf16_optimizer_states; needs --dtype bf16)")
+    training.add_argument("--grad-accum-dtype", choices=["fp32"], default=None,
+                          help="sum micro-batch gradients in fp32 beside a 16-bit --dtype: 4-byte gradient buffers "
+                               "(config: data_types.grad_accum_dtype; stages 1-3)")
     training.add_argument("--trainable-params", type=float, default=None, metavar="COUNT",
                           help="parameters that train (e.g. LoRA adapters, 4.2e7); the rest is frozen: its 16-bit "
                                "weights only, partitioned at stage 3 (default: every parameter trains)")
@@ -142,6 +145,7 @@ def main(args: argparse.Namespace) -> int:
             optimizer=args.optimizer,
             parallel=ModelParallel(args.tp, args.sp, args.megatron_sp, args.pp),
             bf16_masters=args.bf16_masters,
+            grad_accum_dtype=args.grad_accum_dtype,
         )
         if args.accumulation <= 0:
             raise ValueError(f"--accumulation {args.accumulation} must be a positive number of micro-batches")

@@ -139,9 +139,12 @@ def _inputs_line(estimate: Estimate) -> str:
         ranks = (f"P = {parallel.pipeline} pipeline stages, each holding ⌈Ψ_T / P⌉ = "
                  f"{format_count(estimate.params_per_rank)} parameters (ZeRO-3 is not offered with pipeline "
                  f"parallelism), × {ranks.replace(f'N = {hw.num_gpus}', f'N = {estimate.zero_ranks}')}")
+    held = (f"{estimate.dtype} params ({p} bytes each) and grads summed in {estimate.grad_accum_dtype} "
+            f"({element_bytes(estimate.grad_accum_dtype)} bytes each)" if estimate.grad_accum_dtype
+            else f"{estimate.dtype} params and grads ({p} bytes each)")
     return (
         f"{estimate.shape.describe()}; {ranks} on {hw.num_nodes} node(s) "
-        f"of up to {hw.gpus_per_node} GPUs; {estimate.dtype} params and grads ({p} bytes each), "
+        f"of up to {hw.gpus_per_node} GPUs; {held}, "
         f"{estimate.optimizer}: K = {k} bytes/parameter ({k_parts})."
     )
 
@@ -243,7 +246,7 @@ def _why_not(estimate: Estimate, option: OptionEstimate) -> str:
 def _placement_lines(estimate: Estimate, option: OptionEstimate, recompute: RecomputeMode) -> list[str]:
     hw, psi, n = estimate.hardware, estimate.params_per_rank, estimate.zero_ranks
     terms = model_state_terms(option.stage, option.offload, estimate.dtype, estimate.optimizer_state_bytes,
-                              planned_optimizer(estimate.optimizer).state_terms)
+                              planned_optimizer(estimate.optimizer).state_terms, grad_dtype=estimate.grad_accum_dtype)
     gpu_sym, gpu_num = _with_frozen(render_terms([t for t in terms if t.device == "gpu"], psi, n), estimate, option,
                                     "gpu")
     activations = estimate.activation(recompute)

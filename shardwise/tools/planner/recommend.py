@@ -92,6 +92,7 @@ def estimate(
     parallel: ModelParallel = NO_MODEL_PARALLEL,
     *,
     bf16_masters: bool = False,
+    grad_accum_dtype: str | None = None,
 ) -> Estimate:
     """Evaluate every stage/offload option for `shape` on `hardware` (split over `parallel`'s
     tensor, sequence or pipeline group; with P stages each rank holds ⌈Ψ_T / P⌉ parameters
@@ -99,9 +100,17 @@ def estimate(
     needs offload or does not fit, the smallest tensor-parallel size that fits without
     offload is attached as `tensor_suggestion`. `bf16_masters`: DeepSpeed's bf16 master
     weights, gradients and optimizer states (K of 2-byte states; stages 1-3 on the device only,
-    as the engine runs them)."""
+    as the engine runs them). `grad_accum_dtype` "fp32" beside 16-bit training (DeepSpeed's
+    `data_types.grad_accum_dtype`): 4-byte gradient buffers, at stages 1-3 (as the engine
+    and DeepSpeed run it)."""
     if micro_batch <= 0 or seq_len <= 0:
         raise ValueError(f"micro_batch and seq_len must be positive, got {micro_batch} and {seq_len}")
+    if grad_accum_dtype == dtype:
+        grad_accum_dtype = None
+    if grad_accum_dtype not in (None, "fp32") or (grad_accum_dtype and bf16_masters):
+        raise ValueError(f"gradients accumulate in the training dtype or in fp32 beside 16-bit training, and bf16 "
+                         f"masters take bf16 gradients; got --grad-accum-dtype {grad_accum_dtype} with --dtype {dtype}"
+                         f"{' and --bf16-masters' if bf16_masters else ''}")
     check_parallel(shape, hardware, parallel, seq_len)
     k = planned_state_bytes(optimizer, dtype, bf16_masters=bf16_masters)
     activations = _activations(shape, micro_batch, seq_len, dtype, parallel)
@@ -113,11 +122,11 @@ def estimate(
         local, frozen_local = trained_local, max(0, local - trained_local)
     inputs = Estimate(shape, hardware, micro_batch, seq_len, dtype, optimizer, k, activations, (), None,
                       parallel=parallel, params_per_rank=local, frozen_per_rank=frozen_local,
-                      bf16_masters=bf16_masters)
+                      bf16_masters=bf16_masters, grad_accum_dtype=grad_accum_dtype)
     options = tuple(
         _evaluate_option(stage, offload, inputs, modes)
         for stage, offload in OPTIONS
-        if _offered(stage, offload, parallel, optimizer, bf16_masters)
+        if _offered(stage, offload, parallel, optimizer, bf16_masters, grad_accum_dtype)
     )
     partial = replace(inputs, options=options)
     recommendation, ruled_out = _recommend(partial, modes)
@@ -166,20 +175,23 @@ def _suggest_tensor_parallel(single: Estimate) -> Estimate | None:
         except ValueError:
             continue
         candidate = estimate(shape, hardware, single.micro_batch, single.seq_len, single.dtype, single.optimizer,
-                             parallel, bf16_masters=single.bf16_masters)
+                             parallel, bf16_masters=single.bf16_masters, grad_accum_dtype=single.grad_accum_dtype)
         if candidate.recommendation is not None and candidate.recommendation.option.offload == NO_OFFLOAD:
             return candidate
     return None
 
 
-def _offered(stage: int, offload: Offload, parallel: ModelParallel, optimizer: str, bf16_masters: bool) -> bool:
+def _offered(stage: int, offload: Offload, parallel: ModelParallel, optimizer: str, bf16_masters: bool,
+             grad_accum_dtype: str | None = None) -> bool:
     """Whether the engine would run this option: it refuses ZeRO-3 with pipeline
-    parallelism, bf16 masters at stage 0 or with offload, and runs an optimizer at the
-    stages and offload its spec allows (the 1-bit optimizers: stages 0-2 on the device,
-    runtime/optim/onebit.py)."""
+    parallelism, bf16 masters at stage 0 or with offload, fp32 gradient accumulation at
+    stage 0, and runs an optimizer at the stages and offload its spec allows (the 1-bit
+    optimizers: stages 0-2 on the device, runtime/optim/onebit.py)."""
     if partitions_parameters(stage) and parallel.pipeline > 1:
         return False
     if bf16_masters and (offload != NO_OFFLOAD or not partitions_optimizer(stage)):
+        return False
+    if grad_accum_dtype is not None and not partitions_optimizer(stage):
         return False
     spec = planned_optimizer(optimizer)
     return stage in spec.zero_stages and (spec.offload or offload == NO_OFFLOAD)
@@ -208,7 +220,7 @@ def _evaluate_option(
         inputs.params_per_rank, inputs.zero_ranks, stage, offload, dtype=dtype,
         optimizer_state_bytes_per_param=inputs.optimizer_state_bytes,
         own_terms=planned_optimizer(inputs.optimizer).state_terms,
-        frozen_params=inputs.frozen_per_rank,
+        frozen_params=inputs.frozen_per_rank, grad_dtype=inputs.grad_accum_dtype,
     )
     largest = inputs.shape.largest_layer_params
     gather = 0

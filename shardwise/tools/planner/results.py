@@ -122,6 +122,7 @@ class Estimate:
     frozen_per_rank: int = 0  # Ψ_f: frozen parameters of that shard (b bytes each, no other state)
     tensor_suggestion: "Estimate | None" = None  # the smallest T that fits without offload, when ZeRO alone does not
     bf16_masters: bool = False  # bf16 masters and optimizer states: K counts 2-byte states, no master, no offload
+    grad_accum_dtype: str | None = None  # "fp32": 4-byte gradient buffers beside 16-bit training (stages 1-3)
 
     @property
     def zero_ranks(self) -> int:

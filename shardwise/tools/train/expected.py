@@ -84,6 +84,7 @@ class RunShape:
     optimizer_type: str = "AdamW"
     bf16_masters: bool = False  # bf16 masters and optimizer states (K counts them; the report names them)
     experts: ExpertShape | None = None
+    grad_dtype: str | None = None  # what gradients accumulate in where it is not `dtype` (data_types.grad_accum_dtype)
 
     def __post_init__(self) -> None:
         if self.experts is not None and self.onebit:
@@ -147,6 +148,7 @@ def expected_memory(shape: RunShape) -> dict[str, int]:
         shape.dtype,
         shape.optimizer_state_bytes,
         shape.kept_whole,
+        grad_dtype=shape.grad_dtype,
     )
     if shape.experts is None:
         return dense
@@ -188,6 +190,7 @@ def expected_comm_by_group(shape: RunShape) -> dict[str, dict[str, int]]:
 def memory_expressions(shape: RunShape) -> dict[str, str]:
     """The formula's term behind each memory category, e.g. "4Ψ/N" or "2Ψ/N + 2P"."""
     p, k = element_bytes(shape.dtype), shape.optimizer_state_bytes
+    g = element_bytes(shape.grad_dtype or shape.dtype)
     if shape.onebit:
         return _onebit_memory_expressions(shape, p)
     params = f"{p}Ψ"
@@ -195,7 +198,7 @@ def memory_expressions(shape: RunShape) -> dict[str, str]:
         params = f"{p}(Ψ−P)/N + {p}P" if shape.persistent_params else f"{p}Ψ/N"
     dense = {
         "params": params,
-        "grads": f"{p}Ψ/N" if partitions_gradients(shape.stage) else f"{p}Ψ",
+        "grads": f"{g}Ψ/N" if partitions_gradients(shape.stage) else f"{g}Ψ",
         "optimizer_states": f"{k}Ψ/N" if partitions_optimizer(shape.stage) else f"{k}Ψ",
     }
     if shape.experts is None:

@@ -59,6 +59,7 @@ def run_shape(engine: Engine, num_params: int) -> RunShape:
     optimizer = cfg.optimizer
     momentum = optimizer.params.get("momentum", 0.0) if optimizer is not None else 0.0
     bf16_masters = not engine.policies.precision.keeps_fp32_masters and dtype != "fp32"
+    accumulation = DTYPE_NAMES[engine.policies.precision.accumulation_dtype]
     return RunShape(
         num_params=num_params,
         world_size=engine.world_size,
@@ -72,6 +73,7 @@ def run_shape(engine: Engine, num_params: int) -> RunShape:
         optimizer_type=optimizer.type if optimizer else "AdamW",
         bf16_masters=bf16_masters,
         experts=expert_shape(engine),
+        grad_dtype=accumulation if accumulation != dtype else None,
     )
 
 

@@ -43,6 +43,15 @@ def test_stage3_persistent_parameters_are_gathered_once():
     assert comm_expressions(shape)["all_gather"] == "(2(Ψ−P) + P)·4(N−1)/N"
 
 
+@pytest.mark.parametrize("stage,total_gb,grads", [(1, 46.4, "4Ψ"), (2, 16.9, "4Ψ/N"), (3, 2.1, "4Ψ/N")])
+def test_fp32_accumulation_counts_4_byte_gradients(stage, total_gb, grads):
+    """data_types.grad_accum_dtype fp32 beside bf16 (docs/formulas.md#fp32-gradient-accumulation)."""
+    shape = RunShape(stage=stage, grad_dtype="fp32", **PAPER)
+    assert sum(expected_memory(shape).values()) / 1e9 == pytest.approx(total_gb, abs=0.05)
+    assert memory_expressions(shape)["grads"] == grads
+    assert expected_comm(shape) == expected_comm(RunShape(stage=stage, **PAPER))  # what is sent is unchanged
+
+
 def test_gradients_travel_in_the_communication_dtype():
     shape = RunShape(stage=2, num_params=1000, world_size=4, dtype="bf16", comm_dtype="fp32", optimizer_state_bytes=12)
     assert expected_comm(shape) == {"all_reduce": 0, "all_gather": 1500, "reduce_scatter": 3000}

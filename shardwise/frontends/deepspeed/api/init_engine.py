@@ -279,7 +279,7 @@ def _deepspeed_wrapper(engine: DeepSpeedEngine, raw: dict) -> type[DeepSpeedOpti
     if stage == 3:
         return DeepSpeedZeroOptimizer_Stage3
     if stage in (1, 2):
-        accumulates_in_fp32 = (raw.get("data_types") or {}).get("grad_accum_dtype") in ("fp32", "float32")
+        accumulates_in_fp32 = engine.policies.precision.accumulation_dtype == torch.float32  # any spelling
         if (stage == 1 and engine.bfloat16_enabled() and accumulates_in_fp32
                 and engine.policies.zero.offload_optimizer.device != "cpu"):
             return BF16_Optimizer

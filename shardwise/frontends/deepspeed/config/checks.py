@@ -6,9 +6,6 @@ them with everything switched off loads unchanged; only values that would switch
 a capability on are refused, each with the key that does it.
 """
 
-from collections.abc import Mapping
-from typing import Any
-
 import torch
 
 from shardwise.formulas.stages import partitions_optimizer, partitions_parameters
@@ -399,62 +396,49 @@ def _compile_contradictions(cfg: ShardwiseConfig) -> list[str]:
             for setting in compile_policy(cfg).cuda_graph_settings()]
 
 
-def find_data_types_contradictions(cfg: ShardwiseConfig, data_types: Any) -> list[str]:
-    """`data_types` against the training dtype. The schema has no field for the block
-    (config/deepspeed_keys.py checks its names), so the raw block comes beside the validated
-    config. DeepSpeed 0.19.8 (runtime/engine.py):
+def find_data_types_contradictions(cfg: ShardwiseConfig) -> list[str]:
+    """`data_types` against the training dtype. DeepSpeed 0.19.8 (runtime/engine.py):
 
     - `param_dtype` must be the training dtype (`_assert_valid_mixed_precision_config`);
-    - `grad_accum_dtype` equal to the training dtype is what shardwise does at every stage
-      (gradients accumulate in the parameters' dtype), so it is honoured;
-    - `grad_accum_dtype` fp32 beside fp16/bf16: refused without ZeRO, as DeepSpeed refuses
-      it ("unsupported mix of model_dtype and grad_accum_dtype"); under ZeRO accepted, with
-      the difference `data_types_differences` names;
-    - a 16-bit `grad_accum_dtype` other than the training dtype: refused without ZeRO by
-      DeepSpeed, and at every stage here, since shardwise accumulates in the training dtype."""
-    if not isinstance(data_types, Mapping):
-        return []
+    - `grad_accum_dtype` equal to the training dtype: gradients accumulate in it, as
+      without the key;
+    - `grad_accum_dtype` fp32 beside fp16/bf16: honoured at ZeRO stages 1-3, where the
+      gradient buffers become fp32 (runtime/zero/gradients.py); refused without ZeRO, as
+      DeepSpeed refuses it ("unsupported mix of model_dtype and grad_accum_dtype");
+    - a 16-bit `grad_accum_dtype` other than the training dtype: refused at every stage (a
+      sum kept in the other 16-bit dtype loses bits both ways; DeepSpeed refuses it without
+      ZeRO);
+    - `grad_accum_dtype` fp32 with bf16 masters (`bf16.bf16_master_weights_and_grads`):
+      refused, the bf16 masters take bf16 gradients."""
+    data_types = cfg.data_types
     precision = _training_precision(cfg)
     problems = []
-    param = DATA_TYPE_NAMES.get(data_types.get("param_dtype"))
+    param = DATA_TYPE_NAMES.get(data_types.param_dtype)
     if param is not None and param != precision:
-        problems.append(f"data_types.param_dtype '{data_types['param_dtype']}' trains in {param} but the config "
+        problems.append(f"data_types.param_dtype '{data_types.param_dtype}' trains in {param} but the config "
                         f"trains in {precision} (the fp16 and bf16 blocks): DeepSpeed 0.19.8 refuses the mix too "
                         "(\"conflicts with the enabled precision mode\"); set the matching fp16/bf16 'enabled' "
                         "flag or remove data_types.param_dtype")
-    accumulate = DATA_TYPE_NAMES.get(data_types.get("grad_accum_dtype"))
+    accumulate = DATA_TYPE_NAMES.get(data_types.grad_accum_dtype)
     if accumulate is None or accumulate == precision:
         return problems
-    if accumulate == "fp32" and partitions_optimizer(cfg.zero_optimization.stage):
-        return problems
-    if accumulate == "fp32":
-        problems.append(f"data_types.grad_accum_dtype '{data_types['grad_accum_dtype']}' with {precision}.enabled "
+    if accumulate == "fp32" and not partitions_optimizer(cfg.zero_optimization.stage):
+        problems.append(f"data_types.grad_accum_dtype '{data_types.grad_accum_dtype}' with {precision}.enabled "
                         "at zero_optimization.stage 0: without ZeRO, gradients accumulate in the parameters' dtype "
                         f"({precision}), and DeepSpeed 0.19.8 refuses another (\"unsupported mix of model_dtype and "
-                        "grad_accum_dtype\"); remove data_types.grad_accum_dtype")
-    else:
-        problems.append(f"data_types.grad_accum_dtype '{data_types['grad_accum_dtype']}' while training in "
-                        f"{precision}: shardwise accumulates gradients in the training dtype, never in another "
-                        "16-bit dtype, and DeepSpeed 0.19.8 refuses the mix without ZeRO "
-                        f"(\"unsupported mix of model_dtype and grad_accum_dtype\"); use '{precision}' or remove "
+                        "grad_accum_dtype\"); use zero_optimization.stage 1, 2 or 3, or remove "
                         "data_types.grad_accum_dtype")
+    elif accumulate == "fp32" and cfg.bf16.bf16_master_weights_and_grads:
+        problems.append(f"data_types.grad_accum_dtype '{data_types.grad_accum_dtype}' with "
+                        "bf16.bf16_master_weights_and_grads: the bf16 masters take bf16 gradients, so there is no "
+                        "fp32 gradient to accumulate; remove one of the two")
+    elif accumulate != "fp32":
+        problems.append(f"data_types.grad_accum_dtype '{data_types.grad_accum_dtype}' while training in "
+                        f"{precision}: shardwise accumulates gradients in the training dtype or in fp32, never in "
+                        "another 16-bit dtype, and DeepSpeed 0.19.8 refuses the mix without ZeRO "
+                        f"(\"unsupported mix of model_dtype and grad_accum_dtype\"); use '{precision}' or 'fp32', or "
+                        "remove data_types.grad_accum_dtype")
     return problems
-
-
-def data_types_differences(cfg: ShardwiseConfig, data_types: Any) -> list[str]:
-    """What `data_types` asks that shardwise accepts but does differently from DeepSpeed
-    0.19.8: `grad_accum_dtype` fp32 beside fp16/bf16 under ZeRO, where DeepSpeed keeps fp32
-    gradient buffers and shardwise accumulates in the training dtype (its optimizer step
-    reads the gradients as fp32). It matters only when micro-batches accumulate."""
-    precision = _training_precision(cfg)
-    if (not isinstance(data_types, Mapping) or precision == "fp32" or cfg.gradient_accumulation_steps == 1
-            or DATA_TYPE_NAMES.get(data_types.get("grad_accum_dtype")) != "fp32"
-            or not partitions_optimizer(cfg.zero_optimization.stage)):
-        return []
-    return [f"data_types.grad_accum_dtype '{data_types['grad_accum_dtype']}' with {precision}.enabled: shardwise "
-            f"adds up the {cfg.gradient_accumulation_steps} micro-batches' gradients in {precision}, where DeepSpeed "
-            f"0.19.8 adds them in fp32, so their sum can differ in {precision}'s last bits; remove the key to "
-            "silence this"]
 
 
 def _training_precision(cfg: ShardwiseConfig) -> str:

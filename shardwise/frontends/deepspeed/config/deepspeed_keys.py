@@ -168,13 +168,6 @@ DATA_TYPE_NAMES = {
 }
 
 
-def _data_types(value: Any) -> bool:
-    """`grad_accum_dtype` and `param_dtype` naming a training dtype; config/checks.py holds
-    each against the precision the config trains in."""
-    return isinstance(value, dict) and set(value) <= {"grad_accum_dtype", "param_dtype"} and all(
-        setting is None or setting in DATA_TYPE_NAMES for setting in value.values())
-
-
 # DeepCompile's settings (deepspeed/compile/config.py) with DeepSpeed's defaults: they tune the
 # graph passes that `engine.compile()` runs with compile.deepcompile true.
 _DEEPCOMPILE_SETTINGS = {
@@ -214,11 +207,6 @@ RULES: dict[str, dict[str, KeyRule]] = {
         "disable_allgather": Ignored(_is(False), "DeepSpeed parses it and no code reads it: ZeRO 1-2 all-gather "
                                      "the updated partitions either way"),
         "amp": Removed(_disabled, "NVIDIA Apex AMP: use the bf16, fp16 or torch_autocast block"),
-        "data_types": AcceptedWhen(_data_types, '{"grad_accum_dtype": ..., "param_dtype": ...} naming fp32, fp16 '
-                                   'or bf16 (each checked against the training precision)',
-                                   "shardwise reads grad_accum_dtype and param_dtype, each fp32, fp16 or bf16 "
-                                   "(int8 trains nothing); it keeps buffers in the dtype the model gives them and "
-                                   "has no keep_in_fp32_modules: remove the other keys"),
         "elasticity": Removed(_disabled, "elastic training: set the batch sizes directly (shardwise checkpoints "
                               "load at another world size)"),
         "compression_training": Removed(lambda v: not v, "the compression library (quantization, pruning, layer "

@@ -17,7 +17,6 @@ from typing import Any
 from pydantic import ValidationError
 
 from shardwise.frontends.deepspeed.config.checks import (
-    data_types_differences,
     find_contradictions,
     find_data_types_contradictions,
     find_ignored,
@@ -80,14 +79,10 @@ def load_config(
         raise ConfigError(problems + describe_validation_error(error)) from None
     problems += find_unsupported(cfg) + find_contradictions(cfg, batch_known=batch_resolved,
                                                             data_parallel_size=data_parallel)
-    problems += find_data_types_contradictions(cfg, raw.get("data_types"))
+    problems += find_data_types_contradictions(cfg)
     if problems:
         raise ConfigError(problems)
     warn_ignored(ignored + find_ignored(cfg))
-    differences = data_types_differences(cfg, raw.get("data_types"))
-    if differences:
-        log.warning("shardwise trains this config differently from DeepSpeed 0.19.8:\n%s",
-                    "\n".join(f"  - {line}" for line in differences))
     return cfg
 
 

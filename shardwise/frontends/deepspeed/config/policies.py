@@ -11,6 +11,7 @@ the accumulation steps, `torch_autocast` is the forward under autocast from fp32
 `bf16.bf16_master_weights_and_grads` is bf16 masters (the partition trained in place),
 `zero_optimization.offload_param` applies at stage 3 only (DeepSpeed ignores it below),
 `compile.deepcompile` is torch.compile per block beside the run-time ZeRO,
+`data_types.grad_accum_dtype` fp32 is ZeRO's fp32 gradient accumulation,
 `checkpoint.writer.decoupled` is the asynchronous checkpoint save.
 """
 
@@ -195,8 +196,10 @@ def precision_policy(cfg: ShardwiseConfig) -> PrecisionPolicy:
                    LossScalingPolicy(2.0**fp16.initial_scale_power, True, fp16.loss_scale_window, fp16.hysteresis,
                                      fp16.consecutive_hysteresis, fp16.min_loss_scale))
     master = torch.bfloat16 if cfg.bf16.enabled and cfg.bf16.bf16_master_weights_and_grads else torch.float32
+    named = cfg.data_types.grad_accum_dtype
+    accumulate = DTYPES[DATA_TYPE_NAMES[named]] if named is not None else dtype
     return PrecisionPolicy(dtype, reduce, scaling, master_dtype=master, autocast=autocast.enabled,
-                           autocast_dtype=autocast_dtype)
+                           autocast_dtype=autocast_dtype, grad_accum_dtype=accumulate if accumulate != dtype else None)
 
 
 def pipeline_policy(cfg: ShardwiseConfig) -> PipelinePolicy:

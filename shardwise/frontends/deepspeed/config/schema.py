@@ -79,6 +79,27 @@ class Bf16Config(Section):
         return self
 
 
+# DeepSpeed's spellings of the training dtypes (runtime/config.py `DtypeEnum`, int8 left out:
+# nothing trains or accumulates in it); config/deepspeed_keys.py `DATA_TYPE_NAMES` names each.
+DtypeName = Literal["bf16", "bfloat16", "torch.bfloat16", "fp16", "float16", "half", "torch.float16",
+                    "fp32", "float32", "float", "torch.float32"]
+
+
+class DataTypesConfig(Section):
+    """DeepSpeed's `data_types`. `grad_accum_dtype`: the dtype micro-batch gradients are
+    summed in; fp32 beside bf16/fp16 keeps ZeRO's gradient buffers in fp32 at stages 1-3
+    (each micro-batch's gradient is still computed in the training dtype and added in);
+    unset or the training dtype: the sum is kept in the training dtype. `param_dtype`: the
+    training dtype again (DeepSpeed refuses any other). config/checks.py holds both against
+    the precision the config trains in."""
+
+    grad_accum_dtype: DtypeName | None = Field(None, json_schema_extra={
+        "default_doc": "the training dtype; fp32 beside bf16/fp16 (ZeRO stages 1-3): micro-batch gradients summed "
+                       "in fp32"})
+    param_dtype: DtypeName | None = Field(None, json_schema_extra={"default_doc": "the training dtype (the only "
+                                                                   "value accepted)"})
+
+
 class TorchAutocastConfig(Section):
     """DeepSpeed's `torch_autocast`: the forward runs under `torch.autocast(dtype)` while the
     parameters, their gradients and the optimizer stay fp32 (`dtype` unset: torch's default
@@ -86,8 +107,7 @@ class TorchAutocastConfig(Section):
     block's settings say."""
 
     enabled: Bool = False
-    dtype: Literal["bf16", "bfloat16", "torch.bfloat16", "fp16", "float16", "half", "torch.float16",
-                   "fp32", "float32", "float", "torch.float32"] | None = None
+    dtype: DtypeName | None = None
 
 
 class OffloadConfig(Section):
@@ -725,6 +745,7 @@ class ShardwiseConfig(Section):
     comet: CometConfig = Field(default_factory=CometConfig)
     flops_profiler: FlopsProfilerConfig = Field(default_factory=FlopsProfilerConfig)
     torch_autocast: TorchAutocastConfig = Field(default_factory=TorchAutocastConfig)
+    data_types: DataTypesConfig = Field(default_factory=DataTypesConfig)
     compile: CompileConfig = Field(default_factory=CompileConfig)
     sparse_attention: SparseAttentionConfig | None = None
     data_efficiency: DataEfficiencyConfig = Field(default_factory=DataEfficiencyConfig)

@@ -57,6 +57,7 @@ BF16_CASES = [
     ((_config(0, "bf16"), None, True), "BF16_Optimizer"),
     ((_config(1, "bf16"), None, True), "DeepSpeedZeroOptimizer"),
     ((_config(1, "bf16", grad_accum="fp32"), None, False), "BF16_Optimizer"),
+    ((_config(1, "bf16", grad_accum="torch.float32"), None, False), "BF16_Optimizer"),  # DeepSpeed's other spellings
     ((_config(1, "bf16", grad_accum="fp32", offload=True), None, False), "DeepSpeedZeroOptimizer"),
     ((_config(2, "bf16", grad_accum="fp32"), None, False), "DeepSpeedZeroOptimizer"),
     ((_config(0, None), None, False), None),
