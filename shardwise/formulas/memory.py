@@ -44,8 +44,9 @@ HOST_GRADIENT_BYTES = 4
 # is in its registry entry (shardwise/runtime/optim/registry.py), passed here as a number.
 ADAM_FP32_STATES = 2
 # The model-state summands of an optimizer whose states do not all partition like ZeRO's
-# (1-bit Adam / LAMB: `onebit_state_terms`), given the stage and the dtype.
-OwnStateTerms = Callable[[int, str], "list[StateTerm]"]
+# (1-bit Adam / LAMB: `onebit_state_terms`), given the stage, the dtype and the dtype
+# gradients accumulate in (None: the training dtype).
+OwnStateTerms = Callable[[int, str, "str | None"], "list[StateTerm]"]
 
 
 def element_bytes(dtype: str) -> int:
@@ -145,16 +146,17 @@ def zero_one_adam_state_bytes(numel: int, ranks: int) -> int:
     return 4 * (3 * numel + (padded - numel) + errors)
 
 
-def zero_one_adam_state_terms(stage: int, dtype: str) -> list[StateTerm]:
+def zero_one_adam_state_terms(stage: int, dtype: str, grad_dtype: str | None = None) -> list[StateTerm]:
     """`zero_one_adam_state_bytes` as summands (padding aside), stage 0 only (DeepSpeed runs
     0/1 Adam without ZeRO): the master, momentum, variance, accumulated update and worker
-    error whole, the server error 1/N."""
+    error whole, the server error 1/N; the gradients in `grad_dtype` where they accumulate
+    in another dtype than the training one."""
     if stage != 0:
         raise ValueError(f"0/1 Adam runs at ZeRO stage 0 only, not {stage} (runtime/optim/zero_one_adam.py)")
     p = element_bytes(dtype)
     master = 0 if p == MASTER_WEIGHT_BYTES else MASTER_WEIGHT_BYTES
     return [StateTerm("params", "params", "gpu", p, sharded=False),
-            StateTerm("grads", "grads", "gpu", p, sharded=False),
+            StateTerm("grads", "grads", "gpu", element_bytes(grad_dtype or dtype), sharded=False),
             StateTerm("optimizer + accumulated update + worker error", "optimizer_states", "gpu", master + 16,
                       sharded=False),
             StateTerm("server error", "optimizer_states", "gpu", 4, sharded=True)]
@@ -167,19 +169,22 @@ def _check_onebit_stage(stage: int) -> None:
     if partitions_parameters(stage):
         raise ValueError(f"1-bit Adam / LAMB run at ZeRO stages 0-2, not {stage}")
 
-def onebit_state_terms(stage: int, dtype: str, lamb: bool = False) -> list[StateTerm]:
+def onebit_state_terms(stage: int, dtype: str, lamb: bool = False, *,
+                       grad_dtype: str | None = None) -> list[StateTerm]:
     """`onebit_model_state_bytes` as summands (padding aside), for the estimator: stage 0
     every state whole but the server's error; stages 1-2 the momentum and the worker's
     error (8 bytes) whole, the master, the variance(s) and the server's error sharded;
-    stage 2's gradients its partition plus the whole local gradient."""
+    stage 2's gradients its partition plus the whole local gradient, both in `grad_dtype`
+    where gradients accumulate in another dtype than the training one."""
     _check_onebit_stage(stage)
     p = element_bytes(dtype)
+    g = element_bytes(grad_dtype or dtype)
     master = 0 if p == MASTER_WEIGHT_BYTES else MASTER_WEIGHT_BYTES
     variances = 8 if lamb else 4
     terms = [StateTerm("params", "params", "gpu", p, sharded=False),
-             StateTerm("grads", "grads", "gpu", p, sharded=False)]
+             StateTerm("grads", "grads", "gpu", g, sharded=False)]
     if partitions_gradients(stage):
-        terms.append(StateTerm("grad partition", "grads", "gpu", p, sharded=True))
+        terms.append(StateTerm("grad partition", "grads", "gpu", g, sharded=True))
     if not partitions_optimizer(stage):
         terms.append(StateTerm("optimizer + momentum + worker error", "optimizer_states", "gpu",
                                master + variances + 8, sharded=False))
@@ -191,7 +196,7 @@ def onebit_state_terms(stage: int, dtype: str, lamb: bool = False) -> list[State
 
 
 def onebit_model_state_bytes(num_params: int, ranks: int, stage: int, dtype: str = "bf16",
-                             lamb: bool = False) -> dict[str, int]:
+                             lamb: bool = False, *, grad_dtype: str | None = None) -> dict[str, int]:
     """Model-state bytes per rank with 1-bit Adam / LAMB after the warm-up (padding aside),
     per category as `memory_breakdown()` reports them. Stage 0 keeps everything whole plus
     the server's 1/N error; stages 1-2 partition the master, the variance(s) and the server
@@ -199,16 +204,18 @@ def onebit_model_state_bytes(num_params: int, ranks: int, stage: int, dtype: str
     (4 + 4 + 4 [+4 LAMB] + 4)Ψ/N + 8Ψ with 16-bit training (no master in fp32), i.e. K
     per partitioned element plus 8 bytes per parameter on every rank. Stage 2's gradients:
     its partition and, from the freeze on, the whole local gradient the exchange folds
-    (stage 1's full buffer serves both). Stage 3 is not supported (optim/onebit.py)."""
+    (stage 1's full buffer serves both), in `grad_dtype` where gradients accumulate in
+    another dtype than the training one. Stage 3 is not supported (optim/onebit.py)."""
     _check_onebit_stage(stage)
     p = element_bytes(dtype)
+    g = element_bytes(grad_dtype or dtype)
     master = 0 if p == MASTER_WEIGHT_BYTES else MASTER_WEIGHT_BYTES
     if not partitions_optimizer(stage) or ranks == 1:
         states = master * num_params + onebit_state_bytes(num_params, ranks, lamb)
-        return {"params": p * num_params, "grads": p * num_params, "optimizer_states": states}
+        return {"params": p * num_params, "grads": g * num_params, "optimizer_states": states}
     part = num_params // ranks
     states = master * part + onebit_partitioned_state_bytes(part, ceil(part / 8) * 8, ranks, lamb)
-    grads = p * num_params + (p * part if partitions_gradients(stage) else 0)
+    grads = g * num_params + (g * part if partitions_gradients(stage) else 0)
     return {"params": p * num_params, "grads": grads, "optimizer_states": states}
 
 
@@ -283,7 +290,7 @@ def model_state_terms(stage: int, offload: Offload, dtype: str, optimizer_state_
     if own_terms is not None:
         if offload != NO_OFFLOAD:
             raise ValueError("this optimizer keeps its state on the device: no offload")
-        return own_terms(stage, dtype)
+        return own_terms(stage, dtype, grad_dtype)
     validate_placement(stage, offload)
     p = element_bytes(dtype)
     g = element_bytes(grad_dtype or dtype)

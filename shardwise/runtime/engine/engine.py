@@ -418,11 +418,13 @@ class Engine(nn.Module):
             return named, None
         precision = policies.precision
         if (self.mesh.sizes.sequence > 1 or precision.master_dtype != torch.float32
-                or policies.zero.zenflow is not None or policies.zero.sum_gradients):
+                or policies.zero.zenflow is not None or policies.zero.sum_gradients
+                or precision.accumulation_dtype != precision.param_dtype):
             raise ValueError("expert parallelism (ep_size > 1) is provided for fp32, bf16 and fp16 (fp32 masters; "
                              "fp16's loss scaling covers the experts' gradients) data-, tensor- and pipeline-parallel "
-                             "training (ZeRO 0-3; not sequence parallelism, bf16 masters, ZenFlow or "
-                             "gradient_allreduce_op \"sum\", the experts' gradients are always averaged); use "
+                             "training (ZeRO 0-3; not sequence parallelism, bf16 masters, ZenFlow, "
+                             "gradient_allreduce_op \"sum\", the experts' gradients are always averaged, or "
+                             "data_types.grad_accum_dtype fp32, they sum micro-batches in the training dtype); use "
                              "ep_size=1 for the others")
         if self.mesh.sizes.tensor > 1 and not all(is_tensor_sharded(param) for _, param, _ in experts
                                                   if param.dim() >= 2):  # the experts' matrices: biases may stay whole

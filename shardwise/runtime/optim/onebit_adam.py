@@ -187,5 +187,5 @@ class OneBitAdamParams:
 register_optimizer(OptimizerSpec(
     "OneBitAdam", OneBitAdamParams, lambda groups, params: OneBitAdam(groups, **params),
     fp32_states=lambda params: 3, codec=OneBitCodec(), per_parameter=True, zero_stages=ZERO_STAGES, offload=False,
-    state_terms=lambda stage, dtype: onebit_state_terms(stage, dtype), main_job_params=main_job_params,
+    state_terms=lambda stage, dtype, grad_dtype=None: onebit_state_terms(stage, dtype, grad_dtype=grad_dtype), main_job_params=main_job_params,
 ))

@@ -286,6 +286,7 @@ class OneBitLambParams(OneBitAdamParams):
 register_optimizer(OptimizerSpec(
     "OneBitLamb", OneBitLambParams, lambda groups, params: OneBitLamb(groups, **params),
     fp32_states=lambda params: 4, codec=OneBitCodec(), per_parameter=True, zero_stages=ZERO_STAGES, offload=False,
-    state_terms=lambda stage, dtype: onebit_state_terms(stage, dtype, lamb=True),
+    state_terms=lambda stage, dtype, grad_dtype=None: onebit_state_terms(stage, dtype, lamb=True,
+                                                                   grad_dtype=grad_dtype),
     main_job_params=lambda adamw, steps: {**main_job_params(adamw, steps), "lr": MAIN_JOB_LR},
 ))

@@ -50,7 +50,7 @@ class OptimizerSpec:
     element: 8-bit codes, factored statistics); the engine counts the exact bytes through
     `codec.state_bytes`. `per_parameter`: it needs whole-parameter statistics
     (optim/sharded.py). `zero_stages` and `offload` say where it runs (the planner offers
-    nothing else; `shardwise train` picks its highest stage). `state_terms(stage, dtype)`:
+    nothing else; `shardwise train` picks its highest stage). `state_terms(stage, dtype, grad_dtype)`:
     for an optimizer whose states do not all partition like ZeRO's, its own model-state
     summands (formulas/memory.py `StateTerm`). `check_params(params)` raises ValueError,
     its message starting with the key it concerns, for a rule the declaration cannot

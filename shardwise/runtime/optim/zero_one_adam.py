@@ -316,6 +316,6 @@ def main_job_params(adamw: dict[str, Any], steps: int) -> dict[str, Any]:
 register_optimizer(OptimizerSpec(
     "ZeroOneAdam", ZeroOneAdamParams, lambda groups, params: ZeroOneAdam(groups, **params),
     fp32_states=lambda params: 3, codec=ZeroOneAdamCodec(), per_parameter=True, zero_stages=ZERO_STAGES,
-    offload=False, state_terms=lambda stage, dtype: zero_one_adam_state_terms(stage, dtype),
+    offload=False, state_terms=zero_one_adam_state_terms,
     main_job_params=main_job_params,
 ))

@@ -140,7 +140,7 @@ def expected_memory(shape: RunShape) -> dict[str, int]:
     1-bit Adam / LAMB: after their warm-up, shardwise/formulas/memory.py `onebit_model_state_bytes`)."""
     if shape.onebit:
         return onebit_model_state_bytes(shape.num_params, shape.world_size, shape.stage, shape.dtype,
-                                        lamb=shape.optimizer_type == "OneBitLamb")
+                                        lamb=shape.optimizer_type == "OneBitLamb", grad_dtype=shape.grad_dtype)
     dense = model_state_bytes(
         shape.dense_params,
         shape.shard if partitions_optimizer(shape.stage) else shape.world_size,

@@ -33,6 +33,7 @@ class OneBitSettings:
     accumulation: int = 1  # micro-batches per step
     bf16: bool = False  # the engine's compute dtype (the simulation is fp32 only)
     stage: int = 0  # the engine's ZeRO stage (decides the momentum's layout)
+    grad_accum_fp32: bool = False  # data_types.grad_accum_dtype fp32 (beside bf16)
     extra: dict = field(default_factory=dict)  # 1-bit LAMB's bounds, when not the defaults
 
     def optimizer_block(self) -> dict:

@@ -23,7 +23,8 @@ def config(settings: OneBitSettings) -> dict:
     return {"train_micro_batch_size_per_gpu": settings.rows, "gradient_clipping": settings.clipping,
             "gradient_accumulation_steps": settings.accumulation, "bf16": {"enabled": settings.bf16},
             "zero_optimization": {"stage": settings.stage, "reduce_bucket_size": 3000},
-            "optimizer": settings.optimizer_block()}
+            "optimizer": settings.optimizer_block(),
+            **({"data_types": {"grad_accum_dtype": "fp32"}} if settings.grad_accum_fp32 else {})}
 
 
 def train_engine(rank: int, world_size: int, settings: OneBitSettings, steps: range = range(STEPS),

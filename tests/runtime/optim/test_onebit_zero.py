@@ -144,3 +144,18 @@ def test_stage_2_fold_through_the_kernels_equals_the_torch_paths():
     for output in run_distributed(_folds_on_ranks, 2):
         assert not torch.equal(output["native"], output["before"])  # the fold did something
         assert torch.equal(output["native"], output["torch"])
+
+
+@pytest.mark.parametrize("stage", [1, 2])
+def test_bf16_with_fp32_accumulation_holds_the_formulas_fp32_gradients(stage):
+    """data_types.grad_accum_dtype fp32 beside bf16: the local gradients the exchange folds
+    (and stage 2's partition) are fp32 buffers, as onebit_model_state_bytes(grad_dtype=)
+    counts them; every rank ends with the same finite losses."""
+    settings = OneBitSettings("adam", bf16=True, stage=stage, accumulation=2, grad_accum_fp32=True)
+    results = run_distributed(train_engine, 2, settings)
+    padded = sum(padded for padded, _ in results[0]["units"])
+    for result in results:
+        assert all(loss == loss for loss in result["losses"]) and result["losses"] == results[0]["losses"]
+        assert result["grads"] == 4 * padded * (1 if stage == 1 else 1 + 1 / 2)
+        formula = onebit_model_state_bytes(result["numel"], 2, stage, "bf16", grad_dtype="fp32")["grads"]
+        assert abs(result["grads"] - formula) <= 4 * (padded - result["numel"]) * 2

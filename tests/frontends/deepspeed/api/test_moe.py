@@ -254,7 +254,7 @@ def test_equals_deepspeeds_moe_layer(arguments, tmp_path):
     assert torch.equal(l_aux, theirs["l_aux"]) and counts.tolist() == theirs["counts"].tolist()
 
 
-def refuse_a_ready_scheduler_and_bf16_masters(rank: int, world_size: int) -> list[str]:
+def refuse_a_ready_scheduler_bf16_masters_and_fp32_accumulation(rank: int, world_size: int) -> list[str]:
     model = MoeNet(1, False, 2)
     optimizer = torch.optim.AdamW(groups_of(model), lr=1e-2)
     with pytest.raises(ValueError) as scheduler:
@@ -266,16 +266,24 @@ def refuse_a_ready_scheduler_and_bf16_masters(rank: int, world_size: int) -> lis
                                      "bf16": {"enabled": True, "bf16_master_weights_and_grads": True,
                                               "bf16_optimizer_states": True}},
                              optimizer=torch.optim.AdamW(groups_of(model), lr=1e-2))
-    return [str(scheduler.value), str(bf16_masters.value)]
+    model = MoeNet(1, False, 2)
+    with pytest.raises(ValueError) as fp32_accumulation:
+        shardwise.initialize(model, {"train_micro_batch_size_per_gpu": ROWS, "zero_optimization": {"stage": 2},
+                                     "bf16": {"enabled": True}, "data_types": {"grad_accum_dtype": "fp32"}},
+                             optimizer=torch.optim.AdamW(groups_of(model), lr=1e-2))
+    return [str(scheduler.value), str(bf16_masters.value), str(fp32_accumulation.value)]
 
 
-def test_expert_parallelism_refuses_a_ready_scheduler_and_bf16_masters():
+def test_expert_parallelism_refuses_a_ready_scheduler_bf16_masters_and_fp32_accumulation():
     """A scheduler object holds the optimizer the experts were taken out of (it would leave
     their rate at its start); the experts keep fp32 masters (bf16 masters are not provided
-    for them): both refused with the fix. (fp16 is provided: tests/models/gpt/test_gpt_moe.py.)"""
-    for scheduler, bf16_masters in run_distributed(refuse_a_ready_scheduler_and_bf16_masters, 2, timeout=120):
+    for them) and sum micro-batches in the training dtype (fp32 accumulation is not provided
+    for them): all refused with the fix. (fp16 is provided: tests/models/gpt/test_gpt_moe.py.)"""
+    for scheduler, bf16_masters, fp32_accumulation in run_distributed(refuse_a_ready_scheduler_bf16_masters_and_fp32_accumulation, 2,
+                                                                      timeout=120):
         assert "callable that builds it from an optimizer" in scheduler
         assert "(fp32 masters;" in bf16_masters and "use ep_size=1" in bf16_masters
+        assert "grad_accum_dtype fp32" in fp32_accumulation and "use ep_size=1" in fp32_accumulation
 
 
 def expert_engine(stage: int, ep_size: int, bf16: bool = False) -> tuple[nn.Module, object]:
