@@ -49,7 +49,7 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
                         "PipelineModule.parts, the first layer of each stage then the layer count (e.g. 0,4,8)")
     parser.add_argument("--sub-group-size", type=int, metavar="N",
                         help="with --to-deepspeed --zero-stage 3: the DeepSpeed run's zero_optimization."
-                        "sub_group_size (default DeepSpeed's, 1e9)")
+                        "sub_group_size (default DeepSpeed's, 1e9; 0: one parameter per sub-group)")
     parser.add_argument("--optimizer", metavar="CLASS",
                         help="with --from-deepspeed: the torch optimizer class the run trains with (AdamW, ...), "
                         "needed when the DeepSpeed config has no optimizer block")
@@ -118,9 +118,10 @@ def _to_deepspeed(args: argparse.Namespace) -> int:
         return 2
     stage = args.zero_stage if args.zero_stage is not None else 1 if parts is not None else 2
     try:
+        sub_group_size = SUB_GROUP_SIZE if args.sub_group_size is None else args.sub_group_size
         written = write_deepspeed_checkpoint(args.checkpoint_dir, args.output, world_size=args.world_size,
                                              stage=stage, tag=args.tag, pipeline_parts=parts,
-                                             sub_group_size=args.sub_group_size or SUB_GROUP_SIZE)
+                                             sub_group_size=sub_group_size)
     except (CheckpointError, ValueError) as error:
         print(f"shardwise convert: error: {error}", file=sys.stderr)
         return 2

@@ -12,11 +12,12 @@ def problems_of(zero: dict) -> list[str]:
     return caught.value.problems
 
 
-def test_sub_group_size_zero_is_refused():
-    # DeepSpeed makes every parameter its own sub-group; shardwise read 0 as "no limit"
-    assert problems_of({"stage": 3, "sub_group_size": 0}) == [
-        "zero_optimization.sub_group_size: sub_group_size 0 must be a positive number of elements: the "
-        "optimizer steps (and offload pages) that many at once; use a large value such as 1e9 for one sub-group"
+def test_a_negative_sub_group_size_is_refused():
+    # 0 is DeepSpeed's one parameter per sub-group (axolotl's ZeRO configs set it): honoured,
+    # tests/runtime/zero/test_sub_groups.py
+    assert problems_of({"stage": 3, "sub_group_size": -1}) == [
+        "zero_optimization.sub_group_size: sub_group_size -1 is not a number of elements: the optimizer steps "
+        "(and offload pages) that many at once; use a positive size, or 0 for one parameter at a time"
     ]
 
 

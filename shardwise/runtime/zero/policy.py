@@ -133,7 +133,7 @@ class ZeroPolicy:
     allgather_bucket_size: int = 500_000_000
     overlap_comm: bool = False
     reduce_scatter: bool = True
-    sub_group_size: int = 1_000_000_000
+    sub_group_size: int = 1_000_000_000  # elements the optimizer steps at once; 0: one flat unit's piece
     prefetch: PrefetchPolicy = field(default_factory=PrefetchPolicy)
     offload_optimizer: OffloadPolicy = OffloadPolicy()
     offload_param: OffloadPolicy = OffloadPolicy()
@@ -153,6 +153,9 @@ class ZeroPolicy:
         stages.check_stage(self.stage)
         if self.shard_size is not None and self.shard_size < 1:
             raise ValueError(f"shard_size must be at least 1, got {self.shard_size}")
+        if self.sub_group_size < 0:
+            raise ValueError(f"sub_group_size must be a number of elements (0: one flat unit's piece at a time), "
+                             f"got {self.sub_group_size}")
         if self.plus_plus.enabled:
             self._check_plus_plus()
         if self.zenflow is not None:

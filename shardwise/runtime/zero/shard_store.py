@@ -256,11 +256,14 @@ def _split_sub_groups(segments: list[SegmentState], sub_group_size: int) -> list
     """Sub-groups of `sub_group_size` elements (the last one fewer). A segment that does
     not fit in what is left of the current sub-group is cut there, so a sub-group (what a
     paging tier holds in memory at once) is bounded by the setting, not by the largest
-    parameter; 0 or less: one sub-group."""
+    parameter. 0: each segment (a flat unit's piece in one param group) a sub-group of its
+    own, uncut, as DeepSpeed's 0 makes each parameter one."""
+    if sub_group_size == 0:
+        return [[segment] for segment in segments] or [[]]
     groups: list[list[SegmentState]] = [[]]
     room = sub_group_size
     for segment in segments:
-        while sub_group_size > 0 and segment.numel > room:
+        while segment.numel > room:
             if room:
                 head, segment = _cut(segment, room)
                 groups[-1].append(head)

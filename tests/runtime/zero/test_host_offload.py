@@ -76,3 +76,29 @@ def test_parameter_offload_alone_holds_the_formulas_tiers():
     assert measured["device"]["params"] == expected["gpu"]["params"] == 0
     assert measured["device"]["grads"] == expected["gpu"]["grads"]
     assert measured["device"]["optimizer_states"] == expected["gpu"]["optimizer_states"]
+
+
+@pytest.mark.parametrize(("stage", "param"), [(2, "none"), (3, "cpu")])
+def test_sub_group_size_zero_steps_each_unit_piece_alone_and_trains_the_same(stage, param):
+    """sub_group_size 0, as axolotl's ZeRO configs set it, is DeepSpeed's one parameter per
+    sub-group: here each flat unit's piece is a sub-group of its own, uncut, and the
+    training is the same as with sub-groups of 2000 elements."""
+    sized = run_distributed(train_parallel, 2, case_for(stage, "cpu", param))
+    zero_case = case_for(stage, "cpu", param)
+    zero_case.extra_config["zero_optimization"]["sub_group_size"] = 0
+    per_piece = run_distributed(train_parallel, 2, zero_case)
+    for with_size, with_zero in zip(sized, per_piece):
+        assert with_zero["losses"] == with_size["losses"]
+        for name, tensor in with_size["params"].items():
+            assert with_zero["params"][name].equal(tensor), name
+
+
+def test_sub_group_size_zero_makes_each_segment_a_sub_group():
+    from types import SimpleNamespace
+
+    from shardwise.runtime.zero.shard_store import _split_sub_groups
+
+    segments = [SimpleNamespace(numel=numel) for numel in (5000, 10, 300)]
+    assert _split_sub_groups(segments, 0) == [[segment] for segment in segments]
+    assert _split_sub_groups([], 0) == [[]]
+    assert [len(group) for group in _split_sub_groups(segments, 10**9)] == [3]

@@ -94,8 +94,9 @@ def write_deepspeed_checkpoint(checkpoint_dir: str | os.PathLike, output: str | 
                          f"stage {stage}")
     if world_size < 1:
         raise ValueError(f"world_size must be positive, got {world_size}")
-    if sub_group_size < 1:
-        raise ValueError(f"sub_group_size must be positive, got {sub_group_size}")
+    if sub_group_size < 0:
+        raise ValueError(f"sub_group_size must be a number of elements (0: one parameter per sub-group, as "
+                         f"DeepSpeed reads it), got {sub_group_size}")
     directory, meta, records = open_verified(checkpoint_dir, tag)
     _check_convertible(directory, meta)
     out_tag = directory.name

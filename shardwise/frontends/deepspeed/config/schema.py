@@ -263,11 +263,12 @@ class ZeroConfig(Section):
 
     @field_validator("sub_group_size")
     @classmethod
-    def _positive_sub_group(cls, size: int) -> int:
-        """DeepSpeed reads 0 as one parameter per sub-group, the opposite of "no limit"."""
-        if size <= 0:
-            raise ValueError(f"sub_group_size {size} must be a positive number of elements: the optimizer steps (and "
-                             "offload pages) that many at once; use a large value such as 1e9 for one sub-group")
+    def _sub_group_elements(cls, size: int) -> int:
+        """0 is DeepSpeed's one parameter per sub-group (axolotl's ZeRO configs set it),
+        honoured as one sub-group per flat unit's piece (runtime/zero/shard_store.py)."""
+        if size < 0:
+            raise ValueError(f"sub_group_size {size} is not a number of elements: the optimizer steps (and offload "
+                             "pages) that many at once; use a positive size, or 0 for one parameter at a time")
         return size
 
     @field_validator("reduce_bucket_size")
