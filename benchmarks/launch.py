@@ -12,6 +12,7 @@ JSON into a fresh directory, which the parent reads once every rank has exited 0
 
 from __future__ import annotations
 
+import argparse
 import json
 import os
 import subprocess
@@ -21,7 +22,7 @@ import time
 from pathlib import Path
 from typing import Any, Callable
 
-from report import VariantSummary, median_over_rounds, summarise
+from report import VariantSummary, machine_line, median_over_rounds, summarise
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 STORE_VARIABLE = "BENCHMARK_STORE"
@@ -63,6 +64,29 @@ def run_rounds(
             raw[name].append(results)
             per_round[name].append(summarise(name, results, load))
     return {name: median_over_rounds(summaries) for name, summaries in per_round.items()}, raw
+
+
+def compare_in_rounds(
+    script: Path,
+    args: argparse.Namespace,
+    *,
+    worker: Callable[[argparse.Namespace], None],
+    worker_argv: Callable[[argparse.Namespace, str], list[str]],
+    world_size: int,
+    report: Callable[[argparse.Namespace, dict[str, VariantSummary]], None],
+) -> None:
+    """A comparison benchmark's main: as one of its ranks (`args.worker`), the worker;
+    otherwise the machine's line, every variant of `args.variants` over `args.rounds`
+    interleaved rounds (`run_rounds`), the report, and with `args.json` the raw results."""
+    if args.worker:
+        worker(args)
+        return
+    print(machine_line(), flush=True)
+    results, raw = run_rounds(script, args.variants.split(","), lambda name: worker_argv(args, name), world_size,
+                              args.timeout, args.rounds)
+    report(args, results)
+    if args.json:
+        args.json.write_text(json.dumps({"args": vars(args) | {"json": str(args.json)}, "results": raw}, indent=1))
 
 
 class VariantFailed(RuntimeError):

@@ -25,7 +25,6 @@ other jobs: the load average is printed with every variant.
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import sys
 from pathlib import Path
@@ -37,7 +36,7 @@ import torch.nn.functional as F
 SCRIPT = Path(__file__).resolve()
 sys.path.insert(0, str(SCRIPT.parent))
 
-from launch import run_rounds  # noqa: E402
+from launch import compare_in_rounds  # noqa: E402
 from report import VariantSummary, comm_text, loss_difference, machine_line, markdown_table, mib, verdict  # noqa: E402
 
 VARIANTS = ("dtensor", "shardwise", "shardwise_sp")
@@ -225,15 +224,7 @@ def print_report(args: argparse.Namespace, results: dict[str, VariantSummary]) -
 
 def main() -> None:
     args = parse_args()
-    if args.worker:
-        worker(args)
-        return
-    print(machine_line(), flush=True)
-    results, raw = run_rounds(SCRIPT, args.variants.split(","), lambda name: worker_argv(args, name),
-                              2, args.timeout, args.rounds)
-    print_report(args, results)
-    if args.json:
-        args.json.write_text(json.dumps({"args": vars(args) | {"json": str(args.json)}, "results": raw}, indent=1))
+    compare_in_rounds(SCRIPT, args, worker=worker, worker_argv=worker_argv, world_size=2, report=print_report)
 
 
 if __name__ == "__main__":

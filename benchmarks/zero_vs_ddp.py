@@ -15,7 +15,6 @@ below DDP's by at least the optimizer state they no longer hold.
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import sys
 from pathlib import Path
@@ -26,7 +25,7 @@ import torch
 SCRIPT = Path(__file__).resolve()
 sys.path.insert(0, str(SCRIPT.parent))
 
-from launch import run_rounds  # noqa: E402
+from launch import compare_in_rounds  # noqa: E402
 from report import (  # noqa: E402
     VariantSummary,
     comm_text,
@@ -231,17 +230,7 @@ def print_targets(ddp: VariantSummary, results: dict[str, VariantSummary]) -> No
 
 def main() -> None:
     args = parse_args()
-    if args.worker:
-        worker(args)
-        return
-    print(machine_line(), flush=True)
-    results, raw = run_rounds(
-        SCRIPT, args.variants.split(","), lambda name: worker_argv(args, name),
-        args.world_size, args.timeout, args.rounds,
-    )
-    print_report(args, results)
-    if args.json:
-        args.json.write_text(json.dumps({"args": vars(args) | {"json": str(args.json)}, "results": raw}, indent=1))
+    compare_in_rounds(SCRIPT, args, worker=worker, worker_argv=worker_argv, world_size=args.world_size, report=print_report)
 
 
 if __name__ == "__main__":
