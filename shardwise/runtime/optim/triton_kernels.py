@@ -38,6 +38,18 @@ CELL_MASK = (1 << (32 - CELL_SHIFT)) - 1
 
 
 @triton.jit
+def _lamb_update(w, m, v, eps, weight_decay, EPS_INSIDE_SQRT: tl.constexpr, DECAY: tl.constexpr):
+    """Adam's direction m / (√v + eps) (eps inside the root where asked), plus the decay."""
+    if EPS_INSIDE_SQRT:
+        update = tl.div_rn(m, tl.sqrt_rn(v + eps))
+    else:
+        update = tl.div_rn(m, tl.sqrt_rn(v) + eps)
+    if DECAY:
+        update = update + weight_decay * w
+    return update
+
+
+@triton.jit
 def _lamb_moments_and_squares_kernel(param, grad, exp_avg, exp_avg_sq, squares, numel, beta1_complement, beta2,
                                      beta2_complement, eps, weight_decay, EPS_INSIDE_SQRT: tl.constexpr,
                                      DECAY: tl.constexpr, BLOCK: tl.constexpr):
@@ -52,13 +64,7 @@ def _lamb_moments_and_squares_kernel(param, grad, exp_avg, exp_avg_sq, squares, 
     v = v * beta2 + beta2_complement * g * g
     tl.store(exp_avg + offsets, m, mask=inside)
     tl.store(exp_avg_sq + offsets, v, mask=inside)
-    if EPS_INSIDE_SQRT:
-        update = tl.div_rn(m, tl.sqrt_rn(v + eps))
-    else:
-        update = tl.div_rn(m, tl.sqrt_rn(v) + eps)
-    if DECAY:
-        update = update + weight_decay * w
-    update = tl.where(inside, update, 0.0)
+    update = tl.where(inside, _lamb_update(w, m, v, eps, weight_decay, EPS_INSIDE_SQRT, DECAY), 0.0)
     tl.store(squares + 2 * block, tl.sum(w * w, axis=0))
     tl.store(squares + 2 * block + 1, tl.sum(update * update, axis=0))
 
@@ -71,12 +77,7 @@ def _lamb_apply_kernel(param, exp_avg, exp_avg_sq, numel, scale, eps, weight_dec
     w = tl.load(param + offsets, mask=inside, other=0.0)
     m = tl.load(exp_avg + offsets, mask=inside, other=0.0)
     v = tl.load(exp_avg_sq + offsets, mask=inside, other=0.0)
-    if EPS_INSIDE_SQRT:
-        update = tl.div_rn(m, tl.sqrt_rn(v + eps))
-    else:
-        update = tl.div_rn(m, tl.sqrt_rn(v) + eps)
-    if DECAY:
-        update = update + weight_decay * w
+    update = _lamb_update(w, m, v, eps, weight_decay, EPS_INSIDE_SQRT, DECAY)
     tl.store(param + offsets, w + update * scale, mask=inside)
 
 
