@@ -21,6 +21,8 @@ import pytest
 import torch
 from torch import nn
 
+from shardwise.frontends.deepspeed.config import load_config
+from shardwise.frontends.deepspeed.config.policies import policies_from_config
 from shardwise.tools.testing import run_distributed
 from tests.frontends.deepspeed.deepspeed_side import ONE_RANK, deepspeed_json
 
@@ -78,6 +80,14 @@ CONFIGS: dict[str, dict[str, Any]] = {
                               "stage3_gather_16bit_weights_on_model_save": False},
         "gradient_clipping": 1.0, "steps_per_print": math.inf, "bf16": {"enabled": True},
         "zero_allow_untested_optimizer": True},
+    # ZeRO-2 offloading the optimizer of the script's AdamW, which Accelerate turns into
+    # DeepSpeedCPUAdam (LLaMA-Factory's ds_z2_offload_config, FastChat's s2, axolotl's zero2)
+    "zero2_offload_with_the_scripts_adamw": {
+        "zero_optimization": {"stage": 2, "offload_optimizer": {"device": "cpu", "pin_memory": True},
+                              "allgather_partitions": True, "allgather_bucket_size": 5e8, "overlap_comm": False,
+                              "reduce_scatter": True, "reduce_bucket_size": 5e8, "contiguous_gradients": True,
+                              "round_robin_gradients": True},
+        "bf16": {"enabled": AUTO}, "fp16": FP16_DYNAMIC, **BATCH_AUTO, "zero_allow_untested_optimizer": True},
     # the Trainer's own ZeRO-2 example: AdamW and WarmupLR all "auto", float bucket sizes,
     # an fp16 block the Trainer switches off (transformers' ds_config_zero2, LLaVA's zero2)
     "trainer_zero2_adamw_warmup": {
@@ -174,10 +184,9 @@ def nvme_as_cpu(config: dict[str, Any]) -> dict[str, Any]:
     return json.loads(json.dumps(config).replace('"device": "nvme"', '"device": "cpu"'))
 
 
-def trainer_filled(config: dict[str, Any]) -> dict[str, Any]:
-    """`config` with the Trainer's values written over its "auto" entries (the ones it does
-    not fill stay "auto", as it leaves them), fp16 switched to bf16, and the flag the Trainer
-    sets when the script's own optimizer runs under ZeRO."""
+def auto_filled(config: dict[str, Any]) -> dict[str, Any]:
+    """`config` with the Trainer's values written over its "auto" entries; the ones it does
+    not fill stay "auto", as it leaves them."""
     filled = copy.deepcopy(config)
 
     def fill(node: dict[str, Any], prefix: str) -> None:
@@ -191,6 +200,13 @@ def trainer_filled(config: dict[str, Any]) -> dict[str, Any]:
     fill(filled, "")
     if filled.get("train_batch_size") == AUTO:
         filled["train_batch_size"] = filled["train_micro_batch_size_per_gpu"] * filled["gradient_accumulation_steps"]
+    return filled
+
+
+def trainer_filled(config: dict[str, Any]) -> dict[str, Any]:
+    """`auto_filled(config)` with fp16 switched to bf16 (for DeepSpeed on a CPU), and the flag
+    the Trainer sets when the script's own optimizer runs under ZeRO."""
+    filled = auto_filled(config)
     if filled.get("fp16", {}).get("enabled") is True:
         filled["fp16"]["enabled"] = False
         filled.update(ON_A_CPU_IN_BF16)
@@ -202,6 +218,7 @@ def trainer_filled(config: dict[str, Any]) -> dict[str, Any]:
 # Both frameworks run this: the tiny model, its data, three optimizer steps; `deepspeed` is
 # DeepSpeed itself or shardwise's compatibility package.
 TRAIN = f"""
+import importlib
 import torch
 from torch import nn
 
@@ -211,7 +228,15 @@ def train(deepspeed, config):
     with torch.no_grad():
         for parameter in model.parameters():
             parameter.copy_(torch.randn(parameter.shape, generator=generator) / 3)
-    own = {{}} if "optimizer" in config else {{"optimizer": torch.optim.AdamW(model.parameters(), lr={LR}, eps=1e-4)}}
+    own = {{}}
+    if "optimizer" not in config:
+        own["optimizer"] = torch.optim.AdamW(model.parameters(), lr={LR}, eps=1e-4)
+        offload = config.get("zero_optimization", {{}}).get("offload_optimizer", {{}}).get("device", "none")
+        if offload != "none" and config.get("zero_force_ds_cpu_optimizer", True):
+            # as Accelerate (under the Trainer) hands DeepSpeed the script's AdamW
+            # (accelerate.utils.deepspeed.map_pytorch_optim_to_deepspeed)
+            cpu_adam = importlib.import_module(deepspeed.__name__ + ".ops.adam").DeepSpeedCPUAdam
+            own["optimizer"] = cpu_adam(own["optimizer"].param_groups, lr={LR}, weight_decay=0.0, adamw_mode=True)
     engine, *_ = deepspeed.initialize(model=model, model_parameters=model.parameters(), config=config, **own)
     dtype = next(engine.module.parameters()).dtype
     micro, losses = engine.train_micro_batch_size_per_gpu(), []
@@ -258,6 +283,19 @@ def test_shardwise_trains_it_unchanged(name, shardwise_runs):
     assert run["steps"] == 3 and len(run["losses"]) == 3 * accumulation
     assert run["dtype"] == ("torch.bfloat16" if filled.get("bf16", {}).get("enabled") else "torch.float32")
     assert all(math.isfinite(loss) for loss in run["losses"])
+
+
+@pytest.mark.parametrize("name", CONFIGS)
+def test_shardwise_fills_auto_as_the_trainer_does(name):
+    """`load_config(auto_values=..., hidden_size=...)`, shardwise's own filling (what its
+    Trainer integration passes), reads each config as the Trainer-filled dict."""
+    values = {key: value for key, value in TRAINER_FILLS.items() if not key.startswith("zero_optimization.")}
+    config = on_nvme_at(CONFIGS[name], "/tmp")
+    accumulation = config.get("gradient_accumulation_steps", AUTO)  # the Trainer's own, where "auto"
+    values["train_batch_size"] = values["train_micro_batch_size_per_gpu"] * (
+        values["gradient_accumulation_steps"] if accumulation == AUTO else accumulation)
+    ours = load_config(config, world_size=1, hidden_size=HIDDEN, auto_values=values)
+    assert policies_from_config(ours) == policies_from_config(load_config(auto_filled(config), world_size=1))
 
 
 @pytest.mark.skipif(not os.environ.get("DEEPSPEED_PYTHON"), reason="set DEEPSPEED_PYTHON to an interpreter with "
