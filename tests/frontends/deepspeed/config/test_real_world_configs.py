@@ -260,7 +260,7 @@ def _shardwise_worker(rank: int, world_size: int, configs: dict[str, dict]) -> d
 
 
 DEEPSPEED_SIDE = ONE_RANK + TRAIN + """
-import json, math, sys, deepspeed
+import json, sys, deepspeed
 deepspeed.init_distributed("gloo")
 configs = json.loads(sys.argv[1])
 print(json.dumps({name: train(deepspeed, config) for name, config in configs.items()}))
