@@ -88,6 +88,12 @@ CONFIGS: dict[str, dict[str, Any]] = {
                               "reduce_scatter": True, "reduce_bucket_size": 5e8, "contiguous_gradients": True,
                               "round_robin_gradients": True},
         "bf16": {"enabled": AUTO}, "fp16": FP16_DYNAMIC, **BATCH_AUTO, "zero_allow_untested_optimizer": True},
+    # no ZeRO in bf16 (LLaMA-Factory's ds_z0_config, open-instruct's stage0 configs, with the
+    # Trainer's --bf16): DeepSpeed steps the script's AdamW once on zero gradients when it
+    # wraps it (FP16_UnfusedOptimizer), so Adam's first real step is its second
+    "zero0_bf16_with_the_scripts_adamw": {
+        "bf16": {"enabled": True}, "zero_optimization": {"stage": 0}, **BATCH_AUTO, "steps_per_print": 1e5,
+        "wall_clock_breakdown": False},
     # the Trainer's own ZeRO-2 example: AdamW and WarmupLR all "auto", float bucket sizes,
     # an fp16 block the Trainer switches off (transformers' ds_config_zero2, LLaVA's zero2)
     "trainer_zero2_adamw_warmup": {
@@ -283,6 +289,19 @@ def test_shardwise_trains_it_unchanged(name, shardwise_runs):
     assert run["steps"] == 3 and len(run["losses"]) == 3 * accumulation
     assert run["dtype"] == ("torch.bfloat16" if filled.get("bf16", {}).get("enabled") else "torch.float32")
     assert all(math.isfinite(loss) for loss in run["losses"])
+
+
+@pytest.mark.parametrize("blocks, steps_once", [
+    ({"bf16": {"enabled": True}}, True),
+    ({"fp16": {"enabled": True}}, True),
+    ({}, False),  # fp32: DeepSpeed steps the torch optimizer itself
+    ({"bf16": {"enabled": True}, "zero_optimization": {"stage": 1}}, False),  # its ZeRO optimizers do not
+    ({"bf16": {"enabled": True}, "pipeline_parallel": {"size": 1}}, False),  # BF16_Optimizer for a pipeline
+])
+def test_the_zero_gradient_step_is_taken_where_deepspeed_takes_it(blocks, steps_once):
+    config = {"train_micro_batch_size_per_gpu": 2, "optimizer": {"type": "AdamW", "params": {"lr": LR}}, **blocks}
+    precision = policies_from_config(load_config(config, world_size=1)).precision
+    assert precision.initial_zero_gradient_step is steps_once
 
 
 @pytest.mark.parametrize("name", CONFIGS)
