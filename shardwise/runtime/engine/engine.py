@@ -44,6 +44,7 @@ from shardwise.runtime.engine.policies import Policies
 from shardwise.runtime.engine.trial import TrialMeter
 from shardwise.runtime.optim.registry import optimizer_spec
 from shardwise.runtime.optim.sharded import ShardAwareOptimizer
+from shardwise.runtime.optim.zero_gradient_step import step_on_zero_gradients
 from shardwise.runtime.parallel.pipeline.runner import PipelineRunner
 from shardwise.runtime.parallel.pipeline.split import StageLayout
 from shardwise.runtime.parallel.pipeline.stages import keep_stage_parameters, stage_of
@@ -162,6 +163,8 @@ class Engine(nn.Module):
         # what each loss is divided by: the accumulation count (ZenFlow's update interval)
         self.loss_divisor = (self.zenflow.update_interval if self.zenflow is not None
                              else self.gradient_accumulation_steps)
+        if self.trains and policies.precision.initial_zero_gradient_step:
+            step_on_zero_gradients(self.optimizer.optimizer)
         self.lr_scheduler = (make_scheduler(lr_scheduler, policies.scheduler, self.optimizer.optimizer)
                              if self.trains else None)
         self.expert_lr_scheduler = self._expert_scheduler(lr_scheduler, policies)

@@ -40,6 +40,11 @@ class PrecisionPolicy:
     autocast: bool = False  # the forward under torch.autocast(autocast_dtype)
     autocast_dtype: torch.dtype | None = None  # None: torch's default for the device (bf16 on CPU, fp16 on CUDA)
     grad_accum_dtype: torch.dtype | None = None  # micro-batch gradients summed in; None: param_dtype
+    # Step the optimizer once on zero gradients when it is built, before any schedule, as
+    # DeepSpeed's FP16_Optimizer and FP16_UnfusedOptimizer do (16-bit training without ZeRO):
+    # the first real step is then the optimizer's second (Adam's bias correction) and weight
+    # decay has been applied once.
+    initial_zero_gradient_step: bool = False
 
     def __post_init__(self) -> None:
         if self.master_dtype not in (torch.float32, self.param_dtype):

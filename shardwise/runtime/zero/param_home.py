@@ -81,14 +81,16 @@ class NvmeParamHome:
         self.swap = SwapFile(offload.nvme_path, rank, offload.thread_count, offload.block_size,
                              offload.queue_depth)
         self.regions: dict[int, Region] = {unit.index: self.swap.region(unit.chunk_numel, dtype) for unit in units}
-        buffer = round_up(offload.buffer_size * self.regions[units[0].index].tensor.element_size())
+        buffer = round_up(offload.buffer_size * dtype.itemsize)
         self.capacity = offload.buffer_count * buffer
-        largest = max(units, key=lambda unit: unit.chunk_numel)
-        if offload.buffer_count < 1 or self.regions[largest.index].nbytes > buffer:
+        # no units when every parameter stays whole (below stage3_param_persistence_threshold)
+        largest = max(units, key=lambda unit: unit.chunk_numel, default=None)
+        largest_numel = 0 if largest is None else largest.chunk_numel
+        if offload.buffer_count < 1 or (largest is not None and self.regions[largest.index].nbytes > buffer):
             self.swap.close()
             raise SwapError(f"offload_param.buffer_count {offload.buffer_count} x buffer_size {offload.buffer_size:,} "
-                            f"elements cannot stage the largest parameter shard ({largest.chunk_numel:,} elements, "
-                            f"{largest}): use buffer_count >= 1 and buffer_size >= {largest.chunk_numel:,}")
+                            f"elements cannot stage the largest parameter shard ({largest_numel:,} elements, "
+                            f"{largest}): use buffer_count >= 1 and buffer_size >= {largest_numel:,}")
         self.swap.reserve()
         ledger.hold("params", self.swap.size, tier="nvme")
         self.ledger = ledger

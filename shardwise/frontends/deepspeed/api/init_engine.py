@@ -40,9 +40,7 @@ from __future__ import annotations
 
 import copy
 import logging
-import math
 import os
-import sys
 from types import ModuleType
 from typing import Any, Callable, Iterable
 
@@ -126,7 +124,6 @@ def initialize(
     _drop_overridden(raw, "optimizer", optimizer)
     _drop_overridden(raw, "scheduler", lr_scheduler)
     _pipeline_block(raw, model)
-    _never_print(raw)
     auto_values = {"scheduler.params.warmup_max_lr": optimizer.defaults["lr"]} if optimizer is not None else {}
     world_size = torch.distributed.get_world_size()
     cfg = load_config(raw, world_size=world_size, hidden_size=hidden_size(model), auto_values=auto_values)
@@ -244,14 +241,6 @@ def _require_same_sequence_groups(engine: DeepSpeedEngine, mpu: ModuleType) -> N
                 f"-parallel group is ranks {list(ranks)} but the config's layout puts ranks "
                 f"{list(engine.mesh[purpose].ranks)} in it: the mpu's groups cover sequence and data parallelism "
                 "only, so remove tensor_parallel and pipeline_parallel from the config")
-
-
-def _never_print(raw: dict) -> None:
-    """`steps_per_print: Infinity`, which accelerate writes to silence DeepSpeed's progress
-    lines (and DeepSpeed reads as never), becomes the largest step count; the config
-    otherwise refuses non-finite numbers."""
-    if raw.get("steps_per_print") == math.inf:
-        raw["steps_per_print"] = sys.maxsize
 
 
 def _pipeline_block(raw: dict, model: nn.Module) -> None:

@@ -45,6 +45,7 @@ from shardwise.frontends.deepspeed.config.params import (
     OPTIMIZER_PARAMS,
     SCHEDULER_PARAMS,
 )
+from shardwise.frontends.deepspeed.config.resolve import AUTO
 from shardwise.frontends.deepspeed.config.schema import OptimizerConfig, SchedulerConfig, ShardwiseConfig
 
 log = logging.getLogger("shardwise")
@@ -184,6 +185,11 @@ def _check_section(
     translations: dict[str, tuple[str, Any]] = {}
     for key, value in raw.items():
         name = aliases.get(key, key)
+        if name != key and value == AUTO:
+            # Hugging Face fills "auto" under the current names only; under the other one
+            # DeepSpeed's config models drop it for the default (axolotl's
+            # "prefetch_bucket_size": "auto"), so it is left out here, never filled.
+            continue
         if name != key and raw.get(name) is not None and (path, key) in SHADOWED_ALIASES:
             ignored.append(f"'{join_key(path, key)}': '{join_key(path, name)}' is set too, and DeepSpeed 0.19.8 "
                            f"reads '{name}' first and never looks at '{key}'")

@@ -198,8 +198,14 @@ def precision_policy(cfg: ShardwiseConfig) -> PrecisionPolicy:
     master = torch.bfloat16 if cfg.bf16.enabled and cfg.bf16.bf16_master_weights_and_grads else torch.float32
     named = cfg.data_types.grad_accum_dtype
     accumulate = DTYPES[DATA_TYPE_NAMES[named]] if named is not None else dtype
+    # DeepSpeed 0.19.8 wraps the optimizer in FP16_Optimizer / FP16_UnfusedOptimizer without
+    # ZeRO in fp16 and bf16 (in BF16_Optimizer for a bf16 pipeline), which step it once on zero
+    # gradients when built (their initialize_optimizer_states)
+    wrapped = (cfg.zero_optimization.stage == 0 and dtype != torch.float32
+               and not (dtype == torch.bfloat16 and "pipeline_parallel" in cfg.model_fields_set))
     return PrecisionPolicy(dtype, reduce, scaling, master_dtype=master, autocast=autocast.enabled,
-                           autocast_dtype=autocast_dtype, grad_accum_dtype=accumulate if accumulate != dtype else None)
+                           autocast_dtype=autocast_dtype, grad_accum_dtype=accumulate if accumulate != dtype else None,
+                           initial_zero_gradient_step=wrapped)
 
 
 def pipeline_policy(cfg: ShardwiseConfig) -> PipelinePolicy:

@@ -14,6 +14,7 @@ so build configs through it rather than by instantiating these classes.
 """
 
 import math
+import sys
 from typing import Any, Literal
 
 from pydantic import Field, field_validator, model_validator
@@ -768,6 +769,13 @@ class ShardwiseConfig(Section):
     def _lower_case_op(cls, op: Any) -> Any:
         """DeepSpeed 0.19.8 reads the operation in any letter case."""
         return op.lower() if isinstance(op, str) else op
+
+    @field_validator("steps_per_print", mode="before")
+    @classmethod
+    def _infinity_is_never(cls, interval: Any) -> Any:
+        """Infinity, which Accelerate writes to silence DeepSpeed's progress lines (DeepSpeed
+        reads it as never), is the largest step count; other non-finite numbers stay refused."""
+        return sys.maxsize if interval == math.inf else interval
 
     @field_validator("steps_per_print")
     @classmethod
