@@ -16,11 +16,14 @@ from typing import Callable
 import torch
 
 import shardwise
+from shardwise.frontends.deepspeed.config import load_config
+from shardwise.frontends.deepspeed.config.policies import precision_policy
 from shardwise.models import GPT, GPTConfig
 from shardwise.runtime.optim.adafactor import Adafactor
 from shardwise.runtime.optim.adam8bit import Adam8bit, AdamW8bit
 from shardwise.runtime.optim.lars import Lars
 from shardwise.runtime.optim.muon import Muon
+from shardwise.runtime.optim.zero_gradient_step import step_on_zero_gradients
 
 
 @dataclass(frozen=True, eq=False)
@@ -213,6 +216,8 @@ def train_reference(case: Case, world_size: int, per_micro_batch: bool = False) 
     """
     model = build_model(case.model)
     optimizer = make_optimizer(model, case.lr, case.optimizer)
+    if takes_initial_zero_gradient_step(case, world_size):
+        step_on_zero_gradients(optimizer)
     rows = world_size * case.accumulation * case.micro_batch
     losses = []
     for step in range(case.steps):
@@ -236,6 +241,14 @@ def train_reference(case: Case, world_size: int, per_micro_batch: bool = False) 
         losses.append(loss.item())
     params = {name: p.detach().clone() for name, p in model.named_parameters()}
     return {"losses": losses, "params": params}
+
+
+def takes_initial_zero_gradient_step(case: Case, world_size: int) -> bool:
+    """Whether the case's config has the optimizer stepped once on zero gradients when it is
+    built, as DeepSpeed's FP16_Optimizer does in 16-bit training without ZeRO
+    (runtime/optim/zero_gradient_step.py): the reference then takes that step too."""
+    config = load_config(case.config(world_size), world_size=world_size)
+    return precision_policy(config).initial_zero_gradient_step
 
 
 def relative_error(actual: torch.Tensor, expected: torch.Tensor) -> float:
