@@ -92,8 +92,13 @@ class Adafactor(ShardAwareOptimizer):
         d: float = 1.0,
         weight_decay: float = 0.0,
         *,
+        foreach: bool | None = None,
         maximize: bool = False,
     ):
+        """torch.optim.Adafactor's signature: `foreach` chooses torch's multi-tensor or
+        per-tensor loops, which compute the same; here the native kernels or the torch path
+        step either way, so it is kept in the param groups (as torch keeps it) and read by
+        nothing."""
         if lr < 0:
             raise ValueError(f"Learning rate should be >= 0 but is: {lr}")
         if beta2_decay > 0:
@@ -105,7 +110,7 @@ class Adafactor(ShardAwareOptimizer):
         if weight_decay < 0:
             raise ValueError(f"weight_decay should be >= 0 but is: {weight_decay}")
         defaults = dict(lr=lr, beta2_decay=beta2_decay, eps=tuple(eps), d=d, weight_decay=weight_decay,
-                        maximize=maximize)
+                        foreach=foreach, maximize=maximize)
         super().__init__(params, defaults)
         self._offsets: list[int] | None = None  # per parameter index, its statistics in the step's sum
         self._factorings: list[Factoring | None] = []
@@ -368,21 +373,15 @@ class AdafactorParams:
         "the dtype's machine epsilon; epsilon2: floor of a parameter's RMS in the step size)")
     d: float = param(1.0, ge=1)
     weight_decay: float = param(0.0, ge=0)
-    maximize: bool = False
     foreach: bool | None = param(None, description="torch's choice between its multi-tensor and per-tensor "
                                  "loops, which compute the same: accepted, and shardwise's kernels step either way")
-
-
-def _build(groups: list[dict], params: dict) -> Adafactor:
-    """`foreach` is torch.optim.Adafactor's, accepted from a config that names it, not an
-    argument of `Adafactor`."""
-    return Adafactor(groups, **{key: value for key, value in params.items() if key != "foreach"})
+    maximize: bool = False
 
 
 # torch's Adafactor steps by lr x RMS(w) and decays by lr x weight_decay per step: the main
 # job's AdamW settings do not carry over.
 register_optimizer(OptimizerSpec(
-    "Adafactor", AdafactorParams, _build,
+    "Adafactor", AdafactorParams, lambda groups, params: Adafactor(groups, **params),
     fp32_states=lambda params: adafactor_fp32_states(REFERENCE_SIDE, REFERENCE_SIDE),
     codec=AdafactorCodec(), per_parameter=True,
     main_job_params=lambda adamw, steps: {"lr": 3e-2, "weight_decay": 0.01},
