@@ -157,7 +157,8 @@ def print_report(args: argparse.Namespace, results: dict[str, VariantSummary]) -
 
 def main() -> None:
     args = parse_args()
-    compare_in_rounds(SCRIPT, args, worker=worker, worker_argv=worker_argv, world_size=args.world_size, report=print_report)
+    compare_in_rounds(SCRIPT, args, worker=worker, worker_argv=worker_argv, world_size=args.world_size,
+                      report=print_report)
 
 
 if __name__ == "__main__":

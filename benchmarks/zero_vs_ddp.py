@@ -230,7 +230,8 @@ def print_targets(ddp: VariantSummary, results: dict[str, VariantSummary]) -> No
 
 def main() -> None:
     args = parse_args()
-    compare_in_rounds(SCRIPT, args, worker=worker, worker_argv=worker_argv, world_size=args.world_size, report=print_report)
+    compare_in_rounds(SCRIPT, args, worker=worker, worker_argv=worker_argv, world_size=args.world_size,
+                      report=print_report)
 
 
 if __name__ == "__main__":
