@@ -69,16 +69,18 @@ class Lamb(ShardAwareOptimizer):
         groups = [([p for p in group["params"] if p.grad is not None], group) for group in self.param_groups]
         groups = [(params, group) for params, group in groups if params]
         params, squares, updates = [], [], []
+        paths = []  # per group, which kernels both passes take
         for group_params, group in groups:
             self._advance(group_params, group)
-            if _native(group_params, self.state):  # updates are recomputed when applied, not kept
+            paths.append(path := self._path(group_params, group))
+            if path == "native":  # updates are recomputed when applied, not kept
                 squares.append(self._native_moments_and_squares(group_params, group))
-            elif self._on_triton(group_params):  # the same two passes on a GPU
+            elif path == "triton":  # the same two passes on a GPU
                 beta1, beta2 = group["betas"]
                 squares.append(triton_gate.kernels().lamb_moments_and_squares(
                     group_params, *self._columns(group_params, "grad", "exp_avg", "exp_avg_sq"), beta1=beta1,
                     beta2=beta2, **_constants(group)))
-            elif group.get("compile", False):
+            elif path == "compiled":
                 beta1, beta2 = group["betas"]
                 squares.append(torch.stack([
                     kernel(_moments_and_squares, True, p)(*self._tensors(p), beta1=beta1, beta2=beta2,
@@ -92,7 +94,7 @@ class Lamb(ShardAwareOptimizer):
         norms = self.parameter_norms_of_squares(params, squares).cpu()
         self.last_trust_ratios = torch.ones(self.parameter_count, dtype=torch.float64)
         eager_updates = iter(updates)
-        for group_params, group in groups:
+        for (group_params, group), path in zip(groups, paths):
             index = torch.tensor([self.shard_of(param).index for param in group_params])
             weight_norm, update_norm = norms[index, 0], norms[index, 1]
             ratios = torch.where((weight_norm > 0) & (update_norm > 0),
@@ -100,14 +102,14 @@ class Lamb(ShardAwareOptimizer):
             self.last_trust_ratios[index] = ratios
             steps = torch.stack([self.state[param]["step"] for param in group_params]).tolist()  # one read
             scales = [-_step_size(group, step) * ratio for step, ratio in zip(steps, ratios.tolist())]
-            if _native(group_params, self.state):
+            if path == "native":
                 self._native_apply(group_params, group, scales)
                 continue
-            if self._on_triton(group_params):
+            if path == "triton":
                 triton_gate.kernels().lamb_apply(group_params, *self._columns(group_params, "exp_avg", "exp_avg_sq"),
                                                  scales, **_constants(group))
                 continue
-            if group.get("compile", False):
+            if path == "compiled":
                 for param, scale in zip(group_params, scales):
                     scale = torch.tensor(scale, dtype=torch.float64)
                     kernel(_apply, True, param)(*self._tensors(param), scale, **_constants(group))
@@ -146,11 +148,15 @@ class Lamb(ShardAwareOptimizer):
             run(param.data_ptr(), state["exp_avg"].data_ptr(), state["exp_avg_sq"].data_ptr(), param.numel(), scale,
                 group["eps"], group["weight_decay"], group["eps_inside_sqrt"], native.threads())
 
-    def _on_triton(self, params: list[torch.Tensor]) -> bool:
-        """Whether a group steps in the Triton kernels (optim/triton_gate.py): GPU fp32
-        tensors, all contiguous."""
-        return all(triton_gate.takes(p, p.grad, self.state[p]["exp_avg"], self.state[p]["exp_avg_sq"])
-                   for p in params)
+    def _path(self, params: list[torch.Tensor], group: dict) -> str:
+        """Which kernels a group's two passes take this step: "native" (CPU fp32 tensors,
+        optim/native.py), "triton" (GPU fp32 tensors, optim/triton_gate.py), "compiled"
+        (`compile`) or "eager" (multi-tensor torch operations)."""
+        if _native(params, self.state):
+            return "native"
+        if all(triton_gate.takes(p, p.grad, self.state[p]["exp_avg"], self.state[p]["exp_avg_sq"]) for p in params):
+            return "triton"
+        return "compiled" if group.get("compile", False) else "eager"
 
     def _columns(self, params: list[torch.Tensor], *keys: str) -> list[list[torch.Tensor]]:
         """Per key, the group's tensors of it: the gradients (`grad`) or a state entry."""

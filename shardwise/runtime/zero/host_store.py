@@ -134,7 +134,7 @@ class HostShardStore(HostGradientStore):
         self.master_flat, masters = masters_from_chunks(spec.units, spec.strategy, pin)
         gradients = self._host_gradients(spec, pin_memory)
         self._organise(spec, masters, gradients.full, gradients.partition)
-        self.param_bytes = torch.empty((), dtype=spec.param_dtype).element_size()
+        self.param_bytes = spec.param_dtype.itemsize
 
     @contextmanager
     def resident(self, sub_group: list[SegmentState]) -> Iterator[list[SegmentState]]:

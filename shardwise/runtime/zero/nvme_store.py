@@ -71,7 +71,7 @@ class NvmeShardStore(HostGradientStore):
         # pages' views, filled from the parameter chunks
         placeholders = [torch.empty(unit.chunk_numel, device="meta") for unit in spec.units]
         self._organise(spec, placeholders, gradients.full, gradients.partition)
-        self.param_bytes = torch.empty((), dtype=spec.param_dtype).element_size()
+        self.param_bytes = spec.param_dtype.itemsize
         self.ledger = spec.ledger
         self.swap = SwapFile(offload.nvme_path, rank, offload.thread_count, offload.block_size,
                              offload.queue_depth)
