@@ -428,8 +428,8 @@ def test_momentum_read_from_the_last_signs_equals_it_read_from_memory(lamb):
     step reads it (the worker's pass, LAMB's statistics pass) from them: the same steps,
     bit for bit, as reading it from memory; an in-place write to the momentum makes the
     optimizer forget the signs."""
-    if native.library() is None:
-        pytest.skip("no C compiler: the kernels cannot be built here")
+    if not native.enabled():  # (SHARDWISE_NATIVE_OPTIM=0: no fused step, no signs kept)
+        pytest.skip("the kernels are off or cannot be built here: no fused step")
     for output in run_distributed(_known_and_read_momentum_on_ranks, 2, lamb):
         assert output["known_before"] == [False, False, True, True]  # the warm-up, the first compressed step
         assert output["kept"] and output["forgotten"]
