@@ -67,6 +67,8 @@ _SIGNATURES = {
     "sw_all_gather": ([_P, _P, ctypes.POINTER(_P), _L], _I),
     "sw_reduce_scatter": ([_P, _P, _P, _L, _I, _D], _I),
     "sw_all_reduce": ([_P, _P, _L, _I], _I),
+    "sw_board_publish": ([_P, _I, ctypes.c_uint32], None),
+    "sw_board_wait": ([_P, _I, ctypes.c_uint32], _I),
 }
 
 

@@ -28,9 +28,25 @@ ZeRO++ (C28) changes where a gather reads from and what it carries:
   the dequantized values, sent as they are inside the node), so backward sees exactly
   forward's weights. It costs pΨ/H bytes per rank (docs/formulas.md#hpz-secondary-partition),
   counted under "params".
+
+On one host (CPU ranks of a gloo group sharing /dev/shm, parameters not offloaded, neither
+qwZ nor hpZ) the home is shared_param_home.py's: every unit's full buffer once per host,
+each rank's shard a view of its chunk there. A gather then copies nothing: it waits until
+every peer has published its latest shards and points the unit's storage at the unit's
+shared memory; `free` points it back at nothing. Where that does not fit, a gather copies
+as above. Code outside the pass that may write into what it gathered (`acquire`:
+`gathered_parameters`, the final weights) gets a private copy instead, taken from the
+shared memory without a collective (a unit the pass has gathered is copied in place, its
+storage keeping its identity), so its edits stay its own until `broadcast_edits`
+re-shards them, as with a copying gather. Writes into the shards meet the peers first
+(`await_readers`: the end of each backward, before a checkpoint load rewrites shards,
+before `take_shard_from_full`) and are published after (`flush(rewritten=True)`,
+`take_shard_from_full`).
 """
 
 from __future__ import annotations
+
+import time
 
 import torch
 
@@ -39,6 +55,7 @@ from shardwise.runtime.distributed.collectives import Communicator, PendingColle
 from shardwise.runtime.distributed.quantized_collectives import QuantizedAllGather
 from shardwise.runtime.zero.gather_buffers import GatherBuffers
 from shardwise.runtime.zero.param_home import NvmeParamHome, make_param_home
+from shardwise.runtime.zero.shared_param_home import SharedParamHome, shared_param_home
 from shardwise.runtime.zero.layout import FlatUnit
 from shardwise.runtime.zero.policy import OffloadPolicy, ZeroPlusPlusPolicy
 
@@ -67,7 +84,14 @@ class ShardedParameters:
         self.device = device
         self.comm = comm
         self.ledger = ledger
-        self.home = make_param_home(units, dtype, device, ledger, home, comm.rank)
+        self.weight_block = plus_plus.weight_block if plus_plus.quantized_weights else None
+        self.secondary = secondary if plus_plus.hpz_partition_size > 1 and secondary is not None else None
+        shared = None
+        if home.device == "none" and self.weight_block is None and self.secondary is None:
+            shared = shared_param_home(units, dtype, device, comm, ledger)
+        self.shared: SharedParamHome | None = shared
+        self.home = shared or make_param_home(units, dtype, device, ledger, home, comm.rank)
+        self.private: set[int] = set()  # gathered units holding a private copy (`acquire`) over shared memory
         self.offloaded = self.home.offloaded
         self.flats: dict[int, torch.Tensor] = {}
         self.buffers = GatherBuffers(reuse=device.type == "cpu", keep_bytes=spare_bytes_between_passes)
@@ -85,8 +109,6 @@ class ShardedParameters:
         self.users: dict[int, int] = {}
         self.peak_gathered_numel = 0
         self.empty = torch.empty(0, dtype=dtype, device=device)
-        self.weight_block = plus_plus.weight_block if plus_plus.quantized_weights else None
-        self.secondary = secondary if plus_plus.hpz_partition_size > 1 and secondary is not None else None
         self.secondary_views: dict[int, torch.Tensor] = {}
         self.secondary_current: set[int] = set()  # units whose secondary partition holds the current values
         self._fills_secondary: set[int] = set()  # gathers in flight whose result refreshes it
@@ -102,13 +124,19 @@ class ShardedParameters:
 
         Used once at start-up (every rank holds the same full weights: the model was
         broadcast or initialised identically) and by `gathered_parameters` after edits.
+        Over shared memory the ranks meet first (a peer may still copy the old values,
+        `acquire`) and publish after.
         """
+        if self.shared is not None:
+            self.await_readers(f"re-sharding {unit}")
         shard = self.home.shard(unit)
         with torch.no_grad():
             for piece in unit.owned_pieces(self.comm.rank):
                 source = piece.slot.param.detach().reshape(-1)[piece.start : piece.stop]
                 shard[piece.chunk_offset : piece.chunk_offset + piece.numel].copy_(source)
         self.home.written(unit)
+        if self.shared is not None:
+            self.shared.publish()
         self.secondary_current.discard(unit.index)
         if unit.index not in self.gathered:
             for slot in unit.slots:
@@ -127,7 +155,16 @@ class ShardedParameters:
             for unit in self.units:
                 self.home.written(unit)
             self.secondary_current.clear()  # the parameters changed: the next gather reads the primary shards
+            if self.shared is not None:
+                self.shared.publish()
         self.home.flush()
+
+    def await_readers(self, what: str) -> None:
+        """Over shared memory: return once every rank has arrived here, so none still reads
+        the shards about to be rewritten (nothing to wait for otherwise)."""
+        if self.shared is not None:
+            self._checked(self.shared.meet, "barrier",
+                          f"{what}: waiting for every rank's reads of the shared parameters")
 
     # -- gather / release ----------------------------------------------------------------
     def is_available(self, unit: FlatUnit) -> bool:
@@ -140,11 +177,22 @@ class ShardedParameters:
         if self.is_available(unit):
             return
         flat = self.flats[unit.index]
-        self.buffers.fill(flat.untyped_storage(), tensor_bytes(flat))
+        if self.shared is not None:
+            self._checked(self.shared.wait_current, "all_gather", f"parameters of {unit} (shared memory)")
+            self.comm.count_in_place("all_gather", tensor_bytes(flat))
+            if exact:
+                self._copy_shared(unit)
+            else:
+                flat.untyped_storage()._swap_data_ptr_(self.shared.storage(unit))
+        else:
+            self.buffers.fill(flat.untyped_storage(), tensor_bytes(flat))
         self.ledger.hold("buffers", tensor_bytes(flat))
         self.gathered.add(unit.index)
         self._gathered_numel += flat.numel()
         self.peak_gathered_numel = max(self.peak_gathered_numel, self._gathered_numel)
+        if self.shared is not None:
+            self._point_params(unit)
+            return
         what = f"parameters of {unit}"
         quantized = self.weight_block is not None and not exact
         if unit.index in self.secondary_current and (quantized or self.weight_block is None):
@@ -176,11 +224,33 @@ class ShardedParameters:
             start = self.secondary.rank * secondary.numel()
             secondary.copy_(self.flats[unit.index][start : start + secondary.numel()])
             self.secondary_current.add(unit.index)
+        self._point_params(unit)
+
+    def _point_params(self, unit: FlatUnit) -> None:
         for slot, view in zip(unit.slots, self.views[unit.index]):
             slot.param.data = view
 
+    def _copy_shared(self, unit: FlatUnit) -> None:
+        """Give `unit`'s (empty) storage private memory holding the shared values."""
+        flat = self.flats[unit.index]
+        self.buffers.fill(flat.untyped_storage(), tensor_bytes(flat))
+        flat.copy_(self.shared.full(unit))
+        self.private.add(unit.index)
+
+    def _checked(self, wait, op: str, what: str) -> None:
+        """Run a shared-memory wait; its failure names this rank, `op` on `what` and the group."""
+        started = time.monotonic()
+        try:
+            wait()
+        except RuntimeError as error:
+            raise self.comm.error(op, what, error, started) from error
+
     def acquire(self, unit: FlatUnit) -> None:
-        """Full values of `unit` for code outside the pass (exact, even under qwZ)."""
+        """Full values of `unit` for code outside the pass (exact, even under qwZ). Over
+        shared memory, a private copy: what the caller writes stays its own."""
+        if self.shared is not None and unit.index in self.gathered and unit.index not in self.private:
+            self.flats[unit.index].untyped_storage()._swap_data_ptr_(self.shared.storage(unit))
+            self._copy_shared(unit)
         self.fetch(unit, exact=True)
         self.wait(unit)
         self.users[unit.index] = self.users.get(unit.index, 0) + 1
@@ -206,7 +276,11 @@ class ShardedParameters:
         flat = self.flats[unit.index]
         self._gathered_numel -= flat.numel()
         self.ledger.release("buffers", tensor_bytes(flat))
-        self.buffers.empty(flat.untyped_storage())
+        if self.shared is not None and unit.index not in self.private:
+            flat.untyped_storage()._swap_data_ptr_(self.shared.storage(unit))
+        else:
+            self.private.discard(unit.index)
+            self.buffers.empty(flat.untyped_storage())
 
     def gathered_numel(self) -> int:
         return self._gathered_numel
