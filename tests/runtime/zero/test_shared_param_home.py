@@ -6,14 +6,17 @@ import datetime
 import os
 import time
 import uuid
+from types import SimpleNamespace
 
 import pytest
 import torch
 
 import shardwise
+from shardwise.runtime.accounting import MemoryLedger
 from shardwise.runtime.distributed import shared_memory, shared_region
 from shardwise.runtime.distributed.collectives import CollectiveError
 from shardwise.runtime.zero import shared_param_home
+from shardwise.runtime.zero.layout import make_unit
 from shardwise.tools.testing import run_distributed
 from shardwise.tools.testing.forkserver import preloaded_forkserver_context
 from tests.runtime.zero.workers import (
@@ -184,3 +187,12 @@ def test_a_peer_whose_process_exits_is_named_at_once():
         assert time.monotonic() - started < 5  # not the 60 s timeout
     finally:
         os.unlink(path)
+
+
+@pytest.mark.parametrize("variable", [shared_memory.ENABLE_VARIABLE, shared_param_home.ENABLE_VARIABLE])
+def test_either_switch_keeps_the_copying_gathers(monkeypatch, variable):
+    monkeypatch.setenv(variable, "0")
+    unit = make_unit(0, [("w", torch.nn.Parameter(torch.zeros(8)), 0)], 2, 4, label="w")
+    group = SimpleNamespace(point_to_point=True, control_group=object())  # asked nothing: the switch decides first
+    assert shared_param_home.shared_param_home([unit], torch.float32, torch.device("cpu"), group,
+                                               MemoryLedger()) is None
