@@ -8,10 +8,15 @@ own part, and reads the others' parts where they lie. What it needs instead of a
 agreement on when: the board (one header line per member, as the transport's segment
 has, protocol in shared_memory.c) holds two counters per member that only it writes,
 
-    version   bumped after the member has finished writing its part (`publish`): a
-              reader waits until every peer's version has reached its own (`wait_current`);
     barrier   bumped as the member arrives at a meeting point (`meet`): a writer meets the
-              others before it writes, so no peer still reads the old values.
+              others before it writes, so no peer still reads the old values;
+    version   the last meeting after which the member finished writing its part
+              (`publish`): a reader waits until every peer's version has reached its own
+              (`wait_current`), so it reads what every peer wrote since their last meeting.
+
+Versions are numbered by meetings rather than counted, so a member that writes without
+meeting first (a local edit on one rank) cannot run ahead of the others for good: its
+`publish` changes nothing, and the writes are simply there for the next reader.
 
 A wait spins briefly, then sleeps on a futex; every 0.1 s it checks that the peer's
 process still exists, and at the collective timeout it gives up: either way it raises
@@ -63,8 +68,10 @@ class SharedRegion:
         return torch.frombuffer(self._mapping, dtype=dtype, count=numel, offset=self.data_offset + offset)
 
     def publish(self) -> None:
-        """This member has finished writing its part: the next version is readable."""
-        self.version += 1
+        """This member has finished writing its part since the last meeting."""
+        if self.version == self._barriers:
+            return
+        self.version = self._barriers
         self._kernels.sw_board_publish(self._state, _VERSION, self.version)
 
     def wait_current(self) -> None:
@@ -84,7 +91,7 @@ class SharedRegion:
         if status == 0:
             return
         peer = self.global_ranks[self._kernels.sw_failed_peer(self._state)]
-        if status == shared_memory._PEER_GONE:
+        if status == shared_memory.PEER_GONE:
             raise RuntimeError(f"rank {peer}'s process exited (shared parameter memory)")
         raise RuntimeError(f"rank {peer} did not arrive within {self.timeout.total_seconds():g}s "
                            "(shared parameter memory)")

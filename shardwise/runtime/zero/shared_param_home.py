@@ -14,14 +14,14 @@ views autograd saved for backward follow), and a free points it back at nothing.
 
 What replaces the copy is ordering (sharded_params.py drives it):
 
-- a rank `publish`es a new version after writing its shards (a step, a load, an edit or
-  the start-up's `take_shard_from_full`); a gather first waits until every peer has
-  published at least this rank's version, so it reads the values the old gather would
-  have received;
 - a rank `meet`s the others before it writes (at the end of each backward, before a
   checkpoint load, before re-sharding an edit), so it never overwrites values a peer's
   pass is still reading: forward and backward of one step see the same weights on every
-  rank, and a peer still in its backward never sees another rank's new values.
+  rank, and a peer still in its backward never sees another rank's new values;
+- a rank `publish`es after writing its shards (a step, a load, an edit or the start-up's
+  `take_shard_from_full`): its version becomes the number of that meeting; a gather first
+  waits until every peer has published at least this rank's version, so it reads the
+  values the copying gather would have received.
 
 A wait spins, then sleeps on a futex, checks the peer's process still exists every 0.1 s
 and gives up at the collective timeout, failing with the peer named.

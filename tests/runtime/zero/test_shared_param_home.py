@@ -156,11 +156,12 @@ def test_a_rank_that_never_arrives_fails_the_wait_within_the_timeout():
     assert time.monotonic() - started < 30
 
 
-def publish_once_and_exit(path: str, nbytes: int) -> None:
-    """Member 1 of 2 of the region at `path`: publishes its first version, and exits."""
+def meet_publish_and_exit(path: str, nbytes: int) -> None:
+    """Member 1 of 2 of the region at `path`: meets, publishes, and exits."""
     mapping, _ = shared_region._map(path, nbytes, create=False)
     region = shared_region.SharedRegion(mapping, shared_memory.library(), rank=1, global_ranks=(0, 1),
                                         timeout=datetime.timedelta(seconds=30))
+    region.meet()
     region.publish()
 
 
@@ -171,19 +172,20 @@ def test_a_peer_whose_process_exits_is_named_at_once():
     mapping, status = shared_region._map(path, nbytes, create=True)
     assert status == 0
     try:
-        peer = preloaded_forkserver_context().Process(target=publish_once_and_exit, args=(path, nbytes))
+        peer = preloaded_forkserver_context().Process(target=meet_publish_and_exit, args=(path, nbytes))
         peer.start()
         region = shared_region.SharedRegion(mapping, shared_memory.library(), rank=0, global_ranks=(0, 1),
                                             timeout=datetime.timedelta(seconds=60))
+        region.meet()
         region.publish()
-        region.wait_current()  # the peer's first version
+        region.wait_current()  # the peer's version of the first meeting
         peer.join(30)
-        region.publish()
         started = time.monotonic()
         with pytest.raises(RuntimeError, match=r"rank 1's process exited \(shared parameter memory\)"):
-            region.wait_current()
-        with pytest.raises(RuntimeError, match=r"rank 1's process exited"):
             region.meet()
+        region.publish()
+        with pytest.raises(RuntimeError, match=r"rank 1's process exited"):
+            region.wait_current()
         assert time.monotonic() - started < 5  # not the 60 s timeout
     finally:
         os.unlink(path)
