@@ -45,7 +45,7 @@ _PAGE = 4096
 
 
 class SharedRegion:
-    """`data`: the region's bytes (a uint8 tensor over the mapping, after the board)."""
+    """A mapped region and this member's side of its board; `tensor` views its data."""
 
     def __init__(self, mapping: mmap.mmap, kernels: ctypes.CDLL, *, rank: int, global_ranks: tuple[int, ...],
                  timeout: datetime.timedelta):
