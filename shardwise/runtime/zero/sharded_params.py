@@ -40,8 +40,10 @@ shared memory without a collective (a unit the pass has gathered is copied in pl
 storage keeping its identity), so its edits stay its own until `broadcast_edits`
 re-shards them, as with a copying gather. Writes into the shards meet the peers first
 (`await_readers`: the end of each backward, before a checkpoint load rewrites shards,
-before `take_shard_from_full`) and are published after (`flush(rewritten=True)`,
-`take_shard_from_full`).
+before `take_shard_from_full`). A rank publishes its shards at its next gather, as a
+copying gather sends them only when its rank gathers too: whatever the rank wrote before
+it (the step, a load, an edit, DeepSpeed's `safe_set_*` between steps) is what its peers
+read.
 """
 
 from __future__ import annotations
@@ -125,7 +127,7 @@ class ShardedParameters:
         Used once at start-up (every rank holds the same full weights: the model was
         broadcast or initialised identically) and by `gathered_parameters` after edits.
         Over shared memory the ranks meet first (a peer may still copy the old values,
-        `acquire`) and publish after.
+        `acquire`).
         """
         if self.shared is not None:
             self.await_readers(f"re-sharding {unit}")
@@ -135,8 +137,6 @@ class ShardedParameters:
                 source = piece.slot.param.detach().reshape(-1)[piece.start : piece.stop]
                 shard[piece.chunk_offset : piece.chunk_offset + piece.numel].copy_(source)
         self.home.written(unit)
-        if self.shared is not None:
-            self.shared.publish()
         self.secondary_current.discard(unit.index)
         if unit.index not in self.gathered:
             for slot in unit.slots:
@@ -155,8 +155,6 @@ class ShardedParameters:
             for unit in self.units:
                 self.home.written(unit)
             self.secondary_current.clear()  # the parameters changed: the next gather reads the primary shards
-            if self.shared is not None:
-                self.shared.publish()
         self.home.flush()
 
     def await_readers(self, what: str) -> None:
@@ -178,6 +176,7 @@ class ShardedParameters:
             return
         flat = self.flats[unit.index]
         if self.shared is not None:
+            self.shared.publish()  # this rank's writes since the last meeting are done: peers may read them
             self._checked(self.shared.wait_current, "all_gather", f"parameters of {unit} (shared memory)")
             self.comm.count_in_place("all_gather", tensor_bytes(flat))
             if exact:

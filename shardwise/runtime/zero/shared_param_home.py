@@ -18,8 +18,10 @@ What replaces the copy is ordering (sharded_params.py drives it):
   checkpoint load, before re-sharding an edit), so it never overwrites values a peer's
   pass is still reading: forward and backward of one step see the same weights on every
   rank, and a peer still in its backward never sees another rank's new values;
-- a rank `publish`es after writing its shards (a step, a load, an edit or the start-up's
-  `take_shard_from_full`): its version becomes the number of that meeting; a gather first
+- a rank `publish`es its shards at its first gather after a meeting (its version becomes
+  the number of that meeting), so whatever it wrote before (a step, a load, an edit, the
+  start-up's `take_shard_from_full`, DeepSpeed's `safe_set_*` between steps) is included,
+  as a copying gather sends a rank's shard only when that rank gathers too; a gather then
   waits until every peer has published at least this rank's version, so it reads the
   values the copying gather would have received.
 
@@ -35,7 +37,12 @@ both off) and `SHARDWISE_SHARED_PARAMETERS` is not "0" (this home alone: gathers
 through the transport, as before it; tests and benchmarks compare the two).
 Otherwise sharded_params.py keeps its own copying gathers (MemoryParamHome/NvmeParamHome).
 16-bit parameters share their 16-bit values: the step updates the fp32 master, then writes
-the 16-bit shard, then publishes.
+the 16-bit shard, published at the next gather.
+
+Not covered (the copying gathers' private buffers made these harmless): a module that
+writes into its own weights in place during its forward now writes every rank's; a write
+into the shards after this rank's gathers of a pass and before the next meeting (a step
+after a forward-only pass, a `safe_set_*` during a pass) may be read by a peer's pass.
 
 Memory. The ledger counts what each rank uses, as the formulas say
 (docs/formulas.md): its shard under "params" and, while a unit is gathered, the unit's

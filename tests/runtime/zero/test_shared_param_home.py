@@ -127,6 +127,41 @@ def test_edits_and_checkpoints_give_what_the_copying_gathers_give(tmp_path):
         assert with_sharing["next"][0] == with_sharing["next"][1] == without["next"][0]
 
 
+def set_weights_late_between_steps(rank: int, world_size: int) -> list[float]:
+    """A step, then DeepSpeed's `safe_set_full_fp32_param` between steps, rank 0 writing
+    its chunk well after rank 1 has gone on to its next forward."""
+    from shardwise.frontends.deepspeed.api.utils.tensor_fragment import safe_set_full_fp32_param
+
+    model = build_model("gpt")
+    set_params = list(model.blocks[0].mlp.parameters())
+    shapes = [param.shape for param in set_params]
+    config = {"train_micro_batch_size_per_gpu": 2, "zero_optimization": {"stage": 3, **PARTITION_EVERYTHING}}
+    engine = shardwise.initialize(model, config, optimizer=torch.optim.SGD(model.parameters(), lr=1e-2))
+    x, y = global_batch(0, 2 * world_size)
+    rows = slice(2 * rank, 2 * rank + 2)
+    losses = []
+    for value in (0.25, -0.5):
+        loss = engine(x[rows], y[rows])
+        engine.backward(loss)
+        engine.step()
+        losses.append(loss.item())
+        if rank == 0:
+            time.sleep(0.5)
+        for param, shape in zip(set_params, shapes):
+            safe_set_full_fp32_param(param, torch.full(shape, value))
+    losses.append(engine(x[rows], y[rows]).item())
+    return losses
+
+
+@needs_compiler
+def test_a_write_between_steps_is_read_by_every_peer_s_next_pass():
+    """Written shards are read by every peer's next forward, however late the writer: as
+    with copying gathers, which receive a rank's shard only when that rank gathers too."""
+    shared = run_distributed(set_weights_late_between_steps, 2)
+    copying = run_distributed(set_weights_late_between_steps, 2, env=COPYING)
+    assert shared == copying
+
+
 def stall_before_a_load(rank: int, world_size: int) -> str:
     """Both ranks train a step; rank 1 then never arrives where a load meets the others."""
     model = build_model("gpt")
