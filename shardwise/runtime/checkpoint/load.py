@@ -101,6 +101,7 @@ def load_checkpoint(engine: EngineProtocol, load_dir: str | os.PathLike, tag: st
         meta, records = align_expert_layout(engine, meta, records, opened.directory)
         absent = check_model(engine, meta, index, strict=strict, restoring_state=optimizer_states and not module_only)
         engine.zero.release_gathered()  # forwards must gather the loaded values
+        engine.zero.await_readers()  # shards shared in memory: no peer still reads the old values
         if engine.trains:
             _load_trained(engine, index, meta, records, optimizer_states=optimizer_states and not module_only,
                           absent=absent)

@@ -267,6 +267,13 @@ class Communicator:
         self.stats.links[("inter_node", op)] += inter
         self.stats.links[("intra_node", op)] += sent - inter
 
+    def count_in_place(self, op: str, nbytes: int) -> None:
+        """Count a collective whose result the members read where it lies instead of moving
+        it (stage 3's parameters shared in memory on one host, zero/shared_param_home.py): the
+        ring model's bytes, as every transport counts them, so volumes compare across
+        transports and against docs/formulas.md."""
+        self._count(op, nbytes)
+
     def _count_chunks(self, op: str, chunks: list[int]) -> None:
         """Count bytes sent chunk by chunk: `chunks[r]` bytes to member r (none to itself)."""
         if self.size == 1:

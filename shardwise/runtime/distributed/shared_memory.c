@@ -318,3 +318,22 @@ int sw_all_reduce(channel_t *c, char *data, int64_t count, int dtype) {
     }
     return OK;
 }
+
+/* A board over a segment's headers without slots (shared_region.py: data every member
+ * reads in place). `field` 0 is `ready` (the member's published version), 1 is `done`
+ * (the barriers it has reached); only the member itself writes its own. */
+static uint32_t *board_word(channel_t *c, int member, int field) {
+    return field ? &header(c, member)->done : &header(c, member)->ready;
+}
+
+void sw_board_publish(channel_t *c, int field, uint32_t value) { publish(board_word(c, c->rank, field), value); }
+
+/* Wait until every peer's `field` has reached `target` (modulo 2^32). */
+int sw_board_wait(channel_t *c, int field, uint32_t target) {
+    for (int step = 1; step < c->size; step++) {
+        int peer = (c->rank + step) % c->size;
+        int status = wait_for(c, peer, board_word(c, peer, field), target);
+        if (status != OK) return status;
+    }
+    return OK;
+}

@@ -55,7 +55,7 @@ MAX_MEMBERS = 64  # shared_memory.c's MAX_MEMBERS
 HEADER_BYTES = 128  # shared_memory.c's HEADER_BYTES
 FLAGS = ("-O3", "-march=native", "-shared", "-fPIC")
 SUMMED_DTYPES = {torch.float32: 0, torch.float64: 1, torch.bfloat16: 2}
-_TIMED_OUT, _PEER_GONE = 1, 2
+TIMED_OUT, PEER_GONE = 1, 2  # shared_memory.c's wait statuses
 
 _P, _I, _L, _D = ctypes.c_void_p, ctypes.c_int, ctypes.c_int64, ctypes.c_double
 _SIGNATURES = {
@@ -67,6 +67,8 @@ _SIGNATURES = {
     "sw_all_gather": ([_P, _P, ctypes.POINTER(_P), _L], _I),
     "sw_reduce_scatter": ([_P, _P, _P, _L, _I, _D], _I),
     "sw_all_reduce": ([_P, _P, _L, _I], _I),
+    "sw_board_publish": ([_P, _I, ctypes.c_uint32], None),
+    "sw_board_wait": ([_P, _I, ctypes.c_uint32], _I),
 }
 
 
@@ -179,9 +181,9 @@ class SharedMemoryChannel:
 
     def _describe(self, status: int) -> RuntimeError:
         peer = self.global_ranks[self._kernels.sw_failed_peer(self._state)]
-        if status == _PEER_GONE:
+        if status == PEER_GONE:
             return RuntimeError(f"rank {peer}'s process exited (shared-memory transport)")
-        if status == _TIMED_OUT:
+        if status == TIMED_OUT:
             return RuntimeError(f"rank {peer} did not reach the collective within {self.timeout.total_seconds():g}s "
                                 "(shared-memory transport)")
         return RuntimeError(f"the shared-memory transport failed with status {status}")

@@ -138,6 +138,10 @@ class ZeroState:
     def release_gathered(self) -> None:
         self.params.release_gathered()
 
+    def await_readers(self) -> None:
+        """Collective: no rank reads the parameter shards any more (before a load rewrites them)."""
+        self.params.await_readers()
+
     def transfers(self) -> dict[str, int]:
         """Bytes moved between memory tiers: optimizer paging and parameter paging."""
         return merge_transfers(self.store.transfers() if self.store is not None else {}, self.params.transfers())

@@ -153,6 +153,11 @@ class PartitionedParameters(ParameterStrategy):
         self.schedule.end_backward()
         self.sharded.home.finish_reads()  # the step may write into any shard next
         self.sharded.buffers.end_pass()
+        # over shared memory, the step writes where peers still in their backward read
+        self.sharded.await_readers("the end of backward")
+
+    def await_readers(self) -> None:
+        self.sharded.await_readers("rewriting the shards")
 
     def abort_pass(self) -> None:
         self.schedule.abort()

@@ -28,9 +28,27 @@ ZeRO++ (C28) changes where a gather reads from and what it carries:
   the dequantized values, sent as they are inside the node), so backward sees exactly
   forward's weights. It costs pΨ/H bytes per rank (docs/formulas.md#hpz-secondary-partition),
   counted under "params".
+
+On one host (CPU ranks of a gloo group sharing /dev/shm, parameters not offloaded, neither
+qwZ nor hpZ) the home is shared_param_home.py's: every unit's full buffer once per host,
+each rank's shard a view of its chunk there. A gather then copies nothing: it waits until
+every peer has published its latest shards and points the unit's storage at the unit's
+shared memory; `free` points it back at nothing. Where that does not fit, a gather copies
+as above. Code outside the pass that may write into what it gathered (`acquire`:
+`gathered_parameters`, the final weights) gets a private copy instead, taken from the
+shared memory without a collective (a unit the pass has gathered is copied in place, its
+storage keeping its identity), so its edits stay its own until `broadcast_edits`
+re-shards them, as with a copying gather. Writes into the shards meet the peers first
+(`await_readers`: the end of each backward, before a checkpoint load rewrites shards,
+before `take_shard_from_full`). A rank publishes its shards at its next gather, as a
+copying gather sends them only when its rank gathers too: whatever the rank wrote before
+it (the step, a load, an edit, DeepSpeed's `safe_set_*` between steps) is what its peers
+read.
 """
 
 from __future__ import annotations
+
+import time
 
 import torch
 
@@ -39,6 +57,7 @@ from shardwise.runtime.distributed.collectives import Communicator, PendingColle
 from shardwise.runtime.distributed.quantized_collectives import QuantizedAllGather
 from shardwise.runtime.zero.gather_buffers import GatherBuffers
 from shardwise.runtime.zero.param_home import NvmeParamHome, make_param_home
+from shardwise.runtime.zero.shared_param_home import SharedParamHome, shared_param_home
 from shardwise.runtime.zero.layout import FlatUnit
 from shardwise.runtime.zero.policy import OffloadPolicy, ZeroPlusPlusPolicy
 
@@ -67,7 +86,14 @@ class ShardedParameters:
         self.device = device
         self.comm = comm
         self.ledger = ledger
-        self.home = make_param_home(units, dtype, device, ledger, home, comm.rank)
+        self.weight_block = plus_plus.weight_block if plus_plus.quantized_weights else None
+        self.secondary = secondary if plus_plus.hpz_partition_size > 1 and secondary is not None else None
+        shared = None
+        if home.device == "none" and self.weight_block is None and self.secondary is None:
+            shared = shared_param_home(units, dtype, device, comm, ledger)
+        self.shared: SharedParamHome | None = shared
+        self.home = shared or make_param_home(units, dtype, device, ledger, home, comm.rank)
+        self.private: set[int] = set()  # gathered units holding a private copy (`acquire`) over shared memory
         self.offloaded = self.home.offloaded
         self.flats: dict[int, torch.Tensor] = {}
         self.buffers = GatherBuffers(reuse=device.type == "cpu", keep_bytes=spare_bytes_between_passes)
@@ -85,8 +111,6 @@ class ShardedParameters:
         self.users: dict[int, int] = {}
         self.peak_gathered_numel = 0
         self.empty = torch.empty(0, dtype=dtype, device=device)
-        self.weight_block = plus_plus.weight_block if plus_plus.quantized_weights else None
-        self.secondary = secondary if plus_plus.hpz_partition_size > 1 and secondary is not None else None
         self.secondary_views: dict[int, torch.Tensor] = {}
         self.secondary_current: set[int] = set()  # units whose secondary partition holds the current values
         self._fills_secondary: set[int] = set()  # gathers in flight whose result refreshes it
@@ -102,7 +126,11 @@ class ShardedParameters:
 
         Used once at start-up (every rank holds the same full weights: the model was
         broadcast or initialised identically) and by `gathered_parameters` after edits.
+        Over shared memory the ranks meet first (a peer may still copy the old values,
+        `acquire`).
         """
+        if self.shared is not None:
+            self.await_readers(f"re-sharding {unit}")
         shard = self.home.shard(unit)
         with torch.no_grad():
             for piece in unit.owned_pieces(self.comm.rank):
@@ -129,6 +157,13 @@ class ShardedParameters:
             self.secondary_current.clear()  # the parameters changed: the next gather reads the primary shards
         self.home.flush()
 
+    def await_readers(self, what: str) -> None:
+        """Over shared memory: return once every rank has arrived here, so none still reads
+        the shards about to be rewritten (nothing to wait for otherwise)."""
+        if self.shared is not None:
+            self._checked(self.shared.meet, "barrier",
+                          f"{what}: waiting for every rank's reads of the shared parameters")
+
     # -- gather / release ----------------------------------------------------------------
     def is_available(self, unit: FlatUnit) -> bool:
         """Gathered or being gathered."""
@@ -140,11 +175,23 @@ class ShardedParameters:
         if self.is_available(unit):
             return
         flat = self.flats[unit.index]
-        self.buffers.fill(flat.untyped_storage(), tensor_bytes(flat))
+        if self.shared is not None:
+            self.shared.publish()  # this rank's writes since the last meeting are done: peers may read them
+            self._checked(self.shared.wait_current, "all_gather", f"parameters of {unit} (shared memory)")
+            self.comm.count_in_place("all_gather", tensor_bytes(flat))
+            if exact:
+                self._copy_shared(unit)
+            else:
+                flat.untyped_storage()._swap_data_ptr_(self.shared.storage(unit))
+        else:
+            self.buffers.fill(flat.untyped_storage(), tensor_bytes(flat))
         self.ledger.hold("buffers", tensor_bytes(flat))
         self.gathered.add(unit.index)
         self._gathered_numel += flat.numel()
         self.peak_gathered_numel = max(self.peak_gathered_numel, self._gathered_numel)
+        if self.shared is not None:
+            self._point_params(unit)
+            return
         what = f"parameters of {unit}"
         quantized = self.weight_block is not None and not exact
         if unit.index in self.secondary_current and (quantized or self.weight_block is None):
@@ -176,11 +223,33 @@ class ShardedParameters:
             start = self.secondary.rank * secondary.numel()
             secondary.copy_(self.flats[unit.index][start : start + secondary.numel()])
             self.secondary_current.add(unit.index)
+        self._point_params(unit)
+
+    def _point_params(self, unit: FlatUnit) -> None:
         for slot, view in zip(unit.slots, self.views[unit.index]):
             slot.param.data = view
 
+    def _copy_shared(self, unit: FlatUnit) -> None:
+        """Give `unit`'s (empty) storage private memory holding the shared values."""
+        flat = self.flats[unit.index]
+        self.buffers.fill(flat.untyped_storage(), tensor_bytes(flat))
+        flat.copy_(self.shared.full(unit))
+        self.private.add(unit.index)
+
+    def _checked(self, wait, op: str, what: str) -> None:
+        """Run a shared-memory wait; its failure names this rank, `op` on `what` and the group."""
+        started = time.monotonic()
+        try:
+            wait()
+        except RuntimeError as error:
+            raise self.comm.error(op, what, error, started) from error
+
     def acquire(self, unit: FlatUnit) -> None:
-        """Full values of `unit` for code outside the pass (exact, even under qwZ)."""
+        """Full values of `unit` for code outside the pass (exact, even under qwZ). Over
+        shared memory, a private copy: what the caller writes stays its own."""
+        if self.shared is not None and unit.index in self.gathered and unit.index not in self.private:
+            self.flats[unit.index].untyped_storage()._swap_data_ptr_(self.shared.storage(unit))
+            self._copy_shared(unit)
         self.fetch(unit, exact=True)
         self.wait(unit)
         self.users[unit.index] = self.users.get(unit.index, 0) + 1
@@ -206,7 +275,11 @@ class ShardedParameters:
         flat = self.flats[unit.index]
         self._gathered_numel -= flat.numel()
         self.ledger.release("buffers", tensor_bytes(flat))
-        self.buffers.empty(flat.untyped_storage())
+        if self.shared is not None and unit.index not in self.private:
+            flat.untyped_storage()._swap_data_ptr_(self.shared.storage(unit))
+        else:
+            self.private.discard(unit.index)
+            self.buffers.empty(flat.untyped_storage())
 
     def gathered_numel(self) -> int:
         return self._gathered_numel

@@ -17,6 +17,8 @@ The contract, in the order a training step uses it:
     acquire / release     full values of units outside forward (gathered_parameters)
     broadcast_edits       make rank `source`'s edited full values everyone's, re-sharded
     release_gathered()    drop every gathered copy (before a checkpoint load rewrites shards)
+    await_readers()       wait until no rank reads the owned chunks any more (before a
+                          checkpoint load rewrites them)
 """
 
 from __future__ import annotations
@@ -75,6 +77,10 @@ class ParameterStrategy(ABC):
 
     def release_gathered(self) -> None:
         """Drop every gathered copy; the next use gathers from the (new) shards."""
+
+    def await_readers(self) -> None:
+        """Collective: return once no rank reads the owned chunks any more, so they may be
+        rewritten (stage 3's shards shared in memory on one host are read in place)."""
 
     def persistent_numel(self) -> int:
         """Parameters kept whole on every rank although others are partitioned."""

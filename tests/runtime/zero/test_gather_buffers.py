@@ -6,7 +6,7 @@ import pytest
 import torch
 
 import shardwise
-from shardwise.runtime.zero import gather_buffers
+from shardwise.runtime.zero import gather_buffers, shared_param_home
 from shardwise.runtime.zero.gather_buffers import GatherBuffers
 from shardwise.tools.testing import run_distributed
 from tests.runtime.zero.workers import build_model, global_batch
@@ -119,8 +119,9 @@ def train(rank: int, world_size: int, reuse: bool) -> dict:
 
 @needs_swap
 def test_stage3_training_reuses_gathered_memory_and_matches_the_run_without_it():
-    pooled = run_distributed(train, 2, True)
-    plain = run_distributed(train, 2, False)
+    copying = {shared_param_home.ENABLE_VARIABLE: "0"}  # shared parameters gather without buffers
+    pooled = run_distributed(train, 2, True, env=copying)
+    plain = run_distributed(train, 2, False, env=copying)
     for with_pool, without in zip(pooled, plain):
         assert with_pool["reuse"] and not without["reuse"]
         assert with_pool["losses"] == without["losses"]
