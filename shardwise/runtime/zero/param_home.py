@@ -31,7 +31,29 @@ from shardwise.runtime.zero.layout import FlatUnit
 from shardwise.runtime.zero.policy import OffloadPolicy
 
 
-class MemoryParamHome:
+class ResidentParamHome:
+    """What a home whose shards are always in memory does with the paging calls: nothing."""
+
+    def done_reading(self, unit: FlatUnit) -> None:
+        """Resident shards stay where they are."""
+
+    def finish_reads(self) -> None:
+        """Nothing is read ahead."""
+
+    def written(self, unit: FlatUnit) -> None:
+        """Written in place."""
+
+    def flush(self) -> None:
+        """Nothing is paged."""
+
+    def transfers(self) -> dict[str, int]:
+        return {}
+
+    def close(self) -> None:
+        """No files or threads."""
+
+
+class MemoryParamHome(ResidentParamHome):
     """Shards in device or host memory: always resident, nothing to page."""
 
     def __init__(self, units: list[FlatUnit], dtype: torch.dtype, device: torch.device, ledger: MemoryLedger,
@@ -45,24 +67,6 @@ class MemoryParamHome:
 
     def shard(self, unit: FlatUnit) -> torch.Tensor:
         return self.shards[unit.index]
-
-    def done_reading(self, unit: FlatUnit) -> None:
-        """Memory homes keep their shards."""
-
-    def finish_reads(self) -> None:
-        """Nothing is read ahead."""
-
-    def written(self, unit: FlatUnit) -> None:
-        """Memory homes were written in place."""
-
-    def flush(self) -> None:
-        """Nothing is paged."""
-
-    def transfers(self) -> dict[str, int]:
-        return {}
-
-    def close(self) -> None:
-        """No files or threads."""
 
 
 class NvmeParamHome:

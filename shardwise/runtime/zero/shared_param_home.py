@@ -64,12 +64,13 @@ from shardwise.runtime.distributed.collectives import Communicator
 from shardwise.runtime.distributed.setup import collective_timeout
 from shardwise.runtime.distributed.shared_region import SharedRegion, connect_region
 from shardwise.runtime.zero.layout import FlatUnit
+from shardwise.runtime.zero.param_home import ResidentParamHome
 
 ENABLE_VARIABLE = "SHARDWISE_SHARED_PARAMETERS"
 _ALIGN = 64
 
 
-class SharedParamHome:
+class SharedParamHome(ResidentParamHome):
     """The units' full buffers in a region shared by the shard group's ranks on one host."""
 
     offloaded = False
@@ -108,21 +109,6 @@ class SharedParamHome:
 
     def meet(self) -> None:
         self.region.meet()
-
-    def done_reading(self, unit: FlatUnit) -> None:
-        """The region stays mapped."""
-
-    def finish_reads(self) -> None:
-        """Nothing is read ahead."""
-
-    def written(self, unit: FlatUnit) -> None:
-        """Written in place; `publish` tells the peers."""
-
-    def flush(self) -> None:
-        """Nothing is paged."""
-
-    def transfers(self) -> dict[str, int]:
-        return {}
 
     def close(self) -> None:
         """The mapping goes when the last tensor over it does."""
