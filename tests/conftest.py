@@ -30,18 +30,30 @@ LAUNCHER_VARIABLES = (
     "TORCHELASTIC_MAX_RESTARTS",
     "TORCHELASTIC_USE_AGENT_STORE",
 )
+_ORDER = {"faults": 0, "frontends": 1, "tools": 2, "benchmarks": 3, "gpu": 4, "runtime": 5}
+WORKER_PORTS_FROM = 29510  # above torchrun's and DeepSpeed's 29500, below the ephemeral ports
 
 
 def pytest_configure(config):
     for name in LAUNCHER_VARIABLES:
         os.environ.pop(name, None)
+    worker = os.environ.get("PYTEST_XDIST_WORKER")  # "gw0", "gw1", ... under scripts/test.py's workers
+    if worker:
+        # A test that joins a one-process job in the pytest process (DeepSpeed's
+        # `init_distributed` with no launcher) listens on MASTER_PORT, 29500 by default:
+        # two workers doing so at once would collide, so each worker has a port of its own.
+        os.environ["MASTER_PORT"] = str(WORKER_PORTS_FROM + int(worker.removeprefix("gw")))
     config.addinivalue_line("markers", "slow: extra variants of a capability whose equivalence test runs by "
                                        "default (more stages, Inductor); run with -m slow or SHARDWISE_SLOW_TESTS=1")
 
 
 def pytest_collection_modifyitems(config, items):
     """`slow` tests are skipped unless asked for. Every capability keeps an equivalence
-    test that runs by default; `slow` marks only further variants of it."""
+    test that runs by default; `slow` marks only further variants of it.
+
+    The folders whose files take longest (real processes, timeouts, whole scripts) run
+    first, so scripts/test.py's workers end on the many short files and finish together."""
+    items.sort(key=lambda item: _ORDER.get(item.nodeid.split("/")[1], len(_ORDER)))
     if os.environ.get("SHARDWISE_SLOW_TESTS") == "1" or "slow" in (config.option.markexpr or ""):
         return
     skip = pytest.mark.skip(reason="slow: run with -m slow or SHARDWISE_SLOW_TESTS=1")
