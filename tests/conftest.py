@@ -30,7 +30,9 @@ LAUNCHER_VARIABLES = (
     "TORCHELASTIC_MAX_RESTARTS",
     "TORCHELASTIC_USE_AGENT_STORE",
 )
-_ORDER = {"faults": 0, "frontends": 1, "tools": 2, "benchmarks": 3, "gpu": 4, "runtime": 5}
+# scripts/test.py's workers take files in this order of their folders (others, the
+# documentation site's builds and the README's example among them, first)
+_ORDER = {"faults": 0, "frontends": 1, "tools": 2, "benchmarks": 3, "gpu": 4, "formulas": 5, "runtime": 6}
 WORKER_PORTS_FROM = 29510  # above torchrun's and DeepSpeed's 29500, below the ephemeral ports
 
 
@@ -51,9 +53,10 @@ def pytest_collection_modifyitems(config, items):
     """`slow` tests are skipped unless asked for. Every capability keeps an equivalence
     test that runs by default; `slow` marks only further variants of it.
 
-    The folders whose files take longest (real processes, timeouts, whole scripts) run
-    first, so scripts/test.py's workers end on the many short files and finish together."""
-    items.sort(key=lambda item: _ORDER.get(item.nodeid.split("/")[1], len(_ORDER)))
+    The folders whose files take longest (real processes, timeouts, whole scripts, the
+    site's builds) run first, so scripts/test.py's workers end on the many short files and
+    finish together."""
+    items.sort(key=lambda item: _ORDER.get(item.nodeid.split("/")[1], 0))
     if os.environ.get("SHARDWISE_SLOW_TESTS") == "1" or "slow" in (config.option.markexpr or ""):
         return
     skip = pytest.mark.skip(reason="slow: run with -m slow or SHARDWISE_SLOW_TESTS=1")
