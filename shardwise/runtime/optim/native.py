@@ -49,7 +49,7 @@ _SIGNATURES = {
     "adafactor_vector_squares": [_P, _P, _P, _L, _F, _F, _P, _P],
     "adafactor_vector_apply": [_P, _P, _P, _L, _F, _F, _I, _F],
     "onebit_settle": [_P, _L, _P, _F],
-    "onebit_worker_compress": [_P, _P, _L, _L, _L, _P, _P, _P, _P, _F, _P, _F, _P, _P],
+    "onebit_worker_compress": [_P, _P, _L, _L, _L, _L, _P, _P, _P, _P, _P, _P, _P, _P, _P],
     "onebit_server_compress": [_P, _L, _P, _L, _L, _P, _P, _F, _P, _P],
     "onebit_decode_apply": [_P, _L, _P, _L, _L, _L, _P, _P, _P, _F, _F, _F, _I],
     "onebit_decode_adam_apply": [_P, _L, _P, _L, _P, _L, _P, _P, _P],

@@ -111,7 +111,7 @@ class NativeCompressedAllReduce(CompressedAllReduce):
     `worker_error` or `server_error` takes it off first, so they read as the torch path's."""
 
     def __init__(self, communicator: Communicator, numel: int, device: torch.device):
-        self._worker_pending: tuple[torch.Tensor, list[float]] | None = None  # sent signs and scales, per chunk
+        self._worker_pending: tuple[torch.Tensor, torch.Tensor] | None = None  # sent signs and scales, per chunk
         self._server_pending: tuple[torch.Tensor, float] | None = None
         super().__init__(communicator, numel, device)
 
@@ -120,7 +120,7 @@ class NativeCompressedAllReduce(CompressedAllReduce):
         if self._worker_pending is not None:
             outgoing, scales = self._worker_pending
             self._worker_pending = None
-            for rank, scale in enumerate(scales):
+            for rank, scale in enumerate(scales.tolist()):
                 native.library().onebit_settle(self._worker_error.data_ptr() + 4 * rank * self.chunk, self.chunk,
                                                outgoing[rank].data_ptr(), scale)
         return self._worker_error
@@ -163,18 +163,16 @@ class NativeCompressedAllReduce(CompressedAllReduce):
         frame = width + SCALE_BYTES  # one rank's message: its packed signs, then its scale
         outgoing = torch.empty(ranks, frame, dtype=torch.uint8)
         scales = torch.empty(ranks, dtype=torch.float32)
-        pending, pending_scales = self._worker_pending or (None, [0.0] * ranks)
+        pending, pending_scales = self._worker_pending or (None, None)
         segments = (0, None, None, None) if folds is None else (
             folds.bounds.shape[0], folds.bounds.data_ptr(), folds.grads.data_ptr(), folds.factors.data_ptr())
-        known_scales = [0.0] * ranks if known is None else known.scales.tolist()
-        for rank in range(ranks):  # worker: chunk `rank` of x + e goes to rank `rank`
-            library.onebit_worker_compress(vector.data_ptr(), self._worker_error.data_ptr(), rank * chunk, chunk,
-                                           *segments, None if pending is None else pending[rank].data_ptr(),
-                                           pending_scales[rank],
-                                           None if known is None else known.packed[rank].data_ptr(),
-                                           known_scales[rank], outgoing.data_ptr() + rank * frame,
-                                           scales.data_ptr() + 4 * rank)
-        self._worker_pending = (outgoing, scales.tolist())
+        # worker: chunk `rank` of x + e goes to rank `rank`, every chunk in one pass
+        library.onebit_worker_compress(vector.data_ptr(), self._worker_error.data_ptr(), chunk, ranks, frame,
+                                       *segments, native.pointer(pending), native.pointer(pending_scales),
+                                       None if known is None else known.packed.data_ptr(),
+                                       None if known is None else known.scales.data_ptr(), outgoing.data_ptr(),
+                                       scales.data_ptr())
+        self._worker_pending = (outgoing, scales)
         outgoing[:, width:] = scales.view(ranks, 1).view(torch.uint8)
         incoming = torch.empty_like(outgoing)
         self.communicator.all_to_all(incoming, outgoing, f"1-bit {what} (worker signs and scales)").wait()

@@ -342,12 +342,14 @@ def _kernel_outputs(avx512: bool) -> dict[str, torch.Tensor]:
     grads = torch.tensor([grad.data_ptr() + 4 * 16, 0], dtype=torch.int64)
     factors = torch.tensor([[0.9, 0.1], [0.8, 0.2]], dtype=torch.float32)
     pending, known = random_bytes(n // 8), random_bytes(n // 8)
+    pending_scale, known_scale = torch.tensor([0.25]), torch.tensor([0.375])
     for key, signs in (("worker", None), ("worker from known signs", known)):  # the momentum read, or decoded
         out.update({f"{key} signs": torch.zeros(n // 8, dtype=torch.uint8), f"{key} scale": torch.zeros(1)})
-        library.onebit_worker_compress(momentum.data_ptr(), out["worker_error"].data_ptr(), 0, n, 2,
+        library.onebit_worker_compress(momentum.data_ptr(), out["worker_error"].data_ptr(), n, 1, n // 8, 2,
                                        bounds.data_ptr(), grads.data_ptr(), factors.data_ptr(), pending.data_ptr(),
-                                       0.25, None if signs is None else signs.data_ptr(), 0.375,
-                                       out[f"{key} signs"].data_ptr(), out[f"{key} scale"].data_ptr())
+                                       pending_scale.data_ptr(), None if signs is None else signs.data_ptr(),
+                                       known_scale.data_ptr(), out[f"{key} signs"].data_ptr(),
+                                       out[f"{key} scale"].data_ptr())
     incoming, scales = random_bytes(rows * (n // 8)), torch.tensor([0.5, 0.25, 0.75])
     library.onebit_server_compress(incoming.data_ptr(), n // 8, scales.data_ptr(), rows, n,
                                    out["server_error"].data_ptr(), pending.data_ptr(), 0.125,
