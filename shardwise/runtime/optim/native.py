@@ -77,7 +77,7 @@ def library() -> ctypes.CDLL | None:
 def takes(*tensors: torch.Tensor) -> bool:
     """Whether the kernels can run on these tensors in place: CPU, contiguous; the caller
     checks dtypes."""
-    return all(t.device.type == "cpu" and t.is_contiguous() for t in tensors)
+    return all(t.is_cpu and t.is_contiguous() for t in tensors)  # (is_cpu: no device object per tensor)
 
 
 def pointer(tensor: torch.Tensor | None) -> int | None:

@@ -1820,13 +1820,30 @@ void onebit_lamb_statistics(const float *restrict param, const float *restrict m
 }
 
 #ifdef HAVE_AVX512_PATH
+/* Adam's denominator d(x) = sqrt(x) + eps (sqrt(x + eps) inside the root) from 14-bit
+   approximations: within 2^-12 of d(x) (relative), 0 at 0, +inf at +inf, NaN at NaN and
+   below 0. */
+AVX512 static inline __attribute__((always_inline)) __m512 approximate_denominator(__m512 x, __m512 epsilon,
+                                                                                  int eps_inside_sqrt) {
+    if (eps_inside_sqrt)
+        return _mm512_rcp14_ps(_mm512_rsqrt14_ps(_mm512_add_ps(x, epsilon)));
+    return _mm512_add_ps(_mm512_rcp14_ps(_mm512_rsqrt14_ps(x)), epsilon);
+}
+
 /* 1-bit LAMB's statistics pass without weight decay where both momenta are decoded signs
    at positive scales (the decode pass's usual case), over n <= ONEBIT_BLOCK elements: the
    fresh variance f <- f beta2 + table[2 (average >= 0) + (last >= 0)] and out[0] =
    max(out[0], max of d(v) / d(f)), the same operations as `onebit_lamb_statistics_body`,
    with each element's pair of signs read as lane masks straight from the two rows: the
    portable way (both rows decoded into buffers, then compared with zero) took 1.4x as
-   long on this pass. */
+   long on this pass.
+   Only the largest ratio matters, so a vector's ratios are computed exactly (two square
+   roots and a division per element, which held the pass on a Sapphire Rapids core) only
+   where an estimate from approximate square roots could reach the largest so far: the
+   estimate's numerator, raised by 2^-9, against the largest times its denominator, where
+   each is within 2^-11 of the exact one. Below that, a ratio is below the largest, and
+   the result is the same bit for bit. A comparison with NaN, an infinity or a zero counts
+   as reaching, so those lanes are computed exactly. */
 AVX512 static void onebit_lamb_signs_maximum_avx512(const uint8_t *restrict average, const uint8_t *restrict last,
                                                     int64_t first, int64_t n, const float *restrict v,
                                                     float *restrict fresh, float beta2, float eps, int eps_inside_sqrt,
@@ -1836,7 +1853,9 @@ AVX512 static void onebit_lamb_signs_maximum_avx512(const uint8_t *restrict aver
     const __m512 t00 = _mm512_set1_ps(table[0]), t01 = _mm512_set1_ps(table[1]);
     const __m512 t10 = _mm512_set1_ps(table[2]), t11 = _mm512_set1_ps(table[3]);
     const __m512 decay = _mm512_set1_ps(beta2), epsilon = _mm512_set1_ps(eps);
-    __m512 maximum = _mm512_set1_ps(-INFINITY);
+    const __m512 raised = _mm512_set1_ps(1.0f + 0x1p-9f);
+    /* the largest so far: out[0] is a float's value (or 0, or NaN, which makes every lane reach) */
+    __m512 maximum = _mm512_set1_ps((float)out[0]);
     __mmask16 nan = 0;
     for (int64_t t = 0; t < n; t += 16) {
         const int64_t count = n - t < 16 ? n - t : 16;
@@ -1850,13 +1869,18 @@ AVX512 static void onebit_lamb_signs_maximum_avx512(const uint8_t *restrict aver
         const __m512 f = _mm512_add_ps(_mm512_mul_ps(load_lanes(fresh + t, lanes), decay), added);
         store_lanes(fresh + t, lanes, f);
         const __m512 xv = load_lanes(v + t, lanes);
+        const __m512 reach = _mm512_mul_ps(approximate_denominator(xv, epsilon, eps_inside_sqrt), raised);
+        const __m512 bar = _mm512_mul_ps(maximum, approximate_denominator(f, epsilon, eps_inside_sqrt));
+        const __mmask16 candidates = _mm512_mask_cmp_ps_mask(lanes, reach, bar, _CMP_NLT_UQ);
+        if (candidates == 0)
+            continue;
         const __m512 dv = eps_inside_sqrt ? _mm512_sqrt_ps(_mm512_add_ps(xv, epsilon))
                                           : _mm512_add_ps(_mm512_sqrt_ps(xv), epsilon);
         const __m512 df = eps_inside_sqrt ? _mm512_sqrt_ps(_mm512_add_ps(f, epsilon))
                                           : _mm512_add_ps(_mm512_sqrt_ps(f), epsilon);
         const __m512 ratio = _mm512_div_ps(dv, df);
-        nan |= _mm512_mask_cmp_ps_mask(lanes, ratio, ratio, _CMP_UNORD_Q);
-        maximum = _mm512_mask_max_ps(maximum, lanes, maximum, ratio);
+        nan |= _mm512_mask_cmp_ps_mask(candidates, ratio, ratio, _CMP_UNORD_Q);
+        maximum = _mm512_mask_max_ps(maximum, candidates, maximum, ratio);
     }
     const double found = nan ? NAN : (double)_mm512_reduce_max_ps(maximum);
     out[0] = out[0] != out[0] || found != found ? NAN : (found > out[0] ? found : out[0]);

@@ -350,6 +350,15 @@ def _kernel_outputs(avx512: bool) -> dict[str, torch.Tensor]:
                                        pending_scale.data_ptr(), None if signs is None else signs.data_ptr(),
                                        known_scale.data_ptr(), out[f"{key} signs"].data_ptr(),
                                        out[f"{key} scale"].data_ptr())
+    chunk_bytes = n // 8 // rows  # every chunk in one call, one message each
+    out.update({"three chunks error": torch.randn(n, generator=generator),
+                "three chunks signs": torch.zeros(n // 8, dtype=torch.uint8), "three chunks scales": torch.zeros(rows)})
+    pending_scales, known_scales = torch.tensor([0.25, 0.5, 0.125]), torch.tensor([0.375, 0.25, 0.5])
+    library.onebit_worker_compress(momentum.data_ptr(), out["three chunks error"].data_ptr(), n // rows, rows,
+                                   chunk_bytes, 2, bounds.data_ptr(), grads.data_ptr(), factors.data_ptr(),
+                                   pending.data_ptr(), pending_scales.data_ptr(), known.data_ptr(),
+                                   known_scales.data_ptr(), out["three chunks signs"].data_ptr(),
+                                   out["three chunks scales"].data_ptr())
     incoming, scales = random_bytes(rows * (n // 8)), torch.tensor([0.5, 0.25, 0.75])
     library.onebit_server_compress(incoming.data_ptr(), n // 8, scales.data_ptr(), rows, n,
                                    out["server_error"].data_ptr(), pending.data_ptr(), 0.125,
@@ -387,6 +396,59 @@ def test_avx512_signs_equal_the_portable_loops():
         native.use_avx512(True)
     for key, expected in portable.items():
         assert torch.equal(avx512[key], expected), key
+
+
+def _lamb_maximum(avx512: bool, variance: torch.Tensor, fresh: torch.Tensor, start: int,
+                  inside: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """1-bit LAMB's statistics pass without weight decay from both rows of signs (its
+    AVX-512 block screens ratios by estimates), over the given variances: (largest ratio,
+    fresh variance)."""
+    native.use_avx512(avx512)
+    generator, n = torch.Generator().manual_seed(5), variance.numel()
+    chunk = 4096
+    packed, known = (torch.randint(0, 256, (chunk // 8,), dtype=torch.uint8, generator=generator) for _ in range(2))
+    scales, known_scales = torch.tensor([0.02]), torch.tensor([0.03])
+    fresh, statistics = fresh.clone(), torch.zeros(3, dtype=torch.float64)
+    native.library().onebit_lamb_decode_statistics(
+        packed.data_ptr(), chunk // 8, scales.data_ptr(), chunk, start, variance.data_ptr(), variance.data_ptr(),
+        known.data_ptr(), known_scales.data_ptr(), variance.data_ptr(), fresh.data_ptr(), n, 0.9, 0.1, 0.999, 0.001,
+        1e-8, inside, 0.0, statistics.data_ptr())
+    return statistics[0], fresh
+
+
+@pytest.mark.parametrize("case", ["spread", "ties", "zeros and subnormals", "infinity", "nan"])
+@pytest.mark.parametrize("inside", [0, 1])
+def test_lamb_maximum_screened_by_estimates_equals_every_ratio_computed(case, inside):
+    """The AVX-512 statistics pass computes a ratio d(v) / d(f) exactly only where an
+    estimate could reach the largest so far: the largest (and NaN where a ratio is NaN)
+    and the fresh variance are the portable loop's, which computes every ratio, bit for
+    bit: on spread-out variances, on equal ones (many ratios within the estimates' error
+    of the largest), and with zeros, subnormals, an infinity or a NaN among them."""
+    if native.library() is None:
+        pytest.skip("no C compiler: the kernels cannot be built here")
+    if not native.use_avx512(True):
+        pytest.skip("this CPU has no AVX-512: the kernels take only their portable loops")
+    generator, n = torch.Generator().manual_seed(7), 3000
+    variance = torch.rand(n, generator=generator).square() * 1e-4
+    fresh = variance * torch.empty(n).uniform_(0.5, 2.0, generator=generator)
+    if case == "ties":
+        variance, fresh = torch.full((n,), 1e-6), torch.full((n,), 1e-6)
+    elif case == "zeros and subnormals":
+        variance[::7], fresh[::11] = 0.0, 0.0
+        variance[3::13], fresh[5::17] = 1e-42, 1e-41
+    elif case == "infinity":
+        variance[1234] = math.inf
+    elif case == "nan":
+        fresh[2500] = math.nan
+    try:
+        portable, avx512 = (_lamb_maximum(flag, variance, fresh, 5, inside) for flag in (False, True))
+    finally:
+        native.use_avx512(True)
+    assert torch.equal(avx512[1], portable[1]) or case == "nan" and torch.equal(avx512[1].isnan(), portable[1].isnan())
+    if case == "nan":
+        assert avx512[0].isnan() and portable[0].isnan()
+    else:
+        assert avx512[0].item() == portable[0].item() and math.isfinite(portable[0].item()) == (case != "infinity")
 
 
 def _known_and_read_momentum_on_ranks(rank: int, world_size: int, lamb: bool) -> dict:
