@@ -1287,11 +1287,12 @@ static void onebit_pack_signs(const float *restrict e, int64_t count, uint8_t *r
 
 /* The first lines of a stream's page PREFETCH_BLOCKS blocks (of floats: 4 KB pages) ahead
    of a pass, asked for before the pass gets there. A core's hardware prefetcher follows a
-   stream only within a 4 KB page and starts again at each new one; with one or two streams
-   in a pass (the 1-bit compressions' error buffers and gradients), each page's first
-   misses waited in full. Asked for early, the page's translation and first lines are
-   ready and the prefetcher is already running: on a Sapphire Rapids core the server's
-   pass took 0.6x the time, the worker's 0.9x. (Prefetches never fault: past an array's end
+   stream only within a 4 KB page and starts again at each new one; in the compressions'
+   passes, each page's first misses of the error buffer waited in full. Asked for early,
+   the page's translation and first lines are ready and the prefetcher is already running:
+   on an Intel Xeon core (2 of a shared host) the server's pass took 0.6x the time, the
+   worker's 0.85x. Asking for the gradient's pages too, or for whole pages, made the
+   worker slower, as it did the LAMB passes. (Prefetches never fault: past an array's end
    they are dropped.) */
 #define PREFETCH_BLOCKS 8
 #define PREFETCH_LINES 4
@@ -1426,10 +1427,10 @@ AVX512 static inline __attribute__((always_inline)) void pack_vector_signs(__m51
 /* The worker's block in one loop: each vector settled, its x read (or decoded from the
    known signs), its fold added, its squares summed and its signs packed while it is in
    registers, so the error and the gradient stream through together (the portable way
-   makes four passes over the block, and on a Sapphire Rapids core the block's first pass
-   waited on one stream at a time: 1.6x the time of an add over the same arrays). A vector
-   that spans two runs of the fold takes them element by element, with the same
-   operations. */
+   makes four passes over the block, whose first waited on one stream at a time: on an
+   Intel Xeon core the step's worker pass is about 10% shorter this way, both with their
+   pages asked for ahead). A vector that spans two runs of the fold takes them element by
+   element, with the same operations. */
 AVX512 static void onebit_worker_block_avx512(const float *restrict x, const uint8_t *restrict known, int64_t first,
                                               float known_scale, float *restrict e, const uint8_t *restrict pending,
                                               float pending_scale, int64_t at, int64_t count, fold_cursor *cursor,
@@ -1507,7 +1508,7 @@ AVX512 static void onebit_worker_block_avx512(const float *restrict x, const uin
    known + r x frame (the previous step's decoded average, which nothing has written
    since): it is read from those signs, 32 times fewer bytes than x's.
    Every chunk in one call; one after the other (advanced together, a block of each in
-   turn, they took 1.3x as long on a Sapphire Rapids core). */
+   turn, they took about 1.2x as long on an Intel Xeon core). */
 void onebit_worker_compress(const float *restrict x, float *restrict error, int64_t chunk, int64_t ranks,
                             int64_t frame, int64_t segments, const int64_t *restrict bounds,
                             const int64_t *restrict grads, const float *restrict factors,
@@ -1520,21 +1521,10 @@ void onebit_worker_compress(const float *restrict x, float *restrict error, int6
         const float known_scale = known != NULL ? known_scales[rank] : 0.0f;
         const float pending_scale = pending != NULL ? pending_scales[rank] : 0.0f;
         double lanes[SQUARE_LANES] = {0.0};
-        fold_cursor cursor = {segments, 0, bounds, grads, factors}, ahead = cursor;
+        fold_cursor cursor = {segments, 0, bounds, grads, factors};
         for (int64_t block = 0; block < chunk; block += ONEBIT_BLOCK) {
             const int64_t count = chunk - block < ONEBIT_BLOCK ? chunk - block : ONEBIT_BLOCK, at = start + block;
-            prefetch_ahead(error + at, 1);
-            if (known == NULL)
-                prefetch_ahead(x + at, 0);
-            const int64_t later = at + PREFETCH_BLOCKS * ONEBIT_BLOCK;
-            if (later < start + chunk) { /* the gradient there, where a segment with one holds it */
-                enum fold_kind kind;
-                const float *grad = NULL;
-                float beta1, weight;
-                fold_run(&ahead, later, later + 1, &kind, &grad, &beta1, &weight);
-                if (kind == FOLD_GRADIENT)
-                    prefetch_ahead(grad - PREFETCH_BLOCKS * ONEBIT_BLOCK, 0);
-            }
+            prefetch_ahead(error + at, 1); /* (the gradient's too made the pass slower) */
             const uint8_t *restrict settled = pending != NULL ? pending + rank * frame + block / 8 : NULL;
 #ifdef HAVE_AVX512_PATH
             if (avx512_enabled) {
@@ -1638,7 +1628,7 @@ void onebit_server_compress(const uint8_t *restrict incoming, int64_t stride, co
    momentum, and the update w += scale x (m / d(v) + weight_decay x w) computed from it in
    registers (the same operations as `adam_direction`). The momentum is written by
    streaming stores where it is aligned: nothing reads it before the next step, and its
-   lines are then not read from memory before they are written (on a Sapphire Rapids core,
+   lines are then not read from memory before they are written (on an Intel Xeon core,
    1-bit LAMB's step 0.7 ms shorter). */
 AVX512 static void onebit_decode_update_avx512(const uint8_t *restrict row, int64_t first, int64_t n, float s,
                                                float *restrict m, const float *restrict v, float *restrict w,
@@ -1838,7 +1828,7 @@ AVX512 static inline __attribute__((always_inline)) __m512 approximate_denominat
    portable way (both rows decoded into buffers, then compared with zero) took 1.4x as
    long on this pass.
    Only the largest ratio matters, so a vector's ratios are computed exactly (two square
-   roots and a division per element, which held the pass on a Sapphire Rapids core) only
+   roots and a division per element, which held the pass on an Intel Xeon core) only
    where an estimate from approximate square roots could reach the largest so far: the
    estimate's numerator, raised by 2^-9, against the largest times its denominator, where
    each is within 2^-11 of the exact one. Below that, a ratio is below the largest, and
