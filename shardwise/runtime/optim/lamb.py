@@ -68,11 +68,14 @@ class Lamb(ShardAwareOptimizer):
         loss = closure_loss(closure)
         groups = [([p for p in group["params"] if p.grad is not None], group) for group in self.param_groups]
         groups = [(params, group) for params, group in groups if params]
-        params, squares, updates = [], [], []
-        paths = []  # per group, which kernels both passes take
         for group_params, group in groups:
             self._advance(group_params, group)
-            paths.append(path := self._path(group_params, group))
+        paths = [self._path(group_params, group) for group_params, group in groups]  # per group, both passes' kernels
+        if getattr(self, "_sum", None) is None and all(path == "native" for path in paths):
+            self._native_step_by_tensor(groups)
+            return loss
+        params, squares, updates = [], [], []
+        for (group_params, group), path in zip(groups, paths):
             if path == "native":  # updates are recomputed when applied, not kept
                 squares.append(self._native_moments_and_squares(group_params, group))
             elif path == "triton":  # the same two passes on a GPU
@@ -118,6 +121,35 @@ class Lamb(ShardAwareOptimizer):
             torch._foreach_mul_(group_updates, scales)
             torch._foreach_add_(group_params, group_updates)
         return loss
+
+    def _native_step_by_tensor(self, groups: list[tuple[list[torch.Tensor], dict]]) -> None:
+        """Whole parameters (no ZeRO) in the native kernels: each parameter's two passes one
+        after the other, its trust ratio from its own norms in between (as `step` computes
+        it: the same float64 arithmetic), so the second pass finds part of its weights and
+        moments in the cache the first left them in; over every parameter's first pass,
+        then every second, it reads them all from memory again (5% of the step on an
+        Intel Xeon core, BENCHMARKS.md)."""
+        self.last_trust_ratios = torch.ones(self.parameter_count, dtype=torch.float64)
+        ratios = self.last_trust_ratios.numpy()
+        moments_and_squares, apply = native.library().lamb_moments_and_squares, native.library().lamb_apply
+        for group_params, group in groups:
+            beta1, beta2 = group["betas"]
+            eps, decay, inside = group["eps"], group["weight_decay"], group["eps_inside_sqrt"]
+            steps = torch.stack([self.state[param]["step"] for param in group_params]).tolist()  # one read
+            squares = torch.zeros(len(group_params), 2, dtype=torch.float64)
+            values = squares.numpy()
+            for row, (param, step) in enumerate(zip(group_params, steps)):
+                state = self.state[param]
+                moments_and_squares(param.data_ptr(), param.grad.data_ptr(), state["exp_avg"].data_ptr(),
+                                    state["exp_avg_sq"].data_ptr(), param.numel(), 1 - beta1, beta2, 1 - beta2, eps,
+                                    decay, inside, squares[row].data_ptr(), native.threads())
+                weight_norm, update_norm = math.sqrt(values[row, 0]), math.sqrt(values[row, 1])
+                ratio = 1.0
+                if weight_norm > 0 and update_norm > 0:
+                    ratio = min(max(weight_norm / update_norm, group["min_coeff"]), group["max_coeff"])
+                ratios[self.shard_of(param).index] = ratio
+                apply(param.data_ptr(), state["exp_avg"].data_ptr(), state["exp_avg_sq"].data_ptr(), param.numel(),
+                      -_step_size(group, step) * ratio, eps, decay, inside, native.threads())
 
     def _advance(self, params: list[torch.Tensor], group: dict) -> None:
         """State created where new, and every step count advanced (one kernel)."""

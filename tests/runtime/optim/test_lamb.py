@@ -76,3 +76,44 @@ def test_lamb_state_is_checkpointed_and_resharded(tmp_path):
         assert abs(got - expected["losses"][step]) / expected["losses"][step] < 1e-5, step
     for name, want in expected["params"].items():
         assert relative_error(resumed["params"][name], want) < 1e-5, name
+
+
+def test_lamb_step_by_tensor_equals_both_passes_over_every_tensor():
+    """Without ZeRO the native kernels step each parameter's two passes back to back, its
+    trust ratio computed in between; with shard sums attached (here each piece a whole
+    parameter, the sum the identity) every parameter's first pass runs, then every second.
+    The same weights, moments and trust ratios, bit for bit: two param groups, weight
+    decay in one, eps inside the root in the other, a parameter without a gradient, and a
+    weight that starts at zero (its first ratio 1)."""
+    from shardwise.runtime.optim import native
+    from shardwise.runtime.optim.sharded import ParameterShard
+
+    if not native.enabled():
+        pytest.skip("the native kernels are off or cannot be built here")
+    generator = torch.Generator().manual_seed(11)
+    shapes = [(64, 48), (48,), (300,), (16, 16)]
+    initial = [torch.randn(shape, generator=generator) for shape in shapes]
+    initial[3].zero_()
+    grads = [[torch.randn(shape, generator=generator) for shape in shapes] for _ in range(3)]
+
+    def run(batched: bool) -> tuple[list[torch.Tensor], Lamb]:
+        params = [torch.nn.Parameter(value.clone()) for value in initial]
+        optimizer = Lamb([{"params": params[:2], "weight_decay": 0.01},
+                          {"params": params[2:], "eps_inside_sqrt": True}], lr=1e-2)
+        if batched:
+            optimizer.attach_shards({p: ParameterShard(str(i), tuple(p.shape), 0, p.numel(), i)
+                                     for i, p in enumerate(params)}, len(params), lambda tensor: tensor)
+        for step_grads in grads:
+            for index, (param, grad) in enumerate(zip(params, step_grads)):
+                param.grad = None if index == 1 else grad.clone()
+            optimizer.step()
+        return params, optimizer
+
+    (by_tensor, one), (batched, other) = run(False), run(True)
+    for mine, theirs in zip(by_tensor, batched):
+        assert torch.equal(mine, theirs)
+        if mine in one.state:
+            for key in ("exp_avg", "exp_avg_sq"):
+                assert torch.equal(one.state[mine][key], other.state[theirs][key]), key
+    assert torch.equal(one.last_trust_ratios, other.last_trust_ratios)
+    assert not torch.equal(by_tensor[0], initial[0]) and not torch.equal(by_tensor[3], initial[3])
