@@ -15,6 +15,9 @@ A step is the sum of what cannot hide behind anything else:
                                              behind the compute it runs beside, see below
     optimizer    bytes moved / bandwidth     the update is memory-bound: the device's
                                              memory bandwidth, or the host's when offloaded
+    accumulation bytes moved / bandwidth     fp32 gradient sums beside 16-bit training:
+                                             each micro-batch's add, the casts; where the
+                                             sums live (the host's partition when offloaded)
     offload      transfers / PCIe, NVMe      gradients down, parameters up, states paged
 
 Training FLOPs per token (Narayanan et al. 2021, "Efficient Large-Scale Language Model
@@ -171,6 +174,8 @@ class StepWork:
     pipeline_stages: int = 1  # p
     optimizer_bytes: float = 0.0  # bytes the update streams
     optimizer_on_host: bool = False
+    accumulation_bytes: float = 0.0  # fp32 gradient accumulation's adds and casts (`fp32_accumulation_bytes`)
+    accumulation_on_host: bool = False  # its sums in the host's partition (optimizer offload, stages 2-3)
     pcie_bytes: float = 0.0  # offload: device↔host per rank
     nvme_bytes_per_node: float = 0.0
     forward_fraction: float = 1.0 / 3.0  # of the compute, the forward's share
@@ -187,6 +192,7 @@ class StepTime:
     comm_raw: float = 0.0  # the collectives' α–β time before overlap
     optimizer: float = 0.0
     offload: float = 0.0
+    accumulation: float = 0.0
 
     @property
     def exposed_comm(self) -> float:
@@ -194,7 +200,7 @@ class StepTime:
 
     @property
     def total(self) -> float:
-        return self.compute + self.bubble + self.exposed_comm + self.optimizer + self.offload
+        return self.compute + self.bubble + self.exposed_comm + self.optimizer + self.offload + self.accumulation
 
 
 def step_seconds(work: StepWork, speeds: Speeds) -> StepTime:
@@ -218,7 +224,8 @@ def step_seconds(work: StepWork, speeds: Speeds) -> StepTime:
     bandwidth = speeds.host_bandwidth if work.optimizer_on_host else speeds.memory_bandwidth
     optimizer = work.optimizer_bytes / bandwidth
     offload = work.pcie_bytes / speeds.pcie_bandwidth + work.nvme_bytes_per_node / speeds.nvme_bandwidth
-    return StepTime(compute, bubble, exposed, raw, optimizer, offload)
+    sums = speeds.host_bandwidth if work.accumulation_on_host else speeds.memory_bandwidth
+    return StepTime(compute, bubble, exposed, raw, optimizer, offload, work.accumulation_bytes / sums)
 
 
 def core_share(busy_ranks: float, cores: int) -> float:
@@ -254,6 +261,21 @@ def optimizer_update_bytes(elements: int, *, grad_bytes: int, state_bytes: float
     K counts. fp32 AdamW: 4·2 + 8·2 + 8 = 32 bytes per parameter."""
     weights = 2 * 4 if fp32_training else param_bytes
     return elements * (2 * grad_bytes + 2 * state_bytes + weights)
+
+
+def fp32_accumulation_bytes(*, local: int, partition: int, stage: int, micro_batches: int, grad_bytes: int) -> float:
+    """Bytes fp32 gradient accumulation beside 16-bit training (`data_types.grad_accum_dtype`)
+    streams per step, as the engine runs it (runtime/zero/gradients.py): at stage 1 each
+    micro-batch's g-byte gradient of the `local` elements added into the fp32 buffer (g + 8
+    per element), the buffer cast to g bytes for the boundary's reduce-scatter (4 + g) and the
+    owned reduced chunk written back in fp32 (g + 4 per `partition` element); at stages 2-3
+    each micro-batch's reduced chunk added into the fp32 partition (g + 8). The update then
+    reads 4-byte gradients (`optimizer_update_bytes`' grad_bytes). In the training dtype
+    autograd sums in place and none of this runs."""
+    g = grad_bytes
+    if stage <= 1:
+        return micro_batches * local * (g + 8) + local * (4 + g) + partition * (g + 4)
+    return micro_batches * partition * (g + 8)
 
 
 def buckets(elements: int, bucket_elements: int) -> int:

@@ -253,8 +253,8 @@ def render_times(result: Estimate, speeds: Speeds, predictions: list[Prediction]
     if not predictions:
         return
     table = Table(title=f"Predicted step time on {speeds.name} (fastest first)",
-                  caption="comm = communication left after overlap; update = the optimizer step "
-                  "(docs/formulas.md#step-time)")
+                  caption="comm = communication left after overlap; update = the optimizer step, with fp32 "
+                  "gradient sums where --grad-accum-dtype fp32 (docs/formulas.md#step-time)")
     for name in ("option", "recompute", "step", "tokens/s", "compute", "bubble", "comm", "update", "offload"):
         table.add_column(name, justify="left" if name in ("option", "recompute") else "right", no_wrap=True)
     for prediction in sorted(predictions, key=lambda p: p.step_s):
@@ -262,7 +262,7 @@ def render_times(result: Estimate, speeds: Speeds, predictions: list[Prediction]
         label = f"stage {plan.stage}" + ("" if plan.offload == NO_OFFLOAD else f" + {plan.offload.label}")
         table.add_row(label, plan.recompute, format_seconds(time.total), f"{prediction.tokens_per_s:,.0f}",
                       *(format_seconds(value) for value in (time.compute, time.bubble, time.exposed_comm,
-                                                            time.optimizer, time.offload)))
+                                                            time.optimizer + time.accumulation, time.offload)))
     console.print(table)
     console.print(f"Speeds: {speeds.peak_flops / 1e12:g} TFLOP/s peak × MFU {speeds.mfu:.2f}; memory "
                   f"{speeds.memory_bandwidth / 1e9:g} GB/s; links intra {speeds.intra_node.bandwidth / 1e9:g} GB/s, "

@@ -29,6 +29,7 @@ from shardwise.formulas.step_time import (
     StepTime,
     StepWork,
     buckets,
+    fp32_accumulation_bytes,
     optimizer_update_bytes,
     step_seconds,
     training_flops_per_token,
@@ -89,13 +90,14 @@ class Prediction:
 
 
 def predict(shape: ModelShape, plan: Plan, speeds: Speeds, *, num_gpus: int, gpus_per_node: int, seq_len: int,
-            dtype: str, optimizer_state_bytes: float) -> Prediction:
-    """Seconds per step of `plan` for `shape` on `num_gpus` devices of `speeds`."""
+            dtype: str, optimizer_state_bytes: float, grad_accum_dtype: str | None = None) -> Prediction:
+    """Seconds per step of `plan` for `shape` on `num_gpus` devices of `speeds`; with
+    `grad_accum_dtype` "fp32" beside 16-bit training, gradients summed in fp32."""
     if not shape.has_layout:
         raise ValueError("the time model needs the model's layout (hidden size, layers, heads): give --hidden-size, "
                          "--layers and --heads with --params, or a preset or config")
     work = plan_work(shape, plan, speeds, num_gpus=num_gpus, gpus_per_node=gpus_per_node, seq_len=seq_len,
-                     dtype=dtype, optimizer_state_bytes=optimizer_state_bytes)
+                     dtype=dtype, optimizer_state_bytes=optimizer_state_bytes, grad_accum_dtype=grad_accum_dtype)
     parallel = plan.parallel
     replicas = num_gpus // (parallel.tensor * parallel.sequence * parallel.pipeline)
     tokens = replicas * plan.micro_batch * seq_len * plan.accumulation
@@ -103,8 +105,8 @@ def predict(shape: ModelShape, plan: Plan, speeds: Speeds, *, num_gpus: int, gpu
 
 
 def plan_work(shape: ModelShape, plan: Plan, speeds: Speeds, *, num_gpus: int, gpus_per_node: int, seq_len: int,
-              dtype: str, optimizer_state_bytes: float) -> StepWork:
-    """One rank's FLOPs, collectives, update bytes and offload traffic per step."""
+              dtype: str, optimizer_state_bytes: float, grad_accum_dtype: str | None = None) -> StepWork:
+    """One rank's FLOPs, collectives, update bytes, fp32 accumulation and offload traffic per step."""
     parallel, a = plan.parallel, plan.accumulation
     t, s_ulysses, p = parallel.tensor, parallel.sequence, parallel.pipeline
     layers, hidden = shape.num_layers or 1, shape.hidden_size or 1
@@ -170,8 +172,11 @@ def plan_work(shape: ModelShape, plan: Plan, speeds: Speeds, *, num_gpus: int, g
         pipe_link = speeds.inter_node if t * p > gpus_per_node else speeds.intra_node
         terms.append(CommTerm("pipeline", "send", busiest, 2, pipe_link, 2 * a))
     partition = ceil(local / zero_ranks) if partitions_optimizer(plan.stage) else local
-    update = optimizer_update_bytes(partition, grad_bytes=ebytes, state_bytes=optimizer_state_bytes,
-                                    param_bytes=ebytes, fp32_training=ebytes == 4)
+    summed_in_fp32 = grad_accum_dtype is not None and element_bytes(grad_accum_dtype) == 4 and ebytes < 4
+    update = optimizer_update_bytes(partition, grad_bytes=4 if summed_in_fp32 else ebytes,
+                                    state_bytes=optimizer_state_bytes, param_bytes=ebytes, fp32_training=ebytes == 4)
+    accumulation = fp32_accumulation_bytes(local=local, partition=partition, stage=plan.stage, micro_batches=a,
+                                           grad_bytes=ebytes) if summed_in_fp32 else 0.0
     pcie, nvme = 0.0, 0.0
     if plan.offload.optimizer != "none":
         states = 2 if plan.offload.optimizer == "nvme" else 0
@@ -183,8 +188,12 @@ def plan_work(shape: ModelShape, plan: Plan, speeds: Speeds, *, num_gpus: int, g
         if plan.offload.params == "nvme":
             nvme += 2 * a * partition * ebytes * min(gpus_per_node, num_gpus)
     forward_fraction = 1 / 3 if plan.recompute == "none" else 1 / 4
-    return StepWork(flops, tuple(terms), a, p, update, plan.offload.optimizer != "none", pcie, nvme,
-                    forward_fraction, ranks_per_host=min(gpus_per_node, num_gpus))
+    offloaded = plan.offload.optimizer != "none"
+    return StepWork(flops, tuple(terms), a, p, optimizer_bytes=update, optimizer_on_host=offloaded,
+                    accumulation_bytes=accumulation,  # stages 2-3 offloaded: the fp32 partition is the host's
+                    accumulation_on_host=offloaded and not keeps_full_gradients(plan.stage), pcie_bytes=pcie,
+                    nvme_bytes_per_node=nvme, forward_fraction=forward_fraction,
+                    ranks_per_host=min(gpus_per_node, num_gpus))
 
 
 def _per_layer_bytes(bytes_of, shape: ParallelCommShape) -> dict[str, int]:
@@ -203,5 +212,6 @@ def price_options(result: "Estimate", speeds: Speeds, *, accumulation: int = 1) 
         plan = Plan(option.stage, option.offload, option.fits_with, result.parallel, result.micro_batch, accumulation)
         predictions.append(predict(result.shape, plan, speeds, num_gpus=result.hardware.num_gpus,
                                    gpus_per_node=result.hardware.gpus_per_node, seq_len=result.seq_len,
-                                   dtype=result.dtype, optimizer_state_bytes=result.optimizer_state_bytes))
+                                   dtype=result.dtype, optimizer_state_bytes=result.optimizer_state_bytes,
+                                   grad_accum_dtype=result.grad_accum_dtype))
     return predictions

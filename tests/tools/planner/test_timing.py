@@ -79,3 +79,31 @@ def test_stage3_gathers_and_reduces_every_modules_unit() -> None:
                        seq_len=128, dtype="bf16", optimizer_state_bytes=12)
     # one bucket: reduce-scattered every micro-batch, the updated parameters gathered once
     assert {term.op: term.messages for term in stage2.comm} == {"reduce_scatter": 3, "all_gather": 1}
+
+
+@pytest.mark.parametrize("stage", [1, 2, 3])
+def test_fp32_gradient_sums_are_priced_as_the_engine_streams_them(stage) -> None:
+    """`grad_accum_dtype` fp32 beside bf16: each micro-batch's add into the fp32 sums, and
+    at stage 1 the boundary's cast and the owned chunk written back, at the device's
+    memory bandwidth (the host's for stages 2-3 offloaded); the update reads 4-byte
+    gradients. Nothing without it, nor when training is fp32 already."""
+    from shardwise.formulas.memory import Offload
+
+    speeds = datasheet("a100")
+    kwargs = dict(num_gpus=2, gpus_per_node=8, seq_len=128, dtype="bf16", optimizer_state_bytes=12)
+    plan = Plan(stage, micro_batch=2, accumulation=3)
+    plain = plan_work(SHAPE, plan, speeds, **kwargs)
+    summed = plan_work(SHAPE, plan, speeds, grad_accum_dtype="fp32", **kwargs)
+    local, partition = SHAPE.num_params, -(-SHAPE.num_params // 2)
+    streamed = (3 * local * 10 + local * 6 + partition * 6) if stage == 1 else 3 * partition * 10
+    assert plain.accumulation_bytes == 0 and summed.accumulation_bytes == streamed
+    assert summed.optimizer_bytes - plain.optimizer_bytes == 2 * (4 - 2) * partition  # the gradient read twice
+    time = predict(SHAPE, plan, speeds, grad_accum_dtype="fp32", **kwargs).time
+    assert time.accumulation == pytest.approx(streamed / speeds.memory_bandwidth)
+    assert time.total == pytest.approx(predict(SHAPE, plan, speeds, **kwargs).time.total + time.accumulation
+                                       + 4 * partition / speeds.memory_bandwidth)
+    offloaded = plan_work(SHAPE, replace(plan, offload=Offload(optimizer="cpu")), speeds, grad_accum_dtype="fp32",
+                          **kwargs)
+    assert offloaded.accumulation_on_host == (stage != 1)
+    fp32 = plan_work(SHAPE, plan, speeds, grad_accum_dtype="fp32", **{**kwargs, "dtype": "fp32"})
+    assert fp32.accumulation_bytes == 0
