@@ -1424,6 +1424,28 @@ AVX512 static inline __attribute__((always_inline)) void pack_vector_signs(__m51
         packed[1] = reversed_bits[positive >> 8];
 }
 
+/* A compression's vector of its error buffer (lanes `lanes` of e + t), less what the
+   previous compression of it lost (its `pending` signs at +-scale; NULL for none). */
+AVX512 static inline __attribute__((always_inline)) __m512 settled_vector(const float *restrict e,
+                                                                         const uint8_t *restrict pending, int64_t t,
+                                                                         int64_t width, __mmask16 lanes, __m512 plus,
+                                                                         __m512 minus) {
+    const __m512 error = load_lanes(e + t, lanes);
+    if (pending == NULL)
+        return error;
+    return _mm512_sub_ps(error, _mm512_mask_blend_ps(onebit_lanes_of(pending, 0, t, width), minus, plus));
+}
+
+/* A compression's vector done: stored back to its error buffer, its squares summed (the
+   unused lanes add +0), its signs packed. */
+AVX512 static inline __attribute__((always_inline)) void finish_vector(float *restrict e, __mmask16 lanes,
+                                                                      __m512 error, __m512d *low, __m512d *high,
+                                                                      uint8_t *restrict packed) {
+    store_lanes(e, lanes, error);
+    add_vector_squares(_mm512_maskz_mov_ps(lanes, error), low, high);
+    pack_vector_signs(error, lanes, packed);
+}
+
 /* The worker's block in one loop: each vector settled, its x read (or decoded from the
    known signs), its fold added, its squares summed and its signs packed while it is in
    registers, so the error and the gradient stream through together (the portable way
@@ -1447,10 +1469,7 @@ AVX512 static void onebit_worker_block_avx512(const float *restrict x, const uin
     for (int64_t t = 0; t < count; t += 16) {
         const int64_t width = count - t < 16 ? count - t : 16;
         const __mmask16 lanes_used = width == 16 ? 0xFFFF : (__mmask16)((1u << width) - 1);
-        __m512 error = load_lanes(e + t, lanes_used);
-        if (pending != NULL)
-            error = _mm512_sub_ps(error, _mm512_mask_blend_ps(onebit_lanes_of(pending, 0, t, width), pending_minus,
-                                                              pending_plus));
+        __m512 error = settled_vector(e, pending, t, width, lanes_used, pending_plus, pending_minus);
         __m512 xv;
         if (known != NULL)
             xv = _mm512_mask_blend_ps(width == 16 ? onebit_vector_lanes(known_bytes, shift, t)
@@ -1485,9 +1504,7 @@ AVX512 static void onebit_worker_block_avx512(const float *restrict x, const uin
             }
             error = load_lanes(errors, lanes_used);
         }
-        store_lanes(e + t, lanes_used, error);
-        add_vector_squares(_mm512_maskz_mov_ps(lanes_used, error), &low, &high); /* unused lanes add +0 */
-        pack_vector_signs(error, lanes_used, packed + t / 8);
+        finish_vector(e + t, lanes_used, error, &low, &high, packed + t / 8);
     }
     _mm512_storeu_pd(lanes, low);
     _mm512_storeu_pd(lanes + 8, high);
@@ -1580,19 +1597,14 @@ AVX512 static void onebit_server_block_avx512(const uint8_t *restrict incoming, 
     for (int64_t t = 0; t < count; t += 16) {
         const int64_t width = count - t < 16 ? count - t : 16;
         const __mmask16 lanes_used = width == 16 ? 0xFFFF : (__mmask16)((1u << width) - 1);
-        __m512 error = load_lanes(e + t, lanes_used);
-        if (pending != NULL)
-            error = _mm512_sub_ps(error, _mm512_mask_blend_ps(onebit_lanes_of(pending, 0, t, width), pending_minus,
-                                                              pending_plus));
+        __m512 error = settled_vector(e, pending, t, width, lanes_used, pending_plus, pending_minus);
         __m512 sum = _mm512_mask_blend_ps(onebit_lanes_of(incoming, 0, t, width), _mm512_set1_ps(-scales[0]),
                                           _mm512_set1_ps(scales[0]));
         for (int64_t r = 1; r < rows; r++)
             sum = _mm512_add_ps(sum, _mm512_mask_blend_ps(onebit_lanes_of(incoming + r * stride, 0, t, width),
                                                           _mm512_set1_ps(-scales[r]), _mm512_set1_ps(scales[r])));
         error = _mm512_add_ps(error, exact_inverse ? _mm512_mul_ps(sum, inverse) : _mm512_div_ps(sum, divisor));
-        store_lanes(e + t, lanes_used, error);
-        add_vector_squares(_mm512_maskz_mov_ps(lanes_used, error), &low, &high); /* unused lanes add +0 */
-        pack_vector_signs(error, lanes_used, packed + t / 8);
+        finish_vector(e + t, lanes_used, error, &low, &high, packed + t / 8);
     }
     _mm512_storeu_pd(lanes, low);
     _mm512_storeu_pd(lanes + 8, high);
