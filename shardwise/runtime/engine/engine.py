@@ -165,6 +165,8 @@ class Engine(nn.Module):
                              else self.gradient_accumulation_steps)
         if self.trains and policies.precision.initial_zero_gradient_step:
             step_on_zero_gradients(self.optimizer.optimizer)
+            if self.experts is not None:  # DeepSpeed's wrapper steps the experts' groups too
+                step_on_zero_gradients(self.experts.optimizer)
         self.lr_scheduler = (make_scheduler(lr_scheduler, policies.scheduler, self.optimizer.optimizer)
                              if self.trains else None)
         self.expert_lr_scheduler = self._expert_scheduler(lr_scheduler, policies)

@@ -459,3 +459,31 @@ def test_bf16_expert_parallel_training_equals_every_expert_model(world_size, sta
         assert result["expert_state"] == expert_optimizer_state_bytes(
             bucket_numels=result["buckets"], expert_data_size=world_size // 2, state_bytes_per_element=12,
             partitioned=True)
+
+
+def experts_after_initialize(rank: int, world_size: int, ep_size: int, bf16: bool) -> dict:
+    """Every optimizer's Adam step counts right after `initialize`, and how far the expert
+    masters moved from the weights they were made from."""
+    model, engine = expert_engine(0, ep_size, bf16)
+    optimizers = [engine.optimizer.optimizer] + ([engine.experts.optimizer] if engine.experts is not None else [])
+    steps = sorted({float(state["step"]) for optimizer in optimizers for state in optimizer.state.values()})
+    moved = [((bucket.master - bucket.slice.float()).norm() / bucket.slice.float().norm()).item()
+             for bucket in (engine.experts.buckets if engine.experts is not None else [])]
+    return {"steps": steps, "moved": moved}
+
+
+@pytest.mark.parametrize("bf16", [True, False], ids=["bf16", "fp32"])
+def test_experts_take_deepspeeds_initial_zero_gradient_step_at_stage_0(bf16):
+    """DeepSpeed 0.19.8 at stage 0 in 16-bit wraps the optimizer in FP16_UnfusedOptimizer,
+    which steps every group once on zero gradients when it is built, the experts' too
+    (checked with ep_size 2 in bf16 and fp16: every parameter's Adam state at step 1 after
+    `initialize`). With ep_size 2 the experts train with an optimizer of their own, and it
+    takes the same step: Adam's count 1 and AdamW's weight decay applied once to the fp32
+    masters (lr 1e-2 x decay 0.01), not yet to the bf16 weights. fp32 takes no such step."""
+    for ep_size in (2, 1):
+        for result in run_distributed(experts_after_initialize, 2, ep_size, bf16, timeout=240):
+            assert result["steps"] == ([1.0] if bf16 else [])
+            if ep_size == 2:
+                assert len(result["moved"]) > 0
+                for moved in result["moved"]:
+                    assert moved == (pytest.approx(1e-4, rel=0.05) if bf16 else 0.0)
