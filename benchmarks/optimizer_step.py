@@ -9,7 +9,10 @@ rank's view of them), with fixed random gradients. Each optimizer takes warm-up 
 median of `--repeats` timed steps is reported per million parameters, beside torch's
 AdamW (foreach and fused kernels) on the same tensors, with the bytes of optimizer state
 per parameter and the wall time of the three warm-up steps (for "(compiled)" rows, mostly
-torch.compile's: long with Inductor's cache cold, seconds with it warm).
+torch.compile's: long with Inductor's cache cold, seconds with it warm). "vs fused AdamW"
+divides each row's time by that of a fused AdamW over its own copy of the shard, timed for
+as many steps right before the row's (its median in brackets), so each ratio compares
+steps taken moments apart.
 
 Step times are the process's CPU time, not the wall clock: on a shared machine a
 wall-clock step also counts the time other processes held the core (at load 10 on two
@@ -194,25 +197,39 @@ def state_bytes(optimizer: torch.optim.Optimizer) -> int:
     return total + (exchange() if exchange else 0)
 
 
-def measure(build: Callable, shapes: list[torch.Size], grads: list[torch.Tensor],
-            repeats: int) -> tuple[float, int, float]:
-    """(median CPU seconds per step, state bytes, wall seconds of the three warm-up steps:
-    state created and, for compiled optimizers, their kernels compiled)."""
+def stepping(build: Callable, shapes: list[torch.Size], grads: list[torch.Tensor]) -> torch.optim.Optimizer:
+    """`build`'s optimizer over fresh parameters of `shapes` with the gradients `grads`."""
     torch.manual_seed(0)
     params = [torch.nn.Parameter(torch.randn(shape) * 0.02) for shape in shapes]
     for param, grad in zip(params, grads):
         param.grad = grad.clone()
-    optimizer = build(params)
+    return build(params)
+
+
+def timed_step(optimizer: torch.optim.Optimizer) -> float:
+    started = time.process_time()
+    optimizer.step()
+    return time.process_time() - started
+
+
+def measure(build: Callable, shapes: list[torch.Size], grads: list[torch.Tensor], repeats: int,
+            beside: torch.optim.Optimizer) -> tuple[float, int, float, float]:
+    """(median CPU seconds per step, state bytes, wall seconds of the three warm-up steps:
+    state created and, for compiled optimizers, their kernels compiled, median CPU seconds
+    of `beside`'s steps). `beside` (torch's fused AdamW over parameters of its own) takes
+    as many timed steps right before the row's, so the row's ratio to it compares steps
+    taken seconds apart: on a shared host the bandwidth a core gets drifts over a
+    run by more than the differences measured. (Steps taken in turn instead would evict
+    each other's arrays from the cache, which steps taken back to back partly keep.)"""
+    beside.step()  # its arrays back where its own steps leave them
+    beside_times = [timed_step(beside) for _ in range(repeats)]
+    optimizer = stepping(build, shapes, grads)
     started = time.perf_counter()
     for _ in range(3):  # state created; 1-bit optimizers past freeze_step; compiled ones compiled
         optimizer.step()
     warm_up = time.perf_counter() - started
-    times = []
-    for _ in range(repeats):
-        started = time.process_time()
-        optimizer.step()
-        times.append(time.process_time() - started)
-    return statistics.median(times), state_bytes(optimizer), warm_up
+    times = [timed_step(optimizer) for _ in range(repeats)]
+    return statistics.median(times), state_bytes(optimizer), warm_up, statistics.median(beside_times)
 
 
 def main() -> None:
@@ -232,25 +249,28 @@ def main() -> None:
     grads = [torch.randn(shape, generator=generator) * 1e-3 for shape in shapes]
     del model
     bandwidth = copy_bandwidth()
+    rows = optimizers(1e-3)
+    beside = stepping(rows["torch AdamW (fused)"], shapes, grads)
+    for _ in range(3):
+        beside.step()
     results = {}
-    for name, build in optimizers(1e-3).items():
+    for name, build in rows.items():
         if prefixes and name != "torch AdamW (fused)" and not any(name.startswith(p) for p in prefixes):
             continue
         with environment(NATIVE_OFF if "torch ops" in name else {}):
-            results[name] = measure(build, shapes, grads, args.repeats)
-    fused = results["torch AdamW (fused)"][0]
+            results[name] = measure(build, shapes, grads, args.repeats, beside)
     print(f"{numel / 1e6:.2f}M parameters in {len(shapes)} tensors, fp32, {args.threads} thread(s), "
           f"median of {args.repeats} steps; copy bandwidth {bandwidth / 1e9:.1f} GB/s; "
           f"load average {' '.join(f'{load:.1f}' for load in os.getloadavg())}")
-    print("| optimizer | ms per step | ms per M params | vs fused AdamW | limit, ms (bytes / param) | vs limit "
-          "| state bytes / param | warm-up, s |")
+    print("| optimizer | ms per step | ms per M params | vs fused AdamW (its ms, beside) | limit, ms (bytes / param) "
+          "| vs limit | state bytes / param | warm-up, s |")
     print("|---|---|---|---|---|---|---|---|")
-    for name, (seconds, nbytes, warm_up) in results.items():
+    for name, (seconds, nbytes, warm_up, fused) in results.items():
         moved = MIN_BYTES.get(name.split(" (")[0])
         limit = moved * numel / bandwidth if moved else None
         limits = f"{limit * 1e3:.1f} ({moved:.0f}) | {seconds / limit:.2f}x" if limit else "- | -"
-        print(f"| {name} | {seconds * 1e3:.1f} | {seconds * 1e3 / (numel / 1e6):.2f} | {seconds / fused:.2f}x | "
-              f"{limits} | {nbytes / numel:.3f} | {warm_up:.1f} |")
+        print(f"| {name} | {seconds * 1e3:.1f} | {seconds * 1e3 / (numel / 1e6):.2f} | {seconds / fused:.2f}x "
+              f"({fused * 1e3:.1f}) | {limits} | {nbytes / numel:.3f} | {warm_up:.1f} |")
 
 
 if __name__ == "__main__":

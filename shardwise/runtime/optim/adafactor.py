@@ -125,7 +125,10 @@ class Adafactor(ShardAwareOptimizer):
         loss = closure_loss(closure)
         if self._offsets is None:
             self._lay_out(parameter_shapes(self))
-        pieces = [_Piece(self, param, group) for param, group in params_with_grad(self)]
+        trained = list(params_with_grad(self))
+        steps = _advance_steps([self.state[param] for param, _ in trained])
+        kernels = native.enabled()  # (read once per step: it looks at the environment)
+        pieces = [_Piece(self, param, group, step, kernels) for (param, group), step in zip(trained, steps)]
         device = pieces[0].param.device if pieces else torch.device("cpu")
         totals = torch.zeros(self._offsets[-1], dtype=torch.float64, device=device)
         update_squares = torch.zeros(self.parameter_count, dtype=torch.float64, device=device)
@@ -157,8 +160,9 @@ class Adafactor(ShardAwareOptimizer):
         sums, squares = totals.numpy(), update_squares.numpy()  # CPU: views, read without a copy
         for piece in pieces:
             offset = self._offsets[piece.shard.index]
-            piece.contribute(totals, offset, update_squares)
-            piece.advance(totals, offset)
+            if not piece.advance_whole_in_place(totals, offset):
+                piece.contribute(totals, offset, update_squares)
+                piece.advance(totals, offset)
             piece.add_update_square(update_squares)
             piece.apply(math.sqrt(sums[offset]), math.sqrt(squares[piece.shard.index]))
 
@@ -189,25 +193,23 @@ class Adafactor(ShardAwareOptimizer):
 class _Piece:
     """One trained tensor's step: what it adds to the shard group's sums, then its update."""
 
-    def __init__(self, optimizer: Adafactor, param: torch.Tensor, group: dict):
+    def __init__(self, optimizer: Adafactor, param: torch.Tensor, group: dict, step: float, kernels: bool):
+        """`step`: this step's count (`_advance_steps`); `kernels`: whether the native
+        kernels are on."""
         self.param, self.group = param, group
         self.shard: ParameterShard = optimizer.shard_of(param)
         self.factoring = optimizer._factorings[self.shard.index]
         self.grad = flat(param.grad).neg() if group["maximize"] else flat(param.grad)
         self.eps1 = group["eps"][0] if group["eps"][0] is not None else torch.finfo(param.dtype).eps
         self.state = optimizer.state[param]
-        if not self.state:
-            self.state["step"] = torch.tensor(0.0)
-        self.state["step"] += 1
-        self.step = self.state["step"].item()
+        self.step = step
         self.weight = self.step ** group["beta2_decay"]
         self.state["piece"] = (self.shard.start, self.shard.shape)
         self._settle_state()
         if self.factoring is not None:
             self.padded = PaddedRows.of(self.shard, self.factoring.width)
         # the step in the native kernels (optim/native.py) where they take the tensors
-        self.native = (param.dtype == self.grad.dtype == torch.float32 and native.enabled()
-                       and native.takes(param, self.grad))
+        self.native = param.dtype == self.grad.dtype == torch.float32 and kernels and native.takes(param, self.grad)
 
     def _settle_state(self) -> None:
         """Fresh state, or statistics loaded per element, into this parameter's form."""
@@ -285,6 +287,26 @@ class _Piece:
         self.state["row_var"].copy_(self.row_var[factoring.stored_rows(shard.start, shard.stop)])
         self.state["col_var"].copy_(self.col_var[factoring.stored_columns(shard.start, shard.stop)])
 
+    def advance_whole_in_place(self, totals: torch.Tensor, offset: int) -> bool:
+        """`contribute` then `advance` for a whole factored tensor in the native kernels
+        (no other rank holds a piece of it): pass 1's kernel, then the stored statistics
+        advanced in place by one more (`adafactor_advance_whole`, the same values as
+        `advance`'s torch operations), not through `totals` in a dozen small torch calls.
+        False (nothing done) for any other piece."""
+        factoring, state = self.factoring, self.state
+        if not (self.native and factoring is not None and self.shard.numel == self.shard.full_numel
+                and state["row_var"].numel() == factoring.rows and state["col_var"].numel() == factoring.columns):
+            return False
+        r, at = factoring.rows, totals.data_ptr() + 8 * (offset + 1)
+        kernels = native.library()
+        kernels.adafactor_squares(self.param.data_ptr(), self.grad.data_ptr(), self.shard.numel, 0, factoring.width,
+                                  factoring.height, at, at + 8 * r, at - 8, native.threads())
+        self.row_var, self.col_var = state["row_var"], state["col_var"]
+        kernels.adafactor_advance_whole(at, at + 8 * r, self.row_var.data_ptr(), self.col_var.data_ptr(), r,
+                                        factoring.columns, factoring.width, factoring.height, self.weight)
+        self.row_means = self.row_var.view(factoring.batches, factoring.height).mean(dim=1).clamp_(min=self.eps1)
+        return True
+
     def add_update_square(self, update_squares: torch.Tensor) -> None:
         """Adds this piece's sum of U² to its parameter's entry of `update_squares`."""
         if self.native and self.factoring is None:
@@ -331,6 +353,19 @@ class _Piece:
             *leading, self.grad.data_ptr(), shard.numel, shard.start, factoring.width, factoring.height,
             self.row_var.data_ptr(), self.col_var.data_ptr(), self.row_means.data_ptr(), self.eps1 * self.eps1,
             *arguments, native.threads())
+
+
+def _advance_steps(states: list[dict]) -> list[float]:
+    """Every trained tensor's step count advanced (created at 0 where new), in one kernel
+    and one read for all of them rather than two operations per tensor."""
+    for state in states:
+        if not state:
+            state["step"] = torch.tensor(0.0)
+    counts = [state["step"] for state in states]
+    if not counts:
+        return []
+    torch._foreach_add_(counts, 1)
+    return torch.stack(counts).tolist()
 
 
 def _square(values: torch.Tensor) -> torch.Tensor:

@@ -46,6 +46,7 @@ _SIGNATURES = {
     "adafactor_squares": [_P, _P, _L, _L, _L, _L, _P, _P, _P, _I],
     "adafactor_update_square": [_P, _L, _L, _L, _L, _P, _P, _P, _F, _P, _I],
     "adafactor_apply": [_P, _P, _L, _L, _L, _L, _P, _P, _P, _F, _F, _I, _F, _I],
+    "adafactor_advance_whole": [_P, _P, _P, _P, _L, _L, _L, _L, _F],
     "adafactor_vector_squares": [_P, _P, _P, _L, _F, _F, _P, _P],
     "adafactor_vector_apply": [_P, _P, _P, _L, _F, _F, _I, _F],
     "onebit_settle": [_P, _L, _P, _F],

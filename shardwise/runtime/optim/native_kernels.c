@@ -1037,6 +1037,22 @@ void adafactor_apply(float *param, const float *grad, int64_t n, int64_t start, 
     free(column_factors);
 }
 
+/* Adafactor's factored statistics of a whole tensor advanced in place from pass 1's
+   squared row and column sums (double): row_var[i] <- lerp(row_var[i], (float)row_squares[i]
+   / width, weight), col_var[j] likewise from the column sums and height. These are
+   `_Piece.advance`'s torch operations (the sums rounded to fp32, divided by the count,
+   torch's lerp with a scalar weight), the same values, without a dozen small torch calls
+   per tensor. */
+void adafactor_advance_whole(const double *restrict row_squares, const double *restrict column_squares,
+                             float *restrict row_var, float *restrict col_var, int64_t rows, int64_t columns,
+                             int64_t width, int64_t height, float weight) {
+    const float row_count = (float)width, column_count = (float)height;
+    for (int64_t i = 0; i < rows; i++)
+        row_var[i] = lerp(row_var[i], (float)row_squares[i] / row_count, weight);
+    for (int64_t j = 0; j < columns; j++)
+        col_var[j] = lerp(col_var[j], (float)column_squares[j] / column_count, weight);
+}
+
 /* Adafactor on a tensor it does not factor (V per element), pass 1: squares[0] += sum w^2;
    V <- lerp(V, g^2, weight) in place; squares[1] += sum U^2 with U = g / max(sqrt(V), eps1)
    as torch computes it (V clamped at eps1^2, then 1 / sqrt). V needs no statistic of the
