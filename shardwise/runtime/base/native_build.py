@@ -14,6 +14,7 @@ import os
 import shutil
 import subprocess
 import tempfile
+import threading
 import warnings
 from collections.abc import Callable, Sequence
 from pathlib import Path
@@ -61,13 +62,21 @@ class CompiledLibrary:
         self.fallback = fallback
         self.library: ctypes.CDLL | None = None
         self.tried = False
+        self._loading = threading.Lock()
 
     def get(self) -> ctypes.CDLL | None:
-        if not self.tried:
-            self.tried = True
-            try:
-                self.library = self._load()
-            except (OSError, RuntimeError, subprocess.SubprocessError) as error:
-                warnings.warn(f"shardwise: {self.what} could not be built ({error}); {self.fallback} Install a C "
-                              "compiler (cc) to use them.", RuntimeWarning, stacklevel=4)
+        """The library; the first call builds and loads it while later ones, from any
+        thread, wait: a thread that saw the first call's mark before its load finished
+        took no library, and stepped its piece on the torch path while the other ranks'
+        threads took the kernels (tests/runtime/optim/pieces.py runs ranks as threads)."""
+        if self.tried:  # set only once `library` holds the load's result
+            return self.library
+        with self._loading:
+            if not self.tried:
+                try:
+                    self.library = self._load()
+                except (OSError, RuntimeError, subprocess.SubprocessError) as error:
+                    warnings.warn(f"shardwise: {self.what} could not be built ({error}); {self.fallback} Install a "
+                                  "C compiler (cc) to use them.", RuntimeWarning, stacklevel=4)
+                self.tried = True
         return self.library

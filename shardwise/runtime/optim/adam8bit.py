@@ -31,6 +31,7 @@ import ctypes
 import functools
 import math
 import operator
+import threading
 from dataclasses import dataclass
 from typing import Any, Iterable, NamedTuple
 
@@ -499,9 +500,21 @@ def _native_codebook(signed: bool) -> tuple[torch.Tensor, torch.Tensor]:
     return torch.cat([book.values, planes]), torch.cat([cells, decade_rounding(signed)])
 
 
-@functools.cache
+_BOOKS_BUILT = threading.Lock()
+
+
 def _native_books() -> tuple[int, int, int, int]:
-    """The kernels' codebook arguments (`_native_codebook`'s tables, kept alive by its cache)."""
+    """The kernels' codebook arguments: the addresses of `_native_codebook`'s tables, kept
+    alive by its cache. Built under a lock: threads stepping at once (ranks as threads,
+    tests/runtime/optim/pieces.py) would each build the tables on a cache miss, the cache
+    keep one thread's, and the other hand the kernels the addresses of tables since freed
+    (NaN and 1e36 weights in the first step of a fresh process)."""
+    with _BOOKS_BUILT:
+        return _native_book_addresses()
+
+
+@functools.cache
+def _native_book_addresses() -> tuple[int, int, int, int]:
     return tuple(table.data_ptr() for signed in (True, False) for table in _native_codebook(signed))
 
 

@@ -3,6 +3,7 @@ ZeRO's pieces quantise exactly as one process does; checkpoints hold fp32 moment
 
 import copy
 import math
+import threading
 
 import pytest
 import torch
@@ -268,3 +269,27 @@ def test_without_the_kernels_every_tensor_steps_alone_on_the_torch_path(monkeypa
     assert not optimizer._batched
     for mine, reference, start in zip(params, switched_off, initial):
         assert torch.equal(mine, reference) and not torch.equal(mine, start)
+
+
+def test_threads_stepping_at_once_get_the_kept_codebooks_addresses():
+    """The kernels' codebook addresses built from four threads at once (ranks as threads
+    on their first step): every thread gets the addresses of the tables the cache keeps,
+    not those of tables another thread built and dropped (the kernels then read freed
+    memory)."""
+    from shardwise.runtime.optim.adam8bit import _native_book_addresses, _native_books, _native_codebook
+
+    _native_book_addresses.cache_clear()
+    _native_codebook.cache_clear()
+    got, start = [], threading.Barrier(4)
+
+    def ask():
+        start.wait()
+        got.append(_native_books())
+
+    threads = [threading.Thread(target=ask) for _ in range(4)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(timeout=30)
+    kept = tuple(table.data_ptr() for signed in (True, False) for table in _native_codebook(signed))
+    assert got == [kept] * 4
