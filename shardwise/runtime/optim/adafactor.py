@@ -356,16 +356,16 @@ class _Piece:
 
 
 def _advance_steps(states: list[dict]) -> list[float]:
-    """Every trained tensor's step count advanced (created at 0 where new), in one kernel
-    and one read for all of them rather than two operations per tensor."""
+    """Every trained tensor's step count advanced (created at 0 where new) in one kernel
+    for all of them; read back from the counters themselves, which live in host memory,
+    as torch's optimizers keep them (a read waits for no device)."""
     for state in states:
         if not state:
             state["step"] = torch.tensor(0.0)
     counts = [state["step"] for state in states]
-    if not counts:
-        return []
-    torch._foreach_add_(counts, 1)
-    return torch.stack(counts).tolist()
+    if counts:
+        torch._foreach_add_(counts, 1)
+    return [count.item() for count in counts]
 
 
 def _square(values: torch.Tensor) -> torch.Tensor:
