@@ -206,6 +206,9 @@ def die_before_initialize(rank: int, world: int, store_path: str, report: str) -
     os.environ["SHARDWISE_COLLECTIVE_TIMEOUT"] = "5"
     dist.init_process_group("gloo", init_method=f"file://{store_path}", rank=rank, world_size=world,
                             timeout=datetime.timedelta(seconds=5))
+    # the group whole on both ranks first: gloo returns on one rank while the other may
+    # still be connecting its pairs, and an exit then failed rank 0's init_process_group
+    dist.barrier()
     if rank == 1:
         os._exit(3)
     case = Case(stage=2)
