@@ -239,12 +239,8 @@ class _Piece:
                 self.weight, self.eps1 * self.eps1, totals.data_ptr() + 8 * offset,
                 update_squares.data_ptr() + 8 * shard.index)
             return
-        if self.native:  # the weight's, rows' and columns' squares in one pass
-            at = totals.data_ptr()
-            native.library().adafactor_squares(
-                self.param.data_ptr(), self.grad.data_ptr(), shard.numel, shard.start, factoring.width,
-                factoring.height, at + 8 * (offset + 1), at + 8 * (offset + 1 + factoring.rows), at + 8 * offset,
-                native.threads())
+        if self.native:
+            self._native_squares(totals, offset)
         else:
             totals[offset] += _square(flat(self.param))
             if factoring is None:
@@ -256,6 +252,14 @@ class _Piece:
         base = offset + 1 + r + c
         totals[base + stored_rows.start : base + stored_rows.stop] += self.state["row_var"].double()
         totals[base + r + stored_columns.start : base + r + stored_columns.stop] += self.state["col_var"].double()
+
+    def _native_squares(self, totals: torch.Tensor, offset: int) -> None:
+        """Pass 1 in the native kernels: the weight's, rows' and columns' squares in one pass,
+        into `totals` at this parameter's offset."""
+        factoring, shard, at = self.factoring, self.shard, totals.data_ptr()
+        native.library().adafactor_squares(
+            self.param.data_ptr(), self.grad.data_ptr(), shard.numel, shard.start, factoring.width, factoring.height,
+            at + 8 * (offset + 1), at + 8 * (offset + 1 + factoring.rows), at + 8 * offset, native.threads())
 
     def _contribute_squares(self, totals: torch.Tensor, offset: int) -> None:
         """The rows' and columns' squared sums of the gradient, in torch."""
@@ -297,13 +301,11 @@ class _Piece:
         if not (self.native and factoring is not None and self.shard.numel == self.shard.full_numel
                 and state["row_var"].numel() == factoring.rows and state["col_var"].numel() == factoring.columns):
             return False
+        self._native_squares(totals, offset)
         r, at = factoring.rows, totals.data_ptr() + 8 * (offset + 1)
-        kernels = native.library()
-        kernels.adafactor_squares(self.param.data_ptr(), self.grad.data_ptr(), self.shard.numel, 0, factoring.width,
-                                  factoring.height, at, at + 8 * r, at - 8, native.threads())
         self.row_var, self.col_var = state["row_var"], state["col_var"]
-        kernels.adafactor_advance_whole(at, at + 8 * r, self.row_var.data_ptr(), self.col_var.data_ptr(), r,
-                                        factoring.columns, factoring.width, factoring.height, self.weight)
+        native.library().adafactor_advance_whole(at, at + 8 * r, self.row_var.data_ptr(), self.col_var.data_ptr(), r,
+                                                 factoring.columns, factoring.width, factoring.height, self.weight)
         self.row_means = self.row_var.view(factoring.batches, factoring.height).mean(dim=1).clamp_(min=self.eps1)
         return True
 

@@ -131,25 +131,18 @@ class Lamb(ShardAwareOptimizer):
         Intel Xeon core, BENCHMARKS.md)."""
         self.last_trust_ratios = torch.ones(self.parameter_count, dtype=torch.float64)
         ratios = self.last_trust_ratios.numpy()
-        moments_and_squares, apply = native.library().lamb_moments_and_squares, native.library().lamb_apply
         for group_params, group in groups:
-            beta1, beta2 = group["betas"]
-            eps, decay, inside = group["eps"], group["weight_decay"], group["eps_inside_sqrt"]
             steps = torch.stack([self.state[param]["step"] for param in group_params]).tolist()  # one read
             squares = torch.zeros(len(group_params), 2, dtype=torch.float64)
             values = squares.numpy()
             for row, (param, step) in enumerate(zip(group_params, steps)):
-                state = self.state[param]
-                moments_and_squares(param.data_ptr(), param.grad.data_ptr(), state["exp_avg"].data_ptr(),
-                                    state["exp_avg_sq"].data_ptr(), param.numel(), 1 - beta1, beta2, 1 - beta2, eps,
-                                    decay, inside, squares[row].data_ptr(), native.threads())
+                self._native_moments(param, group, squares[row])
                 weight_norm, update_norm = math.sqrt(values[row, 0]), math.sqrt(values[row, 1])
                 ratio = 1.0
                 if weight_norm > 0 and update_norm > 0:
                     ratio = min(max(weight_norm / update_norm, group["min_coeff"]), group["max_coeff"])
                 ratios[self.shard_of(param).index] = ratio
-                apply(param.data_ptr(), state["exp_avg"].data_ptr(), state["exp_avg_sq"].data_ptr(), param.numel(),
-                      -_step_size(group, step) * ratio, eps, decay, inside, native.threads())
+                self._native_update(param, group, -_step_size(group, step) * ratio)
 
     def _advance(self, params: list[torch.Tensor], group: dict) -> None:
         """State created where new, and every step count advanced (one kernel)."""
@@ -162,23 +155,33 @@ class Lamb(ShardAwareOptimizer):
     def _native_moments_and_squares(self, params: list[torch.Tensor], group: dict) -> torch.Tensor:
         """Pass 1 of the native kernels (optim/native.py): moments, and the (pieces, 2)
         squared norms of weight and update."""
-        beta1, beta2 = group["betas"]
         squares = torch.zeros(len(params), 2, dtype=torch.float64)
-        run = native.library().lamb_moments_and_squares
         for row, param in zip(squares, params):
-            state = self.state[param]
-            run(param.data_ptr(), param.grad.data_ptr(), state["exp_avg"].data_ptr(), state["exp_avg_sq"].data_ptr(),
-                param.numel(), 1 - beta1, beta2, 1 - beta2, group["eps"], group["weight_decay"], group["eps_inside_sqrt"],
-                row.data_ptr(), native.threads())
+            self._native_moments(param, group, row)
         return squares
 
+    def _native_moments(self, param: torch.Tensor, group: dict, squares: torch.Tensor) -> None:
+        """Pass 1 of the native kernels for one tensor: its moments, and its squared norms
+        of weight and update added to `squares` (2 float64)."""
+        beta1, beta2 = group["betas"]
+        state = self.state[param]
+        native.library().lamb_moments_and_squares(
+            param.data_ptr(), param.grad.data_ptr(), state["exp_avg"].data_ptr(), state["exp_avg_sq"].data_ptr(),
+            param.numel(), 1 - beta1, beta2, 1 - beta2, group["eps"], group["weight_decay"], group["eps_inside_sqrt"],
+            squares.data_ptr(), native.threads())
+
+    def _native_update(self, param: torch.Tensor, group: dict, scale: float) -> None:
+        """Pass 2 of the native kernels for one tensor: w += scale · update, the update
+        computed again."""
+        state = self.state[param]
+        native.library().lamb_apply(param.data_ptr(), state["exp_avg"].data_ptr(), state["exp_avg_sq"].data_ptr(),
+                                    param.numel(), scale, group["eps"], group["weight_decay"], group["eps_inside_sqrt"],
+                                    native.threads())
+
     def _native_apply(self, params: list[torch.Tensor], group: dict, scales: list[float]) -> None:
-        """Pass 2 of the native kernels: w += scale · update, the update computed again."""
-        run = native.library().lamb_apply
+        """Pass 2 of the native kernels over a group's tensors."""
         for param, scale in zip(params, scales):
-            state = self.state[param]
-            run(param.data_ptr(), state["exp_avg"].data_ptr(), state["exp_avg_sq"].data_ptr(), param.numel(), scale,
-                group["eps"], group["weight_decay"], group["eps_inside_sqrt"], native.threads())
+            self._native_update(param, group, scale)
 
     def _path(self, params: list[torch.Tensor], group: dict) -> str:
         """Which kernels a group's two passes take this step: "native" (CPU fp32 tensors,

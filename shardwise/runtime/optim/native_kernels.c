@@ -1274,27 +1274,9 @@ void onebit_settle(float *restrict error, int64_t n, const uint8_t *restrict pen
                             s);
 }
 
-/* packed = the signs of e (1 for e >= 0, NaN 0; count elements, whole bytes). */
-#ifdef HAVE_AVX512_PATH
-AVX512 static void onebit_pack_signs_avx512(const float *restrict e, int64_t count, uint8_t *restrict packed) {
-    const __m512 zero = _mm512_setzero_ps();
-    for (int64_t t = 0; t < count; t += 16) { /* count is whole bytes: 16 or 8 lanes */
-        const __mmask16 lanes = count - t < 16 ? 0xFF : 0xFFFF;
-        const __mmask16 positive = _mm512_mask_cmp_ps_mask(lanes, load_lanes(e + t, lanes), zero, _CMP_GE_OQ);
-        packed[t / 8] = reversed_bits[positive & 0xFF];
-        if (lanes == 0xFFFF)
-            packed[t / 8 + 1] = reversed_bits[positive >> 8];
-    }
-}
-#endif
-
+/* packed = the signs of e (1 for e >= 0, NaN 0; count elements, whole bytes): the
+   portable loops' (the AVX-512 ones pack each vector as they make it, `pack_vector_signs`). */
 static void onebit_pack_signs(const float *restrict e, int64_t count, uint8_t *restrict packed) {
-#ifdef HAVE_AVX512_PATH
-    if (avx512_enabled) {
-        onebit_pack_signs_avx512(e, count, packed);
-        return;
-    }
-#endif
     uint8_t positive[ONEBIT_BLOCK];
     for (int64_t j = 0; j < count; j++)
         positive[j] = e[j] >= 0.0f;
@@ -1396,7 +1378,7 @@ static void onebit_worker_block_portable(const float *restrict x, const uint8_t 
                                          float pending_scale, int64_t at, int64_t count, fold_cursor *cursor,
                                          double *restrict lanes, uint8_t *restrict packed) {
     if (pending != NULL)
-        onebit_signed(pending, 0, count, pending_scale, e, ONEBIT_SUBTRACT);
+        onebit_settle_block(e, pending, count, pending_scale);
     float decoded[ONEBIT_BLOCK];
     if (known != NULL)
         onebit_signed(known, first, count, known_scale, decoded, ONEBIT_SET);
@@ -1431,7 +1413,7 @@ AVX512 static inline __attribute__((always_inline)) void add_vector_squares(__m5
 }
 
 /* The packed signs of a vector of 8 or 16 lanes (1 for >= 0, NaN 0), as
-   `onebit_pack_signs_avx512` writes them. */
+   `onebit_pack_signs` writes them. */
 AVX512 static inline __attribute__((always_inline)) void pack_vector_signs(__m512 e, __mmask16 lanes,
                                                                           uint8_t *restrict packed) {
     const __mmask16 positive = _mm512_mask_cmp_ps_mask(lanes, e, _mm512_setzero_ps(), _CMP_GE_OQ);
@@ -1584,7 +1566,7 @@ static void onebit_server_block_portable(const uint8_t *restrict incoming, int64
     const float divisor = (float)rows, inverse = 1.0f / divisor;
     const int exact_inverse = (rows & (rows - 1)) == 0;
     if (pending != NULL)
-        onebit_signed(pending, 0, count, pending_scale, e, ONEBIT_SUBTRACT);
+        onebit_settle_block(e, pending, count, pending_scale);
     float sum[ONEBIT_BLOCK];
     onebit_signed(incoming, 0, count, scales[0], sum, ONEBIT_SET);
     for (int64_t r = 1; r < rows; r++)
@@ -1651,6 +1633,13 @@ void onebit_server_compress(const uint8_t *restrict incoming, int64_t stride, co
 }
 
 #ifdef HAVE_AVX512_PATH
+/* Adam's denominator d(x) = sqrt(x) + eps, or sqrt(x + eps) inside the root, as
+   `adam_direction` computes it. */
+AVX512 static inline __attribute__((always_inline)) __m512 adam_denominator(__m512 x, __m512 epsilon,
+                                                                           int eps_inside_sqrt) {
+    return eps_inside_sqrt ? _mm512_sqrt_ps(_mm512_add_ps(x, epsilon)) : _mm512_add_ps(_mm512_sqrt_ps(x), epsilon);
+}
+
 /* The decode and 1-bit Adam / LAMB's update of n <= ONEBIT_BLOCK elements of one rank's
    chunk in one loop: each vector's average +-s from its lane mask, written to the
    momentum, and the update w += scale x (m / d(v) + weight_decay x w) computed from it in
@@ -1673,9 +1662,7 @@ AVX512 static void onebit_decode_update_avx512(const uint8_t *restrict row, int6
         const __mmask16 lanes = width == 16 ? 0xFFFF : (__mmask16)((1u << width) - 1);
         const __m512 average = _mm512_mask_blend_ps(onebit_lanes_of(row, first, t, width), minus, plus);
         const __m512 variance = load_lanes(v + t, lanes), weights = load_lanes(w + t, lanes);
-        const __m512 denominator = eps_inside_sqrt ? _mm512_sqrt_ps(_mm512_add_ps(variance, epsilon))
-                                                   : _mm512_add_ps(_mm512_sqrt_ps(variance), epsilon);
-        __m512 update = _mm512_div_ps(average, denominator);
+        __m512 update = _mm512_div_ps(average, adam_denominator(variance, epsilon, eps_inside_sqrt));
         if (weight_decay != 0.0f)
             update = _mm512_fmadd_ps(weights, decay, update);
         store_lanes(w + t, lanes, _mm512_add_ps(weights, _mm512_mul_ps(update, step)));
@@ -1838,9 +1825,8 @@ void onebit_lamb_statistics(const float *restrict param, const float *restrict m
 }
 
 #ifdef HAVE_AVX512_PATH
-/* Adam's denominator d(x) = sqrt(x) + eps (sqrt(x + eps) inside the root) from 14-bit
-   approximations: within 2^-12 of d(x) (relative), 0 at 0, +inf at +inf, NaN at NaN and
-   below 0. */
+/* `adam_denominator` from 14-bit approximations: within 2^-12 of d(x) (relative), 0 at
+   0, +inf at +inf, NaN at NaN and below 0. */
 AVX512 static inline __attribute__((always_inline)) __m512 approximate_denominator(__m512 x, __m512 epsilon,
                                                                                   int eps_inside_sqrt) {
     if (eps_inside_sqrt)
@@ -1892,11 +1878,8 @@ AVX512 static void onebit_lamb_signs_maximum_avx512(const uint8_t *restrict aver
         const __mmask16 candidates = _mm512_mask_cmp_ps_mask(lanes, reach, bar, _CMP_NLT_UQ);
         if (candidates == 0)
             continue;
-        const __m512 dv = eps_inside_sqrt ? _mm512_sqrt_ps(_mm512_add_ps(xv, epsilon))
-                                          : _mm512_add_ps(_mm512_sqrt_ps(xv), epsilon);
-        const __m512 df = eps_inside_sqrt ? _mm512_sqrt_ps(_mm512_add_ps(f, epsilon))
-                                          : _mm512_add_ps(_mm512_sqrt_ps(f), epsilon);
-        const __m512 ratio = _mm512_div_ps(dv, df);
+        const __m512 ratio = _mm512_div_ps(adam_denominator(xv, epsilon, eps_inside_sqrt),
+                                           adam_denominator(f, epsilon, eps_inside_sqrt));
         nan |= _mm512_mask_cmp_ps_mask(candidates, ratio, ratio, _CMP_UNORD_Q);
         maximum = _mm512_mask_max_ps(maximum, candidates, maximum, ratio);
     }
