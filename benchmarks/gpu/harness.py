@@ -215,18 +215,36 @@ def run_child(argv: list[str], timeout: float | None, log: Callable[[str], None]
         done = subprocess.run(command, capture_output=True, text=True, timeout=timeout, env=env)
     except subprocess.TimeoutExpired as expired:
         _forward(expired.stdout, expired.stderr, log)
+        # a result printed before the timeout counts: on the first H100 run a 3.4B plain
+        # PyTorch run printed its steps and was still freeing its memory at the deadline
+        result = _result_line(expired.stdout)
+        if result is not None:
+            result.setdefault("outcome", "ok")
+            result.update(seconds=round(time.monotonic() - started, 1), exit="stopped after its result (timeout)")
+            return result
         return {"outcome": "timeout", "seconds": round(time.monotonic() - started, 1),
                 "error": f"no result within {timeout:.0f} s"}
     _forward(done.stdout, done.stderr, log)
-    for text in reversed(done.stdout.splitlines()):
-        if text.startswith("{"):
-            result = json.loads(text)
-            result.setdefault("outcome", "ok" if done.returncode == 0 else "error")
-            result["seconds"] = round(time.monotonic() - started, 1)
-            return result
+    result = _result_line(done.stdout)
+    if result is not None:
+        result.setdefault("outcome", "ok" if done.returncode == 0 else "error")
+        result["seconds"] = round(time.monotonic() - started, 1)
+        return result
     tail = (done.stderr or done.stdout).strip().splitlines()[-1:] or ["no output"]
     return {"outcome": "error", "seconds": round(time.monotonic() - started, 1),
             "error": f"exit {done.returncode}: {tail[0][:300]}"}
+
+
+def _result_line(stdout: str | bytes | None) -> dict | None:
+    """The last JSON line a child printed, if any."""
+    text = stdout.decode(errors="replace") if isinstance(stdout, bytes) else stdout or ""
+    for line in reversed(text.splitlines()):
+        if line.startswith("{"):
+            try:
+                return json.loads(line)
+            except json.JSONDecodeError:  # cut off by the timeout
+                return None
+    return None
 
 
 def _forward(stdout: str | bytes | None, stderr: str | bytes | None, log: Callable[[str], None]) -> None:

@@ -18,7 +18,8 @@ Goal (the issue's): >= 4x the size at >= 40% of the TFLOP/s with CPU offload.
 Sizes come from the formulas, not from trials: the largest Ψ whose offloaded model states
 (shardwise/formulas/memory.py placed_model_state_bytes) fit 75% of the host memory (cpu) or 70% of
 the disk's free space and the host (nvme), and whose run is predicted to finish in the time
-given, from the host memory bandwidth (a copy, measured) and the disk's direct-I/O
+given, from the host memory bandwidth (a copy, measured), the rate of pinning host memory
+(measured: every offloaded byte is page-locked before the first step) and the disk's direct-I/O
 bandwidth (dd, measured): the budget, not the host, bounds the size in an 8-minute check.
 The result says which bound chose each size. Every layer is recomputed in backward
 (full policy), so the micro-batch's activations stay small beside the parameters, and
@@ -78,6 +79,20 @@ def host_bandwidth(gib: float = 1.0) -> float:
     return 2 * source.numel() * 4 / best
 
 
+def pin_bandwidth(host_bw: float, gib: float = 1.0) -> float:
+    """Bytes/s of allocating page-locked host memory (what every offloaded byte costs before
+    the first step); without CUDA, a quarter of a copy's, as the sizing assumed before this
+    was measured (the first H100 run's CPU-offload child did not reach its first step in
+    65 s at 6.26B parameters, 100 GB pinned)."""
+    if not torch.cuda.is_available():
+        return host_bw / 4
+    started = time.perf_counter()
+    pinned = torch.empty(int(gib * harness.GIB), dtype=torch.uint8, pin_memory=True)
+    seconds = time.perf_counter() - started
+    del pinned
+    return gib * harness.GIB / seconds
+
+
 def disk_bandwidth(path: Path, megabytes: int) -> float:
     """The slower of the disk's direct-I/O write and read bandwidth (benchmarks/offload_io.py's dd)."""
     sys.path.insert(0, str(harness.REPO / "benchmarks"))
@@ -106,7 +121,7 @@ class Sizing:
     bounds: dict[str, int]  # the largest Ψ each bound allows
 
 
-def choose_size(shape: gpt_sizes.Shape, kind: str, seconds: float, host: int, host_bw: float,
+def choose_size(shape: gpt_sizes.Shape, kind: str, seconds: float, host: int, host_bw: float, pin_bw: float,
                 disk_free: int, disk_bw: float, device_memory: int, workspace_bytes: int) -> Sizing:
     """The largest Ψ every bound allows, rounded down to whole layers (see the module doc)."""
     per_param_host = offload_bytes(10**9, kind)["cpu"] / 10**9
@@ -115,7 +130,7 @@ def choose_size(shape: gpt_sizes.Shape, kind: str, seconds: float, host: int, ho
         bounds["disk"] = int(DISK_FRACTION * disk_free / (offload_bytes(10**9, kind)["nvme"] / 10**9))
         per_param_seconds = (14 + 2 * NVME_STEP_BYTES) / disk_bw  # write it once, then two steps
     else:
-        per_param_seconds = 16 / (host_bw / 4) + 2 * 2 * ADAM_BYTES / (CPU_ADAM_EFFICIENCY * host_bw)
+        per_param_seconds = 16 / pin_bw + 2 * 2 * ADAM_BYTES / (CPU_ADAM_EFFICIENCY * host_bw)
     bounds["time"] = int(max(0.0, seconds - SETUP_SECONDS) / per_param_seconds)
     device_plan = gpt_sizes.largest_fitting(shape, device_memory, [f"offload_{kind}"], recompute="full",
                                             workspace_bytes=workspace_bytes)
@@ -232,7 +247,9 @@ def main() -> None:
         numbers["baseline"] = baseline
         host = int(args.host_gib * harness.GIB) if args.host_gib else (
             TOY_HOST_MEMORY if args.toy else host_memory_bytes())
-        numbers["host"] = {"memory": host, "copy_bandwidth": host_bandwidth(0.05 if args.toy else 1.0)}
+        copy_bw = host_bandwidth(0.05 if args.toy else 1.0)
+        numbers["host"] = {"memory": host, "copy_bandwidth": copy_bw,
+                           "pin_bandwidth": pin_bandwidth(copy_bw, 0.05 if args.toy else 1.0)}
         runs = {}
         if "nvme" in args.kinds:
             numbers["disk"] = {"path": str(nvme_dir), "free": shutil.disk_usage(nvme_dir).free}
@@ -272,7 +289,7 @@ def run_offloaded(args: argparse.Namespace, device: torch.device, kind: str, sha
     disk = numbers.get("disk", {})
     device_memory = harness.device_memory_bytes(device, TOY_DEVICE_MEMORY)
     sizing = choose_size(shape, kind, seconds, numbers["host"]["memory"], numbers["host"]["copy_bandwidth"],
-                         disk.get("free", 0), disk.get("direct_io_bandwidth", 1.0), device_memory,
+                         numbers["host"]["pin_bandwidth"], disk.get("free", 0), disk.get("direct_io_bandwidth", 1.0), device_memory,
                          0 if device.type == "cpu" else WORKSPACE)
     accumulation = matching_accumulation(shape, sizing.num_params, baseline, numbers["host"]["copy_bandwidth"])
     if args.toy:

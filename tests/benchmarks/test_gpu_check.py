@@ -170,3 +170,27 @@ def test_the_driver_starts_and_skips_every_check_without_cuda(tmp_path):
     results = json.loads((out / "results.json").read_text())
     assert results["checks"]["memory"]["status"] == "SKIP" and results["environment"]["cuda_available"] is False
     assert (out / "artifacts.tar.gz").stat().st_size > 0 and "== summary" in (out / "gpu_check.log").read_text()
+
+
+def test_a_result_printed_before_the_timeout_counts():
+    """On the first H100 run a plain-PyTorch child printed its result and was still freeing
+    70 GB when its time ran out; the result must not be lost as a timeout."""
+    import harness
+
+    late = ["-c", "import json, time; print(json.dumps({'mfu': 0.5}), flush=True); time.sleep(60)"]
+    result = harness.run_child(late, timeout=5, log=lambda line: None)
+    assert result["outcome"] == "ok" and result["mfu"] == 0.5 and "timeout" in result["exit"]
+    silent = harness.run_child(["-c", "import time; time.sleep(60)"], timeout=2, log=lambda line: None)
+    assert silent["outcome"] == "timeout"
+
+
+def test_the_stored_curve_judges_only_a_run_on_its_own_corpus():
+    """The corpus is this Python's standard library, which changes between patch releases:
+    the stored curve counts only where its corpus digest is this machine's."""
+    import train_job
+
+    run = {"losses": [5.0, 4.0, 3.0], "final_loss": 3.0}
+    curve = {"losses": [5.0, 4.0, 4.0], "final_loss": 4.0}
+    assert train_job.compare_reference(run, curve)["same_corpus"] is False  # recorded before digests
+    same = train_job.compare_reference(run, {**curve, "corpus_sha256": train_job.corpus_digest()})
+    assert same["same_corpus"] is True and same["agrees"] is False  # 25% off at the end

@@ -162,10 +162,11 @@ class ZeroState:
 
 
 def _make_store(policy: ZeroPolicy, params: ParameterStrategy, *, precision: PrecisionPolicy, chunk: int,
-                ledger: MemoryLedger, per_parameter: bool, rank: int) -> ShardStore:
+                ledger: MemoryLedger, device: torch.device, per_parameter: bool, rank: int) -> ShardStore:
     """The shard store of the tier `offload_optimizer.device` names."""
     spec = StoreSpec(params.units, chunk, params, precision.accumulation_dtype, policy.keeps_full_gradients,
-                     policy.sub_group_size, ledger, per_parameter, precision.master_dtype, precision.param_dtype)
+                     policy.sub_group_size, ledger, device, per_parameter, precision.master_dtype,
+                     precision.param_dtype)
     offload = policy.offload_optimizer
     if offload.enabled and precision.master_dtype != torch.float32:
         raise ValueError(f"master_dtype {precision.master_dtype} with offload_optimizer.device '{offload.device}': "
@@ -220,7 +221,7 @@ def apply_zero(
     if make_optimizer is None:
         params.settle()
         return ZeroState(policy, groups, params, None, None, None)
-    store = _make_store(policy, params, precision=precision, chunk=groups.shard.rank, ledger=ledger,
+    store = _make_store(policy, params, precision=precision, chunk=groups.shard.rank, ledger=ledger, device=device,
                         per_parameter=per_parameter, rank=groups.shard.global_rank)
     params.settle()
     reducer = GradientReducer(params.units, policy, grad_dtype=dtype, accumulation_dtype=precision.accumulation_dtype,

@@ -70,6 +70,7 @@ import torch.distributed as dist
 from shardwise.runtime.accounting import MemoryLedger, tensor_bytes
 from shardwise.runtime.distributed.collectives import Communicator, PendingCollective
 from shardwise.runtime.distributed.quantized_collectives import HierarchicalQuantizedReduceScatter
+from shardwise.runtime.distributed.staging import group_device
 from shardwise.runtime.zero.layout import FlatUnit, ParamSlot
 from shardwise.runtime.zero.optimizer_exchange import OptimizerExchangeMixin
 from shardwise.runtime.zero.policy import ZeroPolicy
@@ -466,11 +467,24 @@ class GradientReducer(OptimizerExchangeMixin):
                          then: Callable[[], None]) -> None:
         """Second hop: at the end of a window, sum the owned chunk (asked of `owned` only
         then: a host tier waits for its copy) over the replicate group; `then` runs once
-        the chunk is final."""
+        the chunk is final. A host tier's chunk crosses an NCCL group as a device copy."""
         if self.replicate.skips_collectives or not self._window_ends:
             then()
             return
-        self._enqueue(_Launched(unit, self.replicate.all_reduce(owned(), what), then))
+        chunk = owned()
+        device = group_device(self.replicate.group)
+        if device is None or chunk.device == device:
+            self._enqueue(_Launched(unit, self.replicate.all_reduce(chunk, what), then))
+            return
+        staged = chunk.to(device)  # a host tier's sum over an NCCL group (distributed/staging.py)
+        self.ledger.hold("buffers", tensor_bytes(staged))
+
+        def copy_back() -> None:
+            chunk.copy_(staged)
+            self.ledger.release("buffers", tensor_bytes(staged))
+            then()
+
+        self._enqueue(_Launched(unit, self.replicate.all_reduce(staged, what), copy_back))
 
     def _complete_oldest(self) -> None:
         launched = self._launched.pop(0)

@@ -53,7 +53,7 @@ def host_gradients(spec: StoreSpec, pin_memory: bool) -> HostGradients:
     (page-locked with `pin_memory` and CUDA) and, for stages 0-1, the full accumulation
     buffer on the device."""
     units, ledger = spec.units, spec.ledger
-    device = training_device(units, spec.strategy)
+    device = spec.device  # not the shards': offloaded parameters live on the host, their gradients do not
     full_flat = full = None
     if spec.keeps_full_gradients:
         sizes = [unit.padded_numel for unit in units]
@@ -78,11 +78,6 @@ def masters_from_chunks(units: list[FlatUnit], strategy: ParameterStrategy,
     for unit, view in zip(units, views):
         view.copy_(strategy.owned_chunk(unit))
     return flat, views
-
-
-def training_device(units: list[FlatUnit], strategy: ParameterStrategy) -> torch.device:
-    """Where the model computes: stages 0-1 accumulate their full gradients there."""
-    return strategy.owned_chunk(units[0]).device
 
 
 class HostGradientStore(ShardStore):

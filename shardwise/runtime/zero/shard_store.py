@@ -48,6 +48,7 @@ class StoreSpec:
     keeps_full_gradients: bool  # stages 0-1: the whole unit's accumulation buffer
     sub_group_size: int  # elements the optimizer steps (and a paging tier holds) at once
     ledger: MemoryLedger
+    device: torch.device  # where the model computes and gradients are reduced (shards may live elsewhere)
     per_parameter: bool = False  # one segment per parameter piece (optimizers of whole parameters)
     master_dtype: torch.dtype = torch.float32  # the parameters' own dtype: trained in place, no copy
     param_dtype: torch.dtype = torch.float32  # the parameters' (what a publish copies back per element)

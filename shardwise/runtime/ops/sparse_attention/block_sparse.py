@@ -19,7 +19,7 @@ This is the CPU path (torch's `flex_attention` has no backward on CPU); CUDA use
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 
 import torch
 import torch.nn.functional as F
@@ -36,6 +36,9 @@ class Chunk:
     query_pos: torch.Tensor  # (n, block) token positions of the rows' queries
     key_pos: torch.Tensor  # (n, c * block) token positions of the gathered keys
     heads: torch.Tensor  # (n,) head of each row
+
+    def to(self, device: torch.device) -> "Chunk":
+        return Chunk(*(getattr(self, field.name).to(device) for field in fields(self)))
 
 
 @dataclass(frozen=True)
@@ -55,8 +58,9 @@ class BlockPlan:
 
 
 def build_plan(layout: torch.Tensor, block: int, causal: bool, head_dim: int,
-               chunk_elements: int = DEFAULT_CHUNK_ELEMENTS) -> BlockPlan:
-    """Chunks for a (heads, blocks, blocks) layout. With `causal`, blocks above the
+               chunk_elements: int = DEFAULT_CHUNK_ELEMENTS, device: torch.device | str = "cpu") -> BlockPlan:
+    """Chunks for a (heads, blocks, blocks) layout, their index tensors on `device` (where
+    the attention runs: the masks index with them). With `causal`, blocks above the
     diagonal are dropped: the causal mask would hide all of their keys."""
     keep = layout.to(torch.bool).cpu()
     heads, blocks, _ = keep.shape
@@ -72,7 +76,7 @@ def build_plan(layout: torch.Tensor, block: int, causal: bool, head_dim: int,
         per_chunk = max(1, chunk_elements // (width * block * head_dim))
         for start in range(0, len(rows), per_chunk):
             part = slice(start, start + per_chunk)
-            chunks.append(_chunk(rows[part], head_of_row[part], columns[part], blocks, block))
+            chunks.append(_chunk(rows[part], head_of_row[part], columns[part], blocks, block).to(device))
     return BlockPlan(blocks, block, tuple(chunks))
 
 
@@ -119,8 +123,7 @@ def _gather(blocked: tuple[torch.Tensor, ...], chunk: Chunk, plan: BlockPlan) ->
     """Queries (B, n, block, d), keys and values (B, n, c·block, d) of one chunk."""
     q, k, v = blocked
     width = chunk.key_blocks.shape[1]
-    rows = chunk.rows.to(q.device)
-    flat = chunk.key_blocks.flatten().to(q.device)
+    rows, flat = chunk.rows, chunk.key_blocks.flatten()
     batch, _, _, dim = q.shape
     return (
         q.index_select(1, rows),
@@ -148,7 +151,7 @@ class _BlockSparseAttention(torch.autograd.Function):
         for chunk in plan.chunks:
             q_rows, keys, values = _gather(blocked, chunk, plan)
             mask = masks.for_chunk(chunk, q.dtype)
-            out[:, chunk.rows.to(q.device)] = F.scaled_dot_product_attention(
+            out[:, chunk.rows] = F.scaled_dot_product_attention(
                 q_rows, keys, values, attn_mask=mask, scale=scale
             )
         batch, heads, length, dim = q.shape
@@ -162,8 +165,7 @@ class _BlockSparseAttention(torch.autograd.Function):
         grad_blocked = _blocked(grad_out.contiguous(), plan)
         grads = [torch.zeros_like(t) for t in blocked]
         for chunk in plan.chunks:
-            rows = chunk.rows.to(q.device)
-            flat = chunk.key_blocks.flatten().to(q.device)
+            rows, flat = chunk.rows, chunk.key_blocks.flatten()
             mask = masks.for_chunk(chunk, q.dtype)
             with torch.enable_grad():
                 inputs = [t.detach().requires_grad_() for t in _gather(blocked, chunk, plan)]

@@ -63,7 +63,7 @@ class SparseSelfAttention(nn.Module):
         # stays out of checkpoints and out of ZeRO's parameter and buffer handling.
         self.master_layout = sparsity_config.make_layout(_round_up(max_seq_length, sparsity_config.block))
         self._need_layout_synchronization = getattr(sparsity_config, "num_random_blocks", 0) > 0
-        self._plans: dict[tuple[int, bool, int], BlockPlan] = {}
+        self._plans: dict[tuple[int, bool, int, torch.device], BlockPlan] = {}
 
     def extra_repr(self) -> str:
         return f"{type(self.sparsity_config).__name__}, block={self.sparsity_config.block}, " \
@@ -81,10 +81,11 @@ class SparseSelfAttention(nn.Module):
                              "this SparseSelfAttention was built for: build it with a larger max_seq_length")
         return self.master_layout[:, :blocks, :blocks]
 
-    def plan(self, length: int, causal: bool, head_dim: int) -> BlockPlan:
-        key = (length, causal, head_dim)
+    def plan(self, length: int, causal: bool, head_dim: int, device: torch.device | str = "cpu") -> BlockPlan:
+        key = (length, causal, head_dim, torch.device(device))
         if key not in self._plans:
-            self._plans[key] = build_plan(self.get_layout(length), self.sparsity_config.block, causal, head_dim)
+            self._plans[key] = build_plan(self.get_layout(length), self.sparsity_config.block, causal, head_dim,
+                                          device=device)
         return self._plans[key]
 
     def forward(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, rpe: torch.Tensor | None = None,
@@ -104,7 +105,8 @@ class SparseSelfAttention(nn.Module):
         if query.is_cuda and dim >= FLEX_MIN_HEAD_DIM:
             layout = self.get_layout(length)
             return flex_sparse_attention(query, key, value, layout, self.sparsity_config.block, masks, scale=scale)
-        return block_sparse_attention(query, key, value, self.plan(length, is_causal, dim), masks, scale)
+        return block_sparse_attention(query, key, value, self.plan(length, is_causal, dim, query.device), masks,
+                                      scale)
 
     def _masks(self, query: torch.Tensor, length: int, causal: bool, rpe: torch.Tensor | None,
                key_padding_mask: torch.Tensor | None, attn_mask: torch.Tensor | None) -> Masks:
