@@ -71,7 +71,7 @@ class ContiguousArena:
                 # The buffer replaces the blocks the last step's checkpoints were allocated
                 # in, now free but still cached; left there, the buffer was carved out of
                 # one of them and the rest stayed reserved (on the first H100 run, 1.1 GB
-                # of inactive split blocks and 1.3-1.6 GB more reserved than without the
+                # of inactive split blocks and 1.6-1.7 GB more reserved than without the
                 # buffer). Given back first, the buffer gets a segment of its own.
                 torch.cuda.empty_cache()
             self.buffer = torch.empty(wanted, dtype=torch.uint8, device=self.device, pin_memory=self.pin_memory)

@@ -44,6 +44,10 @@ before `take_shard_from_full`). A rank publishes its shards at its next gather, 
 copying gather sends them only when its rank gathers too: whatever the rank wrote before
 it (the step, a load, an edit, DeepSpeed's `safe_set_*` between steps) is what its peers
 read.
+
+A shard group of one (one rank, on any device) gathers the same way over
+sole_param_home.py's buffer: its shard is the whole unit, so a gather points the unit at
+it instead of copying it.
 """
 
 from __future__ import annotations
@@ -58,6 +62,7 @@ from shardwise.runtime.distributed.quantized_collectives import QuantizedAllGath
 from shardwise.runtime.zero.gather_buffers import GatherBuffers
 from shardwise.runtime.zero.param_home import NvmeParamHome, make_param_home
 from shardwise.runtime.zero.shared_param_home import SharedParamHome, shared_param_home
+from shardwise.runtime.zero.sole_param_home import SoleParamHome, sole_param_home
 from shardwise.runtime.zero.layout import FlatUnit
 from shardwise.runtime.zero.policy import OffloadPolicy, ZeroPlusPlusPolicy
 
@@ -90,8 +95,9 @@ class ShardedParameters:
         self.secondary = secondary if plus_plus.hpz_partition_size > 1 and secondary is not None else None
         shared = None
         if home.device == "none" and self.weight_block is None and self.secondary is None:
-            shared = shared_param_home(units, dtype, device, comm, ledger)
-        self.shared: SharedParamHome | None = shared
+            shared = shared_param_home(units, dtype, device, comm, ledger) or sole_param_home(
+                units, dtype, device, comm, ledger)
+        self.shared: SharedParamHome | SoleParamHome | None = shared
         self.home = shared or make_param_home(units, dtype, device, ledger, home, comm.rank)
         self.private: set[int] = set()  # gathered units holding a private copy (`acquire`) over shared memory
         self.offloaded = self.home.offloaded
