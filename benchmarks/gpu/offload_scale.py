@@ -20,7 +20,7 @@ Sizes come from the formulas, not from trials: the largest Ψ whose offloaded mo
 the disk's free space and the host (nvme), and whose run is predicted to finish in the time
 given, from the host memory bandwidth (a copy, measured), the rate of pinning host memory
 (measured: every offloaded byte is page-locked before the first step) and the disk's direct-I/O
-bandwidth (dd, measured): the budget, not the host, bounds the size in an 8-minute check.
+bandwidth (dd, measured): the budget, not the host, bounds the size in a 9-minute check.
 The result says which bound chose each size. Every layer is recomputed in backward
 (full policy), so the micro-batch's activations stay small beside the parameters, and
 each step accumulates enough micro-batches for the GPU's work to match the CPU's step.
@@ -288,8 +288,9 @@ def run_offloaded(args: argparse.Namespace, device: torch.device, kind: str, sha
     seconds = deadline.left() * share if args.budget is not None else 3600.0
     disk = numbers.get("disk", {})
     device_memory = harness.device_memory_bytes(device, TOY_DEVICE_MEMORY)
-    sizing = choose_size(shape, kind, seconds, numbers["host"]["memory"], numbers["host"]["copy_bandwidth"],
-                         numbers["host"]["pin_bandwidth"], disk.get("free", 0), disk.get("direct_io_bandwidth", 1.0), device_memory,
+    host = numbers["host"]
+    sizing = choose_size(shape, kind, seconds, host["memory"], host["copy_bandwidth"], host["pin_bandwidth"],
+                         disk.get("free", 0), disk.get("direct_io_bandwidth", 1.0), device_memory,
                          0 if device.type == "cpu" else WORKSPACE)
     accumulation = matching_accumulation(shape, sizing.num_params, baseline, numbers["host"]["copy_bandwidth"])
     if args.toy:

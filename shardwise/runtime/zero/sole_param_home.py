@@ -1,7 +1,7 @@
 """Stage 3 in a shard group of one: the shard is the whole unit, so a gather copies nothing.
 
-With one rank (one GPU running a ZeRO-3 config, ZeRO-Infinity's usual case without
-offload), a gather has nothing to fetch: the unit's only chunk is already on the device.
+With one rank (one GPU running a ZeRO-3 config, or `mics_shard_size` 1), a gather has
+nothing to fetch: the unit's only chunk is already on the device.
 The copying gather still copied it into the unit's gather buffer, in forward and again in
 backward. On the first H100 run (a 3.4B GPT in bf16, four micro-batches of 4096 tokens per
 step) stage 3 took 58 ms (8.5%) longer per step than stage 0; those copies move about 27 GB

@@ -37,6 +37,7 @@ from shardwise.tools.launcher.worker_watch import (
 HANG_TIMEOUT_ENV = "SHARDWISE_HANG_TIMEOUT"
 POLL_SECONDS = 0.25
 STACK_WAIT_SECONDS = 3.0  # for every worker's faulthandler to write its stacks
+STACK_SETTLE_SECONDS = 0.5  # a stack file that has not grown for this long is complete
 RECENT = 6  # collectives shown per rank
 _SNAPSHOT_THREAD = re.compile(r'launcher/worker_watch\.py", line \d+ in run\n')
 # a failed collective's rank waits in worker_watch.py for this report, under flight_recorder.py
@@ -104,7 +105,8 @@ class HangWatch:
         for snapshot in snapshots.values():
             _signal(snapshot["pid"], REPORT_SIGNAL)
         deadline = time.monotonic() + STACK_WAIT_SECONDS
-        while time.monotonic() < deadline and not all(self._stacks_written(rank) for rank in snapshots):
+        sizes: dict[int, tuple[int, float]] = {}  # per rank: its stack file's size, and since when
+        while time.monotonic() < deadline and not all(self._stacks_settled(rank, sizes) for rank in snapshots):
             time.sleep(0.05)
         snapshots = {**snapshots, **self._snapshots()}
         self.summary = _summary(reason, snapshots)
@@ -118,6 +120,17 @@ class HangWatch:
     def _stacks_written(self, rank: int) -> bool:
         path = stack_path(self.folder, rank)
         return path.exists() and path.stat().st_size > 0
+
+    def _stacks_settled(self, rank: int, sizes: dict[int, tuple[int, float]]) -> bool:
+        """The rank's stacks are written and their file has not grown for STACK_SETTLE_SECONDS:
+        faulthandler writes them from its signal handler, which a loaded machine can
+        deschedule half-way (a report once showed a rank's stacks cut after "Thread 0x")."""
+        if not self._stacks_written(rank):
+            return False
+        size, now = stack_path(self.folder, rank).stat().st_size, time.monotonic()
+        if sizes.get(rank, (None, 0.0))[0] != size:
+            sizes[rank] = (size, now)
+        return now - sizes[rank][1] >= STACK_SETTLE_SECONDS
 
     def _report(self, reason: str, snapshots: dict[int, dict]) -> str:
         now = time.time()
