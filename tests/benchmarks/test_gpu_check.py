@@ -178,9 +178,9 @@ def test_a_result_printed_before_the_timeout_counts():
     import harness
 
     late = ["-c", "import json, time; print(json.dumps({'mfu': 0.5}), flush=True); time.sleep(60)"]
-    result = harness.run_child(late, timeout=5, log=lambda line: None)
+    result = harness.run_child(late, timeout=2, log=lambda line: None)
     assert result["outcome"] == "ok" and result["mfu"] == 0.5 and "timeout" in result["exit"]
-    silent = harness.run_child(["-c", "import time; time.sleep(60)"], timeout=2, log=lambda line: None)
+    silent = harness.run_child(["-c", "import time; time.sleep(60)"], timeout=1, log=lambda line: None)
     assert silent["outcome"] == "timeout"
 
 

@@ -10,9 +10,10 @@ where torch's fused AdamW makes one. These kernels make the passes the arithmeti
   the trust ratio between them needs the norms of whole parameters (optim/sharded.py).
 - 8-bit Adam, one per tensor: per 256-element quantisation block, the codes decoded, Adam's
   step taken with bitsandbytes' arithmetic (optim/adam8bit.py), the block's new absmax
-  found and the moments encoded again by the same cell lookup as the torch path
-  (optim/quantization.py), writing the codes in place. The first and last padded rows are
-  written in fp32 too, for blocks a ZeRO piece boundary cuts (optim/shared_blocks.py).
+  found and the moments encoded again, by arithmetic that gives the torch path's codes
+  (`_encode`, the CPU kernels' encoder), writing the codes in place. The first and last
+  padded rows are written in fp32 too, for blocks a ZeRO piece boundary cuts
+  (optim/shared_blocks.py).
 
 Divisions and square roots are the correctly rounded ones (`div_rn`, `sqrt_rn`, not the
 GPU's approximate defaults), so a value's code is the torch path's but where fp32
@@ -32,9 +33,12 @@ import torch
 import triton
 import triton.language as tl
 
-from shardwise.runtime.optim.quantization import BLOCK as QUANTISATION_BLOCK, CELL_SHIFT, TINY_SCALE, codebook
+from shardwise.runtime.optim.quantization import (BLOCK as QUANTISATION_BLOCK, ROUNDING_FRACTION, TINY_SCALE,
+                                                  codebook, decade_rounding)
 LAMB_BLOCK = 1024  # elements per program: one partial sum of each squared norm per block
-CELL_MASK = (1 << (32 - CELL_SHIFT)) - 1
+FRACTION: tl.constexpr = tl.constexpr(ROUNDING_FRACTION)
+NEAR_BITS: tl.constexpr = tl.constexpr((1 << ROUNDING_FRACTION) - 2)  # a fraction of 0 or 1: near a count
+ROUNDING_MIDPOINTS: tl.constexpr = tl.constexpr(80)  # the positive midpoints' first word (`decade_rounding`)
 
 
 @triton.jit
@@ -82,16 +86,43 @@ def _lamb_apply_kernel(param, exp_avg, exp_avg_sq, numel, scale, eps, weight_dec
 
 
 @triton.jit
-def _encode(x, absmax, below, boundary, CELL_SHIFT: tl.constexpr, CELL_MASK: tl.constexpr, TINY: tl.constexpr):
-    """The nearest code of x / absmax (a tie to the smaller), by the rounding cells of
-    optim/quantization.py's `codebook`."""
+def _midpoints_below(a, rounding):
+    """F(a), the code's positive midpoints below a >= 0 (a NaN counts all of them), by
+    arithmetic over optim/quantization.py's `decade_rounding` words: native_kernels.c's
+    `count_midpoints_below`, step for step. The table lookup read two entries of a 640 KB
+    table per element and moment, which held the H100 at 8x its byte limit; these words
+    are 1.4 KB."""
+    top = tl.full([], 1.5, tl.float32)  # fp32 constants: the interpreter widens a bare float to fp64
+    a = tl.where(a != a, top, a)
+    a = tl.maximum(tl.minimum(a, top), tl.full([], 2.0**-30, tl.float32))
+    pair = (a.to(tl.int32, bitcast=True) >> 24) & 15  # the exponent's pair of binades, mod 16 as AVX-512 permutes
+    base = tl.load(rounding + 16 + pair)
+    threshold = tl.load(rounding + pair).to(tl.float32, bitcast=True)
+    region = base + (a > threshold).to(tl.int32)
+    slope = tl.load(rounding + 32 + region).to(tl.float32, bitcast=True)
+    offset = tl.load(rounding + 48 + region).to(tl.float32, bitcast=True)
+    fixed = tl.fma(a, slope, offset).to(tl.int32)
+    count = tl.minimum(fixed >> FRACTION, tl.load(rounding + 64 + region))
+    near = (fixed & NEAR_BITS) == 0  # within a unit of the count: the midpoint decides
+    midpoint = tl.load(rounding + ROUNDING_MIDPOINTS + count - 1, mask=near & (count > 0), other=0)
+    return count - (near & (a <= midpoint.to(tl.float32, bitcast=True))).to(tl.int32)
+
+
+@triton.jit
+def _encode(x, absmax, rounding, SIGNED: tl.constexpr, TINY: tl.constexpr):
+    """The nearest code of x / absmax (a tie to the smaller): the codes of
+    optim/quantization.py's `quantize` for every fp32 value, as native_kernels.c's `codes_of`."""
     # the bound as an fp32 value (Triton 3.6's interpreter widens a bare float to fp64); a NaN
     # scale stays NaN, as torch's clamp keeps it
     bound = tl.maximum(absmax, tl.full([], TINY, tl.float32), propagate_nan=tl.PropagateNan.ALL)
     scaled = x * tl.div_rn(1.0, bound)
-    cells = (scaled.to(tl.int32, bitcast=True) >> CELL_SHIFT) & CELL_MASK
-    codes = tl.load(below + cells).to(tl.int32)
-    return codes + (scaled > tl.load(boundary + cells)).to(tl.int32)
+    if not SIGNED:
+        return _midpoints_below(scaled, rounding)
+    negative = scaled < 0.0
+    # x < 0: the midpoints m with -m < x, 127 - #(m <= |x|) = 127 - F(|x| one ulp up)
+    magnitude = (scaled.to(tl.int32, bitcast=True) & 0x7FFFFFFF) + negative.to(tl.int32)
+    count = _midpoints_below(magnitude.to(tl.float32, bitcast=True), rounding)
+    return tl.where(negative, tl.maximum(127 - count, 0), tl.minimum(127 + count, 255))
 
 
 @triton.jit
@@ -103,11 +134,10 @@ def _nan_propagating_absmax(x):
 
 
 @triton.jit
-def _adam8bit_kernel(param, grad, m_codes, m_absmax, v_codes, v_absmax, m_fp32, v_fp32, edges, m_values, m_below,
-                     m_boundary, v_values, v_below, v_boundary, numel, offset, rows, beta1, beta1_complement, beta2,
-                     beta2_complement, eps, decay_factor, correction2, step_scale, FROM_FP32: tl.constexpr,
-                     DECAY: tl.constexpr, CELL_SHIFT: tl.constexpr, CELL_MASK: tl.constexpr, TINY: tl.constexpr,
-                     BLOCK: tl.constexpr):
+def _adam8bit_kernel(param, grad, m_codes, m_absmax, v_codes, v_absmax, m_fp32, v_fp32, edges, m_values, m_rounding,
+                     v_values, v_rounding, numel, offset, rows, beta1, beta1_complement, beta2, beta2_complement, eps,
+                     decay_factor, correction2, step_scale, FROM_FP32: tl.constexpr, DECAY: tl.constexpr,
+                     TINY: tl.constexpr, BLOCK: tl.constexpr):
     row = tl.program_id(0)
     lane = tl.arange(0, BLOCK)
     element = row.to(tl.int64) * BLOCK + lane - offset  # in the piece; the row is the parameter's block
@@ -132,10 +162,8 @@ def _adam8bit_kernel(param, grad, m_codes, m_absmax, v_codes, v_absmax, m_fp32, 
     v_max = _nan_propagating_absmax(v)
     tl.store(m_absmax + row, m_max)
     tl.store(v_absmax + row, v_max)
-    tl.store(m_codes + element, _encode(m, m_max, m_below, m_boundary, CELL_SHIFT, CELL_MASK, TINY).to(tl.uint8),
-             mask=inside)
-    tl.store(v_codes + element, _encode(v, v_max, v_below, v_boundary, CELL_SHIFT, CELL_MASK, TINY).to(tl.uint8),
-             mask=inside)
+    tl.store(m_codes + element, _encode(m, m_max, m_rounding, True, TINY).to(tl.uint8), mask=inside)
+    tl.store(v_codes + element, _encode(v, v_max, v_rounding, False, TINY).to(tl.uint8), mask=inside)
     padded = row * BLOCK + lane  # in the piece's padded rows
     first_row, last_row = padded < BLOCK, padded >= (rows - 1) * BLOCK
     tl.store(edges + lane, m, mask=first_row)
@@ -200,15 +228,14 @@ def adam8bit_step(param: torch.Tensor, grad: torch.Tensor, *, moments: tuple[tor
                 param, grad, m_codes, m_absmax, v_codes, v_absmax, m_fp32, v_fp32, edges, *_device_book(True, device),
                 *_device_book(False, device), numel, offset, rows, beta1, 1.0 - beta1, beta2, 1.0 - beta2, eps,
                 1.0 - lr * decay, correction2, -lr / correction1, FROM_FP32=moments is not None, DECAY=decay > 0.0,
-                CELL_SHIFT=CELL_SHIFT, CELL_MASK=CELL_MASK, TINY=TINY_SCALE, BLOCK=QUANTISATION_BLOCK)
+                TINY=TINY_SCALE, BLOCK=QUANTISATION_BLOCK)
     return m_codes, m_absmax, edges[0], v_codes, v_absmax, edges[1]
 
 
 @functools.cache
-def _device_book(signed: bool, device: torch.device) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """A code's values and rounding tables on `device`, copied there once per process."""
-    book = codebook(signed)
-    return book.values.to(device), book.below.to(device), book.boundary.to(device)
+def _device_book(signed: bool, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    """A code's values and its encoder's words on `device`, copied there once per process."""
+    return codebook(signed).values.to(device), decade_rounding(signed).to(device)
 
 
 def _on(device: torch.device) -> contextlib.AbstractContextManager:

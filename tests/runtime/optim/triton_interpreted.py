@@ -22,10 +22,11 @@ from shardwise.runtime.optim import native, triton_gate
 from shardwise.runtime.optim.adam8bit import AdamW8bit, _Hyper, _step_and_quantise
 from shardwise.runtime.optim.lamb import Lamb
 from shardwise.runtime.optim.layout import PaddedRows
-from shardwise.runtime.optim.quantization import BLOCK, codebook, dequantize_piece
+from shardwise.runtime.optim.quantization import BLOCK, codebook, dequantize_piece, quantize
 from tests.runtime.optim.pieces import train_in_pieces
 
 SHAPES = [(40, 24), (3, 5, 70), (2100,), (33,), ()]
+_ENCODE = None  # the kernels' encoder, for the encoder test's own kernel
 
 
 @pytest.fixture
@@ -169,3 +170,41 @@ def test_a_nan_gradient_spoils_its_block_as_on_the_torch_path(interpreted):
     torch.testing.assert_close(mine_param, reference_param, rtol=1e-6, atol=1e-8, equal_nan=True)
     for k in (0, 1):
         assert result[3 * k + 1].isnan().tolist() == expected[3 * k + 1].isnan().tolist() == [False, True, False]
+
+
+@pytest.mark.parametrize("signed", [True, False])
+def test_the_encoder_gives_the_lookups_codes_for_every_kind_of_value(interpreted, signed):
+    """The kernel encodes by arithmetic (`_encode`, native_kernels.c's encoder) where the
+    torch path looks each value up in its rounding cells: the same codes for values at and
+    beside every code midpoint, random bit patterns (every exponent, subnormals, infinities,
+    NaNs) and values spread over the code's range."""
+    import triton
+    import triton.language as tl
+
+    global _ENCODE
+    _ENCODE = interpreted._encode  # a jit function reads module globals, not closures
+
+    @triton.jit
+    def encode(values, codes, rounding, count, SIGNED: tl.constexpr, TINY: tl.constexpr, BLOCK: tl.constexpr):
+        offsets = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+        inside = offsets < count
+        x = tl.load(values + offsets, mask=inside, other=0.0)
+        tl.store(codes + offsets, _ENCODE(x, tl.full([], 1.0, tl.float32), rounding, SIGNED, TINY).to(tl.uint8),
+                 mask=inside)
+
+    book = codebook(signed)
+    midpoints = (book.values[1:] + book.values[:-1]) / 2
+    bits = midpoints.view(torch.int32)
+    beside = torch.cat([(bits + step).view(torch.float32) for step in range(-3, 4)])
+    generator = torch.Generator().manual_seed(int(signed))
+    patterns = torch.randint(-2**31, 2**31 - 1, (1 << 16,), generator=generator, dtype=torch.int64)
+    values = torch.cat([beside, -beside, patterns.to(torch.int32).view(torch.float32),
+                        torch.rand(1 << 16, generator=generator) * 3 - 1.5,
+                        torch.tensor([0.0, -0.0, 1.0, -1.0, 1.5, float("inf"), -float("inf"), float("nan"), 1e-45])])
+    values = torch.cat([values, torch.zeros(-len(values) % BLOCK)])
+    codes = torch.empty(len(values), dtype=torch.uint8)
+    encode[(triton.cdiv(len(values), 1024),)](values, codes, interpreted.decade_rounding(signed), len(values),
+                                              SIGNED=signed, TINY=1e-38, BLOCK=1024)
+    expected = quantize(values.view(-1, BLOCK), torch.ones(len(values) // BLOCK), book).reshape(-1)
+    wrong = (codes != expected).nonzero().flatten()
+    assert len(wrong) == 0, [(values[i].item(), codes[i].item(), expected[i].item()) for i in wrong[:5]]
