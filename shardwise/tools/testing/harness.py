@@ -27,6 +27,7 @@ from shardwise.tools.testing.forkserver import preloaded_forkserver_context
 from shardwise.tools.testing.worker import (
     COLLECTIVE_TIMEOUT_VARIABLE,
     InheritedFd,
+    ProcessGroupStartError,
     RankJob,
     RankRaised,
     RankReturned,
@@ -49,15 +50,18 @@ EXIT_GRACE_S = 5.0
 
 
 class DistributedTestError(Exception):
-    """A rank raised, died or hung. `ranks` are the ranks the message is about.
+    """A rank raised, died or hung. `ranks` are the ranks the message is about;
+    `before_start`: every failure was a process group that did not form (no rank died, and
+    none ran the function).
 
     Ranks that died come first: a peer's error in the same report ("connection closed") is
     usually a consequence of the death.
     """
 
-    def __init__(self, message: str, ranks: list[int]) -> None:
+    def __init__(self, message: str, ranks: list[int], before_start: bool = False) -> None:
         super().__init__(message)
         self.ranks = ranks
+        self.before_start = before_start
 
 
 @dataclass
@@ -88,8 +92,21 @@ def run_distributed(
     """
     _check_arguments(fn, world_size, timeout, env)
     call = _pickled_call(fn, args, kwargs)
+    try:
+        return _launch(call, world_size, timeout, backend, env or {})
+    except DistributedTestError as error:
+        # Gloo over loopback on a loaded machine once closed a pair while the group formed
+        # ("connectFullMesh failed ... Connection closed by peer"), before any rank ran the
+        # function: such a start, and only such a one, is tried once more with new ranks.
+        if not error.before_start:
+            raise
+        return _launch(call, world_size, timeout, backend, env or {})
+
+
+def _launch(call: bytes, world_size: int, timeout: float, backend: str, env: dict[str, str]) -> list[Any]:
+    """Start the ranks on a fresh rendezvous and collect their results."""
     context = preloaded_forkserver_context()
-    environment = _shared_environment(world_size, timeout, env or {})
+    environment = _shared_environment(world_size, timeout, env)
     ranks: list[_RankProcess] = []
     finished_cleanly = False
     # The ranks meet through a file store in a fresh directory rather than a TCP store: no
@@ -200,6 +217,7 @@ def _collect_results(ranks: list[_RankProcess], deadline: float, timeout: float)
             )
         deaths: list[tuple[int, str]] = []
         raises: list[tuple[int, str]] = []
+        kinds: list[str] = []  # the raised exceptions' types
         # Look at every rank, not only those `wait` returned: a peer's "connection closed"
         # error can be read before the death that caused it, and both belong in the report.
         for rank in running:
@@ -210,12 +228,15 @@ def _collect_results(ranks: list[_RankProcess], deadline: float, timeout: float)
                 results[rank.rank] = report.value
             elif isinstance(report, RankRaised):
                 raises.append((rank.rank, _describe_raise(rank.rank, report)))
+                kinds.append(report.exception_type)
             else:
                 deaths.append((rank.rank, _describe_death(rank)))
         if deaths or raises:
             failures = deaths + raises
             message = "\n\n".join(text for _, text in failures)
-            raise DistributedTestError(f"{message}\n\n(the other ranks were stopped)", [r for r, _ in failures])
+            before_start = not deaths and all(kind == ProcessGroupStartError.__name__ for kind in kinds)
+            raise DistributedTestError(f"{message}\n\n(the other ranks were stopped)", [r for r, _ in failures],
+                                       before_start)
     return [results[rank] for rank in range(len(ranks))]
 
 

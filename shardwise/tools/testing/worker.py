@@ -99,17 +99,25 @@ def run_rank(job: RankJob, reports: Connection) -> None:
         raise SystemExit(1) from None
 
 
+class ProcessGroupStartError(RuntimeError):
+    """The rank's process group did not form, before the function under test ran (the
+    harness may relaunch the ranks once: harness.py `run_distributed`)."""
+
+
 def _call_in_process_group(job: RankJob) -> Any:
     timeout = timedelta(seconds=float(os.environ[COLLECTIVE_TIMEOUT_VARIABLE]))
     if job.backend == "nccl":
         torch.cuda.set_device(int(os.environ["LOCAL_RANK"]))
-    dist.init_process_group(
-        job.backend,
-        init_method=f"file://{job.store_path}",
-        rank=job.rank,
-        world_size=job.world_size,
-        timeout=timeout,
-    )
+    try:
+        dist.init_process_group(
+            job.backend,
+            init_method=f"file://{job.store_path}",
+            rank=job.rank,
+            world_size=job.world_size,
+            timeout=timeout,
+        )
+    except RuntimeError as error:
+        raise ProcessGroupStartError(f"the {job.backend} process group did not form: {error}") from error
     fn, args, kwargs = pickle.loads(job.call)
     value = fn(job.rank, job.world_size, *args, **kwargs)
     dist.destroy_process_group()

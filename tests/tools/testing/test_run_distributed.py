@@ -118,6 +118,29 @@ def test_a_raising_rank_fails_the_run_at_once_with_its_traceback():
     assert elapsed < 5.0
 
 
+def test_a_process_group_that_does_not_form_is_started_once_more_then_reported(monkeypatch):
+    """A group that fails to form (here: a backend this torch lacks; on a loaded machine,
+    gloo closing a loopback pair) is relaunched once before it is reported; a failure in
+    the function itself is reported at once."""
+    from shardwise.tools.testing import harness
+
+    launches = []
+    launch = harness._launch
+
+    def counting(*arguments, **options):
+        launches.append(1)
+        return launch(*arguments, **options)
+
+    monkeypatch.setattr(harness, "_launch", counting)
+    with pytest.raises(DistributedTestError, match="the mpi process group did not form") as caught:
+        run_distributed(sum_of_ranks, 2, backend="mpi")
+    assert caught.value.before_start and len(launches) == 2
+    launches.clear()
+    with pytest.raises(DistributedTestError) as caught:
+        run_distributed(rank_one_raises, 2)
+    assert not caught.value.before_start and len(launches) == 1
+
+
 def rank_one_exits(rank: int, world_size: int) -> None:
     if rank == 1:
         os._exit(7)
