@@ -62,7 +62,7 @@ from shardwise.runtime.distributed.quantized_collectives import QuantizedAllGath
 from shardwise.runtime.zero.gather_buffers import GatherBuffers
 from shardwise.runtime.zero.param_home import NvmeParamHome, make_param_home
 from shardwise.runtime.zero.shared_param_home import SharedParamHome, shared_param_home
-from shardwise.runtime.zero.sole_param_home import SoleParamHome, sole_param_home
+from shardwise.runtime.zero.sole_param_home import sole_param_home
 from shardwise.runtime.zero.layout import FlatUnit
 from shardwise.runtime.zero.policy import OffloadPolicy, ZeroPlusPlusPolicy
 
@@ -97,7 +97,7 @@ class ShardedParameters:
         if home.device == "none" and self.weight_block is None and self.secondary is None:
             shared = shared_param_home(units, dtype, device, comm, ledger) or sole_param_home(
                 units, dtype, device, comm, ledger)
-        self.shared: SharedParamHome | SoleParamHome | None = shared
+        self.shared: SharedParamHome | None = shared
         self.home = shared or make_param_home(units, dtype, device, ledger, home, comm.rank)
         self.private: set[int] = set()  # gathered units holding a private copy (`acquire`) over shared memory
         self.offloaded = self.home.offloaded

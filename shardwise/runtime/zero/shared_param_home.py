@@ -121,13 +121,20 @@ def shared_param_home(units: list[FlatUnit], dtype: torch.dtype, device: torch.d
     if not (device.type == "cpu" and STORAGES_SWAP and comm.point_to_point and comm.control_group is not None
             and shared_memory.enabled() and os.environ.get(ENABLE_VARIABLE, "1") != "0" and units):
         return None
-    offsets: dict[int, int] = {}
-    total = 0
-    for unit in units:
-        offsets[unit.index] = total
-        total += -(-unit.padded_numel * dtype.itemsize // _ALIGN) * _ALIGN
+    offsets, total = unit_offsets(units, dtype)
     region = connect_region(total, rank=comm.rank, global_ranks=comm.handle.ranks, timeout=collective_timeout(),
                             gather=lambda value: comm.control_all_gather_object(value, counted=False))
     if region is None:
         return None
     return SharedParamHome(units, dtype, region, comm.rank, offsets, ledger)
+
+
+def unit_offsets(units: list[FlatUnit], dtype: torch.dtype) -> tuple[dict[int, int], int]:
+    """Each unit's byte offset in a region laid out unit by unit (each 64-byte aligned), and
+    the region's size."""
+    offsets: dict[int, int] = {}
+    total = 0
+    for unit in units:
+        offsets[unit.index] = total
+        total += -(-unit.padded_numel * dtype.itemsize // _ALIGN) * _ALIGN
+    return offsets, total

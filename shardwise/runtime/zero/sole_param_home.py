@@ -8,12 +8,13 @@ step) stage 3 took 58 ms (8.5%) longer per step than stage 0; those copies move 
 per micro-batch, some 10 ms at the H100's memory bandwidth, so most of it by their bytes
 (an estimate: not yet measured with this home).
 
-This home holds the units in one flat device buffer, each unit's padded values
-contiguous, and hands sharded_params.py the interface of shared_param_home.py: each unit
-has a second storage over its own memory (made through DLPack, which gives a tensor a new
-storage over memory it does not own), which a gather swaps into the unit's gather buffer
-and a free swaps back, so the views autograd saved follow as with the shared home. There
-are no peers, so publishing, waiting and meeting do nothing.
+This home is shared_param_home.py's over a region of this process's own device memory
+instead of one shared by a host's ranks: the units laid out unit by unit, each unit's
+shard its whole full buffer, and a gather swapping the unit's memory into its gather
+buffer (the region hands out each piece under a storage of its own, made through DLPack,
+which gives a tensor a new storage over memory it does not own), so the views autograd
+saved follow as with the shared home. There are no peers, so publishing, waiting and
+meeting do nothing.
 
 It applies where the group skips its collectives (one rank, without the test-only switch
 that makes a world of one issue them), parameters are not offloaded and neither of
@@ -31,44 +32,40 @@ import os
 
 import torch
 
-from shardwise.runtime.accounting import MemoryLedger, tensor_bytes
+from shardwise.runtime.accounting import MemoryLedger
 from shardwise.runtime.base.torch_compat import STORAGES_SWAP
 from shardwise.runtime.distributed.collectives import Communicator
 from shardwise.runtime.zero.layout import FlatUnit
-from shardwise.runtime.zero.param_home import ResidentParamHome
-from shardwise.runtime.zero.shared_param_home import ENABLE_VARIABLE
+from shardwise.runtime.zero.shared_param_home import ENABLE_VARIABLE, SharedParamHome, unit_offsets
 
 
-class SoleParamHome(ResidentParamHome):
-    """A group of one's units in one device buffer; each unit's full values are its shard."""
+class PrivateRegion:
+    """One process's device memory with a shared region's interface (distributed/shared_region.py)."""
 
-    offloaded = False
+    def __init__(self, nbytes: int, device: torch.device):
+        self.data = torch.zeros(nbytes, dtype=torch.uint8, device=device)
 
-    def __init__(self, units: list[FlatUnit], dtype: torch.dtype, device: torch.device, ledger: MemoryLedger):
-        flat = torch.zeros(sum(unit.padded_numel for unit in units), dtype=dtype, device=device)
-        ledger.hold("params", tensor_bytes(flat))
-        self.fulls = dict(zip((unit.index for unit in units), torch.split(flat, [u.padded_numel for u in units])))
-        # the same memory under storages of their own: one is swapped into the gathered unit
-        self.storages = {index: torch.from_dlpack(full).untyped_storage() for index, full in self.fulls.items()}
-
-    def shard(self, unit: FlatUnit) -> torch.Tensor:
-        return self.fulls[unit.index]
-
-    def full(self, unit: FlatUnit) -> torch.Tensor:
-        return self.fulls[unit.index]
-
-    def storage(self, unit: FlatUnit) -> torch.UntypedStorage:
-        """A storage over `unit`'s memory, or over nothing while it is swapped into the gathered unit."""
-        return self.storages[unit.index]
+    def tensor(self, offset: int, numel: int, dtype: torch.dtype) -> torch.Tensor:
+        """`numel` elements of `dtype` at byte `offset`, a storage of their own over the same memory."""
+        piece = self.data[offset : offset + numel * dtype.itemsize]
+        return torch.from_dlpack(piece).view(dtype)
 
     def publish(self) -> None:
-        """No peer reads this rank's shards."""
+        """No peer reads this process's shards."""
 
     def wait_current(self) -> None:
-        """No peer writes shards this rank reads."""
+        """No peer writes shards this process reads."""
 
     def meet(self) -> None:
         """No peer to meet."""
+
+
+class SoleParamHome(SharedParamHome):
+    """A group of one's units in one device buffer; each unit's full values are its shard."""
+
+    def __init__(self, units: list[FlatUnit], dtype: torch.dtype, device: torch.device, ledger: MemoryLedger):
+        offsets, total = unit_offsets(units, dtype)
+        super().__init__(units, dtype, PrivateRegion(total, device), 0, offsets, ledger)
 
 
 def sole_param_home(units: list[FlatUnit], dtype: torch.dtype, device: torch.device, comm: Communicator,
