@@ -33,6 +33,13 @@ they are written again only after the host has waited for their copies (the step
 every gradient for its norm first; a second backward sets the reduced chunks aside, which
 reads them; a discarded window waits for the copies it drops).
 
+A shard group of one at stages 2-3 (one rank, nothing to divide, the store's partition in
+the gradients' dtype on this device) has nothing to reduce: the partition is the whole
+unit, so `.grad` points straight into it and autograd sums every micro-batch there. A
+bucket would cost a zeroing, a fill and an add into the partition per micro-batch (stage 3
+on one GPU: about 8 bytes per parameter each time) for the same sums, added in the same
+order.
+
 Stages 0-1 accumulate micro-batches locally and reduce only at the accumulation boundary.
 A window starts with `.grad` unset (nothing is zeroed): a parameter's first gradient is
 copied into the buffer and `.grad` becomes a view of it, so autograd accumulates later
@@ -160,6 +167,7 @@ class GradientReducer(OptimizerExchangeMixin):
                 slot.param.grad = None  # a gradient from before initialize() is not ours
 
         self._free_buckets: list[tuple[torch.Tensor, Any]] = []  # with the event of a copy still reading it
+        self._partitions_as_buckets = self._sums_in_partitions()  # unit index -> its partition (see the top)
         self._bucket_count = 0
         self._bucket_numel = max(unit.padded_numel for unit in units)
         self._hooks = [
@@ -181,6 +189,18 @@ class GradientReducer(OptimizerExchangeMixin):
         self._local_boundary = False
         self._reset_backward_state()
 
+    def _sums_in_partitions(self) -> dict[int, torch.Tensor]:
+        """The units whose store partition autograd may sum into directly: a shard group of
+        one at stages 2-3, nothing to divide or quantize, and a partition on this device in
+        the gradients' own dtype that receiving a reduced chunk would only add into."""
+        if (self.keeps_full_grads or self.shard.size != 1 or self.divisor != 1 or self.gradient_block is not None
+                or not self.comm_dtype == self.grad_dtype == self.accumulation_dtype):
+            return {}
+        targets = {unit.index: self.store.summing_target(unit) for unit in self.units}
+        return {index: target for index, target in targets.items()
+                if target is not None and target.dtype == self.grad_dtype and target.device == self.device
+                and target.numel() == self.units[index].padded_numel}
+
     @property
     def _full_buffers(self) -> bool:
         """Gradients accumulate in whole-unit buffers through `.grad` views: stages 0-1, and
@@ -201,7 +221,8 @@ class GradientReducer(OptimizerExchangeMixin):
 
     def _reset_backward_state(self) -> None:
         self._seen: list[set[int]] = [set() for _ in self.units]
-        self._buckets: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}  # unit -> (buffer, bucket)
+        # unit -> (its pooled buffer, or None where the bucket is the unit's partition; the bucket)
+        self._buckets: dict[int, tuple[torch.Tensor | None, torch.Tensor]] = {}
         self._ready = [False] * len(self.units)
         self._next_launch = 0
         self._launched: list[_Launched] = []
@@ -268,7 +289,8 @@ class GradientReducer(OptimizerExchangeMixin):
             target = self._bucket_for(unit)[slot.offset : slot.offset + slot.numel]
             if param.grad.data_ptr() != target.data_ptr():  # not accumulated in place
                 source = param.grad.reshape(-1)
-                target.add_(source) if id(slot) in seen else target.copy_(source)
+                summed = id(slot) in seen or unit.index in self._partitions_as_buckets
+                target.add_(source) if summed else target.copy_(source)
             param.grad = None
         seen.add(id(slot))
         self._got_gradient.add(id(slot))
@@ -336,7 +358,8 @@ class GradientReducer(OptimizerExchangeMixin):
                 self.ledger.release("buffers", tensor_bytes(carried))
             self._carried.clear()
             for buffer, _ in self._buckets.values():
-                self._free_buckets.append((buffer, None))
+                if buffer is not None:
+                    self._free_buckets.append((buffer, None))
             for unit in self.units:
                 for slot in unit.slots:
                     slot.param.grad = None
@@ -353,6 +376,8 @@ class GradientReducer(OptimizerExchangeMixin):
                 if id(slot) not in self._written[unit.index]:
                     self._slot_views[id(slot)].zero_()
             return
+        if unit.index in self._partitions_as_buckets:
+            return  # nothing to add
         bucket = self._bucket_for(unit)
         for slot in unit.slots:
             if id(slot) not in self._seen[unit.index]:
@@ -368,14 +393,16 @@ class GradientReducer(OptimizerExchangeMixin):
         bucket = self._bucket_for(unit)
         if self.comm_dtype != self.grad_dtype:
             return  # .grad must have the parameter's dtype
-        bucket[: unit.numel].zero_()
+        if unit.index not in self._partitions_as_buckets:  # (a partition holds the window's sum so far)
+            bucket[: unit.numel].zero_()
         for slot in unit.slots:
             if slot.param.grad is None and id(slot) not in self._seen[unit.index]:
                 slot.param.grad = bucket[slot.offset : slot.offset + slot.numel].view(slot.shape)
 
     # -- buckets (stages 2-3) ----------------------------------------------------------
     def _bucket_for(self, unit: FlatUnit) -> torch.Tensor:
-        """The unit's bucket, taken from the pool on first use in this backward.
+        """The unit's bucket, taken from the pool on first use in this backward (or its
+        partition, which a group of one sums in: `_sums_in_partitions`).
 
         The pool grows to MAX_IN_FLIGHT + 1 buckets (one filling, the rest in flight);
         beyond that, an empty pool waits for the oldest reduction to return its bucket.
@@ -383,6 +410,9 @@ class GradientReducer(OptimizerExchangeMixin):
         """
         if unit.index in self._buckets:
             return self._buckets[unit.index][1]
+        if unit.index in self._partitions_as_buckets:
+            self._buckets[unit.index] = (None, self._partitions_as_buckets[unit.index])
+            return self._partitions_as_buckets[unit.index]
         if not self._free_buckets and self._launched and self._bucket_count > MAX_IN_FLIGHT:
             self._complete_oldest()
         if self._free_buckets:
@@ -434,7 +464,9 @@ class GradientReducer(OptimizerExchangeMixin):
             pending = self._reduce_to_owner(bucket, lo, hi, what, divide_by=self.divisor)
 
             def finalize() -> None:
-                self._free_buckets.append((buffer, self.store.receive_gradient(unit, bucket[lo:hi])))
+                read = self.store.receive_gradient(unit, bucket[lo:hi])  # (nothing to add: a partition)
+                if buffer is not None:
+                    self._free_buckets.append((buffer, read))
                 self._across_replicas(unit, lambda: self.store.gradient(unit), what, lambda: None)
 
         self._enqueue(_Launched(unit, pending, finalize))

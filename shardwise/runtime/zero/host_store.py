@@ -97,6 +97,9 @@ class HostGradientStore(ShardStore):
         self.moved["device_to_host"] += tensor_bytes(reduced)
         return self.copies.receive(unit.index, reduced, super().gradient(unit))
 
+    def summing_target(self, unit: FlatUnit) -> torch.Tensor | None:
+        return None  # a chunk is copied to the host, not summed where it was reduced
+
     def gradient(self, unit: FlatUnit) -> torch.Tensor:
         self.copies.settle([unit.index])
         return super().gradient(unit)

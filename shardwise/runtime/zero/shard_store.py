@@ -15,6 +15,8 @@ ZeRO-Infinity (NVMe files) are further stores, not further branches in the engin
                           already is that memory (stages 0-1 on the device), nothing to do;
                           returns None, or the event after which `reduced` may be written
                           again (a host tier's copy still reading it)
+    summing_target(unit)  `gradient(unit)` where receiving a chunk only adds it there (None
+                          for a host tier): a group of one sums micro-batches in it directly
     sub_groups            segments in pieces of about `sub_group_size` elements
     resident(sub_group)   the sub-group's masters and optimizer state are in memory for the
                           duration of the block (a paging tier reads them in and writes back)
@@ -144,6 +146,12 @@ class ShardStore:
         if reduced.data_ptr() != target.data_ptr():
             target.add_(reduced)
         return None
+
+    def summing_target(self, unit: FlatUnit) -> torch.Tensor | None:
+        """The memory `receive_gradient` adds `unit`'s reduced chunk into when that is all it
+        does (a memory-resident tier), else None (a tier that copies the chunk elsewhere): a
+        reducer with nothing to reduce lets autograd sum each micro-batch there itself."""
+        return self.gradient(unit)
 
     @contextmanager
     def resident(self, sub_group: list[SegmentState]) -> Iterator[list[SegmentState]]:

@@ -85,6 +85,9 @@ class SplitShardStore(ShardStore):
     def receive_gradient(self, unit: FlatUnit, reduced: torch.Tensor) -> Any:
         return self._owner_of_unit[unit.index].receive_gradient(unit, reduced)
 
+    def summing_target(self, unit: FlatUnit) -> torch.Tensor | None:
+        return self._owner_of_unit[unit.index].summing_target(unit)
+
     def start_window(self) -> None:
         self.device.start_window()
         self.offloaded.start_window()
