@@ -352,6 +352,14 @@ class ActivationCheckpointingConfig(Section):
     policy: Literal["none", "full", "every_k", "selective", "sqrt"] = "none"
     every_k: Int = Field(2, ge=1)
 
+    @field_validator("number_checkpoints", mode="before")
+    @classmethod
+    def _false_is_no_count(cls, count: Any) -> Any:
+        """Public configs write `false` here beside this block's other switches, all false
+        (IDEA-Research's hana); DeepSpeed 0.19.8 accepts it, as a count of none: not given.
+        `true` stays refused (no count)."""
+        return None if count is False else count
+
 
 class AioConfig(Section):
     """Asynchronous NVMe I/O for ZeRO-Infinity; absent unless the config has an `aio` block."""

@@ -130,6 +130,16 @@ def test_ranges_and_types_are_checked_with_the_value_given():
     ]
 
 
+def test_number_checkpoints_false_is_no_count_as_in_deepspeed_and_true_is_refused():
+    switches = {"partition_activations": False, "contiguous_memory_optimization": False, "profile": False}
+    config = load_config({"train_batch_size": 8,
+                          "activation_checkpointing": {**switches, "number_checkpoints": False}}, world_size=1)
+    assert config.activation_checkpointing.number_checkpoints is None
+    assert problems_of({"train_batch_size": 8, "activation_checkpointing": {"number_checkpoints": True}}) == [
+        "activation_checkpointing.number_checkpoints: expected a number, got True"
+    ]
+
+
 OPTIMIZER_CHOICES = ("Adam, AdamW, SGD, Adagrad, Lamb, Lars, Lion, Adafactor, Adam8bit, AdamW8bit, Muon, OneBitAdam, "
                      "OneBitLamb, ZeroOneAdam, or a torch.optim class by its exact name")
 
