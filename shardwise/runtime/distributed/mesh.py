@@ -44,6 +44,11 @@ since the size comes from the model's layers, not the job's layout):
     expert_data  the members at this rank's place in every expert group: they hold the
                  same experts, whose gradients are summed over it
 
+DeepSpeed's `use_data_before_expert_parallelism` (`data_before_expert`) swaps the two: an
+expert group takes every (D/E)-th member of the data group, and the members holding the
+same experts are consecutive (D + E instead of E + D; DeepSpeed 0.19.8 has it without
+tensor or sequence parallelism only, and so does shardwise).
+
 Every group knows its members' nodes, so a communicator counts the bytes it sends over
 links inside a node and between nodes apart (collectives.py).
 
@@ -96,6 +101,7 @@ class ParallelSizes:
     ranks_per_node: int | None = None  # None: every rank on one node
     secondary_shard: int = 1  # hpZ: ranks of a node's shard-group ranks that hold one secondary partition
     shard_by_node: bool = False  # build ZeRO++'s groups (shard_node, shard_nodes, secondary)
+    data_before_expert: bool = False  # expert groups strided, expert-data groups consecutive (see above)
 
     def __post_init__(self) -> None:
         for name in DIMENSIONS:
@@ -135,12 +141,13 @@ class ParallelSizes:
     @classmethod
     def of_job(cls, world_size: int, *, tensor: int = 1, sequence: int = 1, pipeline: int = 1,
                shard_size: int | None = None, ranks_per_node: int | None = None, secondary_shard: int = 1,
-               shard_by_node: bool = False) -> "ParallelSizes":
+               shard_by_node: bool = False, data_before_expert: bool = False) -> "ParallelSizes":
         """The grid for `world_size` ranks: data parallelism is what tensor, sequence and
         pipeline leave (world ÷ (tp·sp·pp)); ZeRO shards over `shard_size` of those data
         ranks (hybrid sharding) and replicates over the rest, or over all of them (None).
         `ranks_per_node`, `secondary_shard`, `shard_by_node`: the node topology and
-        ZeRO++'s groups (see the module's docstring)."""
+        ZeRO++'s groups; `data_before_expert`: the experts' groups' order (see the module's
+        docstring)."""
         model_parallel = tensor * sequence * pipeline
         if world_size % model_parallel:
             raise ValueError(f"{world_size} processes cannot hold tensor x sequence x pipeline = {tensor} x "
@@ -152,7 +159,7 @@ class ParallelSizes:
             raise ValueError(f"a shard group of {shard} ranks does not divide the {data} data-parallel ranks "
                              "(hybrid sharding replicates whole shard groups)")
         return cls(pipeline, data // shard, shard, sequence, tensor, ranks_per_node, secondary_shard,
-                   shard_by_node or secondary_shard > 1)
+                   shard_by_node or secondary_shard > 1, data_before_expert)
 
     def coordinates(self, rank: int) -> dict[str, int]:
         """This rank's index along every dimension."""
@@ -209,13 +216,21 @@ class ParallelSizes:
     def expert_groups(self, expert: int) -> dict[str, list[list[int]]]:
         """{"expert": ..., "expert_data": ...} for an expert-parallel size `expert` (see the
         module's docstring): each data group cut into runs of `expert` members, and the
-        members at one place of every run."""
+        members at one place of every run; with `data_before_expert`, runs of D/E members
+        hold the same experts and the members at one place of every run form an expert group."""
         data = self.size("data")
         if expert < 1 or data % expert:
             raise ValueError(f"an expert-parallel size of {expert} (ep_size) does not divide the {data} data-parallel "
                              "ranks it is carved from; use a divisor of world / (tp·sp·pp)")
-        runs = [group[start : start + expert] for group in self.groups("data") for start in range(0, data, expert)]
-        strided = [group[place::expert] for group in self.groups("data") for place in range(expert)]
+        width = data // expert if self.data_before_expert else expert
+        if self.data_before_expert and self.tensor * self.sequence > 1:
+            raise ValueError("use_data_before_expert_parallelism with tensor or sequence parallelism: DeepSpeed 0.19.8 "
+                             "has that order only without them (it raises NotImplementedError), and so does shardwise; "
+                             "set it to false, or tensor_parallel.size and sequence_parallel.size to 1")
+        runs = [group[start : start + width] for group in self.groups("data") for start in range(0, data, width)]
+        strided = [group[place::width] for group in self.groups("data") for place in range(width)]
+        if self.data_before_expert:
+            return {"expert": strided, "expert_data": runs}
         return {"expert": runs, "expert_data": strided}
 
     def describe(self) -> str:

@@ -46,7 +46,8 @@ def parallel_sizes(policies: Policies, world_size: int) -> ParallelSizes:
                                 pipeline=policies.pipeline.size, shard_size=shard,
                                 ranks_per_node=ranks_per_node(policies.topology, world_size),
                                 secondary_shard=plus_plus.hpz_partition_size,
-                                shard_by_node=plus_plus.quantized_gradients)
+                                shard_by_node=plus_plus.quantized_gradients,
+                                data_before_expert=policies.expert.data_before_expert)
 
 
 def start_job(model: nn.Module, policies: Policies, optimizer: torch.optim.Optimizer | None = None,

@@ -36,6 +36,27 @@ def test_hybrid_sharding_keeps_shard_groups_on_consecutive_ranks():
     assert sizes.coordinates(6) == {"pipeline": 0, "data_replicate": 1, "data_shard": 2, "sequence": 0, "tensor": 0}
 
 
+def test_expert_groups_in_deepspeeds_two_orders():
+    """E + D (the default) and D + E (`use_data_before_expert_parallelism`), as DeepSpeed
+    0.19.8 builds them (deepspeed/utils/groups.py `_create_expert_and_data_parallel`: per
+    pipeline stage of `pp_stride` ranks, expert-data groups `range(start + i, start +
+    pp_stride, E)` and expert groups of E consecutive ranks; with the flag, expert-data
+    groups `range(start + i·s, start + (i + 1)·s)` and expert groups `range(start + i,
+    start + pp_stride, s)`, s = pp_stride / E)."""
+    plain, swapped = sizes_for(8), sizes_for(8, use_data_before_expert_parallelism=True)
+    assert plain.expert_groups(2) == {"expert": [[0, 1], [2, 3], [4, 5], [6, 7]],
+                                      "expert_data": [[0, 2, 4, 6], [1, 3, 5, 7]]}
+    assert swapped.expert_groups(2) == {"expert": [[0, 4], [1, 5], [2, 6], [3, 7]],
+                                        "expert_data": [[0, 1, 2, 3], [4, 5, 6, 7]]}
+    assert swapped.expert_groups(4) == {"expert": [[0, 2, 4, 6], [1, 3, 5, 7]],
+                                        "expert_data": [[0, 1], [2, 3], [4, 5], [6, 7]]}
+    staged = sizes_for(8, use_data_before_expert_parallelism=True, pipeline_parallel={"size": 2})
+    assert staged.expert_groups(2) == {"expert": [[0, 2], [1, 3], [4, 6], [5, 7]],
+                                       "expert_data": [[0, 1], [2, 3], [4, 5], [6, 7]]}
+    with pytest.raises(ValueError, match="NotImplementedError"):
+        sizes_for(8, use_data_before_expert_parallelism=True, tensor_parallel={"size": 2}).expert_groups(2)
+
+
 def test_tensor_is_innermost_and_pipeline_outermost():
     sizes = ParallelSizes(pipeline=2, data_replicate=1, data_shard=2, sequence=1, tensor=2)
     assert sizes.world == 8

@@ -72,7 +72,7 @@ SHADOWED_ALIASES = frozenset({("", "bfloat16")})
 DEEPSPEED_KEYS_NOT_SUPPORTED: dict[str, frozenset[str]] = {
     "": frozenset({
         "managed_gradient_accumulation",
-        "use_data_before_expert_parallelism", "vocabulary_size",
+        "vocabulary_size",
     }),
     "expert_parallel": frozenset({  # DeepSpeed's AutoEP beyond `enabled` and `autoep_size`
         "async_split_plan", "combine_impl", "comm_backend", "comm_max_tokens_per_rank", "comm_num_sm",

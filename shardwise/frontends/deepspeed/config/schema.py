@@ -745,6 +745,7 @@ class ShardwiseConfig(Section):
     aio: AioConfig | None = None
     tensor_parallel: TensorParallelConfig = Field(default_factory=TensorParallelConfig)
     expert_parallel: ExpertParallelConfig = Field(default_factory=ExpertParallelConfig)
+    use_data_before_expert_parallelism: Bool = False
     sequence_parallel: SequenceParallelConfig = Field(default_factory=SequenceParallelConfig)
     pipeline_parallel: PipelineParallelConfig = Field(default_factory=PipelineParallelConfig)
     topology: TopologyConfig = Field(default_factory=TopologyConfig)

@@ -90,10 +90,12 @@ def schedule(optimizer: torch.optim.Optimizer) -> torch.optim.lr_scheduler.Lambd
     return torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: 1 / (1 + step))
 
 
-def train_parallel(rank: int, world_size: int, stage: int, k: int, residual: bool, ep_size: int = 1) -> dict:
+def train_parallel(rank: int, world_size: int, stage: int, k: int, residual: bool, ep_size: int = 1,
+                   data_before_expert: bool = False) -> dict:
     model = MoeNet(k, residual, ep_size)
     config = {"train_micro_batch_size_per_gpu": ROWS, "zero_optimization": {"stage": stage,
-                                                                            "stage3_param_persistence_threshold": 0}}
+                                                                            "stage3_param_persistence_threshold": 0},
+              "use_data_before_expert_parallelism": data_before_expert}
     engine = shardwise.initialize(model, config, optimizer=torch.optim.AdamW(groups_of(model), lr=1e-2),
                                   lr_scheduler=schedule)  # a builder: with ep_size > 1 the experts get their own
     losses = []
@@ -144,13 +146,15 @@ def test_moe_model_trains_like_plain_torch(stage, k, residual):
     assert any("deepspeed_moe.experts.deepspeed_experts.3" in name for name in expected["params"])
 
 
-def expert_name(name: str, rank: int, ep_size: int) -> str:
-    """The every-expert model's name of rank `rank`'s local expert parameter `name`."""
+def expert_name(name: str, rank: int, ep_size: int, place: int | None = None) -> str:
+    """The every-expert model's name of rank `rank`'s local expert parameter `name`
+    (`place`: the rank's place in its expert group, by default rank % ep_size)."""
     if ".deepspeed_experts." not in name:
         return name
     head, tail = name.split(".deepspeed_experts.")
     local, rest = tail.split(".", 1)
-    return f"{head}.deepspeed_experts.{(rank % ep_size) * (4 // ep_size) + int(local)}.{rest}"
+    place = rank % ep_size if place is None else place
+    return f"{head}.deepspeed_experts.{place * (4 // ep_size) + int(local)}.{rest}"
 
 
 @pytest.mark.parametrize("world_size, stage, k", [(2, 2, 2), (2, 3, 1), (4, 1, 1)],
@@ -167,6 +171,20 @@ def test_expert_parallel_training_equals_every_expert_on_one_process(world_size,
         assert sum(".deepspeed_experts." in name for name in result["params"]) == 2 * 2 * 2  # 2 layers x 2 local
         for name, weight in result["params"].items():
             reference = expected["params"][expert_name(name, rank, 2)]
+            assert ((weight - reference).norm() / reference.norm()).item() < 1e-5, name
+
+
+def test_data_before_expert_order_trains_like_every_expert_on_one_process():
+    """`use_data_before_expert_parallelism` on 4 ranks at ep_size 2: the expert groups are
+    ranks {0, 2} and {1, 3} (DeepSpeed's D + E order), so ranks 0-1 hold experts 0-1 and
+    ranks 2-3 experts 2-3, and training still equals the every-expert model."""
+    expected = train_reference(4, 1, residual=False)
+    for rank, result in enumerate(run_distributed(train_parallel, 4, 1, 1, False, 2, True, timeout=240)):
+        for step in range(STEPS):
+            want = expected["losses"][step][rank]
+            assert abs(result["losses"][step] - want) < 1e-5 * abs(want), (step, result["losses"], want)
+        for name, weight in result["params"].items():
+            reference = expected["params"][expert_name(name, rank, 2, place=rank // 2)]
             assert ((weight - reference).norm() / reference.norm()).item() < 1e-5, name
 
 

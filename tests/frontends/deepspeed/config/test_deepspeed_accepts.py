@@ -21,6 +21,9 @@ CONFIGS = {
         "train_micro_batch_size_per_gpu": 8, "gradient_accumulation_steps": 2, "optimizer": ADAMW,
         "cuda_visible_devices": "0,1,2,3", "comms_config": {"verbose": False}, "monitor_config": {"enabled": False},
     },
+    "data_before_expert_parallelism": {  # DeepSpeed's MoE group order (runtime/distributed/mesh.py)
+        "train_micro_batch_size_per_gpu": 2, "optimizer": ADAMW, "use_data_before_expert_parallelism": True,
+    },
     "disable_allgather": {
         "train_batch_size": 32, "zero_optimization": {"stage": 2, "contiguous_gradients": True},
         "disable_allgather": True, "optimizer": ADAMW,
