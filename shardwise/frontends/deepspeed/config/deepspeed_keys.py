@@ -284,6 +284,11 @@ RULES: dict[str, dict[str, KeyRule]] = {
         "pipeline": Accepted("shardwise always overlaps NVMe reads and writes with the optimizer step"),
         "pipeline_read": Accepted("shardwise always reads the next sub-group ahead"),
         "pipeline_write": Accepted("shardwise always writes the previous sub-group behind"),
+        "super_offload": Accepted("speed only: DeepSpeed's SuperOffload (CUDA Superchips) starts the CPU step "
+                                  "during backward and rolls it back on overflow; the step it keeps is the one "
+                                  "shardwise's CPU offload takes"),
+        "cpuadam_cores_perc": Accepted("the share of the cores DeepSpeed's CPU Adam takes under SuperOffload; "
+                                       "shardwise's CPU step uses torch's thread count"),
     },
     "zero_optimization.offload_param": {
         "max_in_cpu": Accepted("the size of DeepSpeed's host cache of NVMe parameters; shardwise keeps no "

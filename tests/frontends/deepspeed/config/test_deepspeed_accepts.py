@@ -21,6 +21,11 @@ CONFIGS = {
         "train_micro_batch_size_per_gpu": 8, "gradient_accumulation_steps": 2, "optimizer": ADAMW,
         "cuda_visible_devices": "0,1,2,3", "comms_config": {"verbose": False}, "monitor_config": {"enabled": False},
     },
+    "super_offload": {  # DeepSpeed's SuperOffload for Superchips: speed only
+        "train_micro_batch_size_per_gpu": 2, "optimizer": ADAMW, "bf16": {"enabled": True},
+        "zero_optimization": {"stage": 3, "offload_optimizer": {"device": "cpu", "pin_memory": True,
+                                                                "super_offload": True, "cpuadam_cores_perc": 0.9}},
+    },
     "data_before_expert_parallelism": {  # DeepSpeed's MoE group order (runtime/distributed/mesh.py)
         "train_micro_batch_size_per_gpu": 2, "optimizer": ADAMW, "use_data_before_expert_parallelism": True,
     },
