@@ -3,6 +3,8 @@ engine's DeepSpeed methods, checkpoints, GatheredParameters, comm, and the optim
 classes, each checked against what DeepSpeed does or against plain PyTorch."""
 
 import argparse
+import json
+import os
 
 import pytest
 import torch
@@ -15,6 +17,7 @@ from shardwise.runtime.optim.lamb import Lamb
 from shardwise.runtime.optim.schedulers import WarmupCosineLR, WarmupDecayLR, WarmupLR
 from shardwise.tools.testing import run_distributed
 from tests.frontends.deepspeed.api import workers
+from tests.frontends.deepspeed.deepspeed_side import deepspeed_json
 
 FP32 = 1e-5
 
@@ -138,6 +141,77 @@ def test_cpu_accelerator_answers_as_deepspeeds_cpu_class(monkeypatch):
     first = torch.rand(2)
     accelerator.manual_seed(5)
     assert torch.equal(first, torch.rand(2))
+
+
+# Every public name of DeepSpeed 0.19.8's `DeepSpeedAccelerator` (deepspeed/accelerator/abstract_accelerator.py)
+ACCELERATOR_NAMES = (
+    "BFloat16Tensor ByteTensor DoubleTensor Event FloatTensor HalfTensor IntTensor LongTensor Stream available_memory "
+    "build_extension capture_to_graph communication_backend_name create_graph create_op_builder current_device "
+    "current_device_name current_stream default_generator default_stream device device_count device_name empty_cache "
+    "export_envs get_compile_backend get_op_builder get_rng_state handles_memory_backpressure initial_seed "
+    "is_available is_bf16_supported is_current_stream_capturing is_fp16_supported is_fp64_supported is_pinned "
+    "is_synchronized_device is_triton_supported lazy_call manual_seed manual_seed_all max_memory_allocated "
+    "max_memory_cached max_memory_reserved memory_allocated memory_cached memory_reserved memory_stats on_accelerator "
+    "op_builder_dir pin_empty pin_empty_like pin_memory pin_memory_alignment prefer_triton_grouped_mm random range_pop "
+    "range_push register_host_memory replay_graph reset_max_memory_allocated reset_max_memory_cached "
+    "reset_peak_memory_stats resolves_data_dependency set_compile_backend set_device set_rng_state "
+    "set_visible_devices_envs stream supported_dtypes supports_nvtx_domain synchronize total_memory unpin_memory "
+    "unregister_host_memory use_host_timers visible_devices_envs").split()
+
+
+def test_the_accelerator_answers_every_question_deepspeeds_does():
+    accelerator = deepspeed.get_accelerator()
+    assert [name for name in ACCELERATOR_NAMES if not hasattr(accelerator, name)] == []
+    if os.environ.get("DEEPSPEED_PYTHON"):
+        listed = deepspeed_json("import inspect, json\n"
+                                "from deepspeed.accelerator.abstract_accelerator import DeepSpeedAccelerator\n"
+                                "print(json.dumps(sorted(n for n, _ in inspect.getmembers(DeepSpeedAccelerator) "
+                                "if not n.startswith('_'))))")
+        assert listed == sorted(ACCELERATOR_NAMES)
+
+
+# What DeepSpeed 0.19.8's CPU accelerator answers, each question as a line of Python over `a`
+CPU_QUESTIONS = {
+    "synchronized": "a.is_synchronized_device() and a.use_host_timers() and a.resolves_data_dependency()",
+    "no streams": "(a.Stream, a.Event, a.current_stream(), a.default_stream(), a.create_graph())",
+    "empty stream context": "type(a.stream(None).__enter__()).__name__",
+    "float tensor type": "a.FloatTensor([1.5]).dtype == torch.float32 and a.LongTensor is torch.LongTensor",
+    "generator": "a.default_generator(0) is torch.default_generator and a.random() is torch.random",
+    "lazy call": "a.lazy_call(lambda: 7)",
+    "memory in step": "(a.memory_allocated() > 2**20, a.max_memory_allocated() >= a.memory_allocated(), "
+                      "a.memory_reserved() > 2**20, sorted(a.memory_stats()))",
+    "host memory": "0 < a.available_memory() <= a.total_memory()",
+    "triton": "a.is_triton_supported()",
+    "envs": "(a.export_envs(), a.visible_devices_envs())",
+    "set envs": "(lambda env: (a.set_visible_devices_envs(env, [0, 2]), env)[1])({})",
+    "compile backend": "a.get_compile_backend()",
+    "op builders": "(a.create_op_builder('CPUAdamBuilder').is_compatible(), "
+                   "a.create_op_builder('NoSuchBuilder').is_compatible())",
+    "fp64": "a.is_fp64_supported()",
+}
+
+
+def test_cpu_accelerator_answers_the_rest_as_deepspeeds_cpu_class():
+    if torch.cuda.is_available():
+        pytest.skip("the CUDA accelerator answers with CUDA objects")
+    accelerator = deepspeed.get_accelerator()
+    mine = {key: eval(question, {"torch": torch, "a": accelerator}) for key, question in CPU_QUESTIONS.items()}
+    expected = {"synchronized": True, "no streams": (None,) * 5, "empty stream context": "NoneType",
+                "float tensor type": True, "generator": True, "lazy call": 7,
+                "memory in step": (True, True, True, ["allocated_bytes.all.current", "allocated_bytes.all.peak"]),
+                "host memory": True, "triton": False, "envs": ([], ["CUDA_VISIBLE_DEVICES"]),
+                "set envs": {"CUDA_VISIBLE_DEVICES": "0,2"}, "compile backend": "inductor",
+                "op builders": (True, True), "fp64": True}
+    assert mine == expected
+    with pytest.raises(ValueError, match="not been implemented"):
+        accelerator.create_op_builder("NoSuchBuilder").load()
+    if os.environ.get("DEEPSPEED_PYTHON"):
+        script = ("import json, torch\nfrom deepspeed.accelerator import get_accelerator\na = get_accelerator()\n"
+                  f"questions = {CPU_QUESTIONS!r}\n"
+                  "answers = {k: eval(q, {'torch': torch, 'a': a}) for k, q in questions.items()}\n"
+                  "print(json.dumps(answers, default=repr))")
+        theirs = deepspeed_json(script)
+        assert theirs == json.loads(json.dumps(mine, default=repr))
 
 
 def test_zero_init_builds_the_same_model_and_gathering_untrained_parameters_does_nothing():

@@ -127,6 +127,7 @@ def test_every_op_builder_is_compatible_and_load_names_the_python_class():
     from shardwise.frontends.deepspeed.api.ops.aio import AsyncIOBuilder
 
     assert deepspeed.ops.__compatible_ops__ == {"fused_adam": True, "cpu_adam": True, "fused_lamb": True,
+                                                "cpu_adagrad": True, "cpu_lion": True, "fused_lion": True,
                                                 "async_io": True}
     assert deepspeed.git_version_info.compatible_ops is deepspeed.ops.__compatible_ops__
     assert AsyncIOBuilder is op_builder.AsyncIOBuilder and AsyncIOBuilder.NAME == "async_io"

@@ -9,7 +9,9 @@ every builder here is compatible and `load()` raises, naming the class to use in
 
 from __future__ import annotations
 
-__all__ = ["AsyncIOBuilder", "CPUAdamBuilder", "FusedAdamBuilder", "FusedLambBuilder", "OpBuilder", "compatible_ops"]
+__all__ = ["AsyncIOBuilder", "CPUAdagradBuilder", "CPUAdamBuilder", "CPULionBuilder", "FusedAdamBuilder",
+           "FusedLambBuilder", "FusedLionBuilder", "NotImplementedBuilder", "OpBuilder", "builder_named",
+           "compatible_ops"]
 
 
 class OpBuilder:
@@ -44,11 +46,49 @@ class FusedLambBuilder(OpBuilder):
     REPLACEMENT = "deepspeed.ops.lamb.FusedLamb (shardwise's LAMB)"
 
 
+class CPUAdagradBuilder(OpBuilder):
+    NAME = "cpu_adagrad"
+    REPLACEMENT = "deepspeed.ops.adagrad.DeepSpeedCPUAdagrad (torch's Adagrad on the host)"
+
+
+class CPULionBuilder(OpBuilder):
+    NAME = "cpu_lion"
+    REPLACEMENT = "deepspeed.ops.lion.DeepSpeedCPULion (shardwise's Lion)"
+
+
+class FusedLionBuilder(OpBuilder):
+    NAME = "fused_lion"
+    REPLACEMENT = "deepspeed.ops.lion.FusedLion (shardwise's Lion)"
+
+
 class AsyncIOBuilder(OpBuilder):
     NAME = "async_io"
     REPLACEMENT = ("shardwise's NVMe store, used through the config's offload_optimizer / offload_param "
                    "{\"device\": \"nvme\"}")
 
 
-compatible_ops: dict[str, bool] = {builder.NAME: builder().is_compatible()
-                                   for builder in (FusedAdamBuilder, CPUAdamBuilder, FusedLambBuilder, AsyncIOBuilder)}
+class NotImplementedBuilder(OpBuilder):
+    """What DeepSpeed's accelerators hand out for an op they have no builder for (their
+    `get_op_builder`): as DeepSpeed's, it says it is compatible and fails to load."""
+
+    NAME = "deepspeed_not_implemented"
+
+    def absolute_name(self) -> str:
+        return f"deepspeed.ops.comm.{self.NAME}_op"
+
+    def load(self, verbose: bool = True):
+        raise ValueError("This op had not been implemented on this accelerator (shardwise lists the ops it does "
+                         "in deepspeed.ops.__compatible_ops__)")
+
+
+BUILDERS = (FusedAdamBuilder, CPUAdamBuilder, FusedLambBuilder, CPUAdagradBuilder, CPULionBuilder, FusedLionBuilder,
+            AsyncIOBuilder)
+
+
+def builder_named(class_name: str) -> type[OpBuilder]:
+    """The builder class `class_name` names (`get_accelerator().get_op_builder`), or
+    `NotImplementedBuilder` for one shardwise does not list."""
+    return next((builder for builder in BUILDERS if builder.__name__ == class_name), NotImplementedBuilder)
+
+
+compatible_ops: dict[str, bool] = {builder.NAME: builder().is_compatible() for builder in BUILDERS}
