@@ -49,7 +49,7 @@ from torch import nn
 from torch.utils.data import DataLoader, Dataset, IterableDataset
 
 from shardwise.frontends.deepspeed.api.runtime.engine.checkpoint_arguments import tag_validation_mode
-from shardwise.frontends.deepspeed.api.comm import DEFAULT_PORT, init_distributed
+from shardwise.frontends.deepspeed.api.comm import DEFAULT_PORT, configure as configure_comms_logger, init_distributed
 from shardwise.frontends.deepspeed.api.runtime.engine import DeepSpeedEngine
 from shardwise.frontends.deepspeed.api.runtime.pipe.engine import PipelineEngine
 from shardwise.frontends.deepspeed.api.pipe import PipelineModule
@@ -127,6 +127,8 @@ def initialize(
     auto_values = {"scheduler.params.warmup_max_lr": optimizer.defaults["lr"]} if optimizer is not None else {}
     world_size = torch.distributed.get_world_size()
     cfg = load_config(raw, world_size=world_size, hidden_size=hidden_size(model), auto_values=auto_values)
+    if raw.get("comms_logger"):  # DeepSpeed's engine configures deepspeed.comm's logger from its block
+        configure_comms_logger(raw)
     if mpu is not None:
         _require_mpu_size(cfg.sequence_parallel.size, mpu.get_sequence_parallel_world_size())
     if optimizer is None and cfg.optimizer is not None and model_parameters is not None:

@@ -192,8 +192,10 @@ RULES: dict[str, dict[str, KeyRule]] = {
         "zero_allow_untested_optimizer": Accepted("shardwise runs any torch optimizer under every ZeRO stage"),
         "zero_force_ds_cpu_optimizer": Accepted("with the optimizer offloaded, shardwise runs the optimizer you "
                                                 "gave on the host; there is no separate CPU Adam to force"),
-        "comms_logger": Accepted(f"{DIAGNOSTICS}; engine.comm_volume(per_group=True) counts every collective's "
-                                 "bytes per group and operation"),
+        "comms_logger": Accepted("deepspeed.initialize configures deepspeed.comm's logger from it, which times the "
+                                 "collectives a script calls through deepspeed.comm (deepspeed.comm.log_summary()); "
+                                 "the engine's own are counted by engine.comm_volume(per_group=True), bytes per "
+                                 "group and operation"),
         "prescale_gradients": Accepted("shardwise always divides each gradient by the data-parallel size before "
                                        "summing it (DeepSpeed's true; false sums first): the same average, rounded "
                                        "in a different order"),

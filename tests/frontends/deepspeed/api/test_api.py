@@ -32,6 +32,7 @@ def test_initialize_trains_like_plain_torch_with_deepspeed_arguments(stage, tmp_
         # model_parameters' own groups and hyper-parameters, with the config's optimizer
         assert report["group_hyper"] == [(workers.LR, workers.DECAY), (workers.BIAS_LR, 0.0)]
         assert report["accessors"] == (8, 2, 2, 2, stage, False, False, rank, rank, 2)
+        assert report["parallel_accessors"] == ((8, 2, 2), rank, 0, 0, None)
         assert report["passthrough"][:2] == ("the user's model", "the user's model with 65 parameters")
         assert report["passthrough"][2:] == (True, True)
         assert report["batch_sizes"] == [workers.MICRO] * 6

@@ -100,6 +100,9 @@ def train_through_api(rank: int, world_size: int, stage: int, directory: str) ->
                       engine.gradient_accumulation_steps(), int(engine.gradient_accumulation_steps),
                       engine.zero_optimization_stage(), engine.fp16_enabled(), engine.bfloat16_enabled(),
                       engine.local_rank, engine.global_rank, engine.world_size),
+        "parallel_accessors": (engine.get_batch_info(), engine.get_data_parallel_rank(),
+                               engine.get_tensor_parallel_rank(), engine.get_model_parallel_rank(),
+                               engine.get_sequence_parallel_group()),
         "passthrough": (engine.tag, engine.describe(), isinstance(engine, nn.Module),
                         len(list(engine.parameters())) == len(list(model.parameters()))),
         "rows": seen_rows,
@@ -155,10 +158,14 @@ def _checkpoints(engine, model, scheduler, directory: Path) -> dict:
 def _sixteen_bit_model(engine, directory: Path) -> dict:
     written = engine.save_16bit_model(directory, "weights.bin")
     state = torch.load(directory / "weights.bin") if written else {}
+    legacy = engine.save_fp16_model(directory / "legacy")  # DeepSpeed's older name, its default file name
+    legacy_state = torch.load(directory / "legacy" / "pytorch_model.bin") if legacy else {}
     with deepspeed.zero.GatheredParameters(list(engine.module.parameters())):
         whole = {name: param.detach().clone() for name, param in engine.module.named_parameters()}
-    return {"sixteen_bit_written": written,
-            "sixteen_bit_equal": sorted(state) == sorted(whole) and all(torch.equal(state[k], whole[k]) for k in whole)}
+    return {"sixteen_bit_written": written and legacy,
+            "sixteen_bit_equal": all(sorted(saved) == sorted(whole) and all(torch.equal(saved[k], whole[k])
+                                                                             for k in whole)
+                                     for saved in (state, legacy_state))}
 
 
 def _comm(rank: int) -> dict:

@@ -119,6 +119,32 @@ class DeepSpeedEngine(ConfiguredEngine):
         """The model-parallel (tensor-parallel) size (DeepSpeed's attribute)."""
         return self.policies.tensor.size
 
+    def get_data_parallel_rank(self) -> int:
+        return self.mesh.data_rank
+
+    def get_tensor_parallel_rank(self) -> int:
+        return self.mesh["tensor"].rank
+
+    def get_model_parallel_rank(self) -> int:
+        """DeepSpeed's model-parallel rank is the tensor-parallel one (its `groups`)."""
+        return self.get_tensor_parallel_rank()
+
+    def get_sequence_parallel_group(self) -> Any:
+        """The sequence-parallel process group; None without sequence parallelism (where
+        DeepSpeed 0.19.8's engine never sets the attribute it returns)."""
+        return self.mesh["sequence"].group if self.policies.sequence.size > 1 else None
+
+    def get_batch_info(self) -> tuple[int, int, int]:
+        """(train_batch_size, train_micro_batch_size_per_gpu, gradient_accumulation_steps).
+        DeepSpeed 0.19.8 returns its three accessor methods themselves, not their values
+        (its docstring promises the values); the values are what a script can use."""
+        return (self.train_batch_size(), self.train_micro_batch_size_per_gpu(),
+                int(self.gradient_accumulation_steps()))
+
+    def save_fp16_model(self, save_dir: str | os.PathLike, save_filename: str = "pytorch_model.bin") -> bool:
+        """DeepSpeed's older name of `save_16bit_model`, kept by DeepSpeed for old scripts."""
+        return self.save_16bit_model(save_dir, save_filename)
+
     # -- DeepSpeed's accessors of the config as the script wrote it ----------------------------
     def optimizer_name(self) -> str | None:
         """The class name of the optimizer passed to initialize, else the config's
