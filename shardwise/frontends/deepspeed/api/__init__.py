@@ -37,15 +37,23 @@ from shardwise.frontends.deepspeed.api.inference import InferenceEngine, init_in
 from shardwise.frontends.deepspeed.api.init_engine import initialize
 from shardwise.frontends.deepspeed.api.runtime.config import DeepSpeedConfigError
 from shardwise.frontends.deepspeed.api.runtime.pipe.engine import PipelineEngine
-from shardwise.frontends.deepspeed.api.utils import log_dist, logger
+from shardwise.frontends.deepspeed.api.pipe import PipelineModule
+from shardwise.frontends.deepspeed.api.runtime.base_optimizer import DeepSpeedOptimizer
+from shardwise.frontends.deepspeed.api.runtime.dataloader import DeepSpeedDataLoader
+from shardwise.frontends.deepspeed.api.utils import OnDevice, log_dist, logger
 
 __version__ = git_version_info.version  # the DeepSpeed release whose API this package follows
+version, git_hash, git_branch = git_version_info.version, git_version_info.git_hash, git_version_info.git_branch
 
 __all__ = [
     "DeepSpeedConfigError",
+    "DeepSpeedDataLoader",
     "DeepSpeedEngine",
+    "DeepSpeedOptimizer",
     "InferenceEngine",
+    "OnDevice",
     "PipelineEngine",
+    "PipelineModule",
     "accelerator",
     "add_config_arguments",
     "checkpoint",
@@ -53,6 +61,8 @@ __all__ = [
     "comm",
     "compression",
     "get_accelerator",
+    "git_branch",
+    "git_hash",
     "git_version_info",
     "inference",
     "init_distributed",
@@ -66,5 +76,6 @@ __all__ = [
     "pipe",
     "runtime",
     "utils",
+    "version",
     "zero",
 ]

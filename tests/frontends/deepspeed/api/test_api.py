@@ -215,6 +215,31 @@ def test_cpu_accelerator_answers_the_rest_as_deepspeeds_cpu_class():
         assert theirs == json.loads(json.dumps(mine, default=repr))
 
 
+ON_DEVICE = """
+import json, torch
+def answers(deepspeed):
+    with deepspeed.OnDevice(dtype=torch.float16, device="meta"):
+        linear = torch.nn.Linear(4, 3)
+        index, legacy = torch.zeros(2, dtype=torch.long), torch.Tensor(2, 3)
+        explicit = torch.ones(2, device="cpu")
+    with deepspeed.OnDevice(dtype=torch.float16, enabled=False):
+        untouched = torch.nn.Linear(2, 2)
+    after = torch.empty(1)
+    return [str(t.device) + " " + str(t.dtype) for t in (linear.weight, linear.bias, index, legacy, explicit,
+                                                         untouched.weight, after)]
+"""
+
+
+def test_on_device_builds_tensors_where_and_in_the_dtype_deepspeeds_does():
+    namespace: dict = {}
+    exec(ON_DEVICE, namespace)
+    mine = namespace["answers"](deepspeed)
+    assert mine == ["meta torch.float16", "meta torch.float16", "meta torch.int64", "meta torch.float16",
+                    "cpu torch.float16", "cpu torch.float32", "cpu torch.float32"]
+    if os.environ.get("DEEPSPEED_PYTHON"):
+        assert deepspeed_json(ON_DEVICE + "import deepspeed\nprint(json.dumps(answers(deepspeed)))") == mine
+
+
 def test_zero_init_builds_the_same_model_and_gathering_untrained_parameters_does_nothing():
     torch.manual_seed(1)
     expected = nn.Linear(3, 2).weight.detach().clone()

@@ -3,11 +3,13 @@ as `deepspeed.utils.logging.logger`, whose level Lightning sets),
 `RepeatingLoader`, which pipeline scripts wrap their loaders in, `zero_to_fp32` (whole
 fp32 weights from a checkpoint, the functions scripts import from it), the `safe_*`
 helpers that read and write a parameter's training state under ZeRO (tensor_fragment.py),
-the ZeRO-3 leaf-module flags MoE scripts set (z3_leaf_module.py), and `groups`, the
-data/model/sequence/expert-parallel group getters (groups.py)."""
+the ZeRO-3 leaf-module flags MoE scripts set (z3_leaf_module.py), `groups`, the
+data/model/sequence/expert-parallel group getters (groups.py), and `OnDevice`, which builds
+a model's tensors on a device in a dtype (init_on_device.py)."""
 
 from __future__ import annotations
 
+from shardwise.frontends.deepspeed.api.utils.init_on_device import OnDevice
 from shardwise.frontends.deepspeed.api.utils.repeating_loader import RepeatingLoader
 from shardwise.frontends.deepspeed.api.utils import groups, logging
 from shardwise.frontends.deepspeed.api.utils.logging import log_dist, logger
