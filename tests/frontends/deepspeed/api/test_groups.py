@@ -36,6 +36,13 @@ def answers(groups) -> dict:  # noqa: ANN001 (DeepSpeed's module or shardwise's)
         said["sequence_group"] = dist.get_world_size(groups._get_sequence_parallel_group())
     except KeyError as error:
         said["sequence_group"] = f"KeyError: {error}"
+    for name in ("get_data_parallel_world_size", "get_data_parallel_rank", "get_tensor_model_parallel_world_size",
+                 "get_tensor_model_parallel_rank", "get_model_parallel_world_size",
+                 "get_tensor_model_parallel_src_rank", "_get_broadcast_src_rank"):  # AutoTP's groups' getters
+        try:
+            said[name] = getattr(groups, name)()
+        except AssertionError as error:
+            said[name] = f"AssertionError: {error}"
     try:
         groups._get_expert_parallel_group("ep_size_2")
         said["ep_size_2"] = [groups._get_expert_parallel_world_size("ep_size_2"),
@@ -74,8 +81,16 @@ def _before_and_after(rank: int, world_size: int) -> list[dict]:
     return [before, after, answers(groups)]
 
 
+NO_TENSOR_GROUPS = {name: f"AssertionError: {what} group is not initialized"
+                    for name, what in (("get_data_parallel_world_size", "data parallel"),
+                                       ("get_data_parallel_rank", "data parallel"),
+                                       ("get_tensor_model_parallel_world_size", "intra_layer_model parallel"),
+                                       ("get_tensor_model_parallel_rank", "intra_layer_model parallel"),
+                                       ("get_model_parallel_world_size", "intra_layer_model parallel"),
+                                       ("get_tensor_model_parallel_src_rank", "intra_layer_model parallel"))}
 NONE_YET = {"sequence_group": "KeyError: 'No sequence parallel group found'",
-            "ep_size_2": "AssertionError: expert parallel group is not initialized", "experts": []}
+            "ep_size_2": "AssertionError: expert parallel group is not initialized", "experts": [],
+            **NO_TENSOR_GROUPS, "_get_broadcast_src_rank": 0}
 
 
 def test_before_initialize_as_deepspeed_after_it_the_engines_layout():
@@ -105,6 +120,32 @@ deepspeed.initialize(model=model, model_parameters=model.parameters(),
                              "optimizer": {"type": "Adam", "params": {"lr": 0.1}}})
 print(json.dumps([before, namespace["answers"](groups)]))
 """
+
+
+def _with_tensor_parallelism(rank: int, world_size: int) -> dict:
+    model = nn.Sequential(nn.Linear(4, 4), nn.ReLU(), nn.Linear(4, 4))
+    deepspeed.initialize(model=model, model_parameters=model.parameters(),
+                         config={"train_micro_batch_size_per_gpu": 1,
+                                 "optimizer": {"type": "Adam", "params": {"lr": 0.1}},
+                                 "tensor_parallel": {"autotp_size": 2, "plan": {"0": "colwise", "2": "rowwise"}}})
+    said = answers(groups)
+    groups.set_tensor_model_parallel_world_size(8)
+    said["set_size"] = groups.get_model_parallel_world_size()
+    groups.set_tensor_model_parallel_world_size(None)
+    try:
+        groups.initialize(ep_size=2)
+    except Exception as error:  # DeepSpeed's DeprecatedException
+        said["initialize"] = type(error).__name__
+    return said
+
+
+def test_with_tensor_parallelism_the_model_parallel_getters_answer_from_the_layout():
+    for rank, said in enumerate(run_distributed(_with_tensor_parallelism, 2)):
+        assert (said["get_data_parallel_world_size"], said["get_data_parallel_rank"]) == (1, 0)
+        assert (said["get_tensor_model_parallel_world_size"], said["get_tensor_model_parallel_rank"],
+                said["get_model_parallel_world_size"], said["get_tensor_model_parallel_src_rank"]) == (2, rank, 2, 0)
+        assert said["_get_broadcast_src_rank"] == rank  # its sequence-data group is itself
+        assert said["set_size"] == 8 and said["initialize"] == "DeprecatedException"
 
 
 def _one_process(rank: int, world_size: int) -> list[dict]:

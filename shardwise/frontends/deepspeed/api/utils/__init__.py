@@ -9,6 +9,7 @@ a model's tensors on a device in a dtype (init_on_device.py)."""
 
 from __future__ import annotations
 
+from shardwise.frontends.deepspeed.api.utils.exceptions import DeprecatedException
 from shardwise.frontends.deepspeed.api.utils.init_on_device import OnDevice
 from shardwise.frontends.deepspeed.api.utils.repeating_loader import RepeatingLoader
 from shardwise.frontends.deepspeed.api.utils import groups, logging
@@ -41,7 +42,8 @@ from shardwise.frontends.deepspeed.api.utils.z3_leaf_module import (
 )
 
 __all__ = [
-    "RepeatingLoader", "fragment_address", "groups", "log_dist", "logger", "logging", "safe_get_full_fp32_param", "safe_get_full_grad",
+    "DeprecatedException", "OnDevice", "RepeatingLoader", "fragment_address", "groups", "log_dist", "logger",
+    "logging", "safe_get_full_fp32_param", "safe_get_full_grad",
     "safe_get_full_optimizer_state", "safe_get_local_fp32_param", "safe_get_local_grad",
     "safe_get_local_optimizer_state", "safe_set_full_fp32_param", "safe_set_full_grad",
     "safe_set_full_optimizer_state", "safe_set_local_fp32_param", "safe_set_local_grad",

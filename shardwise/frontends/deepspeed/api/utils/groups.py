@@ -14,6 +14,11 @@ expert-parallel size E, DeepSpeed's `ep_size_E`, are `expert` and `expert_data`.
 of one rank has no process group in the mesh; asked for, it is created here once, by
 every rank in the same order, as DeepSpeed creates its world clone on first use.
 
+The getters without an underscore (`get_data_parallel_group`, `get_tensor_model_parallel_rank`,
+..., the model-parallel unit DeepSpeed's AutoTP builds) answer, as in DeepSpeed, only once
+a layout with tensor parallelism exists; before, and without it, they raise DeepSpeed's
+AssertionError ("... group is not initialized").
+
 With ALST's mpu (`deepspeed.initialize(mpu=...)`, api/runtime/sequence_parallel/), the
 sequence and sequence-data groups are the mpu's own process groups, as in DeepSpeed: the
 script's adapter and attention run their collectives on them (initialize checked that
@@ -27,6 +32,7 @@ from typing import TYPE_CHECKING
 
 import torch.distributed as dist
 
+from shardwise.frontends.deepspeed.api.utils.exceptions import DeprecatedException
 from shardwise.runtime.distributed.setup import collective_timeout
 
 if TYPE_CHECKING:
@@ -36,6 +42,8 @@ if TYPE_CHECKING:
 _mesh: ParallelMesh | None = None
 _sequence_groups: ModuleType | None = None  # ALST's mpu (parallel_state_sp), when initialize was given it
 _created: dict[tuple[tuple[int, ...], ...], dist.ProcessGroup] = {}  # groups of one rank, by their layout
+_tensor_size_set: int | None = None  # set_tensor_model_parallel_world_size / _rank, which win over the layout
+_tensor_rank_set: int | None = None
 
 
 def use_mesh(mesh: ParallelMesh, *, sequence_groups: ModuleType | None = None) -> None:
@@ -192,3 +200,86 @@ def _get_max_expert_size() -> int | None:
 
 def _get_max_expert_size_name() -> str:
     return f"ep_size_{_get_max_expert_size()}"
+
+
+# -- the model-parallel unit's getters (DeepSpeed's AutoTP groups) ------------------------------
+def initialize(ep_size: int = 1, mpu: object = None) -> None:
+    raise DeprecatedException("Please do not use the groups.initialize() API as it is deprecated. Instead, pass the "
+                              "desired ep_size to deepspeed.moe.layer.MoE(..,ep_size,..)")
+
+
+def _ensure_divisibility(numerator: int, denominator: int) -> None:
+    assert numerator % denominator == 0, f"{numerator} is not divisible by {denominator}"
+
+
+def _tensor_parallel_layout() -> bool:
+    return _mesh is not None and _mesh["tensor"].size > 1
+
+
+def get_data_parallel_group() -> dist.ProcessGroup:
+    assert _tensor_parallel_layout(), "data parallel group is not initialized"
+    return _process_group(_mesh["data"], _mesh.sizes.groups("data"))
+
+
+def get_tensor_model_parallel_group() -> dist.ProcessGroup:
+    assert _tensor_parallel_layout(), "intra_layer_model parallel group is not initialized"
+    return _process_group(_mesh["tensor"], _mesh.sizes.groups("tensor"))
+
+
+def get_model_parallel_group() -> dist.ProcessGroup:
+    assert _tensor_parallel_layout(), "model parallel group is not initialized"
+    return get_tensor_model_parallel_group()
+
+
+def set_tensor_model_parallel_world_size(world_size: int) -> None:
+    global _tensor_size_set
+    _tensor_size_set = world_size
+
+
+def set_tensor_model_parallel_rank(rank: int) -> None:
+    global _tensor_rank_set
+    _tensor_rank_set = rank
+
+
+def get_tensor_model_parallel_world_size() -> int:
+    if _tensor_size_set is not None:
+        return _tensor_size_set
+    return dist.get_world_size(group=get_tensor_model_parallel_group())
+
+
+def get_tensor_model_parallel_rank() -> int:
+    if _tensor_rank_set is not None:
+        return _tensor_rank_set
+    return dist.get_rank(group=get_tensor_model_parallel_group())
+
+
+def get_model_parallel_world_size() -> int:
+    return get_tensor_model_parallel_world_size()
+
+
+def get_model_parallel_rank() -> int:
+    return get_tensor_model_parallel_rank()
+
+
+def get_tensor_model_parallel_src_rank() -> int:
+    """The global rank of this rank's tensor group's first member (tensor groups are runs
+    of consecutive ranks)."""
+    size = get_tensor_model_parallel_world_size()
+    return dist.get_rank() // size * size
+
+
+def get_data_parallel_world_size() -> int:
+    return dist.get_world_size(group=get_data_parallel_group())
+
+
+def get_data_parallel_rank() -> int:
+    return dist.get_rank(group=get_data_parallel_group())
+
+
+def _get_broadcast_src_rank() -> int:
+    _initialized()
+    return dist.get_global_rank(_get_sequence_data_parallel_group(), 0)
+
+
+def _get_expert_broadcast_src_rank(group_name: str) -> int:
+    return dist.get_global_rank(_get_expert_data_parallel_group(group_name), 0)
