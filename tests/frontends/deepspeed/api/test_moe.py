@@ -3,6 +3,7 @@ dropping, top-1 and top-2, the auxiliary loss) checked by hand on small cases, a
 model with MoE layers trained by the engine at ZeRO stages 0-3 equal to plain PyTorch
 (the loss including the auxiliary loss)."""
 
+import json
 import os
 import subprocess
 
@@ -12,6 +13,7 @@ import torch
 from torch import nn
 
 import shardwise
+import shardwise.frontends.deepspeed.api as deepspeed
 from shardwise.frontends.deepspeed.api.moe.layer import MoE
 from shardwise.frontends.deepspeed.api.moe.sharded_moe import top1_gating, top2_gating
 from shardwise.frontends.deepspeed.api.moe.utils import split_params_into_different_moe_groups_for_optimizer
@@ -23,6 +25,7 @@ from shardwise.runtime.distributed.collectives import Communicator
 from shardwise.runtime.distributed.mesh import ParallelMesh, ParallelSizes
 from shardwise.runtime.distributed.setup import collective_timeout
 from shardwise.tools.testing import run_distributed
+from tests.frontends.deepspeed.deepspeed_side import deepspeed_json
 
 ROWS, STEPS, AUX = 8, 3, 0.01
 
@@ -186,6 +189,38 @@ def test_data_before_expert_order_trains_like_every_expert_on_one_process():
         for name, weight in result["params"].items():
             reference = expected["params"][expert_name(name, rank, 2, place=rank // 2)]
             assert ((weight - reference).norm() / reference.norm()).item() < 1e-5, name
+
+
+MOE_UTILS = """
+import json, torch
+from torch import nn
+def answers(deepspeed):
+    import importlib
+    utils = importlib.import_module(deepspeed.__name__ + ".moe.utils")
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 4), deepspeed.moe.layer.MoE(4, nn.Linear(4, 4), num_experts=2, k=1))
+    params = list(model.parameters())
+    shared, experts = utils.split_params_into_shared_and_expert_params(params)
+    model(torch.randn(8, 4))[0].sum().backward()
+    shared_grads, expert_grads = utils.split_params_grads_into_shared_and_expert_params(params)
+    groups = utils.configure_moe_param_groups(params)
+    again = utils.configure_moe_param_groups(groups)
+    return {"has": list(utils.has_moe_layers(model)), "no_moe": list(utils.has_moe_layers(nn.Linear(2, 2))),
+            "split": [len(shared), len(experts)], "grads": [len(shared_grads), len(expert_grads)],
+            "groups": [(g["name"], len(g["params"]), utils.is_moe_param_group(g)) for g in groups],
+            "again_same": again is groups}
+"""
+
+
+def test_moe_utils_split_and_group_parameters_as_deepspeeds():
+    namespace: dict = {}
+    exec(MOE_UTILS, namespace)
+    mine = namespace["answers"](deepspeed)
+    assert mine == {"has": [True, 2], "no_moe": [False, 0], "split": [3, 4], "grads": [3, 4],
+                    "groups": [("dense-params", 3, False), ("ep_size_1", 4, True)], "again_same": True}
+    if os.environ.get("DEEPSPEED_PYTHON"):
+        theirs = deepspeed_json(MOE_UTILS + "import deepspeed\nprint(json.dumps(answers(deepspeed)))")
+        assert theirs == json.loads(json.dumps(mine))
 
 
 def test_expert_parallelism_refuses_what_it_cannot_do():

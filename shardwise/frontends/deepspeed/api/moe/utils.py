@@ -7,15 +7,62 @@ from __future__ import annotations
 from typing import Any
 
 import torch
+from torch import nn
 
-__all__ = ["is_moe_param", "split_params_into_different_moe_groups_for_optimizer"]
+__all__ = ["configure_moe_param_groups", "has_moe_layers", "is_moe_param", "is_moe_param_group",
+           "split_params_grads_into_shared_and_expert_params", "split_params_into_different_moe_groups_for_optimizer",
+           "split_params_into_shared_and_expert_params"]
 
 DEFAULT_MAX_GROUP_SIZE = 178956971  # DeepSpeed's default, in elements
 
 
 def is_moe_param(param: torch.Tensor) -> bool:
     """An expert's parameter (`Experts` marks them `allreduce = False`)."""
-    return getattr(param, "allreduce", True) is False
+    return hasattr(param, "allreduce") and not param.allreduce
+
+
+def has_moe_layers(model: nn.Module) -> tuple[bool, int]:
+    """(whether `model` has a `MoE` layer, the first one's number of experts; 0 without)."""
+    from shardwise.frontends.deepspeed.api.moe.layer import MoE
+
+    layer = next((module for module in model.modules() if isinstance(module, MoE)), None)
+    return (layer is not None, layer.num_experts if layer is not None else 0)
+
+
+def split_params_into_shared_and_expert_params(params: list[nn.Parameter]) -> tuple[list[nn.Parameter],
+                                                                                   list[nn.Parameter]]:
+    shared = [param for param in params if not is_moe_param(param)]
+    return shared, [param for param in params if is_moe_param(param)]
+
+
+def split_params_grads_into_shared_and_expert_params(group: list[nn.Parameter]) -> tuple[list[torch.Tensor],
+                                                                                         list[torch.Tensor]]:
+    """The gradients of a group's dense and expert parameters apart (each in its
+    parameter's dtype), for norms and overflow checks; parameters without one are left out."""
+    shared = [param.grad.to(param.dtype) for param in group if param.grad is not None and not is_moe_param(param)]
+    return shared, [param.grad.to(param.dtype) for param in group if param.grad is not None and is_moe_param(param)]
+
+
+def is_moe_param_group(param_group: dict[str, Any]) -> bool:
+    return param_group.get("moe", False)
+
+
+def configure_moe_param_groups(model_parameters: list) -> list[dict[str, Any]]:
+    """Param groups with the experts in groups of their own: from parameters (one
+    "dense-params" group first), or from groups that have no MoE group yet; groups that
+    already have them are returned as they are."""
+    if not isinstance(model_parameters, list):
+        raise AssertionError("model_parameters must be a list")
+    for item in model_parameters:
+        if not isinstance(item, (torch.Tensor, dict)):
+            raise TypeError("param argument that would be given to the optimizer should be an iterable of Tensors "
+                            f"or dicts, but got {type(item)}")
+    if isinstance(model_parameters[0], nn.Parameter):
+        return split_params_into_different_moe_groups_for_optimizer({"params": model_parameters,
+                                                                     "name": "dense-params"})
+    if not any("moe" in group for group in model_parameters):
+        return split_params_into_different_moe_groups_for_optimizer(model_parameters)
+    return model_parameters
 
 
 def split_params_into_different_moe_groups_for_optimizer(
