@@ -252,6 +252,30 @@ RULES: dict[str, dict[str, KeyRule]] = {
     },
     "tensor_parallel": {
         "autotp_size": Translated("tensor_parallel.size", _autotp_size),
+        # DeepSpeed 0.19.8's AutoTP training keys at their defaults (TPTrainingConfig)
+        "tp_overlap_comm": AcceptedWhen(_is(False), "false", "overlapping the tensor-parallel all-reduce with "
+                                        "computation is not provided"),
+        "vocab_parallel_lm_head": AcceptedWhen(lambda v: v is None, "null", "the LM head is split as the model's "
+                                               "plan says (null, DeepSpeed's default, follows the plan); give "
+                                               "tensor_parallel.plan to choose"),
+        "vocab_parallel_ce_backend": AcceptedWhen(_one_of("torch"), '"torch"', "only torch's cross-entropy is "
+                                                  "provided"),
+        "tp": AcceptedWhen(lambda v: v in ({}, None), "{}", "DeepSpeed's inner tensor-parallel block (tp_size, "
+                           "tp_grain_size) is not read: use tensor_parallel.autotp_size"),
+        "injection_policy_tuple": AcceptedWhen(lambda v: v is None, "null", "DeepSpeed's kernel-injection policies "
+                                               "are not provided: give tensor_parallel.plan"),
+        "partition_config": AcceptedWhen(lambda v: v is None, "null", "DeepSpeed's AutoTP layer specs are not read: "
+                                         "give the same split as tensor_parallel.plan ({\"pattern\": \"colwise\" | "
+                                         "\"rowwise\"})"),
+        "preset_model": AcceptedWhen(_one_of(None, "llama", "qwen2", "mixtral", "phi3"),
+                                     'null, "llama", "qwen2", "mixtral", "phi3"',
+                                     "shardwise plans these families itself (by the model); bloom, chatglm and "
+                                     "deepseek_v2 have no built-in plan: give tensor_parallel.plan"),
+        "keep_module_on_host": AcceptedWhen(_is(False), "false", "loading checkpoints onto the host first is not "
+                                            "provided"),
+        "kernel_inject": AcceptedWhen(_is(False), "false", "inference kernel injection is not provided"),
+        "replace_with_kernel_inject": AcceptedWhen(_is(False), "false", "inference kernel injection is not "
+                                                   "provided"),
     },
     "zero_optimization": {
         "cpu_offload": Translated("zero_optimization.offload_optimizer.device", _cpu_offload("offload_optimizer"),
@@ -269,6 +293,16 @@ RULES: dict[str, dict[str, KeyRule]] = {
                                             "after its forward"),
         "override_module_apply": Accepted("a detail of DeepSpeed's zero.Init patching"),
         "use_multi_rank_bucket_allreduce": Accepted("a DeepSpeed bucketing choice"),
+        "compute_grad_norm": Accepted("speed only (DeepSpeed's stages 1-2 can skip the norm without clipping): "
+                                      "shardwise computes the gradient norm in the step check that also finds "
+                                      "non-finite gradients, so get_global_grad_norm() answers either way"),
+        "stage3_allgather_sequential": Accepted("how DeepSpeed's stage 3 issues its gathers (one per parameter, not "
+                                                "bucketed); shardwise gathers by unit, the same values"),
+        "parameter_alignment": Accepted("pads DeepSpeed's stage 1-2 flat buffers so each parameter starts on 16 "
+                                        "bytes; a memory layout, the same training"),
+        "enable_sanity_checks": Accepted(f"{DIAGNOSTICS} (its internal debugging checks)"),
+        "save_muon_momentum_buffer_in_memory": Accepted("with Muon and NVMe offload, where DeepSpeed keeps Muon's "
+                                                        "momentum; a placement, the same training"),
         "stage3_model_persistence_threshold": Accepted("a cap on the total size of persistent parameters; "
                                                        "stage3_param_persistence_threshold decides per parameter"),
         "stage3_use_all_reduce_for_fetch_params": AcceptedWhen(_is(False), "false", "parameters are fetched "

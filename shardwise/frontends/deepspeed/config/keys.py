@@ -84,10 +84,6 @@ DEEPSPEED_KEYS_NOT_SUPPORTED: dict[str, frozenset[str]] = {
         "shared_experts_pattern", "top_k", "top_k_attr", "use_grouped_mm", "validate_folding_routing",
     }),
     "optimizer.params": frozenset({"max_grad_norm"}),
-    "tensor_parallel": frozenset({
-        "keep_module_on_host", "partition_config", "preset_model", "replace_with_kernel_inject",
-        "tp", "tp_overlap_comm",
-    }),
 }
 
 # Where shardwise has the capability under another key, say which.
