@@ -30,11 +30,11 @@ DEFAULTS = {
         "save_muon_momentum_buffer_in_memory": False,
     },
     "zero_optimization.offload_param": {
-        "device": 'none', "nvme_path": None, "buffer_count": 5, "buffer_size": 100000000, "max_in_cpu": 1000000000,
+        "device": "none", "nvme_path": None, "buffer_count": 5, "buffer_size": 100000000, "max_in_cpu": 1000000000,
         "pin_memory": True,
     },
     "zero_optimization.offload_optimizer": {
-        "device": 'none', "nvme_path": None, "buffer_count": 4, "pin_memory": True, "pipeline_read": False,
+        "device": "none", "nvme_path": None, "buffer_count": 4, "pin_memory": True, "pipeline_read": False,
         "pipeline_write": False, "fast_init": False, "ratio": 1.0, "super_offload": False,
         "cpuadam_cores_perc": 0.8,
     },
@@ -48,13 +48,13 @@ DEFAULTS = {
         "bf16_master_weights_and_grads": False, "bf16_optimizer_states": False,
     },
     "tensorboard": {
-        "enabled": False, "output_path": '', "job_name": 'DeepSpeedJobName',
+        "enabled": False, "output_path": "", "job_name": "DeepSpeedJobName",
     },
     "wandb": {
-        "enabled": False, "group": None, "team": None, "project": 'deepspeed',
+        "enabled": False, "group": None, "team": None, "project": "deepspeed",
     },
     "csv_monitor": {
-        "enabled": False, "output_path": '', "job_name": 'DeepSpeedJobName',
+        "enabled": False, "output_path": "", "job_name": "DeepSpeedJobName",
     },
     "comet": {
         "enabled": False, "samples_log_interval": 100, "project": None, "workspace": None, "api_key": None,
@@ -62,16 +62,37 @@ DEFAULTS = {
     },
     "tensor_parallel": {
         "autotp_size": 0, "tp_overlap_comm": False, "vocab_parallel_lm_head": None,
-        "vocab_parallel_ce_backend": 'torch', "tp": {}, "injection_policy_tuple": None, "partition_config": None,
+        "vocab_parallel_ce_backend": "torch", "tp": {}, "injection_policy_tuple": None, "partition_config": None,
         "preset_model": None, "keep_module_on_host": False, "kernel_inject": False,
     },
     "zero_optimization.zenflow": {
-        "topk_ratio": 0.1, "select_strategy": 'auto', "select_interval": 'auto', "update_interval": 'auto',
+        "topk_ratio": 0.1, "select_strategy": "auto", "select_interval": "auto", "update_interval": "auto",
         "overlap_step": False, "offload": False, "auto_ratio": 0.99, "full_warm_up_rounds": 0,
         "pt_reserved_cores_perc": 0.5,
     },
     "comms_logger": {
         "enabled": False, "prof_all": True, "prof_ops": [], "verbose": False, "debug": False,
+    },
+    "hybrid_engine": {
+        "enabled": False, "max_out_tokens": 512, "inference_tp_size": 1, "release_inference_cache": False,
+        "pin_parameters": True, "tp_gather_partition_size": 8, "enable_cuda_graph": False,
+    },
+    "zero_optimization.leaf_module": {
+        "classes": ["transformers.models.mixtral.modeling_mixtral.MixtralSparseMoeBlock",
+                    "transformers.models.qwen2_moe.modeling_qwen2_moe.Qwen2MoeSparseMoeBlock",
+                    "transformers.models.qwen3_moe.modeling_qwen3_moe.Qwen3MoeSparseMoeBlock"],
+        "names": [], "name_suffixes": [],
+    },
+    "timers.throughput": {
+        "enabled": True, "synchronized": True,
+    },
+    "compile": {
+        "deepcompile": False, "autoep_non_moe": False, "free_activation": False,
+        "free_activation_threshold": 10485760, "offload_activation": False, "offload_activation_pin_memory": True,
+        "offload_opt_states": False, "double_buffer": True, "symmetric_memory": False, "debug_log": False,
+        "offload_parameters": False, "sync_before_reduce": False, "sync_after_reduce": False,
+        "sync_before_allgather": False, "sync_after_allgather": False, "keep_int_input_tensors": True,
+        "keep_all_input_tensors": False, "passes": None,
     },
 }
 
@@ -84,11 +105,15 @@ def config_setting(block: str, key: str, value: object) -> dict:
         return {**BASE, "zero_optimization": {"stage": 2, key: value}}
     if block.startswith("zero_optimization."):
         inner = block.split(".", 1)[1]
+        if inner == "leaf_module":
+            return {**BASE, "zero_optimization": {"stage": 3, "leaf_module": {key: value}}}
         if inner == "zenflow":
             return {**BASE, "zero_optimization": {"stage": 2, "offload_optimizer": {"device": "cpu"},
                                                   "zenflow": {key: value}}}
         device = {} if key == "device" else {"device": "cpu"}
         return {**BASE, "zero_optimization": {"stage": 3, inner: {**device, key: value}}}
+    if block == "timers.throughput":
+        return {**BASE, "timers": {"throughput": {key: value}}}
     return {**BASE, block: {key: value}}
 
 
@@ -116,7 +141,11 @@ MODELS = {"zero_optimization": "deepspeed.runtime.zero.config:DeepSpeedZeroConfi
           "csv_monitor": "deepspeed.monitor.config:CSVConfig", "comet": "deepspeed.monitor.config:CometConfig",
           "tensor_parallel": "deepspeed.runtime.tensor_parallel.config:TPTrainingConfig",
           "zero_optimization.zenflow": "deepspeed.runtime.zenflow.zenflow_config:ZenFlowConfig",
-          "comms_logger": "deepspeed.comm.config:CommsLoggerConfig"}
+          "comms_logger": "deepspeed.comm.config:CommsLoggerConfig",
+          "hybrid_engine": "deepspeed.runtime.config:HybridEngineConfig",
+          "zero_optimization.leaf_module": "deepspeed.runtime.zero.leaf_module_config:DeepSpeedZeroLeafModuleConfig",
+          "timers.throughput": "deepspeed.utils.config:DeepSpeedThroughputTimerConfig",
+          "compile": "deepspeed.compile.config:CompileConfig"}
 out = {}
 for block, path in MODELS.items():
     module, name = path.split(":")
@@ -134,7 +163,8 @@ for block, path in MODELS.items():
             continue
         fields[field.alias or field_name] = value
     if block == "zero_optimization":
-        fields = {k: v for k, v in fields.items() if k not in ("offload_param", "offload_optimizer", "zenflow")}
+        fields = {k: v for k, v in fields.items()
+                  if k not in ("offload_param", "offload_optimizer", "zenflow", "leaf_module")}
     out[block] = fields
 print(json.dumps(out))
 """
