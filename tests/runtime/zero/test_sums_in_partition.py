@@ -43,7 +43,7 @@ def train_through(rank: int, world_size: int, case: Case, buckets: bool) -> dict
     return _through(buckets, train_parallel, rank, world_size, case)
 
 
-@pytest.mark.parametrize(("stage", "dtype"), [(2, "fp32"), (3, "fp32"), (3, "bf16")])
+@pytest.mark.parametrize(("stage", "dtype"), [(2, "fp32"), (3, "fp32"), (3, "bf16"), (3, "fp16")])
 def test_a_group_of_one_sums_in_its_partition_bit_for_bit_like_the_buckets(stage, dtype):
     case = Case(stage=stage, dtype=dtype, accumulation=3, lr=1e-2 if dtype == "fp32" else 1e-3)
     [summed] = run_distributed(train_through, 1, case, False)
@@ -54,10 +54,11 @@ def test_a_group_of_one_sums_in_its_partition_bit_for_bit_like_the_buckets(stage
     for name, tensor in bucketed["params"].items():
         assert torch.equal(summed["params"][name], tensor), name
     # the ledger counts no bucket: the largest unit's bucket and its spare are gone
-    bucket_bytes = bucketed["largest_unit"] * (2 if dtype == "bf16" else 4)
+    bucket_bytes = bucketed["largest_unit"] * (4 if dtype == "fp32" else 2)
     assert bucketed["memory"]["buffers"] - summed["memory"]["buffers"] >= bucket_bytes
     reference = train_reference(Case(accumulation=3, lr=case.lr), 1)
-    assert_matches_reference(summed, reference, 1e-5 if dtype == "fp32" else 2e-2)
+    if dtype != "fp16":  # fp16 skips steps while its loss scale settles: its check is the bits against buckets
+        assert_matches_reference(summed, reference, 1e-5 if dtype == "fp32" else 2e-2)
 
 
 def train_partly_used(rank: int, world_size: int, stage: int, buckets: bool) -> dict:
