@@ -3,8 +3,8 @@
 DeepSpeed routes these through its own backend object to time and log them; here they
 are torch's functions with DeepSpeed's names and defaults (`group=None` is the whole
 world), timed by DeepSpeed's communication logger when it is on (`configure`,
-`log_summary`: comms_logging.py). `init_distributed` joins the job the launcher describes (RANK, WORLD_SIZE,
-MASTER_ADDR, MASTER_PORT, LOCAL_RANK). With `auto_mpi_discovery`, where DeepSpeed asks
+`log_summary`: comms_logging.py). `init_distributed` joins the job the launcher
+describes (RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT, LOCAL_RANK). With `auto_mpi_discovery`, where DeepSpeed asks
 mpi4py, the ranks of a job started by `mpirun` or `srun` are read from the launcher's
 variables (`launcher_variables`), the port being `distributed_port`. With no launcher at
 all it starts a one-process group on `distributed_port`, as DeepSpeed's MPI discovery
@@ -235,7 +235,8 @@ def all_gather_coalesced(output_tensors: list[torch.Tensor], input_tensors: list
 @logged
 def all_reduce_coalesced(tensors: list[torch.Tensor], op: ReduceOp = ReduceOp.SUM, group: Any = None,
                          async_op: bool = False) -> Any:
-    """The tensors summed as one flat buffer (one collective), then copied back in place."""
+    """The tensors summed as one flat buffer (one collective), then copied back in place;
+    done before it returns, whatever `async_op` says (nothing is left to wait for)."""
     if not tensors:
         return None
     flat = torch.cat([tensor.reshape(-1) for tensor in tensors])
