@@ -237,9 +237,6 @@ class Accelerator:
         self._peak_rss = max(self._peak_rss, resident := _resident_bytes())
         return resident
 
-    def _reset_resident_peak(self) -> None:
-        self._peak_rss = _resident_bytes()
-
     def memory_allocated(self, device_index: int | None = None) -> int:
         return torch.cuda.memory_allocated(device_index) if self._cuda else self._resident()
 
@@ -280,7 +277,7 @@ class Accelerator:
         if self._cuda:
             torch.cuda.reset_peak_memory_stats(device_index)
         else:
-            self._reset_resident_peak()
+            self._peak_rss = _resident_bytes()
 
     def available_memory(self, device_index: int | None = None) -> int:
         """CUDA: the device's free bytes; the CPU: the host's available bytes (/proc/meminfo)."""

@@ -200,8 +200,12 @@ def get_logged_comm_ops() -> list[str]:
 
 
 def _readable(size: int) -> str:
-    for unit in ("B", "KB", "MB", "GB"):
-        if size < 1024 or unit == "GB":
-            return f"{size:.2f} {unit}" if unit != "B" else f"{size} B"
-        size /= 1024
-    return f"{size} B"
+    """Bytes as DeepSpeed's table shows them: B below 1 KB, else KB, MB or GB to 2 decimals."""
+    if size < 1024:
+        return f"{size} B"
+    scaled, unit = size / 1024, "KB"
+    for larger in ("MB", "GB"):
+        if scaled < 1024:
+            break
+        scaled, unit = scaled / 1024, larger
+    return f"{scaled:.2f} {unit}"

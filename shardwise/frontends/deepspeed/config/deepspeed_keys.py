@@ -86,6 +86,10 @@ def _is(expected: Any) -> Callable[[Any], bool]:
     return lambda value: value == expected and isinstance(value, bool) == isinstance(expected, bool)
 
 
+def _is_none(value: Any) -> bool:
+    return value is None
+
+
 def _one_of(*choices: str | None) -> Callable[[Any], bool]:
     """A string among `choices` in any case (DeepSpeed upper-cases before it checks), or None if listed."""
     names = {choice.upper() for choice in choices if choice is not None}
@@ -127,6 +131,7 @@ def _at_most_one(value: Any) -> bool:
 
 OFF = "false (or a block with enabled false)"
 DIAGNOSTICS = "only affects what DeepSpeed logs"
+_NO_KERNEL_INJECTION = AcceptedWhen(_is(False), "false", "inference kernel injection is not provided")
 
 
 def _cpu_offload(target_device: str) -> Callable[[Any], dict[str, Any] | str]:
@@ -255,16 +260,16 @@ RULES: dict[str, dict[str, KeyRule]] = {
         # DeepSpeed 0.19.8's AutoTP training keys at their defaults (TPTrainingConfig)
         "tp_overlap_comm": AcceptedWhen(_is(False), "false", "overlapping the tensor-parallel all-reduce with "
                                         "computation is not provided"),
-        "vocab_parallel_lm_head": AcceptedWhen(lambda v: v is None, "null", "the LM head is split as the model's "
+        "vocab_parallel_lm_head": AcceptedWhen(_is_none, "null", "the LM head is split as the model's "
                                                "plan says (null, DeepSpeed's default, follows the plan); give "
                                                "tensor_parallel.plan to choose"),
         "vocab_parallel_ce_backend": AcceptedWhen(_one_of("torch"), '"torch"', "only torch's cross-entropy is "
                                                   "provided"),
         "tp": AcceptedWhen(lambda v: v in ({}, None), "{}", "DeepSpeed's inner tensor-parallel block (tp_size, "
                            "tp_grain_size) is not read: use tensor_parallel.autotp_size"),
-        "injection_policy_tuple": AcceptedWhen(lambda v: v is None, "null", "DeepSpeed's kernel-injection policies "
+        "injection_policy_tuple": AcceptedWhen(_is_none, "null", "DeepSpeed's kernel-injection policies "
                                                "are not provided: give tensor_parallel.plan"),
-        "partition_config": AcceptedWhen(lambda v: v is None, "null", "DeepSpeed's AutoTP layer specs are not read: "
+        "partition_config": AcceptedWhen(_is_none, "null", "DeepSpeed's AutoTP layer specs are not read: "
                                          "give the same split as tensor_parallel.plan ({\"pattern\": \"colwise\" | "
                                          "\"rowwise\"})"),
         "preset_model": AcceptedWhen(_one_of(None, "llama", "qwen2", "mixtral", "phi3"),
@@ -273,9 +278,8 @@ RULES: dict[str, dict[str, KeyRule]] = {
                                      "deepseek_v2 have no built-in plan: give tensor_parallel.plan"),
         "keep_module_on_host": AcceptedWhen(_is(False), "false", "loading checkpoints onto the host first is not "
                                             "provided"),
-        "kernel_inject": AcceptedWhen(_is(False), "false", "inference kernel injection is not provided"),
-        "replace_with_kernel_inject": AcceptedWhen(_is(False), "false", "inference kernel injection is not "
-                                                   "provided"),
+        "kernel_inject": _NO_KERNEL_INJECTION,
+        "replace_with_kernel_inject": _NO_KERNEL_INJECTION,  # the same key under its field name
     },
     "zero_optimization": {
         "cpu_offload": Translated("zero_optimization.offload_optimizer.device", _cpu_offload("offload_optimizer"),
@@ -313,7 +317,7 @@ RULES: dict[str, dict[str, KeyRule]] = {
         "zero_quantized_nontrainable_weights": AcceptedWhen(_is(False), "false",
                                                             "frozen weights stored in int8 are not supported (ZeRO++'s "
                                                             "zero_quantized_weights quantizes what gathers carry)"),
-        "zeropp_loco_param": AcceptedWhen(lambda v: v is None, "null", "ZeRO++ LoCo is not supported"),
+        "zeropp_loco_param": AcceptedWhen(_is_none, "null", "ZeRO++ LoCo is not supported"),
     },
     "zero_optimization.offload_optimizer": {
         "fast_init": Accepted("only how fast DeepSpeed initialises its swap files"),
@@ -332,7 +336,7 @@ RULES: dict[str, dict[str, KeyRule]] = {
     },
     "compile": {key: Ignored(_is(default), _DEEPCOMPILE_WHY) for key, default in _DEEPCOMPILE_SETTINGS.items()},
     "torch_autocast": {
-        "lower_precision_safe_modules": Ignored(lambda v: v is None, "the modules whose gradients DeepSpeed "
+        "lower_precision_safe_modules": Ignored(_is_none, "the modules whose gradients DeepSpeed "
                                                 "all-reduces in the autocast dtype; shardwise reduces every "
                                                 "gradient in communication_data_type (default: the parameters' "
                                                 "fp32), the same sum rounded less", _module_names),
