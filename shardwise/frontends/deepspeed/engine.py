@@ -29,6 +29,7 @@ from shardwise.frontends.deepspeed.checkpoints.detect import deepspeed_checkpoin
 from shardwise.frontends.deepspeed.checkpoints.resume import open_deepspeed_checkpoint
 from shardwise.frontends.deepspeed.checkpoints.to_deepspeed import SUB_GROUP_SIZE, write_deepspeed_checkpoint
 from shardwise.frontends.deepspeed.config import ShardwiseConfig
+from shardwise.frontends.deepspeed.config.deepspeed_keys import DATA_TYPE_NAMES
 from shardwise.frontends.deepspeed.config.policies import DTYPES
 from shardwise.frontends.deepspeed.config.schema import OffloadOptimizerConfig, OffloadParamConfig, ZenFlowConfig
 from shardwise.frontends.deepspeed.monitors import MonitorMaster, step_events
@@ -269,6 +270,68 @@ class ConfiguredEngine(Engine):
     def autotuning_enabled(self) -> bool:
         return self.config.autotuning.enabled
 
+    def autotuning_start_profile_step(self) -> int:
+        return self.config.autotuning.start_profile_step
+
+    def autotuning_end_profile_step(self) -> int:
+        return self.config.autotuning.end_profile_step
+
+    def autotuning_metric(self) -> str:
+        return self.config.autotuning.metric
+
+    def autotuning_metric_path(self) -> str:
+        """The config's `autotuning.metric_path`, else autotuning_metric.json in the working directory."""
+        return self.config.autotuning.metric_path or os.path.join(os.getcwd(), "autotuning_metric.json")
+
+    def autotuning_model_info_path(self) -> str:
+        return self.config.autotuning.model_info_path or os.path.join(os.getcwd(), "autotuning_model_info.json")
+
+    def autotuning_profile_model_info(self) -> bool:
+        autotuning = self.config.autotuning
+        return autotuning.enabled and autotuning.model_info is not None and autotuning.model_info.profile
+
+    def flops_profiler_profile_step(self) -> int:
+        return self.config.flops_profiler.profile_step
+
+    def flops_profiler_module_depth(self) -> int:
+        return self.config.flops_profiler.module_depth
+
+    def flops_profiler_top_modules(self) -> int:
+        return self.config.flops_profiler.top_modules
+
+    def flops_profiler_detailed(self) -> bool:
+        return self.config.flops_profiler.detailed
+
+    def flops_profiler_output_file(self) -> str | None:
+        return self.config.flops_profiler.output_file
+
+    def flops_profiler_recompute_fwd_factor(self) -> float:
+        return self.config.flops_profiler.recompute_fwd_factor
+
+    def torch_autocast_enabled(self) -> bool:
+        return self.config.torch_autocast.enabled
+
+    def torch_autocast_dtype(self) -> torch.dtype | None:
+        """The config's `torch_autocast.dtype` as a torch dtype; None where it names none."""
+        name = self.config.torch_autocast.dtype
+        return DTYPES[DATA_TYPE_NAMES[name]] if name is not None else None
+
+    def data_sampling_enabled(self) -> bool:
+        return self.config.data_efficiency.data_sampling.enabled
+
+    def checkpoint_writer_enabled(self) -> bool:
+        return self.config.checkpoint.writer is not None
+
+    def zero_nvme_offload_optimizer(self) -> bool:
+        return self.config.zero_optimization.offload_optimizer.device == "nvme"
+
+    def is_first_weights_partition_group(self) -> bool:
+        """DeepSpeed 0.19.8's answer: whether the weights are partitioned (stage 3)."""
+        return self.stage >= 3
+
+    def is_deepcompile_enabled(self) -> bool:
+        return self.config.compile.deepcompile
+
     @property
     def sequence_parallel_size(self) -> int:
         return self.policies.sequence.size
@@ -349,8 +412,50 @@ class ConfiguredEngine(Engine):
             log.warning("save_16bit_model: nothing saved: at ZeRO stage 3 it needs "
                         "zero_optimization.stage3_gather_16bit_weights_on_model_save: true")
             return False
+        state = self._gathered_state_dict(exclude_frozen_parameters)
+        if state is not None:
+            Path(save_dir).mkdir(parents=True, exist_ok=True)
+            torch.save(state, Path(save_dir) / save_filename)
+        self.world.barrier("save_16bit_model")  # the file exists on return, on every rank
+        return True
+
+    def _zero3_consolidated_16bit_state_dict(self, exclude_frozen_parameters: bool = False) -> dict | None:
+        """DeepSpeed's: the whole model's state_dict on rank 0 (None on the others),
+        gathered one module at a time from the ZeRO-3 shards, in the training dtype, on the
+        CPU; a tied weight is one tensor under each of its names. Accelerate's
+        `get_state_dict` and the Hugging Face Trainer's `save_model` call it at stage 3.
+        Collective; only at stage 3, as in DeepSpeed."""
+        if not self.policies.zero.partitions_parameters:
+            raise ValueError("this function requires ZeRO-3 mode")
+        return self._gathered_state_dict(exclude_frozen_parameters)
+
+    def _consolidated_16bit_state_dict(self, exclude_frozen_parameters: bool = False) -> dict | None:
+        """DeepSpeed's name for the same where weights are partitioned (ZeRO-3; DeepSpeed's
+        AutoTP, which shardwise accepts only switched off, is the other case)."""
+        if not self.policies.zero.partitions_parameters:
+            raise ValueError("consolidated_16bit_state_dict is only applicable to cases where weights are "
+                             "partitioned, including Zero Stage 3 and tensor parallelism.")
+        return self._gathered_state_dict(exclude_frozen_parameters)
+
+    def module_state_dict(self, destination: dict | None = None, prefix: str = "", keep_vars: bool = False,
+                          exclude_frozen_parameters: bool = False) -> dict[str, torch.Tensor]:
+        """DeepSpeed's: the model's own `state_dict` (at ZeRO-3 each parameter is this rank's
+        empty placeholder, as in DeepSpeed: `_zero3_consolidated_16bit_state_dict()` gathers
+        the weights), without the frozen parameters when asked."""
+        state = self.module.state_dict(destination=destination, prefix=prefix, keep_vars=keep_vars)
+        if exclude_frozen_parameters:
+            for name, param in self.module.named_parameters():
+                if not param.requires_grad:
+                    state.pop(prefix + name, None)
+        return state
+
+    def _gathered_state_dict(self, exclude_frozen_parameters: bool) -> dict[str, torch.Tensor] | None:
+        """The whole model's persistent state on rank 0 (None on the others), copied to the
+        CPU one module at a time, each module's ZeRO-3 shards gathered only while it is
+        copied. Collective."""
         frozen = {id(param) for param in self.module.parameters() if not param.requires_grad}
         state: dict[str, torch.Tensor] = {}
+        copies: dict[int, torch.Tensor] = {}  # a tied parameter's one copy, by the parameter
         for prefix, submodule in self.module.named_modules():
             params = [param for param in submodule.parameters(recurse=False)]
             with gathered_parameters(params):
@@ -358,15 +463,13 @@ class ConfiguredEngine(Engine):
                     continue
                 for name, param in submodule.named_parameters(recurse=False):
                     if not (exclude_frozen_parameters and id(param) in frozen):
-                        state[_join(prefix, name)] = param.detach().to("cpu", copy=True)
+                        if id(param) not in copies:
+                            copies[id(param)] = param.detach().to("cpu", copy=True)
+                        state[_join(prefix, name)] = copies[id(param)]
                 for name, buffer in submodule.named_buffers(recurse=False):
                     if name not in submodule._non_persistent_buffers_set:
                         state[_join(prefix, name)] = buffer.detach().to("cpu", copy=True)
-        if self.rank == 0:
-            Path(save_dir).mkdir(parents=True, exist_ok=True)
-            torch.save(state, Path(save_dir) / save_filename)
-        self.world.barrier("save_16bit_model")  # the file exists on return, on every rank
-        return True
+        return state if self.rank == 0 else None
 
 
 def _open_deepspeed(engine: Engine, load_dir: str | os.PathLike, tag: str | None, *, optimizer_states: bool,

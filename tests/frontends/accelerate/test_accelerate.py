@@ -77,7 +77,10 @@ def _assert_equal(run: list[list[float]], reference: list[list[float]]) -> None:
 
 
 def _zero(stage: int) -> dict:
-    return {"zero_optimization": {"stage": stage}, "train_micro_batch_size_per_gpu": "auto",
+    """At stage 3 with `stage3_gather_16bit_weights_on_model_save`, which accelerate's
+    `get_state_dict` requires there."""
+    zero = {"stage": stage, **({"stage3_gather_16bit_weights_on_model_save": True} if stage == 3 else {})}
+    return {"zero_optimization": zero, "train_micro_batch_size_per_gpu": "auto",
             "gradient_accumulation_steps": "auto", "train_batch_size": "auto",
             "gradient_clipping": 0.0}  # the DDP script does not clip; DeepSpeed 0.19.8 clips at 1.0 without the key
 
@@ -97,25 +100,24 @@ def ddp_losses(ddp_run) -> list[list[float]]:
 
 @pytest.mark.parametrize("stage", [3, pytest.param(2, marks=pytest.mark.slow)])
 def test_accelerate_deepspeed_script_losses_equal_ddp(tmp_path, ddp_run, stage):
-    """At ZeRO-2 also `accelerator.get_state_dict(model)`, which below ZeRO-3 clones the
-    weights with deepspeed.checkpoint.utils.clone_tensors_for_torch_save: DDP's weights,
-    each tensor holding only its own elements."""
+    """Also `accelerator.get_state_dict(model)`: DDP's weights, each tensor holding only
+    its own elements. Below ZeRO-3 accelerate clones them with
+    deepspeed.checkpoint.utils.clone_tensors_for_torch_save; at ZeRO-3 it asks the engine's
+    `_zero3_consolidated_16bit_state_dict()` to gather them onto rank 0."""
     ddp_losses, ddp_state = ddp_run
-    state_args = ["--state_dict", str(tmp_path / "state.json")] if stage == 2 else []
     losses = _launch(tmp_path, "shardwise", "--output_dir", str(tmp_path / "out"), "--checkpointing_steps", "2",
-                     *state_args, deepspeed_config=_zero(stage))
+                     "--state_dict", str(tmp_path / "state.json"), deepspeed_config=_zero(stage))
     assert [len(rank) for rank in losses] == [10, 10]  # 5 micro-batches an epoch: windows of 2, 2 and 1
     _assert_equal(losses, ddp_losses)
     saved = tmp_path / "out" / "step_4"
     assert (saved / "pytorch_model" / "manifest.json").is_file()  # the engine's checkpoint, through save_state
     assert (saved / "latest").read_text().strip() == "pytorch_model"
-    if stage == 2:
-        state = json.loads((tmp_path / "state.json").read_text())
-        assert state.keys() == ddp_state.keys()
-        for name, (values, owns_storage) in state.items():
-            want = torch.tensor(ddp_state[name][0])
-            assert owns_storage, f"{name} is a view: torch.save would write its whole buffer"
-            assert (torch.tensor(values) - want).norm() <= TOLERANCE * want.norm(), name
+    state = json.loads((tmp_path / "state.json").read_text())
+    assert state.keys() == ddp_state.keys()
+    for name, (values, owns_storage) in state.items():
+        want = torch.tensor(ddp_state[name][0])
+        assert owns_storage, f"{name} is a view: torch.save would write its whole buffer"
+        assert (torch.tensor(values) - want).norm() <= TOLERANCE * want.norm(), name
 
 
 @pytest.mark.slow

@@ -46,7 +46,7 @@ from typing import Any, Callable, Iterable
 
 import torch
 from torch import nn
-from torch.utils.data import DataLoader, Dataset, IterableDataset
+from torch.utils.data import DataLoader, Dataset
 
 from shardwise.frontends.deepspeed.api.runtime.engine.checkpoint_arguments import tag_validation_mode
 from shardwise.frontends.deepspeed.api.comm import DEFAULT_PORT, configure as configure_comms_logger, init_distributed
@@ -59,7 +59,6 @@ from shardwise.frontends.deepspeed.api.runtime.bf16_optimizer import BF16_Optimi
 from shardwise.frontends.deepspeed.api.runtime.config import TORCH_ADAM_PARAM, DeepSpeedConfigError
 from shardwise.frontends.deepspeed.api.runtime.fp16.fused_optimizer import FP16_Optimizer
 from shardwise.frontends.deepspeed.api.runtime.fp16.unfused_optimizer import FP16_UnfusedOptimizer
-from shardwise.frontends.deepspeed.api.runtime.dataloader import DeepSpeedDataLoader, PositionedSampler
 from shardwise.frontends.deepspeed.api.runtime.sequence_parallel import parallel_state_sp
 from shardwise.frontends.deepspeed.api.runtime.zero.stage3 import DeepSpeedZeroOptimizer_Stage3
 from shardwise.frontends.deepspeed.api.runtime.zero.stage_1_and_2 import DeepSpeedZeroOptimizer
@@ -68,8 +67,6 @@ from shardwise.frontends.deepspeed.api.utils import groups as parallel_groups
 from shardwise.frontends.deepspeed.config import load_config, read_config
 from shardwise.frontends.deepspeed.initialize import initialize as initialize_engine
 from shardwise.models.families import plan_for
-from shardwise.runtime.data.curriculum_loader import CurriculumDataLoader
-from shardwise.runtime.data.difficulty_sampler import DifficultySampler
 from shardwise.runtime.engine.arguments import hidden_size
 from shardwise.runtime.optim.registry import optimizer_spec
 
@@ -148,8 +145,10 @@ def initialize(
         _require_same_sequence_groups(engine, mpu)
     _require_attention_over_sequence_group(engine, attentions)
     parallel_groups.use_mesh(engine.mesh, sequence_groups=mpu)  # deepspeed.utils.groups answers from this layout
+    engine.collate_fn = collate_fn  # deepspeed_io's default, as in DeepSpeed
     if training_data is not None:
-        engine.training_dataloader = _data_loader(engine, training_data, collate_fn)
+        engine.training_dataloader = engine.deepspeed_io(training_data)
+        engine.attach_data_position(engine.training_dataloader)  # the checkpoints hold where it is
         if engine.zenflow is not None:  # an epoch-based column selection counts its batches
             engine.zenflow.learn_epoch_length(len(engine.training_dataloader))
     return (engine, _clearing_model_gradients(engine, _deepspeed_wrapper(engine, raw)), engine.training_dataloader,
@@ -363,31 +362,3 @@ def _param_groups(model: nn.Module, model_parameters: Iterable[Any] | None) -> l
 def _all_trainable_in_one_group(model: nn.Module, groups: list[dict[str, Any]]) -> bool:
     trainable = [id(param) for param in model.parameters() if param.requires_grad]
     return len(groups) == 1 and set(groups[0]) == {"params"} and [id(p) for p in groups[0]["params"]] == trainable
-
-
-def _data_loader(engine: DeepSpeedEngine, dataset: Dataset,
-                 collate_fn: Callable | None) -> DeepSpeedDataLoader | CurriculumDataLoader:
-    """DeepSpeed's loader of micro-batches, whose position the engine's checkpoints hold
-    (api/runtime/dataloader.py)."""
-    if isinstance(dataset, IterableDataset) or not hasattr(dataset, "__len__"):
-        raise ValueError("training_data must be a map-style torch Dataset (with __len__ and __getitem__), as "
-                         "DeepSpeed's loader samples it by index; build a DataLoader for an iterable dataset "
-                         "yourself")
-    replicas = engine.comm  # the data-parallel ranks: each reads its own share
-    drop_last = engine.config.dataloader_drop_last
-    sampling = engine.policies.data_sampling
-    if sampling is not None:  # curriculum learning: DeepSpeed's DeepSpeedDataSampler (runtime/data)
-        sampler = DifficultySampler(sampling, samples=len(dataset),
-                                    micro_batch_size=engine.train_micro_batch_size_per_gpu(),
-                                    gradient_accumulation_steps=engine.gradient_accumulation_steps(),
-                                    replicas=replicas, drop_last=drop_last)
-        curriculum = CurriculumDataLoader(dataset, sampler=sampler, collate_fn=collate_fn,
-                                          num_workers=sampling.num_workers, pin_memory=sampling.pin_memory)
-        engine.attach_data_position(curriculum)
-        return curriculum
-    sampler = PositionedSampler(dataset, num_replicas=replicas.size, rank=replicas.rank, drop_last=drop_last)
-    loader = DeepSpeedDataLoader(dataset, batch_size=engine.train_micro_batch_size_per_gpu(), sampler=sampler,
-                                 collate_fn=collate_fn, drop_last=drop_last)
-    loader.tput_timer = engine.tput_timer  # DeepSpeed's training loader starts it as it reads each batch
-    engine.attach_data_position(loader)
-    return loader

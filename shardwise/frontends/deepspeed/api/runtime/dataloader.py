@@ -27,7 +27,7 @@ import math
 from typing import Any, Callable, Iterator
 
 import torch
-from torch.utils.data import DataLoader, Dataset, DistributedSampler
+from torch.utils.data import DataLoader, Dataset, DistributedSampler, Sampler
 
 from shardwise.frontends.deepspeed.api.utils.repeating_loader import RepeatingLoader
 
@@ -38,8 +38,10 @@ class PositionedSampler(DistributedSampler):
     """DeepSpeed's DistributedSampler, which can start an epoch part-way through: the same
     indices for the same epoch, seed and size, from a given position of the epoch's order."""
 
-    def __init__(self, dataset: Dataset, *, num_replicas: int, rank: int, drop_last: bool, seed: int = 0):
-        super().__init__(dataset, num_replicas=num_replicas, rank=rank, shuffle=True, seed=seed, drop_last=drop_last)
+    def __init__(self, dataset: Dataset, *, num_replicas: int, rank: int, drop_last: bool, seed: int = 0,
+                 shuffle: bool = True):
+        super().__init__(dataset, num_replicas=num_replicas, rank=rank, shuffle=shuffle, seed=seed,
+                         drop_last=drop_last)
         self._start = 0  # position of the epoch's order the next pass starts at (then back to 0)
 
     def epoch_order(self) -> list[int]:
@@ -64,19 +66,39 @@ class PositionedSampler(DistributedSampler):
 
 
 class DeepSpeedDataLoader(DataLoader):
-    """A DataLoader of micro-batches over a `PositionedSampler` that counts the samples
-    its current pass has yielded: `state_dict()` is the data position a checkpoint holds."""
+    """A DataLoader of micro-batches. Over a `PositionedSampler` it counts the samples its
+    current pass has yielded: `state_dict()` is the data position a checkpoint holds. Over
+    another sampler (one the script gave `engine.deepspeed_io`) it is a plain DataLoader
+    whose position is the script's to keep.
 
-    def __init__(self, dataset: Dataset, *, batch_size: int, sampler: PositionedSampler,
-                 collate_fn: Callable | None, drop_last: bool):
-        super().__init__(dataset, batch_size=batch_size, sampler=sampler, collate_fn=collate_fn, drop_last=drop_last)
+    `num_workers` 0 (the batches read in the training process) where DeepSpeed's loader
+    starts two worker processes per device: the data position stays exact, and the
+    script that wants workers passes `num_local_io_workers`."""
+
+    def __init__(self, dataset: Dataset, *, batch_size: int, sampler: Sampler, collate_fn: Callable | None,
+                 drop_last: bool, num_workers: int = 0, pin_memory: bool = False):
+        super().__init__(dataset, batch_size=batch_size, sampler=sampler, collate_fn=collate_fn, drop_last=drop_last,
+                         num_workers=num_workers, pin_memory=pin_memory)
         self._consumed = 0  # positions of the epoch's order read by every rank in the current pass
-        self._pass_length = sampler.total_size  # where the current pass ends, in the same positions
+        self._pass_length = getattr(sampler, "total_size", 0)  # where the current pass ends, in the same positions
         self._resume: tuple[int, int] | None = None  # (epoch, position) for the next pass to start at
         self.tput_timer: Any = None  # the engine's ThroughputTimer, started as each batch is read (DeepSpeed's)
 
+    @property
+    def data_sampler(self) -> Sampler:
+        """The sampler, under DeepSpeed's attribute name (`loader.data_sampler.set_epoch(epoch)`)."""
+        return self.sampler
+
     def __iter__(self) -> Iterator[Any]:
-        return self._positioned_pass()
+        if isinstance(self.sampler, PositionedSampler):
+            return self._positioned_pass()
+        return self._timed_pass()
+
+    def _timed_pass(self) -> Iterator[Any]:
+        for batch in super().__iter__():
+            if self.tput_timer is not None:
+                self.tput_timer.start()
+            yield batch
 
     def _positioned_pass(self) -> Iterator[Any]:
         """One pass, from the restored position when it starts in the restored epoch. A
@@ -103,7 +125,7 @@ class DeepSpeedDataLoader(DataLoader):
     def state_dict(self) -> dict[str, Any]:
         """The job's position: epoch, positions of its order read (a finished pass counts
         as the start of the next), and what the order depends on."""
-        sampler: PositionedSampler = self.sampler
+        sampler = self._positioned_sampler("state_dict")
         consumed = self._consumed if self._consumed < self._pass_length else 0
         return {"epoch": sampler.epoch, "consumed": consumed, "seed": sampler.seed, "shuffle": sampler.shuffle,
                 "samples": len(self.dataset)}
@@ -112,7 +134,7 @@ class DeepSpeedDataLoader(DataLoader):
         """Start the next pass in `state["epoch"]` at the saved position (the sampler is
         set to that epoch). Refused where the saved position names other samples: another
         dataset length, seed or shuffle, or a position the data-parallel size cannot split."""
-        sampler: PositionedSampler = self.sampler
+        sampler = self._positioned_sampler("load_state_dict")
         saved = (state["samples"], state["seed"], state["shuffle"])
         current = (len(self.dataset), sampler.seed, sampler.shuffle)
         if saved != current:
@@ -130,3 +152,9 @@ class DeepSpeedDataLoader(DataLoader):
                 "global batch), or save at an optimizer step")
         sampler.set_epoch(state["epoch"])
         self._resume = (state["epoch"], state["consumed"])
+
+    def _positioned_sampler(self, call: str) -> PositionedSampler:
+        if not isinstance(self.sampler, PositionedSampler):
+            raise TypeError(f"loader.{call}(): this loader reads the script's own sampler "
+                            f"({type(self.sampler).__name__}), whose position the script keeps itself")
+        return self.sampler

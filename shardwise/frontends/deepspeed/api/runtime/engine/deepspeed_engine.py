@@ -20,18 +20,23 @@ from __future__ import annotations
 
 import logging
 import os
+import sys
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable
 
 import torch
 from torch import nn
+from torch.utils.data import Dataset, IterableDataset, Sampler
 
 from shardwise.runtime.checkpoint.format import LATEST
 from shardwise.runtime.checkpoint.manifest import write_synced
 from shardwise.runtime.checkpoint.state import capture_rng_state, restore_rng_state
 from shardwise.frontends.deepspeed.api.profiling.flops_profiler.profiler import FlopsProfiler, synchronized_time
 from shardwise.frontends.deepspeed.api.runtime.engine.checkpoint_arguments import agreed_location
+from shardwise.frontends.deepspeed.api.runtime.engine.written_settings import written_setting, written_value
+from shardwise.frontends.deepspeed.api.runtime.constants import ROUTE_EVAL, ROUTE_PREDICT, ROUTE_TRAIN
+from shardwise.frontends.deepspeed.api.runtime.dataloader import DeepSpeedDataLoader, PositionedSampler
 from shardwise.frontends.deepspeed.api.runtime.zero.external_parameters import ReturnedParameterTracker
 from shardwise.frontends.deepspeed.api.runtime.zero.partition_parameters import mark_partitioned, unmark_partitioned
 from shardwise.frontends.deepspeed.api.utils.repeating_loader import RepeatingLoader
@@ -42,6 +47,7 @@ from shardwise.frontends.deepspeed.config.deepspeed_keys import DATA_TYPE_NAMES
 from shardwise.frontends.deepspeed.config.policies import DTYPES
 from shardwise.frontends.deepspeed.engine import ConfiguredEngine
 from shardwise.runtime.data.curriculum_loader import CurriculumDataLoader
+from shardwise.runtime.data.difficulty_sampler import DifficultySampler
 from shardwise.runtime.data.random_ltd import RandomLayerTokenDrop, RandomLTDState
 from shardwise.runtime.data.token_schedule import RandomLTDScheduler
 from shardwise.runtime.distributed.setup import call_check_timeout
@@ -90,6 +96,7 @@ class DeepSpeedEngine(ConfiguredEngine):
                          lr_scheduler=lr_scheduler, param_init_fn=param_init_fn)
         self._step_applied = False
         self.training_dataloader = None  # set by initialize when it builds one
+        self.collate_fn: Callable | None = None  # initialize's, deepspeed_io's default
         # DeepSpeed's samples-per-second meter: started when a micro-batch is read (by the
         # loader initialize built) or its forward begins, stopped at each step(); rank 0 logs
         # it every steps_per_print updates
@@ -186,6 +193,58 @@ class DeepSpeedEngine(ConfiguredEngine):
         key = "momentum" if self.optimizer_name() in ("SGD", "RMSprop") else "betas"
         groups = self.optimizer.optimizer.param_groups if self.trains else []
         return [group.get(key, 0.0) for group in groups]
+
+    # -- DeepSpeed's accessors of settings shardwise accepts without modelling them ---------------
+    zero_allgather_sequential = written_setting("zero_optimization.allgather_sequential", False)
+    zero_compute_grad_norm = written_setting("zero_optimization.compute_grad_norm", True)
+    zero_elastic_checkpoint = written_setting("zero_optimization.elastic_checkpoint", False)
+    zero_legacy_stage1 = written_setting("zero_optimization.legacy_stage1", False)
+    zero_load_from_fp32_weights = written_setting("zero_optimization.load_from_fp32_weights", True)
+    zero_log_trace_cache_warnings = written_setting("zero_optimization.log_trace_cache_warnings", False)
+    zero_model_persistence_threshold = written_setting("zero_optimization.stage3_model_persistence_threshold",
+                                                       sys.maxsize)
+    zero_multi_rank_bucket_allreduce = written_setting("zero_optimization.use_multi_rank_bucket_allreduce", True)
+    zero_parameter_alignment = written_setting("zero_optimization.parameter_alignment", False)
+    zero_quantized_nontrainable_weights = written_setting("zero_optimization.zero_quantized_nontrainable_weights",
+                                                          False)
+    zero_round_robin_gradients = written_setting("zero_optimization.round_robin_gradients", False)
+    zero_save_muon_momentum_buffer_in_memory = written_setting(
+        "zero_optimization.save_muon_momentum_buffer_in_memory", False)
+    is_sanity_checks_enabled = written_setting("zero_optimization.enable_sanity_checks", False)
+    super_offload = written_setting("zero_optimization.offload_optimizer.super_offload", False)
+    zero_force_ds_cpu_optimizer = written_setting("zero_force_ds_cpu_optimizer", True)
+    fp16_master_weights_and_gradients = written_setting("fp16.fp16_master_weights_and_grads", False)
+    autotp_size = written_setting("tensor_parallel.autotp_size", 0)
+    checkpoint_serialization_enabled = written_setting("checkpoint.checkpoint_serialization", True)
+    use_node_local_storage = written_setting("checkpoint.use_node_local_storage", False)
+    load_universal_checkpoint = written_setting("checkpoint.load_universal", False)
+    gradient_predivide_factor = written_setting("gradient_predivide_factor", 1.0)
+    optimizer_legacy_fusion = written_setting("optimizer.legacy_fusion", False)
+    managed_gradient_accumulation = written_setting("managed_gradient_accumulation", True)
+    dump_state = written_setting("dump_state", False)
+
+    def cpuadam_cores_perc(self) -> float:
+        """The offload block's `cpuadam_cores_perc`: DeepSpeed 0.19.8's default is 0.8 in an
+        `offload_optimizer` block and 0.9 without one."""
+        block = written_value(self.script_config, "zero_optimization.offload_optimizer", None)
+        return written_value(block, "cpuadam_cores_perc", 0.8) if isinstance(block, dict) else 0.9
+
+    def postscale_gradients(self) -> bool:
+        return not written_value(self.script_config, "prescale_gradients", False)
+
+    def torch_autocast_lower_precision_safe_modules(self) -> list[str]:
+        """The config's list as written, else DeepSpeed's default: the module classes whose
+        gradients DeepSpeed reduces in the autocast dtype (shardwise reduces every gradient
+        in communication_data_type: config/deepspeed_keys.py)."""
+        written = written_value(self.script_config, "torch_autocast.lower_precision_safe_modules", None)
+        return written if written is not None else [f"{kind.__module__}.{kind.__name__}"
+                                                    for kind in (nn.Linear, nn.Conv1d, nn.Conv2d, nn.Conv3d)]
+
+    def aio_config(self) -> dict[str, Any]:
+        """The config's `aio` block with DeepSpeed's defaults filled in."""
+        return {key: written_value(self.script_config, f"aio.{key}", default) for key, default in (
+            ("block_size", 1_048_576), ("queue_depth", 8), ("intra_op_parallelism", 1), ("single_submit", False),
+            ("overlap_events", True), ("use_gds", False))}
 
     # -- the flops profiler, as DeepSpeed's engine runs it ---------------------------------------
     def flops_profiler_enabled(self) -> bool:
@@ -360,6 +419,26 @@ class DeepSpeedEngine(ConfiguredEngine):
                                                      "gradient_accumulation_steps": steps})
         self.tput_timer.batch_size = train_batch_size
 
+    def set_train_micro_batch_size(self, micro_batch_size: int) -> None:
+        """DeepSpeed's: the micro-batches the script feeds from now on hold `micro_batch_size`
+        samples, the accumulation steps stay, so the global batch becomes micro-batch x
+        accumulation x data-parallel size (the config's numbers, the throughput timer's and
+        the monitors' sample counts follow). The loaders already built keep their size, in
+        DeepSpeed too. Refused with a pipeline (its buffers are shaped for the configured
+        micro-batch) and the curriculum sampler (it draws micro-batches of the configured size)."""
+        if not isinstance(micro_batch_size, int) or micro_batch_size < 1:
+            raise ValueError(f"set_train_micro_batch_size({micro_batch_size!r}): give a positive number of samples")
+        fixed = ("a pipeline's buffers are shaped for the configured micro-batch" if self.pipeline is not None
+                 else "the curriculum sampler draws micro-batches of the configured size"
+                 if self.policies.data_sampling is not None else None)
+        if fixed is not None:
+            raise ValueError(f"set_train_micro_batch_size is not supported here: {fixed}; set "
+                             "train_micro_batch_size_per_gpu in the config instead")
+        train_batch_size = micro_batch_size * self.gradient_accumulation_steps * self.dp_world_size
+        self.config = self.config.model_copy(update={"train_batch_size": train_batch_size,
+                                                     "train_micro_batch_size_per_gpu": micro_batch_size})
+        self.tput_timer.batch_size = train_batch_size
+
     def set_gradient_accumulation_boundary(self, is_boundary: bool) -> None:
         """DeepSpeed's: the caller says whether the next backward ends the accumulation
         window, and calls `step()` at window ends only (accelerate's DeepSpeed wrapper does).
@@ -448,6 +527,59 @@ class DeepSpeedEngine(ConfiguredEngine):
             self.lr_scheduler.load_state_dict(scheduler_state)
         directory = Path(load_dir) / (tag if tag is not None else (Path(load_dir) / LATEST).read_text().strip())
         return str(directory), client_state
+
+    # -- DeepSpeed's data loaders ----------------------------------------------------------------
+    @staticmethod
+    def is_map_style_dataset(obj: Any) -> bool:
+        return hasattr(obj, "__getitem__") and hasattr(obj, "__len__")
+
+    @staticmethod
+    def is_iterable_style_dataset(obj: Any) -> bool:
+        return isinstance(obj, IterableDataset)
+
+    def deepspeed_io(self, dataset: Dataset, batch_size: int | None = None, route: str = ROUTE_TRAIN,
+                     pin_memory: bool = True, data_sampler: Sampler | None = None, collate_fn: Callable | None = None,
+                     num_local_io_workers: int | None = None) -> DeepSpeedDataLoader | CurriculumDataLoader:
+        """DeepSpeed's loader of `dataset` for this rank: micro-batches of `batch_size`
+        (default the config's micro-batch size) through `collate_fn` (default the one
+        given to `initialize`), each data-parallel rank reading its share. Its order is
+        DeepSpeed's: without `data_sampler`, a DistributedSampler shuffled with seed 0
+        for the "train" route (DeepSpeed's curriculum sampler where the config's
+        `data_efficiency.data_sampling` is on) and in order for "eval" and "predict".
+        The "train" route's loader starts the throughput timer as it reads each batch.
+
+        Which loader the checkpoints follow: the one `initialize` built from
+        `training_data`; a loader from here is the script's (DeepSpeed keeps no loader's
+        position). Pinned memory only where the engine's device is a GPU; worker processes
+        only as many as `num_local_io_workers` says (api/runtime/dataloader.py says why).
+        An IterableDataset is refused: DeepSpeed's loader samples by index (and fails on
+        one with a TypeError)."""
+        if self.is_iterable_style_dataset(dataset) or not self.is_map_style_dataset(dataset):
+            raise ValueError(f"engine.deepspeed_io needs a map-style torch Dataset (with __len__ and __getitem__), "
+                             f"as DeepSpeed's loader samples it by index; got {type(dataset).__name__}. Build a "
+                             "DataLoader for an iterable dataset yourself, each rank reading its own share")
+        if route not in (ROUTE_TRAIN, ROUTE_EVAL, ROUTE_PREDICT):
+            raise ValueError(f"engine.deepspeed_io(route={route!r}): the routes are {ROUTE_TRAIN!r}, {ROUTE_EVAL!r} "
+                             f"and {ROUTE_PREDICT!r}")
+        batch_size = self.train_micro_batch_size_per_gpu() if batch_size is None else batch_size
+        collate_fn = self.collate_fn if collate_fn is None else collate_fn
+        replicas, drop_last = self.comm, self.config.dataloader_drop_last
+        sampling = self.policies.data_sampling
+        if route == ROUTE_TRAIN and data_sampler is None and sampling is not None:
+            sampler = DifficultySampler(sampling, samples=len(dataset), micro_batch_size=batch_size,
+                                        gradient_accumulation_steps=int(self.gradient_accumulation_steps),
+                                        replicas=replicas, drop_last=drop_last)
+            return CurriculumDataLoader(dataset, sampler=sampler, collate_fn=collate_fn,
+                                        num_workers=sampling.num_workers, pin_memory=sampling.pin_memory)
+        if data_sampler is None:
+            data_sampler = PositionedSampler(dataset, num_replicas=replicas.size, rank=replicas.rank,
+                                             drop_last=drop_last, shuffle=route == ROUTE_TRAIN)
+        loader = DeepSpeedDataLoader(dataset, batch_size=batch_size, sampler=data_sampler, collate_fn=collate_fn,
+                                     drop_last=drop_last, num_workers=num_local_io_workers or 0,
+                                     pin_memory=pin_memory and self.device.type == "cuda")
+        if route == ROUTE_TRAIN:
+            loader.tput_timer = self.tput_timer
+        return loader
 
     # -- DeepSpeed's PipelineEngine ----------------------------------------------------------
     def set_data_post_process_func(self, post_process_func: Callable[[Any, dict], Any]) -> None:

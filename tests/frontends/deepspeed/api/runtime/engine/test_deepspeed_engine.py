@@ -51,10 +51,46 @@ DEFAULTS = {
     "get_lr": [0.001], "get_mom": [[0.9, 0.999]], "data_efficiency_enabled": False, "autotuning_enabled": False,
     "dp_world_size": 1, "mp_world_size": 1, "seq_dp_world_size": 1, "sequence_parallel_size": 1,
     "zero_offload_optimizer.device": None, "zero_offload_param.device": None,
+    # settings shardwise accepts without modelling them, and the profiler's and autotuner's
+    "aio_config": {"block_size": 1048576, "queue_depth": 8, "intra_op_parallelism": 1, "single_submit": False,
+                   "overlap_events": True, "use_gds": False},
+    "autotp_size": 0, "autotuning_start_profile_step": 3, "autotuning_end_profile_step": 5,
+    "autotuning_metric": "throughput", "autotuning_metric_path": os.path.join(os.getcwd(), "autotuning_metric.json"),
+    "autotuning_model_info_path": os.path.join(os.getcwd(), "autotuning_model_info.json"),
+    "autotuning_profile_model_info": False, "checkpoint_serialization_enabled": True,
+    "checkpoint_writer_enabled": False, "cpuadam_cores_perc": 0.9, "data_sampling_enabled": False,
+    "dump_state": False, "flops_profiler_detailed": True, "flops_profiler_module_depth": -1,
+    "flops_profiler_output_file": None, "flops_profiler_profile_step": 1, "flops_profiler_recompute_fwd_factor": 0.0,
+    "flops_profiler_top_modules": 1, "fp16_master_weights_and_gradients": False, "gradient_predivide_factor": 1.0,
+    "is_deepcompile_enabled": False, "is_sanity_checks_enabled": False, "load_universal_checkpoint": False,
+    "managed_gradient_accumulation": True, "optimizer_legacy_fusion": False, "postscale_gradients": True,
+    "super_offload": False, "torch_autocast_dtype": None, "torch_autocast_enabled": False,
+    "torch_autocast_lower_precision_safe_modules": ["torch.nn.modules.linear.Linear", "torch.nn.modules.conv.Conv1d",
+                                                    "torch.nn.modules.conv.Conv2d", "torch.nn.modules.conv.Conv3d"],
+    "use_node_local_storage": False, "zero_allgather_sequential": False, "zero_compute_grad_norm": True,
+    "zero_elastic_checkpoint": False, "zero_force_ds_cpu_optimizer": True, "zero_legacy_stage1": False,
+    "zero_load_from_fp32_weights": True, "zero_log_trace_cache_warnings": False,
+    "zero_model_persistence_threshold": 9223372036854775807, "zero_multi_rank_bucket_allreduce": True,
+    "zero_nvme_offload_optimizer": False, "zero_parameter_alignment": False,
+    "zero_quantized_nontrainable_weights": False, "zero_round_robin_gradients": False,
+    "zero_save_muon_momentum_buffer_in_memory": False,
 }
 STAGE = {stage: {"zero_optimization": stage > 0, "zero_optimization_stage": stage,
                  "zero_optimization_partition_gradients": stage >= 2,
-                 "zero_optimization_partition_weights": stage >= 3} for stage in range(4)}
+                 "zero_optimization_partition_weights": stage >= 3,
+                 "is_first_weights_partition_group": stage >= 3} for stage in range(4)}
+# a config that sets what those accessors read
+WRITTEN = {"zero_optimization": {"stage": 2, "round_robin_gradients": True, "load_from_fp32_weights": False,
+                                 "use_multi_rank_bucket_allreduce": False},
+           "aio": {"block_size": 262144, "queue_depth": 32, "intra_op_parallelism": 2, "single_submit": True,
+                   "overlap_events": False},
+           "checkpoint": {"use_node_local_storage": True, "load_universal": True},
+           "flops_profiler": {"enabled": False, "profile_step": 3, "module_depth": 2, "top_modules": 4,
+                              "detailed": False, "output_file": "profile.txt"},
+           "autotuning": {"enabled": False, "start_profile_step": 2, "end_profile_step": 4, "metric": "latency",
+                          "metric_path": "metric.json", "model_info_path": "info.json"},
+           "torch_autocast": {"enabled": True, "dtype": "bfloat16"}, "zero_force_ds_cpu_optimizer": False,
+           "dump_state": True}
 
 # (config, the optimizer the script passes: None or a torch.optim class name) -> DeepSpeed's
 # answers that differ from DEFAULTS
@@ -74,11 +110,22 @@ CASES = [
      {"train_batch_size": 2, "gradient_accumulation_steps": 1, "scheduler_name": "WarmupLR",
       "scheduler_params": {"warmup_num_steps": 3}, **STAGE[2], "zero_use_cpu_optimizer": True,
       "zero_cpu_offload": True, "bfloat16_enabled": True, "get_data_types": ["torch.bfloat16", "torch.bfloat16"],
-      "get_lr": [0.0], "zero_offload_optimizer.device": "cpu"}),
+      "get_lr": [0.0], "zero_offload_optimizer.device": "cpu", "cpuadam_cores_perc": 0.8}),
     ((_config(3, accumulation=4, offload=("optimizer", "param")), None),
      {"train_batch_size": 8, "gradient_accumulation_steps": 4, **STAGE[3], "zero_overlap_comm": True,
       "zero_use_cpu_optimizer": True, "zero_cpu_offload": True, "zero_offload_optimizer.device": "cpu",
-      "zero_offload_param.device": "cpu"}),
+      "zero_offload_param.device": "cpu", "cpuadam_cores_perc": 0.8}),
+    ((_config(2, **WRITTEN), None),
+     {"train_batch_size": 2, "gradient_accumulation_steps": 1, **STAGE[2], "zero_round_robin_gradients": True,
+      "zero_load_from_fp32_weights": False, "zero_multi_rank_bucket_allreduce": False,
+      "aio_config": {"block_size": 262144, "queue_depth": 32, "intra_op_parallelism": 2, "single_submit": True,
+                     "overlap_events": False, "use_gds": False},
+      "use_node_local_storage": True, "load_universal_checkpoint": True, "flops_profiler_profile_step": 3,
+      "flops_profiler_module_depth": 2, "flops_profiler_top_modules": 4, "flops_profiler_detailed": False,
+      "flops_profiler_output_file": "profile.txt", "autotuning_start_profile_step": 2,
+      "autotuning_end_profile_step": 4, "autotuning_metric": "latency", "autotuning_metric_path": "metric.json",
+      "autotuning_model_info_path": "info.json", "torch_autocast_enabled": True,
+      "torch_autocast_dtype": "torch.bfloat16", "zero_force_ds_cpu_optimizer": False, "dump_state": True}),
     ((_config(2, optimizer=None), "AdamW"),
      {"train_batch_size": 2, "gradient_accumulation_steps": 1, "optimizer_name": "AdamW", "optimizer_params": None,
       **STAGE[2]}),
@@ -131,7 +178,7 @@ def _client(kind: str | None, model: torch.nn.Module) -> torch.optim.Optimizer |
 
 @pytest.mark.parametrize("case, answers", CASES + FP16_CASES, ids=[
     "stage0-fp32-fp16-block-off", "stage1-bf16-accumulation", "stage2-bf16-offload-scheduler", "stage3-offload",
-    "stage2-client-adamw", "stage1-client-sgd", "stage2-fp16", "stage0-fp16-static-scale"])
+    "stage2-written-settings", "stage2-client-adamw", "stage1-client-sgd", "stage2-fp16", "stage0-fp16-static-scale"])
 def test_the_accessors_answer_as_deepspeed(case, answers):
     config, client = case
     model = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.Linear(4, 2))
