@@ -35,7 +35,7 @@ from shardwise.runtime.data.random_ltd import RandomLTDState
 class DataPosition(Protocol):
     """Where a training-data loader is in its data (epoch, samples consumed, seed): JSON
     that a checkpoint saves beside the counters, so a resumed run reads the batch the
-    uninterrupted one would have read next (frontends/deepspeed/api/runtime/dataloader.py)."""
+    uninterrupted one would have read next (frontends/deepspeed/data_loader.py)."""
 
     def state_dict(self) -> dict[str, Any]: ...
 

@@ -35,7 +35,7 @@ from shardwise.frontends.deepspeed.api.comm import init_distributed
 from shardwise.frontends.deepspeed.api.runtime.engine import DeepSpeedEngine
 from shardwise.frontends.deepspeed.api.inference import InferenceEngine, init_inference
 from shardwise.frontends.deepspeed.api.init_engine import initialize
-from shardwise.frontends.deepspeed.api.runtime.config import DeepSpeedConfigError
+from shardwise.frontends.deepspeed.api.runtime.config import DeepSpeedConfig, DeepSpeedConfigError
 from shardwise.frontends.deepspeed.api.runtime.pipe.engine import PipelineEngine
 from shardwise.frontends.deepspeed.api.pipe import PipelineModule
 from shardwise.frontends.deepspeed.api.runtime.base_optimizer import DeepSpeedOptimizer
@@ -46,6 +46,7 @@ __version__ = git_version_info.version  # the DeepSpeed release whose API this p
 version, git_hash, git_branch = git_version_info.version, git_version_info.git_hash, git_version_info.git_branch
 
 __all__ = [
+    "DeepSpeedConfig",
     "DeepSpeedConfigError",
     "DeepSpeedDataLoader",
     "DeepSpeedEngine",

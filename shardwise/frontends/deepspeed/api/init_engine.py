@@ -12,7 +12,7 @@ What DeepSpeed does with each argument, and what this does:
 - `training_data` becomes a loader of micro-batches, each rank reading its own share
   of every epoch (DeepSpeed's DistributedSampler: shuffled with seed 0, the same order
   every epoch unless the script calls `loader.sampler.set_epoch`), through `collate_fn`;
-  the engine's checkpoints hold its position (api/runtime/dataloader.py);
+  the engine's checkpoints hold its position (frontends/deepspeed/data_loader.py);
 - `args.local_rank` is set to this process's LOCAL_RANK;
 - `mpu`: only the one `UlyssesSPAttentionHF.register_with_transformers` returns (ALST's
   Ulysses, run by the script: api/runtime/sequence_parallel/); the config's
@@ -56,7 +56,8 @@ from shardwise.frontends.deepspeed.api.pipe import PipelineModule
 from shardwise.frontends.deepspeed.api.ops.adam import FusedAdam
 from shardwise.frontends.deepspeed.api.runtime.base_optimizer import DeepSpeedOptimizer, mark_wrapped
 from shardwise.frontends.deepspeed.api.runtime.bf16_optimizer import BF16_Optimizer
-from shardwise.frontends.deepspeed.api.runtime.config import TORCH_ADAM_PARAM, DeepSpeedConfigError
+from shardwise.frontends.deepspeed.api.runtime.config import (DEEPSPEED_GRADIENT_CLIPPING, TORCH_ADAM_PARAM,
+                                                                DeepSpeedConfigError)
 from shardwise.frontends.deepspeed.api.runtime.fp16.fused_optimizer import FP16_Optimizer
 from shardwise.frontends.deepspeed.api.runtime.fp16.unfused_optimizer import FP16_UnfusedOptimizer
 from shardwise.frontends.deepspeed.api.runtime.sequence_parallel import parallel_state_sp
@@ -71,9 +72,6 @@ from shardwise.runtime.engine.arguments import hidden_size
 from shardwise.runtime.optim.registry import optimizer_spec
 
 log = logging.getLogger("shardwise")
-# DeepSpeed 0.19.8 clips at a norm of 1.0 when a config names no `gradient_clipping`
-# (runtime/constants.py GRADIENT_CLIPPING_DEFAULT); shardwise's own configs default to none.
-DEEPSPEED_GRADIENT_CLIPPING = 1.0
 
 
 def initialize(

@@ -8,7 +8,7 @@ import pytest
 import torch
 from torch.utils.data import DistributedSampler
 
-from shardwise.frontends.deepspeed.api.runtime.dataloader import PositionedSampler
+from shardwise.frontends.deepspeed.data_loader import PositionedSampler
 from shardwise.tools.testing import run_distributed
 from tests.frontends.deepspeed.api.data_position_workers import IndexedRows, train
 
@@ -76,7 +76,7 @@ def test_the_sampler_reads_what_deepspeeds_does(drop_last):
 
 
 def test_a_position_the_new_size_cannot_split_is_refused():
-    from shardwise.frontends.deepspeed.api.runtime.dataloader import DeepSpeedDataLoader
+    from shardwise.frontends.deepspeed.data_loader import DeepSpeedDataLoader
 
     data = IndexedRows()
     loader = DeepSpeedDataLoader(data, batch_size=2, sampler=PositionedSampler(data, num_replicas=3, rank=0,
@@ -94,7 +94,7 @@ def batches_of(loader, count: int) -> list[list[int]]:
 
 
 def single_rank_loader():
-    from shardwise.frontends.deepspeed.api.runtime.dataloader import DeepSpeedDataLoader
+    from shardwise.frontends.deepspeed.data_loader import DeepSpeedDataLoader
 
     data = IndexedRows()
     sampler = PositionedSampler(data, num_replicas=1, rank=0, drop_last=False)

@@ -10,9 +10,8 @@ The sequence-parallel communication type's default is DeepSpeed's for every devi
 CUDA with NCCL >= 2.27.3 (where DeepSpeed leaves it None): "fp32".
 """
 
-ROUTE_TRAIN = "train"
-ROUTE_EVAL = "eval"
-ROUTE_PREDICT = "predict"
+from shardwise.frontends.deepspeed.data_loader import ROUTE_EVAL, ROUTE_PREDICT, ROUTE_TRAIN
+
 ROUTE_ENCODE = "encode"
 
 TRAIN_BATCH_SIZE = "train_batch_size"

@@ -34,9 +34,7 @@ from shardwise.runtime.checkpoint.manifest import write_synced
 from shardwise.runtime.checkpoint.state import capture_rng_state, restore_rng_state
 from shardwise.frontends.deepspeed.api.profiling.flops_profiler.profiler import FlopsProfiler, synchronized_time
 from shardwise.frontends.deepspeed.api.runtime.engine.checkpoint_arguments import agreed_location
-from shardwise.frontends.deepspeed.api.runtime.engine.written_settings import written_setting, written_value
-from shardwise.frontends.deepspeed.api.runtime.constants import ROUTE_EVAL, ROUTE_PREDICT, ROUTE_TRAIN
-from shardwise.frontends.deepspeed.api.runtime.dataloader import DeepSpeedDataLoader, PositionedSampler
+from shardwise.frontends.deepspeed.config.written import written_setting, written_value
 from shardwise.frontends.deepspeed.api.runtime.zero.external_parameters import ReturnedParameterTracker
 from shardwise.frontends.deepspeed.api.runtime.zero.partition_parameters import mark_partitioned, unmark_partitioned
 from shardwise.frontends.deepspeed.api.utils.repeating_loader import RepeatingLoader
@@ -44,6 +42,8 @@ from shardwise.frontends.deepspeed.api.utils.timer import ThroughputTimer
 from shardwise.frontends.deepspeed.api.utils.zero_to_fp32 import RECOVERY_SCRIPT
 from shardwise.frontends.deepspeed.config import ShardwiseConfig
 from shardwise.frontends.deepspeed.config.deepspeed_keys import DATA_TYPE_NAMES
+from shardwise.frontends.deepspeed.data_loader import (ROUTE_EVAL, ROUTE_PREDICT, ROUTE_TRAIN, DeepSpeedDataLoader,
+                                                       PositionedSampler)
 from shardwise.frontends.deepspeed.config.policies import DTYPES
 from shardwise.frontends.deepspeed.engine import ConfiguredEngine
 from shardwise.runtime.data.curriculum_loader import CurriculumDataLoader
@@ -551,7 +551,7 @@ class DeepSpeedEngine(ConfiguredEngine):
         Which loader the checkpoints follow: the one `initialize` built from
         `training_data`; a loader from here is the script's (DeepSpeed keeps no loader's
         position). Pinned memory only where the engine's device is a GPU; worker processes
-        only as many as `num_local_io_workers` says (api/runtime/dataloader.py says why).
+        only as many as `num_local_io_workers` says (frontends/deepspeed/data_loader.py says why).
         An IterableDataset is refused: DeepSpeed's loader samples by index (and fails on
         one with a TypeError)."""
         if self.is_iterable_style_dataset(dataset) or not self.is_map_style_dataset(dataset):
