@@ -4,7 +4,8 @@
     model = parallelize(model, mesh=job.mesh, ...)       # the model family's steps (shardwise/models/)
     engine = Engine(model, job=job, policies=policies, optimizer=...)
     loss = engine(batch)        # the user's forward
-    engine.backward(loss)       # gradients reduced/sharded while backward runs
+    engine.backward(loss)       # gradients reduced/sharded while backward runs (or loss.backward():
+                                # engine/output_backward.py)
     engine.step()               # at accumulation boundaries: check, clip, update, gather
 
 The engine is built from typed policies (engine/policies.py) and knows no config format;
@@ -40,6 +41,7 @@ from shardwise.runtime.distributed.collectives import Communicator
 from shardwise.runtime.distributed.setup import call_check_timeout
 from shardwise.runtime.engine.arguments import make_scheduler, optimizer_factory, refuse_second_engine
 from shardwise.runtime.engine.job import Job
+from shardwise.runtime.engine.output_backward import EngineBackward, OutputBackward
 from shardwise.runtime.engine.policies import Policies
 from shardwise.runtime.engine.trial import TrialMeter
 from shardwise.runtime.optim.registry import optimizer_spec
@@ -175,6 +177,12 @@ class Engine(nn.Module):
         self.replica_check = self._replica_check(training.replica_check_interval)
         self.pipeline = self._pipeline_runner_for(model)  # train_batch / eval_batch
         self._backward_pending = False  # backward() ran and step() has not yet
+        # a backward the script starts itself on the forward's outputs (engine/output_backward.py)
+        self._output_backward = (OutputBackward(on_open=self._open_output_pass, on_close=self._close_output_pass,
+                                                divisor=lambda: self.loss_divisor) if self.trains else None)
+        if self._output_backward is not None:
+            self._output_backward.watch_parameters([param for param in model.parameters() if param.requires_grad])
+        self._scaled_by_script = False  # engine.scale(loss) ran for the next such backward
         # the forward itself gathers (stage 3) or reduces (tensor / sequence parallel)
         self._forward_communicates = (zero.partitions_parameters or policies.tensor.size > 1
                                       or policies.sequence.size > 1)
@@ -197,6 +205,7 @@ class Engine(nn.Module):
         runs under `torch.autocast` when the precision policy says so. If it raises,
         whatever it left gathered or in use is released first."""
         self._require_alive("forward")
+        self._drop_interrupted_pass()
         if self._backward_pending and self._forward_communicates:
             self.guard.check_call(FORWARD, self.get_lr())  # pairs with a peer's step check if it skipped one
         args, kwargs = cast_floating((args, kwargs), self.dtype)
@@ -206,12 +215,15 @@ class Engine(nn.Module):
             self.pass_failures.begin_pass()
         try:
             with self.activations.track(), autocast_for(self.policies.precision, self.device):
-                return self.module(*args, **kwargs)
+                output = self.module(*args, **kwargs)
         except BaseException as error:
             self.zero.params.abort_pass()
             self.guard.note_failed_pass()
             self._stop_if_raised_alone(error)
             raise
+        if self._output_backward is not None and self.pipeline is None and torch.is_grad_enabled():
+            self._output_backward.attach(output)  # the script may call backward on it itself
+        return output
 
     def _require_random_ltd_layers(self) -> RandomLTDState:
         if self.random_ltd is None:
@@ -272,6 +284,8 @@ class Engine(nn.Module):
         several times before one step() (one call per loss, as DeepSpeedExamples' GAN
         does), the gradients add up, as they would for the sum of the losses."""
         self._require_training("backward")
+        self._drop_interrupted_pass()
+        self._scaled_by_script = False  # an engine.scale() this backward made unnecessary counts for no other
         if not self.zero.reducer.sync_in_backward:  # inside no_sync: accumulate only
             self._local_backward(loss)
             return
@@ -281,7 +295,8 @@ class Engine(nn.Module):
         self.zero.reducer.begin_backward(boundary=self.is_gradient_accumulation_boundary())
         self.guard.note_loss(loss)
         try:
-            (loss.float() * scale).backward()
+            with EngineBackward():
+                (loss.float() * scale).backward()
             self.zero.reducer.end_backward()
         except BaseException as error:
             self._abort_backward()
@@ -294,7 +309,8 @@ class Engine(nn.Module):
         self.zero.reducer.begin_backward(boundary=False)
         self.guard.note_loss(loss)
         try:
-            (loss.float() * self.loss_scaler.scale / self.loss_divisor).backward()
+            with EngineBackward():
+                (loss.float() * self.loss_scaler.scale / self.loss_divisor).backward()
             self.zero.reducer.end_backward()
         except BaseException as error:
             self._abort_backward()
@@ -312,12 +328,65 @@ class Engine(nn.Module):
         self.guard.note_loss(loss)
         try:
             if tensors:  # a stage of parameter-free layers fed by the data has nothing to differentiate
-                torch.autograd.backward(tensors, grads)
+                with EngineBackward():
+                    torch.autograd.backward(tensors, grads)
             self.zero.reducer.end_backward()
         except BaseException:
             self._abort_backward()
             raise
         self.zero.params.end_backward()
+
+    def scale(self, loss: torch.Tensor) -> torch.Tensor:
+        """The loss to call `.backward()` on yourself: multiplied by the loss scale where
+        fp16 loss scaling is on (else `loss` itself), as DeepSpeed's `engine.scale`. The
+        engine divides by the accumulation count during that backward
+        (engine/output_backward.py)."""
+        self._require_training("scale")
+        if loss.dim() != 0 or loss.grad_fn is None:
+            raise ValueError(f"engine.scale(loss): the loss must be a scalar tensor with a gradient function (got "
+                             f"shape {tuple(loss.shape)}, grad_fn {loss.grad_fn}); for another tensor call "
+                             "tensor.backward(gradient) yourself")
+        if self.policies.precision.loss_scaling is None:
+            return loss
+        self._scaled_by_script = True
+        return loss.float() * self.loss_scaler.scale
+
+    def _open_output_pass(self, gradient: torch.Tensor) -> None:
+        """A backward the script started on this engine's outputs reached them: begin it as
+        `backward` begins its own (the output's gradient goes to the step check in place of
+        the loss: a non-finite loss makes it non-finite)."""
+        if self.policies.precision.loss_scaling is not None and not self._scaled_by_script:
+            raise RuntimeError("Loss scaling is required for this configuration, but backward() was called directly "
+                               "without scaling the loss. Please use one of the following: 1. engine.backward(loss) "
+                               "2. engine.scale(loss).backward()")
+        self._scaled_by_script = False
+        synced = self.zero.reducer.sync_in_backward
+        if synced and self._backward_pending:
+            self.guard.check_call(BACKWARD, self.get_lr())  # pairs with a peer's step check if it skipped one
+        self.zero.reducer.begin_backward(boundary=synced and self.is_gradient_accumulation_boundary())
+        self.guard.note_loss(gradient)
+
+    def _close_output_pass(self) -> None:
+        """Autograd finished the script's backward: end it as `backward` ends its own."""
+        try:
+            self.zero.reducer.end_backward()
+        except BaseException as error:
+            self._abort_backward()
+            self._stop_if_raised_alone(error)
+            raise
+        if self.zero.reducer.sync_in_backward:
+            self.zero.params.end_backward()
+            self._backward_pending = True
+
+    def _drop_interrupted_pass(self) -> None:
+        """A backward the script started raised before autograd finished it: drop it as a
+        failed `backward` is dropped, before anything else runs."""
+        if self._output_backward is None or not self._output_backward.open:
+            return
+        self._output_backward.open = False
+        log.warning("shardwise: a backward started on the engine's outputs raised before it finished; its "
+                    "micro-batch is dropped")
+        self._abort_backward()
 
     def _abort_backward(self) -> None:
         """A backward raised (on every rank alike, or the step check will say otherwise):
@@ -345,13 +414,14 @@ class Engine(nn.Module):
     def step(self) -> None:
         """Apply the update at an accumulation boundary; otherwise only count the micro-step."""
         self._require_training("step")
+        self._drop_interrupted_pass()
         if not self.zero.reducer.sync_in_backward:
             raise RuntimeError("engine.step() inside engine.no_sync(): the gradients there are not reduced yet; "
                                "call backward() inside the block and backward() + step() after it")
         if not self._backward_pending:
             raise RuntimeError(
-                "engine.step() was called without engine.backward() since the last step: there "
-                "is no gradient to apply. Call engine.backward(loss) first"
+                "engine.step() was called without a backward since the last step: there is no gradient to "
+                "apply. Call engine.backward(loss) (or loss.backward() on the engine's output) first"
             )
         boundary = self.is_gradient_accumulation_boundary()
         if boundary and self.policies.zero.refuse_unused_parameters:
@@ -663,6 +733,7 @@ class Engine(nn.Module):
             watch_blocked_waits(None)
         if self.trains:
             self.zero.reducer.remove_hooks()
+            self._output_backward.remove()
         self.zero.params.remove_hooks()
         self.zero.close()
         if self.zenflow is not None:

@@ -131,6 +131,8 @@ ADAM_EPS = 1e-4
 
 OPTIMIZERS = {
     "adamw": lambda groups, lr: torch.optim.AdamW(groups, lr=lr, eps=ADAM_EPS),
+    # a step proportional to the gradient: a test of how gradients are scaled (Adam's step is not)
+    "sgd": lambda groups, lr: torch.optim.SGD(groups, lr=lr, momentum=0.9),
     "lamb": _lamb,
     # a trust coefficient large enough that the trust ratio shapes the step at lr 1e-2
     "lars": _shardwise(Lars, momentum=0.9, trust_coefficient=0.05),

@@ -1,0 +1,103 @@
+"""Backward started by the script on what the engine's forward returned: `loss.backward()`
+(or `engine.scale(loss).backward()` with fp16 loss scaling) runs as `engine.backward(loss)`.
+
+Plain PyTorch and FSDP2 loops call `loss.backward()` themselves, and DeepSpeed 0.19.8
+accepts it at ZeRO 1-3. The engine cannot wrap a call it does not make, so it follows the
+backward from both ends, as FSDP does:
+
+- the forward's output tensors get a gradient hook: the first to run in a backward opens
+  the engine's pass (ZeRO's reducer told where the window is, the step check told a
+  micro-batch ran) and queues a callback on autograd's engine, which closes the pass once
+  the whole graph has run (the reductions launched during backward complete, ZeRO-3's
+  gathered parameters are freed);
+- the trained parameters get a gradient hook that divides each incoming gradient by the
+  accumulation count, before autograd adds it to `.grad`, while such a pass is open:
+  `engine.backward` divides the loss instead. Dividing at the parameters, not at the
+  outputs, leaves a loss a model computed from its own logits (a Hugging Face model's)
+  divided once, whichever of its outputs the script's loss starts from.
+
+A gradient that reaches the outputs while any engine's `engine.backward` runs belongs to
+that call (a GAN's generator loss flowing through the discriminator's engine): it opens
+nothing here, and lands in `.grad` as a foreign gradient (zero/gradients.py). A backward
+that raises half-way never reaches its callback: the engine's next forward, backward or
+step finds the pass still open and drops it as a failed `engine.backward` is dropped.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable, Iterator
+
+import torch
+from torch import nn
+
+_engine_backwards_running = 0  # engine.backward calls in progress, in any engine of this process
+
+
+class EngineBackward:
+    """Marks an `engine.backward` call in progress (a context manager), so that output
+    hooks of every engine let its gradients through."""
+
+    def __enter__(self) -> None:
+        global _engine_backwards_running
+        _engine_backwards_running += 1
+
+    def __exit__(self, *exc: object) -> None:
+        global _engine_backwards_running
+        _engine_backwards_running -= 1
+
+
+class OutputBackward:
+    """One engine's side of backwards the script starts: `attach(output)` after each
+    training forward; `open` while such a backward runs."""
+
+    def __init__(self, *, on_open: Callable[[torch.Tensor], None], on_close: Callable[[], None],
+                 divisor: Callable[[], int]):
+        """`on_open(gradient)`: the engine opens its pass (given the first output gradient,
+        for the step check); `on_close()`: it closes it; `divisor()`: what gradients are
+        divided by (the accumulation count)."""
+        self._on_open, self._on_close, self._divisor = on_open, on_close, divisor
+        self.open = False
+        self._handles: list[Any] = []
+
+    def watch_parameters(self, params: list[nn.Parameter]) -> None:
+        self._handles = [param.register_hook(self._divided) for param in params]
+
+    def attach(self, output: Any) -> Any:
+        for tensor in _tensors(output):
+            if tensor.requires_grad and tensor.grad_fn is not None:
+                tensor.register_hook(self._on_output_gradient)
+        return output
+
+    def _on_output_gradient(self, gradient: torch.Tensor) -> None:
+        if self.open or _engine_backwards_running:
+            return
+        self._on_open(gradient)
+        self.open = True
+        torch.autograd.Variable._execution_engine.queue_callback(self._close)
+
+    def _close(self) -> None:
+        self.open = False
+        self._on_close()
+
+    def _divided(self, gradient: torch.Tensor) -> torch.Tensor | None:
+        if not self.open:
+            return None
+        return gradient / self._divisor()
+
+    def remove(self) -> None:
+        for handle in self._handles:
+            handle.remove()
+        self._handles = []
+
+
+def _tensors(output: Any) -> Iterator[torch.Tensor]:
+    """The tensors in a forward's output: a tensor, or nested in tuples, lists and dicts
+    (a Hugging Face ModelOutput is a dict)."""
+    if isinstance(output, torch.Tensor):
+        yield output
+    elif isinstance(output, (tuple, list)):
+        for item in output:
+            yield from _tensors(item)
+    elif isinstance(output, dict):
+        for item in output.values():
+            yield from _tensors(item)
