@@ -31,11 +31,11 @@ from shardwise.frontends.deepspeed.api import (
 )
 from shardwise.frontends.deepspeed.api.accelerator import get_accelerator
 from shardwise.frontends.deepspeed.api.arguments import add_config_arguments
-from shardwise.frontends.deepspeed.api.comm import init_distributed
+from shardwise.frontends.deepspeed.api.comm import DEFAULT_PORT as TORCH_DISTRIBUTED_DEFAULT_PORT, init_distributed
 from shardwise.frontends.deepspeed.api.runtime.engine import DeepSpeedEngine
 from shardwise.frontends.deepspeed.api.inference import InferenceEngine, init_inference
 from shardwise.frontends.deepspeed.api.init_engine import initialize
-from shardwise.frontends.deepspeed.api.runtime.config import DeepSpeedConfig, DeepSpeedConfigError
+from shardwise.frontends.deepspeed.api.runtime.config import DeepSpeedConfig, DeepSpeedConfigError, load_ds_config
 from shardwise.frontends.deepspeed.api.runtime.pipe.engine import PipelineEngine
 from shardwise.frontends.deepspeed.api.pipe import PipelineModule
 from shardwise.frontends.deepspeed.api.runtime.base_optimizer import DeepSpeedOptimizer
@@ -55,6 +55,7 @@ __all__ = [
     "OnDevice",
     "PipelineEngine",
     "PipelineModule",
+    "TORCH_DISTRIBUTED_DEFAULT_PORT",
     "accelerator",
     "add_config_arguments",
     "checkpoint",
@@ -70,6 +71,7 @@ __all__ = [
     "init_inference",
     "initialize",
     "launcher",
+    "load_ds_config",
     "log_dist",
     "logger",
     "moe",

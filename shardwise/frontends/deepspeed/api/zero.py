@@ -1,6 +1,9 @@
-"""`deepspeed.zero`: DeepSpeed's ZeRO-3 names for user code, which DeepSpeed defines in
-`deepspeed.runtime.zero.partition_parameters` (see there for what each does here)."""
+"""`deepspeed.zero`: DeepSpeed's ZeRO names for user code: ZeRO-3's, which DeepSpeed defines
+in `deepspeed.runtime.zero.partition_parameters` (see there for what each does here), the
+tiled linear layers (`runtime.zero.tiling`) and `unwrap_model_for_generation`
+(`runtime.zero.generation`)."""
 
+from shardwise.frontends.deepspeed.api.runtime.zero.generation import unwrap_model_for_generation
 from shardwise.frontends.deepspeed.api.runtime.zero.partition_parameters import (
     GatheredParameters,
     Init,
@@ -9,6 +12,7 @@ from shardwise.frontends.deepspeed.api.runtime.zero.partition_parameters import 
     register_external_parameter,
     unregister_external_parameter,
 )
+from shardwise.frontends.deepspeed.api.runtime.zero.tiling import TiledLinear, TiledLinearReturnBias
 
-__all__ = ["GatheredParameters", "Init", "ZeroParamStatus", "ZeroParamType", "register_external_parameter",
-           "unregister_external_parameter"]
+__all__ = ["GatheredParameters", "Init", "TiledLinear", "TiledLinearReturnBias", "ZeroParamStatus", "ZeroParamType",
+           "register_external_parameter", "unregister_external_parameter", "unwrap_model_for_generation"]

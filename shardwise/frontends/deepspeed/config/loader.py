@@ -6,6 +6,7 @@ then batch sizes, then optimizer and scheduler params, then types and ranges
 (pydantic), then capabilities and contradictions, which need all values valid.
 """
 
+import base64
 import copy
 import json
 import logging
@@ -113,12 +114,20 @@ def _resolve_block_params(cleaned: dict[str, Any], block: str, problems: list[st
 
 def read_config(config: Mapping[str, Any] | str | os.PathLike[str]) -> dict[str, Any]:
     """The raw config as a dict: a copy of a dict, or a JSON file read strictly (UTF-8, one
-    object, no key given twice), with a `ConfigError` naming the file otherwise."""
+    object, no key given twice), with a `ConfigError` naming the file otherwise. A string
+    that names no file may be the config itself, base64-encoded (URL-safe alphabet), as
+    DeepSpeed accepts it (its autotuner hands configs to its runs that way)."""
     if isinstance(config, Mapping):
         return copy.deepcopy(dict(config))
     if not isinstance(config, (str, os.PathLike)):
         raise ConfigError(f"config must be a dict or the path of a JSON file, got {type(config).__name__}")
     path = Path(config)
+    if isinstance(config, str) and not _names_a_file(path):
+        encoded = _base64_config(config)
+        if encoded is not None:
+            return encoded
+        raise ConfigError(f"config file {_shortened(config)} does not exist (nor is the text a base64-encoded JSON "
+                          "config)")
     if path.is_dir():
         raise ConfigError(f"config file {path} is a directory: give the path of the JSON config file inside it")
     try:
@@ -141,6 +150,27 @@ def read_config(config: Mapping[str, Any] | str | os.PathLike[str]) -> dict[str,
     if not isinstance(data, dict):
         raise ConfigError(f"config file {path} must hold a JSON object, not a {type(data).__name__}")
     return data
+
+
+def _names_a_file(path: Path) -> bool:
+    try:
+        return path.exists()
+    except OSError:  # a name too long for the file system: a base64 config, or nothing
+        return False
+
+
+def _shortened(text: str, limit: int = 200) -> str:
+    return text if len(text) <= limit else f"{text[:limit]}... ({len(text)} characters)"
+
+
+def _base64_config(text: str) -> dict[str, Any] | None:
+    """`text` decoded as a base64 (URL-safe) JSON object, else None."""
+    try:
+        decoded = base64.urlsafe_b64decode(text.encode("ascii")).decode("utf-8")
+        data = json.loads(decoded, object_pairs_hook=lambda pairs: _unique_keys(pairs, Path("<base64 config>")))
+    except (ValueError, UnicodeError):  # binascii.Error and JSONDecodeError are ValueErrors
+        return None
+    return data if isinstance(data, dict) else None
 
 
 def _unique_keys(pairs: list[tuple[str, Any]], path: Path) -> dict[str, Any]:

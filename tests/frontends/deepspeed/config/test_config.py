@@ -317,6 +317,20 @@ def test_bad_files(tmp_path):
         load_config({"train_batch_size": 8}, world_size=None)
 
 
+def test_a_base64_encoded_config_is_read_as_deepspeed_reads_it():
+    """DeepSpeed takes a config string that names no file as base64 (its autotuner passes
+    configs so); text that is neither is the missing file's error."""
+    import base64
+    import json
+
+    encoded = base64.urlsafe_b64encode(json.dumps({"train_batch_size": 8, "zero_optimization": {
+        "stage": 2}}).encode()).decode()
+    cfg = load_config(encoded, world_size=2)
+    assert (cfg.train_batch_size, cfg.train_micro_batch_size_per_gpu, cfg.zero_optimization.stage) == (8, 4, 2)
+    with pytest.raises(ConfigError, match="nor is the text a base64-encoded JSON config"):
+        load_config(base64.urlsafe_b64encode(b"[1, 2]").decode(), world_size=1)
+
+
 def test_older_deepspeed_spellings_are_translated_to_shardwise_keys():
     cfg = load_config({"train_batch_size": 8, "sequence_parallel_size": 1,
                        "zero_optimization": {"stage": 2, "cpu_offload": True, "cpu_offload_use_pin_memory": True}},

@@ -22,7 +22,7 @@ from shardwise.frontends.deepspeed.config.policies import DTYPES
 from shardwise.frontends.deepspeed.config.written import written_value
 
 __all__ = ["ADAGRAD_OPTIMIZER", "ADAMW_OPTIMIZER", "ADAM_OPTIMIZER", "ADAM_W_MODE", "DEEPSPEED_OPTIMIZERS",
-           "DeepSpeedConfig", "DeepSpeedConfigError", "LAMB_OPTIMIZER", "LION_OPTIMIZER", "ONEBIT_ADAM_OPTIMIZER",
+           "DeepSpeedConfig", "DeepSpeedConfigError", "load_ds_config", "LAMB_OPTIMIZER", "LION_OPTIMIZER", "ONEBIT_ADAM_OPTIMIZER",
            "ONEBIT_LAMB_OPTIMIZER", "TORCH_ADAM_PARAM", "ZERO_ONE_ADAM_OPTIMIZER"]
 
 ADAGRAD_OPTIMIZER = "adagrad"
@@ -42,6 +42,12 @@ DEEPSPEED_GRADIENT_CLIPPING = 1.0
 
 TORCH_ADAM_PARAM = "torch_adam"  # optimizer.params key: torch's Adam instead of DeepSpeed's kernel
 ADAM_W_MODE = "adam_w_mode"  # optimizer.params key: decoupled weight decay (True unless switched off)
+
+
+def load_ds_config(config: dict[str, Any] | str | os.PathLike) -> dict[str, Any]:
+    """DeepSpeed's `deepspeed.load_ds_config`: a dict as it is, else the JSON file it names or
+    the base64-encoded config it is."""
+    return config if isinstance(config, dict) else read_config(config)
 
 
 class DeepSpeedConfig:

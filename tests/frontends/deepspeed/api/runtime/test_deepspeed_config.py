@@ -72,6 +72,17 @@ def test_the_attributes_are_deepspeeds(tmp_path):
     assert _answers(deepspeed.runtime.config.DeepSpeedConfig(str(path)), NAMES) == EXPECTED
 
 
+def test_load_ds_config_reads_a_file_or_base64_and_passes_a_dict_through(tmp_path):
+    import base64
+
+    path = tmp_path / "ds_config.json"
+    path.write_text(json.dumps(CONFIG))
+    assert deepspeed.load_ds_config(str(path)) == CONFIG
+    assert deepspeed.load_ds_config(base64.urlsafe_b64encode(json.dumps(CONFIG).encode()).decode()) == CONFIG
+    assert deepspeed.load_ds_config(CONFIG) is CONFIG
+    assert deepspeed.TORCH_DISTRIBUTED_DEFAULT_PORT == 29500
+
+
 class _DataParallelOfTwo:
     """The part of a Megatron mpu DeepSpeedConfig asks."""
 
