@@ -12,8 +12,11 @@ from tests.runtime.zero.workers import (
 )
 
 
-def accumulate_with_no_sync(rank: int, world_size: int, stage: int, micro_batches: int) -> dict:
-    """One optimizer step over `micro_batches` micro-batches, all but the last inside no_sync."""
+def accumulate_with_no_sync(rank: int, world_size: int, stage: int, micro_batches: int,
+                            backward: str = "engine") -> dict:
+    """One optimizer step over `micro_batches` micro-batches, all but the last inside no_sync;
+    `backward` "script": each backward started by `loss.backward()` on the engine's output
+    (runtime/engine/output_backward.py) instead of engine.backward."""
     case = Case(stage=stage, micro_batch=2)
     model = build_model(case.model)
     engine = shardwise.initialize(model, case.config(world_size), optimizer=make_optimizer(model, case.lr))
@@ -23,20 +26,22 @@ def accumulate_with_no_sync(rank: int, world_size: int, stage: int, micro_batche
     for micro in range(micro_batches):
         start = (micro * world_size + rank) * case.micro_batch
         loss = model_loss(engine, case.model, x[start:start + 2], y[start:start + 2]) / micro_batches
+        run_backward = loss.backward if backward == "script" else lambda: engine.backward(loss)
         if micro < micro_batches - 1:
             with engine.no_sync():
-                engine.backward(loss)
+                run_backward()
         else:
-            engine.backward(loss)
+            run_backward()
             engine.step()
     params = {n: p.detach().clone() for n, p in model.named_parameters()}
     return {"params": params, "comm": engine.comm_volume()}
 
 
+@pytest.mark.parametrize("backward", ["engine", "script"])
 @pytest.mark.parametrize("stage", [0, 1])
-def test_no_sync_accumulates_locally_and_reduces_once(stage):
+def test_no_sync_accumulates_locally_and_reduces_once(stage, backward):
     micro_batches = 3
-    results = run_distributed(accumulate_with_no_sync, 2, stage, micro_batches)
+    results = run_distributed(accumulate_with_no_sync, 2, stage, micro_batches, backward)
     # the same update as one process accumulating the same micro-batches rank by rank
     case = Case(steps=1, accumulation=micro_batches, micro_batch=2)
     expected = train_reference(case, 2, per_micro_batch=True)["params"]
