@@ -60,10 +60,14 @@ class ConfiguredEngine(Engine):
         self._in_train_batch = False
 
     # -- monitors: DeepSpeed's series after every optimizer step ---------------------------
-    def backward(self, loss: torch.Tensor) -> None:
+    def backward(self, loss: torch.Tensor, retain_graph: bool = False, scale_wrt_gas: bool = True) -> torch.Tensor:
+        """DeepSpeed's: `scale_wrt_gas=False` leaves the loss undivided by the accumulation
+        steps (the script averaged it itself, as verl's and other RL trainers do). Returns
+        the loss as divided, as DeepSpeed's does."""
         if self.monitor.enabled:
             self._window_losses.append(loss.detach())
-        super().backward(loss)
+        super().backward(loss, retain_graph=retain_graph, averaged=scale_wrt_gas)
+        return loss / self.loss_divisor if scale_wrt_gas else loss
 
     def step(self) -> None:
         steps = self.global_steps

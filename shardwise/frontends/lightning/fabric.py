@@ -103,11 +103,12 @@ class ShardwiseFabricStrategy(DDPStrategy):
         """The engine places the module's partitions when it is built."""
 
     # -- the training step ----------------------------------------------------------------
-    def backward(self, tensor: torch.Tensor, module: Module | None, *args: Any, **kwargs: Any) -> None:
+    def backward(self, tensor: torch.Tensor, module: Module | None, *args: Any, retain_graph: bool = False,
+                 **kwargs: Any) -> None:
         if args or kwargs:
-            raise TypeError("ShardwiseFabricStrategy: fabric.backward(loss) takes no further arguments (the engine "
-                            "runs the backward; retain_graph and gradient inputs are not supported)")
-        self._training_engine(module).backward(tensor)
+            raise TypeError("ShardwiseFabricStrategy: fabric.backward(loss) takes only retain_graph (the engine runs "
+                            "the backward of a scalar loss; gradient inputs are not supported)")
+        self._training_engine(module).backward(tensor, retain_graph=retain_graph)
 
     def _training_engine(self, module: Module | None) -> Engine:
         if isinstance(module, Engine):

@@ -279,24 +279,27 @@ class Engine(nn.Module):
         finally:
             self.zero.reducer.sync_in_backward = True
 
-    def backward(self, loss: torch.Tensor) -> None:
+    def backward(self, loss: torch.Tensor, *, retain_graph: bool = False, averaged: bool = True) -> None:
         """Backward of `loss` averaged over accumulation steps and scaled for fp16. Called
         several times before one step() (one call per loss, as DeepSpeedExamples' GAN
-        does), the gradients add up, as they would for the sum of the losses."""
+        does), the gradients add up, as they would for the sum of the losses.
+        `retain_graph`: autograd's, for a later backward through the same graph;
+        `averaged=False`: the loss is not divided by the accumulation steps (the caller
+        has averaged it over its window itself: DeepSpeed's `scale_wrt_gas=False`)."""
         self._require_training("backward")
         self._drop_interrupted_pass()
         self._scaled_by_script = False  # an engine.scale() this backward made unnecessary counts for no other
+        scale = self.loss_scaler.scale / (self.loss_divisor if averaged else 1)
         if not self.zero.reducer.sync_in_backward:  # inside no_sync: accumulate only
-            self._local_backward(loss)
+            self._local_backward(loss, scale, retain_graph)
             return
         if self._backward_pending:
             self.guard.check_call(BACKWARD, self.get_lr())  # pairs with a peer's step check if it skipped one
-        scale = self.loss_scaler.scale / self.loss_divisor
         self.zero.reducer.begin_backward(boundary=self.is_gradient_accumulation_boundary())
         self.guard.note_loss(loss)
         try:
             with EngineBackward():
-                (loss.float() * scale).backward()
+                (loss.float() * scale).backward(retain_graph=retain_graph)
             self.zero.reducer.end_backward()
         except BaseException as error:
             self._abort_backward()
@@ -305,12 +308,12 @@ class Engine(nn.Module):
         self.zero.params.end_backward()
         self._backward_pending = True
 
-    def _local_backward(self, loss: torch.Tensor) -> None:
+    def _local_backward(self, loss: torch.Tensor, scale: float, retain_graph: bool) -> None:
         self.zero.reducer.begin_backward(boundary=False)
         self.guard.note_loss(loss)
         try:
             with EngineBackward():
-                (loss.float() * self.loss_scaler.scale / self.loss_divisor).backward()
+                (loss.float() * scale).backward(retain_graph=retain_graph)
             self.zero.reducer.end_backward()
         except BaseException as error:
             self._abort_backward()

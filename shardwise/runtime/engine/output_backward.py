@@ -18,9 +18,12 @@ backward from both ends, as FSDP does:
 
 A gradient that reaches the outputs while any engine's `engine.backward` runs belongs to
 that call (a GAN's generator loss flowing through the discriminator's engine): it opens
-nothing here, and lands in `.grad` as a foreign gradient (zero/gradients.py). A backward
-that raises half-way never reaches its callback: the engine's next forward, backward or
-step finds the pass still open and drops it as a failed `engine.backward` is dropped.
+nothing here, and lands in `.grad` as a foreign gradient (zero/gradients.py). Neither does
+`torch.autograd.grad` (a gradient penalty's gradient of the outputs by the inputs), which
+adds to no parameter's `.grad`: a pass opens only where autograd will run a trained
+parameter's gradient accumulator. A backward that raises half-way never reaches its
+callback: the engine's next forward, backward or step finds the pass still open and drops
+it as a failed `engine.backward` is dropped.
 """
 
 from __future__ import annotations
@@ -31,6 +34,10 @@ import torch
 from torch import nn
 
 _engine_backwards_running = 0  # engine.backward calls in progress, in any engine of this process
+_CAN_ASK_AUTOGRAD = hasattr(torch.autograd.graph, "_get_grad_fn_or_grad_acc") and hasattr(
+    torch._C, "_will_engine_execute_node")
+if _CAN_ASK_AUTOGRAD:
+    from torch.autograd.graph import _get_grad_fn_or_grad_acc
 
 
 class EngineBackward:
@@ -57,9 +64,11 @@ class OutputBackward:
         divided by (the accumulation count)."""
         self._on_open, self._on_close, self._divisor = on_open, on_close, divisor
         self.open = False
+        self._params: list[nn.Parameter] = []
         self._handles: list[Any] = []
 
     def watch_parameters(self, params: list[nn.Parameter]) -> None:
+        self._params = params
         self._handles = [param.register_hook(self._divided) for param in params]
 
     def attach(self, output: Any) -> Any:
@@ -69,11 +78,27 @@ class OutputBackward:
         return output
 
     def _on_output_gradient(self, gradient: torch.Tensor) -> None:
-        if self.open or _engine_backwards_running:
+        if self.open or _engine_backwards_running or not self._accumulates_into_parameters():
             return
         self._on_open(gradient)
         self.open = True
         torch.autograd.Variable._execution_engine.queue_callback(self._close)
+
+    def _accumulates_into_parameters(self) -> bool:
+        """Whether the running backward adds to a trained parameter's `.grad` (autograd's
+        private queries, as DeepSpeed uses them; without them, every backward is taken
+        for one)."""
+        if not _CAN_ASK_AUTOGRAD:
+            return True
+        for param in self._params:
+            with torch.enable_grad():  # the accumulator is made in grad mode; hooks run without it
+                node = _get_grad_fn_or_grad_acc(param)
+            try:
+                if node is not None and torch._C._will_engine_execute_node(node):
+                    return True
+            except RuntimeError:  # autograd refuses the question inside torch.autograd.grad: no .grad is written
+                return False
+        return False
 
     def _close(self) -> None:
         self.open = False

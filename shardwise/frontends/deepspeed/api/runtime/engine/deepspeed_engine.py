@@ -279,11 +279,10 @@ class DeepSpeedEngine(ConfiguredEngine):
         finally:
             self.flops_profiler.stop_profile()
 
-    def backward(self, loss: torch.Tensor) -> None:
+    def backward(self, loss: torch.Tensor, retain_graph: bool = False, scale_wrt_gas: bool = True) -> torch.Tensor:
         if self._profiling_this_step():
-            self._timed(1, super().backward, loss)
-        else:
-            super().backward(loss)
+            return self._timed(1, super().backward, loss, retain_graph, scale_wrt_gas)
+        return super().backward(loss, retain_graph, scale_wrt_gas)
 
     def _print_flops_profile(self) -> None:
         """After a profiled forward's `step()`: the profile, at the step count `step()` left."""

@@ -1,8 +1,9 @@
-"""DeepSpeed 0.19.8's backward started by the script (`loss.backward()` or
-`engine.scale(loss).backward()`, then `engine.step()`) on the DeepSpeed engine: the weights
-`engine.backward(loss)` gives, bit for bit, with accumulation, at stages 0-2 (one gloo
-rank); with DEEPSPEED_PYTHON set, DeepSpeed's own weights at stages 1-2 (it refuses the
-form at stage 0, where shardwise takes it). Where the forward also returns the output the
+"""DeepSpeed 0.19.8's backward forms on the DeepSpeed engine: the script's own backward
+(`loss.backward()` or `engine.scale(loss).backward()`, then `engine.step()`),
+`engine.backward(loss, scale_wrt_gas=False)` on a loss the script averaged itself, and
+`retain_graph=True` with `torch.autograd.grad` of the inputs after it, each give the weights `engine.backward(loss)` gives, bit for bit, with
+accumulation, at stages 0-2 (one gloo rank); with DEEPSPEED_PYTHON set, DeepSpeed's own
+weights (it refuses the script's own backward at stage 0, where shardwise takes it). Where the forward also returns the output the
 loss came from, DeepSpeed divides that loss's gradient by the accumulation steps once per
 output (twice here); shardwise divides it once, as engine.backward."""
 
@@ -40,9 +41,15 @@ def run(deepspeed, backward, stage, with_output):
     torch.manual_seed(1)
     try:
         for _ in range(4):
-            loss = engine(torch.randn(2, 4), torch.randn(2, 1))["loss"]
+            inputs = torch.randn(2, 4).requires_grad_(backward == "retained")
+            loss = engine(inputs, torch.randn(2, 1))["loss"]
             if backward == "engine":
                 engine.backward(loss)
+            elif backward == "averaged by the script":  # verl's form: the loss already over its window
+                engine.backward(loss / 2, scale_wrt_gas=False)
+            elif backward == "retained":  # the graph kept for the input's gradient after it
+                engine.backward(loss, retain_graph=True)
+                torch.autograd.grad(loss, inputs)
             elif backward == "plain":
                 loss.backward()
             else:
@@ -56,7 +63,8 @@ def run(deepspeed, backward, stage, with_output):
 """
 namespace: dict = {}
 exec(RUN, namespace)
-CASES = [(backward, stage, with_output) for stage in (0, 1, 2) for backward in ("engine", "plain", "scaled")
+BACKWARDS = ("engine", "averaged by the script", "retained", "plain", "scaled")
+CASES = [(backward, stage, with_output) for stage in (0, 1, 2) for backward in BACKWARDS
          for with_output in (False, True)]
 
 
@@ -64,8 +72,21 @@ def test_script_backward_gives_engine_backwards_weights():
     for stage in (0, 1, 2):
         for with_output in (False, True):
             expected = namespace["run"](deepspeed, "engine", stage, with_output)
-            assert namespace["run"](deepspeed, "plain", stage, with_output) == expected, (stage, with_output)
-            assert namespace["run"](deepspeed, "scaled", stage, with_output) == expected, (stage, with_output)
+            for backward in BACKWARDS[1:]:
+                assert namespace["run"](deepspeed, backward, stage, with_output) == expected, (backward, stage)
+
+
+def test_engine_backward_returns_the_loss_as_divided():
+    model = torch.nn.Linear(2, 1)
+    engine, *_ = deepspeed.initialize(model=model, model_parameters=model.parameters(), config={
+        "train_micro_batch_size_per_gpu": 1, "gradient_accumulation_steps": 4,
+        "optimizer": {"type": "SGD", "params": {"lr": 0.1}}})
+    try:
+        loss = engine(torch.ones(1, 2)).sum()
+        assert torch.equal(engine.backward(loss, retain_graph=True), loss / 4)
+        assert engine.backward(loss, scale_wrt_gas=False) is loss
+    finally:
+        engine.destroy()
 
 
 @pytest.mark.slow
@@ -74,12 +95,13 @@ def test_script_backward_gives_engine_backwards_weights():
 def test_deepspeed_gives_the_same_weights_where_it_divides_once():
     script = ("import json, sys, deepspeed\n" + ONE_RANK + "deepspeed.init_distributed()\n" + RUN +
               "print(json.dumps([run(deepspeed, *case) for case in json.loads(sys.argv[1])]))\n")
-    theirs = dict(zip(CASES, deepspeed_json(script, json.dumps(CASES), timeout=600)))
-    ours = {case: namespace["run"](deepspeed, *case) for case in CASES}
+    compared = [case for case in CASES if case[0] != "retained"]  # DeepSpeed's output hooks run in autograd.grad
+    theirs = dict(zip(compared, deepspeed_json(script, json.dumps(compared), timeout=600)))
+    ours = {case: namespace["run"](deepspeed, *case) for case in compared}
     for (backward, stage, with_output), weights in theirs.items():
-        if stage == 0 and backward != "engine":
+        if stage == 0 and backward in ("plain", "scaled"):
             assert weights.startswith("Direct calls to tensor.backward() are not")  # DeepSpeed refuses it there
-        elif with_output and backward != "engine":
+        elif with_output and backward in ("plain", "scaled"):
             assert weights != theirs["engine", stage, with_output]  # DeepSpeed divides once per output
         else:
             assert weights == ours[backward, stage, with_output], (backward, stage, with_output)
