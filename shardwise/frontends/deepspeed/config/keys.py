@@ -63,6 +63,9 @@ ALIASES: dict[str, dict[str, str]] = {
         "max_live_parameters": "stage3_max_live_parameters",
         "max_reuse_distance": "stage3_max_reuse_distance",
         "module_granularity_threshold": "stage3_module_granularity_threshold",
+        "model_persistence_threshold": "stage3_model_persistence_threshold",
+        "use_all_reduce_for_fetch_params": "stage3_use_all_reduce_for_fetch_params",
+        "allgather_sequential": "stage3_allgather_sequential",
     },
 }
 
@@ -71,7 +74,6 @@ SHADOWED_ALIASES = frozenset({("", "bfloat16")})
 
 DEEPSPEED_KEYS_NOT_SUPPORTED: dict[str, frozenset[str]] = {
     "": frozenset({
-        "managed_gradient_accumulation",
         "vocabulary_size",
     }),
     "expert_parallel": frozenset({  # DeepSpeed's AutoEP beyond `enabled` and `autoep_size`
@@ -198,8 +200,8 @@ def _check_section(
             checked = _check_value(value, model, name, join_key(path, name), problems, ignored)
             if checked is not None or section_model(model.model_fields[name].annotation) is None:
                 cleaned[name] = checked
-        elif rule_for(path, key) is not None:
-            translations.update(_apply_rule(rule_for(path, key), key, value, path, raw, problems, ignored))
+        elif rule_for(path, name) is not None:  # under DeepSpeed's other name, the rule of the name it stands for
+            translations.update(_apply_rule(rule_for(path, name), name, value, path, raw, problems, ignored))
         elif path == "" and key not in DEEPSPEED_KEYS_NOT_SUPPORTED[""] and not is_comment(key, path):
             ignored.append(_describe_unknown_top_level(key))
         elif not is_comment(key, path):

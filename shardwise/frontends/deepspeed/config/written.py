@@ -25,12 +25,15 @@ def written_value(config: dict[str, Any], path: str, default: Any) -> Any:
     return value
 
 
-def written_setting(path: str, default: Any) -> Callable[[Any], Any]:
-    """An engine method answering the script's config at `path` (DeepSpeed's `default`
-    where it is not written), read from the engine's `script_config`."""
+def written_setting(path: str, default: Any, *, alias: str | None = None) -> Callable[[Any], Any]:
+    """An engine method answering the script's config at `path`, else at DeepSpeed's other
+    spelling `alias`, else DeepSpeed's `default`, read from the engine's `script_config`."""
 
     def accessor(engine: Any) -> Any:
-        return written_value(engine.script_config, path, default)
+        value = written_value(engine.script_config, path, _ABSENT)
+        if value is _ABSENT and alias is not None:
+            value = written_value(engine.script_config, alias, _ABSENT)
+        return default if value is _ABSENT else value
 
     accessor.__doc__ = f"The config's `{path}` as written (DeepSpeed's default: {default!r})."
     return accessor

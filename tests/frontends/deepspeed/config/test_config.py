@@ -331,6 +331,25 @@ def test_a_base64_encoded_config_is_read_as_deepspeed_reads_it():
         load_config(base64.urlsafe_b64encode(b"[1, 2]").decode(), world_size=1)
 
 
+def test_deepspeeds_field_names_of_its_stage3_aliases_load():
+    """DeepSpeed 0.19.8's ZeRO model takes each stage3_ key under its field name too."""
+    cfg = load_config({"train_batch_size": 8, "zero_optimization": {
+        "stage": 3, "allgather_sequential": True, "model_persistence_threshold": 5,
+        "use_all_reduce_for_fetch_params": False, "prefetch_bucket_size": 7}}, world_size=1)
+    assert cfg.zero_optimization.stage3_prefetch_bucket_size == 7
+    with pytest.raises(ConfigError, match="'zero_optimization.allgather_sequential' and "
+                                          "'zero_optimization.stage3_allgather_sequential' are both set"):
+        load_config({"train_batch_size": 8, "zero_optimization": {
+            "stage": 3, "allgather_sequential": True, "stage3_allgather_sequential": True}}, world_size=1)
+
+
+def test_managed_gradient_accumulation_loads_at_deepspeeds_default_only():
+    assert load_config({"train_batch_size": 8, "managed_gradient_accumulation": True}, world_size=1)
+    with pytest.raises(ConfigError, match="'managed_gradient_accumulation' false is not supported: shardwise's "
+                                          "engine counts the accumulation window itself"):
+        load_config({"train_batch_size": 8, "managed_gradient_accumulation": False}, world_size=1)
+
+
 def test_older_deepspeed_spellings_are_translated_to_shardwise_keys():
     cfg = load_config({"train_batch_size": 8, "sequence_parallel_size": 1,
                        "zero_optimization": {"stage": 2, "cpu_offload": True, "cpu_offload_use_pin_memory": True}},

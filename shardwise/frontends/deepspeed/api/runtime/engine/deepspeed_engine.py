@@ -195,14 +195,15 @@ class DeepSpeedEngine(ConfiguredEngine):
         return [group.get(key, 0.0) for group in groups]
 
     # -- DeepSpeed's accessors of settings shardwise accepts without modelling them ---------------
-    zero_allgather_sequential = written_setting("zero_optimization.allgather_sequential", False)
+    zero_allgather_sequential = written_setting("zero_optimization.stage3_allgather_sequential", False,
+                                                alias="zero_optimization.allgather_sequential")
     zero_compute_grad_norm = written_setting("zero_optimization.compute_grad_norm", True)
     zero_elastic_checkpoint = written_setting("zero_optimization.elastic_checkpoint", False)
     zero_legacy_stage1 = written_setting("zero_optimization.legacy_stage1", False)
     zero_load_from_fp32_weights = written_setting("zero_optimization.load_from_fp32_weights", True)
     zero_log_trace_cache_warnings = written_setting("zero_optimization.log_trace_cache_warnings", False)
     zero_model_persistence_threshold = written_setting("zero_optimization.stage3_model_persistence_threshold",
-                                                       sys.maxsize)
+                                                       sys.maxsize, alias="zero_optimization.model_persistence_threshold")
     zero_multi_rank_bucket_allreduce = written_setting("zero_optimization.use_multi_rank_bucket_allreduce", True)
     zero_parameter_alignment = written_setting("zero_optimization.parameter_alignment", False)
     zero_quantized_nontrainable_weights = written_setting("zero_optimization.zero_quantized_nontrainable_weights",

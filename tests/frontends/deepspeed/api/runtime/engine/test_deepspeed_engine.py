@@ -81,7 +81,8 @@ STAGE = {stage: {"zero_optimization": stage > 0, "zero_optimization_stage": stag
                  "is_first_weights_partition_group": stage >= 3} for stage in range(4)}
 # a config that sets what those accessors read
 WRITTEN = {"zero_optimization": {"stage": 2, "round_robin_gradients": True, "load_from_fp32_weights": False,
-                                 "use_multi_rank_bucket_allreduce": False},
+                                 "use_multi_rank_bucket_allreduce": False, "allgather_sequential": True,
+                                 "model_persistence_threshold": 5},
            "aio": {"block_size": 262144, "queue_depth": 32, "intra_op_parallelism": 2, "single_submit": True,
                    "overlap_events": False},
            "checkpoint": {"use_node_local_storage": True, "load_universal": True},
@@ -118,6 +119,7 @@ CASES = [
     ((_config(2, **WRITTEN), None),
      {"train_batch_size": 2, "gradient_accumulation_steps": 1, **STAGE[2], "zero_round_robin_gradients": True,
       "zero_load_from_fp32_weights": False, "zero_multi_rank_bucket_allreduce": False,
+      "zero_allgather_sequential": True, "zero_model_persistence_threshold": 5,
       "aio_config": {"block_size": 262144, "queue_depth": 32, "intra_op_parallelism": 2, "single_submit": True,
                      "overlap_events": False, "use_gds": False},
       "use_node_local_storage": True, "load_universal_checkpoint": True, "flops_profiler_profile_step": 3,
