@@ -212,7 +212,9 @@ def train_through_deepspeed_api(rank: int, world: int) -> dict:
 
     model = Decoder()
     plain_names = sorted(model.state_dict())
-    engine, *_ = deepspeed.initialize(model=model, optimizer=optimizer(model), config=config(0))
+    # no clipping, as the reference: a DeepSpeed config without the key clips at 1.0, as DeepSpeed 0.19.8 does
+    engine, *_ = deepspeed.initialize(model=model, optimizer=optimizer(model),
+                                      config={**config(0), "gradient_clipping": 0.0})
     x, y = batch(0, world * MICRO)
     try:
         engine(x[:MICRO], y[:MICRO])
