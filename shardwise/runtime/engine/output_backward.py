@@ -71,11 +71,10 @@ class OutputBackward:
         self._params = params
         self._handles = [param.register_hook(self._divided) for param in params]
 
-    def attach(self, output: Any) -> Any:
+    def attach(self, output: Any) -> None:
         for tensor in _tensors(output):
             if tensor.requires_grad and tensor.grad_fn is not None:
                 tensor.register_hook(self._on_output_gradient)
-        return output
 
     def _on_output_gradient(self, gradient: torch.Tensor) -> None:
         if self.open or _engine_backwards_running or not self._accumulates_into_parameters():
@@ -105,9 +104,8 @@ class OutputBackward:
         self._on_close()
 
     def _divided(self, gradient: torch.Tensor) -> torch.Tensor | None:
-        if not self.open:
-            return None
-        return gradient / self._divisor()
+        divisor = self._divisor() if self.open else 1
+        return gradient / divisor if divisor != 1 else None
 
     def remove(self) -> None:
         for handle in self._handles:
