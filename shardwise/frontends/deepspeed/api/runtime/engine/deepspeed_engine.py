@@ -115,6 +115,7 @@ class DeepSpeedEngine(ConfiguredEngine):
         self.flops_profiler = (FlopsProfiler(self.module, self, profiler.recompute_fwd_factor)
                                if profiler.enabled else None)
         self._window_latencies = [0.0, 0.0, 0.0]  # forward, backward, step seconds in the profiled window
+        self._batch_fn: Callable[[Any], Any] | None = None  # set_batch_fn's, applied to each micro-batch taken
 
     @property
     def dp_world_size(self) -> int:
@@ -600,6 +601,23 @@ class DeepSpeedEngine(ConfiguredEngine):
         """The iterator `train_batch()` / `eval_batch()` pull micro-batches from when given none."""
         self._data_iterator = iterator
 
+    def set_dataloader(self, loader: Any) -> None:
+        """DeepSpeed's PipelineEngine's: `loader` becomes the training loader, and
+        `train_batch()` / `eval_batch()` without an iterator read it from its start."""
+        self.training_dataloader = loader
+        self._data_iterator = iter(loader)
+
+    def set_batch_fn(self, fn: Callable[[Any], Any] | None) -> None:
+        """DeepSpeed's PipelineEngine's: each micro-batch `train_batch()` / `eval_batch()`
+        take is passed through `fn` first (Megatron-DeepSpeed builds its pipeline inputs
+        from the raw batch this way)."""
+        self._batch_fn = fn
+
+    def reset_activation_shape(self) -> None:
+        """DeepSpeed's PipelineEngine drops its cached activation shapes when the sequence
+        length changes (curriculum learning); shardwise's pipeline caches none: each step
+        sends the shapes its receivers cannot derive (runtime/parallel/pipeline/p2p.py)."""
+
     def train_batch(self, data_iter: Any = None, loss_fn: Any = None) -> torch.Tensor:
         """One global batch (gradient_accumulation_steps micro-batches) and one optimizer
         step; without `data_iter`, from `set_dataiterator`'s iterator or, as DeepSpeed does,
@@ -616,6 +634,10 @@ class DeepSpeedEngine(ConfiguredEngine):
         return self._sequential_batch(data_iter, loss_fn, train=False)
 
     def _micro_batches(self, data_iter: Any, call: str) -> Any:
+        data_iter = self._unprocessed_micro_batches(data_iter, call)
+        return data_iter if self._batch_fn is None else map(self._batch_fn, data_iter)
+
+    def _unprocessed_micro_batches(self, data_iter: Any, call: str) -> Any:
         if data_iter is not None:
             return data_iter
         if getattr(self, "_data_iterator", None) is None and self.training_dataloader is not None:
