@@ -28,10 +28,11 @@ it as a failed `engine.backward` is dropped.
 
 from __future__ import annotations
 
-from typing import Any, Callable, Iterator
+from typing import Any, Callable
 
 import torch
 from torch import nn
+from torch.utils._pytree import tree_flatten
 
 _engine_backwards_running = 0  # engine.backward calls in progress, in any engine of this process
 _CAN_ASK_AUTOGRAD = hasattr(torch.autograd.graph, "_get_grad_fn_or_grad_acc") and hasattr(
@@ -72,8 +73,10 @@ class OutputBackward:
         self._handles = [param.register_hook(self._divided) for param in params]
 
     def attach(self, output: Any) -> None:
-        for tensor in _tensors(output):
-            if tensor.requires_grad and tensor.grad_fn is not None:
+        """Hooks on the tensors of a forward's output (nested in tuples, lists and dicts: a
+        Hugging Face ModelOutput is one)."""
+        for tensor in tree_flatten(output)[0]:
+            if isinstance(tensor, torch.Tensor) and tensor.requires_grad and tensor.grad_fn is not None:
                 tensor.register_hook(self._on_output_gradient)
 
     def _on_output_gradient(self, gradient: torch.Tensor) -> None:
@@ -112,15 +115,3 @@ class OutputBackward:
             handle.remove()
         self._handles = []
 
-
-def _tensors(output: Any) -> Iterator[torch.Tensor]:
-    """The tensors in a forward's output: a tensor, or nested in tuples, lists and dicts
-    (a Hugging Face ModelOutput is a dict)."""
-    if isinstance(output, torch.Tensor):
-        yield output
-    elif isinstance(output, (tuple, list)):
-        for item in output:
-            yield from _tensors(item)
-    elif isinstance(output, dict):
-        for item in output.values():
-            yield from _tensors(item)

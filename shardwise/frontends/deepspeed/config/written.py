@@ -37,3 +37,14 @@ def written_setting(path: str, default: Any, *, alias: str | None = None) -> Cal
 
     accessor.__doc__ = f"The config's `{path}` as written (DeepSpeed's default: {default!r})."
     return accessor
+
+
+# The optimizer types DeepSpeed 0.19.8's config lower-cases (its runtime/config.py DEEPSPEED_OPTIMIZERS)
+DEEPSPEED_OPTIMIZERS = ["adagrad", "adam", "adamw", "lamb", "muadam", "muadamw", "musgd", "lion", "muon"]
+
+
+def written_optimizer_name(config: dict[str, Any]) -> str | None:
+    """The config's `optimizer.type` as DeepSpeed reports it: lower-cased for its own
+    optimizers ("adam"), as written for the others."""
+    name = written_value(config, "optimizer.type", None)
+    return name.lower() if isinstance(name, str) and name.lower() in DEEPSPEED_OPTIMIZERS else name

@@ -19,11 +19,12 @@ from shardwise.frontends.deepspeed.config import load_config, read_config
 from shardwise.frontends.deepspeed.config.deepspeed_keys import DATA_TYPE_NAMES
 from shardwise.frontends.deepspeed.config.errors import ConfigError as DeepSpeedConfigError
 from shardwise.frontends.deepspeed.config.policies import DTYPES
-from shardwise.frontends.deepspeed.config.written import written_value
+from shardwise.frontends.deepspeed.config.written import (DEEPSPEED_OPTIMIZERS, written_optimizer_name,
+                                                           written_value)
 
 __all__ = ["ADAGRAD_OPTIMIZER", "ADAMW_OPTIMIZER", "ADAM_OPTIMIZER", "ADAM_W_MODE", "DEEPSPEED_OPTIMIZERS",
-           "DeepSpeedConfig", "DeepSpeedConfigError", "load_ds_config", "LAMB_OPTIMIZER", "LION_OPTIMIZER", "ONEBIT_ADAM_OPTIMIZER",
-           "ONEBIT_LAMB_OPTIMIZER", "TORCH_ADAM_PARAM", "ZERO_ONE_ADAM_OPTIMIZER"]
+           "DeepSpeedConfig", "DeepSpeedConfigError", "LAMB_OPTIMIZER", "LION_OPTIMIZER", "ONEBIT_ADAM_OPTIMIZER",
+           "ONEBIT_LAMB_OPTIMIZER", "TORCH_ADAM_PARAM", "ZERO_ONE_ADAM_OPTIMIZER", "load_ds_config"]
 
 ADAGRAD_OPTIMIZER = "adagrad"
 ADAM_OPTIMIZER = "adam"
@@ -33,8 +34,6 @@ LION_OPTIMIZER = "lion"
 ONEBIT_ADAM_OPTIMIZER = "onebitadam"
 ZERO_ONE_ADAM_OPTIMIZER = "zerooneadam"
 ONEBIT_LAMB_OPTIMIZER = "onebitlamb"
-DEEPSPEED_OPTIMIZERS = [ADAGRAD_OPTIMIZER, ADAM_OPTIMIZER, ADAMW_OPTIMIZER, LAMB_OPTIMIZER, LION_OPTIMIZER,
-                        ONEBIT_ADAM_OPTIMIZER, ZERO_ONE_ADAM_OPTIMIZER, ONEBIT_LAMB_OPTIMIZER]
 
 # DeepSpeed 0.19.8 clips at a norm of 1.0 when a config names no `gradient_clipping`
 # (its runtime/constants.py GRADIENT_CLIPPING_DEFAULT); shardwise's own configs default to none.
@@ -94,9 +93,8 @@ class DeepSpeedConfig:
         self.bfloat16_config = resolved.bf16
         self.flops_profiler_config = resolved.flops_profiler
         self.activation_checkpointing_config = resolved.activation_checkpointing
-        name = written_value(written, "optimizer.type", None)
-        self.optimizer_name = name.lower() if isinstance(name, str) and name.lower() in DEEPSPEED_OPTIMIZERS else name
-        self.optimizer_params = written_value(written, "optimizer.params", None) if name is not None else None
+        self.optimizer_name = written_optimizer_name(written)
+        self.optimizer_params = written_value(written, "optimizer.params", None) if self.optimizer_name else None
         self.scheduler_name = written_value(written, "scheduler.type", None)
         self.scheduler_params = written_value(written, "scheduler.params", None) if self.scheduler_name else None
         communication = written_value(written, "communication_data_type", None)

@@ -34,7 +34,8 @@ from shardwise.runtime.checkpoint.manifest import write_synced
 from shardwise.runtime.checkpoint.state import capture_rng_state, restore_rng_state
 from shardwise.frontends.deepspeed.api.profiling.flops_profiler.profiler import FlopsProfiler, synchronized_time
 from shardwise.frontends.deepspeed.api.runtime.engine.checkpoint_arguments import agreed_location
-from shardwise.frontends.deepspeed.config.written import written_setting, written_value
+from shardwise.frontends.deepspeed.config.written import (written_optimizer_name, written_setting,
+                                                           written_value)
 from shardwise.frontends.deepspeed.api.runtime.zero.external_parameters import ReturnedParameterTracker
 from shardwise.frontends.deepspeed.api.runtime.zero.partition_parameters import mark_partitioned, unmark_partitioned
 from shardwise.frontends.deepspeed.api.utils.repeating_loader import RepeatingLoader
@@ -65,8 +66,6 @@ PARTIAL_LOAD_REFUSED = (
 )
 
 
-# DeepSpeed's own optimizers, whose config names its engine lower-cases (runtime/config.py)
-_DEEPSPEED_OPTIMIZERS = ("adagrad", "adam", "adamw", "lamb", "muadam", "muadamw", "musgd", "lion", "muon")
 
 
 class AccumulationSteps(int):
@@ -159,8 +158,7 @@ class DeepSpeedEngine(ConfiguredEngine):
         `optimizer.type` as written (lower-cased for DeepSpeed's own optimizers: "adam")."""
         if self.client_optimizer is not None:
             return type(self.client_optimizer).__name__
-        name = (self.script_config.get("optimizer") or {}).get("type")
-        return name.lower() if isinstance(name, str) and name.lower() in _DEEPSPEED_OPTIMIZERS else name
+        return written_optimizer_name(self.script_config)
 
     def optimizer_params(self) -> dict[str, Any] | None:
         """The config's `optimizer.params` as written (not the defaults shardwise filled in)."""
@@ -174,8 +172,6 @@ class DeepSpeedEngine(ConfiguredEngine):
         block = self.script_config.get("scheduler") or {}
         return block.get("params") if "type" in block else None
 
-    def zero_allow_untested_optimizer(self) -> bool:
-        return bool(self.script_config.get("zero_allow_untested_optimizer", False))
 
     def wall_clock_breakdown(self) -> bool:
         """The config's `wall_clock_breakdown`, which DeepSpeed also turns on for the flops profiler."""
@@ -196,6 +192,7 @@ class DeepSpeedEngine(ConfiguredEngine):
         return [group.get(key, 0.0) for group in groups]
 
     # -- DeepSpeed's accessors of settings shardwise accepts without modelling them ---------------
+    zero_allow_untested_optimizer = written_setting("zero_allow_untested_optimizer", False)
     zero_allgather_sequential = written_setting("zero_optimization.stage3_allgather_sequential", False,
                                                 alias="zero_optimization.allgather_sequential")
     zero_compute_grad_norm = written_setting("zero_optimization.compute_grad_norm", True)
@@ -203,8 +200,9 @@ class DeepSpeedEngine(ConfiguredEngine):
     zero_legacy_stage1 = written_setting("zero_optimization.legacy_stage1", False)
     zero_load_from_fp32_weights = written_setting("zero_optimization.load_from_fp32_weights", True)
     zero_log_trace_cache_warnings = written_setting("zero_optimization.log_trace_cache_warnings", False)
-    zero_model_persistence_threshold = written_setting("zero_optimization.stage3_model_persistence_threshold",
-                                                       sys.maxsize, alias="zero_optimization.model_persistence_threshold")
+    zero_model_persistence_threshold = written_setting(
+        "zero_optimization.stage3_model_persistence_threshold", sys.maxsize,
+        alias="zero_optimization.model_persistence_threshold")
     zero_multi_rank_bucket_allreduce = written_setting("zero_optimization.use_multi_rank_bucket_allreduce", True)
     zero_parameter_alignment = written_setting("zero_optimization.parameter_alignment", False)
     zero_quantized_nontrainable_weights = written_setting("zero_optimization.zero_quantized_nontrainable_weights",
