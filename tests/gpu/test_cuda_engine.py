@@ -9,6 +9,7 @@ run that silently skipped them cannot pass.
 import pytest
 import torch
 
+from shardwise.runtime.base.torch_compat import STORAGES_SWAP
 from shardwise.tools.testing import run_distributed
 from tests.gpu.ranks import train_cases
 from tests.gpu.target import (BACKEND, DEVICE, LR, REHEARSAL, TOLERANCE, WORLD, launch_once, needs_target, on_target,
@@ -98,13 +99,16 @@ def test_stage3_on_one_gpu_points_its_units_at_their_shards():
     """One rank without the test-only switch, as one GPU runs ZeRO-3: the units point at
     their shards instead of being copied into gather buffers (zero/sole_param_home.py),
     and train as the copying gathers and the reference do. (On CUDA, atomics in backward
-    may change the last bits from run to run: the two compare at 1e-6, not bit for bit.)"""
+    may change the last bits from run to run: the two compare at 1e-6, not bit for bit.)
+    A torch without storage swaps (2.11, the GPU machine's: base/torch_compat.py) copies:
+    then the home must not be built, and the run must still train as the reference does."""
     case = Case(stage=3, lr=LR, accumulation=2, extra_config=STAGE3)
     hidden = {"CUDA_VISIBLE_DEVICES": ""} if REHEARSAL else {}
     sole, copying = (run_distributed(on_target, 1, train_noting_home, case, backend=BACKEND,
                                      env={**hidden, **env})[0]["result"] for env in ({}, COPYING))
-    assert sole["homes"] == ["SoleParamHome"] and copying["homes"] == ["NoneType"]
-    assert sole["buffer_fills"] == sole["units"] < copying["buffer_fills"]
+    assert sole["homes"] == ["SoleParamHome" if STORAGES_SWAP else "NoneType"] and copying["homes"] == ["NoneType"]
+    if STORAGES_SWAP:
+        assert sole["buffer_fills"] == sole["units"] < copying["buffer_fills"]
     assert_matches_reference(sole, train_reference(Case(lr=LR, accumulation=2), 1, per_micro_batch=True), 1e-5)
     for name, weight in copying["params"].items():
         assert relative_error(sole["params"][name], weight) < 1e-6, name

@@ -40,11 +40,14 @@ Moved APIs, the release they moved in, and the fallback before it:
                                              it changes nothing): `mesh_groups_time_out_after`
                                              sets that default while the mesh is built.
     UntypedStorage._swap_data_ptr_           private (CUDA graph trees and FSDP use it):
-                                             swaps two storages' memory and sizes. Probed
-                                             once by swapping two small storages
-                                             (`STORAGES_SWAP`). Fallback: stage 3 on the
-                                             CPU allocates every gather afresh
-                                             (zero/gather_buffers.py).
+                                             swaps two storages' memory and sizes; absent
+                                             from 2.11.0 (the H200 run of 2026-11-28),
+                                             present in 2.13.0. Probed once by swapping
+                                             two small storages (`STORAGES_SWAP`).
+                                             Fallback: stage 3 on the CPU allocates every
+                                             gather afresh (zero/gather_buffers.py), and a
+                                             group of one copies into its gather buffers
+                                             (zero/sole_param_home.py).
 
 Checked on 2.9.1, 2.13.0 and 2.15.0 by running the suite (scripts/test_torch.py); the
 releases named above come from reading the 2.10, 2.11 and 2.12 wheels' sources.

@@ -220,6 +220,13 @@ class Communicator:
         self._recorded_name = handle.describe()
 
     @property
+    def staging_device(self) -> torch.device | None:
+        """Where a host tensor must be copied to cross this group (distributed/staging.py):
+        the current CUDA device when the group issues NCCL calls; None when it takes
+        tensors where they are or issues nothing (a group of one), so no copy is made."""
+        return torch.device("cuda", torch.cuda.current_device()) if self.device_only else None
+
+    @property
     def world_size(self) -> int:
         """The group's size (the name the ZeRO code reads as N)."""
         return self.size

@@ -19,8 +19,10 @@ import torch.distributed as dist
 
 def group_device(group: dist.ProcessGroup | None) -> torch.device | None:
     """The device `group`'s collectives move tensors on: the current CUDA device for an
-    NCCL group; None for a group that takes tensors where they are (gloo, or no group)."""
-    if group is None or dist.get_backend(group) != "nccl":
+    NCCL group; None for a group that takes tensors where they are (gloo, or no process
+    group at all). `group` None is the default group, as in torch.distributed (a world of
+    one rank hands it out as the replicate group)."""
+    if not dist.is_initialized() or dist.get_backend(group) != "nccl":
         return None
     return torch.device("cuda", torch.cuda.current_device())
 

@@ -24,7 +24,7 @@ from torch import nn
 
 from shardwise.runtime.accounting import MemoryLedger
 from shardwise.runtime.distributed.collectives import Communicator
-from shardwise.runtime.distributed.staging import group_device, staged_on
+from shardwise.runtime.distributed.staging import staged_on
 from shardwise.runtime.zero.host_store import HostShardStore
 from shardwise.runtime.zero.param_home import merge_transfers
 from shardwise.runtime.zero.nvme_store import NvmeShardStore
@@ -229,7 +229,7 @@ def apply_zero(
                               store=store, shard=groups.shard, replicate=groups.replicate, ledger=ledger,
                               device=device, hierarchy=(groups.shard_node, groups.shard_nodes))
     params.connect(reducer)
-    shard_device = group_device(groups.shard.group)
+    shard_device = groups.shard.staging_device
 
     def sum_data(tensor: torch.Tensor) -> torch.Tensor:
         """An offloaded optimizer assembles in host memory, which NCCL cannot move."""

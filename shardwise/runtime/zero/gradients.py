@@ -77,7 +77,6 @@ import torch.distributed as dist
 from shardwise.runtime.accounting import MemoryLedger, tensor_bytes
 from shardwise.runtime.distributed.collectives import Communicator, PendingCollective
 from shardwise.runtime.distributed.quantized_collectives import HierarchicalQuantizedReduceScatter
-from shardwise.runtime.distributed.staging import group_device
 from shardwise.runtime.zero.layout import FlatUnit, ParamSlot
 from shardwise.runtime.zero.optimizer_exchange import OptimizerExchangeMixin
 from shardwise.runtime.zero.policy import ZeroPolicy
@@ -504,7 +503,7 @@ class GradientReducer(OptimizerExchangeMixin):
             then()
             return
         chunk = owned()
-        device = group_device(self.replicate.group)
+        device = self.replicate.staging_device
         if device is None or chunk.device == device:
             self._enqueue(_Launched(unit, self.replicate.all_reduce(chunk, what), then))
             return

@@ -6,7 +6,9 @@ The copying gather still copied it into the unit's gather buffer, in forward and
 backward. On the first H100 run (a 3.4B GPT in bf16, four micro-batches of 4096 tokens per
 step) stage 3 took 58 ms (8.5%) longer per step than stage 0; those copies move about 27 GB
 per micro-batch, some 10 ms at the H100's memory bandwidth, so most of it by their bytes
-(an estimate: not yet measured with this home).
+(an estimate: not yet measured with this home: the GPU machine's torch, 2.11, has no
+storage swaps, so there the gathers still copy; its H200 run of 2026-11-28 measured stage
+3 at +4.0% eager and +2.3% compiled over stage 0 with them, BENCHMARKS.md).
 
 This home is shared_param_home.py's over a region of this process's own device memory
 instead of one shared by a host's ranks: the units laid out unit by unit, each unit's

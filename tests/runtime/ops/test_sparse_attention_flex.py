@@ -78,6 +78,31 @@ def test_flex_on_the_layouts_block_mask_equals_the_cpu_path_and_dense_attention(
         assert full.any()  # some tiles run without mask_mod
 
 
+def test_the_block_masks_tile_lists_are_contiguous_whatever_strides_argsort_returns(monkeypatch):
+    """flex's CUDA kernel reads the tile counts and lists as contiguous tensors, whatever
+    their strides say. torch 2.11's argsort returned the lists in another stride order (the
+    H200 run of 2026-11-28: strides (16, 8, 1, 16) for shape (1, 2, 8, 8)), so the compiled
+    kernel read other tiles' lists and was off by 1.7 (relative) while eager flex and the
+    CPU were right; torch 2.13's argsort returns them contiguous, so an argsort that answers
+    in that transposed order stands in for 2.11's here."""
+    from shardwise.runtime.ops.sparse_attention import flex
+
+    def transposed_argsort(tensor, **options):
+        order = torch.sort(tensor.transpose(-1, -2).contiguous().transpose(-1, -2), **options).indices
+        assert not order.is_contiguous() or order.shape[-1] == 1
+        return order
+
+    monkeypatch.setattr(flex.torch, "argsort", transposed_argsort)
+    attention = attention_for(128, 1024, "bigbird")
+    layout = attention.get_layout(1024).contiguous()
+    block_mask = flex.layout_block_mask(layout, 128, 1024, False, 1024, torch.device("cpu"))
+    for name in ("kv_num_blocks", "kv_indices", "full_kv_num_blocks", "full_kv_indices"):
+        assert getattr(block_mask, name).is_contiguous(), name
+    any_kept, all_kept = kept_tiles(layout, 128, 1024, False)
+    assert tiles_of(block_mask.full_kv_num_blocks, block_mask.full_kv_indices).equal(all_kept)
+    assert not tiles_of(block_mask.kv_num_blocks, block_mask.kv_indices).any() and all_kept.equal(any_kept)
+
+
 def tiles_of(counts: torch.Tensor, indices: torch.Tensor) -> torch.Tensor:
     """(heads, tiles, tiles) bool from a block mask's counts and indices (batch of one)."""
     counts, indices = counts[0], indices[0]

@@ -89,7 +89,9 @@ def _ordered(tiles: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """(count per query tile, key tile indices with the visited ones first), batch of one."""
     counts = tiles.sum(-1, dtype=torch.int32)
     indices = torch.argsort(tiles.to(torch.int8), dim=-1, descending=True, stable=True).to(torch.int32)
-    return counts.unsqueeze(0), indices.unsqueeze(0)
+    # contiguous: the CUDA kernel reads the lists as if they were (argsort may return
+    # another stride order, which the kernel then reads as other tiles' lists)
+    return counts.unsqueeze(0).contiguous(), indices.unsqueeze(0).contiguous()
 
 
 class BlockMaskCache:

@@ -24,7 +24,7 @@ from __future__ import annotations
 from torch import nn
 
 from shardwise.runtime.distributed.collectives import Communicator
-from shardwise.runtime.distributed.staging import group_device, staged_on
+from shardwise.runtime.distributed.staging import staged_on
 from shardwise.runtime.parallel.tensor.cross_entropy import causal_lm_loss
 from shardwise.runtime.parallel.tensor.layers import ShardCache, TensorRegion
 from shardwise.runtime.parallel.tensor.plans import TensorPlan, check_divisible, matches
@@ -37,7 +37,7 @@ def broadcast_parameters(model: nn.Module, comm: Communicator) -> None:
     the engine moves the model to its device after the parallelize steps, so that the full
     model never sits on one device; over an NCCL group each weight still in host memory
     goes through the device one at a time (distributed/staging.py)."""
-    device = group_device(comm.group)
+    device = comm.staging_device
     for name, param in model.named_parameters():
         if not param.is_meta:
             with staged_on(param.data, device) as data:
