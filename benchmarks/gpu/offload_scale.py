@@ -172,6 +172,9 @@ def one_run(args: argparse.Namespace, device: torch.device) -> dict:
     engine = shardwise.initialize(model, offload_config(kind, args.nvme_path, shape, args.accumulation, not args.no_pin),
                                   param_init_fn=GPT.init_weights)
     setup_s = time.perf_counter() - started
+    # progress lines: a run its budget stops shows in the check's log how far it got (the
+    # H200 run of 2026-11-28 stopped both offloaded runs without a line to say where)
+    print(f"{kind}: {harness.count(num_params)} parameters initialised and placed in {setup_s:.1f} s", flush=True)
     generator = torch.Generator(device=device).manual_seed(1)
     x, y = (torch.randint(0, shape.vocab, (shape.micro_batch, shape.seq_len), device=device, generator=generator)
             for _ in range(2))
@@ -185,6 +188,7 @@ def one_run(args: argparse.Namespace, device: torch.device) -> dict:
         losses.append(loss.item())
 
     warm = harness.time_call(step, device, 0, args.warmup)
+    print(f"{kind}: warm-up step(s) {', '.join(f'{t:.1f}' for t in warm)} s", flush=True)
     engine.reset_comm_volume()
     seconds = harness.time_call(step, device, 0, args.steps)
     tokens = args.accumulation * shape.micro_batch * shape.seq_len
