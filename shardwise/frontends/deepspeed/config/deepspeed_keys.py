@@ -75,7 +75,9 @@ class Ignored:
 
 @dataclass(frozen=True)
 class Removed:
-    off: Callable[[Any], bool]  # values that ask for nothing
+    """A feature DeepSpeed 0.19.8 has removed: it refuses the key at any value, even one
+    that switches the feature off ("has been removed"), and so does shardwise."""
+
     why: str  # DeepSpeed 0.19.8's reason, and what to use instead
 
 
@@ -216,30 +218,31 @@ RULES: dict[str, dict[str, KeyRule]] = {
         "fp32_allreduce": Ignored(_is(False), "DeepSpeed 0.19.8 no longer reads it: gradients are reduced in "
                                   "communication_data_type (default: the training dtype), as there; set "
                                   "\"communication_data_type\": \"fp32\" to reduce in fp32"),
-        "sparse_gradients": Removed(_is(False), "sparse compression of dense embedding gradients; gradients "
+        "sparse_gradients": Removed("sparse compression of dense embedding gradients; gradients "
                                     "are reduced dense: remove the key"),
         "disable_allgather": Ignored(_is(False), "DeepSpeed parses it and no code reads it: ZeRO 1-2 all-gather "
                                      "the updated partitions either way"),
-        "amp": Removed(_disabled, "NVIDIA Apex AMP: use the bf16, fp16 or torch_autocast block"),
-        "elasticity": Removed(_disabled, "elastic training: set the batch sizes directly (shardwise checkpoints "
-                              "load at another world size)"),
-        "compression_training": Removed(lambda v: not v, "the compression library (quantization, pruning, layer "
+        "amp": Removed("NVIDIA Apex AMP: remove the block; use the bf16, fp16 or torch_autocast block"),
+        "elasticity": Removed("elastic training: remove the block and set the batch sizes directly "
+                              "(shardwise checkpoints load at another world size)"),
+        "compression_training": Removed("the compression library (quantization, pruning, layer "
                                         "reduction during training): remove the block"),
-        "quantize_training": Removed(_disabled, "Mixture-of-Quantization (MoQ): remove the block"),
+        "quantize_training": Removed("Mixture-of-Quantization (MoQ): remove the block"),
         "weight_quantization": AcceptedWhen(lambda v: not v, "{} or absent", "weight quantization is not "
                                             "supported: remove the block"),
-        "progressive_layer_drop": Removed(_disabled, "progressive layer dropping: remove the block"),
-        "curriculum_learning": Removed(_disabled, "the legacy top-level curriculum learning (DeepSpeed moved it to "
-                                       "data_efficiency.data_sampling.curriculum_learning): order your data in the "
-                                       "data loader"),
-        "eigenvalue": Removed(_disabled, "eigenvalue-based MoQ: remove the block"),
+        "progressive_layer_drop": Removed("progressive layer dropping: remove the block"),
+        "curriculum_learning": Removed("the legacy top-level curriculum learning: remove the block; "
+                                       "data_efficiency.data_sampling.curriculum_learning, where DeepSpeed moved it, "
+                                       "runs in shardwise"),
+        "eigenvalue": Removed("eigenvalue-based MoQ: remove the block"),
         "hybrid_engine": Accepted("speed only: DeepSpeed-Chat's hybrid engine swaps the actor into DeepSpeed's "
                                   "inference kernels for `generate`; shardwise generates with the same module "
                                   "(ZeRO-3 gathers its parameters as for any forward), so the samples and the "
                                   "training are the same"),
-        "nebula": Removed(_disabled, "Nebula checkpointing: shardwise writes its own atomic checkpoints"),
+        "nebula": Removed("Nebula checkpointing: remove the block (shardwise writes its own atomic "
+                          "checkpoints)"),
         "datastates": AcceptedWhen(_disabled, OFF, "DataStates checkpointing is not used"),
-        "graph_harvesting": Removed(_is(False), "CUDA graph harvesting: remove the key"),
+        "graph_harvesting": Removed("CUDA graph harvesting: remove the key"),
         "sequence_parallel_size": Translated("sequence_parallel.size", _sequence_parallel_size),
         "seq_parallel_communication_data_type": Accepted("the dtype of Ulysses' all-to-all in DeepSpeed; "
                                                          "shardwise sends activations in their own dtype"),
@@ -416,7 +419,7 @@ def classification_rows() -> list[tuple[str, str, str]]:
             elif isinstance(rule, Ignored):
                 rows.append((dotted, "accepted and ignored (named in the warning)", rule.why))
             elif isinstance(rule, Removed):
-                rows.append((dotted, "removed by DeepSpeed 0.19.8: rejected when on; off, accepted with a warning",
+                rows.append((dotted, "removed by DeepSpeed 0.19.8: rejected at any value, as DeepSpeed does",
                              f"DeepSpeed 0.19.8 refuses the key (\"has been removed\"): {rule.why}"))
             else:
                 rows.append((dotted, f"honoured as `{rule.target}`", "an older DeepSpeed spelling"))

@@ -221,12 +221,8 @@ def _apply_rule(rule: KeyRule, key: str, value: Any, path: str, given: Mapping[s
     elif isinstance(rule, Ignored) and not rule.quiet(value):
         ignored.append(f"'{full}' {json.dumps(value)}: {rule.why}")
     elif isinstance(rule, Removed):
-        if rule.off(value):
-            ignored.append(f"'{full}': DeepSpeed 0.19.8 has removed this feature and refuses the key; it asks for "
-                           "nothing here, so shardwise runs without it (remove it to run the config on DeepSpeed)")
-        else:
-            problems.append(f"'{full}' is a feature DeepSpeed 0.19.8 has removed (it refuses the key too): "
-                            f"{rule.why}")
+        problems.append(f"'{full}' is a feature DeepSpeed 0.19.8 has removed (it refuses the key at any value, "
+                        f"switched off too): {rule.why}")
     elif isinstance(rule, AcceptedWhen) and not rule.harmless(value):
         if isinstance(value, Mapping) and "enabled" in value:
             full, value = f"{full}.enabled", value["enabled"]

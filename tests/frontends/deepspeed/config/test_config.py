@@ -375,9 +375,15 @@ def test_harmless_keys_load_and_switched_on_features_are_refused_with_the_fix():
                         "zero_optimization": {"zero_quantized_nontrainable_weights": True}}) == [
         "'zero_optimization.zero_quantized_nontrainable_weights' true is not supported: frozen weights stored in "
         "int8 are not supported (ZeRO++'s zero_quantized_weights quantizes what gathers carry) (accepted: false)",
-        "'amp' is a feature DeepSpeed 0.19.8 has removed (it refuses the key too): NVIDIA Apex AMP: use the bf16, "
-        "fp16 or torch_autocast block",
+        "'amp' is a feature DeepSpeed 0.19.8 has removed (it refuses the key at any value, switched off too): "
+        "NVIDIA Apex AMP: remove the block; use the bf16, fp16 or torch_autocast block",
     ]
+    # a removed feature's block switched off is refused too, as DeepSpeed 0.19.8 refuses it
+    # (each form checked against it in test_deepspeed_refuses.py)
+    for off in ({"amp": {"enabled": False}}, {"elasticity": {}}, {"compression_training": {}},
+                {"sparse_gradients": False}, {"curriculum_learning": {"enabled": False}}):
+        [problem] = problems_of({**harmless, **off})
+        assert f"'{next(iter(off))}' is a feature DeepSpeed 0.19.8 has removed" in problem and "remove the" in problem
     # a comment is only a comment at the top level, where DeepSpeed never reads unknown keys
     assert problems_of({"train_batch_size": 8, "fp16": {"_comment": "x"}})[0].startswith("unknown key 'fp16._comment'")
 

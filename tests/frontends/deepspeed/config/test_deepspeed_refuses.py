@@ -63,6 +63,19 @@ REFUSED = {
     "a_parallel_write_stage_that_is_not_a_switch": (
         _config(checkpoint={"parallel_write": {"pipeline_stage": "yes"}}), "'checkpoint.parallel_write'",
         "expecting: true or false"),
+    # removed features' keys, switched off: DeepSpeed 0.19.8 refuses them at any value
+    "apex_amp_switched_off": (_config(amp={"enabled": False}), "'amp'", "has been removed"),
+    "an_empty_compression_block": (_config(compression_training={}), "'compression_training'", "has been removed"),
+    "elasticity_switched_off": (_config(elasticity={"enabled": False}), "'elasticity'", "has been removed"),
+    "legacy_curriculum_switched_off": (_config(curriculum_learning={"enabled": False}), "'curriculum_learning'",
+                                       "has been removed"),
+    "progressive_layer_drop_switched_off": (_config(progressive_layer_drop={"enabled": False}),
+                                            "'progressive_layer_drop'", "has been removed"),
+    "moq_switched_off": (_config(quantize_training={"enabled": False}), "'quantize_training'", "has been removed"),
+    "eigenvalue_switched_off": (_config(eigenvalue={"enabled": False}), "'eigenvalue'", "has been removed"),
+    "nebula_switched_off": (_config(nebula={"enabled": False}), "'nebula'", "has been removed"),
+    "sparse_gradients_false": (_config(sparse_gradients=False), "'sparse_gradients'", "has been removed"),
+    "graph_harvesting_false": (_config(graph_harvesting=False), "'graph_harvesting'", "has been removed"),
 }
 # what each rule must leave alone: name -> (config, whether DeepSpeed 0.19.8 initializes it
 # on a CPU: its fused LAMB has no CPU kernel, and partial offload below stage 3 is
