@@ -36,8 +36,9 @@ class AdamParams:
     weight_decay: float = param(0.0, ge=0)
     amsgrad: bool = False
     adam_w_mode: bool = True
-    torch_adam: bool = param(False, description="DeepSpeed's switch from its fused kernel to torch.optim; accepted "
-                             "so DeepSpeed configs load, without effect because shardwise always uses torch.optim")
+    torch_adam: Any = param(False, description="DeepSpeed's switch from its fused kernel to torch.optim; accepted "
+                            "so DeepSpeed configs load, without effect because shardwise always uses torch.optim. "
+                            "Any value: DeepSpeed reads it as Python's truth (optimum-habana writes \"torch_impl\")")
     bias_correction: bool = param(True, description="false: DeepSpeed's Adam without bias correction (the "
                                   "first steps use the raw moments), as BERT-era configs ask")
 

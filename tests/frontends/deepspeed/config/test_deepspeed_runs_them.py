@@ -54,6 +54,9 @@ ACCEPTED = {
     "bf16_beside_bfloat16": _config(bf16=BF16, bfloat16={"enabled": False}),
     "fp32_allreduce_beside_a_communication_dtype": _config(fp32_allreduce=True, communication_data_type="fp16"),
     "autocast_in_bf16_beside_bf16": _config(bf16=BF16, torch_autocast={"enabled": True, "dtype": "bfloat16"}),
+    # optimum-habana's flan-t5 config: DeepSpeed reads the switch as Python's truth
+    "torch_adam_written_as_a_string": _config(optimizer={"type": "Adam", "params": {
+        "lr": 1e-3, "torch_adam": "torch_impl", "adam_w_mode": False}}),
 }
 READ_AS = {
     "optimizer_offload_at_stage_0": lambda policies, cfg: policies.zero.offload_optimizer.device == "none",
@@ -72,6 +75,7 @@ READ_AS = {
         lambda policies, cfg: policies.precision.communication_dtype == torch.float16,
     "autocast_in_bf16_beside_bf16": lambda policies, cfg: policies.precision.autocast
         and policies.precision.param_dtype == policies.precision.autocast_dtype == torch.bfloat16,
+    "torch_adam_written_as_a_string": lambda policies, cfg: cfg.optimizer.params["torch_adam"] == "torch_impl",
 }
 # the data_types DeepSpeed reads and shardwise honours change nothing shardwise does
 SAME_AS_WITHOUT_DATA_TYPES = ("grad_accum_in_bf16_with_bf16", "grad_accum_in_bf16_with_bf16_at_stage_2",
