@@ -70,10 +70,12 @@ class ConfiguredEngine(Engine):
         return loss / self.loss_divisor if scale_wrt_gas else loss
 
     def step(self) -> None:
-        steps = self.global_steps
+        steps, backwards = self.global_steps, self.backwards_in_window
         super().step()
         if self.global_steps > steps:
-            self.global_samples += self.config.train_batch_size
+            # a window the caller ends holds as many micro-batches as it ran (DeepSpeed counts them so)
+            self.global_samples += (self.config.train_batch_size // self.gradient_accumulation_steps * backwards
+                                    if self.policies.training.caller_ends_windows else self.config.train_batch_size)
             if not self._in_train_batch:
                 self._write_monitor()
 

@@ -153,7 +153,7 @@ class ShardwiseTrainer(Trainer):
             lr_scheduler=None if "scheduler" in config else self._scheduler_factory(max_steps),
             auto_values=auto_values(values),
         )
-        stepper = EngineStepper(engine)
+        stepper = EngineStepper(engine, caller_ends_windows=engine.policies.training.caller_ends_windows)
         self.engine = engine
         self.accelerator.stepper = stepper
         self.optimizer = EngineOptimizer(engine)

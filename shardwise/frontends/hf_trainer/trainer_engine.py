@@ -29,8 +29,11 @@ from shardwise.runtime.zero.gathered import gathered_parameters
 class EngineStepper:
     """Turns the Trainer's one backward per micro-batch into the engine's backward + step."""
 
-    def __init__(self, engine: EngineProtocol):
+    def __init__(self, engine: EngineProtocol, *, caller_ends_windows: bool = False):
+        """`caller_ends_windows`: the config's managed_gradient_accumulation false, where
+        every `step()` ends the window, so only the Trainer's window ends get one."""
         self.engine = engine
+        self.caller_ends_windows = caller_ends_windows
         self.lr_of_last_update: list[float] | None = None
 
     def backward(self, loss: torch.Tensor, sync: bool) -> None:
@@ -40,6 +43,12 @@ class EngineStepper:
         exactly the Trainer's scaling. `sync`: the Trainer ends a window here."""
         engine = self.engine
         steps = engine.gradient_accumulation_steps
+        if self.caller_ends_windows:
+            engine.backward(loss * steps)
+            if sync:
+                self.lr_of_last_update = engine.get_lr()
+                engine.step()
+            return
         boundary = engine.is_gradient_accumulation_boundary()
         if sync and not boundary:
             # The epoch's micro-batches do not divide by the accumulation: the Trainer

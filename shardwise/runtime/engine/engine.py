@@ -42,7 +42,7 @@ from shardwise.runtime.distributed.setup import call_check_timeout
 from shardwise.runtime.engine.arguments import make_scheduler, optimizer_factory, refuse_second_engine
 from shardwise.runtime.engine.job import Job
 from shardwise.runtime.engine.output_backward import EngineBackward, OutputBackward
-from shardwise.runtime.engine.policies import Policies
+from shardwise.runtime.engine.policies import Policies, TrainingPolicy
 from shardwise.runtime.engine.trial import TrialMeter
 from shardwise.runtime.optim.registry import optimizer_spec
 from shardwise.runtime.optim.sharded import ShardAwareOptimizer
@@ -177,6 +177,9 @@ class Engine(nn.Module):
         self.replica_check = self._replica_check(training.replica_check_interval)
         self.pipeline = self._pipeline_runner_for(model)  # train_batch / eval_batch
         self._backward_pending = False  # backward() ran and step() has not yet
+        self.backwards_in_window = 0  # backward passes summed into the current window's gradients
+        self._ending_window = False  # step() is ending a window the caller owns (caller_ends_windows)
+        self._check_caller_ended_windows(training)
         # a backward the script starts itself on the forward's outputs (engine/output_backward.py)
         self._output_backward = (OutputBackward(on_open=self._open_output_pass, on_close=self._close_output_pass,
                                                 divisor=lambda: self.loss_divisor) if self.trains else None)
@@ -261,7 +264,28 @@ class Engine(nn.Module):
             raise diverged from error
 
     def is_gradient_accumulation_boundary(self) -> bool:
+        """Whether the coming backward/step ends the window. With `caller_ends_windows`
+        (DeepSpeed's managed_gradient_accumulation false) every step() ends it, so this is
+        true only while step() runs, as in DeepSpeed."""
+        if self.policies.training.caller_ends_windows:
+            return self._ending_window
         return (self.micro_steps + 1) % self.gradient_accumulation_steps == 0
+
+    def _check_caller_ended_windows(self, training: TrainingPolicy) -> None:
+        """`caller_ends_windows` is built for data parallelism and ZeRO 0-3: the pipeline's
+        schedule, ZenFlow and the compressed optimizers end windows on their own count."""
+        if not training.caller_ends_windows or not self.trains:
+            return
+        own_count = ("a pipeline runs its schedule's micro-batches per step" if self.pipeline is not None
+                     else "ZenFlow accumulates over its own update interval" if self.zenflow is not None
+                     else "this optimizer exchanges the window's local gradients itself"
+                     if self.zero.reducer.optimizer_exchanges
+                     else "expert parallelism is not built for it yet" if self.experts is not None
+                     else "tensor and sequence parallelism are not built for it yet"
+                     if self.policies.tensor.size > 1 or self.policies.sequence.size > 1 else None)
+        if own_count is not None:
+            raise ValueError(f"caller_ends_windows (DeepSpeed's managed_gradient_accumulation false) is not "
+                             f"supported here: {own_count}; let the engine count the window")
 
     @contextmanager
     def no_sync(self) -> Iterator[None]:
@@ -292,6 +316,7 @@ class Engine(nn.Module):
         scale = self.loss_scaler.scale / (self.loss_divisor if averaged else 1)
         if not self.zero.reducer.sync_in_backward:  # inside no_sync: accumulate only
             self._local_backward(loss, scale, retain_graph)
+            self.backwards_in_window += 1
             return
         if self._backward_pending:
             self.guard.check_call(BACKWARD, self.get_lr())  # pairs with a peer's step check if it skipped one
@@ -307,6 +332,7 @@ class Engine(nn.Module):
             raise
         self.zero.params.end_backward()
         self._backward_pending = True
+        self.backwards_in_window += 1
 
     def _local_backward(self, loss: torch.Tensor, scale: float, retain_graph: bool) -> None:
         self.zero.reducer.begin_backward(boundary=False)
@@ -380,6 +406,7 @@ class Engine(nn.Module):
         if self.zero.reducer.sync_in_backward:
             self.zero.params.end_backward()
             self._backward_pending = True
+        self.backwards_in_window += 1
 
     def _drop_interrupted_pass(self) -> None:
         """A backward the script started raised before autograd finished it: drop it as a
@@ -405,9 +432,12 @@ class Engine(nn.Module):
             self.zero.params.abort_pass()
             self.zero.reducer.discard_window()
             self.guard.forget_window()
-            into_window = self.micro_steps % self.gradient_accumulation_steps
+            caller_ends = self.policies.training.caller_ends_windows
+            into_window = self.backwards_in_window if caller_ends else self.micro_steps % self.gradient_accumulation_steps
+            self.backwards_in_window = 0
             if into_window:
-                self.micro_steps -= into_window
+                if not caller_ends:
+                    self.micro_steps -= into_window
                 self.skipped_steps += 1
                 if self.rank == 0:
                     log.warning("shardwise: backward raised in micro-batch %d of an accumulation window; "
@@ -426,13 +456,26 @@ class Engine(nn.Module):
                 "engine.step() was called without a backward since the last step: there is no gradient to "
                 "apply. Call engine.backward(loss) (or loss.backward() on the engine's output) first"
             )
+        caller_ends = self.policies.training.caller_ends_windows
+        self._ending_window = caller_ends
+        try:
+            self._step(caller_ends)
+        finally:
+            self._ending_window = False
+
+    def _step(self, caller_ends: bool) -> None:
+        """`step()` past its checks; `caller_ends`: this step ends the window whatever the
+        count (its reductions run here: zero/gradients.py, `finish_window`)."""
         boundary = self.is_gradient_accumulation_boundary()
         if boundary and self.policies.zero.refuse_unused_parameters:
             self.zero.reducer.refuse_unused_parameters(self.comm)  # before anything of the step happens
+        if caller_ends:
+            self.zero.reducer.finish_window()
         self._backward_pending = False
-        self.micro_steps += 1
+        self.micro_steps += self.gradient_accumulation_steps if caller_ends else 1
         if not boundary:
             return
+        self.backwards_in_window = 0
         scale = self.loss_scaler.scale  # the scale this step's gradients carry
         norm_squared = self.optimizer.local_grad_norm_squared()
         if self.experts is not None:

@@ -59,6 +59,9 @@ class TrainingPolicy:
     gradient_clipping: float = 0.0  # max global norm; 0: no clipping
     max_consecutive_skipped_steps: int = 3
     replica_check_interval: int = 0
+    # each step() ends the accumulation window, however many backward passes it holds
+    # (DeepSpeed's managed_gradient_accumulation false): the caller owns the boundary
+    caller_ends_windows: bool = False
 
     def __post_init__(self) -> None:
         if self.micro_batch_size < 1 or self.gradient_accumulation_steps < 1:

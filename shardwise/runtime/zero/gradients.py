@@ -344,6 +344,30 @@ class GradientReducer(OptimizerExchangeMixin):
         self._in_backward = False
         self._reduced_in_window |= self._reducing and self.keeps_full_grads
 
+    def finish_window(self) -> None:
+        """End the window at step() rather than in a backward (the caller owns the
+        boundary: DeepSpeed's managed_gradient_accumulation false), with the reductions
+        the window's last backward would have run. Stages 0-1 accumulated every backward
+        locally: each unit's buffer is reduced now, as by a backward that brings nothing
+        new. Stages 2-3 reduced every backward into the owned chunks (hop 1): what is left
+        is the chunks' sum over the replicate group (hop 2), where there is one."""
+        if self.keeps_full_grads:
+            self.begin_backward(boundary=True)
+            self.end_backward()
+            return
+        if self.replicate.skips_collectives:
+            return
+        self._reset_backward_state()
+        self._window_ends = True
+        try:
+            for unit in self.units:
+                self._across_replicas(unit, lambda unit=unit: self.store.gradient(unit), f"gradients of {unit}",
+                                      lambda: None)
+            while self._launched:
+                self._complete_oldest()
+        finally:
+            self._window_ends = False
+
     def abort_backward(self) -> None:
         """A backward raised part-way (on every rank alike): finish what was launched, so
         no collective is left half-paired, and return the buckets to the pool. The

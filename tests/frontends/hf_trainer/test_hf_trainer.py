@@ -87,6 +87,15 @@ def test_losses_equal_plain_trainer(runs, stage):
         assert sorted(result["eval_loss"]) == [3, 6]
 
 
+def test_windows_the_caller_ends_follow_the_trainers_windows(runs):
+    """managed_gradient_accumulation false (every step() ends the window): the Trainer's
+    own window ends step, its short last windows included, as with the engine's count."""
+    reference = runs.reference()
+    for result in runs.get("unmanaged", train_shardwise, 2, stage=2,
+                           config={"managed_gradient_accumulation": False}):
+        assert_logs_match(result, reference, STEPS)
+
+
 def test_lora_at_stage_3_with_recomputation_equals_plain_trainer(runs):
     """PEFT's shape (frozen base layers, trainable adapters): ZeRO-3 partitions the frozen
     weights too; the Trainer's optimizer holds only the adapters."""

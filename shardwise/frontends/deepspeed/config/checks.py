@@ -8,7 +8,7 @@ a capability on are refused, each with the key that does it.
 
 import torch
 
-from shardwise.formulas.stages import partitions_optimizer, partitions_parameters
+from shardwise.formulas.stages import partitions_gradients, partitions_optimizer, partitions_parameters
 from shardwise.frontends.deepspeed.config.deepspeed_keys import DATA_TYPE_NAMES
 from shardwise.frontends.deepspeed.config.policies import AUTOCAST_DTYPES, compile_policy, scales_dynamically
 from shardwise.frontends.deepspeed.config.schema import (
@@ -89,6 +89,7 @@ def find_contradictions(
     problems += _pipeline_contradictions(cfg, batch_known)
     problems += _compile_contradictions(cfg)
     problems += _bf16_masters_contradictions(cfg)
+    problems += _caller_ended_window_contradictions(cfg)
     if cfg.optimizer is not None and cfg.optimizer.type.lower() == "lamb" and cfg.fp16.loss_scale != 0:
         problems.append(f"optimizer.type 'Lamb' with fp16.loss_scale {cfg.fp16.loss_scale:g}: LAMB needs dynamic loss "
                         "scaling, as DeepSpeed 0.19.8 refuses a static scale with it (\"lamb optimizer requires "
@@ -283,6 +284,39 @@ def _onebit_contradictions(cfg: ShardwiseConfig) -> list[str]:
         if size > 1:
             problems.append(f"optimizer.type '{name}' with {key} {size} is not supported yet: the compressed "
                             "momentum exchange is built for data parallelism alone; use Adam/AdamW or size 1")
+    return problems
+
+
+def _caller_ended_window_contradictions(cfg: ShardwiseConfig) -> list[str]:
+    """managed_gradient_accumulation false: every step() ends the window. DeepSpeed 0.19.8
+    refuses it with overlap_comm below stage 2, with a pipeline and with DeepCompile; what
+    else accumulates on its own schedule, or is not built for it yet, is refused too."""
+    if cfg.managed_gradient_accumulation:
+        return []
+    key, zero, problems = "managed_gradient_accumulation false", cfg.zero_optimization, []
+    if zero.overlap_comm and not partitions_gradients(zero.stage):
+        problems.append(f"{key} with zero_optimization.overlap_comm true at stage {zero.stage}: stages 0-1 reduce "
+                        "the window's gradients in step(), after backward, so there is nothing to overlap; "
+                        "DeepSpeed 0.19.8 refuses it too (\"supports ZeRO overlap_comm only with ZeRO stage 2\"); "
+                        "set overlap_comm false")
+    if cfg.pipeline_parallel.size > 1:
+        problems.append(f"{key} with pipeline_parallel.size {cfg.pipeline_parallel.size}: a pipeline's train_batch "
+                        "runs its schedule's micro-batches per step; DeepSpeed 0.19.8 refuses it too")
+    if cfg.compile.deepcompile:
+        problems.append(f"{key} with compile.deepcompile: DeepSpeed 0.19.8 refuses it (\"not supported with "
+                        "DeepCompile\"); remove one of them")
+    if zero.zenflow is not None:
+        problems.append(f"{key} with zero_optimization.zenflow: ZenFlow accumulates over its own update interval; "
+                        "remove one of them")
+    if cfg.optimizer is not None and cfg.optimizer.type in ("OneBitAdam", "OneBitLamb", "ZeroOneAdam"):
+        problems.append(f"{key} with optimizer.type '{cfg.optimizer.type}': the compressed optimizers exchange the "
+                        "window's local gradients at the boundary the engine counts; use managed accumulation")
+    others = {"tensor_parallel.size": cfg.tensor_parallel.size, "sequence_parallel.size": cfg.sequence_parallel.size,
+              "expert_parallel.autoep_size": cfg.expert_parallel.autoep_size if cfg.expert_parallel.enabled else 1}
+    for other, size in others.items():
+        if size > 1:
+            problems.append(f"{key} with {other} {size} is not supported yet (it is built and tested for data "
+                            "parallelism and ZeRO 0-3); use managed accumulation, or size 1")
     return problems
 
 

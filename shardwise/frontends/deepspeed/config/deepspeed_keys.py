@@ -195,13 +195,6 @@ RULES: dict[str, dict[str, KeyRule]] = {
         "memory_breakdown": Accepted(f"{DIAGNOSTICS}; engine.memory_breakdown() is always available"),
         "dump_state": Accepted(f"{DIAGNOSTICS} (it prints the engine's state at start-up)"),
         "log_level": Accepted(DIAGNOSTICS),
-        "managed_gradient_accumulation": AcceptedWhen(
-            _is(True), "true", "shardwise's engine counts the accumulation window itself (DeepSpeed's default); "
-            "for a window the caller ends at each step(), set gradient_accumulation_steps to the micro-batches "
-            "per update, end a window early with "
-            "engine.set_gradient_accumulation_boundary(True), change its length between windows with "
-            "engine.set_train_batch_size(n), and pass scale_wrt_gas=False to engine.backward for a loss you "
-            "averaged yourself"),
         "timers": Accepted(f"{DIAGNOSTICS} (throughput timers)"),
         "zero_allow_untested_optimizer": Accepted("shardwise runs any torch optimizer under every ZeRO stage"),
         "zero_force_ds_cpu_optimizer": Accepted("with the optimizer offloaded, shardwise runs the optimizer you "

@@ -718,6 +718,11 @@ class ShardwiseConfig(Section):
     )
     gradient_clipping: Float = Field(0.0, description="the maximum gradient norm; 0 or a negative value: no "
                                      "clipping (DeepSpeed 0.19.8 clips only above 0)")
+    managed_gradient_accumulation: Bool = Field(
+        True, description="true: the engine counts gradient_accumulation_steps micro-batches per update; false: "
+        "every step() ends the window, so the caller decides how many backward passes one update sums (each loss "
+        "still divided by gradient_accumulation_steps unless backward gets scale_wrt_gas=False), as in DeepSpeed "
+        "0.19.8")
     max_consecutive_skipped_steps: Int = Field(
         3,
         ge=0,

@@ -343,13 +343,6 @@ def test_deepspeeds_field_names_of_its_stage3_aliases_load():
             "stage": 3, "allgather_sequential": True, "stage3_allgather_sequential": True}}, world_size=1)
 
 
-def test_managed_gradient_accumulation_loads_at_deepspeeds_default_only():
-    assert load_config({"train_batch_size": 8, "managed_gradient_accumulation": True}, world_size=1)
-    with pytest.raises(ConfigError, match="'managed_gradient_accumulation' false is not supported: shardwise's "
-                                          "engine counts the accumulation window itself"):
-        load_config({"train_batch_size": 8, "managed_gradient_accumulation": False}, world_size=1)
-
-
 def test_older_deepspeed_spellings_are_translated_to_shardwise_keys():
     cfg = load_config({"train_batch_size": 8, "sequence_parallel_size": 1,
                        "zero_optimization": {"stage": 2, "cpu_offload": True, "cpu_offload_use_pin_memory": True}},

@@ -220,7 +220,6 @@ class DeepSpeedEngine(ConfiguredEngine):
     load_universal_checkpoint = written_setting("checkpoint.load_universal", False)
     gradient_predivide_factor = written_setting("gradient_predivide_factor", 1.0)
     optimizer_legacy_fusion = written_setting("optimizer.legacy_fusion", False)
-    managed_gradient_accumulation = written_setting("managed_gradient_accumulation", True)
     dump_state = written_setting("dump_state", False)
 
     def cpuadam_cores_perc(self) -> float:
@@ -228,6 +227,10 @@ class DeepSpeedEngine(ConfiguredEngine):
         `offload_optimizer` block and 0.9 without one."""
         block = written_value(self.script_config, "zero_optimization.offload_optimizer", None)
         return written_value(block, "cpuadam_cores_perc", 0.8) if isinstance(block, dict) else 0.9
+
+    def managed_gradient_accumulation(self) -> bool:
+        """False: every step() ends the accumulation window (the config's key, honoured)."""
+        return not self.policies.training.caller_ends_windows
 
     def postscale_gradients(self) -> bool:
         return not written_value(self.script_config, "prescale_gradients", False)
@@ -444,6 +447,10 @@ class DeepSpeedEngine(ConfiguredEngine):
         shardwise counts micro-batches in `step()`, so a micro-batch whose `step()` was left
         out is counted here, and a window the caller ends early (an epoch's short last
         window) ends here too."""
+        if self.policies.training.caller_ends_windows:
+            raise RuntimeError("set_gradient_accumulation_boundary() is not supported with "
+                               "managed_gradient_accumulation false: every step() ends the window there "
+                               "(DeepSpeed 0.19.8 refuses it too)")
         if self._backward_pending:  # the previous micro-batch's step(), inside its window
             if self.is_gradient_accumulation_boundary():
                 raise RuntimeError("engine.set_gradient_accumulation_boundary: the previous micro-batch ended an "
