@@ -18,8 +18,9 @@ Goal (the issue's): >= 4x the size at >= 40% of the TFLOP/s with CPU offload.
 Sizes come from the formulas, not from trials: the largest Ψ whose offloaded model states
 (shardwise/formulas/memory.py placed_model_state_bytes) fit 75% of the host memory (cpu) or 70% of
 the disk's free space and the host (nvme), and whose run is predicted to finish in the time
-given (with a margin of 2, `TIME_MARGIN`), from the host memory bandwidth (a copy, measured), the rate of pinning host memory
-(measured: every offloaded byte is page-locked before the first step) and the disk's direct-I/O
+given (with a margin of 2, `TIME_MARGIN`), from the host memory bandwidth (a copy,
+measured), the rate of pinning host memory (measured: every offloaded byte is page-locked
+before the first step) and the disk's direct-I/O
 bandwidth (dd, measured): the budget, not the host, bounds the size in a 9-minute check.
 The result says which bound chose each size. Every layer is recomputed in backward
 (full policy), so the micro-batch's activations stay small beside the parameters, and

@@ -433,7 +433,8 @@ class Engine(nn.Module):
             self.zero.reducer.discard_window()
             self.guard.forget_window()
             caller_ends = self.policies.training.caller_ends_windows
-            into_window = self.backwards_in_window if caller_ends else self.micro_steps % self.gradient_accumulation_steps
+            into_window = (self.backwards_in_window if caller_ends
+                           else self.micro_steps % self.gradient_accumulation_steps)
             self.backwards_in_window = 0
             if into_window:
                 if not caller_ends:
