@@ -104,7 +104,8 @@ def test_a_registered_optimizer_is_known_to_the_config_planner_and_main_job(sign
         load_config({"train_batch_size": 2, "optimizer": {"type": "SignDescent", "params": {
             "momentum": 1.0, "nesterov": True}}}, world_size=1)
     assert caught.value.problems == [
-        "unknown key 'optimizer.params.nesterov'; the keys accepted in 'optimizer.params' are: lr, momentum",
+        "unknown key 'optimizer.params.nesterov'; the keys accepted in 'optimizer.params' are: lr, momentum, "
+        "set_grad_none",
         "optimizer.params.momentum: Input should be less than 1 (got 1.0)",
     ]
     with pytest.raises(ConfigError, match="optimizer.params: momentum without a learning rate moves nothing"):

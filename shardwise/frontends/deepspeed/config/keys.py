@@ -29,6 +29,7 @@ from shardwise.frontends.deepspeed.config.deepspeed_keys import (
     Accepted,
     AcceptedWhen,
     Ignored,
+    RULES,
     KeyRule,
     Removed,
     Translated,
@@ -319,11 +320,14 @@ def _describe_unsupported(key: str, model: type[BaseModel], path: str) -> str:
     if key in DEEPSPEED_KEYS_NOT_SUPPORTED.get(path, frozenset()):
         hint = KEY_HINTS.get(full)
         return f"'{full}' is a DeepSpeed key that shardwise does not support yet" + (f": {hint}" if hint else "")
-    closest = _closest(key, list(model.model_fields))
+    # the block's own fields, then the DeepSpeed keys it accepts without one (not the removed ones)
+    known = list(model.model_fields) + [name for name, rule in RULES.get(path, {}).items()
+                                        if not isinstance(rule, Removed) and name not in model.model_fields]
+    closest = _closest(key, known)
     if closest:
         return f"unknown key '{full}'; did you mean '{join_key(path, closest)}'?"
     where = f"in '{path}'" if path else "at the top level"
-    return f"unknown key '{full}'; the keys accepted {where} are: {', '.join(model.model_fields)}"
+    return f"unknown key '{full}'; the keys accepted {where} are: {', '.join(known)}"
 
 
 def _closest(key: str, choices: list[str]) -> str | None:

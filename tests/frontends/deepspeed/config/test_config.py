@@ -165,10 +165,20 @@ def test_bad_optimizer_params_are_named_under_optimizer_params():
     ]
 
 
+def test_an_unknown_key_names_the_deepspeed_keys_the_block_accepts_too():
+    """The block's fields, then the DeepSpeed keys accepted without a field of their own
+    (not the removed ones), as Time-LLM's `bf16.auto_cast` would want to see them."""
+    [problem] = problems_of({"train_batch_size": 8, "bf16": {"enabled": True, "auto_cast": True}})
+    assert problem == ("unknown key 'bf16.auto_cast'; the keys accepted in 'bf16' are: enabled, "
+                       "bf16_master_weights_and_grads, bf16_optimizer_states, check_grad_overflow, immediate_grad_update")
+    [problem] = problems_of({"train_batch_size": 8, "bf16": {"enabled": True, "check_grad_overflw": True}})
+    assert problem == "unknown key 'bf16.check_grad_overflw'; did you mean 'bf16.check_grad_overflow'?"
+
+
 def test_params_of_one_optimizer_are_unknown_to_another():
     assert problems_of({"train_batch_size": 8, "optimizer": {"type": "SGD", "params": {"betas": [0.9, 0.9]}}}) == [
         "unknown key 'optimizer.params.betas'; the keys accepted in 'optimizer.params' are: "
-        "lr, momentum, dampening, weight_decay, nesterov"
+        "lr, momentum, dampening, weight_decay, nesterov, set_grad_none"
     ]
 
 
