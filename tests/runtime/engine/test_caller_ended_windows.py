@@ -12,10 +12,10 @@ tests/frontends/deepspeed/config/test_managed_gradient_accumulation.py."""
 from __future__ import annotations
 
 import pytest
-import torch
 
 import shardwise
 from shardwise.tools.testing import run_distributed
+from tests.runtime.engine.test_output_backward import RaiseInBackward
 from tests.runtime.zero.workers import build_model, global_batch, make_optimizer, model_loss, relative_error
 
 WINDOWS = (3, 1, 2)  # micro-batches (backward passes) per step
@@ -50,8 +50,8 @@ def _train(rank: int, world_size: int, config: dict, fail_at: tuple[int, int] | 
                 loss = model_loss(engine, "gpt", x[rows], y[rows])
                 boundaries.append(engine.is_gradient_accumulation_boundary())
                 if fail_at == (step, micro):
-                    with pytest.raises(RuntimeError, match="failed on purpose"):
-                        engine.backward(loss * _failing(loss))
+                    with pytest.raises(RuntimeError, match="a kernel failed in backward"):
+                        engine.backward(RaiseInBackward.apply(loss))
                     continue
                 engine.backward(loss)
             engine.step()
@@ -61,19 +61,6 @@ def _train(rank: int, world_size: int, config: dict, fail_at: tuple[int, int] | 
                 "skipped": engine.skipped_steps}
     finally:
         engine.destroy()
-
-
-def _failing(loss: torch.Tensor) -> torch.Tensor:
-    class Fail(torch.autograd.Function):
-        @staticmethod
-        def forward(ctx, tensor):
-            return torch.ones_like(tensor)
-
-        @staticmethod
-        def backward(ctx, gradient):
-            raise RuntimeError("failed on purpose")
-
-    return Fail.apply(loss)
 
 
 def _reference(world_size: int, failed_at: tuple[int, int] | None = None) -> dict:

@@ -106,7 +106,7 @@ def test_fp16_needs_engine_scale_and_scaled_trains_as_engine_backward():
         assert relative_error(scaled["params"][name], tensor) < 1e-6, name
 
 
-class _RaiseInBackward(torch.autograd.Function):
+class RaiseInBackward(torch.autograd.Function):
     """Identity forward; its backward raises (a failing custom kernel)."""
 
     @staticmethod
@@ -130,7 +130,7 @@ def _interrupted(rank: int, world_size: int, interrupt: bool) -> dict:
         if interrupt:  # the window's first micro-batch raises half-way through its backward
             # built before the engine's forward, autograd reaches it after the output's branch
             # (which opens the pass and hands the reducer the last layer's gradients)
-            failing = _RaiseInBackward.apply(engine.module[0](batches[0])).sum() * 0
+            failing = RaiseInBackward.apply(engine.module[0](batches[0])).sum() * 0
             output = engine(batches[0])
             with pytest.raises(RuntimeError, match="a kernel failed in backward"):
                 (output.sum() + failing).backward()
