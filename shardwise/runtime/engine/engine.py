@@ -317,6 +317,8 @@ class Engine(nn.Module):
         if not self.zero.reducer.sync_in_backward:  # inside no_sync: accumulate only
             self._local_backward(loss, scale, retain_graph)
             self.backwards_in_window += 1
+            # a window the caller ends is reduced in step(), so it may hold no_sync backwards only
+            self._backward_pending |= self.policies.training.caller_ends_windows
             return
         if self._backward_pending:
             self.guard.check_call(BACKWARD, self.get_lr())  # pairs with a peer's step check if it skipped one

@@ -4,12 +4,15 @@ ends the window, however many backward passes it holds. On 2 gloo ranks at every
 stage, with windows of 3, 1 and 2 micro-batches and each loss divided by the config's
 gradient_accumulation_steps (2), the weights equal a single process that sums the same
 micro-batches' gradients so divided (fp32, relative error < 1e-5; SGD without clipping,
-whose step shows any error in the gradient's scale). Also: hybrid sharding's replica sum
-at the window's end, and a failed backward dropping the window so far. DeepSpeed's side
+whose step shows any error in the gradient's scale). Also: windows of no_sync backwards,
+hybrid sharding's replica sum at the window's end, and a failed backward dropping the
+window so far. DeepSpeed's side
 (the config key, its refusals, DeepSpeed 0.19.8's own weights) is in
 tests/frontends/deepspeed/config/test_managed_gradient_accumulation.py."""
 
 from __future__ import annotations
+
+import contextlib
 
 import pytest
 
@@ -37,8 +40,10 @@ def _rows(micro: int, rank: int, world_size: int) -> slice:
     return slice(start, start + MICRO)
 
 
-def _train(rank: int, world_size: int, config: dict, fail_at: tuple[int, int] | None = None) -> dict:
-    """`fail_at` (step, micro-batch): that backward raises on every rank."""
+def _train(rank: int, world_size: int, config: dict, fail_at: tuple[int, int] | None = None,
+           in_no_sync: bool = False) -> dict:
+    """`fail_at` (step, micro-batch): that backward raises on every rank. `in_no_sync`:
+    every backward runs inside engine.no_sync()."""
     model = build_model("gpt")
     engine = shardwise.initialize(model, config, optimizer=make_optimizer(model, LR, "sgd"))
     boundaries = []
@@ -53,7 +58,8 @@ def _train(rank: int, world_size: int, config: dict, fail_at: tuple[int, int] | 
                     with pytest.raises(RuntimeError, match="a kernel failed in backward"):
                         engine.backward(RaiseInBackward.apply(loss))
                     continue
-                engine.backward(loss)
+                with engine.no_sync() if in_no_sync else contextlib.nullcontext():
+                    engine.backward(loss)
             engine.step()
         with shardwise.gathered_parameters(list(model.parameters())):
             params = {n: p.detach().clone() for n, p in model.named_parameters()}
@@ -91,6 +97,16 @@ def test_each_step_ends_a_window_of_any_length(stage):
         for name, want in expected.items():
             assert relative_error(result["params"][name], want) < TOLERANCE, name
         assert result["global_steps"] == len(WINDOWS) and not any(result["boundaries"])
+
+
+@pytest.mark.parametrize("stage", [0, 1])
+def test_a_window_of_no_sync_backwards_is_reduced_in_step(stage):
+    """Every backward inside engine.no_sync() (stages 0-1): step() still ends the window,
+    reducing what accumulated, as DeepSpeed's step() does in this mode."""
+    expected = _reference(2)
+    result = run_distributed(_train, 2, _config(stage), None, True)[0]
+    for name, want in expected.items():
+        assert relative_error(result["params"][name], want) < TOLERANCE, name
 
 
 def test_hybrid_sharding_sums_the_replicas_at_the_window_end():
