@@ -99,6 +99,16 @@ def test_each_step_ends_a_window_of_any_length(stage):
         assert result["global_steps"] == len(WINDOWS) and not any(result["boundaries"])
 
 
+@pytest.mark.parametrize("stage", [1, 2, 3])
+def test_with_the_optimizer_offloaded(stage):
+    """ZeRO-Offload: the window's reduced gradients reach the host partition (stage 1 in
+    step(), stages 2-3 in every backward) before the host's update."""
+    expected = _reference(2)
+    result = run_distributed(_train, 2, _config(stage, offload_optimizer={"device": "cpu"}))[0]
+    for name, want in expected.items():
+        assert relative_error(result["params"][name], want) < TOLERANCE, name
+
+
 @pytest.mark.parametrize("stage", [0, 1])
 def test_a_window_of_no_sync_backwards_is_reduced_in_step(stage):
     """Every backward inside engine.no_sync() (stages 0-1): step() still ends the window,
