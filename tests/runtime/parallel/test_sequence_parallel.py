@@ -54,6 +54,13 @@ def test_ulysses_matches_single_process(model):
     assert results[0]["comm_by_group"]["sequence"] == expected
 
 
+def test_ulysses_with_windows_the_caller_ends():
+    """managed_gradient_accumulation false, the script stepping at each window's end."""
+    case = parallel_case(stage=1, sequence=2, accumulation=2, managed_accumulation=False)
+    results = run_distributed(train_parallel, 2, case)
+    assert_equivalent(results, train_reference(parallel_case(accumulation=2), 1))
+
+
 def test_ulysses_with_zero3_over_data_and_sequence_ranks():
     results = run_distributed(train_parallel, 4, parallel_case(stage=3, sequence=2), timeout=240)
     assert_equivalent(results, reference("gpt", 2))

@@ -39,6 +39,14 @@ def test_tp2_matches_single_process(model):
         assert tensor == expected_tensor_bytes(case, case.steps)
 
 
+def test_tp2_with_windows_the_caller_ends():
+    """managed_gradient_accumulation false, the script stepping at each window's end: the
+    window's gradients are reduced in step(), with the tensor-split norm, as one process."""
+    case = parallel_case(stage=1, tensor=2, accumulation=2, managed_accumulation=False)
+    results = run_distributed(train_parallel, 4, case, timeout=240)
+    assert_equivalent(results, train_reference(parallel_case(accumulation=2), 2))
+
+
 def split_and_replicated(model) -> tuple[int, int]:
     """Elements of the tiny GPT that the plan splits (matrices, embedding rows) and keeps whole."""
     split = sum(p.numel() for n, p in model.named_parameters() if n == "wte.weight" or n.endswith(

@@ -25,9 +25,12 @@ from tests.runtime.zero.workers import build_model as build_zero_model
 
 
 def parallel_case(stage: int = 1, tensor: int = 1, sequence: int = 1, megatron_sp: bool = False,
-                  model: str = "gpt", steps: int = 3, **options) -> Case:
+                  model: str = "gpt", steps: int = 3, managed_accumulation: bool = True, **options) -> Case:
     extra = {"tensor_parallel": {"size": tensor, "sequence_parallel": megatron_sp},
              "sequence_parallel": {"size": sequence, "mode": "ulysses"}}
+    if not managed_accumulation:  # every step() ends the window (DeepSpeed's managed_gradient_accumulation false),
+        extra["managed_gradient_accumulation"] = False  # which stages 0-1 reduce in step(): nothing to overlap
+        extra["zero_optimization"] = {"overlap_comm": False}
     options.setdefault("lr", 0.05)
     return Case(stage=stage, model=model, steps=steps, extra_config=extra, **options)
 
@@ -73,7 +76,10 @@ def train_reference(case: Case, data_size: int) -> dict:
 def train_parallel(rank: int, world_size: int, case: Case) -> dict:
     """Train `case` on this rank; losses averaged over data-parallel ranks, full weights."""
     model = build_model(case.model)
-    engine = shardwise.initialize(model, case.config(world_size), optimizer=make_optimizer(model, case.lr))
+    config = case.config(world_size)
+    engine = shardwise.initialize(model, config, optimizer=make_optimizer(model, case.lr))
+    # managed_gradient_accumulation false: every step() ends the window, so only its last micro-batch steps
+    caller_ends = config.get("managed_gradient_accumulation") is False
     data_rank, data_size = engine.mesh.data_rank, engine.mesh.data_size
     losses = []
     for step in range(case.steps):
@@ -84,7 +90,8 @@ def train_parallel(rank: int, world_size: int, case: Case) -> dict:
             inputs, targets = x[start : start + case.micro_batch], y[start : start + case.micro_batch]
             loss = model_loss(engine, case.model, inputs, targets)
             engine.backward(loss)
-            engine.step()
+            if not caller_ends or micro == case.accumulation - 1:
+                engine.step()
             step_loss += loss.detach().float()
         losses.append(step_loss / case.accumulation)
     comm_by_group = engine.comm_volume(per_group=True)
