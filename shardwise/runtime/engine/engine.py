@@ -42,7 +42,7 @@ from shardwise.runtime.distributed.setup import call_check_timeout
 from shardwise.runtime.engine.arguments import make_scheduler, optimizer_factory, refuse_second_engine
 from shardwise.runtime.engine.job import Job
 from shardwise.runtime.engine.output_backward import EngineBackward, OutputBackward
-from shardwise.runtime.engine.policies import Policies, TrainingPolicy
+from shardwise.runtime.engine.policies import Policies
 from shardwise.runtime.engine.trial import TrialMeter
 from shardwise.runtime.optim.registry import optimizer_spec
 from shardwise.runtime.optim.sharded import ShardAwareOptimizer
@@ -179,9 +179,9 @@ class Engine(nn.Module):
         self._backward_pending = False  # backward() ran and step() has not yet
         self.backwards_in_window = 0  # backward passes summed into the current window's gradients
         self._ending_window = False  # step() is ending a window the caller owns (caller_ends_windows)
-        self._check_caller_ended_windows(training)
+        self._check_caller_ended_windows()
         # a backward the script starts itself on the forward's outputs (engine/output_backward.py)
-        self._output_backward = (OutputBackward(on_open=self._open_output_pass, on_close=self._close_output_pass,
+        self._output_backward = (OutputBackward(on_open=self._open_output_pass, on_close=self._end_pass,
                                                 divisor=lambda: self.loss_divisor) if self.trains else None)
         if self._output_backward is not None:
             self._output_backward.watch_parameters([param for param in model.parameters() if param.requires_grad])
@@ -271,11 +271,11 @@ class Engine(nn.Module):
             return self._ending_window
         return (self.micro_steps + 1) % self.gradient_accumulation_steps == 0
 
-    def _check_caller_ended_windows(self, training: TrainingPolicy) -> None:
+    def _check_caller_ended_windows(self) -> None:
         """`caller_ends_windows` is built for ZeRO 0-3 beside tensor and sequence
         parallelism: the pipeline's schedule, ZenFlow and the compressed optimizers end
         windows on their own count, and expert parallelism is not built for it yet."""
-        if not training.caller_ends_windows or not self.trains:
+        if not self.policies.training.caller_ends_windows or not self.trains:
             return
         own_count = ("a pipeline runs its schedule's micro-batches per step" if self.pipeline is not None
                      else "ZenFlow accumulates over its own update interval" if self.zenflow is not None
@@ -313,39 +313,41 @@ class Engine(nn.Module):
         self._drop_interrupted_pass()
         self._scaled_by_script = False  # an engine.scale() this backward made unnecessary counts for no other
         scale = self.loss_scaler.scale / (self.loss_divisor if averaged else 1)
-        if not self.zero.reducer.sync_in_backward:  # inside no_sync: accumulate only
-            self._local_backward(loss, scale, retain_graph)
-            self.backwards_in_window += 1
-            # a window the caller ends is reduced in step(), so it may hold no_sync backwards only
-            self._backward_pending |= self.policies.training.caller_ends_windows
-            return
-        if self._backward_pending:
-            self.guard.check_call(BACKWARD, self.get_lr())  # pairs with a peer's step check if it skipped one
-        self.zero.reducer.begin_backward(boundary=self.is_gradient_accumulation_boundary())
-        self.guard.note_loss(loss)
+        self._begin_pass(loss)
         try:
             with EngineBackward():
                 (loss.float() * scale).backward(retain_graph=retain_graph)
-            self.zero.reducer.end_backward()
         except BaseException as error:
             self._abort_backward()
             self._stop_if_raised_alone(error)
             raise
-        self.zero.params.end_backward()
-        self._backward_pending = True
-        self.backwards_in_window += 1
+        self._end_pass()
 
-    def _local_backward(self, loss: torch.Tensor, scale: float, retain_graph: bool) -> None:
-        self.zero.reducer.begin_backward(boundary=False)
+    def _begin_pass(self, loss: torch.Tensor) -> None:
+        """Open a backward (the engine's own, or one the script started on the outputs):
+        ZeRO's reducer told whether it ends the window, the step check told a micro-batch
+        ran. Inside no_sync it only accumulates: no window ends, nothing is checked."""
+        synced = self.zero.reducer.sync_in_backward
+        if synced and self._backward_pending:
+            self.guard.check_call(BACKWARD, self.get_lr())  # pairs with a peer's step check if it skipped one
+        self.zero.reducer.begin_backward(boundary=synced and self.is_gradient_accumulation_boundary())
         self.guard.note_loss(loss)
+
+    def _end_pass(self) -> None:
+        """Close the backward `_begin_pass` opened, once autograd has run it: the reductions
+        it launched complete (a failure drops it, as a failed backward is dropped)."""
         try:
-            with EngineBackward():
-                (loss.float() * scale).backward(retain_graph=retain_graph)
             self.zero.reducer.end_backward()
         except BaseException as error:
             self._abort_backward()
             self._stop_if_raised_alone(error)
             raise
+        synced = self.zero.reducer.sync_in_backward
+        if synced:
+            self.zero.params.end_backward()
+        # a window the caller ends is reduced in step(), so it may hold no_sync backwards only
+        self._backward_pending |= synced or self.policies.training.caller_ends_windows
+        self.backwards_in_window += 1
 
     def backward_with_gradients(self, tensors: Sequence[torch.Tensor], grads: Sequence[torch.Tensor | None], *,
                                 boundary: bool, loss: torch.Tensor) -> None:
@@ -390,24 +392,7 @@ class Engine(nn.Module):
                                "without scaling the loss. Please use one of the following: 1. engine.backward(loss) "
                                "2. engine.scale(loss).backward()")
         self._scaled_by_script = False
-        synced = self.zero.reducer.sync_in_backward
-        if synced and self._backward_pending:
-            self.guard.check_call(BACKWARD, self.get_lr())  # pairs with a peer's step check if it skipped one
-        self.zero.reducer.begin_backward(boundary=synced and self.is_gradient_accumulation_boundary())
-        self.guard.note_loss(gradient)
-
-    def _close_output_pass(self) -> None:
-        """Autograd finished the script's backward: end it as `backward` ends its own."""
-        try:
-            self.zero.reducer.end_backward()
-        except BaseException as error:
-            self._abort_backward()
-            self._stop_if_raised_alone(error)
-            raise
-        if self.zero.reducer.sync_in_backward:
-            self.zero.params.end_backward()
-            self._backward_pending = True
-        self.backwards_in_window += 1
+        self._begin_pass(gradient)
 
     def _drop_interrupted_pass(self) -> None:
         """A backward the script started raised before autograd finished it: drop it as a

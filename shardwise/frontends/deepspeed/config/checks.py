@@ -18,6 +18,9 @@ from shardwise.frontends.deepspeed.config.schema import (
     ShardwiseConfig,
 )
 
+# the optimizers that exchange their own compressed momentum (optim/onebit.py), on their own schedule
+COMPRESSED_OPTIMIZERS = ("OneBitAdam", "OneBitLamb", "ZeroOneAdam")
+
 
 def find_unsupported(cfg: ShardwiseConfig) -> list[str]:
     """One line per setting that asks for a capability shardwise does not have yet."""
@@ -244,7 +247,7 @@ def _summed_gradient_contradictions(cfg: ShardwiseConfig) -> list[str]:
     problems = [f"gradient_allreduce_op \"sum\" with {key}: DeepSpeed 0.19.8 refuses it too (\"gradient_allreduce_op="
                 f"'sum' is not supported with {words}\"); remove gradient_allreduce_op (the mean) or {key}"
                 for on, key, words in refused_by_deepspeed if on]
-    if cfg.optimizer is not None and cfg.optimizer.type in ("OneBitAdam", "OneBitLamb", "ZeroOneAdam"):
+    if cfg.optimizer is not None and cfg.optimizer.type in COMPRESSED_OPTIMIZERS:
         problems.append(f"gradient_allreduce_op \"sum\" with optimizer.type '{cfg.optimizer.type}' is not "
                         "supported: after its warm-up it exchanges the ranks' compressed momentum, averaged; remove "
                         "gradient_allreduce_op or use another optimizer")
@@ -255,7 +258,7 @@ def _onebit_contradictions(cfg: ShardwiseConfig) -> list[str]:
     """1-bit Adam / LAMB and 0/1 Adam exchange every rank's momentum (0/1 Adam: gradient or
     accumulated update) of the whole model themselves (optim/onebit.py): stages 0-2 (0/1
     Adam: 0), one exchange group, the momentum on the device."""
-    if cfg.optimizer is None or cfg.optimizer.type not in ("OneBitAdam", "OneBitLamb", "ZeroOneAdam"):
+    if cfg.optimizer is None or cfg.optimizer.type not in COMPRESSED_OPTIMIZERS:
         return []
     name, problems, zero = cfg.optimizer.type, [], cfg.zero_optimization
     if name == "ZeroOneAdam" and zero.stage != 0:
@@ -308,7 +311,7 @@ def _caller_ended_window_contradictions(cfg: ShardwiseConfig) -> list[str]:
     if zero.zenflow is not None:
         problems.append(f"{key} with zero_optimization.zenflow: ZenFlow accumulates over its own update interval; "
                         "remove one of them")
-    if cfg.optimizer is not None and cfg.optimizer.type in ("OneBitAdam", "OneBitLamb", "ZeroOneAdam"):
+    if cfg.optimizer is not None and cfg.optimizer.type in COMPRESSED_OPTIMIZERS:
         problems.append(f"{key} with optimizer.type '{cfg.optimizer.type}': the compressed optimizers exchange the "
                         "window's local gradients at the boundary the engine counts; use managed accumulation")
     experts = cfg.expert_parallel.autoep_size if cfg.expert_parallel.enabled else 1

@@ -66,8 +66,6 @@ PARTIAL_LOAD_REFUSED = (
 )
 
 
-
-
 class AccumulationSteps(int):
     """The number of micro-batches per update: an int to shardwise's code, and callable
     as DeepSpeed's `engine.gradient_accumulation_steps()`."""
@@ -171,7 +169,6 @@ class DeepSpeedEngine(ConfiguredEngine):
     def scheduler_params(self) -> dict[str, Any] | None:
         block = self.script_config.get("scheduler") or {}
         return block.get("params") if "type" in block else None
-
 
     def wall_clock_breakdown(self) -> bool:
         """The config's `wall_clock_breakdown`, which DeepSpeed also turns on for the flops profiler."""
