@@ -65,6 +65,7 @@ from shardwise.runtime.parallel.expert.training import (
     global_expert_places,
 )
 from shardwise.runtime.zero.apply import ZeroGroups, apply_zero
+from shardwise.runtime.zero.parked_states import ParkedStates, StateKind, optimizer_state_tensors
 from shardwise.runtime.zero.zenflow import ZenFlow
 from shardwise.runtime.zero.trainable import evaluated_parameters, frozen_parameters, trainable_parameters
 
@@ -143,6 +144,7 @@ class Engine(nn.Module):
             frozen=frozen_parameters(model, named + (self.experts.params if self.experts is not None else [])),
         )
         self.optimizer = self.zero.optimizer
+        self.parked = ParkedStates()  # states moved off the device by offload_states()
         self.tensor_norm = tensor_parallel_norm(self.mesh, self.zero, self.comm_stats) if self.trains else None
         self.units = self.zero.units
         self.ledger.hold("params", cast_unheld_state(model, self.dtype, held=set(self.zero.unit_of_param)))
@@ -208,6 +210,7 @@ class Engine(nn.Module):
         runs under `torch.autocast` when the precision policy says so. If it raises,
         whatever it left gathered or in use is released first."""
         self._require_alive("forward")
+        self._require_states("forward", {StateKind.PARAMETERS})
         self._drop_interrupted_pass()
         if self._backward_pending and self._forward_communicates:
             self.guard.check_call(FORWARD, self.get_lr())  # pairs with a peer's step check if it skipped one
@@ -327,6 +330,7 @@ class Engine(nn.Module):
         """Open a backward (the engine's own, or one the script started on the outputs):
         ZeRO's reducer told whether it ends the window, the step check told a micro-batch
         ran. Inside no_sync it only accumulates: no window ends, nothing is checked."""
+        self._require_states("backward", {StateKind.PARAMETERS, StateKind.GRADIENTS, StateKind.GRADIENT_BUCKETS})
         synced = self.zero.reducer.sync_in_backward
         if synced and self._backward_pending:
             self.guard.check_call(BACKWARD, self.get_lr())  # pairs with a peer's step check if it skipped one
@@ -434,6 +438,7 @@ class Engine(nn.Module):
     def step(self) -> None:
         """Apply the update at an accumulation boundary; otherwise only count the micro-step."""
         self._require_training("step")
+        self._require_states("step", set(StateKind))
         self._drop_interrupted_pass()
         if not self.zero.reducer.sync_in_backward:
             raise RuntimeError("engine.step() inside engine.no_sync(): the gradients there are not reduced yet; "
@@ -601,6 +606,7 @@ class Engine(nn.Module):
         accumulation steps) through the schedule, then one optimizer step; returns the
         batch's mean loss on every rank."""
         self._require_training("train_batch")  # before any stage starts: every rank refuses alike
+        self._require_states("train_batch", set(StateKind))
         pipeline = self._running_pipeline("train_batch")
         micro_batches = _iterator(data_iter, "train_batch")
         if self.micro_steps % self.gradient_accumulation_steps or self._backward_pending:
@@ -656,6 +662,7 @@ class Engine(nn.Module):
         from shardwise.runtime.checkpoint import save_checkpoint
 
         self._require_alive("save_checkpoint")
+        self._require_states("save_checkpoint", set(StateKind))
         self.world.agree_on_call("save_checkpoint", call_check_timeout(self.context.timeout))
         self.wait_for_checkpoint()  # one save at a time; an earlier write's failure raises here
         if self.replica_check is not None:  # never save replicas that diverged
@@ -686,10 +693,60 @@ class Engine(nn.Module):
         from shardwise.runtime.checkpoint import load_checkpoint
 
         self._require_alive("load_checkpoint")
+        self._require_states("load_checkpoint", set(StateKind))
         self.world.agree_on_call("load_checkpoint", call_check_timeout(self.context.timeout))
         self.wait_for_checkpoint()  # never read a checkpoint while one is being written
         return load_checkpoint(self, load_dir, tag, optimizer_states=optimizer_states, module_only=module_only,
                                strict=strict, opened=opened)
+
+    # -- states moved off the device between phases (zero/parked_states.py) ---------------
+    def offload_states(self, include: Iterable[StateKind | str] | None = None, *, pin_memory: bool = True,
+                       non_blocking: bool = False) -> int:
+        """Move training states off the device until `reload_states()` (all kinds, or
+        those in `include`), as an RLHF loop does around generation so that the inference
+        engine gets the memory; returns the bytes moved off. Forward runs while only
+        optimizer states, masters, gradients or buckets are away; anything that needs a
+        moved state (backward, step, a checkpoint) refuses until the reload. States an
+        offloaded optimizer keeps on the host already (`offload_optimizer`: masters and
+        optimizer states; at stage 3 gradients too) stay where they are."""
+        self._require_training("offload_states")
+        if self.policies.zero.offload_param.enabled:
+            raise ValueError("offload_states() with offload_param: the parameters already live in "
+                             f"{self.policies.zero.offload_param.device} memory and are paged in by ZeRO itself; "
+                             "moving states across devices is not supported for offloaded parameters")
+        if not self.zero.reducer.sync_in_backward:
+            raise RuntimeError("offload_states() inside engine.no_sync(): finish the block first")
+        kinds = set(StateKind) if include is None else {StateKind(kind) for kind in include}
+        if self.policies.zero.offload_optimizer.enabled:
+            kinds -= {StateKind.MASTER_PARAMETERS, StateKind.OPTIMIZER_STATES}
+            if self.policies.zero.partitions_parameters:
+                kinds.discard(StateKind.GRADIENTS)
+        self._drop_interrupted_pass()
+        self.zero.release_gathered()  # stage 3: gathered parameters are rebuilt from the shards on use
+        return self.parked.park(self._state_tensors, kinds, pin_memory=pin_memory, non_blocking=non_blocking,
+                                device=self.device)
+
+    def _state_tensors(self) -> dict[StateKind, list[torch.Tensor]]:
+        by_kind = self.zero.state_tensors(self.module)
+        if self.experts is not None:
+            by_kind[StateKind.OPTIMIZER_STATES] += optimizer_state_tensors(self.experts.optimizer)
+        return by_kind
+
+    def reload_states(self, *, non_blocking: bool = False) -> None:
+        """Bring back everything `offload_states()` moved, byte for byte."""
+        self._require_alive("reload_states")
+        self.parked.reload(non_blocking=non_blocking)
+
+    @property
+    def offloaded_states(self) -> frozenset[StateKind]:
+        return frozenset(self.parked.kinds)
+
+    def _require_states(self, call: str, needed: set[StateKind]) -> None:
+        away = needed & self.parked.kinds
+        if away:
+            names = ", ".join(sorted(kind.value for kind in away))
+            raise RuntimeError(f"engine.{call}() needs states that offload_states() moved off ({names}): "
+                               "call engine.reload_states() first")
 
     # -- accounting ----------------------------------------------------------------------
     def memory_breakdown(self, by_tier: bool = False) -> dict:

@@ -27,6 +27,7 @@ from shardwise.runtime.distributed.collectives import Communicator
 from shardwise.runtime.distributed.staging import staged_on
 from shardwise.runtime.zero.host_store import HostShardStore
 from shardwise.runtime.zero.param_home import merge_transfers
+from shardwise.runtime.zero.parked_states import StateKind, optimizer_state_tensors
 from shardwise.runtime.zero.nvme_store import NvmeShardStore
 from shardwise.runtime.zero.split_store import make_split_store
 from shardwise.runtime.optim.codec import StateCodec
@@ -137,6 +138,21 @@ class ZeroState:
 
     def release_gathered(self) -> None:
         self.params.release_gathered()
+
+    def state_tensors(self, module: nn.Module) -> dict[StateKind, list[torch.Tensor]]:
+        """The tensors holding each kind of training state (zero/parked_states.py), any of
+        them possibly sharing a storage with another kind's (fp32 masters are the parameters)."""
+        units = [*self.units, *self.frozen_units]
+        by_kind = {StateKind.PARAMETERS: [*module.parameters(), *(self.params.owned_chunk(unit) for unit in units)]}
+        if self.optimizer is None:
+            return by_kind
+        full = [self.store.full_gradient(unit) for unit in self.units]
+        by_kind[StateKind.GRADIENTS] = [*self.store.gradients(), *(grad for grad in full if grad is not None),
+                                        *(param.grad for param in module.parameters() if param.grad is not None)]
+        by_kind[StateKind.MASTER_PARAMETERS] = [segment.master for segment in self.store.segments]
+        by_kind[StateKind.OPTIMIZER_STATES] = optimizer_state_tensors(self.optimizer.optimizer)
+        by_kind[StateKind.GRADIENT_BUCKETS] = self.reducer.pooled_buckets()
+        return by_kind
 
     def await_readers(self) -> None:
         """Collective: no rank reads the parameter shards any more (before a load rewrites them)."""

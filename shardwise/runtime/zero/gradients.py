@@ -206,6 +206,10 @@ class GradientReducer(OptimizerExchangeMixin):
         stage 2 while an optimizer exchanges its own local gradients."""
         return self.keeps_full_grads or (self.optimizer_exchanges and self._local_grads is not None)
 
+    def pooled_buckets(self) -> list[torch.Tensor]:
+        """The reduction buckets kept between backward passes (scratch: refilled before use)."""
+        return [buffer for buffer, _ in self._free_buckets]
+
     def zero_grads(self) -> None:
         """Start a new accumulation window (after the optimizer step)."""
         self.store.start_window()

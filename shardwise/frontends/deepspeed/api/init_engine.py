@@ -54,7 +54,7 @@ from shardwise.frontends.deepspeed.api.runtime.engine import DeepSpeedEngine
 from shardwise.frontends.deepspeed.api.runtime.pipe.engine import PipelineEngine
 from shardwise.frontends.deepspeed.api.pipe import PipelineModule
 from shardwise.frontends.deepspeed.api.ops.adam import FusedAdam
-from shardwise.frontends.deepspeed.api.runtime.base_optimizer import DeepSpeedOptimizer, mark_wrapped
+from shardwise.frontends.deepspeed.api.runtime.base_optimizer import DeepSpeedOptimizer, ZeROOptimizer, mark_wrapped
 from shardwise.frontends.deepspeed.api.runtime.bf16_optimizer import BF16_Optimizer
 from shardwise.frontends.deepspeed.api.runtime.config import (DEEPSPEED_GRADIENT_CLIPPING, TORCH_ADAM_PARAM,
                                                                 DeepSpeedConfigError)
@@ -308,6 +308,8 @@ def _clearing_model_gradients(engine: DeepSpeedEngine,
         engine.module.zero_grad(set_to_none)
 
     optimizer.zero_grad = zero_grad
+    if wrapper is not None and issubclass(wrapper, ZeROOptimizer):  # DeepSpeed's ZeRO optimizers move states too
+        optimizer.offload_states, optimizer.reload_states = engine.offload_states, engine.reload_states
     return optimizer
 
 

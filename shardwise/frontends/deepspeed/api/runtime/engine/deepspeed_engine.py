@@ -23,7 +23,7 @@ import os
 import sys
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any, Callable, Container
 
 import torch
 from torch import nn
@@ -37,6 +37,7 @@ from shardwise.frontends.deepspeed.api.runtime.engine.checkpoint_arguments impor
 from shardwise.frontends.deepspeed.config.written import (written_optimizer_name, written_setting,
                                                            written_value)
 from shardwise.frontends.deepspeed.api.runtime.zero.external_parameters import ReturnedParameterTracker
+from shardwise.frontends.deepspeed.api.runtime.zero.offload_config import OffloadDeviceEnum
 from shardwise.frontends.deepspeed.api.runtime.zero.partition_parameters import mark_partitioned, unmark_partitioned
 from shardwise.frontends.deepspeed.api.utils.repeating_loader import RepeatingLoader
 from shardwise.frontends.deepspeed.api.utils.timer import ThroughputTimer
@@ -54,6 +55,7 @@ from shardwise.runtime.data.token_schedule import RandomLTDScheduler
 from shardwise.runtime.distributed.setup import call_check_timeout
 from shardwise.runtime.engine import Job, Policies
 from shardwise.runtime.precision.casting import to_device
+from shardwise.runtime.zero.parked_states import StateKind
 from shardwise.runtime.parallel.pipeline.sequential import SequentialStages
 from shardwise.runtime.parallel.pipeline.runner import take_micro_batches
 
@@ -309,6 +311,23 @@ class DeepSpeedEngine(ConfiguredEngine):
         """Release every gathered ZeRO-3 parameter (those kept whole stay), as DeepSpeed's
         does with the parameters it caches between steps; at other stages, nothing to release."""
         self.zero.release_gathered()
+
+    def offload_states(self, include: Container[Any] | None = None, device: Any = OffloadDeviceEnum.cpu,
+                       pin_memory: bool = True, non_blocking: bool = False) -> None:
+        """DeepSpeed's signature over the engine's `offload_states` (runtime/zero/parked_states.py):
+        `include` of DeepSpeed's `OffloadStateTypeEnum` (or their names); only the host as
+        the `device`, as DeepSpeed allows; "none" moves nothing, with DeepSpeed's warning."""
+        device = OffloadDeviceEnum(getattr(device, "value", device))
+        if device == OffloadDeviceEnum.none:
+            log.warning("No device specified for offloading states.")
+            return
+        if device == OffloadDeviceEnum.nvme:
+            raise ValueError("NVMe offload is not supported for offloading states.")
+        kinds = None if include is None else [StateKind(getattr(kind, "value", kind)) for kind in include]
+        super().offload_states(kinds, pin_memory=pin_memory, non_blocking=non_blocking)
+
+    def reload_states(self, non_blocking: bool = False) -> None:
+        super().reload_states(non_blocking=non_blocking)
 
     def destroy(self) -> None:
         super().destroy()
