@@ -56,6 +56,10 @@ from shardwise.runtime.distributed.setup import call_check_timeout
 from shardwise.runtime.engine import Job, Policies
 from shardwise.runtime.precision.casting import to_device
 from shardwise.runtime.zero.parked_states import StateKind
+from shardwise.runtime.compile.blocks import compile_blocks, find_blocks
+from shardwise.runtime.compile.policy import CompilePolicy
+from shardwise.models.families import plan_for
+from shardwise.frontends.deepspeed.api.accelerator import get_accelerator
 from shardwise.runtime.parallel.pipeline.sequential import SequentialStages
 from shardwise.runtime.parallel.pipeline.runner import take_micro_batches
 
@@ -115,6 +119,7 @@ class DeepSpeedEngine(ConfiguredEngine):
                                if profiler.enabled else None)
         self._window_latencies = [0.0, 0.0, 0.0]  # forward, backward, step seconds in the profiled window
         self._batch_fn: Callable[[Any], Any] | None = None  # set_batch_fn's, applied to each micro-batch taken
+        self._compiled_by_call = False  # compile() ran
 
     @property
     def dp_world_size(self) -> int:
@@ -311,6 +316,46 @@ class DeepSpeedEngine(ConfiguredEngine):
         """Release every gathered ZeRO-3 parameter (those kept whole stay), as DeepSpeed's
         does with the parameters it caches between steps; at other stages, nothing to release."""
         self.zero.release_gathered()
+
+    # -- torch.compile as DeepSpeed's engine.compile() asks for it ----------------------------
+    def compile(self, backend: Any = None, compile_kwargs: dict[str, Any] | None = None, schedule: Any = None,
+                compiled_autograd_enabled: bool = False) -> None:
+        """DeepSpeed's `engine.compile()`: `torch.compile` with `backend` (default the
+        accelerator's) and `compile_kwargs`, applied per repeated block as `compile.enabled`
+        does (runtime/compile/blocks.py: ZeRO-3's gathers stay outside the graphs), where
+        DeepSpeed compiles the whole module. A model without repeated blocks is compiled
+        whole at stages 0-2. Once compiled, a second call does nothing, as in DeepSpeed.
+        `schedule` is DeepCompile's, which shardwise runs as per-block compilation too;
+        compiled autograd is not used (the backward runs ZeRO's hooks eagerly)."""
+        if self.is_compiled:
+            return
+        compile_kwargs = dict(compile_kwargs or {})
+        if "backend" in compile_kwargs:
+            log.warning("The `backend` in `compile_kwargs` will be overridden. Use the `backend` argument instead.")
+            compile_kwargs.pop("backend")
+        if compiled_autograd_enabled:
+            log.info("shardwise: engine.compile(compiled_autograd_enabled=True): the backward runs eagerly, "
+                     "through ZeRO's gradient hooks; only the forward blocks are compiled")
+        backend = backend if backend is not None else get_accelerator().get_compile_backend()
+        policy = CompilePolicy(enabled=True, backend=backend, kwargs=compile_kwargs)
+        layers = plan_for(self.module).layers
+        blocks = list(self.module.get_submodule(layers)) if layers else find_blocks(self.module)
+        if not blocks:
+            if self.policies.zero.partitions_parameters:
+                raise ValueError(
+                    f"engine.compile() at ZeRO stage 3 compiles each repeated block of the model, with ZeRO's "
+                    f"gathers between them; {type(self.module).__name__} has none (no `_no_split_modules` class, "
+                    "no nn.ModuleList of one class): compile its repeated submodules yourself before "
+                    "deepspeed.initialize, or train at stage 0-2, where the whole module is compiled")
+            blocks = [self.module]
+        compile_blocks(self.module, policy, blocks)
+        self._compiled_by_call = True
+
+    @property
+    def is_compiled(self) -> bool:
+        """Whether the model's blocks run compiled: by `compile()`, or by the config's
+        `compile.enabled` when the engine was built."""
+        return self._compiled_by_call or self.policies.compile.enabled
 
     def offload_states(self, include: Container[Any] | None = None, device: Any = OffloadDeviceEnum.cpu,
                        pin_memory: bool = True, non_blocking: bool = False) -> None:
