@@ -33,7 +33,8 @@ class Block(nn.Module):
 class Model(nn.Module):
     def __init__(self):
         super().__init__()
-        self.embed, self.blocks, self.head = nn.Linear(8, 16), nn.ModuleList(Block() for _ in range(3)), nn.Linear(16, 8)
+        self.embed, self.head = nn.Linear(8, 16), nn.Linear(16, 8)
+        self.blocks = nn.ModuleList(Block() for _ in range(3))
 
     def forward(self, x):
         x = self.embed(x)
