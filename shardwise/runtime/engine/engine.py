@@ -275,16 +275,16 @@ class Engine(nn.Module):
         return (self.micro_steps + 1) % self.gradient_accumulation_steps == 0
 
     def _check_caller_ended_windows(self) -> None:
-        """`caller_ends_windows` is built for ZeRO 0-3 beside tensor and sequence
-        parallelism: the pipeline's schedule, ZenFlow and the compressed optimizers end
-        windows on their own count, and expert parallelism is not built for it yet."""
+        """`caller_ends_windows` is built for ZeRO 0-3 beside tensor, sequence and expert
+        parallelism (the experts' gradients accumulate in autograd and are reduced in
+        `step()` whatever the window): the pipeline's schedule, ZenFlow and the compressed
+        optimizers end windows on their own count."""
         if not self.policies.training.caller_ends_windows or not self.trains:
             return
         own_count = ("a pipeline runs its schedule's micro-batches per step" if self.pipeline is not None
                      else "ZenFlow accumulates over its own update interval" if self.zenflow is not None
                      else "this optimizer exchanges the window's local gradients itself"
-                     if self.zero.reducer.optimizer_exchanges
-                     else "expert parallelism is not built for it yet" if self.experts is not None else None)
+                     if self.zero.reducer.optimizer_exchanges else None)
         if own_count is not None:
             raise ValueError(f"caller_ends_windows (DeepSpeed's managed_gradient_accumulation false) is not "
                              f"supported here: {own_count}; let the engine count the window")

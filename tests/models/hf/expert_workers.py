@@ -40,11 +40,13 @@ class ExpertCase:
     micro_batch: int = 2
     lr: float = 0.05
     clipping: float = 0.5
+    caller_ends_windows: bool = False  # managed_gradient_accumulation false: step() only after the last micro-batch
 
     def config(self) -> dict:
         return {
             "train_micro_batch_size_per_gpu": self.micro_batch,
             "gradient_accumulation_steps": self.micro_batches,
+            "managed_gradient_accumulation": not self.caller_ends_windows,
             "gradient_clipping": self.clipping,
             "zero_optimization": {"stage": self.stage},
             "tensor_parallel": {"size": self.tensor},
@@ -111,10 +113,11 @@ def train_parallel(rank: int, world_size: int, case: ExpertCase) -> dict:
             losses.append(engine.train_batch(data_iter=iter(mine)).item())
             continue
         total = 0.0
-        for batch in mine:
+        for index, batch in enumerate(mine):
             loss = engine(**batch).loss
             engine.backward(loss)
-            engine.step()
+            if not case.caller_ends_windows or index == len(mine) - 1:
+                engine.step()
             total += loss.item() / case.micro_batches
         losses.append(total)
     tensor = Communicator(engine.mesh["tensor"])

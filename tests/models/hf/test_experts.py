@@ -59,6 +59,12 @@ def test_ep2_matches_single_process_and_its_all_to_all_bytes_match_the_formula(s
         assert result["bytes"] == {"all_to_all": want}
 
 
+@pytest.mark.parametrize("stage", [0, 2])
+def test_ep2_in_windows_the_caller_ends_matches_single_process(stage):
+    """managed_gradient_accumulation false: one step() after each rank's two backward passes."""
+    assert_matches(run_distributed(train_parallel, 2, ExpertCase(stage=stage, caller_ends_windows=True)), reference(2))
+
+
 @pytest.mark.slow
 def test_ep2_dp2_with_expert_optimizer_state_partitioned_matches_single_process():
     """4 ranks, 2 expert groups: each expert's gradient summed over the 2 ranks holding it

@@ -293,7 +293,7 @@ def _onebit_contradictions(cfg: ShardwiseConfig) -> list[str]:
 def _caller_ended_window_contradictions(cfg: ShardwiseConfig) -> list[str]:
     """managed_gradient_accumulation false: every step() ends the window. DeepSpeed 0.19.8
     refuses it with overlap_comm below stage 2, with a pipeline and with DeepCompile; what
-    else accumulates on its own schedule, or is not built for it yet, is refused too."""
+    else accumulates on its own schedule is refused too."""
     if cfg.managed_gradient_accumulation:
         return []
     key, zero, problems = "managed_gradient_accumulation false", cfg.zero_optimization, []
@@ -314,11 +314,6 @@ def _caller_ended_window_contradictions(cfg: ShardwiseConfig) -> list[str]:
     if cfg.optimizer is not None and cfg.optimizer.type in COMPRESSED_OPTIMIZERS:
         problems.append(f"{key} with optimizer.type '{cfg.optimizer.type}': the compressed optimizers exchange the "
                         "window's local gradients at the boundary the engine counts; use managed accumulation")
-    experts = cfg.expert_parallel.autoep_size if cfg.expert_parallel.enabled else 1
-    if experts > 1:
-        problems.append(f"{key} with expert_parallel.autoep_size {experts} is not supported yet (it is built and "
-                        "tested for ZeRO 0-3 with tensor and sequence parallelism); use managed accumulation, or "
-                        "size 1")
     return problems
 
 

@@ -177,6 +177,57 @@ def test_expert_parallel_training_equals_every_expert_on_one_process(world_size,
             assert ((weight - reference).norm() / reference.norm()).item() < 1e-5, name
 
 
+WINDOWS, WINDOW_DIVISOR = (3, 1, 2), 2  # backward passes per step() (caller-ended windows); the config's count
+
+
+def window_optimizer(model: nn.Module) -> torch.optim.Optimizer:
+    """SGD, whose step is proportional to the gradient: a window summed or divided wrongly shows."""
+    return torch.optim.SGD(groups_of(model), lr=0.05, momentum=0.9)
+
+
+def train_caller_windows(rank: int, world_size: int, stage: int) -> dict:
+    """managed_gradient_accumulation false with ep_size 2: every step() ends the window of
+    however many backward passes ran, each loss divided by the config's accumulation count."""
+    model = MoeNet(1, False, 2)
+    config = {"train_micro_batch_size_per_gpu": ROWS, "gradient_accumulation_steps": WINDOW_DIVISOR,
+              "managed_gradient_accumulation": False,
+              "zero_optimization": {"stage": stage, "stage3_param_persistence_threshold": 0}}
+    engine = shardwise.initialize(model, config, optimizer=window_optimizer(model), lr_scheduler=schedule)
+    for step, window in enumerate(WINDOWS):
+        for micro in range(window):
+            x, y = batch(10 * step + micro, ROWS * world_size)
+            engine.backward(engine(x[rank * ROWS:(rank + 1) * ROWS], y[rank * ROWS:(rank + 1) * ROWS]))
+        engine.step()
+    with shardwise.gathered_parameters(list(model.parameters())):
+        return {name: param.detach().clone() for name, param in model.named_parameters()}
+
+
+def caller_windows_reference(world_size: int) -> dict:
+    """One process with every expert: per window, every rank's micro-batches routed on
+    their own, each loss divided by the ranks and the config's count, summed; one step."""
+    model = MoeNet(1, False)
+    optimizer = window_optimizer(model)
+    scheduler = schedule(optimizer)
+    for step, window in enumerate(WINDOWS):
+        optimizer.zero_grad()
+        for micro in range(window):
+            x, y = batch(10 * step + micro, ROWS * world_size)
+            losses = [model(x[r * ROWS:(r + 1) * ROWS], y[r * ROWS:(r + 1) * ROWS]) for r in range(world_size)]
+            (torch.stack(losses).mean() / WINDOW_DIVISOR).backward()
+        optimizer.step()
+        scheduler.step()
+    return {name: param.detach().clone() for name, param in model.named_parameters()}
+
+
+@pytest.mark.parametrize("stage", [0, 1, 2, 3])
+def test_expert_parallelism_in_windows_the_caller_ends_equals_every_expert_on_one_process(stage):
+    expected = caller_windows_reference(2)
+    for rank, params in enumerate(run_distributed(train_caller_windows, 2, stage, timeout=240)):
+        for name, weight in params.items():
+            reference = expected[expert_name(name, rank, 2)]
+            assert ((weight - reference).norm() / reference.norm()).item() < 1e-5, name
+
+
 def test_data_before_expert_order_trains_like_every_expert_on_one_process():
     """`use_data_before_expert_parallelism` on 4 ranks at ep_size 2: the expert groups are
     ranks {0, 2} and {1, 3} (DeepSpeed's D + E order), so ranks 0-1 hold experts 0-1 and

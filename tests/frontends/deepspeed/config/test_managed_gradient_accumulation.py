@@ -40,7 +40,6 @@ def test_the_key_becomes_the_policy():
     (_config(0, pipeline_parallel={"size": 2}), "pipeline_parallel.size 2"),
     (_config(2, zero_optimization={"stage": 2, "zenflow": {"topk_ratio": 0.1}}), "ZenFlow"),
     (_config(0, compile={"deepcompile": True}), "not supported with DeepCompile"),
-    (_config(1, expert_parallel={"enabled": True, "autoep_size": 2}), "expert_parallel.autoep_size 2 is not supported"),
 ])
 def test_what_ends_windows_on_its_own_count_is_refused(config, words):
     with pytest.raises(ConfigError, match=words):
