@@ -345,6 +345,7 @@ class _Piece(abc.ABC):
         self.tensors = tuple(state[key] for key in self.keys)
         self.full_numel = full_numel
         self.descriptor = self.describe()
+        self.addresses = self._addresses()
 
     @staticmethod
     def takes_state(state: dict, keys: tuple[str, ...]) -> bool:
@@ -361,9 +362,16 @@ class _Piece(abc.ABC):
     def fits(self, min_8bit_size: int) -> bool:
         """Whether the piece still takes this kind of step."""
 
+    def _addresses(self) -> tuple[int, ...]:
+        return tuple(tensor.data_ptr() for tensor in (self.step, *self.tensors))
+
     def current(self, param: torch.Tensor, state: dict, min_8bit_size: int) -> bool:
+        """The descriptor still describes the state: the same tensors, at the same addresses
+        (a storage moved and back, `engine.offload_states()`, keeps its tensors but not
+        its address)."""
         return (state is self.state and state.get("step") is self.step
                 and all(map(operator.is_, map(state.get, self.keys), self.tensors))
+                and self._addresses() == self.addresses
                 and self.fits(min_8bit_size) and _on_cpu_in_fp32(param))
 
     def refresh(self, param: torch.Tensor, group: _Group) -> ctypes.Structure:

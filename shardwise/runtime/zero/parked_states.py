@@ -18,11 +18,14 @@ every use) are freed without a copy.
 
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass
 from enum import Enum
 from typing import Callable, Iterable
 
 import torch
+
+log = logging.getLogger("shardwise")
 
 
 class StateKind(str, Enum):
@@ -71,13 +74,16 @@ class ParkedStates:
             self._by_kind = state_tensors()
         by_kind, include = self._by_kind, set(include)
         kept = {_key(tensor) for kind, tensors in by_kind.items() if kind not in include for tensor in tensors}
-        moved = 0
+        moved, fixed = 0, {}
         for kind in include:
             for tensor in by_kind.get(kind, ()):
                 storage = tensor.untyped_storage()
                 key = _key(tensor)
-                if (key in kept or key in self._parked_at or storage.nbytes() == 0 or not storage.resizable()
+                if (key in kept or key in self._parked_at or storage.nbytes() == 0
                         or storage.device.type != device.type):
+                    continue
+                if not storage.resizable():
+                    fixed[key] = storage.nbytes()
                     continue
                 host = None
                 if kind not in SCRATCH_KINDS:
@@ -89,6 +95,10 @@ class ParkedStates:
                 moved += storage.nbytes()
                 storage.resize_(0)
             self.kinds.add(kind)
+        if fixed and device.type != "cpu":
+            log.warning("shardwise: offload_states() left %d bytes on %s: ZeRO-3's one-rank home hands its "
+                        "shards out over one region, which cannot be moved piece by piece", sum(fixed.values()),
+                        device)
         return moved
 
     def reload(self, *, non_blocking: bool) -> None:

@@ -40,9 +40,12 @@ def _held(tensors: list[torch.Tensor]) -> int:
     return sum({tensor.untyped_storage()._cdata: tensor.untyped_storage().nbytes() for tensor in tensors}.values())
 
 
-def _train(rank: int, world_size: int, config: dict, offload: list[StateKind] | None, offload_after: int) -> dict:
+def _train(rank: int, world_size: int, config: dict, offload: list[StateKind] | None, offload_after: int,
+           kind: str = "adamw") -> dict:
+    """`kind`: tests/runtime/zero/workers.py's optimizer, or "config" (the config's own block)."""
     model = build_model("gpt")
-    engine = shardwise.initialize(model, config, optimizer=make_optimizer(model, 1e-2))
+    optimizer = None if kind == "config" else make_optimizer(model, 1e-2, kind)
+    engine = shardwise.initialize(model, config, optimizer=optimizer)
     losses, checks = [], {}
     try:
         for step in range(STEPS):
@@ -81,9 +84,10 @@ def _train(rank: int, world_size: int, config: dict, offload: list[StateKind] | 
         engine.destroy()
 
 
-def _both(config: dict, offload: list[StateKind] | None, offload_after: int = 2) -> tuple[list[dict], list[dict]]:
-    moved = run_distributed(_train, 2, config, offload, offload_after)
-    plain = run_distributed(_train, 2, config, None, offload_after)
+def _both(config: dict, offload: list[StateKind] | None, offload_after: int = 2,
+          kind: str = "adamw") -> tuple[list[dict], list[dict]]:
+    moved = run_distributed(_train, 2, config, offload, offload_after, kind)
+    plain = run_distributed(_train, 2, config, None, offload_after, kind)
     return moved, plain
 
 
@@ -113,11 +117,34 @@ def test_every_state_offloaded_and_reloaded_trains_as_if_never_moved(stage: int,
         assert result["moved"] >= param_bytes + 8 * share * 0.99
 
 
-def test_parameter_shards_shared_by_the_hosts_ranks_stay_in_host_memory() -> None:
-    moved, plain = _both(_config(3), list(StateKind))
+ONEBIT = {"type": "OneBitAdam", "params": {"lr": 1e-3, "freeze_step": 2}}
+
+
+@pytest.mark.parametrize("kind,stage", [("adam8bit", 2), ("adafactor", 1), ("lamb", 3), ("config", 0)],
+                         ids=["adam8bit-stage2", "adafactor-stage1", "lamb-stage3", "onebit-adam-stage0"])
+def test_other_optimizers_states_come_back(kind: str, stage: int, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Quantized states with their scales, factored moments, per-parameter norms, and the
+    1-bit optimizer's flat momentum with its error buffers, offloaded past its freeze step."""
+    monkeypatch.setenv(SHARED_PARAMETERS, "0")
+    config = _config(stage)
+    if kind == "config":
+        config["optimizer"] = ONEBIT
+    moved, plain = _both(config, list(StateKind), offload_after=2, kind=kind)
     _assert_same_training(moved, plain)
     for result in moved:
-        assert result["held"]["lp_params"] > 0  # the host-shared segment, which cannot be resized
+        assert result["held"]["optim_states"] == 0 and result["moved"] > 0
+
+
+@pytest.mark.parametrize("ranks", [2, 1], ids=["host-shared", "one-rank"])
+def test_parameter_shards_in_memory_shardwise_maps_stay(ranks: int) -> None:
+    """Stage 3's shards in a host-shared segment (2 ranks) or, with one rank, in one region
+    handed out piece by piece (zero/sole_param_home.py): neither can be resized, so they
+    stay, and the rest moves."""
+    moved = run_distributed(_train, ranks, _config(3), list(StateKind), 2)
+    plain = run_distributed(_train, ranks, _config(3), None, 2)
+    _assert_same_training(moved, plain)
+    for result in moved:
+        assert result["held"]["lp_params"] > 0
         assert result["held"]["optim_states"] == result["held"]["lp_grads"] == 0
 
 
