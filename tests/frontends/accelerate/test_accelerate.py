@@ -41,12 +41,15 @@ SCRIPT_ARGS = ["--lr_scheduler_type", "constant", "--samples", "20", "--per_devi
 TOLERANCE = 1e-5
 
 
-def _launch(tmp_path: Path, name: str, *args: str, deepspeed_config: dict | None = None) -> list[list[float]]:
+def _launch(tmp_path: Path, name: str, *args: str, deepspeed_config: dict | None = None,
+            accelerate_environment: dict[str, str] | None = None) -> list[list[float]]:
     """The script on 2 ranks: accelerate's DDP when `deepspeed_config` is None, else
-    accelerate's DeepSpeed plugin with that config, on shardwise; every rank's losses."""
+    accelerate's DeepSpeed plugin with that config, on shardwise; every rank's losses.
+    `accelerate_environment`: more of accelerate's settings, as `accelerate launch` sets them."""
     environment = {key: value for key, value in os.environ.items()
                    if key not in ("RANK", "WORLD_SIZE", "LOCAL_RANK") and not key.startswith("ACCELERATE_")}
     environment["OMP_NUM_THREADS"] = "1"
+    environment.update(accelerate_environment or {})
     command = [sys.executable, "-m", "shardwise.tools.cli.main", "run"]
     if deepspeed_config is None:
         environment["ACCELERATE_USE_CPU"] = "true"
@@ -118,6 +121,18 @@ def test_accelerate_deepspeed_script_losses_equal_ddp(tmp_path, ddp_run, stage):
         want = torch.tensor(ddp_state[name][0])
         assert owns_storage, f"{name} is a view: torch.save would write its whole buffer"
         assert (torch.tensor(values) - want).norm() <= TOLERANCE * want.norm(), name
+
+
+def test_accelerate_dynamo_backend_compiles_the_engine(tmp_path, ddp_losses):
+    """`dynamo_backend` with the DeepSpeed plugin: accelerate calls
+    `engine.compile(backend=..., compile_kwargs=...)` after initialize (it raised before
+    shardwise's engine had DeepSpeed's compile); backend "eager" traces with Dynamo, so
+    the losses stay DDP's."""
+    losses = _launch(tmp_path, "compiled", "--compiled", str(tmp_path / "compiled.json"), deepspeed_config=_zero(3),
+                     accelerate_environment={"ACCELERATE_DYNAMO_BACKEND": "eager",
+                                             "ACCELERATE_DYNAMO_USE_DYNAMIC": "false"})
+    _assert_equal(losses, ddp_losses)
+    assert json.loads((tmp_path / "compiled.json").read_text()) is True
 
 
 @pytest.mark.slow

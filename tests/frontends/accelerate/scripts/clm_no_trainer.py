@@ -32,6 +32,7 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--resume_from_checkpoint", default=None, help="a step_<N> folder under --output_dir")
     parser.add_argument("--losses", required=True)
     parser.add_argument("--state_dict", default=None, help="write accelerator.get_state_dict(model) here (JSON)")
+    parser.add_argument("--compiled", default=None, help="write whether the prepared model runs compiled (JSON)")
     return parser.parse_args()
 
 
@@ -89,6 +90,9 @@ def main() -> None:
                     accelerator.save_state(os.path.join(args.output_dir, f"step_{completed_steps}"))
     with open(f"{args.losses}.rank{accelerator.process_index}.json", "w") as file:
         json.dump(losses, file)
+    if args.compiled and accelerator.is_main_process:  # a DeepSpeed engine answers is_compiled
+        with open(args.compiled, "w") as file:
+            json.dump(getattr(model, "is_compiled", None), file)
     if args.state_dict:
         state = accelerator.get_state_dict(model)
         if accelerator.is_main_process:
