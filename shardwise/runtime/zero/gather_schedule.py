@@ -156,7 +156,8 @@ class GatherSchedule:
     def _check_standing_aside(self, module: nn.Module) -> None:
         if torch.is_grad_enabled():
             raise RuntimeError(f"{type(module).__name__} ran a forward with gradients while the stage-3 hooks stand "
-                               "aside (inside gathered_for_generation): backward would find no gathered units; "
+                               "aside (gathered_for_generation, or DeepSpeed's hooks removed by RLHF code): backward "
+                               "would find no gathered units; "
                                "generate under torch.no_grad()")
         missing = [str(unit) for unit in self.module_units.get(module, []) if not self.params.is_available(unit)]
         if missing:

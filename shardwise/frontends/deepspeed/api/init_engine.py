@@ -55,6 +55,7 @@ from shardwise.frontends.deepspeed.api.runtime.pipe.engine import PipelineEngine
 from shardwise.frontends.deepspeed.api.pipe import PipelineModule
 from shardwise.frontends.deepspeed.api.ops.adam import FusedAdam
 from shardwise.frontends.deepspeed.api.runtime.base_optimizer import DeepSpeedOptimizer, ZeROOptimizer, mark_wrapped
+from shardwise.frontends.deepspeed.api.runtime.zero.parameter_offload import DeepSpeedZeRoOffload
 from shardwise.frontends.deepspeed.api.runtime.bf16_optimizer import BF16_Optimizer
 from shardwise.frontends.deepspeed.api.runtime.config import (DEEPSPEED_GRADIENT_CLIPPING, TORCH_ADAM_PARAM,
                                                                 DeepSpeedConfigError)
@@ -310,6 +311,9 @@ def _clearing_model_gradients(engine: DeepSpeedEngine,
     optimizer.zero_grad = zero_grad
     if wrapper is not None and issubclass(wrapper, ZeROOptimizer):  # DeepSpeed's ZeRO optimizers move states too
         optimizer.offload_states, optimizer.reload_states = engine.offload_states, engine.reload_states
+    if engine.policies.zero.partitions_parameters:  # where DeepSpeed's stage 3 keeps its module hooks
+        offload = DeepSpeedZeRoOffload(engine.module, engine.zero.params.schedule)
+        optimizer.parameter_offload = engine.optimizer.parameter_offload = offload
     return optimizer
 
 

@@ -103,13 +103,14 @@ def mark_partitioned(params: Iterable[tuple[nn.Parameter, torch.Size, bool]]) ->
         param.ds_shape = torch.Size(shape)
         param.ds_numel = param.ds_shape.numel()
         param.ds_persist = persistent
+        param.ds_active_sub_modules = set()  # DeepSpeed's; RLHF code clears it (parameter_offload.py)
 
 
 def unmark_partitioned(params: Iterable[nn.Parameter]) -> None:
     """Undo `mark_partitioned` (the engine is destroyed: the parameters are plain again)."""
     for param in params:
         if isinstance(param, PartitionedParameter):
-            for name in ("ds_id", "ds_shape", "ds_numel", "ds_persist"):
+            for name in ("ds_id", "ds_shape", "ds_numel", "ds_persist", "ds_active_sub_modules"):
                 param.__dict__.pop(name, None)
             param.__class__ = nn.Parameter
 
