@@ -31,6 +31,7 @@ from shardwise.frontends.deepspeed.api import (
 )
 from shardwise.frontends.deepspeed.api.accelerator import get_accelerator
 from shardwise.frontends.deepspeed.api.arguments import add_config_arguments
+from shardwise.frontends.deepspeed.api.autotp import set_autotp_mode, tp_model_init
 from shardwise.frontends.deepspeed.api.comm import DEFAULT_PORT as TORCH_DISTRIBUTED_DEFAULT_PORT, init_distributed
 from shardwise.frontends.deepspeed.api.runtime.engine import DeepSpeedEngine
 from shardwise.frontends.deepspeed.api.inference import InferenceEngine, init_inference
@@ -78,6 +79,8 @@ __all__ = [
     "ops",
     "pipe",
     "runtime",
+    "set_autotp_mode",
+    "tp_model_init",
     "utils",
     "version",
     "zero",

@@ -56,6 +56,7 @@ from shardwise.frontends.deepspeed.api.pipe import PipelineModule
 from shardwise.frontends.deepspeed.api.ops.adam import FusedAdam
 from shardwise.frontends.deepspeed.api.runtime.base_optimizer import DeepSpeedOptimizer, ZeROOptimizer, mark_wrapped
 from shardwise.frontends.deepspeed.api.runtime.zero.parameter_offload import DeepSpeedZeRoOffload
+from shardwise.frontends.deepspeed.api.autotp import check_recorded_size
 from shardwise.frontends.deepspeed.api.runtime.bf16_optimizer import BF16_Optimizer
 from shardwise.frontends.deepspeed.api.runtime.config import (DEEPSPEED_GRADIENT_CLIPPING, TORCH_ADAM_PARAM,
                                                                 DeepSpeedConfigError)
@@ -127,6 +128,7 @@ def initialize(
         configure_comms_logger(raw)
     if mpu is not None:
         _require_mpu_size(cfg.sequence_parallel.size, mpu.get_sequence_parallel_world_size())
+    check_recorded_size(model, cfg.tensor_parallel.size)
     if optimizer is None and cfg.optimizer is not None and model_parameters is not None:
         groups = _param_groups(model, model_parameters)
         if not _all_trainable_in_one_group(model, groups):  # else the engine builds the same from the config

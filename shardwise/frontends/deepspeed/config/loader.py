@@ -64,10 +64,11 @@ def load_config(
     batch_auto = batch_left_to_auto(cleaned)
     resolve_auto(cleaned, hidden_size, problems)
     data_parallel = resolve_data_parallel_size(cleaned, world_size, problems)
-    if data_parallel is not None:
-        keep_global_batch(cleaned, data_parallel)
-    batch_resolved = data_parallel is not None and resolve_batch(
-        cleaned, data_parallel, problems, world_size, auto=batch_auto
+    batch_world = None if data_parallel is None else data_parallel * autotp_batch_factor(raw)
+    if batch_world is not None:
+        keep_global_batch(cleaned, batch_world)
+    batch_resolved = batch_world is not None and resolve_batch(
+        cleaned, batch_world, problems, world_size, auto=batch_auto
     )
     for block in ("optimizer", "scheduler"):
         _resolve_block_params(cleaned, block, problems)
@@ -85,6 +86,19 @@ def load_config(
         raise ConfigError(problems)
     warn_ignored(ignored + find_ignored(cfg))
     return cfg
+
+
+def autotp_batch_factor(raw: Mapping[str, Any]) -> int:
+    """What DeepSpeed 0.19.8's batch arithmetic multiplies the data-parallel size by: with
+    AutoTP (`tensor_parallel.autotp_size`) its config counts every process, tensor-parallel
+    ranks too (world / sequence_parallel_size, with no mpu to say otherwise), so the
+    Hugging Face Trainer fills `train_batch_size` as micro x accumulation x world, and a
+    config written as micro x accumulation x data-parallel size is refused there. The
+    engine trains micro x accumulation x data-parallel size samples per step either way;
+    `train_batch_size` and `global_samples` count as DeepSpeed's do."""
+    block = raw.get("tensor_parallel")
+    size = block.get("autotp_size") if isinstance(block, Mapping) else None
+    return size if isinstance(size, int) and not isinstance(size, bool) and size > 1 else 1
 
 
 def warn_ignored(ignored: list[str]) -> None:

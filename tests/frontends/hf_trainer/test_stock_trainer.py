@@ -1,0 +1,50 @@
+"""A stock Hugging Face Trainer script (scripts/stock_trainer.py: `TrainingArguments(
+deepspeed=config)`, no shardwise import) under `shardwise run --as-deepspeed`, as a
+DeepSpeed user runs it. With DeepSpeed's AutoTP (`tensor_parallel.autotp_size` 2 on 2
+ranks) transformers calls `deepspeed.tp_model_init` and fills `train_batch_size` as
+micro x accumulation x world, which DeepSpeed 0.19.8 requires there; the two ranks are
+one data-parallel replica, so every logged loss equals the same script on one process
+(fp32, relative error < 1e-5).
+
+The launches go through the accelerate tests' gloo_for_nccl.py: on a machine without
+GPUs accelerate gives a DeepSpeed launch no process group (with DeepSpeed itself too)."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+pytest.importorskip("transformers", reason="the Trainer tests need the transformers extra")
+
+HERE = Path(__file__).resolve().parent
+SHIM = HERE.parent / "accelerate" / "scripts" / "gloo_for_nccl.py"
+BATCH = {"train_micro_batch_size_per_gpu": "auto", "gradient_accumulation_steps": "auto", "train_batch_size": "auto",
+         "gradient_clipping": "auto"}
+
+
+def _run(tmp_path: Path, name: str, nproc: int, config: dict) -> list[float]:
+    config_file, losses = tmp_path / f"{name}.json", tmp_path / f"{name}.losses.json"
+    config_file.write_text(json.dumps(config))
+    environment = {key: value for key, value in os.environ.items()
+                   if key not in ("RANK", "WORLD_SIZE", "LOCAL_RANK") and not key.startswith("ACCELERATE_")}
+    environment["OMP_NUM_THREADS"] = "1"
+    command = [sys.executable, "-m", "shardwise.tools.cli.main", "run", "--as-deepspeed", "--no-local-rank",
+               "--nproc", str(nproc), str(SHIM), str(HERE / "scripts" / "stock_trainer.py"), str(config_file),
+               str(losses)]
+    result = subprocess.run(command, capture_output=True, text=True, timeout=300, env=environment)
+    assert result.returncode == 0, f"{name} exited with {result.returncode}:\n{result.stderr[-6000:]}"
+    return json.loads(losses.read_text())
+
+
+def test_autotp_config_trains_as_one_process(tmp_path):
+    reference = _run(tmp_path, "one", 1, {"zero_optimization": {"stage": 1}, **BATCH})
+    split = _run(tmp_path, "autotp", 2, {"zero_optimization": {"stage": 1}, "tensor_parallel": {"autotp_size": 2},
+                                         **BATCH})
+    assert len(split) == len(reference) == 3
+    for got, want in zip(split, reference):
+        assert abs(got - want) <= 1e-5 * abs(want), (split, reference)
