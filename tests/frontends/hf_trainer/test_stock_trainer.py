@@ -4,7 +4,8 @@ DeepSpeed user runs it. With DeepSpeed's AutoTP (`tensor_parallel.autotp_size` 2
 ranks) transformers calls `deepspeed.tp_model_init` and fills `train_batch_size` as
 micro x accumulation x world, which DeepSpeed 0.19.8 requires there; the two ranks are
 one data-parallel replica, so every logged loss equals the same script on one process
-(fp32, relative error < 1e-5).
+(fp32, relative error < 1e-5). At ZeRO-3 with the optimizer offloaded, the Trainer's
+checkpoints, `save_model` and resuming work as under DeepSpeed.
 
 The launches go through the accelerate tests' gloo_for_nccl.py: on a machine without
 GPUs accelerate gives a DeepSpeed launch no process group (with DeepSpeed itself too)."""
@@ -27,24 +28,44 @@ BATCH = {"train_micro_batch_size_per_gpu": "auto", "gradient_accumulation_steps"
          "gradient_clipping": "auto"}
 
 
-def _run(tmp_path: Path, name: str, nproc: int, config: dict) -> list[float]:
-    config_file, losses = tmp_path / f"{name}.json", tmp_path / f"{name}.losses.json"
+def _run(tmp_path: Path, name: str, nproc: int, config: dict, *checkpoint: Path) -> list[float]:
+    config_file, output = tmp_path / f"{name}.json", tmp_path / name
     config_file.write_text(json.dumps(config))
     environment = {key: value for key, value in os.environ.items()
                    if key not in ("RANK", "WORLD_SIZE", "LOCAL_RANK") and not key.startswith("ACCELERATE_")}
     environment["OMP_NUM_THREADS"] = "1"
     command = [sys.executable, "-m", "shardwise.tools.cli.main", "run", "--as-deepspeed", "--no-local-rank",
                "--nproc", str(nproc), str(SHIM), str(HERE / "scripts" / "stock_trainer.py"), str(config_file),
-               str(losses)]
+               str(output), *map(str, checkpoint)]
     result = subprocess.run(command, capture_output=True, text=True, timeout=300, env=environment)
     assert result.returncode == 0, f"{name} exited with {result.returncode}:\n{result.stderr[-6000:]}"
-    return json.loads(losses.read_text())
+    return json.loads((output / "losses.json").read_text())
+
+
+def _assert_close(got: list[float], want: list[float]) -> None:
+    assert len(got) == len(want) == 4
+    for value, expected in zip(got, want):
+        assert abs(value - expected) <= 1e-5 * abs(expected), (got, want)
 
 
 def test_autotp_config_trains_as_one_process(tmp_path):
     reference = _run(tmp_path, "one", 1, {"zero_optimization": {"stage": 1}, **BATCH})
     split = _run(tmp_path, "autotp", 2, {"zero_optimization": {"stage": 1}, "tensor_parallel": {"autotp_size": 2},
                                          **BATCH})
-    assert len(split) == len(reference) == 3
-    for got, want in zip(split, reference):
-        assert abs(got - want) <= 1e-5 * abs(want), (split, reference)
+    _assert_close(split, reference)
+
+
+def test_zero3_offload_saves_the_model_and_resumes(tmp_path):
+    """ZeRO-3 with the optimizer offloaded and the Trainer's "auto" optimizer and
+    scheduler: `save_model` reads the stage from `engine.config` as a dict, as DeepSpeed's
+    is (an AttributeError before), and writes the gathered weights; resuming from the
+    step-2 checkpoint logs the uninterrupted run's losses."""
+    config = {"zero_optimization": {"stage": 3, "stage3_gather_16bit_weights_on_model_save": True,
+                                    "offload_optimizer": {"device": "cpu"}},
+              "optimizer": {"type": "AdamW", "params": dict.fromkeys(("lr", "weight_decay", "betas", "eps"), "auto")},
+              "scheduler": {"type": "WarmupDecayLR", "params": dict.fromkeys(
+                  ("warmup_min_lr", "warmup_max_lr", "warmup_num_steps", "total_num_steps"), "auto")}, **BATCH}
+    whole = _run(tmp_path, "whole", 2, config)
+    assert (tmp_path / "whole" / "final" / "model.safetensors").is_file()
+    resumed = _run(tmp_path, "resumed", 2, config, tmp_path / "whole" / "checkpoint-2")
+    _assert_close(resumed, whole)

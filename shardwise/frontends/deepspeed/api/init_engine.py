@@ -129,6 +129,7 @@ def initialize(
     if mpu is not None:
         _require_mpu_size(cfg.sequence_parallel.size, mpu.get_sequence_parallel_world_size())
     check_recorded_size(model, cfg.tensor_parallel.size)
+    cfg.remember_written(script_config)  # engine.config read as a dict, as DeepSpeed's is
     if optimizer is None and cfg.optimizer is not None and model_parameters is not None:
         groups = _param_groups(model, model_parameters)
         if not _all_trainable_in_one_group(model, groups):  # else the engine builds the same from the config

@@ -17,7 +17,7 @@ import math
 import sys
 from typing import Any, Literal
 
-from pydantic import Field, field_validator, model_validator
+from pydantic import Field, PrivateAttr, field_validator, model_validator
 
 from shardwise.formulas.stages import STAGES, partitions_parameters
 from shardwise.frontends.deepspeed.config.data_efficiency import DataEfficiencyConfig
@@ -814,3 +814,21 @@ class ShardwiseConfig(Section):
         if self.pipeline_parallel.micro_batches is None:
             self.pipeline_parallel.micro_batches = self.gradient_accumulation_steps
         return self
+
+    # Read as a mapping, the config answers as written: DeepSpeed's `engine.config` is the
+    # dict the script passed, and integrations read it so (the Hugging Face Trainer's
+    # `save_model` takes the ZeRO stage from `engine.config.get("zero_optimization", {})`).
+    _written: dict[str, Any] = PrivateAttr(default_factory=dict)
+
+    def remember_written(self, written: dict[str, Any]) -> None:
+        """The config as the script passed it (deepspeed.initialize)."""
+        self._written = written
+
+    def get(self, key: str, default: Any = None) -> Any:
+        return self._written.get(key, default)
+
+    def __getitem__(self, key: str) -> Any:
+        return self._written[key]
+
+    def __contains__(self, key: object) -> bool:
+        return key in self._written

@@ -2,7 +2,11 @@
 `TrainingArguments(deepspeed=...)`, nothing of shardwise in it: tests run it under
 `shardwise run --as-deepspeed` (tests/frontends/hf_trainer/test_stock_trainer.py).
 
-    python stock_trainer.py CONFIG.json LOSSES.json
+    python stock_trainer.py CONFIG.json OUTPUT_DIR [CHECKPOINT]
+
+Four steps, a checkpoint every two (`save_strategy="steps"`), `save_model` at the end;
+`CHECKPOINT` resumes from it (`train(resume_from_checkpoint=...)`). The logged losses go
+to OUTPUT_DIR/losses.json.
 """
 
 import json
@@ -25,17 +29,18 @@ class Tokens(Dataset):
 
 
 def main() -> None:
-    config_path, losses_path = sys.argv[1:3]
+    config_path, output_dir, *checkpoint = sys.argv[1:]
     torch.manual_seed(0)
     model = LlamaForCausalLM(LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
                                          num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=16))
-    args = TrainingArguments(output_dir=str(losses_path) + ".out", per_device_train_batch_size=2, max_steps=3,
-                             logging_steps=1, report_to=[], save_strategy="no", learning_rate=1e-3,
+    args = TrainingArguments(output_dir=output_dir, per_device_train_batch_size=2, max_steps=4, logging_steps=1,
+                             report_to=[], save_strategy="steps", save_steps=2, learning_rate=1e-3,
                              deepspeed=json.loads(open(config_path).read()))
     trainer = Trainer(model=model, args=args, train_dataset=Tokens())
-    trainer.train()
+    trainer.train(resume_from_checkpoint=checkpoint[0] if checkpoint else None)
+    trainer.save_model(f"{output_dir}/final")
     if trainer.is_world_process_zero():
-        with open(losses_path, "w") as file:
+        with open(f"{output_dir}/losses.json", "w") as file:
             json.dump([entry["loss"] for entry in trainer.state.log_history if "loss" in entry], file)
 
 
