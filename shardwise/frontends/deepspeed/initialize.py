@@ -12,6 +12,7 @@ has one, unless the script configured it.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import os
 from typing import Any, Callable, Mapping
@@ -40,6 +41,7 @@ def initialize(
     auto_values: Mapping[str, Any] | None = None,
     engine_class: type[ConfiguredEngine] = ConfiguredEngine,
     sequence_sharded_by_caller: bool = False,
+    count_saved_activations: bool = True,
 ) -> ConfiguredEngine:
     """Wrap `model` for (ZeRO) data-parallel training by a DeepSpeed config (a dict, a JSON
     path, or a resolved config); see docs/getting-started.md.
@@ -52,6 +54,8 @@ def initialize(
     Without an optimizer (none passed, no `optimizer` block) the engine runs forward only
     (a reference model, evaluation): parameters held as ZeRO holds trained ones, nothing else.
     `sequence_sharded_by_caller`: the script runs Ulysses itself (`SequencePolicy`).
+    `count_saved_activations`: `ActivationPolicy.count_saved` (the config's
+    `activation_checkpointing.profile` turns it on whatever this says).
     """
     context = init_distributed()
     cfg = config if isinstance(config, ShardwiseConfig) else load_config(
@@ -60,6 +64,9 @@ def initialize(
     if cfg.seed is not None:
         torch.manual_seed(cfg.seed)
     policies = policies_from_config(cfg, sequence_sharded_by_caller=sequence_sharded_by_caller)
+    if not count_saved_activations and not policies.activation.profile:
+        policies = dataclasses.replace(policies, activation=dataclasses.replace(policies.activation,
+                                                                                count_saved=False))
     engine = build_engine(model, policies, optimizer=optimizer, lr_scheduler=lr_scheduler,
                           param_init_fn=param_init_fn, tensor_styles=cfg.tensor_parallel.plan, context=context,
                           settings=cfg.model_dump(), engine_class=functools.partial(engine_class, config=cfg))

@@ -81,6 +81,11 @@ class ActivationTracker:
             _local.tracker = previous
 
     def _pack_saved(self, tensor: torch.Tensor) -> torch.Tensor:
+        """A parameter is held as it is: it has no autograd history to keep alive, and a
+        backward may read its attributes (TRL's chunked log-probability reads ZeRO-3's
+        `ds_status` of the head weight it saved), which a detached alias would not have."""
+        if isinstance(tensor, nn.Parameter):
+            return tensor
         held = tensor.detach()
         if not is_parameter(tensor):
             self.watch(held, "saved")

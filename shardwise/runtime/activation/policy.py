@@ -57,7 +57,14 @@ class ActivationPolicy:
     activation-checkpointing settings): `partition_activations` splits each kept input over
     the tensor group (ZeRO-R's Pa), `cpu_checkpointing` keeps it in host memory,
     `contiguous_memory_optimization` in one preallocated buffer of `number_checkpoints`
-    slots (Md); `synchronize` waits for the device at region edges; `profile` times regions."""
+    slots (Md); `synchronize` waits for the device at region edges; `profile` times regions.
+
+    `count_saved`: count what each forward saves for backward ("activations" in
+    `memory_breakdown()`), through torch's saved-tensor hooks. Under any such hook a
+    backward gets its saved tensors back as new aliases: a parameter comes back a plain
+    tensor without its attributes, which code that reads ZeRO-3's attributes of a saved
+    parameter in its backward cannot take (TRL's chunked log-probability reads `ds_status`;
+    DeepSpeed installs no hook). `deepspeed.initialize` turns it off at stage 3."""
 
     recompute: RecomputePolicy = RecomputePolicy("none")
     partition_activations: bool = False
@@ -66,6 +73,7 @@ class ActivationPolicy:
     number_checkpoints: int | None = None
     synchronize: bool = False
     profile: bool = False
+    count_saved: bool = True
 
     @property
     def recomputes(self) -> bool:

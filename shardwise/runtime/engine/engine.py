@@ -24,7 +24,7 @@ from __future__ import annotations
 import logging
 import os
 import weakref
-from contextlib import contextmanager
+from contextlib import contextmanager, nullcontext
 from typing import TYPE_CHECKING, Any, Callable, Iterable, Iterator, Sequence
 
 import torch
@@ -220,7 +220,8 @@ class Engine(nn.Module):
         if self.pass_failures is not None:
             self.pass_failures.begin_pass()
         try:
-            with self.activations.track(), autocast_for(self.policies.precision, self.device):
+            counted = self.activations.track() if self.policies.activation.count_saved else nullcontext()
+            with counted, autocast_for(self.policies.precision, self.device):
                 output = self.module(*args, **kwargs)
         except BaseException as error:
             self.zero.params.abort_pass()

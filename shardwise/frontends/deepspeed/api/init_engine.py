@@ -139,7 +139,9 @@ def initialize(
     attentions = _distributed_attentions(model)
     engine = initialize_engine(model, cfg, optimizer, lr_scheduler, engine_class=engine_class,
                                sequence_sharded_by_caller=_script_splits_sequence(model, cfg.sequence_parallel.size,
-                                                                                  mpu, attentions))
+                                                                                  mpu, attentions),
+                               # code written for DeepSpeed reads ZeRO-3's attributes of saved parameters in backward
+                               count_saved_activations=cfg.zero_optimization.stage != 3)
     engine.tag_validation = tag_validation
     engine.script_config, engine.client_optimizer, engine.client_lr_scheduler = (script_config, client_optimizer,
                                                                                  lr_scheduler)
