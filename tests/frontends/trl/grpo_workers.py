@@ -62,10 +62,11 @@ def token_reward(completions: list[str], **kwargs) -> list[float]:
     return rewards
 
 
-def arguments(run: GrpoRun):
+def arguments(run: GrpoRun, **changes):
+    """`changes`: GRPOConfig arguments that replace these (a DeepSpeed launch's `deepspeed`, `use_cpu`)."""
     from trl import GRPOConfig
 
-    return GRPOConfig(
+    settings = dict(
         output_dir=run.out_dir, per_device_train_batch_size=PER_DEVICE_BATCH,
         gradient_accumulation_steps=ACCUMULATION, num_generations=NUM_GENERATIONS,
         max_completion_length=COMPLETION_LENGTH, num_iterations=ITERATIONS, max_steps=ITERATIONS, beta=BETA,
@@ -73,6 +74,7 @@ def arguments(run: GrpoRun):
         max_grad_norm=1.0, logging_steps=1, save_strategy="no", report_to="none", disable_tqdm=True, seed=0,
         use_cpu=not torch.cuda.is_available(), bf16=False, shuffle_dataset=False,
     )
+    return GRPOConfig(**{**settings, **changes})
 
 
 def record_generations(trainer, record: dict) -> None:
