@@ -207,8 +207,11 @@ def check_model(engine: EngineProtocol, meta: dict, index: PieceIndex, *, strict
     for kind, entry in wanted:
         shape = tuple(entry["shape"])
         if entry["name"] not in saved:
+            excluded = ("; it was saved with exclude_frozen_parameters=True, without the parameters nothing "
+                        "trains: load it with strict=False (DeepSpeed's load_module_strict=False), which keeps "
+                        "the model's own values for them" if meta.get("frozen_parameters_excluded") else "")
             raise CheckpointError(f"the model's {kind} {entry['name']} (shape {shape}) is not in "
-                                  f"checkpoint {index.directory}")
+                                  f"checkpoint {index.directory}{excluded}")
         saved_shape = tuple(saved[entry["name"]]["shape"])
         if saved_shape != shape:
             raise CheckpointError(f"{kind} {entry['name']} has shape {saved_shape} in checkpoint "

@@ -18,16 +18,17 @@ from shardwise.runtime.engine_protocol import EngineProtocol
 from shardwise.runtime.parallel.tensor.placement import TensorShard, tensor_shard
 
 
-def module_extras(engine: EngineProtocol) -> list[tuple[str, torch.Tensor]]:
+def module_extras(engine: EngineProtocol, frozen: bool = True) -> list[tuple[str, torch.Tensor]]:
     """Frozen parameters that ZeRO does not hold (all of them at stages 0-2, those under
-    the persistence threshold at stage 3) and persistent buffers (BatchNorm statistics...):
-    whole on every rank, written by rank 0. Non-persistent buffers (rotary tables, causal
-    masks) are rebuilt by the model and, as in `state_dict()`, not saved."""
+    the persistence threshold at stage 3; `frozen` False: none) and persistent buffers
+    (BatchNorm statistics...): whole on every rank, written by rank 0. Non-persistent
+    buffers (rotary tables, causal masks) are rebuilt by the model and, as in
+    `state_dict()`, not saved."""
     module = engine.module
     held = {id(slot.param) for unit in engine.zero.frozen_units for slot in unit.slots}
     persistent = set(module.state_dict(keep_vars=True))
     extras = [(name, param) for name, param in module.named_parameters()
-              if not param.requires_grad and id(param) not in held]
+              if frozen and not param.requires_grad and id(param) not in held]
     extras += [(name, buffer) for name, buffer in module.named_buffers() if name in persistent]
     return extras
 

@@ -56,7 +56,7 @@ from shardwise.runtime.engine_protocol import EngineProtocol
 
 def save_checkpoint(
     engine: EngineProtocol, save_dir: str | os.PathLike, tag: str | None = None, client_state: dict | None = None,
-    *, writer: BackgroundWriter | None = None,
+    *, writer: BackgroundWriter | None = None, exclude_frozen: bool = False,
 ) -> str:
     """Write a checkpoint of `engine` under `save_dir/tag` (default tag: global_step<N>) and
     point `save_dir/latest` at it. Collective: every rank calls it. Returns the tag.
@@ -64,6 +64,10 @@ def save_checkpoint(
     `client_state` (rank 0's is kept) must be JSON: str keys; tuples come back as lists.
     With a `writer` (asynchronous saves, background.py) it returns once this rank's share
     is copied to host memory; the writer's thread writes and publishes it.
+    `exclude_frozen` (DeepSpeed's `exclude_frozen_parameters`, which the Hugging Face
+    Trainer asks for a PEFT model): the parameters nothing trains are left out, as the
+    base weights of LoRA training come from where the model was loaded; such a checkpoint
+    loads with `strict=False`, which keeps the model's own values for them.
     """
     if not engine.trains:
         raise RuntimeError("save_checkpoint: this engine was given no optimizer (forward only), so it has no "
@@ -90,9 +94,12 @@ def save_checkpoint(
                                       "mounted read-only)") from error
 
     model = describe_whole_model(engine)  # collective over a pipeline group, so every rank computes it
+    if exclude_frozen:
+        model = {**model, "parameters": [entry for entry in model["parameters"] if entry["trainable"]],
+                 "frozen_parameters_excluded": True}
     _together(engine.rank, _world_agreement(engine), prepare, "preparing the checkpoint directory")
     if writer is None:
-        _together(engine.rank, _world_agreement(engine), lambda: _write_rank_files(engine, staging),
+        _together(engine.rank, _world_agreement(engine), lambda: _write_rank_files(engine, staging, exclude_frozen),
                   "writing its checkpoint files")
         _together(engine.rank, _world_agreement(engine),
                   lambda: _publish(engine.rank, engine.world_size, root, tag, staging,
@@ -104,7 +111,7 @@ def save_checkpoint(
 
     def capture() -> None:  # everything the write needs, taken now: training changes it next
         meta = _meta(engine, tag, json.loads(json.dumps(client_state)), model) if engine.rank == 0 else None
-        steps["write"] = _capture_rank_files(engine, staging, writer.buffers)
+        steps["write"] = _capture_rank_files(engine, staging, writer.buffers, exclude_frozen)
         steps["publish"] = lambda: _publish(engine.rank, engine.world_size, root, tag, staging, meta)
 
     _together(engine.rank, _world_agreement(engine), capture, "copying its checkpoint state to host memory")
@@ -190,12 +197,12 @@ class _RankShare(NamedTuple):
     record: dict[str, Any]
 
 
-def _write_rank_files(engine: EngineProtocol, staging: Path) -> None:
+def _write_rank_files(engine: EngineProtocol, staging: Path, exclude_frozen: bool) -> None:
     """This rank's pieces (safetensors) and its record (JSON): piece list, optimizer
     scalars per param group, RNG state, and the checksum of its tensor file. The tensors
     are streamed from the buffers training uses, sub-group by sub-group: a paging store
     (NVMe) holds only the one being written."""
-    share = _rank_share(engine, staging)
+    share = _rank_share(engine, staging, exclude_frozen)
     if share.tensors:
         path = staging / rank_tensors(engine.rank)
         entries = [TensorEntry(key, tensor.dtype, (tensor.numel(),)) for key, tensor, _ in share.tensors]
@@ -205,10 +212,11 @@ def _write_rank_files(engine: EngineProtocol, staging: Path) -> None:
     write_synced(staging / rank_json(engine.rank), json.dumps(share.record))
 
 
-def _capture_rank_files(engine: EngineProtocol, staging: Path, buffers: HostBuffers) -> Callable[[], None]:
+def _capture_rank_files(engine: EngineProtocol, staging: Path, buffers: HostBuffers,
+                        exclude_frozen: bool) -> Callable[[], None]:
     """Copy this rank's share to host `buffers` now; return the write of its files from
     those copies (which touches no training state, so it can run on another thread)."""
-    share = _rank_share(engine, staging)
+    share = _rank_share(engine, staging, exclude_frozen)
     copies: list[tuple[str, torch.Tensor]] = []
     _stream(engine, share.tensors, lambda key, tensor: copies.append((key, buffers.copy(key, tensor))))
     buffers.settle()
@@ -244,8 +252,9 @@ def _writes_extras(engine: EngineProtocol) -> bool:
     return all(index == 0 for dimension, index in engine.mesh.coordinates.items() if dimension != "pipeline")
 
 
-def _rank_share(engine: EngineProtocol, staging: Path) -> _RankShare:
-    """This rank's tensors (views of the training buffers, in file order) and record."""
+def _rank_share(engine: EngineProtocol, staging: Path, exclude_frozen: bool) -> _RankShare:
+    """This rank's tensors (views of the training buffers, in file order) and record;
+    `exclude_frozen`: without the parameters nothing trains."""
     zero = engine.zero
     writes_model = zero.writes_model
     zenflow_record = None
@@ -278,14 +287,15 @@ def _rank_share(engine: EngineProtocol, staging: Path) -> _RankShare:
                 stop = start + (count - 1) * stride + run
                 add(owned.name, start, stop, stored, zero.sub_group_index(owned.segment),
                     *((run, stride) if count > 1 else ()))
-        for name, low, high, values in zero.untrained_pieces():  # stage 3: frozen weights are partitioned too
+        for name, low, high, values in [] if exclude_frozen else zero.untrained_pieces():  # stage 3: frozen
+            # weights are partitioned too
             if name not in shards and not first_tensor_rank:
                 continue
             for start, run, stride, count, at in strided_pieces(owned_runs(low, high, shards.get(name))):
                 add(name, start, start + (count - 1) * stride + run, {VALUE: values[at : at + run * count]}, -1,
                     *((run, stride) if count > 1 else ()))
     if _writes_extras(engine):
-        for name, tensor in module_extras(engine):
+        for name, tensor in module_extras(engine, frozen=not exclude_frozen):
             add(name, 0, tensor.numel(), {VALUE: tensor.detach().reshape(-1)}, -1)
     experts_record = None
     if engine.experts is not None:  # experts trained apart from ZeRO, as pieces of their own (expert_state.py)

@@ -655,11 +655,13 @@ class Engine(nn.Module):
         self.data_position = loader
 
     def save_checkpoint(self, save_dir: str | os.PathLike, tag: str | None = None,
-                        client_state: dict | None = None, *, asynchronous: bool | None = None) -> str:
+                        client_state: dict | None = None, *, asynchronous: bool | None = None,
+                        exclude_frozen_parameters: bool = False) -> str:
         """Write this rank's shard of everything needed to resume; returns the tag.
         Asynchronous (`asynchronous`, default `CheckpointPolicy.asynchronous`): returns once
         the state is copied to host memory, and a background thread writes and publishes
-        it (checkpoint/background.py); `wait_for_checkpoint()` joins it."""
+        it (checkpoint/background.py); `wait_for_checkpoint()` joins it.
+        `exclude_frozen_parameters`: without the parameters nothing trains (checkpoint/save.py)."""
         from shardwise.runtime.checkpoint import save_checkpoint
 
         self._require_alive("save_checkpoint")
@@ -670,7 +672,8 @@ class Engine(nn.Module):
             self.replica_check.check(list(self.module.named_parameters()), "before saving a checkpoint")
         asynchronous = self.policies.checkpoint.asynchronous if asynchronous is None else asynchronous
         return save_checkpoint(self, save_dir, tag, client_state,
-                               writer=self._background_writer() if asynchronous else None)
+                               writer=self._background_writer() if asynchronous else None,
+                               exclude_frozen=exclude_frozen_parameters)
 
     def wait_for_checkpoint(self) -> None:
         """Wait until the asynchronous save in progress (if any) is published; raises its

@@ -5,7 +5,8 @@ ranks) transformers calls `deepspeed.tp_model_init` and fills `train_batch_size`
 micro x accumulation x world, which DeepSpeed 0.19.8 requires there; the two ranks are
 one data-parallel replica, so every logged loss equals the same script on one process
 (fp32, relative error < 1e-5). At ZeRO-3 with the optimizer offloaded, the Trainer's
-checkpoints, `save_model` and resuming work as under DeepSpeed.
+checkpoints, `save_model` and resuming work as under DeepSpeed, and so they do for a PEFT
+LoRA model at ZeRO-3.
 
 The launches go through the accelerate tests' gloo_for_nccl.py: on a machine without
 GPUs accelerate gives a DeepSpeed launch no process group (with DeepSpeed itself too)."""
@@ -28,7 +29,7 @@ BATCH = {"train_micro_batch_size_per_gpu": "auto", "gradient_accumulation_steps"
          "gradient_clipping": "auto"}
 
 
-def _run(tmp_path: Path, name: str, nproc: int, config: dict, *checkpoint: Path) -> list[float]:
+def _run(tmp_path: Path, name: str, nproc: int, config: dict, *options: str) -> list[float]:
     config_file, output = tmp_path / f"{name}.json", tmp_path / name
     config_file.write_text(json.dumps(config))
     environment = {key: value for key, value in os.environ.items()
@@ -36,7 +37,7 @@ def _run(tmp_path: Path, name: str, nproc: int, config: dict, *checkpoint: Path)
     environment["OMP_NUM_THREADS"] = "1"
     command = [sys.executable, "-m", "shardwise.tools.cli.main", "run", "--as-deepspeed", "--no-local-rank",
                "--nproc", str(nproc), str(SHIM), str(HERE / "scripts" / "stock_trainer.py"), str(config_file),
-               str(output), *map(str, checkpoint)]
+               str(output), *options]
     result = subprocess.run(command, capture_output=True, text=True, timeout=300, env=environment)
     assert result.returncode == 0, f"{name} exited with {result.returncode}:\n{result.stderr[-6000:]}"
     return json.loads((output / "losses.json").read_text())
@@ -67,5 +68,19 @@ def test_zero3_offload_saves_the_model_and_resumes(tmp_path):
                   ("warmup_min_lr", "warmup_max_lr", "warmup_num_steps", "total_num_steps"), "auto")}, **BATCH}
     whole = _run(tmp_path, "whole", 2, config)
     assert (tmp_path / "whole" / "final" / "model.safetensors").is_file()
-    resumed = _run(tmp_path, "resumed", 2, config, tmp_path / "whole" / "checkpoint-2")
+    resumed = _run(tmp_path, "resumed", 2, config, "--resume", str(tmp_path / "whole" / "checkpoint-2"))
+    _assert_close(resumed, whole)
+
+
+def test_lora_at_zero3_saves_without_the_frozen_model_and_resumes(tmp_path):
+    """A PEFT LoRA model: the Trainer saves with `exclude_frozen_parameters=True` and resumes
+    with `load_module_strict=False` (refused before: the checkpoint held every parameter);
+    the checkpoint holds the adapter's parameters only, `save_model` writes the adapter, and
+    the resumed run logs the uninterrupted one's losses."""
+    config = {"zero_optimization": {"stage": 3, "stage3_gather_16bit_weights_on_model_save": True}, **BATCH}
+    whole = _run(tmp_path, "lora", 2, config, "--lora")
+    saved = json.loads((tmp_path / "lora" / "checkpoint-2" / "global_step2" / "meta.json").read_text())
+    assert saved["frozen_parameters_excluded"] and all("lora_" in entry["name"] for entry in saved["parameters"])
+    assert (tmp_path / "lora" / "final" / "adapter_model.safetensors").is_file()
+    resumed = _run(tmp_path, "lora-resumed", 2, config, "--lora", "--resume", str(tmp_path / "lora" / "checkpoint-2"))
     _assert_close(resumed, whole)

@@ -2,10 +2,13 @@
 `load_module_only=True`): the weights come back; the optimizer state this engine built
 stays; `module_only` also keeps the schedule and the step counters."""
 
+import json
+
 import pytest
 import torch
 
 import shardwise
+from shardwise.runtime.checkpoint.format import CheckpointError
 from tests.runtime.zero.workers import build_model, global_batch, model_loss
 
 CONFIG = {"train_micro_batch_size_per_gpu": 2, "zero_optimization": {"stage": 1},
@@ -82,3 +85,34 @@ def test_not_strict_loads_into_a_model_with_more_or_fewer_tensors(tmp_path):
     assert all(torch.equal(weights[name], bigger_weights[name]) for name in plain_weights)
     assert len(state) == len(plain_state)
     plain.destroy()
+
+
+@pytest.mark.parametrize("stage", [1, 3])
+def test_a_checkpoint_without_frozen_parameters_resumes_with_strict_false(tmp_path, stage):
+    """`exclude_frozen_parameters` (DeepSpeed's; the Hugging Face Trainer's for PEFT): the
+    frozen parameters (whole at stage 1, partitioned at stage 3) are not written; a strict
+    load says how to load it; `strict=False` restores the trained ones and their optimizer
+    state, and the frozen ones keep the model's values."""
+    model = build_model("gpt")
+    frozen = [name for name, param in model.named_parameters() if param.dim() == 2][:2]
+    for name in frozen:
+        model.get_parameter(name).requires_grad_(False)
+    config = {**CONFIG, "zero_optimization": {"stage": stage, "stage3_param_persistence_threshold": 0}}
+    engine = shardwise.initialize(model, config)
+    try:
+        train_step(engine, 0)
+        engine.save_checkpoint(tmp_path, tag="saved", exclude_frozen_parameters=True)
+        with shardwise.gathered_parameters(list(model.parameters())):
+            saved = {name: p.detach().clone() for name, p in model.named_parameters()}
+        listed = {entry["name"] for entry in json.loads((tmp_path / "saved" / "meta.json").read_text())["parameters"]}
+        assert listed and not listed & set(frozen)
+        train_step(engine, 1)
+        with pytest.raises(CheckpointError, match="exclude_frozen_parameters=True.*strict=False"):
+            engine.load_checkpoint(tmp_path, "saved")
+        engine.load_checkpoint(tmp_path, "saved", strict=False)
+        with shardwise.gathered_parameters(list(model.parameters())):
+            for name, param in model.named_parameters():
+                assert torch.equal(param, saved[name]), name  # trained: restored; frozen: never changed
+        train_step(engine, 1)
+    finally:
+        engine.destroy()

@@ -2,15 +2,15 @@
 `TrainingArguments(deepspeed=...)`, nothing of shardwise in it: tests run it under
 `shardwise run --as-deepspeed` (tests/frontends/hf_trainer/test_stock_trainer.py).
 
-    python stock_trainer.py CONFIG.json OUTPUT_DIR [CHECKPOINT]
+    python stock_trainer.py CONFIG.json OUTPUT_DIR [--resume CHECKPOINT] [--lora]
 
 Four steps, a checkpoint every two (`save_strategy="steps"`), `save_model` at the end;
-`CHECKPOINT` resumes from it (`train(resume_from_checkpoint=...)`). The logged losses go
-to OUTPUT_DIR/losses.json.
+`--resume` resumes from a checkpoint (`train(resume_from_checkpoint=...)`); `--lora` trains
+a PEFT LoRA adapter on the frozen model. The logged losses go to OUTPUT_DIR/losses.json.
 """
 
+import argparse
 import json
-import sys
 
 import torch
 from torch.utils.data import Dataset
@@ -29,18 +29,28 @@ class Tokens(Dataset):
 
 
 def main() -> None:
-    config_path, output_dir, *checkpoint = sys.argv[1:]
+    parser = argparse.ArgumentParser()
+    parser.add_argument("config")
+    parser.add_argument("output_dir")
+    parser.add_argument("--resume", default=None)
+    parser.add_argument("--lora", action="store_true")
+    options = parser.parse_args()
     torch.manual_seed(0)
     model = LlamaForCausalLM(LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
                                          num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=16))
-    args = TrainingArguments(output_dir=output_dir, per_device_train_batch_size=2, max_steps=4, logging_steps=1,
-                             report_to=[], save_strategy="steps", save_steps=2, learning_rate=1e-3,
-                             deepspeed=json.loads(open(config_path).read()))
+    if options.lora:
+        from peft import LoraConfig, get_peft_model
+
+        model = get_peft_model(model, LoraConfig(r=4, target_modules=["q_proj", "v_proj"], lora_dropout=0.0))
+    args = TrainingArguments(output_dir=options.output_dir, per_device_train_batch_size=2, max_steps=4,
+                             logging_steps=1, report_to=[], save_strategy="steps", save_steps=2,
+                             learning_rate=1e-2 if options.lora else 1e-3,
+                             deepspeed=json.loads(open(options.config).read()))
     trainer = Trainer(model=model, args=args, train_dataset=Tokens())
-    trainer.train(resume_from_checkpoint=checkpoint[0] if checkpoint else None)
-    trainer.save_model(f"{output_dir}/final")
+    trainer.train(resume_from_checkpoint=options.resume)
+    trainer.save_model(f"{options.output_dir}/final")
     if trainer.is_world_process_zero():
-        with open(f"{output_dir}/losses.json", "w") as file:
+        with open(f"{options.output_dir}/losses.json", "w") as file:
             json.dump([entry["loss"] for entry in trainer.state.log_history if "loss" in entry], file)
 
 

@@ -533,17 +533,18 @@ class DeepSpeedEngine(ConfiguredEngine):
                         save_latest: bool = True, exclude_frozen_parameters: bool = False) -> bool:
         """DeepSpeed's signature; returns True. `client_state` must be JSON (shardwise
         checkpoints hold no pickles). `save_latest=False` leaves `save_dir/latest` naming
-        the checkpoint it named before (rank 0 puts it back once every rank has saved)."""
-        if exclude_frozen_parameters:
-            raise ValueError("save_checkpoint(exclude_frozen_parameters=True) is not supported: shardwise "
-                             "checkpoints hold the whole model, frozen parameters included")
+        the checkpoint it named before (rank 0 puts it back once every rank has saved).
+        `exclude_frozen_parameters` (the Hugging Face Trainer's for a PEFT model): the
+        parameters nothing trains are left out; such a checkpoint loads with
+        `load_module_strict=False`, as the Trainer resumes it."""
         self.world.agree_on_call("save_checkpoint", call_check_timeout(self.context.timeout))
         save_dir, tag = agreed_location(self.world, "save_checkpoint", save_dir, tag,
                                         tag_validation=self.tag_validation)
         latest = Path(save_dir) / LATEST
         previous = latest.read_text() if not save_latest and latest.is_file() else None
         # save_latest=False puts `latest` back once the checkpoint is published, so it waits for it
-        super().save_checkpoint(save_dir, tag, client_state, asynchronous=False if not save_latest else None)
+        super().save_checkpoint(save_dir, tag, client_state, asynchronous=False if not save_latest else None,
+                                exclude_frozen_parameters=exclude_frozen_parameters)
         if not save_latest and self.rank == 0:
             if previous is None:
                 latest.unlink()
