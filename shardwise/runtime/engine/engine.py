@@ -823,6 +823,7 @@ class Engine(nn.Module):
             self._detach()
 
     def _detach(self) -> None:
+        self.parked.reload(non_blocking=False)  # the model keeps its weights (offload_states)
         if self.pass_failures is not None and watched_check() == self.pass_failures.check_blocked:
             watch_blocked_waits(None)
         if self.trains:

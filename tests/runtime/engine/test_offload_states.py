@@ -212,3 +212,16 @@ def _refused_with_offloaded_parameters(rank: int, world_size: int) -> str:
 
 def test_refused_with_offloaded_parameters() -> None:
     run_distributed(_refused_with_offloaded_parameters, 1)
+
+
+def _destroyed_while_offloaded(rank: int, world_size: int) -> bool:
+    model = build_model("gpt")
+    before = {name: param.detach().clone() for name, param in model.named_parameters()}
+    engine = shardwise.initialize(model, _config(2), optimizer=make_optimizer(model, 1e-2))
+    engine.offload_states()
+    engine.destroy()
+    return all(torch.equal(param, before[name]) for name, param in model.named_parameters())
+
+
+def test_destroy_gives_the_model_its_weights_back():
+    assert run_distributed(_destroyed_while_offloaded, 1) == [True]
