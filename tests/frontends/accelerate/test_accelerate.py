@@ -123,6 +123,7 @@ def test_accelerate_deepspeed_script_losses_equal_ddp(tmp_path, ddp_run, stage):
         assert (torch.tensor(values) - want).norm() <= TOLERANCE * want.norm(), name
 
 
+@pytest.mark.slow  # the default run: engine.compile(backend, compile_kwargs) in tests/frontends/deepspeed/api
 def test_accelerate_dynamo_backend_compiles_the_engine(tmp_path, ddp_losses):
     """`dynamo_backend` with the DeepSpeed plugin: accelerate calls
     `engine.compile(backend=..., compile_kwargs=...)` after initialize (it raised before

@@ -56,6 +56,7 @@ def test_autotp_config_trains_as_one_process(tmp_path):
     _assert_close(split, reference)
 
 
+@pytest.mark.slow  # the default run: the LoRA test below (save, save_model, resume at ZeRO-3)
 def test_zero3_offload_saves_the_model_and_resumes(tmp_path):
     """ZeRO-3 with the optimizer offloaded and the Trainer's "auto" optimizer and
     scheduler: `save_model` reads the stage from `engine.config` as a dict, as DeepSpeed's

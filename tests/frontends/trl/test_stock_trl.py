@@ -57,7 +57,7 @@ def _steps(logs: dict) -> dict:
     return {int(step): entry for step, entry in logs.items()}
 
 
-@pytest.mark.parametrize("kind", ["sft", "dpo"])
+@pytest.mark.parametrize("kind", ["sft", pytest.param("dpo", marks=pytest.mark.slow)])
 def test_stock_trainer_at_zero3_logs_trls_numbers(tmp_path, kind):
     reference = run_distributed(train_reference, 1, Run(out_dir=str(tmp_path / "ref"), trainer=kind),
                                 timeout=240)[0]
@@ -65,6 +65,7 @@ def test_stock_trainer_at_zero3_logs_trls_numbers(tmp_path, kind):
     assert_logs_match(_steps(json.loads((out / "logs.json").read_text())), reference["logs"])
 
 
+@pytest.mark.slow  # the default run: TRL's remove_hooks / add_hooks in tests/frontends/deepspeed/api
 def test_stock_grpo_at_zero3_generates_and_logs_as_trl_under_ddp(tmp_path):
     save_policy(str(tmp_path / "policy"))
     reference = run_distributed(grpo_reference, WORLD, GrpoRun(out_dir=str(tmp_path / "ref"),

@@ -98,7 +98,8 @@ def _assert_same_training(moved: list[dict], plain: list[dict]) -> None:
             assert torch.equal(rank_moved["params"][name], value), name
 
 
-@pytest.mark.parametrize("stage,bf16", [(0, False), (1, False), (2, False), (3, False), (2, True), (3, True)])
+@pytest.mark.parametrize("stage,bf16", [(0, False), pytest.param(1, False, marks=pytest.mark.slow), (2, True),
+                                        (3, False), pytest.param(2, False, marks=pytest.mark.slow), (3, True)])
 def test_every_state_offloaded_and_reloaded_trains_as_if_never_moved(stage: int, bf16: bool,
                                                                     monkeypatch: pytest.MonkeyPatch) -> None:
     """Stage 3 with copying gathers: with one host's ranks sharing their parameter shards
