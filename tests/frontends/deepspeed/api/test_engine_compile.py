@@ -6,15 +6,13 @@ with the reason. With DEEPSPEED_PYTHON, DeepSpeed 0.19.8 runs the same script (b
 
 from __future__ import annotations
 
-import json
 import logging
-import os
 
 import pytest
 import torch
 
 from shardwise.tools.testing import run_distributed
-from tests.frontends.deepspeed.deepspeed_side import ONE_RANK, deepspeed_json
+from tests.frontends.deepspeed.deepspeed_side import deepspeed_trains, needs_deepspeed
 
 TRAIN = """
 import torch
@@ -132,17 +130,10 @@ def test_a_backend_in_the_kwargs_is_overridden_with_deepspeeds_warning():
     assert any("will be overridden" in record for record in records)
 
 
-@pytest.mark.skipif(not os.environ.get("DEEPSPEED_PYTHON"), reason="set DEEPSPEED_PYTHON to an interpreter with "
-                    "DeepSpeed 0.19.8 to compare with it")
+@needs_deepspeed
 def test_deepspeed_compiles_and_trains_alike():
     ours = run_distributed(_runs, 1, True)[0]
-    script = ONE_RANK + TRAIN + """
-import json, sys, deepspeed
-deepspeed.init_distributed("gloo")
-configs = json.loads(sys.argv[1])
-print(json.dumps({name: train(deepspeed, config, True) for name, config in configs.items()}))
-"""
-    theirs = deepspeed_json(script, json.dumps(CONFIGS))
+    theirs = deepspeed_trains(TRAIN, CONFIGS, "train(deepspeed, config, True)")
     for name, run in ours.items():
         assert run["answers"] == theirs[name]["answers"], name
         assert _close(run["weights"], theirs[name]["weights"]), name

@@ -10,14 +10,11 @@ tests/runtime/engine/test_offload_states.py."""
 
 from __future__ import annotations
 
-import json
-import os
-
 import pytest
 import torch
 
 from shardwise.tools.testing import run_distributed
-from tests.frontends.deepspeed.deepspeed_side import ONE_RANK, deepspeed_json
+from tests.frontends.deepspeed.deepspeed_side import deepspeed_trains, needs_deepspeed
 
 # one rank's training, run by shardwise's `deepspeed` module and by DeepSpeed 0.19.8's alike
 TRAIN = """
@@ -97,18 +94,11 @@ def test_only_the_host_takes_the_states():
     run_distributed(_refuses_other_devices, 1)
 
 
-@pytest.mark.skipif(not os.environ.get("DEEPSPEED_PYTHON"), reason="set DEEPSPEED_PYTHON to an interpreter with "
-                    "DeepSpeed 0.19.8 to compare with it")
+@needs_deepspeed
 def test_deepspeed_offloads_and_trains_alike():
     ours = run_distributed(_shardwise_runs, 1, True)[0]
-    script = ONE_RANK + TRAIN + """
-import json, sys, deepspeed
-from deepspeed.runtime.zero import offload_config
-deepspeed.init_distributed("gloo")
-configs = json.loads(sys.argv[1])
-print(json.dumps({name: train(deepspeed, offload_config, config) for name, config in configs.items()}))
-"""
-    theirs = deepspeed_json(script, json.dumps(CONFIGS))
+    theirs = deepspeed_trains(TRAIN, CONFIGS, "train(deepspeed, offload_config, config)",
+                              imports="from deepspeed.runtime.zero import offload_config")
     for name, run in ours.items():
         for mine, reference in zip(run["weights"] + run["seen"], theirs[name]["weights"] + theirs[name]["seen"]):
             mine, reference = torch.tensor(mine), torch.tensor(reference)

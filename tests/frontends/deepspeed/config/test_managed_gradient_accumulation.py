@@ -7,16 +7,13 @@ windows of 3, 1 and 2 micro-batches at every stage (fp32, relative error < 1e-5)
 
 from __future__ import annotations
 
-import json
-import os
-
 import pytest
 import torch
 
 from shardwise.frontends.deepspeed.config import ConfigError, load_config
 from shardwise.frontends.deepspeed.config.policies import policies_from_config
 from shardwise.tools.testing import run_distributed
-from tests.frontends.deepspeed.deepspeed_side import ONE_RANK, deepspeed_json
+from tests.frontends.deepspeed.deepspeed_side import deepspeed_trains, needs_deepspeed
 
 WINDOWS = (3, 1, 2)
 
@@ -95,17 +92,10 @@ def test_the_engine_counts_the_samples_each_window_ran():
         assert not any(run["boundaries"]) and run["managed"] is False
 
 
-@pytest.mark.skipif(not os.environ.get("DEEPSPEED_PYTHON"), reason="set DEEPSPEED_PYTHON to an interpreter with "
-                    "DeepSpeed 0.19.8 to compare with it")
+@needs_deepspeed
 def test_deepspeed_trains_the_same_windows_alike():
     ours = run_distributed(_shardwise_runs, 1, CONFIGS)[0]
-    script = ONE_RANK + TRAIN + """
-import json, sys, deepspeed
-deepspeed.init_distributed("gloo")
-configs, windows = json.loads(sys.argv[1]), json.loads(sys.argv[2])
-print(json.dumps({name: train(deepspeed, config, windows) for name, config in configs.items()}))
-"""
-    theirs = deepspeed_json(script, json.dumps(CONFIGS), json.dumps(WINDOWS))
+    theirs = deepspeed_trains(TRAIN, CONFIGS, f"train(deepspeed, config, {list(WINDOWS)})")
     for name, run in ours.items():
         assert (run["samples"], run["boundaries"], run["steps"]) == (
             theirs[name]["samples"], theirs[name]["boundaries"], theirs[name]["steps"]), name
