@@ -315,7 +315,8 @@ def _clearing_model_gradients(engine: DeepSpeedEngine,
 
     optimizer.zero_grad = zero_grad
     if wrapper is not None and issubclass(wrapper, ZeROOptimizer):  # DeepSpeed's ZeRO optimizers move states too
-        optimizer.offload_states, optimizer.reload_states = engine.offload_states, engine.reload_states
+        for wrapped in (optimizer, engine.optimizer):  # the one returned, and the engine's (OpenRLHF calls that)
+            wrapped.offload_states, wrapped.reload_states = engine.offload_states, engine.reload_states
     if engine.policies.zero.partitions_parameters:  # where DeepSpeed's stage 3 keeps its module hooks
         offload = DeepSpeedZeRoOffload(engine.module, engine.zero.params.schedule)
         optimizer.parameter_offload = engine.optimizer.parameter_offload = offload

@@ -38,8 +38,9 @@ def train(deepspeed, offload_config, config, offloading=True):
             engine.step()
 
     steps(0, 2)
-    if offloading:  # around generation: OpenRLHF's states, offloaded through the ZeRO optimizer
-        optimizer.offload_states(include=[states.optim_states, states.contiguous_grad_buffer, states.hp_params],
+    if offloading:  # around generation: OpenRLHF's states, offloaded through the engine's ZeRO optimizer
+        assert engine.optimizer.offload_states == optimizer.offload_states
+        engine.optimizer.offload_states(include=[states.optim_states, states.contiguous_grad_buffer, states.hp_params],
                                  device=offload_config.OffloadDeviceEnum.cpu, pin_memory=True, non_blocking=True)
         engine.empty_partition_cache()
     with torch.no_grad():
