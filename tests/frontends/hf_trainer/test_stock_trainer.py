@@ -49,6 +49,7 @@ def _assert_close(got: list[float], want: list[float]) -> None:
         assert abs(value - expected) <= 1e-5 * abs(expected), (got, want)
 
 
+@pytest.mark.slow  # the default run: test_autotp_batch.py and tp_model_init's test (tests/frontends/deepspeed/api)
 def test_autotp_config_trains_as_one_process(tmp_path):
     reference = _run(tmp_path, "one", 1, {"zero_optimization": {"stage": 1}, **BATCH})
     split = _run(tmp_path, "autotp", 2, {"zero_optimization": {"stage": 1}, "tensor_parallel": {"autotp_size": 2},

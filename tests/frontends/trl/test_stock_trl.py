@@ -57,7 +57,8 @@ def _steps(logs: dict) -> dict:
     return {int(step): entry for step, entry in logs.items()}
 
 
-@pytest.mark.parametrize("kind", ["sft", pytest.param("dpo", marks=pytest.mark.slow)])
+@pytest.mark.slow  # the default run: test_saved_parameters.py (tests/frontends/deepspeed/api)
+@pytest.mark.parametrize("kind", ["sft", "dpo"])
 def test_stock_trainer_at_zero3_logs_trls_numbers(tmp_path, kind):
     reference = run_distributed(train_reference, 1, Run(out_dir=str(tmp_path / "ref"), trainer=kind),
                                 timeout=240)[0]

@@ -63,7 +63,7 @@ def train(deepspeed, config, compiling):
 """
 
 CONFIGS = {f"stage_{stage}": {"train_micro_batch_size_per_gpu": 4, "zero_optimization": {"stage": stage},
-                              "optimizer": {"type": "AdamW", "params": {"lr": 0.01}}} for stage in (0, 2, 3)}
+                              "optimizer": {"type": "AdamW", "params": {"lr": 0.01}}} for stage in (0, 3)}
 
 
 def _runs(rank: int, world_size: int, compiling: bool) -> dict:

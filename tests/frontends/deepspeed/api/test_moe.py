@@ -219,7 +219,7 @@ def caller_windows_reference(world_size: int) -> dict:
     return {name: param.detach().clone() for name, param in model.named_parameters()}
 
 
-@pytest.mark.parametrize("stage", [0, 1, 2, 3])
+@pytest.mark.parametrize("stage", [1, 3])
 def test_expert_parallelism_in_windows_the_caller_ends_equals_every_expert_on_one_process(stage):
     expected = caller_windows_reference(2)
     for rank, params in enumerate(run_distributed(train_caller_windows, 2, stage, timeout=240)):
