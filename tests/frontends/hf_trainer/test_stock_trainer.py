@@ -74,6 +74,7 @@ def test_zero3_offload_saves_the_model_and_resumes(tmp_path):
     _assert_close(resumed, whole)
 
 
+@pytest.mark.slow  # the default run: tests/runtime/checkpoint/test_partial_load.py, test_engine_config.py
 def test_lora_at_zero3_saves_without_the_frozen_model_and_resumes(tmp_path):
     """A PEFT LoRA model: the Trainer saves with `exclude_frozen_parameters=True` and resumes
     with `load_module_strict=False` (refused before: the checkpoint held every parameter);

@@ -59,7 +59,7 @@ def test_ep2_matches_single_process_and_its_all_to_all_bytes_match_the_formula(s
         assert result["bytes"] == {"all_to_all": want}
 
 
-@pytest.mark.parametrize("stage", [0, 2])
+@pytest.mark.parametrize("stage", [pytest.param(0, marks=pytest.mark.slow), 2])
 def test_ep2_in_windows_the_caller_ends_matches_single_process(stage):
     """managed_gradient_accumulation false: one step() after each rank's two backward passes."""
     assert_matches(run_distributed(train_parallel, 2, ExpertCase(stage=stage, caller_ends_windows=True)), reference(2))

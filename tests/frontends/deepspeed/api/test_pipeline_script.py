@@ -29,6 +29,7 @@ def test_two_stages_by_type_times_two_data_ranks_equal_plain_torch(tmp_path):
     run_both(tmp_path, 4, "--partition", "type:linear")
 
 
+@pytest.mark.slow  # a variant: the pipeline's equivalence runs by default at pp=2 (above)
 def test_one_stage_trains_as_data_parallel_equal_plain_torch(tmp_path):
     """num_stages=1: DeepSpeed still trains a PipelineModule with train_batch(); here that
     is gradient accumulation over the same micro-batches on 2 data-parallel ranks."""
