@@ -85,7 +85,7 @@ def _refuses_other_devices(rank: int, world_size: int) -> None:
 
     model = torch.nn.Linear(4, 4)
     engine, *_ = deepspeed.initialize(model=model, model_parameters=model.parameters(),
-                                      config=CONFIGS["stage_2_fp32"])
+                                      config=CONFIGS["stage_3_fp32"])
     with pytest.raises(ValueError, match="NVMe offload is not supported for offloading states"):
         engine.offload_states(device="nvme")
     engine.offload_states(device="none")  # DeepSpeed's warning, nothing moved
