@@ -74,6 +74,11 @@ if TYPE_CHECKING:
 
 log = logging.getLogger("shardwise")
 
+# what each call needs on the device (offload_states moves them off)
+FORWARD_STATES = frozenset({StateKind.PARAMETERS})
+BACKWARD_STATES = frozenset({StateKind.PARAMETERS, StateKind.GRADIENTS, StateKind.GRADIENT_BUCKETS})
+EVERY_STATE = frozenset(StateKind)
+
 
 class Engine(nn.Module):
     """An nn.Module around the model (`engine.module`): train()/eval() set its mode, and
@@ -210,7 +215,7 @@ class Engine(nn.Module):
         runs under `torch.autocast` when the precision policy says so. If it raises,
         whatever it left gathered or in use is released first."""
         self._require_alive("forward")
-        self._require_states("forward", {StateKind.PARAMETERS})
+        self._require_states("forward", FORWARD_STATES)
         self._drop_interrupted_pass()
         if self._backward_pending and self._forward_communicates:
             self.guard.check_call(FORWARD, self.get_lr())  # pairs with a peer's step check if it skipped one
@@ -331,7 +336,7 @@ class Engine(nn.Module):
         """Open a backward (the engine's own, or one the script started on the outputs):
         ZeRO's reducer told whether it ends the window, the step check told a micro-batch
         ran. Inside no_sync it only accumulates: no window ends, nothing is checked."""
-        self._require_states("backward", {StateKind.PARAMETERS, StateKind.GRADIENTS, StateKind.GRADIENT_BUCKETS})
+        self._require_states("backward", BACKWARD_STATES)
         synced = self.zero.reducer.sync_in_backward
         if synced and self._backward_pending:
             self.guard.check_call(BACKWARD, self.get_lr())  # pairs with a peer's step check if it skipped one
@@ -439,7 +444,7 @@ class Engine(nn.Module):
     def step(self) -> None:
         """Apply the update at an accumulation boundary; otherwise only count the micro-step."""
         self._require_training("step")
-        self._require_states("step", set(StateKind))
+        self._require_states("step", EVERY_STATE)
         self._drop_interrupted_pass()
         if not self.zero.reducer.sync_in_backward:
             raise RuntimeError("engine.step() inside engine.no_sync(): the gradients there are not reduced yet; "
@@ -607,7 +612,7 @@ class Engine(nn.Module):
         accumulation steps) through the schedule, then one optimizer step; returns the
         batch's mean loss on every rank."""
         self._require_training("train_batch")  # before any stage starts: every rank refuses alike
-        self._require_states("train_batch", set(StateKind))
+        self._require_states("train_batch", EVERY_STATE)
         pipeline = self._running_pipeline("train_batch")
         micro_batches = _iterator(data_iter, "train_batch")
         if self.micro_steps % self.gradient_accumulation_steps or self._backward_pending:
@@ -665,7 +670,7 @@ class Engine(nn.Module):
         from shardwise.runtime.checkpoint import save_checkpoint
 
         self._require_alive("save_checkpoint")
-        self._require_states("save_checkpoint", set(StateKind))
+        self._require_states("save_checkpoint", EVERY_STATE)
         self.world.agree_on_call("save_checkpoint", call_check_timeout(self.context.timeout))
         self.wait_for_checkpoint()  # one save at a time; an earlier write's failure raises here
         if self.replica_check is not None:  # never save replicas that diverged
@@ -697,7 +702,7 @@ class Engine(nn.Module):
         from shardwise.runtime.checkpoint import load_checkpoint
 
         self._require_alive("load_checkpoint")
-        self._require_states("load_checkpoint", set(StateKind))
+        self._require_states("load_checkpoint", EVERY_STATE)
         self.world.agree_on_call("load_checkpoint", call_check_timeout(self.context.timeout))
         self.wait_for_checkpoint()  # never read a checkpoint while one is being written
         return load_checkpoint(self, load_dir, tag, optimizer_states=optimizer_states, module_only=module_only,
@@ -745,7 +750,9 @@ class Engine(nn.Module):
     def offloaded_states(self) -> frozenset[StateKind]:
         return frozenset(self.parked.kinds)
 
-    def _require_states(self, call: str, needed: set[StateKind]) -> None:
+    def _require_states(self, call: str, needed: frozenset[StateKind]) -> None:
+        if not self.parked.kinds:  # the usual case, on every forward, backward and step
+            return
         away = needed & self.parked.kinds
         if away:
             names = ", ".join(sorted(kind.value for kind in away))

@@ -14,17 +14,15 @@ GPUs accelerate gives a DeepSpeed launch no process group (with DeepSpeed itself
 from __future__ import annotations
 
 import json
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 
+from tests.frontends.accelerate.deepspeed_launch import launch_as_deepspeed
+
 pytest.importorskip("transformers", reason="the Trainer tests need the transformers extra")
 
 HERE = Path(__file__).resolve().parent
-SHIM = HERE.parent / "accelerate" / "scripts" / "gloo_for_nccl.py"
 BATCH = {"train_micro_batch_size_per_gpu": "auto", "gradient_accumulation_steps": "auto", "train_batch_size": "auto",
          "gradient_clipping": "auto"}
 
@@ -32,14 +30,7 @@ BATCH = {"train_micro_batch_size_per_gpu": "auto", "gradient_accumulation_steps"
 def _run(tmp_path: Path, name: str, nproc: int, config: dict, *options: str) -> list[float]:
     config_file, output = tmp_path / f"{name}.json", tmp_path / name
     config_file.write_text(json.dumps(config))
-    environment = {key: value for key, value in os.environ.items()
-                   if key not in ("RANK", "WORLD_SIZE", "LOCAL_RANK") and not key.startswith("ACCELERATE_")}
-    environment["OMP_NUM_THREADS"] = "1"
-    command = [sys.executable, "-m", "shardwise.tools.cli.main", "run", "--as-deepspeed", "--no-local-rank",
-               "--nproc", str(nproc), str(SHIM), str(HERE / "scripts" / "stock_trainer.py"), str(config_file),
-               str(output), *options]
-    result = subprocess.run(command, capture_output=True, text=True, timeout=300, env=environment)
-    assert result.returncode == 0, f"{name} exited with {result.returncode}:\n{result.stderr[-6000:]}"
+    launch_as_deepspeed(HERE / "scripts" / "stock_trainer.py", str(config_file), str(output), *options, nproc=nproc)
     return json.loads((output / "losses.json").read_text())
 
 

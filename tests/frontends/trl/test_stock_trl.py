@@ -18,9 +18,6 @@ GPUs accelerate gives a DeepSpeed launch no process group (with DeepSpeed itself
 from __future__ import annotations
 
 import json
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -28,6 +25,7 @@ import pytest
 pytest.importorskip("trl", reason="the TRL trainers need the trl extra: pip install 'shardwise[trl]'")
 
 from shardwise.tools.testing import run_distributed  # noqa: E402
+from tests.frontends.accelerate.deepspeed_launch import launch_as_deepspeed  # noqa: E402
 from tests.frontends.trl.grpo_workers import WORLD, GrpoRun, save_policy  # noqa: E402
 from tests.frontends.trl.grpo_workers import train_reference as grpo_reference  # noqa: E402
 from tests.frontends.trl.test_grpo import close  # noqa: E402
@@ -37,20 +35,12 @@ from tests.frontends.trl.test_trl import assert_logs_match  # noqa: E402
 from tests.frontends.trl.workers import Run, train_reference  # noqa: E402
 
 HERE = Path(__file__).resolve().parent
-SHIM = HERE.parent / "accelerate" / "scripts" / "gloo_for_nccl.py"
 
 
 def _stock(tmp_path: Path, script: str, *args: str) -> Path:
     """`script` on 2 ranks under --as-deepspeed; its output folder (its last argument)."""
-    out = Path(args[-1])
-    environment = {key: value for key, value in os.environ.items()
-                   if key not in ("RANK", "WORLD_SIZE", "LOCAL_RANK") and not key.startswith("ACCELERATE_")}
-    environment["OMP_NUM_THREADS"] = "1"
-    command = [sys.executable, "-m", "shardwise.tools.cli.main", "run", "--as-deepspeed", "--no-local-rank",
-               "--nproc", "2", str(SHIM), str(HERE / "scripts" / script), *args]
-    result = subprocess.run(command, capture_output=True, text=True, timeout=300, env=environment)
-    assert result.returncode == 0, f"{script} exited with {result.returncode}:\n{result.stderr[-6000:]}"
-    return out
+    launch_as_deepspeed(HERE / "scripts" / script, *args)
+    return Path(args[-1])
 
 
 def _steps(logs: dict) -> dict:
